@@ -1,0 +1,3 @@
+from dsaspec.cli import main
+
+raise SystemExit(main())

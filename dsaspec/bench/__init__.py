@@ -1,0 +1,1 @@
+"""Benchmark commands (``dsaspec bench NAME``). Each writes JSON + Markdown (+ PNG) results."""

@@ -1,0 +1,83 @@
+"""Results files: ``benchmarks/results/<machine>/<name>.{json,md,png}`` (design/benchmarking.md)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+RESULTS_ROOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def machine_info() -> dict:
+    """GPU, driver, torch, triton, date and command line of this run."""
+    info = {
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpus=torch.cuda.device_count(), sms=props.multi_processor_count,
+                    cuda=torch.version.cuda)
+        try:
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            info["driver"] = None
+    else:
+        info.update(gpu=None, gpus=0, driver=None, cuda=None)
+    return info
+
+
+def default_machine_dir() -> str:
+    """``h200`` on an H200, ``cpu-interpreter`` without CUDA, else the GPU name in lower case."""
+    if not torch.cuda.is_available():
+        return "cpu-interpreter"
+    name = torch.cuda.get_device_name(0).lower()
+    return "h200" if "h200" in name else name.replace("nvidia ", "").replace(" ", "-")
+
+
+def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
+    """A Markdown table; ``columns`` is ``[(key, header)]``; floats get 2 decimals (ratios 1)."""
+
+    def cell(v):
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:.2f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row.get(k)) for k, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_results(name: str, payload: dict, markdown: str, out_dir: str | Path | None = None,
+                  figure=None) -> Path:
+    """Write ``<name>.json`` (payload + machine), ``<name>.md`` and, if given, ``<name>.png``."""
+    out = Path(out_dir) if out_dir else RESULTS_ROOT / default_machine_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "machine": machine_info(), **payload}
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    head = (f"# {name}\n\nMachine: {payload['machine'].get('gpu') or 'CPU (Triton interpreter)'}, "
+            f"torch {payload['machine']['torch']}, triton {payload['machine']['triton']}, "
+            f"{payload['machine']['date']}.\n\nCommand: `{payload['machine']['command']}`\n\n"
+            f"Method: {payload.get('method', '')}\n\n")
+    (out / f"{name}.md").write_text(head + markdown + "\n")
+    if figure is not None:
+        figure.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")
+    return out

@@ -1,0 +1,220 @@
+"""Kernel timing inside CUDA graphs, without host launch latency (design/benchmarking.md).
+
+Method: a graph is captured with ``[L2 flush (optional), fn]``; it is replayed ``iters`` times under
+``torch.profiler`` and each replay's time is read from CUPTI as the span from the start of the first
+device activity of ``fn`` (kernel, memcpy or memset) to the end of its last one, the flush kernel
+excluded. A second measurement, the graph difference (``iters`` copies of ``[flush, fn]`` minus
+``iters`` copies of ``[flush]``, timed with events), is reported as a cross-check.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+FLUSH_BYTES = 2 * 60 * 1024 * 1024  # twice the H200's 60 MB L2
+
+
+@dataclass
+class Timing:
+    """Per-replay device times of one function, in µs."""
+
+    samples_us: list[float]
+    graph_diff_us: float | None = None
+
+    @property
+    def median_us(self) -> float:
+        return statistics.median(self.samples_us)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median over the timed replays."""
+        return (max(self.samples_us) - min(self.samples_us)) / self.median_us
+
+    def summary(self) -> dict:
+        s = sorted(self.samples_us)
+        return {
+            "median_us": self.median_us,
+            "min_us": s[0],
+            "p10_us": s[len(s) // 10],
+            "p90_us": s[(len(s) * 9) // 10],
+            "max_us": s[-1],
+            "spread": self.spread,
+            "n": len(s),
+            "graph_diff_us": self.graph_diff_us,
+        }
+
+
+class L2Flusher:
+    """Writes a buffer twice the L2 size so the next kernel starts with a cold L2."""
+
+    def __init__(self, device: torch.device | str = "cuda", nbytes: int = FLUSH_BYTES):
+        self.buf = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
+
+    def __call__(self) -> None:
+        self.buf.fill_(0x5A5A5A5A)
+
+
+def warm_up_gpu(ms: float = 400.0) -> None:
+    """Run large matmuls for about ``ms`` milliseconds so clocks leave their idle state."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(8):
+            a @ a
+        stop.record()
+        stop.synchronize()
+        if start.elapsed_time(stop) >= ms:
+            return
+
+
+def _capture(body: Callable[[], None], copies: int, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(copies):
+            body()
+    return graph
+
+
+def _device_events(prof) -> list[tuple[str, int, int]]:
+    """(name, start_ns, end_ns) of every device activity CUPTI recorded, sorted by start."""
+    out = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        start = ev.start_ns()
+        out.append((ev.name(), start, start + ev.duration_ns()))
+    out.sort(key=lambda e: e[1])
+    return out
+
+
+def time_in_graph(
+    fn: Callable[[], None],
+    *,
+    iters: int = 200,
+    warmup: int = 5,
+    cold_l2: bool = True,
+    graph_diff: bool = True,
+) -> Timing:
+    """Time ``fn``'s device work per CUDA-graph replay, from CUPTI (see module docstring).
+
+    ``fn`` must be capturable (no host syncs, no allocation that changes per call). It is run
+    ``warmup`` times eagerly first so Triton compiles outside the capture.
+    """
+    flusher = L2Flusher() if cold_l2 else None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def body() -> None:
+        if flusher is not None:
+            flusher()
+        fn()
+
+    graph = _capture(body, 1, stream)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = _device_events(prof)
+    flush_name = None
+    if flusher is not None:
+        # The flush is the first activity of each replay; its name identifies it.
+        flush_name = events[0][0]
+    samples: list[float] = []
+    current: list[tuple[int, int]] = []
+
+    def close() -> None:
+        if current:
+            samples.append((max(e for _, e in current) - min(s for s, _ in current)) / 1e3)
+            current.clear()
+
+    if flusher is not None:
+        for name, s, e in events:
+            if name == flush_name:
+                close()
+            else:
+                current.append((s, e))
+        close()
+    else:
+        per = len(events) // iters
+        if per * iters != len(events):
+            raise RuntimeError(f"{len(events)} device activities for {iters} replays: not a multiple")
+        for i in range(iters):
+            chunk = events[i * per : (i + 1) * per]
+            samples.append((chunk[-1][2] - chunk[0][1]) / 1e3)
+    if len(samples) != iters:
+        raise RuntimeError(f"expected {iters} timed replays, CUPTI gave {len(samples)}")
+
+    diff = None
+    if graph_diff:
+        diff = _graph_difference_us(fn, flusher, stream)
+    return Timing(samples, diff)
+
+
+def _graph_difference_us(fn, flusher, stream, copies: int = 50, reps: int = 10) -> float:
+    def with_fn() -> None:
+        if flusher is not None:
+            flusher()
+        fn()
+
+    def without_fn() -> None:
+        if flusher is not None:
+            flusher()
+        else:
+            torch.cuda._sleep(0)
+
+    g_fn = _capture(with_fn, copies, stream)
+    g_base = _capture(without_fn, copies, stream)
+    torch.cuda.synchronize()
+
+    def median_ms(graph) -> float:
+        graph.replay()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+    return (median_ms(g_fn) - median_ms(g_base)) * 1e3 / copies
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return nbytes / (statistics.median(times) * 1e-3) / 1e9
+
+
+def empty_kernel_us() -> float:
+    """CUPTI duration of an empty kernel node in a graph, in µs (the floor of any launch)."""
+    from dsaspec.ops.empty import empty_kernel
+
+    dummy = torch.zeros(1, device="cuda")
+    return time_in_graph(lambda: empty_kernel(dummy), iters=100, cold_l2=False, graph_diff=False).median_us

@@ -1,0 +1,1 @@
+"""Triton kernels and thin host wrappers: pure functions on tensors, no engine state."""

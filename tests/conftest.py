@@ -1,0 +1,32 @@
+"""Test setup: without a GPU, Triton kernels run under the interpreter on CPU tensors.
+
+TRITON_INTERPRET must be set before anything imports triton, so it is decided here, first.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_multi = pytest.mark.skip(reason="needs >= 2 CUDA devices under torchrun (WORLD_SIZE >= 2)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and (not HAS_CUDA or world < 2):
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture
+def device():
+    return DEVICE
