@@ -1,0 +1,1 @@
+"""Pure-PyTorch definitions of every op: the spec the tests compare against."""
