@@ -1,0 +1,104 @@
+"""Indexer work schedule: split every row's live 64-token KV blocks evenly over the SMs.
+
+The lightning-indexer logits kernel (``dsaspec.ops.indexer``) runs one program per SM; program
+``i`` walks the (row, block) pairs from ``schedule[i]`` up to, not including, ``schedule[i + 1]``.
+The schedule depends only on the lengths, so it is rebuilt in the graph (one program, no host
+sync) whenever the lengths change. This module also holds the argument checks the decode kernels
+share.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INDEXER_BLOCK_KV = 64  # KV tokens per indexer block; the schedule and the logits kernel agree on it
+_MAX_TILE = 8192  # elements of the (SMs x rows) comparison tile the schedule kernel holds at once
+
+
+def check_tensor(name: str, tensor, *, dtype: torch.dtype, shape: tuple | None = None,
+                 device: torch.device | None = None, ndim: int | None = None) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``tensor`` has the expected dtype, shape
+    (entries ``None`` match anything), device and a contiguous last dimension."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {tensor.dtype}")
+    if ndim is None and shape is not None:
+        ndim = len(shape)
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if shape is not None and any(want is not None and want != got
+                                 for want, got in zip(shape, tensor.shape)):
+        expected = tuple("*" if want is None else want for want in shape)
+        raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
+    if tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), "
+                         f"got strides {tensor.stride()}")
+
+
+@triton.jit
+def _indexer_schedule_kernel(seqlens_ptr, out_ptr, num_rows, num_sms,
+                             BLOCK_KV: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_S: tl.constexpr):
+    rows = tl.arange(0, BLOCK_R)
+    real_row = rows < num_rows
+    lengths = tl.maximum(tl.load(seqlens_ptr + rows, mask=real_row, other=0), 0)
+    blocks = (lengths + BLOCK_KV - 1) // BLOCK_KV
+    blocks_through = tl.cumsum(blocks, 0)  # blocks of rows 0..r inclusive
+    total = tl.sum(blocks, 0)
+    share = total // num_sms
+    extra = total % num_sms  # the first `extra` SMs take one block more
+    for first_sm in range(0, num_sms + 1, BLOCK_S):
+        sms = first_sm + tl.arange(0, BLOCK_S)
+        start = sms * share + tl.minimum(sms, extra)  # == total for sms == num_sms
+        # A row lies wholly before `start` when all its blocks end at or before it; the SM starts
+        # in the first row that does not (zero-length rows there are skipped), or at num_rows.
+        before = (blocks_through[None, :] <= start[:, None]) & real_row[None, :]
+        start_row = tl.sum(before.to(tl.int32), 1)
+        start_block = start - tl.sum(tl.where(before, blocks[None, :], 0), 1)
+        on_grid = sms <= num_sms
+        tl.store(out_ptr + sms * 2, start_row, mask=on_grid)
+        tl.store(out_ptr + sms * 2 + 1, start_block, mask=on_grid)
+
+
+def indexer_schedule(seqlens: torch.Tensor, num_sms: int, out: torch.Tensor,
+                     block_kv: int = INDEXER_BLOCK_KV) -> torch.Tensor:
+    """Split ``sum_r cdiv(seqlens[r], block_kv)`` KV blocks evenly over ``num_sms`` SMs.
+
+    SM ``i`` owns global blocks ``[g_i, g_{i+1})`` with
+    ``g_i = i * (total // num_sms) + min(i, total % num_sms)``, blocks numbered row-major over
+    (row, block within row). Negative lengths count as 0.
+
+    Parameters
+    ----------
+    seqlens : int32 ``[R]``, the causal length of each query row (``seqlens_expanded``).
+    num_sms : number of indexer programs (one per SM), >= 1.
+    out : int32 ``[num_sms + 1, 2]``, written: ``out[i] = (row, block within row)`` where SM
+        ``i``'s share starts (the first row that has blocks left at ``g_i``), and
+        ``out[num_sms] = (R, 0)``.
+    block_kv : KV tokens per block (the indexer kernel's block, 64).
+
+    Returns
+    -------
+    ``out``. One program, no host sync, no allocation: safe inside a CUDA graph.
+    """
+    if num_sms < 1:
+        raise ValueError(f"num_sms: expected >= 1, got {num_sms}")
+    if block_kv < 1:
+        raise ValueError(f"block_kv: expected >= 1, got {block_kv}")
+    check_tensor("seqlens", seqlens, dtype=torch.int32, ndim=1)
+    check_tensor("out", out, dtype=torch.int32, shape=(num_sms + 1, 2), device=seqlens.device)
+    if not out.is_contiguous():
+        raise ValueError("out: expected a contiguous [num_sms + 1, 2] tensor")
+    num_rows = seqlens.shape[0]
+    if num_rows > 1 and seqlens.stride(0) != 1:
+        raise ValueError("seqlens: expected a contiguous tensor")
+    block_r = triton.next_power_of_2(max(num_rows, 1))
+    block_s = max(1, min(triton.next_power_of_2(num_sms + 1), _MAX_TILE // block_r))
+    _indexer_schedule_kernel[(1,)](seqlens, out, num_rows, num_sms,
+                                   BLOCK_KV=block_kv, BLOCK_R=block_r, BLOCK_S=block_s)
+    return out

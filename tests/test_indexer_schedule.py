@@ -1,0 +1,91 @@
+"""indexer_schedule against its reference: exact equality, and every live block owned exactly once."""
+
+import pytest
+import torch
+
+from dsaspec.ops.indexer_schedule import indexer_schedule
+from dsaspec.reference.indexer_schedule import reference_indexer_schedule, schedule_shares
+
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 2047, 2048, 2049]
+
+
+def _run(seqlens, num_sms, device):
+    out = torch.full((num_sms + 1, 2), -7, dtype=torch.int32, device=device)
+    indexer_schedule(seqlens.to(device), num_sms, out)
+    return out.cpu()
+
+
+def _check(seqlens, num_sms, device):
+    seqlens = torch.as_tensor(seqlens, dtype=torch.int32)
+    got = _run(seqlens, num_sms, device)
+    assert torch.equal(got, reference_indexer_schedule(seqlens, num_sms)), (seqlens, num_sms)
+    shares = schedule_shares(got, seqlens)
+    owned = [pair for share in shares for pair in share]
+    live = [(row, block) for row, length in enumerate(seqlens.tolist())
+            for block in range(-(-max(length, 0) // 64))]
+    assert owned == live
+    sizes = [len(share) for share in shares]
+    assert max(sizes) - min(sizes) <= 1
+    assert got[-1].tolist() == [seqlens.numel(), 0]
+
+
+@pytest.mark.parametrize("length", EDGE_LENGTHS)
+@pytest.mark.parametrize("num_sms", [1, 3, 8])
+def test_single_row_edges(length, num_sms, device):
+    _check([length], num_sms, device)
+
+
+@pytest.mark.parametrize("num_sms", [1, 2, 5, 16, 132])
+def test_edge_lengths_many_rows(num_sms, device):
+    _check(EDGE_LENGTHS + [3, 0, 70, 0], num_sms, device)
+
+
+def test_all_zero_and_empty(device):
+    _check([0] * 7, 4, device)
+    _check([], 3, device)
+
+
+def test_negative_lengths_count_as_zero(device):
+    _check([-5, 64, -1, 65], 3, device)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_many_rows(seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    rows = [1, 7, 96, 300][seed]
+    lengths = torch.randint(0, 5000, (rows,), generator=gen)
+    lengths[torch.rand(rows, generator=gen) < 0.2] = 0
+    _check(lengths, [132, 5, 64, 132][seed], device)
+
+
+def test_more_sms_than_blocks(device):
+    _check([1, 0, 65], 132, device)
+
+
+def test_bad_arguments(device):
+    seqlens = torch.ones(3, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="out"):
+        indexer_schedule(seqlens, 4, torch.zeros(4, 2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="seqlens"):
+        indexer_schedule(seqlens.long(), 4, torch.zeros(5, 2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="num_sms"):
+        indexer_schedule(seqlens, 0, torch.zeros(1, 2, dtype=torch.int32, device=device))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_lengths():
+    device = torch.device("cuda")
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    seqlens = torch.ones(96, dtype=torch.int32, device=device)
+    out = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=device)
+    indexer_schedule(seqlens, num_sms, out)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        indexer_schedule(seqlens, num_sms, out)
+    gen = torch.Generator().manual_seed(0)
+    for high in (2, 100, 70_000):
+        lengths = torch.randint(0, high, (96,), generator=gen, dtype=torch.int32)
+        seqlens.copy_(lengths)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), reference_indexer_schedule(lengths, num_sms))
