@@ -176,6 +176,7 @@ def _draft_finalize_kernel(
     slots,
     FROM_PARTIALS: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
     SLOTS_P2: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -198,15 +199,16 @@ def _draft_finalize_kernel(
         token = tl.load(token_map_ptr + token).to(tl.int64)
     tl.store(tokens_ptr + row, token.to(tokens_ptr.dtype.element_ty))
     tl.store(topk_p_ptr + row, 1.0)
-    tl.store(positions_out_ptr + row, tl.load(positions_ptr + row) + 1)
+    if HAS_POSITIONS:
+        tl.store(positions_out_ptr + row, tl.load(positions_ptr + row) + 1)
 
 
 def draft_finalize(
-    positions: torch.Tensor,
     *,
     tokens: torch.Tensor,
     topk_p: torch.Tensor,
-    positions_out: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    positions_out: torch.Tensor | None = None,
     reduced: torch.Tensor | None = None,
     argmax_tokens: torch.Tensor | None = None,
     token_map: torch.Tensor | None = None,
@@ -224,10 +226,11 @@ def draft_finalize(
 
     Parameters
     ----------
-    positions : Tensor ``[rows]`` int32/int64.
     tokens : Tensor ``[rows]`` int32/int64, written.
     topk_p : Tensor ``[rows]`` fp32, written (1.0).
-    positions_out : Tensor ``[rows]``, dtype of ``positions``, written (may be ``positions``).
+    positions : optional Tensor ``[rows]`` int32/int64; with ``positions_out``, or neither.
+    positions_out : optional Tensor ``[rows]``, dtype of ``positions``, written ``positions + 1``
+        (may be ``positions``).
     reduced : Tensor ``[rows, slots, 4]`` fp32, unit lane stride, slot stride 4; exactly one of
         ``reduced`` / ``argmax_tokens``.
     argmax_tokens : Tensor ``[rows]`` int64 (e.g. ``torch.argmax`` output; may be ``tokens``).
@@ -238,14 +241,18 @@ def draft_finalize(
     -------
     ``tokens``.
     """
-    rows = positions.shape[0]
+    rows = tokens.shape[0]
+    has_positions = positions is not None
     if check:
         if (reduced is None) == (argmax_tokens is None):
             raise ValueError("pass exactly one of reduced= (exchange path) and argmax_tokens= (gather path)")
-        for name, t, dtypes in (("positions", positions, (torch.int32, torch.int64)),
-                                ("tokens", tokens, (torch.int32, torch.int64)),
-                                ("topk_p", topk_p, (torch.float32,)),
-                                ("positions_out", positions_out, (positions.dtype,))):
+        if has_positions != (positions_out is not None):
+            raise ValueError("pass both positions= and positions_out=, or neither")
+        checked = [("tokens", tokens, (torch.int32, torch.int64)), ("topk_p", topk_p, (torch.float32,))]
+        if has_positions:
+            checked += [("positions", positions, (torch.int32, torch.int64)),
+                        ("positions_out", positions_out, (positions.dtype,))]
+        for name, t, dtypes in checked:
             if t.dim() != 1 or t.shape[0] != rows or t.dtype not in dtypes or t.stride(0) != 1:
                 raise ValueError(f"{name} must be a contiguous [{rows}] tensor of dtype in {dtypes}, "
                                  f"got {tuple(t.shape)} {t.dtype}")
@@ -266,9 +273,9 @@ def draft_finalize(
     _draft_finalize_kernel[(rows,)](
         reduced if reduced is not None else topk_p,
         argmax_tokens if argmax_tokens is not None else tokens,
-        positions, token_map if token_map is not None else tokens, tokens, topk_p, positions_out,
-        reduced.stride(0) if reduced is not None else 0, slots,
-        FROM_PARTIALS=reduced is not None, HAS_MAP=token_map is not None,
+        positions if has_positions else tokens, token_map if token_map is not None else tokens, tokens, topk_p,
+        positions_out if has_positions else tokens, reduced.stride(0) if reduced is not None else 0, slots,
+        FROM_PARTIALS=reduced is not None, HAS_MAP=token_map is not None, HAS_POSITIONS=has_positions,
         SLOTS_P2=max(2, triton.next_power_of_2(slots)), num_warps=1,
     )
     return tokens

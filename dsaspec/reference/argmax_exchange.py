@@ -88,7 +88,7 @@ def argmax_partials_reference(
 
 def argmax_finalize_reference(
     reduced: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None = None,
     token_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens from the all-reduced exchange buffer: largest key, lowest global index on ties.
@@ -96,12 +96,13 @@ def argmax_finalize_reference(
     Parameters
     ----------
     reduced : Tensor ``[rows, slots, 4]`` fp32; sum of every rank's buffer (lanes exact integers).
-    positions : Tensor ``[rows]`` int32/int64.
+    positions : optional Tensor ``[rows]`` int32/int64.
     token_map : optional Tensor ``[vocab]`` int; draft-vocab → target-vocab map applied to the token.
 
     Returns
     -------
-    tokens ``[rows]`` int64, topk_p ``[rows]`` fp32 (all 1.0), positions + 1 ``[rows]`` (same dtype).
+    tokens ``[rows]`` int64, topk_p ``[rows]`` fp32 (all 1.0), positions + 1 ``[rows]`` (None without
+    positions).
     """
     lanes = reduced.cpu().to(torch.int64)
     key = torch.where(lanes[..., 0] > 0, lanes[..., 0] * 65536 + lanes[..., 1], torch.full_like(lanes[..., 0], -1))
@@ -112,7 +113,7 @@ def argmax_finalize_reference(
     if token_map is not None:
         tokens = token_map.to(torch.int64)[tokens]
     topk_p = torch.ones(tokens.shape, dtype=torch.float32, device=reduced.device)
-    return tokens, topk_p, positions + 1
+    return tokens, topk_p, None if positions is None else positions + 1
 
 
 def gathered_logits_reference(

@@ -1,0 +1,1 @@
+"""Speculative-decoding components: vocab-parallel LM head, LogitsProcessor, greedy draft step."""

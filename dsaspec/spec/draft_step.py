@@ -1,0 +1,60 @@
+"""One greedy (topk = 1) EAGLE/MTP draft step after the draft model: hidden states → tokens, topk_p,
+positions, on the argmax-exchange path when the LogitsProcessor takes it, on the gather path otherwise.
+Both write the processor's static buffers, so the whole step can be captured in a CUDA graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsaspec.ops.argmax_exchange import draft_finalize
+from dsaspec.spec.logits_processor import GREEDY_TOPK1, LogitsProcessor
+
+
+@dataclass
+class DraftStepOutput:
+    """``tokens`` ``[rows]`` int64, ``topk_p`` ``[rows]`` fp32 (1.0), ``positions`` ``[rows]`` int64
+    (input positions + 1); views of the processor's static buffers."""
+
+    tokens: torch.Tensor
+    topk_p: torch.Tensor
+    positions: torch.Tensor
+
+
+def greedy_draft_step(
+    processor: LogitsProcessor,
+    hidden_states: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    token_map: torch.Tensor | None = None,
+    check: bool = True,
+) -> DraftStepOutput:
+    """Greedy draft step: ``token = argmax(gathered fp32 logits)`` (through either path), ``topk_p = 1``,
+    ``positions + 1``.
+
+    The exchange path finalizes inside the processor; the gather path takes ``torch.argmax`` of the
+    gathered fp32 logits and runs the same finalize bookkeeping. ``topk_p = 1.0`` on both: in a topk = 1
+    chain every drafted candidate is kept, so the score orders nothing.
+
+    Parameters
+    ----------
+    processor : LogitsProcessor (exchange used when it opted in and is eligible for greedy topk = 1).
+    hidden_states : Tensor ``[rows, hidden]``, the head's dtype; ``rows <= processor.max_rows``.
+    positions : Tensor ``[rows]`` int64.
+    token_map : optional Tensor ``[draft_vocab]`` int; maps draft tokens to target tokens.
+    check : bool; validate arguments (host-side only; pass False inside a captured graph's hot loop).
+
+    Returns
+    -------
+    DraftStepOutput; writes only the processor's static buffers.
+    """
+    rows = hidden_states.shape[0]
+    out = processor.forward(hidden_states, GREEDY_TOPK1, positions=positions, token_map=token_map, check=check)
+    argmax, tokens, topk_p, positions_out = processor.draft_outputs(rows)
+    if out.next_token_logits is None:
+        return DraftStepOutput(tokens, topk_p, positions_out)
+    torch.argmax(out.next_token_logits, dim=-1, out=argmax)
+    draft_finalize(tokens=tokens, topk_p=topk_p, positions=positions, positions_out=positions_out,
+                   argmax_tokens=argmax, token_map=token_map, check=check)
+    return DraftStepOutput(tokens, topk_p, positions_out)
