@@ -1,0 +1,282 @@
+"""DSAAttnBackend: kernel selection, static buffers, replay / eager against the reference, schedule.
+
+CPU runs use small tables (W ~ 500) and force the bounded kernels with ``force_kernel`` so they run
+under the interpreter; the gpu-marked tests add CUDA-graph replay and a 1M-token table.
+"""
+
+import pytest
+import torch
+
+from dsaspec.attention import dsa_backend
+from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend, select_kernel
+from dsaspec.ops.dsa_metadata import Mode
+from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
+from dsaspec.reference.indexer_schedule import reference_indexer_schedule
+
+HAS_CUDA = torch.cuda.is_available()
+FLAG = "DSASPEC_BOUNDED_REPLAY_METADATA"
+K, P, N = 100, 64, 3
+W_CPU = 523  # odd, not a multiple of 64 or 128
+POOL = 11
+KERNELS = [BOUNDED, CONTEXT_WIDE]
+
+
+def make_table(pool: int, width: int, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**31 - 1, (pool, width), dtype=torch.int32, generator=g).to(device)
+
+
+def lengths_for(mode: Mode, width: int, bs: int, seed: int) -> torch.Tensor:
+    """Edge lengths first (0, 1, 63, 64, 65, 127, 128, 129, max), then random, padded rows = 1."""
+    top = width - (N if mode is Mode.TARGET_VERIFY else 0)
+    edges = [0, 1, 63, 64, 65, 127, 128, 129, top]
+    g = torch.Generator().manual_seed(seed)
+    values = [edges[(seed + i) % len(edges)] if i % 2 == 0 else int(torch.randint(0, top + 1, (1,), generator=g))
+              for i in range(bs)]
+    if bs > 2:
+        values[-1] = 1  # a padded row
+    if mode is Mode.DRAFT_EXTEND:
+        values = [v if v >= N else 1 for v in values]  # s includes the N new tokens (padded: 1)
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def pool_indices(bs: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + seed)
+    idx = torch.randint(0, POOL, (bs,), generator=g, dtype=torch.int32)
+    if bs > 1:
+        idx[1] = idx[0]  # a repeated index
+    return idx
+
+
+def backend(table, kernel=None, **kwargs) -> DSAAttnBackend:
+    kwargs.setdefault("index_topk", K)
+    kwargs.setdefault("page_size", P)
+    kwargs.setdefault("num_draft_tokens", N)
+    kwargs.setdefault("num_sms", 7)
+    kwargs.setdefault("budget", 16)
+    return DSAAttnBackend(table, force_kernel=kernel, **kwargs)
+
+
+# ---------------------------------------------------------------- kernel selection
+
+@pytest.mark.parametrize("on_cuda", [True, False])
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("kpool", [1, 2])
+@pytest.mark.parametrize("fusion", [False, True])
+def test_select_kernel_truth_table(on_cuda, enabled, kpool, fusion):
+    kernel, reason = select_kernel(on_cuda=on_cuda, bounded_enabled=enabled, index_kpool=kpool,
+                                   kpool_metadata_fusion=fusion)
+    want = BOUNDED if (on_cuda and enabled and kpool == 1 and not fusion) else CONTEXT_WIDE
+    assert kernel == want
+    assert reason
+    if not enabled:
+        assert FLAG in reason
+    elif not on_cuda:
+        assert "CUDA" in reason
+    elif kpool != 1:
+        assert "index_kpool=2" in reason
+
+
+@pytest.mark.parametrize("flag", ["1", "0"])
+@pytest.mark.parametrize("kpool", [1, 2])
+def test_backend_selection_cpu(monkeypatch, flag, kpool):
+    monkeypatch.setenv(FLAG, flag)
+    be = DSAAttnBackend(make_table(2, 64, "cpu"), index_topk=K, index_kpool=kpool)
+    assert be.kernel == CONTEXT_WIDE
+    assert (FLAG in be.kernel_reason) if flag == "0" else ("CUDA" in be.kernel_reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flag", ["1", "0"])
+@pytest.mark.parametrize("kpool,fusion", [(1, False), (2, False), (2, True), (1, True)])
+def test_backend_selection_cuda(monkeypatch, flag, kpool, fusion):
+    monkeypatch.setenv(FLAG, flag)
+    be = DSAAttnBackend(make_table(2, 64, "cuda"), index_topk=K, index_kpool=kpool,
+                        kpool_metadata_fusion=fusion)
+    want = BOUNDED if (flag == "1" and kpool == 1 and not fusion) else CONTEXT_WIDE
+    assert be.kernel == want, be.kernel_reason
+
+
+def test_force_kernel_overrides_selection(monkeypatch):
+    monkeypatch.setenv(FLAG, "0")
+    be = backend(make_table(2, 64, "cpu"), BOUNDED)
+    assert be.kernel == BOUNDED and "force_kernel" in be.kernel_reason
+
+
+# ---------------------------------------------------------------- replay
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mode", list(Mode))
+def test_replay_matches_reference_and_keeps_buffers(kernel, mode):
+    table = make_table(POOL, W_CPU, "cpu")
+    be = backend(table, kernel, bucket_sizes=(1, 4, 9))
+    for bs in (1, 9):
+        out = be.capture(bs, mode)
+        assert be.capture(bs, mode) is out
+        schedule = be.schedule(bs, mode)
+        ptrs = [t.data_ptr() for t in out.tensors()] + [schedule.data_ptr()]
+        assert out.page_table_1.shape == (out.rows, W_CPU)
+        assert out.real_page_table.shape == (out.rows, -(-W_CPU // P))
+        # several replays with new lengths (longer, then shorter: the stale tail must not matter)
+        for seed in range(2):
+            rpi, sl = pool_indices(bs, seed), lengths_for(mode, W_CPU, bs, seed)
+            got = be.replay(bs, rpi, sl, mode, check=True)
+            assert got is out
+            want = reference_metadata(mode, table, rpi, sl, index_topk=K, page_size=P, num_draft_tokens=N)
+            assert_contract_equal(got, want, mode, sl, N)
+            assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.num_sms))
+        assert [t.data_ptr() for t in out.tensors()] + [schedule.data_ptr()] == ptrs
+
+
+def test_replay_without_schedule_refresh_leaves_schedule():
+    table = make_table(POOL, W_CPU, "cpu")
+    be = backend(table, BOUNDED, bucket_sizes=(2,))
+    be.capture(2, Mode.DECODE)
+    be.replay(2, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([300, 5], dtype=torch.int32), Mode.DECODE)
+    before = be.schedule(2, Mode.DECODE).clone()
+    sl = torch.tensor([7, 9], dtype=torch.int32)
+    be.replay(2, torch.tensor([0, 1], dtype=torch.int32), sl, Mode.DECODE, refresh_schedule=False)
+    assert torch.equal(be.schedule(2, Mode.DECODE), before)
+    assert not torch.equal(before, reference_indexer_schedule(sl, be.num_sms))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_replay_variable_draft_extend(kernel):
+    table = make_table(POOL, W_CPU, "cpu")
+    be = backend(table, kernel, bucket_sizes=(3,))
+    be.capture(3, Mode.DRAFT_EXTEND)
+    rpi = torch.tensor([4, 2, 9], dtype=torch.int32)
+    sl = torch.tensor([200, 2, 129], dtype=torch.int32)
+    ext = torch.tensor([4, 1, 4], dtype=torch.int64)  # sums to bs * N = 9
+    out = be.replay(3, rpi, sl, Mode.DRAFT_EXTEND, ext, check=True)
+    want = reference_metadata(Mode.DRAFT_EXTEND, table, rpi, sl, index_topk=K, page_size=P,
+                              num_draft_tokens=N, extend_seq_lens=ext)
+    assert_contract_equal(out, want, Mode.DRAFT_EXTEND, sl, N, ext)
+    with pytest.raises(ValueError, match="sum"):
+        be.replay(3, rpi, sl, Mode.DRAFT_EXTEND, torch.tensor([1, 1, 1]), check=True)
+
+
+def test_page_size_one_has_no_real_table():
+    table = make_table(POOL, 200, "cpu")
+    be = backend(table, BOUNDED, page_size=1, bucket_sizes=(2,))
+    out = be.capture(2, Mode.TARGET_VERIFY)
+    assert out.real_page_table is None
+    rpi, sl = torch.tensor([3, 5], dtype=torch.int32), torch.tensor([130, 0], dtype=torch.int32)
+    be.replay(2, rpi, sl, Mode.TARGET_VERIFY, check=True)
+    want = reference_metadata(Mode.TARGET_VERIFY, table, rpi, sl, index_topk=K, page_size=1, num_draft_tokens=N)
+    assert_contract_equal(out, want, Mode.TARGET_VERIFY, sl, N)
+
+
+# ---------------------------------------------------------------- eager
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mode", list(Mode))
+def test_eager_width_is_live_max(kernel, mode):
+    table = make_table(POOL, W_CPU, "cpu")
+    be = backend(table, kernel, bucket_sizes=(1, 2))
+    rpi = torch.tensor([1, 6, 6, 0, 10], dtype=torch.int64)
+    sl = torch.tensor([5, 190, 64, 1, 129], dtype=torch.int64)
+    out, schedule = be.eager(rpi, sl, mode)
+    live_max = 190 + (N if mode is Mode.TARGET_VERIFY else 0)
+    assert out.width == live_max and out.batch == 5
+    want = reference_metadata(mode, table[:, :live_max], rpi, sl, index_topk=K, page_size=P, num_draft_tokens=N)
+    assert_contract_equal(out, want, mode, sl, N)
+    assert schedule.shape == (be.num_sms + 1, 2)
+    assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.num_sms))
+
+
+def test_eager_variable_draft_extend():
+    table = make_table(POOL, W_CPU, "cpu")
+    be = backend(table, BOUNDED)
+    rpi, sl = torch.tensor([2, 3], dtype=torch.int32), torch.tensor([70, 300], dtype=torch.int32)
+    ext = torch.tensor([2, 5], dtype=torch.int32)
+    out, _ = be.eager(rpi, sl, Mode.DRAFT_EXTEND, ext)
+    assert out.rows == 7 and out.width == 300
+    want = reference_metadata(Mode.DRAFT_EXTEND, table[:, :300], rpi, sl, index_topk=K, page_size=P,
+                              num_draft_tokens=N, extend_seq_lens=ext)
+    assert_contract_equal(out, want, Mode.DRAFT_EXTEND, sl, N, ext)
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_input_errors():
+    table = make_table(POOL, W_CPU, "cpu")
+    be = backend(table, BOUNDED, bucket_sizes=(1, 4))
+    be.capture(4, Mode.DECODE)
+    rpi, sl = torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="bs=3 is not a batch bucket"):
+        be.capture(3, Mode.DECODE)
+    with pytest.raises(ValueError, match="above the largest bucket 4: use eager"):
+        be.replay(8, torch.zeros(8, dtype=torch.int32), torch.ones(8, dtype=torch.int32), Mode.DECODE)
+    with pytest.raises(ValueError, match="bs=1 was not captured for decode"):
+        be.replay(1, rpi[:1], sl[:1], Mode.DECODE)
+    with pytest.raises(ValueError, match="not captured for target_verify"):
+        be.replay(4, rpi, sl, Mode.TARGET_VERIFY)
+    with pytest.raises(ValueError, match="mode must be one of decode, target_verify, draft_extend; got 'prefill'"):
+        be.replay(4, rpi, sl, "prefill")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        be.capture(4, "prefill")
+    with pytest.raises(ValueError, match="seq_lens has 3 entries, expected 4"):
+        be.replay(4, rpi, sl[:3], Mode.DECODE)
+    with pytest.raises(ValueError, match="req_pool_indices must be an int32/int64 tensor"):
+        be.replay(4, rpi.float(), sl, Mode.DECODE)
+    with pytest.raises(ValueError, match="exceeds the page-table width"):
+        be.replay(4, rpi, torch.full((4,), W_CPU + 1, dtype=torch.int32), Mode.DECODE, check=True)
+    with pytest.raises(ValueError, match="exceeds the page-table width"):
+        be.eager(rpi, torch.full((4,), W_CPU - 1, dtype=torch.int32), Mode.TARGET_VERIFY)
+    with pytest.raises(ValueError, match="req_pool_indices must lie in"):
+        be.replay(4, torch.full((4,), POOL, dtype=torch.int32), sl, Mode.DECODE, check=True)
+    with pytest.raises(ValueError, match="req_to_token must be an int32 tensor"):
+        DSAAttnBackend(table.long(), index_topk=K)
+    with pytest.raises(ValueError, match="force_kernel"):
+        DSAAttnBackend(table, index_topk=K, force_kernel="fast")
+    with pytest.raises(ValueError, match="index_kpool must be an integer >= 1"):
+        DSAAttnBackend(table, index_topk=K, index_kpool=0)
+    with pytest.raises(ValueError, match="bucket_sizes"):
+        DSAAttnBackend(table, index_topk=K, bucket_sizes=())
+    assert be.bucket_for(3) == 4 and be.bucket_for(5) is None
+
+
+# ---------------------------------------------------------------- GPU
+
+def _graph_replay_case(width: int, bs: int, lengths_list, kernel=None):
+    table = make_table(POOL, width, "cuda")
+    be = DSAAttnBackend(table, index_topk=2048, page_size=P, num_draft_tokens=N, bucket_sizes=(bs,),
+                        force_kernel=kernel)
+    rpi = torch.zeros(bs, dtype=torch.int32, device="cuda")
+    sl = torch.ones(bs, dtype=torch.int32, device="cuda")
+    for mode in Mode:
+        out = be.capture(bs, mode)
+        ptrs = [t.data_ptr() for t in out.tensors()]
+        be.replay(bs, rpi, sl, mode)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            be.replay(bs, rpi, sl, mode)
+        for seed, lengths in enumerate(lengths_list):
+            new_sl = torch.tensor(lengths, dtype=torch.int32)
+            if mode is Mode.TARGET_VERIFY:
+                new_sl = new_sl.clamp(max=width - N)
+            if mode is Mode.DRAFT_EXTEND:
+                new_sl = torch.where(new_sl >= N, new_sl, torch.ones_like(new_sl))
+            sl.copy_(new_sl)
+            rpi.copy_(pool_indices(bs, seed))
+            graph.replay()
+            torch.cuda.synchronize()
+            want = reference_metadata(mode, table, rpi, sl, index_topk=2048, page_size=P, num_draft_tokens=N)
+            assert_contract_equal(out, want, mode, sl, N)
+            assert torch.equal(be.schedule(bs, mode).cpu(),
+                               reference_indexer_schedule(out.seqlens_expanded.cpu(), be.num_sms))
+        assert [t.data_ptr() for t in out.tensors()] == ptrs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [None, CONTEXT_WIDE])
+def test_cuda_graph_replay_new_lengths(kernel):
+    _graph_replay_case(4099, 5, [[0, 1, 63, 4096, 1], [129, 4099, 2000, 64, 1], [7, 7, 7, 7, 1]], kernel)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_1m_table():
+    width = 1_048_576 + 4 + 6
+    _graph_replay_case(width, 4, [[1024, 65536, 1, 1], [width, 0, 129, 1], [300_000, 1_000_000, 65, 2]])

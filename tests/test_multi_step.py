@@ -1,0 +1,279 @@
+"""Multi-step MTP draft decode backend: one launch vs precompute + copies, path gate, schedules.
+
+CPU runs use a small table (W ~ 600) with the kernels forced (``force_kernel``) so the bounded one
+launch runs under the interpreter; the gpu-marked tests use a 1M-token table and CUDA graphs.
+"""
+
+import pytest
+import torch
+
+from dsaspec.attention import dsa_backend, multi_step
+from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
+from dsaspec.attention.multi_step import (ONE_LAUNCH, PER_STEP, PRECOMPUTE_AND_COPY,
+                                          DSAMultiStepDraftBackend, steps_running_indexer)
+from dsaspec.ops.dsa_metadata import Mode
+from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
+from dsaspec.reference.indexer_schedule import reference_indexer_schedule
+
+FLAG = "DSASPEC_BOUNDED_REPLAY_METADATA"
+K, P = 100, 64
+W_CPU = 611
+POOL = 9
+
+
+def make_table(pool: int, width: int, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**31 - 1, (pool, width), dtype=torch.int32, generator=g).to(device)
+
+
+def multi(table, num_steps, kernel, **kwargs) -> DSAMultiStepDraftBackend:
+    kwargs.setdefault("num_sms", 5)
+    kwargs.setdefault("budget", 16)
+    kwargs.setdefault("bucket_sizes", (1, 4))
+    return DSAMultiStepDraftBackend.create(table, num_steps=num_steps, index_topk=K, page_size=P,
+                                           force_kernel=kernel, **kwargs)
+
+
+def batch(lengths, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    rpi = torch.randint(0, POOL, (len(lengths),), generator=g, dtype=torch.int32)
+    return rpi.to(device), torch.tensor(lengths, dtype=torch.int32, device=device)
+
+
+@pytest.fixture
+def schedule_calls(monkeypatch):
+    """data_ptr of every schedule buffer the backends refresh, in call order."""
+    calls = []
+    real = dsa_backend.indexer_schedule
+
+    def recording(seqlens, num_sms, out, block_kv=64):
+        calls.append(out.data_ptr())
+        return real(seqlens, num_sms, out, block_kv=block_kv)
+
+    monkeypatch.setattr(dsa_backend, "indexer_schedule", recording)
+    return calls
+
+
+# ---------------------------------------------------------------- one launch == precompute + copies
+
+@pytest.mark.parametrize("num_step_backends", [2, 3, 4, 5])
+def test_one_launch_matches_precompute_and_copies(num_step_backends):
+    table = make_table(POOL, W_CPU, "cpu")
+    new = multi(table, num_step_backends + 1, BOUNDED)
+    old = multi(table, num_step_backends + 1, CONTEXT_WIDE)
+    bs = 4
+    new.capture(bs)
+    old.capture(bs)
+    assert (new.path(bs), old.path(bs)) == (ONE_LAUNCH, PRECOMPUTE_AND_COPY)
+    ptrs = [[t.data_ptr() for t in b.tensors()] for b in new.capture(bs)]
+    for seed, lengths in enumerate([[611, 129, 0, 1], [64, 65, 300, 1], [128, 127, 63, 1]]):
+        rpi, sl = batch(lengths, seed)
+        got = new.replay(bs, rpi, sl, check=True)
+        base = old.replay(bs, rpi, sl, check=True)
+        want = reference_metadata(Mode.DECODE, table, rpi, sl, index_topk=K, page_size=P)
+        assert len(got) == len(base) == num_step_backends
+        assert len({id(b) for b in got}) == num_step_backends  # distinct buffer sets
+        for g, b in zip(got, base):
+            assert_contract_equal(g, b, Mode.DECODE, sl)
+            assert_contract_equal(g, want, Mode.DECODE, sl)
+    assert [[t.data_ptr() for t in b.tensors()] for b in new.capture(bs)] == ptrs
+
+
+def test_one_launch_is_one_kernel_call_per_four_step_backends(monkeypatch):
+    seen = []
+    monkeypatch.setattr(multi_step, "draft_decode_metadata",
+                        lambda *args, **kw: seen.append([id(o) for o in args[3]]))
+    table = make_table(POOL, W_CPU, "cpu")
+    m = multi(table, 6, BOUNDED)
+    m.capture(4)
+    m.replay(4, *batch([5, 6, 7, 1]), seeded=True)
+    assert seen == [[id(b) for b in m.capture(4)]]
+
+
+# ---------------------------------------------------------------- the gate
+
+def test_gate_kill_switch_restores_precompute(monkeypatch):
+    monkeypatch.setenv(FLAG, "0")
+    m = DSAMultiStepDraftBackend.create(make_table(POOL, W_CPU, "cpu"), num_steps=4, index_topk=K,
+                                        bucket_sizes=(4,), num_sms=5)
+    m.capture(4)
+    assert m.path(4) == PRECOMPUTE_AND_COPY and FLAG in m.path_reason(4)
+    assert m.schedule_refresh_steps(seeded=True) == (0, 1, 2)
+
+
+@pytest.mark.parametrize("mismatch", ["index_topk", "page_size", "req_to_token"])
+def test_gate_mismatched_tables_fall_back_per_step(mismatch):
+    table = make_table(POOL, W_CPU, "cpu")
+    kwargs = [dict(index_topk=K, page_size=P) for _ in range(3)]
+    tables = [table] * 3
+    if mismatch == "req_to_token":
+        tables[2] = table.clone()
+    else:
+        kwargs[2][mismatch] = {"index_topk": 7, "page_size": 16}[mismatch]
+    steps = [DSAAttnBackend(t, bucket_sizes=(4,), num_sms=5, budget=16, force_kernel=BOUNDED, **kw)
+             for t, kw in zip(tables, kwargs)]
+    m = DSAMultiStepDraftBackend(steps)
+    m.capture(4)
+    assert m.path(4) == PER_STEP and "step backend 2" in m.path_reason(4)
+    rpi, sl = batch([300, 2, 129, 1])
+    for step, out in zip(steps, m.replay(4, rpi, sl, check=True)):
+        want = reference_metadata(Mode.DECODE, step.req_to_token, rpi, sl, index_topk=step.index_topk,
+                                  page_size=step.page_size)
+        assert_contract_equal(out, want, Mode.DECODE, sl)
+
+
+def test_gate_mixed_kernels_use_precompute():
+    table = make_table(POOL, W_CPU, "cpu")
+    steps = [DSAAttnBackend(table, index_topk=K, bucket_sizes=(4,), num_sms=5, force_kernel=k)
+             for k in (BOUNDED, CONTEXT_WIDE, BOUNDED)]
+    m = DSAMultiStepDraftBackend(steps)
+    m.capture(4)
+    assert m.path(4) == PRECOMPUTE_AND_COPY and "step backend 1" in m.path_reason(4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_gate_on_cuda_follows_kill_switch(monkeypatch, flag):
+    monkeypatch.setenv(FLAG, flag)
+    m = DSAMultiStepDraftBackend.create(make_table(POOL, 4096, "cuda"), num_steps=5, index_topk=2048,
+                                        bucket_sizes=(1, 16))
+    for bs in (1, 16):
+        m.capture(bs)
+        assert m.path(bs) == (ONE_LAUNCH if flag == "1" else PRECOMPUTE_AND_COPY)
+
+
+# ---------------------------------------------------------------- schedule refresh
+
+def test_steps_running_indexer():
+    assert steps_running_indexer(4, index_share=True, seeded=True) == ()
+    assert steps_running_indexer(4, index_share=True, seeded=False) == (0,)
+    assert steps_running_indexer(4, index_share=False, seeded=True) == (0, 1, 2, 3)
+    assert steps_running_indexer(3, index_share=False, seeded=False) == (0, 1, 2)
+
+
+@pytest.mark.parametrize("kernel,flag,index_share,seeded,want", [
+    (BOUNDED, "1", True, True, ()),
+    (BOUNDED, "1", True, False, (0,)),
+    (BOUNDED, "1", False, True, (0, 1, 2)),
+    (BOUNDED, "0", True, True, (0, 1, 2)),
+    (CONTEXT_WIDE, "0", True, False, (0, 1, 2)),
+])
+def test_which_steps_refresh_schedule(monkeypatch, schedule_calls, kernel, flag, index_share, seeded, want):
+    monkeypatch.setenv(FLAG, flag)
+    table = make_table(POOL, W_CPU, "cpu")
+    m = multi(table, 4, kernel, index_share=index_share)
+    m.capture(4)
+    schedules = [s.schedule(4, Mode.DECODE) for s in m.step_backends]
+    for s in schedules:
+        s.fill_(-1)
+    rpi, sl = batch([500, 64, 65, 1])
+    m.replay(4, rpi, sl, seeded=seeded)
+    assert m.schedule_refresh_steps(seeded) == want
+    assert schedule_calls == [schedules[i].data_ptr() for i in want]
+    expected = reference_indexer_schedule(sl, 5)
+    for i, s in enumerate(schedules):
+        assert torch.equal(s, expected) if i in want else bool((s == -1).all())
+
+
+# ---------------------------------------------------------------- shared buffer set
+
+@pytest.mark.parametrize("kernel", [BOUNDED, CONTEXT_WIDE])
+def test_shared_buffers_single_destination(monkeypatch, schedule_calls, kernel):
+    table = make_table(POOL, W_CPU, "cpu")
+    m = multi(table, 5, kernel, share_buffers=True, index_share=False)
+    outs = m.capture(4)
+    assert all(o is outs[0] for o in outs)
+    assert all(s.schedule(4, Mode.DECODE) is m.step_backends[0].schedule(4, Mode.DECODE) for s in m.step_backends)
+    op = "draft_decode_metadata" if kernel == BOUNDED else "precompute_and_copy"
+    real = getattr(multi_step, op)
+    destinations = []
+
+    def recording(*args, **kw):
+        destinations.append(len(args[-1]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(multi_step, op, recording)
+    rpi, sl = batch([611, 3, 200, 1])
+    got = m.replay(4, rpi, sl, check=True)
+    assert destinations == [1]
+    assert len(schedule_calls) == 1  # one shared schedule, refreshed once
+    assert_contract_equal(got[0], reference_metadata(Mode.DECODE, table, rpi, sl, index_topk=K, page_size=P),
+                          Mode.DECODE, sl)
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_input_errors():
+    table = make_table(POOL, W_CPU, "cpu")
+    m = multi(table, 3, BOUNDED)
+    m.capture(4)
+    rpi, sl = batch([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="bs=1 was not captured by the multi-step backend"):
+        m.replay(1, rpi[:1], sl[:1])
+    with pytest.raises(ValueError, match="bs=1 was not captured"):
+        m.path(1)
+    with pytest.raises(ValueError, match="bs=16 is not a batch bucket"):
+        m.capture(16)
+    with pytest.raises(ValueError, match="seq_lens has 2 entries, expected 4"):
+        m.replay(4, rpi, sl[:2])
+    with pytest.raises(ValueError, match="num_steps must be >= 2"):
+        DSAMultiStepDraftBackend.create(table, num_steps=1, index_topk=K)
+    with pytest.raises(ValueError, match="at least one step backend"):
+        DSAMultiStepDraftBackend([])
+    with pytest.raises(ValueError, match="seq_len = 700 exceeds the page-table width"):
+        m.replay(4, rpi, torch.tensor([700, 1, 1, 1], dtype=torch.int32), check=True)
+
+
+# ---------------------------------------------------------------- GPU, 1M-token table
+
+W_1M = 1_048_576 + 4 + 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_step_backends", [2, 3, 4, 5])
+def test_one_launch_matches_precompute_1m(num_step_backends):
+    table = make_table(POOL, W_1M, "cuda")
+    new = DSAMultiStepDraftBackend.create(table, num_steps=num_step_backends + 1, index_topk=2048,
+                                          bucket_sizes=(4, 16), force_kernel=BOUNDED)
+    old = DSAMultiStepDraftBackend.create(table, num_steps=num_step_backends + 1, index_topk=2048,
+                                          bucket_sizes=(4, 16), force_kernel=CONTEXT_WIDE)
+    cases = {4: [1024, W_1M, 0, 1], 16: [65536, 1, 129, 1_000_000, 128, 127, 64, 63] * 2}
+    for bs, lengths in cases.items():
+        new.capture(bs)
+        old.capture(bs)
+        rpi, sl = batch(lengths, bs, "cuda")
+        got = new.replay(bs, rpi, sl, check=True)
+        base = old.replay(bs, rpi, sl, check=True)
+        torch.cuda.synchronize()
+        for g, b in zip(got, base):
+            assert_contract_equal(g, b, Mode.DECODE, sl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [BOUNDED, CONTEXT_WIDE])
+@pytest.mark.parametrize("share_buffers", [False, True])
+def test_cuda_graph_replay_new_lengths_1m(kernel, share_buffers):
+    table = make_table(POOL, W_1M, "cuda")
+    m = DSAMultiStepDraftBackend.create(table, num_steps=5, index_topk=2048, bucket_sizes=(4,),
+                                        force_kernel=kernel, share_buffers=share_buffers, index_share=False)
+    outs = m.capture(4)
+    ptrs = [[t.data_ptr() for t in o.tensors()] for o in outs]
+    rpi = torch.zeros(4, dtype=torch.int32, device="cuda")
+    sl = torch.ones(4, dtype=torch.int32, device="cuda")
+    m.replay(4, rpi, sl)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m.replay(4, rpi, sl)
+    for seed, lengths in enumerate([[1024, 65536, 0, 1], [W_1M, 129, 64, 1], [5, 500_000, 63, 2]]):
+        new_rpi, new_sl = batch(lengths, seed, "cuda")
+        rpi.copy_(new_rpi)
+        sl.copy_(new_sl)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference_metadata(Mode.DECODE, table, rpi, sl, index_topk=2048, page_size=P)
+        for step, out in zip(m.step_backends, outs):
+            assert_contract_equal(out, want, Mode.DECODE, sl)
+            assert torch.equal(step.schedule(4, Mode.DECODE).cpu(),
+                               reference_indexer_schedule(sl.cpu(), step.num_sms))
+    assert [[t.data_ptr() for t in o.tensors()] for o in outs] == ptrs
