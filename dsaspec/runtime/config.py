@@ -1,0 +1,272 @@
+"""Model configuration of the DSA decoder (DeepSeek-V3.2 / GLM-5 family), with HF field names.
+
+The runtime's FFN is dense SwiGLU in every layer (MoE is orthogonal to this project), so the MoE
+fields of the HF configs are not represented. The kernels specialise on the MQA cache shape
+(``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576 per token) and the indexer head dim (128);
+``validate`` refuses anything else with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# The shapes the DSA decode kernels are written for.
+KERNEL_KV_LORA_RANK = 512
+KERNEL_ROPE_DIM = 64
+KERNEL_INDEX_HEAD_DIM = 128
+
+_INT_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
+)
+_REQUIRED_HF_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "index_n_heads", "index_head_dim", "index_topk",
+)
+# HF model_type -> default indexer RoPE layout when the config does not say it.
+_INDEXER_INTERLEAVE_DEFAULT = {"glm_moe_dsa": True, "deepseek_v32": False}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One DSA decoder (+ MTP layer). Field names follow the HF ``config.json`` of GLM-5 /
+    DeepSeek-V3.2; the few non-HF fields say so.
+
+    ``rope_scaling``: None, or an HF YaRN dict (``type``/``rope_type`` ``"yarn"``, ``factor``,
+    ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale``,
+    ``mscale_all_dim``). YaRN is applied whenever it is set (the HF convention).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_rope_interleave: bool
+    rope_interleave: bool = True
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-6
+    # not an HF field: eps of q_a_layernorm, kv_a_layernorm and the indexer's k_norm (1e-6 in both
+    # GLM-5 and DeepSeek-V3.2, while GLM-5's layer norms use rms_norm_eps = 1e-5)
+    attn_norm_eps: float = 1e-6
+    max_position_embeddings: int = 163840
+    num_nextn_predict_layers: int = 1
+    tie_word_embeddings: bool = False
+    model_type: str = "deepseek_v32"
+    # not an HF field (and not part of equality)
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+
+    # ---- derived shapes -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width of the MHA form: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one MLA cache entry: latent + rope key (576)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """MLA softmax scale: ``qk_head_dim**-0.5``, times ``mscale(factor, mscale_all_dim)**2``
+        under YaRN."""
+        scale = self.qk_head_dim ** -0.5
+        if self.rope_scaling is not None:
+            m = yarn_mscale(float(self.rope_scaling["factor"]),
+                            float(self.rope_scaling.get("mscale_all_dim", 0.0) or 0.0))
+            scale *= m * m
+        return scale
+
+    @property
+    def index_weight_scale(self) -> float:
+        """Factor folded into the indexer head weights: ``index_head_dim**-0.5 * index_n_heads**-0.5``."""
+        return self.index_head_dim ** -0.5 * self.index_n_heads ** -0.5
+
+    @property
+    def num_layers_with_mtp(self) -> int:
+        """Decoder layers plus MTP layers (the MTP layer's HF id is ``num_hidden_layers``)."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    # ---- validation -----------------------------------------------------------------------
+    def validate(self) -> "ModelConfig":
+        """Check every field; raise ``ValueError`` naming the field and what was expected.
+        Returns self."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers not in (0, 1):
+            raise ValueError("ModelConfig.num_nextn_predict_layers must be 0 or 1 (one MTP layer), "
+                             f"got {self.num_nextn_predict_layers!r}")
+        for name in ("indexer_rope_interleave", "rope_interleave", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.tie_word_embeddings:
+            raise ValueError("ModelConfig.tie_word_embeddings=True is not supported (GLM-5 and "
+                             "DeepSeek-V3.2 have a separate lm_head)")
+        if self.kv_lora_rank != KERNEL_KV_LORA_RANK or self.qk_rope_head_dim != KERNEL_ROPE_DIM:
+            raise ValueError(
+                f"ModelConfig: the sparse MLA kernels need kv_lora_rank={KERNEL_KV_LORA_RANK} and "
+                f"qk_rope_head_dim={KERNEL_ROPE_DIM} (a 576-wide cache), got kv_lora_rank="
+                f"{self.kv_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}")
+        if self.index_head_dim != KERNEL_INDEX_HEAD_DIM:
+            raise ValueError(f"ModelConfig.index_head_dim must be {KERNEL_INDEX_HEAD_DIM} (the indexer "
+                             f"kernel's head dim), got {self.index_head_dim}")
+        if self.index_head_dim <= self.qk_rope_head_dim:
+            raise ValueError("ModelConfig.index_head_dim must exceed qk_rope_head_dim (RoPE covers "
+                             "the first qk_rope_head_dim dims of an indexer head)")
+        for name in ("rope_theta", "rms_norm_eps", "attn_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if self.rope_scaling is not None:
+            _validate_yarn(self.rope_scaling)
+        return self
+
+    # ---- HF dicts ---------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], name: str = "custom") -> "ModelConfig":
+        """Build from an HF ``config.json`` dict (GLM-5 ``glm_moe_dsa`` or ``deepseek_v32``);
+        unknown keys (MoE, tokens, ...) are ignored. Accepts ``rope_theta``/``rope_scaling`` and
+        the newer ``rope_parameters``. Raises ``ValueError`` for a missing key or a bad value."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"from_hf_dict expects a dict, got {type(hf).__name__}")
+        missing = [k for k in _REQUIRED_HF_KEYS if hf.get(k) is None]
+        if missing:
+            raise ValueError(f"HF config is missing required key(s) {missing} "
+                             "(q_lora_rank must be set: the DSA models all use a q latent)")
+        model_type = str(hf.get("model_type", "deepseek_v32"))
+        rope_params = dict(hf.get("rope_parameters") or {})
+        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = hf.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind in ("default", None):
+                rope_scaling = None
+        interleave_default = _INDEXER_INTERLEAVE_DEFAULT.get(model_type, False)
+        kwargs = {k: hf[k] for k in _REQUIRED_HF_KEYS}
+        config = cls(
+            **kwargs,
+            indexer_rope_interleave=hf.get("indexer_rope_interleave", interleave_default),
+            rope_interleave=hf.get("rope_interleave", True),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=hf.get("max_position_embeddings", 163840),
+            num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            model_type=model_type,
+            name=name,
+        )
+        return config.validate()
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF-named fields as a ``config.json`` dict (``from_hf_dict`` reads it back equal)."""
+        out = {k: getattr(self, k) for k in _REQUIRED_HF_KEYS}
+        out.update(
+            model_type=self.model_type,
+            indexer_rope_interleave=self.indexer_rope_interleave,
+            rope_interleave=self.rope_interleave,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            num_nextn_predict_layers=self.num_nextn_predict_layers,
+            tie_word_embeddings=self.tie_word_embeddings,
+            first_k_dense_replace=self.num_hidden_layers,  # every layer dense in this runtime
+        )
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        return out
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes).validate()
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN attention temperature: ``0.1 * mscale * ln(factor) + 1`` (1 when factor <= 1)."""
+    if factor <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _validate_yarn(scaling: dict) -> None:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("yarn", "deepseek_yarn"):
+        raise ValueError(f"ModelConfig.rope_scaling: only YaRN is supported, got type {kind!r}")
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in scaling:
+            raise ValueError(f"ModelConfig.rope_scaling needs {key!r} for YaRN, got keys {sorted(scaling)}")
+    if not float(scaling["factor"]) >= 1.0:
+        raise ValueError(f"ModelConfig.rope_scaling['factor'] must be >= 1, got {scaling['factor']!r}")
+
+
+_DEEPSEEK_YARN = {
+    "type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+}
+
+PRESETS: dict[str, ModelConfig] = {
+    # GLM-5 (glm_moe_dsa) attention/indexer/vocab shapes; FFN dense in every layer at the HF
+    # dense intermediate_size (the real model has MoE from layer 3 on).
+    "glm5": ModelConfig(
+        vocab_size=154880, hidden_size=6144, intermediate_size=12288, num_hidden_layers=78,
+        num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
+        index_topk=2048, indexer_rope_interleave=True, rope_interleave=True, rope_theta=1e6,
+        rms_norm_eps=1e-5, max_position_embeddings=202752, num_nextn_predict_layers=1,
+        model_type="glm_moe_dsa", name="glm5"),
+    "deepseek_v32": ModelConfig(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+        num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128,
+        index_topk=2048, indexer_rope_interleave=False, rope_interleave=True, rope_theta=10000.0,
+        rope_scaling=_DEEPSEEK_YARN, rms_norm_eps=1e-6, max_position_embeddings=163840,
+        num_nextn_predict_layers=1, model_type="deepseek_v32", name="deepseek_v32"),
+    # Tests and the CPU default: kernel-relevant dims kept (576 cache, 128 indexer head),
+    # top-k 64 so sparsity happens in short sequences; an odd vocab catches tiling mistakes.
+    "tiny": ModelConfig(
+        vocab_size=1031, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64, index_n_heads=4, index_head_dim=128, index_topk=64,
+        indexer_rope_interleave=True, rope_interleave=True, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, num_nextn_predict_layers=1, model_type="glm_moe_dsa",
+        name="tiny"),
+    # Benchmarks: GLM-5 attention, indexer and vocab shapes, 2 layers and a modest dense FFN.
+    "bench": ModelConfig(
+        vocab_size=154880, hidden_size=6144, intermediate_size=4096, num_hidden_layers=2,
+        num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
+        index_topk=2048, indexer_rope_interleave=True, rope_interleave=True, rope_theta=1e6,
+        rms_norm_eps=1e-5, max_position_embeddings=1048576, num_nextn_predict_layers=1,
+        model_type="glm_moe_dsa", name="bench"),
+}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """A preset by name (``glm5``, ``deepseek_v32``, ``tiny``, ``bench``), with optional field
+    overrides, validated."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

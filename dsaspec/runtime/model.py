@@ -1,0 +1,534 @@
+"""The DSA decoder (DeepSeek-V3.2 / GLM-5 family) and its MTP layer, with HF parameter names.
+
+Every forward is a *step* over ``R`` query rows (prefill chunk, decode, target verify, draft
+extend, draft decode are all the same code): each row has a token, a RoPE position, a KV slot to
+write (``out_cache_loc``) and, in :class:`AttentionInputs`, the row's page table and causal length.
+Per layer, the row's MLA cache entry ``[latent 512 | roped key 64]`` and indexer key are written at
+its slot *before* attention, then the attention reads ``page_table_1[r, :seqlens[r]]``:
+
+    indexer_logits -> topk_slots -> sparse_mla_decode   (absorbed / MQA form over the 576-wide cache)
+
+The three ops come from :func:`dsa_ops` (Triton kernels, or plain torch behind ``use_triton``).
+With ``AttentionInputs.schedule`` given, a step does no host sync and allocates nothing that
+depends on data, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsaspec.runtime.config import ModelConfig, yarn_mscale
+from dsaspec.runtime.memory import KVPool
+
+# ---------------------------------------------------------------------------------------------
+# ops
+
+
+@functools.lru_cache(maxsize=2)
+def dsa_ops(use_triton: bool) -> SimpleNamespace:
+    """The four DSA ops (``indexer_schedule``, ``indexer_logits``, ``topk_slots``,
+    ``sparse_mla_decode``) with the op signatures: Triton kernels when ``use_triton``, else plain
+    torch (eager only: it reads lengths on the host)."""
+    if use_triton:
+        from dsaspec.ops.indexer import indexer_logits
+        from dsaspec.ops.indexer_schedule import indexer_schedule
+        from dsaspec.ops.sparse_mla import sparse_mla_decode
+        from dsaspec.ops.topk import topk_slots
+    else:
+        from dsaspec.reference.indexer_schedule import reference_indexer_schedule
+        from dsaspec.runtime._torch_ops import indexer_logits, sparse_mla_decode, topk_slots
+
+        def indexer_schedule(seqlens, num_sms, out):
+            return out.copy_(reference_indexer_schedule(seqlens.cpu(), num_sms))
+    return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
+                           topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the indexer schedule's width); 8 elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+@dataclass
+class AttentionInputs:
+    """What the sparse attention of one step reads (all layers share it).
+
+    Attributes
+    ----------
+    page_table_1 : Tensor
+        int32 ``[R, W]``: row ``r``'s logical position -> KV slot.
+    seqlens : Tensor
+        int32 ``[R]``: row ``r`` attends to positions ``[0, seqlens[r])`` (``seqlens_expanded``).
+    schedule : Tensor or None
+        int32 ``[num_sms + 1, 2]`` indexer schedule of ``seqlens``; None: computed in the step
+        (eager only).
+    index_logits : Tensor or None
+        fp32 ``[R, W_out]`` scratch for the indexer logits (``W_out >= max seqlens``); None:
+        allocated ``[R, W]`` in the step.
+    topk_slots : Tensor or None
+        int32 ``[R, index_topk]``; after the step it holds the *last* layer's selected slots
+        (-1 fills). None: allocated in the step.
+    """
+
+    page_table_1: torch.Tensor
+    seqlens: torch.Tensor
+    schedule: torch.Tensor | None = None
+    index_logits: torch.Tensor | None = None
+    topk_slots: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.seqlens.shape[0]
+
+
+def build_extend_inputs(req_to_token: torch.Tensor, rows, prefix_lens, extend_lens):
+    """Eager inputs for extending requests by contiguous new tokens (prefill chunks): request
+    ``b`` (table row ``rows[b]``) gets rows for positions ``prefix_lens[b] + [0, extend_lens[b])``,
+    each attending causally to ``[0, position]``.
+
+    Returns ``(positions int64 [R], out_cache_loc int64 [R], AttentionInputs)`` with
+    ``R = sum(extend_lens)``, request-major; ``page_table_1`` is each request's table row.
+    """
+    device = req_to_token.device
+    positions, table_rows = [], []
+    for row, prefix, extend in zip(rows, prefix_lens, extend_lens):
+        positions.append(torch.arange(prefix, prefix + extend, device=device))
+        table_rows.append(torch.full((extend,), int(row), device=device, dtype=torch.long))
+    positions = torch.cat(positions)
+    table_rows = torch.cat(table_rows)
+    out_cache_loc = req_to_token[table_rows, positions].long()
+    inputs = AttentionInputs(page_table_1=req_to_token[table_rows],
+                             seqlens=(positions + 1).to(torch.int32))
+    return positions, out_cache_loc, inputs
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * weight`` in fp32, returned in ``x``'s dtype."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (the indexer's ``k_norm``), fp32 math."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+def _linear(in_features: int, out_features: int, device, dtype) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies fp64 ``[qk_rope_head_dim // 2]`` and the cos/sin factor
+    (YaRN's ``mscale(mscale) / mscale(mscale_all_dim)``, 1 without scaling)."""
+    dim = config.qk_rope_head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast", 32.0))
+    beta_slow = float(scaling.get("beta_slow", 1.0))
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+    extrapolate = 1.0 - ramp.clamp(0.0, 1.0)  # 1: keep the original (high) frequency
+    inv_freq = inv_freq / factor * (1.0 - extrapolate) + inv_freq * extrapolate
+    cos_sin_factor = (yarn_mscale(factor, float(scaling.get("mscale", 1.0) or 0.0))
+                      / yarn_mscale(factor, float(scaling.get("mscale_all_dim", 0.0) or 0.0)))
+    return inv_freq, cos_sin_factor
+
+
+class Rotary(nn.Module):
+    """cos/sin of the RoPE angles ``position * inv_freq`` (angles in fp64, so large positions keep
+    their precision)."""
+
+    def __init__(self, config: ModelConfig, device=None):
+        super().__init__()
+        inv_freq, self.cos_sin_factor = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` int ``[R]`` -> ``(cos, sin)`` fp32 ``[R, rope_dim // 2]``."""
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        return ((angles.cos() * self.cos_sin_factor).float(),
+                (angles.sin() * self.cos_sin_factor).float())
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the last dim of ``x`` ``[R, ..., d]`` by the angles of its row (``cos``/``sin``
+    fp32 ``[R, d/2]``): pairs ``(2i, 2i+1)`` when ``interleaved``, else ``(i, i + d/2)``.
+    fp32 math, result in ``x``'s dtype."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        half = xf.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def _rope_first(x: torch.Tensor, rope_dim: int, cos, sin, interleaved: bool) -> torch.Tensor:
+    """RoPE on the first ``rope_dim`` dims of the last axis (the indexer's layout)."""
+    return torch.cat((apply_rope(x[..., :rope_dim], cos, sin, interleaved), x[..., rope_dim:]), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# layers
+
+
+class Indexer(nn.Module):
+    """The lightning indexer's projections: ``wq_b`` (q latent -> heads x 128), ``wk`` + LayerNorm
+    ``k_norm`` (hidden -> 128, one key per token), ``weights_proj`` (hidden -> one weight per head)."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.wq_b = _linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, device, dtype)
+        self.wk = _linear(config.hidden_size, config.index_head_dim, device, dtype)
+        self.k_norm = LayerNorm(config.index_head_dim, config.attn_norm_eps, device, dtype)
+        self.weights_proj = _linear(config.hidden_size, config.index_n_heads, device, dtype)
+
+    def forward(self, x, q_latent, cos, sin, out_cache_loc, index_k_cache):
+        """Write each row's key into ``index_k_cache[out_cache_loc]``; return the query
+        ``[R, index_n_heads, 128]`` (model dtype) and head weights fp32 ``[R, index_n_heads]``
+        (``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``)."""
+        cfg = self.config
+        rows = x.shape[0]
+        rope, interleaved = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
+        q = self.wq_b(q_latent).view(rows, cfg.index_n_heads, cfg.index_head_dim)
+        q = _rope_first(q, rope, cos, sin, interleaved)
+        k = _rope_first(self.k_norm(self.wk(x)), rope, cos, sin, interleaved)
+        index_k_cache.index_copy_(0, out_cache_loc, k)
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * cfg.index_weight_scale
+        return q, weights
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention with DSA, run in the absorbed (MQA) form over the 576-wide cache."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        heads = config.num_attention_heads
+        self.q_a_proj = _linear(config.hidden_size, config.q_lora_rank, device, dtype)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.attn_norm_eps, device, dtype)
+        self.q_b_proj = _linear(config.q_lora_rank, heads * config.qk_head_dim, device, dtype)
+        self.kv_a_proj_with_mqa = _linear(config.hidden_size, config.kv_cache_dim, device, dtype)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.attn_norm_eps, device, dtype)
+        self.kv_b_proj = _linear(config.kv_lora_rank,
+                                 heads * (config.qk_nope_head_dim + config.v_head_dim), device, dtype)
+        self.o_proj = _linear(heads * config.v_head_dim, config.hidden_size, device, dtype)
+        self.indexer = Indexer(config, device, dtype)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of ``kv_b_proj.weight``: ``W_UK [H, qk_nope, 512]`` and ``W_UV [H, v, 512]``."""
+        cfg = self.config
+        per_head = self.kv_b_proj.weight.view(cfg.num_attention_heads,
+                                              cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim:]
+
+    def forward(self, x, cos, sin, out_cache_loc, mla_cache, index_k_cache,
+                attn: AttentionInputs, ops) -> torch.Tensor:
+        """``x`` ``[R, hidden]`` (normed) -> ``[R, hidden]``; writes the rows' entries of
+        ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` at ``out_cache_loc``
+        and ``attn.topk_slots`` (if given)."""
+        cfg = self.config
+        rows, heads = x.shape[0], cfg.num_attention_heads
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(rows, heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)
+        mla_cache.index_copy_(0, out_cache_loc, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1))
+        q_index, index_weights = self.indexer(x, q_latent, cos, sin, out_cache_loc, index_k_cache)
+
+        w_uk, w_uv = self.absorbed_weights()
+        q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)      # [R, H, 512]
+        q_mqa = torch.cat((q_absorbed, q_rope), dim=-1).contiguous()              # [R, H, 576]
+        slots = _select_slots(q_index, index_weights, index_k_cache, attn, cfg.index_topk, ops)
+        o_latent = torch.empty(rows, heads, cfg.kv_lora_rank, device=x.device, dtype=x.dtype)
+        ops.sparse_mla_decode(q_mqa, mla_cache, slots, cfg.softmax_scale, out=o_latent)
+        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [R, H, v]
+        return self.o_proj(o.reshape(rows, heads * cfg.v_head_dim))
+
+
+def _select_slots(q_index, index_weights, index_k_cache, attn: AttentionInputs, index_topk, ops):
+    """Indexer logits over each row's live positions, then the top-k as slots: int32 ``[R, k]``."""
+    rows, device = q_index.shape[0], q_index.device
+    schedule = attn.schedule
+    if schedule is None:
+        sms = num_sms(device)
+        schedule = ops.indexer_schedule(attn.seqlens, sms,
+                                        out=torch.empty(sms + 1, 2, dtype=torch.int32, device=device))
+    logits = attn.index_logits
+    if logits is None:
+        logits = torch.empty(rows, attn.page_table_1.shape[1], dtype=torch.float32, device=device)
+    slots = attn.topk_slots
+    if slots is None:
+        slots = torch.empty(rows, index_topk, dtype=torch.int32, device=device)
+    ops.indexer_logits(q_index, index_weights, index_k_cache, attn.page_table_1, attn.seqlens,
+                       schedule, out=logits)
+    ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots)
+    return slots
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, device, dtype)
+        self.up_proj = _linear(config.hidden_size, config.intermediate_size, device, dtype)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """RMSNorm -> MLA with DSA -> residual -> RMSNorm -> SwiGLU -> residual."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.self_attn = MLAAttention(config, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.mlp = MLP(config, device, dtype)
+
+    def forward(self, x, cos, sin, out_cache_loc, mla_cache, index_k_cache, attn, ops):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, out_cache_loc, mla_cache,
+                               index_k_cache, attn, ops)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's ``shared_head``: its own norm; the LM head itself is the target's."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+
+
+class MTPLayer(DecoderLayer):
+    """The MTP (NextN) layer: ``enorm``, ``hnorm``, ``eh_proj`` (2 hidden -> hidden, embedding
+    first), one full decoder layer (the inherited parameters) and ``shared_head.norm``."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__(config, device, dtype)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.eh_proj = _linear(2 * config.hidden_size, config.hidden_size, device, dtype)
+        self.shared_head = SharedHead(config, device, dtype)
+
+
+class DSABackbone(nn.Module):
+    """``model.*`` of the HF layout: embedding, decoder layers (+ the MTP layer last), final norm."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        layers = [DecoderLayer(config, device, dtype) for _ in range(config.num_hidden_layers)]
+        layers += [MTPLayer(config, device, dtype) for _ in range(config.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+class DSAModel(nn.Module):
+    """The DSA decoder with its MTP layer; parameter names are the HF checkpoint's.
+
+    Parameters
+    ----------
+    config : ModelConfig
+    device, dtype :
+        Where and in which dtype the parameters live (bf16 is the target; caches must match).
+    use_triton : bool
+        Run the DSA ops as Triton kernels (else plain torch, eager only).
+    """
+
+    def __init__(self, config: ModelConfig, *, device=None, dtype=torch.bfloat16, use_triton: bool = False):
+        super().__init__()
+        self.config = config.validate()
+        self.use_triton = use_triton
+        self.model = DSABackbone(config, device, dtype)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, device, dtype)
+        self.rotary = Rotary(config, device)
+        self.requires_grad_(False)
+
+    @property
+    def mtp_layer(self) -> MTPLayer:
+        """The MTP layer (``model.layers[num_hidden_layers]``)."""
+        if self.config.num_nextn_predict_layers == 0:
+            raise ValueError("this model has no MTP layer (num_nextn_predict_layers=0)")
+        return self.model.layers[self.config.num_hidden_layers]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> "DSAModel":
+        """Seeded random init (same seed, device type and dtype -> same weights): projections
+        ``N(0, 1/fan_in)``, embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.1^2)``, norm biases
+        ``N(0, 0.1^2)``."""
+        device = next(self.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32)
+            if name.endswith("embed_tokens.weight"):
+                value = noise
+            elif param.dim() == 2:
+                value = noise / math.sqrt(param.shape[1])
+            elif name.endswith(".bias"):
+                value = noise * 0.1
+            else:
+                value = 1.0 + noise * 0.1
+            param.copy_(value)
+        return self
+
+    def _ops(self):
+        return dsa_ops(self.use_triton)
+
+    def _check(self, input_ids, positions, out_cache_loc, attn: AttentionInputs, kv: KVPool, layers: int):
+        rows = input_ids.shape[0]
+        for name, tensor in (("positions", positions), ("out_cache_loc", out_cache_loc),
+                             ("attn.seqlens", attn.seqlens)):
+            if tensor.shape != (rows,):
+                raise ValueError(f"{name} must have shape [{rows}] (one per input row), got {tuple(tensor.shape)}")
+        if attn.page_table_1.dim() != 2 or attn.page_table_1.shape[0] != rows:
+            raise ValueError(f"attn.page_table_1 must be [{rows}, W], got {tuple(attn.page_table_1.shape)}")
+        for name, tensor in (("attn.seqlens", attn.seqlens), ("attn.page_table_1", attn.page_table_1)):
+            if tensor.dtype != torch.int32:
+                raise ValueError(f"{name} must be int32, got {tensor.dtype}")
+        if out_cache_loc.dtype != torch.int64:
+            raise ValueError(f"out_cache_loc must be int64 (index_copy_ indices), got {out_cache_loc.dtype}")
+        if kv.num_layers != layers:
+            raise ValueError(f"the KV pool has {kv.num_layers} layer(s), this forward needs {layers}")
+        if kv.mla_cache[0].dtype != self.lm_head.weight.dtype:
+            raise ValueError(f"KV pool dtype {kv.mla_cache[0].dtype} != model dtype {self.lm_head.weight.dtype}")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                kv: KVPool, attn: AttentionInputs, *, check: bool = True) -> torch.Tensor:
+        """One target step over ``R`` rows.
+
+        Parameters
+        ----------
+        input_ids : int ``[R]``; positions : int64 ``[R]`` (RoPE positions);
+        out_cache_loc : int64 ``[R]`` (slot each row's KV is written to);
+        kv : the target KVPool (``num_hidden_layers`` layers); attn : AttentionInputs of the rows.
+
+        Returns
+        -------
+        Tensor ``[R, hidden]`` (model dtype): the hidden state after the final norm (the LM-head
+        input, and the hidden the MTP layer consumes). Writes every layer's cache entries at
+        ``out_cache_loc`` and ``attn.topk_slots`` if given.
+        """
+        if check:
+            self._check(input_ids, positions, out_cache_loc, attn, kv, self.config.num_hidden_layers)
+        ops = self._ops()
+        cos, sin = self.rotary(positions)
+        x = self.model.embed_tokens(input_ids)
+        for i in range(self.config.num_hidden_layers):
+            x = self.model.layers[i](x, cos, sin, out_cache_loc, kv.mla_cache[i], kv.index_k_cache[i], attn, ops)
+        return self.model.norm(x)
+
+    def forward_mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    out_cache_loc: torch.Tensor, kv: KVPool, attn: AttentionInputs, *,
+                    check: bool = True) -> torch.Tensor:
+        """One MTP step over ``R`` rows: ``shared_head.norm(layer(eh_proj([enorm(embed(ids)),
+        hnorm(hidden)])))``.
+
+        Parameters
+        ----------
+        input_ids : int ``[R]`` (row at position p holds token p+1); hidden : ``[R, hidden]``
+        (target post-norm hidden of position p, or the previous MTP output); positions,
+        out_cache_loc, attn : as in ``forward``; kv : the MTP layer's own KVPool (1 layer).
+
+        Returns
+        -------
+        Tensor ``[R, hidden]``: the MTP output after ``shared_head.norm`` (LM-head input and the
+        hidden carried to the next draft step). Writes the MTP caches at ``out_cache_loc``.
+        """
+        layer = self.mtp_layer
+        if check:
+            self._check(input_ids, positions, out_cache_loc, attn, kv, 1)
+            if hidden.shape != (input_ids.shape[0], self.config.hidden_size):
+                raise ValueError(f"hidden must be [{input_ids.shape[0]}, {self.config.hidden_size}], "
+                                 f"got {tuple(hidden.shape)}")
+        cos, sin = self.rotary(positions)
+        embedded = layer.enorm(self.model.embed_tokens(input_ids))
+        x = layer.eh_proj(torch.cat((embedded, layer.hnorm(hidden.to(embedded.dtype))), dim=-1))
+        x = layer(x, cos, sin, out_cache_loc, kv.mla_cache[0], kv.index_k_cache[0], attn, self._ops())
+        return layer.shared_head.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``."""
+        return self.lm_head(hidden).float()
+
+    # ---- eager prefill helpers --------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, req_to_token: torch.Tensor, row: int, kv: KVPool, *,
+                prefix_len: int = 0, chunk_size: int = 512) -> torch.Tensor:
+        """Eager prefill of one request: positions ``prefix_len + [0, T)`` of table row ``row``
+        (slots already allocated), in chunks of ``chunk_size`` rows. Returns the post-norm hidden
+        ``[T, hidden]``; writes the target caches."""
+        return self._chunked(lambda ids, _, pos, loc, attn: self.forward(ids, pos, loc, kv, attn),
+                             input_ids, None, req_to_token, row, prefix_len, chunk_size)
+
+    @torch.no_grad()
+    def prefill_mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, req_to_token: torch.Tensor,
+                    row: int, kv: KVPool, *, prefix_len: int = 0, chunk_size: int = 512) -> torch.Tensor:
+        """Eager MTP prefill (draft extend) of one request: row at position ``prefix_len + i``
+        takes ``next_ids[i]`` (the token at position + 1) and ``hidden[i]``. Returns the MTP
+        outputs ``[T, hidden]``; writes the MTP caches."""
+        return self._chunked(lambda ids, h, pos, loc, attn: self.forward_mtp(ids, h, pos, loc, kv, attn),
+                             next_ids, hidden, req_to_token, row, prefix_len, chunk_size)
+
+    def _chunked(self, step, input_ids, hidden, req_to_token, row, prefix_len, chunk_size):
+        outputs = []
+        for start in range(0, input_ids.shape[0], chunk_size):
+            ids = input_ids[start:start + chunk_size]
+            positions, loc, attn = build_extend_inputs(req_to_token, [row], [prefix_len + start], [ids.shape[0]])
+            chunk_hidden = None if hidden is None else hidden[start:start + chunk_size]
+            outputs.append(step(ids, chunk_hidden, positions, loc, attn))
+        return torch.cat(outputs)
