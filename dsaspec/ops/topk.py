@@ -43,7 +43,7 @@ def _topk_slots_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positio
     # positions. With live <= k the rule (shift 0, threshold 0, need k) takes every position.
     threshold = tl.zeros((), dtype=tl.uint32)
     shift = tl.zeros((), dtype=tl.uint32)
-    need = k
+    need = tl.zeros((), dtype=tl.int32) + k  # a tensor even when k is specialised to a constant
     searching = live > k
     for level in tl.static_range(4):
         if searching:
@@ -68,8 +68,8 @@ def _topk_slots_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positio
 
     row_out = out_ptr + row * out_stride
     row_positions = positions_ptr + row * positions_stride
-    written = 0
-    ties_seen = 0
+    written = tl.zeros((), dtype=tl.int32)
+    ties_seen = tl.zeros((), dtype=tl.int32)
     for start in range(0, live, BLOCK):
         positions = start + offsets
         in_row = positions < live

@@ -1,0 +1,131 @@
+"""Sparse MQA attention in the MLA latent space over the slots the indexer selected.
+
+Each query row attends to its own ``k`` selected cache slots (``-1`` = no slot) with one shared
+576-wide key per slot (latent 512 + rope 64) whose first 512 values are the value. Grid
+``(R, cdiv(H, BLOCK_H))``: a program holds a block of heads (the dot's M dimension), scans the
+row's slot list once for its last valid entry, then runs an online softmax over blocks of
+``BLOCK_N`` slots up to it, so rows with fewer live tokens than ``k`` stop early.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaspec.ops.indexer_schedule import check_tensor
+
+LATENT_DIM = 512  # value / latent width
+ROPE_DIM = 64
+QK_DIM = LATENT_DIM + ROPE_DIM
+_GPU_BLOCK_H = 32  # heads per program on the GPU (untuned)
+_BLOCK_N = 32  # slots per online-softmax step
+_SCAN = 1024  # slot ids per step of the last-valid scan
+
+
+@triton.jit
+def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, qk_scale_log2,
+                              q_stride_row, q_stride_head, kv_stride, slots_stride,
+                              out_stride_row, out_stride_head, num_heads, topk,
+                              LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_N: tl.constexpr, SCAN: tl.constexpr, UPCAST: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    real_head = heads < num_heads
+    latent = tl.arange(0, LATENT)
+    rope = tl.arange(0, ROPE)
+    row_slots = slots_ptr + row * slots_stride
+
+    last_valid = -1
+    for start in range(0, topk, SCAN):
+        index = start + tl.arange(0, SCAN)
+        slot = tl.load(row_slots + index, mask=index < topk, other=-1)
+        last_valid = tl.maximum(last_valid, tl.max(tl.where(slot >= 0, index, -1), 0))
+
+    q_row = q_ptr + row * q_stride_row + heads[:, None] * q_stride_head
+    q_latent = tl.load(q_row + latent[None, :], mask=real_head[:, None], other=0.0)
+    q_rope = tl.load(q_row + LATENT + rope[None, :], mask=real_head[:, None], other=0.0)
+    if UPCAST:
+        q_latent = q_latent.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+    running_max = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)  # finite: empty blocks stay NaN-free
+    denominator = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, LATENT), dtype=tl.float32)
+    for start in range(0, last_valid + 1, BLOCK_N):
+        index = start + tl.arange(0, BLOCK_N)
+        slot = tl.load(row_slots + index, mask=index < topk, other=-1)
+        valid = slot >= 0
+        kv_row = kv_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * kv_stride
+        kv_latent = tl.load(kv_row + latent[None, :], mask=valid[:, None], other=0.0)
+        kv_rope = tl.load(kv_row + LATENT + rope[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            kv_latent = kv_latent.to(tl.float32)
+            kv_rope = kv_rope.to(tl.float32)
+        scores = tl.dot(q_latent, tl.trans(kv_latent))
+        scores = tl.dot(q_rope, tl.trans(kv_rope), scores)  # [BLOCK_H, BLOCK_N]
+        scores = tl.where(valid[None, :], scores * qk_scale_log2, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        denominator = denominator * rescale + tl.sum(probs, 1)
+        acc = tl.dot(probs.to(kv_latent.dtype), kv_latent, acc * rescale[:, None])
+        running_max = new_max
+    result = acc / tl.where(denominator > 0, denominator, 1.0)[:, None]
+    out_row = out_ptr + row * out_stride_row + heads[:, None] * out_stride_head
+    tl.store(out_row + latent[None, :], result.to(out_ptr.dtype.element_ty),
+             mask=real_head[:, None])
+
+
+def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                      sm_scale: float, out: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """Sparse MQA attention of every query row over its selected slots, in the latent space.
+
+    ``out[r, h] = sum_j p_j * kv_cache[s_j, :512]`` with ``p = softmax_j(sm_scale *
+    q[r, h] . kv_cache[s_j])`` over the valid entries ``s_j = slots[r, j] >= 0``; fp32 math
+    (bf16 operands; on the GPU ``p`` enters the value product as bf16). A row without a valid
+    slot gets zeros. Repeated slots count once per occurrence.
+
+    Parameters
+    ----------
+    q : bf16 ``[R, H, 576]``, absorbed queries ``[latent 512 | rope 64]`` (last dim contiguous).
+    kv_cache : bf16 ``[num_slots, 576]``, the MLA cache (latent then rope) indexed by slot.
+    slots : int32 ``[R, k]``, selected slots, ``-1`` = none (e.g. from ``topk_slots``). Work per
+        row stops after its last valid entry.
+    sm_scale : softmax scale applied to the 576-wide dot product.
+    out : bf16 ``[R, H, 512]``, written (every entry).
+    check : validate shapes, dtypes, devices and (host sync) that every slot is below
+        ``num_slots``. Pass ``False`` inside CUDA graphs.
+
+    Returns
+    -------
+    ``out``.
+    """
+    if check:
+        _check_inputs(q, kv_cache, slots, out)
+    num_rows, num_heads, _ = q.shape
+    block_h = _GPU_BLOCK_H if q.is_cuda else 16
+    block_h = min(block_h, max(16, triton.next_power_of_2(num_heads)))
+    grid = (num_rows, triton.cdiv(num_heads, block_h))
+    _sparse_mla_decode_kernel[grid](
+        q, kv_cache, slots, out, sm_scale * math.log2(math.e),
+        q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
+        out.stride(1), num_heads, slots.shape[1],
+        LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=block_h, BLOCK_N=_BLOCK_N,
+        SCAN=min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1))), UPCAST=not q.is_cuda,
+        num_warps=8 if q.is_cuda else 4)
+    return out
+
+
+def _check_inputs(q, kv_cache, slots, out) -> None:
+    check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, QK_DIM))
+    num_rows, num_heads, _ = q.shape
+    device = q.device
+    check_tensor("kv_cache", kv_cache, dtype=torch.bfloat16, shape=(None, QK_DIM), device=device)
+    check_tensor("slots", slots, dtype=torch.int32, shape=(num_rows, None), device=device)
+    check_tensor("out", out, dtype=torch.bfloat16, shape=(num_rows, num_heads, LATENT_DIM),
+                 device=device)
+    if slots.numel() and int(slots.max()) >= kv_cache.shape[0]:
+        raise ValueError(f"slots: slot {int(slots.max())} is out of range for a kv_cache of "
+                         f"{kv_cache.shape[0]} slots")

@@ -1,0 +1,39 @@
+"""Reference sparse MQA attention over selected slots: gather, softmax and weighted sum in fp32."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                                sm_scale: float) -> torch.Tensor:
+    """fp32 ``[R, H, 512]``: per row the softmax over valid slots (``>= 0``) of
+    ``sm_scale * q[r, h] . kv_cache[slot]`` applied to ``kv_cache[slot, :512]``; zeros for a row
+    without a valid slot."""
+    num_rows, num_heads, _ = q.shape
+    out = torch.zeros(num_rows, num_heads, 512)
+    for row in range(num_rows):
+        chosen = slots[row][slots[row] >= 0].long()
+        if chosen.numel() == 0:
+            continue
+        keys = kv_cache[chosen].float()  # [n, 576]
+        probs = torch.softmax(sm_scale * (q[row].float() @ keys.T), dim=-1)  # [H, n]
+        out[row] = probs @ keys[:, :512]
+    return out
+
+
+def random_sparse_mla_inputs(num_rows: int, num_heads: int, num_slots: int, k: int,
+                             valid_counts: list[int], device, seed: int = 0) -> dict:
+    """Random inputs for ``sparse_mla_decode``: bf16 queries and cache, and per row
+    ``valid_counts[r]`` random (repeating) slots followed by ``-1``."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.full((num_rows, k), -1, dtype=torch.int32)
+    for row, count in enumerate(valid_counts):
+        slots[row, :count] = torch.randint(0, num_slots, (count,), generator=gen,
+                                           dtype=torch.int32)
+    return dict(
+        q=torch.randn(num_rows, num_heads, 576, generator=gen).to(torch.bfloat16).to(device),
+        kv_cache=torch.randn(num_slots, 576, generator=gen).to(torch.bfloat16).to(device),
+        slots=slots.to(device),
+        sm_scale=576 ** -0.5,
+    )
