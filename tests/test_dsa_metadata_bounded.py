@@ -1,0 +1,185 @@
+"""Live-bounded replay metadata against the context-wide kernels: bit-identical on the contract
+region, never writing outside the buffers or past the tile-rounded live prefix."""
+
+import pytest
+import torch
+
+from dsaspec.ops.dsa_metadata import TILE, MetadataBuffers, Mode, context_wide_metadata
+from dsaspec.ops.dsa_metadata_bounded import bounded_metadata, num_splits
+from dsaspec.reference.dsa_metadata import assert_contract_equal, expanded_lengths, live_lengths
+from metadata_cases import make_batch, make_table
+
+POISON = -123456
+CASES = [
+    (Mode.DECODE, 1, False),
+    (Mode.TARGET_VERIFY, 5, False),
+    (Mode.DRAFT_EXTEND, 6, False),
+    (Mode.DRAFT_EXTEND, 5, True),
+]
+
+
+def _both(mode, table, idx, seq_lens, ext, n, page_size, budget, *, dests=1, topk=64):
+    rows = None if ext is None else int(ext.sum())
+    B, W = seq_lens.shape[0], table.shape[1]
+    want = MetadataBuffers.allocate(mode, B, W, page_size, table.device, num_draft_tokens=n, rows=rows)
+    context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=topk, page_size=page_size,
+                          num_draft_tokens=n, extend_seq_lens=ext)
+    gots = [MetadataBuffers.allocate(mode, B, W, page_size, table.device, num_draft_tokens=n, rows=rows)
+            for _ in range(dests)]
+    for g in gots:
+        for t in g.tensors():
+            t.fill_(POISON)
+    bounded_metadata(mode, table, idx, seq_lens, gots if dests > 1 else gots[0], index_topk=topk,
+                     page_size=page_size, num_draft_tokens=n, extend_seq_lens=ext, budget=budget)
+    return want, gots
+
+
+def _assert_tail_untouched(got: MetadataBuffers, mode, seq_lens, n, ext):
+    """Columns past the tile-rounded live prefix keep the poison."""
+    owner, _ = expanded_lengths(mode, seq_lens, n, ext)
+    live = live_lengths(mode, seq_lens, n)[owner]
+    rounded = torch.clamp((live + TILE - 1) // TILE * TILE, max=got.width)
+    cols = torch.arange(got.width, device=seq_lens.device)
+    past = cols[None, :] >= rounded[:, None]
+    assert (got.page_table_1[past] == POISON).all()
+    inside = ~past
+    assert (got.page_table_1[inside] != POISON).all()
+    if got.real_page_table is not None:
+        P = got.page_size
+        real_cols = torch.arange(got.real_page_table.shape[1], device=seq_lens.device)
+        real_past = real_cols[None, :] * P >= rounded[:, None]
+        assert (got.real_page_table[real_past] == POISON).all()
+        assert (got.real_page_table[~real_past] != POISON).all()
+
+
+@pytest.mark.parametrize("mode,n,variable", CASES)
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("width,batch,budget,dtype", [(450, 13, 40, torch.int32), (129, 3, 1, torch.int64),
+                                                     (200, 16, 3, torch.int32)])
+def test_bounded_matches_context_wide(device, mode, n, variable, page_size, width, batch, budget, dtype):
+    table = make_table(7, width, device, seed=width)
+    idx, seq_lens, ext = make_batch(mode, batch, width, 7, n, device, seed=batch, dtype=dtype,
+                                    variable=variable)
+    want, (got,) = _both(mode, table, idx, seq_lens, ext, n, page_size, budget)
+    assert_contract_equal(got, want, mode, seq_lens, n, ext)
+    _assert_tail_untouched(got, mode, seq_lens, n, ext)
+
+
+@pytest.mark.parametrize("dests", [2, 4, 5])
+def test_several_destinations_in_one_call(device, dests):
+    mode, n = Mode.DECODE, 1
+    table = make_table(5, 333, device)
+    idx, seq_lens, _ = make_batch(mode, 6, 333, 5, n, device)
+    want, gots = _both(mode, table, idx, seq_lens, None, n, 64, 9, dests=dests)
+    for got in gots:
+        assert_contract_equal(got, want, mode, seq_lens, n)
+        _assert_tail_untouched(got, mode, seq_lens, n, None)
+
+
+def test_replay_with_new_lengths_rewrites_live_prefix(device):
+    """Longer then shorter lengths into the same buffers: the live prefix is always current."""
+    mode, n, W = Mode.TARGET_VERIFY, 3, 400
+    table = make_table(6, W, device)
+    out = MetadataBuffers.allocate(mode, 4, W, 64, device, num_draft_tokens=n)
+    ptrs = [t.data_ptr() for t in out.tensors()]
+    idx = torch.tensor([5, 2, 2, 0], device=device)
+    for lengths in ([10, 1, 300, 64], [397, 129, 0, 1], [5, 5, 5, 5]):
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        table = make_table(6, W, device, seed=sum(lengths))
+        want = MetadataBuffers.allocate(mode, 4, W, 64, device, num_draft_tokens=n)
+        context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=16, page_size=64, num_draft_tokens=n)
+        bounded_metadata(mode, table, idx, seq_lens, out, index_topk=16, page_size=64, num_draft_tokens=n, budget=6)
+        assert_contract_equal(out, want, mode, seq_lens, n)
+    assert [t.data_ptr() for t in out.tensors()] == ptrs
+
+
+def test_num_splits_depends_only_on_batch_and_budget():
+    assert num_splits(1, 2048) == 256
+    assert num_splits(16, 2048) == 128
+    assert num_splits(64, 2048) == 32
+    assert num_splits(4096, 2048) == 1
+    assert num_splits(3, 7) == 2
+
+
+def test_bad_budget_and_mismatched_destinations(device):
+    table = make_table(2, 128, device)
+    idx = torch.tensor([0], device=device)
+    s = torch.tensor([5], dtype=torch.int32, device=device)
+    out = MetadataBuffers.allocate(Mode.DECODE, 1, 128, 64, device)
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        bounded_metadata(Mode.DECODE, table, idx, s, out, index_topk=8, page_size=64, budget=0)
+    other = MetadataBuffers.allocate(Mode.DECODE, 1, 256, 64, device)
+    with pytest.raises(ValueError, match=r"out\[1\] does not match out\[0\]"):
+        bounded_metadata(Mode.DECODE, table, idx, s, [out, other], index_topk=8, page_size=64)
+    with pytest.raises(ValueError, match="extend_seq_lens is only for draft extend"):
+        bounded_metadata(Mode.DECODE, table, idx, s, out, index_topk=8, page_size=64, extend_seq_lens=s)
+
+
+# ---------------------------------------------------------------- GPU: full width, graphs, int64
+
+FULL_W = 1_048_576 + 4 + 6  # 1M context with EAGLE 5/1/6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,n,variable", CASES)
+@pytest.mark.parametrize("batch", [1, 5, 16, 64])
+def test_gpu_full_width(mode, n, variable, batch):
+    device = torch.device("cuda")
+    table = make_table(batch + 3, FULL_W, device, seed=batch)
+    idx, seq_lens, ext = make_batch(mode, batch, FULL_W, batch + 3, n, device, seed=batch, variable=variable)
+    want, gots = _both(mode, table, idx, seq_lens, ext, n, 64, 2048, dests=2)
+    for got in gots:
+        assert_contract_equal(got, want, mode, seq_lens, n, ext)
+        _assert_tail_untouched(got, mode, seq_lens, n, ext)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,n", [(Mode.DECODE, 1), (Mode.TARGET_VERIFY, 6), (Mode.DRAFT_EXTEND, 6)])
+def test_gpu_graph_replay_new_lengths_no_recompile(mode, n):
+    """Capture one launch, replay it with longer and shorter lengths; the Triton cache does not grow."""
+    from dsaspec.ops.dsa_metadata_bounded import _bounded_kernel
+
+    device = torch.device("cuda")
+    B, pool = 16, 20
+    table = make_table(pool, FULL_W, device, seed=1)
+    idx = torch.randint(0, pool, (B,), device=device)
+    seq_lens = torch.ones(B, dtype=torch.int32, device=device)
+    out = MetadataBuffers.allocate(mode, B, FULL_W, 64, device, num_draft_tokens=n)
+
+    def launch():
+        bounded_metadata(mode, table, idx, seq_lens, out, index_topk=2048, page_size=64,
+                         num_draft_tokens=n, check=False)
+
+    launch()
+    torch.cuda.synchronize()
+    compiled = sum(len(c) for c in _bounded_kernel.device_caches[0][0].values()) if hasattr(_bounded_kernel, "device_caches") else None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    cap = FULL_W - n
+    for lengths in ([1000] * B, [cap] * 2 + [65536] * (B - 2), [1, 0, 63, 64, 65, 127, 128, 129] * 2, [7] * B):
+        seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        table.copy_(make_table(pool, FULL_W, device, seed=lengths[0]))
+        graph.replay()
+        want = MetadataBuffers.allocate(mode, B, FULL_W, 64, device, num_draft_tokens=n)
+        context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=2048, page_size=64, num_draft_tokens=n)
+        assert_contract_equal(out, want, mode, seq_lens, n)
+    if compiled is not None:
+        assert sum(len(c) for c in _bounded_kernel.device_caches[0][0].values()) == compiled
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets():
+    """rows * W > 2^31: the last rows' addresses overflow int32."""
+    device = torch.device("cuda")
+    mode, n, B = Mode.TARGET_VERIFY, 6, 400  # 2400 rows * 1,048,586 columns ~ 2.5e9 > 2^31
+    table = make_table(8, FULL_W, device)
+    idx = torch.randint(0, 8, (B,), device=device)
+    seq_lens = torch.full((B,), 200, dtype=torch.int32, device=device)
+    seq_lens[-1] = FULL_W - n
+    out = MetadataBuffers.allocate(mode, B, FULL_W, 64, device, num_draft_tokens=n)
+    bounded_metadata(mode, table, idx, seq_lens, out, index_topk=2048, page_size=64, num_draft_tokens=n)
+    last = table[idx[-1]]
+    assert torch.equal(out.page_table_1[-1], last)
+    assert torch.equal(out.page_table_1[-n], last)
+    assert torch.equal(out.real_page_table[-1], last[::64] // 64)
