@@ -218,3 +218,41 @@ def empty_kernel_us() -> float:
 
     dummy = torch.zeros(1, device="cuda")
     return time_in_graph(lambda: empty_kernel(dummy), iters=100, cold_l2=False, graph_diff=False).median_us
+
+
+@dataclass
+class Floors:
+    """Machine floors measured once per run: copy bandwidth (GB/s) and an empty kernel node (µs)."""
+
+    copy_gbps: float
+    empty_us: float
+
+    @classmethod
+    def measure(cls) -> "Floors":
+        return cls(copy_bandwidth_gbps(), empty_kernel_us())
+
+    def floor_us(self, nbytes: int) -> float:
+        """``max(bytes / copy bandwidth, empty kernel)``: no launch moving ``nbytes`` beats it."""
+        return max(nbytes / (self.copy_gbps * 1e3), self.empty_us)
+
+
+def compare(baseline: Callable[[], None], new: Callable[[], None], *, nbytes: int, floors: Floors,
+            iters: int = 200, cold_l2: bool = True) -> dict:
+    """Time ``baseline`` and ``new`` side by side (same process, same method) and return the JSON
+    row fields of design/benchmarking.md: baseline_us, new_us, speedup, floor_us, spread, ..."""
+    base = time_in_graph(baseline, iters=iters, cold_l2=cold_l2)
+    cand = time_in_graph(new, iters=iters, cold_l2=cold_l2)
+    return {
+        "baseline_us": base.median_us,
+        "new_us": cand.median_us,
+        "speedup": base.median_us / cand.median_us,
+        "floor_us": floors.floor_us(nbytes),
+        "bytes_floor_us": nbytes / (floors.copy_gbps * 1e3),
+        "empty_kernel_us": floors.empty_us,
+        "new_gbps": nbytes / (cand.median_us * 1e3),
+        "new_over_floor": cand.median_us / floors.floor_us(nbytes),
+        "bytes": nbytes,
+        "spread": {"baseline": base.spread, "new": cand.spread},
+        "graph_diff_us": {"baseline": base.graph_diff_us, "new": cand.graph_diff_us},
+        "detail": {"baseline": base.summary(), "new": cand.summary()},
+    }

@@ -1,0 +1,152 @@
+"""Replay metadata: context-wide vs live-bounded kernels (the seed's first table).
+
+Every point: one ``req_to_token`` table of width ``W`` (1M context + 4 + N by default), ``bs``
+requests with ``live_kv`` committed tokens, ``N`` rows per request for target verify and draft
+extend. Both kernels run inside CUDA graphs with a cold L2; times are CUPTI kernel durations
+(dsaspec/bench/timing.py). After timing, the outputs are checked bit-identical on the contract
+region. Without CUDA the kernels run under the Triton interpreter at a small width, only the
+bit-identity check is made, and no time is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tqdm import tqdm
+
+from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode, context_wide_metadata
+from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
+from dsaspec.reference.dsa_metadata import assert_contract_equal, live_lengths
+
+OPS = {"decode": Mode.DECODE, "target_verify": Mode.TARGET_VERIFY, "draft_extend": Mode.DRAFT_EXTEND}
+FULL_CONTEXT = 1 << 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    p.add_argument("--live-kv", nargs="+", type=int, default=[1024, 65536])
+    p.add_argument("--bs", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--num-draft-tokens", type=int, default=5, help="N: rows per request for verify / draft extend")
+    p.add_argument("--context-len", type=int, default=FULL_CONTEXT, help="W = context_len + 4 + N")
+    p.add_argument("--index-topk", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--budget", type=int, default=None, help="bounded kernel program budget (default: flag)")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<machine>)")
+
+
+def bytes_moved(mode: Mode, bs: int, live: int, n: int, page_size: int) -> int:
+    """Bytes a bounded kernel must move: each request's live req_to_token prefix read once, every
+    row's live page_table_1 and real_page_table prefix written once, the 1-D outputs written once."""
+    rows = bs if mode is Mode.DECODE else bs * n
+    live_cols = live + (n if mode is Mode.TARGET_VERIFY else 0)
+    real_cols = -(-live_cols // page_size) if page_size > 1 else 0
+    one_d = 2 * bs + 1 + 3 * rows + 1
+    return 4 * (bs * live_cols + rows * (live_cols + real_cols) + one_d)
+
+
+def _point(op: str, live: int, bs: int, args, device) -> tuple:
+    mode = OPS[op]
+    n = 1 if mode is Mode.DECODE else args.num_draft_tokens
+    width = args.context_len + 4 + args.num_draft_tokens
+    g = torch.Generator(device="cpu").manual_seed(live + bs)
+    pool = bs + 1
+    table = torch.randint(0, 1 << 30, (pool, width), generator=g, dtype=torch.int32).to(device)
+    idx = torch.randperm(pool, generator=g)[:bs].to(device)
+    seq_lens = torch.full((bs,), live, dtype=torch.int32, device=device)
+    kw = dict(index_topk=args.index_topk, page_size=args.page_size, num_draft_tokens=n)
+    base_out = MetadataBuffers.allocate(mode, bs, width, args.page_size, device, num_draft_tokens=n)
+    new_out = MetadataBuffers.allocate(mode, bs, width, args.page_size, device, num_draft_tokens=n)
+    context_wide_metadata(mode, table, idx, seq_lens, base_out, **kw)  # eager checks once
+
+    def baseline():
+        context_wide_metadata(mode, table, idx, seq_lens, base_out, check=False, **kw)
+
+    def new():
+        bounded_metadata(mode, table, idx, seq_lens, new_out, check=False, budget=args.budget, **kw)
+
+    return mode, n, table, idx, seq_lens, base_out, new_out, baseline, new
+
+
+def run(args) -> int:
+    from dsaspec.bench.results import markdown_table, write_results
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        args.context_len = min(args.context_len, 2048)
+        args.live_kv = [min(x, args.context_len) for x in (1000, 2000)]
+        args.bs = [1, 4]
+        print("No CUDA: running under the Triton interpreter at W = %d. Bit-identity is checked; "
+              "no time is measured (interpreter times mean nothing)." % (args.context_len + 4 + args.num_draft_tokens))
+    device = torch.device("cuda" if on_gpu else "cpu")
+    floors = None
+    if on_gpu:
+        from dsaspec.bench.timing import Floors, compare, warm_up_gpu
+
+        warm_up_gpu()
+        floors = Floors.measure()
+    rows = []
+    points = [(op, live, bs) for op in args.ops for live in args.live_kv for bs in args.bs]
+    for op, live, bs in tqdm(points, desc="metadata", unit="point"):
+        mode, n, table, idx, seq_lens, base_out, new_out, baseline, new = _point(op, live, bs, args, device)
+        row = {"op": op, "live_kv": live, "bs": bs, "rows": base_out.rows, "width": table.shape[1]}
+        if on_gpu:
+            row.update(compare(baseline, new, nbytes=bytes_moved(mode, bs, live, n, args.page_size),
+                               floors=floors, iters=args.iters))
+        baseline()
+        new()
+        assert_contract_equal(new_out, base_out, mode, seq_lens, n)
+        row["bit_identical"] = True
+        rows.append(row)
+        del table, base_out, new_out
+    if on_gpu:
+        torch.cuda.synchronize()
+    method = ("CUDA-graph replays with an L2 flush (2x L2) before each kernel; per-replay kernel time "
+              "from CUPTI (torch.profiler), median of %d; floor = max(bytes / measured copy bandwidth, "
+              "empty kernel node); bit-identity checked on the contract region after timing." % args.iters
+              if on_gpu else "Triton interpreter on CPU: bit-identity only, no times.")
+    payload = {"method": method, "params": {k: v for k, v in vars(args).items() if k != "run"},
+               "floors": vars(floors) if floors else None, "rows": rows}
+    if on_gpu:
+        cols = [("op", "op"), ("live_kv", "live KV"), ("bs", "bs"), ("baseline_us", "context-wide µs"),
+                ("new_us", "bounded µs"), ("speedup", "speedup"), ("floor_us", "floor µs"),
+                ("new_gbps", "bounded GB/s"), ("spread_new", "spread bounded"), ("spread_base", "spread context-wide")]
+        table_rows = [dict(r, spread_new=r["spread"]["new"], spread_base=r["spread"]["baseline"]) for r in rows]
+    else:
+        cols = [("op", "op"), ("live_kv", "live KV"), ("bs", "bs"), ("rows", "rows"), ("width", "W"),
+                ("bit_identical", "bit-identical")]
+        table_rows = rows
+    md = markdown_table(cols, table_rows)
+    fig = _plot(rows) if on_gpu else None
+    out = write_results("metadata", payload, md, args.out, figure=fig)
+    print(md)
+    print(f"results: {out}")
+    return 0
+
+
+def _plot(rows):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ops = sorted({r["op"] for r in rows}, key=list(OPS).index)
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for live in sorted({r["live_kv"] for r in rows}):
+            pts = sorted((r for r in rows if r["op"] == op and r["live_kv"] == live), key=lambda r: r["bs"])
+            bs = [r["bs"] for r in pts]
+            ax.plot(bs, [r["baseline_us"] for r in pts], "o--", label=f"context-wide, live {live}")
+            ax.plot(bs, [r["new_us"] for r in pts], "s-", label=f"bounded, live {live}")
+            ax.plot(bs, [r["floor_us"] for r in pts], ":", color="gray", label=f"floor, live {live}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bs")
+        ax.set_ylabel("µs (CUPTI, cold L2)")
+        ax.set_title(op)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
