@@ -1,0 +1,393 @@
+"""Argmax exchange kernels against the reference and against torch.argmax of the gathered fp32 logits.
+
+TP 2, 3, 4 and 8 are emulated in one process: the shards are slices of one padded logits tensor,
+every rank's partials are computed into a poisoned buffer, and the all-reduce is emulated by summing
+the rank buffers in several orders (and with -0.0 written into the foreign slots, as a sign-rewriting
+transport would). The tokens must equal ``torch.argmax(gathered[:, :vocab].float())`` bit for bit.
+"""
+
+import random
+
+import pytest
+import torch
+
+from dsaspec.ops.argmax_exchange import DEFAULT_SPLIT_COLUMNS, argmax_partials, draft_finalize, exchange_layout
+from dsaspec.reference.argmax_exchange import (
+    KEY_NAN,
+    KEY_NEG_INF,
+    KEY_ZERO,
+    argmax_finalize_reference,
+    argmax_partials_reference,
+    gathered_argmax_reference,
+    order_key,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+FULL_VOCABS = (154880, 129280, 151936)
+
+# fp32 / bf16 bit patterns of NaNs with either sign and various payloads (quiet and signalling).
+NAN_BITS_FP32 = (0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFBFFFFF, 0x7FC01234)
+NAN_BITS_BF16 = (0x7FC0, 0xFFC0, 0x7F81, 0xFFFF, 0x7FA5)
+DENORMAL_BITS = {torch.float32: 0x00000001, torch.bfloat16: 0x0001}
+
+
+def _from_bits(bits: int, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float32:
+        return torch.tensor([bits - (1 << 32) if bits >= 1 << 31 else bits], dtype=torch.int32).view(torch.float32)
+    return torch.tensor([bits - (1 << 16) if bits >= 1 << 15 else bits], dtype=torch.int16).view(torch.bfloat16)
+
+
+def _put(logits, row, col, bits):
+    logits[row, col] = _from_bits(bits, logits.dtype)[0]
+
+
+def adversarial_logits(rows: int, vocab: int, shard: int, tp: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``[rows, tp * shard]`` logits: random rows plus one special pattern per row (cycling), padding poisoned."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    logits = torch.randn(rows, tp * shard, generator=gen).to(dtype)
+    nan_bits = NAN_BITS_FP32 if dtype == torch.float32 else NAN_BITS_BF16
+    boundaries = [r * shard for r in range(1, tp) if r * shard < vocab]
+    for row in range(rows):
+        case = row % 16
+        top = logits[row, :vocab].float().max().item() + 1.0
+        cols = [rnd.randrange(vocab) for _ in range(3)]
+        if case == 1:  # tie inside one shard
+            c = cols[0]
+            logits[row, c] = top
+            logits[row, min(vocab - 1, c + rnd.randrange(1, 4))] = top
+        elif case == 2:  # tie across shards (and equal key in a later shard)
+            for c in cols:
+                logits[row, c] = top
+        elif case == 3 and boundaries:  # tie straddling a shard boundary
+            b = rnd.choice(boundaries)
+            logits[row, b - 1] = top
+            logits[row, b] = top
+        elif case == 4:  # only ±0 at the top, the -0 / +0 spread over shards
+            logits[row, :vocab] = -torch.rand(vocab, generator=gen).to(dtype) - 1
+            logits[row, cols[0]] = -0.0
+            logits[row, cols[1]] = 0.0
+            logits[row, cols[2]] = -0.0
+        elif case == 5:  # several NaNs, either sign, payloads
+            for c, bits in zip(cols, rnd.sample(nan_bits, 3)):
+                _put(logits, row, c, bits)
+        elif case == 6:  # +inf ties against a NaN-free row
+            logits[row, cols[0]] = float("inf")
+            logits[row, cols[1]] = float("inf")
+        elif case == 7:  # all -inf
+            logits[row, :vocab] = float("-inf")
+        elif case == 8:  # all NaN (mixed payloads)
+            logits[row, :vocab] = float("nan")
+            _put(logits, row, cols[0], nan_bits[1])
+        elif case == 9:  # a denormal maximum over zeros and negatives
+            logits[row, :vocab] = -torch.rand(vocab, generator=gen).to(dtype)
+            logits[row, cols[0]] = 0.0
+            _put(logits, row, cols[1], DENORMAL_BITS[dtype])
+            _put(logits, row, cols[2], DENORMAL_BITS[dtype])
+        elif case == 10:  # heavy ties: few distinct values
+            logits[row] = torch.randint(-2, 3, (tp * shard,), generator=gen).to(dtype)
+        elif case == 11:  # maximum on the last valid column / the first column
+            logits[row, vocab - 1] = top
+        elif case == 12:
+            logits[row, 0] = top
+            logits[row, vocab - 1] = top
+        elif case == 13:  # -inf plus one finite value
+            logits[row, :vocab] = float("-inf")
+            logits[row, cols[0]] = -3.0e38 if dtype == torch.float32 else -3.0e38
+        elif case == 14:  # a NaN and +inf in the same row: NaN wins
+            logits[row, cols[0]] = float("inf")
+            _put(logits, row, cols[1], nan_bits[2])
+    # Padding columns must never win, whatever they hold.
+    if vocab < tp * shard:
+        pad = logits[:, vocab:]
+        pad.copy_(torch.tensor([float("nan"), float("inf"), 1e30, 0.0], dtype=dtype).repeat(pad.shape[1] // 4 + 1)[:pad.shape[1]])
+    return logits
+
+
+def rank_partials(logits, vocab, tp, split_columns, device):
+    """Every emulated rank's exchange buffer, each computed into a NaN-poisoned buffer."""
+    rows, padded = logits.shape
+    shard = padded // tp
+    splits, _ = exchange_layout(shard, split_columns)
+    buffers = []
+    for rank in range(tp):
+        buf = torch.full((rows, tp * splits, 4), float("nan"), device=device)  # every slot must be written
+        argmax_partials(logits[:, rank * shard:(rank + 1) * shard], buf, rank=rank, tp_size=tp, vocab_size=vocab,
+                        split_columns=split_columns)
+        buffers.append(buf)
+    return buffers
+
+
+def emulated_all_reduce(buffers, order, foreign_fill=None):
+    """Sum of the rank buffers in ``order``; ``foreign_fill=-0.0`` first rewrites every foreign +0.0 slot."""
+    tp = len(buffers)
+    splits = buffers[0].shape[1] // tp
+    reduced = torch.zeros_like(buffers[0]) if foreign_fill is None else torch.full_like(buffers[0], foreign_fill)
+    for rank in order:
+        buf = buffers[rank]
+        if foreign_fill is not None:
+            buf = buf.clone()
+            foreign = torch.ones(tp * splits, dtype=torch.bool)
+            foreign[rank * splits:(rank + 1) * splits] = False
+            buf[:, foreign.to(buf.device)] = foreign_fill
+        reduced = reduced + buf
+    return reduced
+
+
+def finalize(reduced, positions=None, token_map=None):
+    rows, device = reduced.shape[0], reduced.device
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    topk_p = torch.empty(rows, dtype=torch.float32, device=device)
+    positions_out = None if positions is None else torch.empty_like(positions)
+    draft_finalize(tokens=tokens, topk_p=topk_p, positions=positions, positions_out=positions_out, reduced=reduced,
+                   token_map=token_map)
+    return tokens, topk_p, positions_out
+
+
+def emulate_exchange(logits, vocab, tp, split_columns, device, order=None, positions=None, token_map=None):
+    """Partials of every rank, a forward-order sum, finalize: (tokens, topk_p, positions_out, reduced)."""
+    buffers = rank_partials(logits, vocab, tp, split_columns, device)
+    reduced = emulated_all_reduce(buffers, order or list(range(tp)))
+    return (*finalize(reduced, positions, token_map), reduced)
+
+
+def _orders(tp, seed):
+    forward = list(range(tp))
+    shuffled = forward[:]
+    random.Random(seed).shuffle(shuffled)
+    return [(forward, None), (forward[::-1], None), (shuffled, -0.0)]
+
+
+def check_emulated(vocab, tp, shard, dtype, rows, device, split_columns, seed=0, compare_reference=True):
+    logits = adversarial_logits(rows, vocab, shard, tp, dtype, seed).to(device)
+    expected = torch.argmax(logits[:, :vocab].float(), dim=-1)
+    shards = [logits[:, r * shard:(r + 1) * shard] for r in range(tp)]
+    assert torch.equal(gathered_argmax_reference(shards, vocab), expected)
+    _, split_width = exchange_layout(shard, split_columns)
+    positions = torch.arange(rows, dtype=torch.int64, device=device) * 7
+    buffers = rank_partials(logits, vocab, tp, split_columns, device)
+    for order, fill in _orders(tp, seed):
+        reduced = emulated_all_reduce(buffers, order, fill)
+        tokens, topk_p, positions_out = finalize(reduced, positions)
+        mismatch = (tokens != expected).nonzero().flatten().tolist()
+        assert not mismatch, f"rows {mismatch[:8]}: got {tokens[mismatch[:8]].tolist()}, want {expected[mismatch[:8]].tolist()}"
+        assert torch.equal(topk_p, torch.ones_like(topk_p))
+        assert torch.equal(positions_out, positions + 1)
+        if compare_reference and fill is None and order == sorted(order):
+            for rank, buf in enumerate(buffers):
+                ref = argmax_partials_reference(shards[rank], rank=rank, tp_size=tp, vocab_size=vocab, split_width=split_width)
+                assert torch.equal(buf.cpu().view(torch.int32), ref.view(torch.int32)), f"rank {rank} partials differ"
+            ref_tokens, _, _ = argmax_finalize_reference(reduced, positions)
+            assert torch.equal(ref_tokens, expected)
+
+
+# -- order key -----------------------------------------------------------------------------------
+
+def test_order_key_special_values():
+    values = torch.tensor([float("-inf"), -1.0, -0.0, 0.0, 1e-45, 1.0, float("inf"), float("nan")])
+    keys = order_key(values).tolist()
+    assert keys[0] == KEY_NEG_INF
+    assert keys[2] == keys[3] == KEY_ZERO
+    assert keys[-1] == KEY_NAN
+    assert keys[:2] + keys[3:-1] == sorted(keys[:2] + keys[3:-1]) and len(set(keys[3:-1])) == 4
+    nans = torch.cat([_from_bits(b, torch.float32) for b in NAN_BITS_FP32])
+    assert order_key(nans).tolist() == [KEY_NAN] * len(NAN_BITS_FP32)
+
+
+def test_order_key_is_monotone_on_random_floats():
+    x = torch.randn(4096) * torch.logspace(-40, 38, 4096)
+    x = x[torch.isfinite(x)]
+    keys = order_key(x)
+    order = torch.argsort(x, stable=True)
+    assert torch.all(keys[order][1:] >= keys[order][:-1])
+    assert torch.equal(keys[:-1] == keys[1:], x[:-1] == x[1:])
+
+
+# -- layout ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shard", [1, 63, 64, 65, 127, 128, 129, 4096, 4097, 19360, 77440, 154880])
+def test_exchange_layout_covers_the_shard(shard):
+    splits, width = exchange_layout(shard)
+    assert width % 64 == 0 and splits * width >= shard > (splits - 1) * width
+    assert width <= DEFAULT_SPLIT_COLUMNS + 64 or splits == 1
+
+
+def test_exchange_layout_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="shard_size"):
+        exchange_layout(0)
+    with pytest.raises(ValueError, match="split_columns"):
+        exchange_layout(64, 0)
+
+
+# -- emulated TP, small sizes (CPU interpreter and GPU) --------------------------------------------
+
+SMALL_CASES = [
+    # (vocab, tp, shard): odd sizes, edge lengths, empty shards (vocab < (tp - 1) * shard)
+    (1, 2, 64), (5, 8, 64), (37, 3, 64), (63, 2, 32), (64, 2, 32), (65, 2, 64), (127, 4, 32), (128, 4, 32),
+    (129, 3, 64), (200, 8, 32), (257, 4, 65), (1000, 2, 512), (1000, 8, 128), (777, 3, 259),
+]
+
+
+def _small_params():
+    # Each case runs in one dtype on the CPU interpreter (alternating) and in both on the GPU.
+    params = []
+    for i, (vocab, tp, shard) in enumerate(SMALL_CASES):
+        for j, dtype in enumerate((torch.bfloat16, torch.float32)):
+            marks = () if (i + j) % 2 == 0 else (pytest.mark.gpu,)
+            params.append(pytest.param(vocab, tp, shard, dtype, marks=marks,
+                                       id=f"{vocab}-tp{tp}-sh{shard}-{'bf16' if j == 0 else 'fp32'}"))
+    return params
+
+
+@pytest.mark.parametrize("vocab,tp,shard,dtype", _small_params())
+def test_emulated_small(vocab, tp, shard, dtype, device):
+    check_emulated(vocab, tp, shard, dtype, rows=16, device=device, split_columns=128, seed=vocab * 31 + tp)
+
+
+@pytest.mark.parametrize("rows", [1, 64, pytest.param(2, marks=pytest.mark.gpu), pytest.param(63, marks=pytest.mark.gpu)])
+def test_emulated_rows(rows, device):
+    check_emulated(700, 2, 384, torch.bfloat16, rows=rows, device=device, split_columns=256, seed=rows)
+
+
+@pytest.mark.parametrize("vocab,tp,dtype", [(154880, 2, torch.bfloat16), (129280, 8, torch.float32),
+                                            (151936, 4, torch.bfloat16)])
+def test_emulated_full_vocab_cpu_sized(vocab, tp, dtype, device):
+    from dsaspec.spec.lm_head import padded_vocab_size
+
+    shard = padded_vocab_size(vocab, tp) // tp
+    check_emulated(vocab, tp, shard, dtype, rows=2, device=device, split_columns=DEFAULT_SPLIT_COLUMNS,
+                   seed=vocab + tp, compare_reference=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tp", [2, 3, 4, 8])
+@pytest.mark.parametrize("vocab", FULL_VOCABS)
+def test_emulated_full_vocab_gpu(vocab, tp, dtype):
+    from dsaspec.spec.lm_head import padded_vocab_size
+
+    shard = padded_vocab_size(vocab, tp) // tp
+    for rows in (1, 2, 7, 16, 33, 64):
+        check_emulated(vocab, tp, shard, dtype, rows=rows, device="cuda", split_columns=DEFAULT_SPLIT_COLUMNS,
+                       seed=rows * 1000 + tp)
+
+
+@pytest.mark.gpu
+def test_random_bf16_rows_have_ties_and_match():
+    # Realistic bf16 logits: a few percent of rows have a tied maximum; all must match torch.argmax.
+    from dsaspec.spec.lm_head import padded_vocab_size
+
+    vocab, tp = 154880, 2
+    shard = padded_vocab_size(vocab, tp) // tp
+    logits = (torch.randn(512, tp * shard, device="cuda") * 3).to(torch.bfloat16)
+    full = logits[:, :vocab].float()
+    ties = (full == full.max(dim=1, keepdim=True).values).sum(dim=1) > 1
+    assert ties.any()
+    tokens, *_ = emulate_exchange(logits, vocab, tp, DEFAULT_SPLIT_COLUMNS, "cuda", order=[1, 0])
+    assert torch.equal(tokens, torch.argmax(full, dim=-1))
+
+
+# -- finalize --------------------------------------------------------------------------------------
+
+def test_finalize_token_map_and_int32_outputs(device):
+    logits = adversarial_logits(8, 300, 160, 2, torch.float32, seed=3).to(device)
+    token_map = (torch.arange(300, device=device, dtype=torch.int32) * 3 + 1)
+    positions = torch.arange(8, dtype=torch.int32, device=device)
+    tokens, _, positions_out, reduced = emulate_exchange(logits, 300, 2, 128, device, positions=positions,
+                                                         token_map=token_map)
+    expected = torch.argmax(logits[:, :300].float(), dim=-1)
+    assert torch.equal(tokens, token_map[expected].to(torch.int64))
+    assert positions_out.dtype == torch.int32 and torch.equal(positions_out, positions + 1)
+    ref_tokens, ref_p, ref_pos = argmax_finalize_reference(reduced, positions, token_map)
+    assert torch.equal(ref_tokens, tokens) and torch.equal(ref_pos, positions_out)
+    tokens32 = torch.empty(8, dtype=torch.int32, device=device)
+    topk_p = torch.empty(8, device=device)
+    draft_finalize(tokens=tokens32, topk_p=topk_p, reduced=reduced)
+    assert torch.equal(tokens32.to(torch.int64), expected)
+
+
+def test_finalize_gather_mode_matches_exchange_mode(device):
+    logits = adversarial_logits(16, 500, 256, 2, torch.bfloat16, seed=5).to(device)
+    positions = torch.arange(16, dtype=torch.int64, device=device)
+    exch_tokens, exch_p, exch_pos, _ = emulate_exchange(logits, 500, 2, 256, device, positions=positions)
+    argmax = torch.argmax(logits[:, :500].float(), dim=-1)
+    tokens = torch.empty(16, dtype=torch.int64, device=device)
+    topk_p = torch.empty(16, device=device)
+    positions_out = torch.empty_like(positions)
+    draft_finalize(tokens=tokens, topk_p=topk_p, positions=positions, positions_out=positions_out, argmax_tokens=argmax)
+    for a, b in ((tokens, exch_tokens), (topk_p, exch_p), (positions_out, exch_pos)):
+        assert torch.equal(a, b)
+    # In place: positions_out may be positions, argmax_tokens may be tokens.
+    draft_finalize(tokens=argmax, topk_p=topk_p, positions=positions, positions_out=positions, argmax_tokens=argmax)
+    assert torch.equal(positions, positions_out) and torch.equal(argmax, tokens)
+
+
+# -- argument checks ---------------------------------------------------------------------------------
+
+def test_partials_argument_errors(device):
+    logits = torch.randn(2, 64, device=device)
+    splits, _ = exchange_layout(64)
+    good = torch.empty(2, 2 * splits, 4, device=device)
+    with pytest.raises(ValueError, match="out must be"):
+        argmax_partials(logits, torch.empty(2, 3, 4, device=device), rank=0, tp_size=2, vocab_size=100)
+    with pytest.raises(ValueError, match="rank"):
+        argmax_partials(logits, good, rank=2, tp_size=2, vocab_size=100)
+    with pytest.raises(ValueError, match="vocab_size"):
+        argmax_partials(logits, good, rank=0, tp_size=2, vocab_size=129)
+    with pytest.raises(TypeError, match="bf16 or fp32"):
+        argmax_partials(logits.half(), good, rank=0, tp_size=2, vocab_size=100)
+    with pytest.raises(ValueError, match="unit column stride"):
+        argmax_partials(torch.randn(64, 2, device=device).t(), good, rank=0, tp_size=2, vocab_size=100)
+
+
+def test_finalize_argument_errors(device):
+    tokens = torch.empty(2, dtype=torch.int64, device=device)
+    topk_p = torch.empty(2, device=device)
+    reduced = torch.zeros(2, 4, 4, device=device)
+    with pytest.raises(ValueError, match="exactly one"):
+        draft_finalize(tokens=tokens, topk_p=topk_p)
+    with pytest.raises(ValueError, match="both positions"):
+        draft_finalize(tokens=tokens, topk_p=topk_p, reduced=reduced, positions=tokens)
+    with pytest.raises(ValueError, match="topk_p"):
+        draft_finalize(tokens=tokens, topk_p=topk_p.double(), reduced=reduced)
+    with pytest.raises(ValueError, match="reduced"):
+        draft_finalize(tokens=tokens, topk_p=topk_p, reduced=torch.zeros(2, 4, 3, device=device))
+
+
+# -- CUDA graphs (one GPU, emulated ranks) -----------------------------------------------------------
+
+@pytest.mark.gpu
+def test_partials_and_finalize_in_cuda_graph():
+    vocab, tp, rows = 129280, 8, 16
+    from dsaspec.spec.lm_head import padded_vocab_size
+
+    shard = padded_vocab_size(vocab, tp) // tp
+    splits, _ = exchange_layout(shard)
+    logits = torch.empty(rows, tp * shard, dtype=torch.bfloat16, device="cuda")
+    buffers = torch.empty(tp, rows, tp * splits, 4, device="cuda")
+    tokens = torch.empty(rows, dtype=torch.int64, device="cuda")
+    topk_p = torch.empty(rows, device="cuda")
+    positions = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    positions_out = torch.empty_like(positions)
+
+    def step():
+        for rank in range(tp):
+            argmax_partials(logits[:, rank * shard:(rank + 1) * shard], buffers[rank], rank=rank, tp_size=tp,
+                            vocab_size=vocab, check=False)
+        draft_finalize(tokens=tokens, topk_p=topk_p, positions=positions, positions_out=positions_out,
+                       reduced=buffers.sum(dim=0), check=False)
+
+    logits.copy_(adversarial_logits(rows, vocab, shard, tp, torch.bfloat16, seed=0))
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        logits.copy_(adversarial_logits(rows, vocab, shard, tp, torch.bfloat16, seed=seed + 1))
+        positions.fill_(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(tokens, torch.argmax(logits[:, :vocab].float(), dim=-1))
+        assert torch.equal(positions_out, positions + 1)
+
