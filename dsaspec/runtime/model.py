@@ -34,19 +34,37 @@ from dsaspec.runtime.memory import KVPool
 @functools.lru_cache(maxsize=2)
 def dsa_ops(use_triton: bool) -> SimpleNamespace:
     """The four DSA ops (``indexer_schedule``, ``indexer_logits``, ``topk_slots``,
-    ``sparse_mla_decode``) with the op signatures: Triton kernels when ``use_triton``, else plain
-    torch (eager only: it reads lengths on the host)."""
+    ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check``): the
+    Triton kernels when ``use_triton``, else the plain-torch references (eager only: they loop
+    over rows on the host)."""
     if use_triton:
         from dsaspec.ops.indexer import indexer_logits
         from dsaspec.ops.indexer_schedule import indexer_schedule
         from dsaspec.ops.sparse_mla import sparse_mla_decode
         from dsaspec.ops.topk import topk_slots
-    else:
-        from dsaspec.reference.indexer_schedule import reference_indexer_schedule
-        from dsaspec.runtime._torch_ops import indexer_logits, sparse_mla_decode, topk_slots
 
-        def indexer_schedule(seqlens, num_sms, out):
-            return out.copy_(reference_indexer_schedule(seqlens.cpu(), num_sms))
+        return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
+                               topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode)
+    from dsaspec.reference.indexer import reference_indexer_logits
+    from dsaspec.reference.indexer_schedule import reference_indexer_schedule
+    from dsaspec.reference.sparse_mla import reference_sparse_mla_decode
+    from dsaspec.reference.topk import reference_topk_slots
+
+    def indexer_schedule(seqlens, num_sms, out):
+        return out.copy_(reference_indexer_schedule(seqlens.cpu(), num_sms))
+
+    def indexer_logits(q, weights, k_cache, page_table_1, seqlens, schedule, out, check=True):
+        out.fill_(float("-inf"))
+        for row, row_logits in enumerate(reference_indexer_logits(q, weights, k_cache, page_table_1, seqlens)):
+            out[row, : row_logits.numel()] = row_logits
+        return out
+
+    def topk_slots(logits, seqlens, page_table_1, k, out, check=True):
+        return out.copy_(reference_topk_slots(logits, seqlens, page_table_1, k))
+
+    def sparse_mla_decode(q, kv_cache, slots, sm_scale, out, check=True):
+        return out.copy_(reference_sparse_mla_decode(q, kv_cache, slots, sm_scale))
+
     return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
                            topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode)
 
@@ -88,6 +106,19 @@ class AttentionInputs:
     @property
     def rows(self) -> int:
         return self.seqlens.shape[0]
+
+
+@dataclass
+class _Step:
+    """Per-step state every layer reads: RoPE cos/sin fp32 ``[R, rope/2]``, the rows' slots,
+    the attention inputs, the ops and whether the ops validate (host syncs) their inputs."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    out_cache_loc: torch.Tensor
+    attn: AttentionInputs
+    ops: SimpleNamespace
+    check: bool
 
 
 def build_extend_inputs(req_to_token: torch.Tensor, rows, prefix_lens, extend_lens):
@@ -228,7 +259,7 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(config.index_head_dim, config.attn_norm_eps, device, dtype)
         self.weights_proj = _linear(config.hidden_size, config.index_n_heads, device, dtype)
 
-    def forward(self, x, q_latent, cos, sin, out_cache_loc, index_k_cache):
+    def forward(self, x, q_latent, step: _Step, index_k_cache):
         """Write each row's key into ``index_k_cache[out_cache_loc]``; return the query
         ``[R, index_n_heads, 128]`` (model dtype) and head weights fp32 ``[R, index_n_heads]``
         (``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``)."""
@@ -236,9 +267,9 @@ class Indexer(nn.Module):
         rows = x.shape[0]
         rope, interleaved = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
         q = self.wq_b(q_latent).view(rows, cfg.index_n_heads, cfg.index_head_dim)
-        q = _rope_first(q, rope, cos, sin, interleaved)
-        k = _rope_first(self.k_norm(self.wk(x)), rope, cos, sin, interleaved)
-        index_k_cache.index_copy_(0, out_cache_loc, k)
+        q = _rope_first(q, rope, step.cos, step.sin, interleaved)
+        k = _rope_first(self.k_norm(self.wk(x)), rope, step.cos, step.sin, interleaved)
+        index_k_cache.index_copy_(0, step.out_cache_loc, k)
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * cfg.index_weight_scale
         return q, weights
 
@@ -267,8 +298,7 @@ class MLAAttention(nn.Module):
                                               cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim:]
 
-    def forward(self, x, cos, sin, out_cache_loc, mla_cache, index_k_cache,
-                attn: AttentionInputs, ops) -> torch.Tensor:
+    def forward(self, x, step: _Step, mla_cache, index_k_cache) -> torch.Tensor:
         """``x`` ``[R, hidden]`` (normed) -> ``[R, hidden]``; writes the rows' entries of
         ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` at ``out_cache_loc``
         and ``attn.topk_slots`` (if given)."""
@@ -277,25 +307,26 @@ class MLAAttention(nn.Module):
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(rows, heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
+        q_rope = apply_rope(q_rope, step.cos, step.sin, cfg.rope_interleave)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)
-        mla_cache.index_copy_(0, out_cache_loc, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1))
-        q_index, index_weights = self.indexer(x, q_latent, cos, sin, out_cache_loc, index_k_cache)
+        k_rope = apply_rope(k_rope, step.cos, step.sin, cfg.rope_interleave)
+        mla_cache.index_copy_(0, step.out_cache_loc, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1))
+        q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache)
 
         w_uk, w_uv = self.absorbed_weights()
         q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)      # [R, H, 512]
         q_mqa = torch.cat((q_absorbed, q_rope), dim=-1).contiguous()              # [R, H, 576]
-        slots = _select_slots(q_index, index_weights, index_k_cache, attn, cfg.index_topk, ops)
+        slots = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)
         o_latent = torch.empty(rows, heads, cfg.kv_lora_rank, device=x.device, dtype=x.dtype)
-        ops.sparse_mla_decode(q_mqa, mla_cache, slots, cfg.softmax_scale, out=o_latent)
+        step.ops.sparse_mla_decode(q_mqa, mla_cache, slots, cfg.softmax_scale, out=o_latent, check=step.check)
         o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [R, H, v]
         return self.o_proj(o.reshape(rows, heads * cfg.v_head_dim))
 
 
-def _select_slots(q_index, index_weights, index_k_cache, attn: AttentionInputs, index_topk, ops):
+def _select_slots(q_index, index_weights, index_k_cache, step: _Step, index_topk):
     """Indexer logits over each row's live positions, then the top-k as slots: int32 ``[R, k]``."""
     rows, device = q_index.shape[0], q_index.device
+    attn, ops = step.attn, step.ops
     schedule = attn.schedule
     if schedule is None:
         sms = num_sms(device)
@@ -308,8 +339,8 @@ def _select_slots(q_index, index_weights, index_k_cache, attn: AttentionInputs, 
     if slots is None:
         slots = torch.empty(rows, index_topk, dtype=torch.int32, device=device)
     ops.indexer_logits(q_index, index_weights, index_k_cache, attn.page_table_1, attn.seqlens,
-                       schedule, out=logits)
-    ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots)
+                       schedule, out=logits, check=step.check)
+    ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots, check=step.check)
     return slots
 
 
@@ -336,9 +367,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = MLP(config, device, dtype)
 
-    def forward(self, x, cos, sin, out_cache_loc, mla_cache, index_k_cache, attn, ops):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, out_cache_loc, mla_cache,
-                               index_k_cache, attn, ops)
+    def forward(self, x, step: _Step, mla_cache, index_k_cache):
+        x = x + self.self_attn(self.input_layernorm(x), step, mla_cache, index_k_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -426,8 +456,9 @@ class DSAModel(nn.Module):
             param.copy_(value)
         return self
 
-    def _ops(self):
-        return dsa_ops(self.use_triton)
+    def _step(self, positions, out_cache_loc, attn: AttentionInputs, check: bool) -> _Step:
+        cos, sin = self.rotary(positions)
+        return _Step(cos, sin, out_cache_loc, attn, dsa_ops(self.use_triton), check)
 
     def _check(self, input_ids, positions, out_cache_loc, attn: AttentionInputs, kv: KVPool, layers: int):
         rows = input_ids.shape[0]
@@ -465,11 +496,10 @@ class DSAModel(nn.Module):
         """
         if check:
             self._check(input_ids, positions, out_cache_loc, attn, kv, self.config.num_hidden_layers)
-        ops = self._ops()
-        cos, sin = self.rotary(positions)
+        step = self._step(positions, out_cache_loc, attn, check)
         x = self.model.embed_tokens(input_ids)
         for i in range(self.config.num_hidden_layers):
-            x = self.model.layers[i](x, cos, sin, out_cache_loc, kv.mla_cache[i], kv.index_k_cache[i], attn, ops)
+            x = self.model.layers[i](x, step, kv.mla_cache[i], kv.index_k_cache[i])
         return self.model.norm(x)
 
     def forward_mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -495,10 +525,10 @@ class DSAModel(nn.Module):
             if hidden.shape != (input_ids.shape[0], self.config.hidden_size):
                 raise ValueError(f"hidden must be [{input_ids.shape[0]}, {self.config.hidden_size}], "
                                  f"got {tuple(hidden.shape)}")
-        cos, sin = self.rotary(positions)
+        step = self._step(positions, out_cache_loc, attn, check)
         embedded = layer.enorm(self.model.embed_tokens(input_ids))
         x = layer.eh_proj(torch.cat((embedded, layer.hnorm(hidden.to(embedded.dtype))), dim=-1))
-        x = layer(x, cos, sin, out_cache_loc, kv.mla_cache[0], kv.index_k_cache[0], attn, self._ops())
+        x = layer(x, step, kv.mla_cache[0], kv.index_k_cache[0])
         return layer.shared_head.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
