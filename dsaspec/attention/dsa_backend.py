@@ -158,6 +158,8 @@ class DSAAttnBackend:
         if key in self._buffers:
             return self._buffers[key]
         if share_from is not None:
+            if share_from.req_to_token.data_ptr() != self.req_to_token.data_ptr():
+                raise ValueError("share_from reads a different req_to_token: cannot alias its buffers")
             for name in ("width", "page_size", "num_draft_tokens", "index_topk", "num_sms", "device"):
                 if getattr(share_from, name) != getattr(self, name):
                     raise ValueError(f"share_from has {name}={getattr(share_from, name)}, this backend "
