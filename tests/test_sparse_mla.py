@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsaspec.ops.sparse_mla import sparse_mla_decode
+from dsaspec.ops.sparse_mla import sparse_mla_decode, sparse_mla_workspace
 from dsaspec.reference.sparse_mla import random_sparse_mla_inputs, reference_sparse_mla_decode
 
 
@@ -17,10 +17,10 @@ def _poison_unselected(inputs):
     return dict(inputs, kv_cache=kv_cache)
 
 
-def _run_and_compare(inputs, atol, rtol, check=True):
+def _run_and_compare(inputs, atol, rtol, workspace=None):
     q = inputs["q"]
     out = torch.full((q.shape[0], q.shape[1], 512), 7.0, dtype=torch.bfloat16, device=q.device)
-    sparse_mla_decode(**inputs, out=out, check=check)
+    sparse_mla_decode(**inputs, out=out, workspace=workspace)
     expected = reference_sparse_mla_decode(**{name: value.cpu() if torch.is_tensor(value) else value
                                               for name, value in inputs.items()})
     torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
@@ -87,31 +87,37 @@ def test_bad_arguments(device):
         bad = inputs["slots"].clone()
         bad[0, 0] = 10
         sparse_mla_decode(**dict(inputs, slots=bad), out=out)
+    with pytest.raises(ValueError, match="workspace"):
+        sparse_mla_decode(**inputs, out=out, workspace=torch.zeros(2, 4, 2, 512, device=device))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_heads", [64, 128])
 @pytest.mark.parametrize("num_rows", [1, 16, 96])
-def test_gpu_production_sizes(num_heads, num_rows):
+def test_gpu_production_sizes(num_heads, num_rows, split):
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(num_rows)
     counts = torch.randint(0, 2049, (num_rows,), generator=gen)
     counts[0] = 2048
     inputs = random_sparse_mla_inputs(num_rows, num_heads, num_slots=1 << 20, k=2048,
                                       valid_counts=counts.tolist(), device=device, seed=num_heads)
-    _run_and_compare(inputs, atol=2e-2, rtol=2e-2)
+    workspace = sparse_mla_workspace(num_rows, num_heads, device) if split else None
+    _run_and_compare(inputs, atol=2e-2, rtol=2e-2, workspace=workspace)
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_with_new_slots():
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_cuda_graph_replay_with_new_slots(split):
     device = torch.device("cuda")
     num_rows, num_heads, k, num_slots = 24, 64, 2048, 1 << 18
     inputs = random_sparse_mla_inputs(num_rows, num_heads, num_slots, k, [0] * num_rows, device)
     out = torch.zeros(num_rows, num_heads, 512, dtype=torch.bfloat16, device=device)
-    sparse_mla_decode(**inputs, out=out)
+    workspace = sparse_mla_workspace(num_rows, num_heads, device) if split else None
+    sparse_mla_decode(**inputs, out=out, workspace=workspace)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sparse_mla_decode(**inputs, out=out, check=False)
+        sparse_mla_decode(**inputs, out=out, check=False, workspace=workspace)
     gen = torch.Generator().manual_seed(0)
     for high in (1, 100, k):
         counts = torch.randint(0, high + 1, (num_rows,), generator=gen).tolist()
@@ -123,3 +129,17 @@ def test_gpu_cuda_graph_replay_with_new_slots():
         expected = reference_sparse_mla_decode(inputs["q"].cpu(), inputs["kv_cache"].cpu(),
                                                fresh["slots"], inputs["sm_scale"])
         torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+def test_split_workspace(num_splits, device):
+    """Split runs (some empty: fewer blocks than splits) combine to the single-pass answer."""
+    counts = [0, 1, 33, 100, 128, 64]
+    inputs = random_sparse_mla_inputs(len(counts), 8, num_slots=500, k=128, valid_counts=counts,
+                                      device=device, seed=num_splits)
+    slots = inputs["slots"].cpu()
+    slots[3, 5:40] = -1  # a hole spanning a whole split
+    inputs = _poison_unselected(dict(inputs, slots=slots.to(device)))
+    workspace = sparse_mla_workspace(len(counts), 8, device, num_splits=num_splits)
+    workspace.fill_(float("nan"))
+    _run_and_compare(inputs, atol=2e-2, rtol=2e-2, workspace=workspace)

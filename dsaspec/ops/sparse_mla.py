@@ -4,7 +4,9 @@ Each query row attends to its own ``k`` selected cache slots (``-1`` = no slot) 
 576-wide key per slot (latent 512 + rope 64) whose first 512 values are the value. Grid
 ``(R, cdiv(H, BLOCK_H))``: a program holds a block of heads (the dot's M dimension), scans the
 row's slot list once for its last valid entry, then runs an online softmax over blocks of
-``BLOCK_N`` slots up to it, so rows with fewer live tokens than ``k`` stop early.
+``BLOCK_N`` slots up to it, so rows with fewer live tokens than ``k`` stop early. With a
+workspace the slot blocks are also split over a third grid dimension and a combine kernel merges
+the partial softmaxes (for small ``R * H``, e.g. decode at batch 1).
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ QK_DIM = LATENT_DIM + ROPE_DIM
 _GPU_BLOCK_H = 32  # heads per program on the GPU (untuned)
 _BLOCK_N = 32  # slots per online-softmax step
 _SCAN = 1024  # slot ids per step of the last-valid scan
+_MAX_SPLITS = 16  # split-slot runs per row at most (2048 / 16 = 128 slots each)
 
 
 @triton.jit
-def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, qk_scale_log2,
+def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, qk_scale_log2,
                               q_stride_row, q_stride_head, kv_stride, slots_stride,
                               out_stride_row, out_stride_head, num_heads, topk,
                               LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
-                              BLOCK_N: tl.constexpr, SCAN: tl.constexpr, UPCAST: tl.constexpr):
+                              BLOCK_N: tl.constexpr, SCAN: tl.constexpr, UPCAST: tl.constexpr,
+                              SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     real_head = heads < num_heads
@@ -53,7 +57,14 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, qk_scale_log2,
     running_max = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)  # finite: empty blocks stay NaN-free
     denominator = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, LATENT), dtype=tl.float32)
-    for start in range(0, last_valid + 1, BLOCK_N):
+    # split `split` of `num_splits` takes an equal run of the row's slot blocks
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    num_blocks = tl.cdiv(last_valid + 1, BLOCK_N)
+    per_split = tl.cdiv(num_blocks, num_splits)
+    first_block = split * per_split
+    stop_block = tl.minimum(first_block + per_split, num_blocks)
+    for start in range(first_block * BLOCK_N, stop_block * BLOCK_N, BLOCK_N):
         index = start + tl.arange(0, BLOCK_N)
         slot = tl.load(row_slots + index, mask=index < topk, other=-1)
         valid = slot >= 0
@@ -73,13 +84,68 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, qk_scale_log2,
         acc = tl.dot(probs.to(kv_latent.dtype), kv_latent, acc * rescale[:, None])
         running_max = new_max
     result = acc / tl.where(denominator > 0, denominator, 1.0)[:, None]
-    out_row = out_ptr + row * out_stride_row + heads[:, None] * out_stride_head
-    tl.store(out_row + latent[None, :], result.to(out_ptr.dtype.element_ty),
-             mask=real_head[:, None])
+    if SPLIT:
+        # workspace [R, H, num_splits, LATENT + 1]: the split's normalised output, then its
+        # log2-sum-exp2 of the scaled scores (-inf when the split saw no valid slot)
+        record = workspace_ptr + ((row * num_heads + heads) * num_splits + split) * (LATENT + 1)
+        tl.store(record[:, None] + latent[None, :], result, mask=real_head[:, None])
+        seen = denominator > 0
+        log_sum = tl.where(seen, running_max + tl.log2(tl.where(seen, denominator, 1.0)),
+                           float("-inf"))
+        tl.store(record + LATENT, log_sum, mask=real_head)
+    else:
+        out_row = out_ptr + row * out_stride_row + heads[:, None] * out_stride_head
+        tl.store(out_row + latent[None, :], result.to(out_ptr.dtype.element_ty),
+                 mask=real_head[:, None])
+
+
+@triton.jit
+def _sparse_mla_combine_kernel(workspace_ptr, out_ptr, out_stride_row, out_stride_head,
+                               num_heads, num_splits, LATENT: tl.constexpr,
+                               BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    real_split = splits < num_splits
+    latent = tl.arange(0, LATENT)
+    records = workspace_ptr + ((row * num_heads + head) * num_splits + splits) * (LATENT + 1)
+    log_sums = tl.load(records + LATENT, mask=real_split, other=float("-inf"))
+    top = tl.max(log_sums, 0)
+    weights = tl.exp2(log_sums - tl.where(top == float("-inf"), 0.0, top))
+    partial = tl.load(records[:, None] + latent[None, :], mask=(weights > 0)[:, None], other=0.0)
+    total = tl.sum(weights, 0)
+    result = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * out_stride_row + head * out_stride_head + latent,
+             result.to(out_ptr.dtype.element_ty))
+
+
+def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int | None = None,
+                         num_sms: int | None = None) -> torch.Tensor:
+    """Allocate the split-slot workspace of :func:`sparse_mla_decode` (once, before capture).
+
+    ``num_splits`` defaults to enough splits for about two programs per SM (``num_sms``, default
+    the device's count, 132 without CUDA), at most 16 and at least 1.
+
+    Returns
+    -------
+    fp32 ``[num_rows, num_heads, num_splits, 513]``.
+    """
+    if num_splits is None:
+        if num_sms is None:
+            device = torch.device(device)
+            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                       if device.type == "cuda" else 132)
+        programs = num_rows * triton.cdiv(num_heads, _GPU_BLOCK_H)
+        num_splits = max(1, min(_MAX_SPLITS, triton.cdiv(2 * num_sms, max(programs, 1))))
+    if num_splits < 1:
+        raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+    return torch.empty(num_rows, num_heads, num_splits, LATENT_DIM + 1, dtype=torch.float32,
+                       device=device)
 
 
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-                      sm_scale: float, out: torch.Tensor, check: bool = True) -> torch.Tensor:
+                      sm_scale: float, out: torch.Tensor, check: bool = True,
+                      workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse MQA attention of every query row over its selected slots, in the latent space.
 
     ``out[r, h] = sum_j p_j * kv_cache[s_j, :512]`` with ``p = softmax_j(sm_scale *
@@ -97,28 +163,38 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     out : bf16 ``[R, H, 512]``, written (every entry).
     check : validate shapes, dtypes, devices and (host sync) that every slot is below
         ``num_slots``. Pass ``False`` inside CUDA graphs.
+    workspace : optional fp32 ``[R, H, num_splits, 513]`` from :func:`sparse_mla_workspace`,
+        written. With it each row's slots are split into ``num_splits`` runs handled by separate
+        programs (flash-decoding) and a second kernel combines them: more parallelism when
+        ``R * H`` is small. Without it, one pass with grid ``(R, cdiv(H, BLOCK_H))``.
 
     Returns
     -------
     ``out``.
     """
     if check:
-        _check_inputs(q, kv_cache, slots, out)
+        _check_inputs(q, kv_cache, slots, out, workspace)
     num_rows, num_heads, _ = q.shape
     block_h = _GPU_BLOCK_H if q.is_cuda else 16
     block_h = min(block_h, max(16, triton.next_power_of_2(num_heads)))
-    grid = (num_rows, triton.cdiv(num_heads, block_h))
+    num_splits = 1 if workspace is None else workspace.shape[2]
+    grid = (num_rows, triton.cdiv(num_heads, block_h), num_splits)
     _sparse_mla_decode_kernel[grid](
-        q, kv_cache, slots, out, sm_scale * math.log2(math.e),
+        q, kv_cache, slots, out, out if workspace is None else workspace,
+        sm_scale * math.log2(math.e),
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), num_heads, slots.shape[1],
         LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=block_h, BLOCK_N=_BLOCK_N,
         SCAN=min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1))), UPCAST=not q.is_cuda,
-        num_warps=8 if q.is_cuda else 4)
+        SPLIT=workspace is not None, num_warps=8 if q.is_cuda else 4)
+    if workspace is not None:
+        _sparse_mla_combine_kernel[(num_rows, num_heads)](
+            workspace, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            LATENT=LATENT_DIM, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
     return out
 
 
-def _check_inputs(q, kv_cache, slots, out) -> None:
+def _check_inputs(q, kv_cache, slots, out, workspace) -> None:
     check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, QK_DIM))
     num_rows, num_heads, _ = q.shape
     device = q.device
@@ -126,6 +202,12 @@ def _check_inputs(q, kv_cache, slots, out) -> None:
     check_tensor("slots", slots, dtype=torch.int32, shape=(num_rows, None), device=device)
     check_tensor("out", out, dtype=torch.bfloat16, shape=(num_rows, num_heads, LATENT_DIM),
                  device=device)
+    if workspace is not None:
+        check_tensor("workspace", workspace, dtype=torch.float32,
+                     shape=(num_rows, num_heads, None, LATENT_DIM + 1), device=device)
+        if not workspace.is_contiguous() or workspace.shape[2] < 1:
+            raise ValueError(f"workspace: expected a contiguous [R, H, num_splits >= 1, 513] "
+                             f"tensor, got shape {tuple(workspace.shape)}")
     if slots.numel() and int(slots.max()) >= kv_cache.shape[0]:
         raise ValueError(f"slots: slot {int(slots.max())} is out of range for a kv_cache of "
                          f"{kv_cache.shape[0]} slots")
