@@ -277,3 +277,26 @@ def test_cuda_graph_replay_new_lengths_1m(kernel, share_buffers):
             assert torch.equal(step.schedule(4, Mode.DECODE).cpu(),
                                reference_indexer_schedule(sl.cpu(), step.num_sms))
     assert [[t.data_ptr() for t in o.tensors()] for o in outs] == ptrs
+
+
+# ---------------------------------------------------------------- benchmark smoke test
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this is the full benchmark: run `dsaspec bench draft-metadata`")
+def test_bench_draft_metadata_cpu_checks_identity(tmp_path):
+    import argparse
+    import json
+
+    from dsaspec.bench import draft_metadata
+
+    parser = argparse.ArgumentParser()
+    draft_metadata.add_arguments(parser)
+    assert draft_metadata.run(parser.parse_args(["--step-backends", "2", "--out", str(tmp_path)])) == 0
+    rows = json.loads((tmp_path / "draft_metadata.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["bit_identical"] for r in rows)
+
+
+def test_bench_floor_bytes():
+    from dsaspec.bench.draft_metadata import floor_bytes
+
+    # bs 2, live 100: read 2*100 ints; per destination 200 + 2*cdiv(100, 64) + 4*2 + 2 ints
+    assert floor_bytes(2, 100, 3) == 4 * (200 + 3 * (200 + 4 + 10))
