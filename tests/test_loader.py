@@ -1,0 +1,90 @@
+"""Safetensors checkpoints with HF names: bit-exact round trips, sharding, clear refusals."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsaspec.runtime.config import get_config
+from dsaspec.runtime.loader import (INDEX_FILE, SINGLE_FILE, load_checkpoint, load_config,
+                                    load_weights, save_checkpoint)
+from dsaspec.runtime.model import DSAModel
+
+
+def _model(seed=0, dtype=torch.bfloat16, **overrides):
+    return DSAModel(get_config("tiny", **overrides), dtype=dtype).init_weights(seed)
+
+
+def _assert_same(a: DSAModel, b: DSAModel):
+    assert a.config == b.config
+    for (name, pa), (name_b, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert name == name_b and pa.dtype == pb.dtype and torch.equal(pa, pb), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_round_trip_is_bit_exact(tmp_path, dtype):
+    model = _model(dtype=dtype, indexer_rope_interleave=False)
+    save_checkpoint(model, tmp_path)
+    assert (tmp_path / SINGLE_FILE).is_file()
+    assert "model.layers.2.shared_head.norm.weight" in load_file(str(tmp_path / SINGLE_FILE))
+    _assert_same(model, load_checkpoint(tmp_path, dtype=dtype))
+
+
+def test_sharded_round_trip(tmp_path):
+    model = _model(seed=1)
+    save_checkpoint(model, tmp_path, max_shard_bytes=1 << 20)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert not (tmp_path / SINGLE_FILE).exists()
+    _assert_same(model, load_weights(_model(seed=2), tmp_path))
+
+
+def test_config_json_has_hf_fields(tmp_path):
+    save_checkpoint(_model(), tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["kv_lora_rank"] == 512 and hf["index_topk"] == 64 and hf["indexer_rope_interleave"] is True
+    assert load_config(tmp_path) == get_config("tiny")
+
+
+def test_shared_mtp_duplicates_are_accepted(tmp_path):
+    """DeepSeek checkpoints repeat embed_tokens / shared_head.head under the MTP layer."""
+    model = _model()
+    save_checkpoint(model, tmp_path)
+    tensors = load_file(str(tmp_path / SINGLE_FILE))
+    tensors["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(tmp_path / SINGLE_FILE))
+    _assert_same(model, load_weights(_model(seed=3), tmp_path))
+
+
+def test_missing_unexpected_and_misshapen_tensors_are_refused_without_copying(tmp_path):
+    model = _model()
+    save_checkpoint(model, tmp_path)
+    tensors = load_file(str(tmp_path / SINGLE_FILE))
+    target = _model(seed=4)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+
+    broken = dict(tensors)
+    del broken["model.layers.0.self_attn.indexer.wk.weight"]
+    broken["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(2, 2)
+    save_file(broken, str(tmp_path / SINGLE_FILE))
+    with pytest.raises(ValueError, match=r"missing \['model.layers.0.self_attn.indexer.wk.weight'\].*"
+                                         r"unexpected \['model.layers.0.mlp.experts.0.up_proj.weight'\]"):
+        load_weights(target, tmp_path)
+
+    misshapen = dict(tensors)
+    misshapen["model.norm.weight"] = torch.ones(128, dtype=torch.bfloat16)
+    save_file(misshapen, str(tmp_path / SINGLE_FILE))
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(128,\), the model expects \(256,\)"):
+        load_weights(target, tmp_path)
+    for name, value in target.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(get_config("tiny").to_hf_dict()))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_checkpoint(tmp_path)
