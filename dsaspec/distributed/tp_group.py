@@ -127,9 +127,9 @@ class TPGroup:
 
     def all_reduce_transport(self, nbytes: int, dtype: torch.dtype = torch.float32) -> str:
         """Transport a sum all-reduce of ``nbytes`` bytes of ``dtype`` takes: local, symm_mem or nccl."""
-        if self.transport == SYMM_MEM and dtype in (torch.float32, torch.bfloat16) and nbytes <= self.symm_mem_max_bytes:
-            return SYMM_MEM
-        return self.transport
+        if self.transport != SYMM_MEM:
+            return self.transport
+        return SYMM_MEM if dtype in (torch.float32, torch.bfloat16) and nbytes <= self.symm_mem_max_bytes else NCCL
 
     def symmetric_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A ``[numel]`` buffer that ``all_reduce`` reads without staging (zero-copy).

@@ -1,0 +1,233 @@
+"""LogitsProcessor: the opt-in protocol of the argmax exchange, the gather path, the greedy draft step.
+
+Decisions at TP > 1 are checked with a stand-in group that carries a TP group's replicated facts
+(size, rank, transport) without torch.distributed; forwards run at TP 1 here (CPU interpreter or one
+GPU) and at TP 2 in tests/test_tp_group.py.
+"""
+
+import pytest
+import torch
+
+from dsaspec.distributed.tp_group import DEFAULT_SYMM_MEM_MAX_BYTES, LOCAL, NCCL, SYMM_MEM, TPGroup
+from dsaspec.ops.argmax_exchange import exchange_layout
+from dsaspec.reference.argmax_exchange import gathered_logits_reference
+from dsaspec.spec.draft_step import greedy_draft_step
+from dsaspec.spec.lm_head import VocabParallelLMHead, padded_vocab_size
+from dsaspec.spec.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
+
+KILL_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
+
+
+class FactsOnlyGroup(TPGroup):
+    """A TP group's replicated facts (size, rank, transport) without torch.distributed: for decisions only."""
+
+    def __init__(self, size, transport, rank=0, symm_mem_max_bytes=DEFAULT_SYMM_MEM_MAX_BYTES):
+        self.size, self.rank, self.transport = size, rank, transport
+        self.device = torch.device("cpu")
+        self.process_group = self.group_name = None
+        self.symm_mem_max_bytes = symm_mem_max_bytes
+        self._symmetric_storages = set()
+
+    def symmetric_empty(self, numel, dtype=torch.float32):
+        return torch.empty(numel, dtype=dtype)
+
+
+def make_processor(group, vocab=1000, hidden=32, dtype=torch.float32, opt_in=True, vocab_parallel=True, seed=0,
+                   **kwargs):
+    head = VocabParallelLMHead(vocab, hidden, group, dtype=dtype, vocab_parallel=vocab_parallel)
+    weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed))
+    head.load_weight(weight)
+    processor = LogitsProcessor(head, **kwargs)
+    if opt_in:
+        processor.enable_draft_argmax_exchange()
+    return processor, weight.to(group.device)
+
+
+@pytest.fixture(autouse=True)
+def _kill_switch_unset(monkeypatch):
+    monkeypatch.delenv(KILL_SWITCH, raising=False)
+
+
+# -- protocol (decisions) -------------------------------------------------------------------------
+
+def test_not_opted_in_always_gathers(device):
+    processor, _ = make_processor(TPGroup.single(device), opt_in=False)
+    assert "did not opt in" in processor.draft_argmax_exchange_declined(GREEDY_TOPK1)
+    out = processor.forward(torch.randn(3, 32, device=device), GREEDY_TOPK1)
+    assert out.next_token_logits is not None and out.next_token_argmax_partials is None and out.next_token_ids is None
+
+
+@pytest.mark.parametrize("transport", [SYMM_MEM, LOCAL])
+def test_opted_in_exchanges_when_eligible(transport):
+    size = 1 if transport == LOCAL else 4
+    processor, _ = make_processor(FactsOnlyGroup(size, transport, rank=size - 1))
+    assert processor.draft_argmax_exchange_declined(GREEDY_TOPK1) is None
+    assert processor.uses_draft_argmax_exchange(DraftSampling(topk=1, greedy=True))
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("no_sampling", "not a greedy draft"),
+    ("sampling", "not a greedy draft"),
+    ("topk2", "topk is 2"),
+    ("replicated_head", "replicated"),
+    ("softcap", "softcapping"),
+    ("dp_attention", "DP attention"),
+    ("nccl", "NCCL"),
+    ("too_big_for_symm_mem", "NCCL"),
+    ("kill_switch", KILL_SWITCH),
+])
+def test_each_fallback_declines(case, reason, monkeypatch):
+    group = FactsOnlyGroup(2, NCCL if case == "nccl" else SYMM_MEM, rank=1,
+                           symm_mem_max_bytes=64 if case == "too_big_for_symm_mem" else DEFAULT_SYMM_MEM_MAX_BYTES)
+    kwargs = {"final_logit_softcapping": 30.0} if case == "softcap" else {}
+    kwargs.update({"dp_attention": True} if case == "dp_attention" else {})
+    processor, _ = make_processor(group, vocab_parallel=case != "replicated_head", **kwargs)
+    sampling = {"no_sampling": None, "sampling": DraftSampling(topk=1, greedy=False),
+                "topk2": DraftSampling(topk=2)}.get(case, GREEDY_TOPK1)
+    if case == "kill_switch":
+        monkeypatch.setenv(KILL_SWITCH, "0")
+    declined = processor.draft_argmax_exchange_declined(sampling)
+    assert declined is not None and reason in declined
+    assert not processor.uses_draft_argmax_exchange(sampling)
+
+
+@pytest.mark.parametrize("value,engaged", [("0", False), ("false", False), ("off", False), ("1", True), ("", True)])
+def test_kill_switch_values(value, engaged, monkeypatch, device):
+    monkeypatch.setenv(KILL_SWITCH, value)
+    processor, _ = make_processor(TPGroup.single(device))
+    out = processor.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1)
+    assert (out.next_token_logits is None) == engaged
+    assert (out.next_token_argmax_partials is not None) == engaged
+
+
+def test_enable_is_idempotent_and_sizes_the_buffer():
+    processor, _ = make_processor(FactsOnlyGroup(2, SYMM_MEM), max_rows=16)
+    first = processor._exchange
+    processor.enable_draft_argmax_exchange()
+    assert processor._exchange is first
+    splits, _ = exchange_layout(padded_vocab_size(1000, 2) // 2)
+    assert processor._slots == 2 * splits
+    assert processor.exchange_nbytes == first.numel() * 4 == 16 * 2 * splits * 4 * 4
+
+
+# -- forwards at TP 1 ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab_parallel", [True, False])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_gather_path_logits(vocab_parallel, softcap, device):
+    processor, weight = make_processor(TPGroup.single(device), vocab=777, dtype=torch.float32, opt_in=False,
+                                       vocab_parallel=vocab_parallel, final_logit_softcapping=softcap)
+    hidden = torch.randn(5, 32, device=device)
+    logits = processor.forward(hidden).next_token_logits
+    local = hidden @ processor.lm_head.weight.t()
+    expected = gathered_logits_reference([local], 777, softcap)
+    assert logits.shape == (5, 777) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    torch.testing.assert_close(local[:, :777], hidden @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_draft_step_paths_identical(dtype, rows, device, monkeypatch):
+    processor, _ = make_processor(TPGroup.single(device), vocab=1000, hidden=64, dtype=dtype, max_rows=16,
+                                  split_columns=256)
+    hidden = torch.randn(rows, 64, device=device).to(dtype)
+    hidden[0] = 0  # an all-zero row: every logit ties, the first index must win
+    positions = torch.arange(rows, device=device) + 100
+    token_map = torch.randperm(1000, device=device)
+    results = {}
+    for path in ("exchange", "gather"):
+        monkeypatch.setenv(KILL_SWITCH, "1" if path == "exchange" else "0")
+        out = greedy_draft_step(processor, hidden, positions, token_map=token_map)
+        results[path] = (out.tokens.clone(), out.topk_p.clone(), out.positions.clone())
+    expected = token_map[torch.argmax(processor.forward(hidden).next_token_logits, dim=-1)]
+    assert expected[0] == token_map[0]
+    for a, b in zip(results["exchange"], results["gather"]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(results["exchange"][0], expected)
+    assert torch.equal(results["exchange"][2], positions + 1)
+    assert torch.equal(results["exchange"][1], torch.ones(rows, device=device))
+
+
+def test_exchange_output_fields(device):
+    processor, _ = make_processor(TPGroup.single(device), max_rows=8, split_columns=256)
+    out = processor.forward(torch.randn(4, 32, device=device), GREEDY_TOPK1)
+    assert out.next_token_logits is None and out.positions is None
+    assert out.next_token_argmax_partials.shape == (4, processor._slots, 4)
+    assert out.next_token_ids.shape == (4,) and out.topk_p.shape == (4,)
+
+
+def test_argument_errors(device):
+    processor, _ = make_processor(TPGroup.single(device), max_rows=4)
+    with pytest.raises(ValueError, match="max_rows=4"):
+        processor.forward(torch.randn(5, 32, device=device))
+    with pytest.raises(ValueError, match="positions must be int64"):
+        processor.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1,
+                          positions=torch.zeros(2, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="hidden_states must be torch.float32"):
+        processor.forward(torch.randn(2, 32, device=device, dtype=torch.float64))
+    with pytest.raises(ValueError, match="hidden_states must be"):
+        processor.forward(torch.randn(2, 31, device=device))
+    with pytest.raises(ValueError, match="max_rows"):
+        LogitsProcessor(processor.lm_head, max_rows=0)
+
+
+# -- LM head ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab,tp,padded", [(154880, 1, 154880), (154880, 2, 154880), (154880, 8, 155136),
+                                             (129280, 8, 129536), (151936, 4, 152064), (5, 3, 192)])
+def test_padded_vocab_size(vocab, tp, padded):
+    assert padded_vocab_size(vocab, tp) == padded
+    assert padded % (64 * tp) == 0 and padded - vocab < 64 * tp
+
+
+@pytest.mark.parametrize("vocab,tp", [(1000, 2), (1000, 3), (100, 4), (5, 8)])
+def test_lm_head_shards(vocab, tp):
+    weight = torch.randn(vocab, 16)
+    shards = []
+    for rank in range(tp):
+        head = VocabParallelLMHead(vocab, 16, FactsOnlyGroup(tp, SYMM_MEM, rank=rank), dtype=torch.float32)
+        head.load_weight(weight)
+        assert head.weight.shape == (padded_vocab_size(vocab, tp) // tp, 16)
+        assert torch.all(head.weight[head.valid_columns:] == 0)
+        shards.append(head.weight)
+    assert torch.equal(torch.cat(shards)[:vocab], weight)
+    replicated = VocabParallelLMHead(vocab, 16, FactsOnlyGroup(tp, SYMM_MEM, rank=1), vocab_parallel=False)
+    replicated.load_weight(weight)
+    assert replicated.weight.dtype == torch.bfloat16 and torch.equal(replicated.weight[:vocab], weight.bfloat16())
+    with pytest.raises(ValueError, match="full_weight"):
+        replicated.load_weight(weight[:-1])
+
+
+# -- CUDA graph (one GPU, TP 1) --------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_draft_step_in_cuda_graph(rows, monkeypatch):
+    group = TPGroup.single("cuda")
+    vocab, hidden_size = 154880, 256
+    tokens = {}
+    hidden = torch.empty(rows, hidden_size, device="cuda", dtype=torch.bfloat16)
+    positions = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    inputs = [torch.randn(rows, hidden_size, device="cuda").bfloat16() for _ in range(3)]
+    for path in ("exchange", "gather"):
+        monkeypatch.setenv(KILL_SWITCH, "1" if path == "exchange" else "0")
+        processor, _ = make_processor(group, vocab=vocab, hidden=hidden_size, dtype=torch.bfloat16, max_rows=64)
+        hidden.copy_(inputs[0])
+        greedy_draft_step(processor, hidden, positions)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = greedy_draft_step(processor, hidden, positions, check=False)
+        tokens[path] = []
+        for i, x in enumerate(inputs):
+            hidden.copy_(x)
+            positions.fill_(i)
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = torch.argmax(processor.forward(hidden).next_token_logits, dim=-1)
+            assert torch.equal(out.tokens, eager)
+            assert torch.equal(out.positions, positions + 1)
+            tokens[path].append(out.tokens.clone())
+    for a, b in zip(tokens["exchange"], tokens["gather"]):
+        assert torch.equal(a, b)
