@@ -7,7 +7,6 @@ under the interpreter; the gpu-marked tests add CUDA-graph replay and a 1M-token
 import pytest
 import torch
 
-from dsaspec.attention import dsa_backend
 from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend, select_kernel
 from dsaspec.ops.dsa_metadata import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
