@@ -3,8 +3,13 @@
 import pytest
 import torch
 
+from dsaspec.ops.indexer import indexer_logits
+from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import sparse_mla_decode, sparse_mla_workspace
+from dsaspec.ops.topk import topk_slots
+from dsaspec.reference.indexer import random_indexer_inputs, reference_indexer_logits
 from dsaspec.reference.sparse_mla import random_sparse_mla_inputs, reference_sparse_mla_decode
+from dsaspec.reference.topk import reference_topk_slots
 
 
 def _poison_unselected(inputs):
@@ -143,3 +148,28 @@ def test_split_workspace(num_splits, device):
     workspace = sparse_mla_workspace(len(counts), 8, device, num_splits=num_splits)
     workspace.fill_(float("nan"))
     _run_and_compare(inputs, atol=1e-3, rtol=1e-2, workspace=workspace)
+
+
+def test_decode_chain_indexer_topk_attention(device):
+    """Schedule -> indexer logits -> top-k slots -> sparse attention, each stage checked against
+    its reference on the previous stage's output (mixed decode / verify-style ragged rows)."""
+    seqlens = [0, 1, 64, 65, 130, 131, 132, 200]
+    k, width, num_slots = 64, 224, 400
+    indexer_inputs = random_indexer_inputs(seqlens, 8, width=width, num_slots=num_slots,
+                                           device=device, seed=11)
+    schedule = torch.zeros(5, 2, dtype=torch.int32, device=device)
+    indexer_schedule(indexer_inputs["seqlens"], 4, schedule)
+    logits = torch.full((len(seqlens), width), float("nan"), device=device)
+    indexer_logits(**indexer_inputs, schedule=schedule, out=logits)
+    cpu = {name: value.cpu() for name, value in indexer_inputs.items()}
+    for row, want in enumerate(reference_indexer_logits(**cpu)):
+        torch.testing.assert_close(logits[row, :want.numel()].cpu(), want, rtol=1e-5, atol=1e-5)
+
+    slots = torch.empty(len(seqlens), k, dtype=torch.int32, device=device)
+    topk_slots(logits, indexer_inputs["seqlens"], indexer_inputs["page_table_1"], k, slots)
+    assert torch.equal(slots.cpu(), reference_topk_slots(logits.cpu(), cpu["seqlens"],
+                                                          cpu["page_table_1"], k))
+
+    attention = random_sparse_mla_inputs(len(seqlens), 16, num_slots=num_slots, k=k,
+                                         valid_counts=[0] * len(seqlens), device=device, seed=12)
+    _run_and_compare(dict(attention, slots=slots), atol=1e-3, rtol=1e-2)
