@@ -72,14 +72,22 @@ def _tokens(n, vocab, seed=1):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("interleaved", [True, False], ids=["glm-interleaved", "ds-half-split"])
-def test_prefill_and_greedy_decode_match_reference_with_sparse_selection(interleaved):
-    model = _model(indexer_rope_interleave=interleaved)
+YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("overrides", [
+    {"indexer_rope_interleave": True},
+    {"indexer_rope_interleave": False},
+    {"indexer_rope_interleave": False, "rope_scaling": YARN},
+], ids=["glm-interleaved", "ds-half-split", "ds-yarn"])
+def test_prefill_and_greedy_decode_match_reference_with_sparse_selection(overrides):
+    model = _model(**overrides)
     k = model.config.index_topk
     session = Session(model)
     prompt = _tokens(90, model.config.vocab_size)                      # 90 > K = 64: sparse
     row = session.slots.admit(prompt.numel())
-    hidden = torch.cat([session.step(row, prompt[i:i + 37], i)[0] for i in range(0, 90, 37)])
+    hidden = model.prefill(prompt, session.table, row, session.kv, chunk_size=37)
     logits = [model.logits(hidden)]
     tokens = prompt.tolist() + [int(logits[0][-1].argmax())]
     selections = []
@@ -132,7 +140,7 @@ def test_mtp_layer_matches_reference():
     target_hidden, _ = session.step(row, prompt, 0)
     bonus = int(model.logits(target_hidden[-1:]).argmax())
     next_ids = torch.cat([prompt[1:], torch.tensor([bonus])])
-    draft_hidden, _ = session.step(row, next_ids, 0, mtp_hidden=target_hidden)
+    draft_hidden = model.prefill_mtp(next_ids, target_hidden, session.table, row, session.kv_mtp, chunk_size=32)
     draft_token = int(model.logits(draft_hidden[-1:]).argmax())
     step_hidden, _ = session.step(row, [draft_token], 70, mtp_hidden=draft_hidden[-1:])
 
@@ -251,24 +259,45 @@ def test_bad_inputs_are_named():
 # GPU: `python -m pytest -m gpu tests/test_model.py`
 
 
+def _teacher_forced(model, tokens, prompt_len, device):
+    """Logits of every position after the prompt (prefill, then one decode step per token) and
+    the last layer's selected positions of each decode step."""
+    session = Session(model, device=device)
+    row = session.slots.admit(prompt_len)
+    logits = [model.logits(session.step(row, tokens[:prompt_len], 0)[0])[-1:]]
+    selections = []
+    for position in range(prompt_len, len(tokens)):
+        hidden, attn = session.step(row, tokens[position:position + 1], position)
+        logits.append(model.logits(hidden))
+        selections.append(set(session.positions_of(row, attn.topk_slots[0])))
+    return torch.cat(logits), selections
+
+
 @pytest.mark.gpu
-def test_gpu_triton_path_matches_torch_path_over_a_sparse_decode():
-    model = DSAModel(get_config("tiny"), device="cuda").init_weights(0)
-    prompt = _tokens(100, model.config.vocab_size).cuda()
+@pytest.mark.parametrize("index_topk", [256, 64], ids=["dense", "sparse"])
+def test_gpu_triton_path_matches_torch_path(index_topk):
+    """bf16 on the GPU, same tokens through the Triton kernels and the torch references. Dense:
+    logits close and the argmax equal wherever the margin exceeds twice the error. Sparse: the
+    selections agree (a top-k boundary tie may flip with accumulation order, nothing more)."""
+    model = DSAModel(get_config("tiny", index_topk=index_topk), device="cuda").init_weights(0)
+    tokens = _tokens(124, model.config.vocab_size).tolist()
     runs = []
     for use_triton in (False, True):
         model.use_triton = use_triton
-        session = Session(model, device="cuda")
-        row = session.slots.admit(100)
-        logits = [model.logits(session.step(row, prompt, 0)[0])]
-        tokens = prompt.tolist() + [int(logits[0][-1].argmax())]
-        for _ in range(24):
-            logits.append(model.logits(session.step(row, [tokens[-1]], len(tokens) - 1)[0]))
-            tokens.append(int(logits[-1][0].argmax()))
-        runs.append((torch.cat(logits), tokens))
-    (torch_logits, torch_tokens), (triton_logits, triton_tokens) = runs
-    assert triton_tokens == torch_tokens
-    torch.testing.assert_close(triton_logits, torch_logits, atol=0.1, rtol=0.05)
+        runs.append(_teacher_forced(model, tokens, 100, "cuda"))
+    (torch_logits, torch_selected), (triton_logits, triton_selected) = runs
+    overlap = [len(a & b) / len(a | b) for a, b in zip(torch_selected, triton_selected)]
+    if index_topk >= len(tokens):
+        torch.testing.assert_close(triton_logits, torch_logits, atol=0.1, rtol=0.05)
+        error = (triton_logits - torch_logits).abs().max()
+        top2 = torch_logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * error
+        assert clear.sum() >= 8
+        assert torch.equal(triton_logits.argmax(-1)[clear], torch_logits.argmax(-1)[clear])
+        assert min(overlap) == 1.0
+    else:
+        assert all(len(s) == index_topk for s in triton_selected)
+        assert sum(overlap) / len(overlap) > 0.95 and min(overlap) > 0.8
 
 
 @pytest.mark.gpu
@@ -316,8 +345,10 @@ def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = run()
+        replays = []
         for lengths, tokens in (((150, 40), (3, 4)), ((151, 41), (5, 6))):
             fill(lengths, tokens)
             graph.replay()
-            replayed = out.clone()
-            torch.testing.assert_close(replayed, run(), atol=0, rtol=0)
+            replays.append(out.clone())
+            torch.testing.assert_close(replays[-1], run(), atol=2e-2, rtol=2e-2)
+        assert not torch.allclose(replays[0], replays[1])

@@ -4,19 +4,19 @@ Takes whole token sequences (positions ``0..T-1``, no cache, no paging) and the 
 :class:`dsaspec.runtime.model.DSAModel`. Attention is the MHA form (``k = [W_UK latent | roped
 key]``, ``v = W_UV latent``, per head) over all preceding tokens, masked to the indexer's top-k:
 score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s)), s <= t; row t keeps every s while t + 1 <= K,
-else the K largest (ties: lowest position). It shares nothing with the fast path but the RoPE
-frequencies (:func:`dsaspec.runtime.model.rope_inv_freq`).
+else the K largest (ties: lowest position). It shares no code with the runtime (it only reads
+the model's parameters and config), so it imports nothing from ``dsaspec.runtime``.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dsaspec.runtime.model import rope_inv_freq
 
 
 @dataclass
@@ -107,9 +107,40 @@ def _layer(layer, x, angles, config, factor):
     return x, selected
 
 
+def _yarn_temperature(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1.0 else 1.0 + 0.1 * mscale * math.log(factor)
+
+
+def _frequencies(config) -> tuple[list[float], float]:
+    """RoPE frequency of each rotated pair and the cos/sin magnitude, YaRN per its definition:
+    pair i keeps ``theta^(-2i/d)`` above the fast boundary, takes ``theta^(-2i/d) / factor``
+    below the slow one, and blends linearly in between."""
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    plain = [base ** (-2.0 * i / dim) for i in range(dim // 2)]
+    scaling = config.rope_scaling
+    if scaling is None:
+        return plain, 1.0
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def boundary(rotations):  # the pair index whose wavelength fits `rotations` times in `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(boundary(float(scaling.get("beta_fast", 32.0)))), 0)
+    high = min(math.ceil(boundary(float(scaling.get("beta_slow", 1.0)))), dim - 1)
+    frequencies = []
+    for i, freq in enumerate(plain):
+        interpolated = min(max((i - low) / max(high - low, 1e-3), 0.0), 1.0)
+        frequencies.append(freq * (1.0 - interpolated) + freq / factor * interpolated)
+    magnitude = (_yarn_temperature(factor, float(scaling.get("mscale", 1.0) or 0.0))
+                 / _yarn_temperature(factor, float(scaling.get("mscale_all_dim", 0.0) or 0.0)))
+    return frequencies, magnitude
+
+
 def _angles(config, length: int) -> tuple[torch.Tensor, float]:
-    inv_freq, factor = rope_inv_freq(config)
-    return torch.arange(length, dtype=torch.float64)[:, None] * inv_freq[None, :], factor
+    frequencies, magnitude = _frequencies(config)
+    positions = torch.arange(length, dtype=torch.float64)[:, None]
+    return positions * torch.tensor(frequencies, dtype=torch.float64)[None, :], magnitude
 
 
 @torch.no_grad()

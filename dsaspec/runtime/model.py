@@ -127,9 +127,11 @@ def build_extend_inputs(req_to_token: torch.Tensor, rows, prefix_lens, extend_le
     each attending causally to ``[0, position]``.
 
     Returns ``(positions int64 [R], out_cache_loc int64 [R], AttentionInputs)`` with
-    ``R = sum(extend_lens)``, request-major; ``page_table_1`` is each request's table row.
+    ``R = sum(extend_lens)``, request-major; ``page_table_1`` holds each request's table row cut
+    to the longest live length, and ``index_logits`` is allocated at that width.
     """
     device = req_to_token.device
+    live_width = max(int(p) + int(e) for p, e in zip(prefix_lens, extend_lens))
     positions, table_rows = [], []
     for row, prefix, extend in zip(rows, prefix_lens, extend_lens):
         positions.append(torch.arange(prefix, prefix + extend, device=device))
@@ -137,8 +139,9 @@ def build_extend_inputs(req_to_token: torch.Tensor, rows, prefix_lens, extend_le
     positions = torch.cat(positions)
     table_rows = torch.cat(table_rows)
     out_cache_loc = req_to_token[table_rows, positions].long()
-    inputs = AttentionInputs(page_table_1=req_to_token[table_rows],
-                             seqlens=(positions + 1).to(torch.int32))
+    inputs = AttentionInputs(page_table_1=req_to_token[table_rows, :live_width],
+                             seqlens=(positions + 1).to(torch.int32),
+                             index_logits=torch.empty(positions.numel(), live_width, device=device))
     return positions, out_cache_loc, inputs
 
 
@@ -487,6 +490,8 @@ class DSAModel(nn.Module):
         input_ids : int ``[R]``; positions : int64 ``[R]`` (RoPE positions);
         out_cache_loc : int64 ``[R]`` (slot each row's KV is written to);
         kv : the target KVPool (``num_hidden_layers`` layers); attn : AttentionInputs of the rows.
+        check : validate the inputs here and in the ops (the ops' checks sync with the host);
+        pass False inside CUDA graphs.
 
         Returns
         -------
