@@ -131,6 +131,41 @@ def test_verify_rows_and_padding_rows():
     torch.testing.assert_close(model.logits(hidden[:4]), reference.logits[76:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["decode", "target_verify"])
+def test_step_over_backend_metadata_buffers(mode):
+    """The engine's path: AttentionInputs over MetadataBuffers (seqlens_expanded, page_table_1)
+    and a schedule, two requests at once; decode: seq_lens include the new token; verify: N=4
+    rows per request at L..L+3 with seq_lens = L."""
+    from dsaspec.ops.dsa_metadata import Mode
+    from dsaspec.reference.dsa_metadata import reference_metadata
+    from dsaspec.reference.indexer_schedule import reference_indexer_schedule
+
+    model = _model(seed=13)
+    session = Session(model)
+    new = 1 if mode == "decode" else 4
+    sequences = [_tokens(length + new, model.config.vocab_size, seed=length) for length in (75, 30)]
+    rows = [session.slots.admit(len(seq)) for seq in sequences]
+    for row, seq in zip(rows, sequences):
+        session.step(row, seq[:-new], 0)
+    lengths = torch.tensor([len(seq) - new for seq in sequences], dtype=torch.int32)
+    seq_lens = lengths + 1 if mode == "decode" else lengths
+    metadata = reference_metadata(Mode(mode), session.table, torch.tensor(rows), seq_lens,
+                                  index_topk=model.config.index_topk, page_size=PAGE_SIZE,
+                                  num_draft_tokens=new)
+    schedule = reference_indexer_schedule(metadata.seqlens_expanded, 8)
+    attn = AttentionInputs.from_metadata(metadata, schedule, model.config.index_topk)
+    positions = torch.cat([torch.arange(int(n), int(n) + new) for n in lengths])
+    loc = torch.cat([session.table[row, int(n):int(n) + new].long() for row, n in zip(rows, lengths)])
+    ids = torch.cat([seq[-new:] for seq in sequences])
+    with torch.no_grad():
+        logits = model.logits(model(ids, positions, loc, session.kv, attn))
+    for i, seq in enumerate(sequences):
+        expected = reference_forward(model, seq).logits[-new:]
+        torch.testing.assert_close(logits[i * new:(i + 1) * new], expected, atol=1e-4, rtol=1e-4)
+    assert attn.topk_slots.shape == (len(rows) * new, model.config.index_topk)
+    assert (attn.topk_slots[: new] >= 0).sum(-1).eq(64).all()        # the long request is sparse
+
+
 def test_mtp_layer_matches_reference():
     """Draft extend over the prompt (row p: token p+1, target hidden p), then one MTP decode row."""
     model = _model(seed=5)

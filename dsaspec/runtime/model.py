@@ -107,6 +107,19 @@ class AttentionInputs:
     def rows(self) -> int:
         return self.seqlens.shape[0]
 
+    @classmethod
+    def from_metadata(cls, metadata, schedule: torch.Tensor, index_topk: int,
+                      logits_width: int | None = None) -> "AttentionInputs":
+        """Inputs over a DSA backend's static buffers of one (batch, mode): ``metadata`` (a
+        ``MetadataBuffers``: its ``page_table_1`` and ``seqlens_expanded``) and its indexer
+        ``schedule``. Allocates the scratch once (call at capture): ``index_logits`` fp32
+        ``[R, logits_width or W]`` and ``topk_slots`` int32 ``[R, index_topk]``."""
+        page_table = metadata.page_table_1
+        rows, width = page_table.shape
+        return cls(page_table_1=page_table, seqlens=metadata.seqlens_expanded, schedule=schedule,
+                   index_logits=torch.empty(rows, logits_width or width, device=page_table.device),
+                   topk_slots=torch.empty(rows, index_topk, dtype=torch.int32, device=page_table.device))
+
 
 @dataclass
 class _Step:
