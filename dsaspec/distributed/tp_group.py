@@ -206,7 +206,8 @@ class TPGroup:
         if self.transport == LOCAL:
             out[0].copy_(local)
             return out
-        dist.all_gather_into_tensor(out, local.contiguous(), group=self.process_group)
+        # Flat views: the concatenated form every backend accepts.
+        dist.all_gather_into_tensor(out.view(-1), local.contiguous().view(-1), group=self.process_group)
         return out
 
     def barrier(self) -> None:

@@ -1,0 +1,239 @@
+"""TP group: TP 1 without torch.distributed (CPU), and a real TP 2 group on two GPUs (multigpu).
+
+The multigpu tests run under torchrun, one pytest process per GPU, in the same order on every rank:
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
+        torchrun --nproc-per-node 2 -m pytest tests/test_tp_group.py -q -m multigpu -p no:cacheprovider
+
+They cover the symmetric-memory and NCCL transports, eager and CUDA-graph replay, the argmax exchange
+over both, and the LogitsProcessor forward both ways (exchange and gather), token-identical.
+"""
+
+import os
+
+import pytest
+import torch
+
+from dsaspec.distributed.tp_group import LOCAL, NCCL, SYMM_MEM, TPGroup, init_tp_group
+
+KILL_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
+
+
+# -- TP 1 (no torch.distributed) ---------------------------------------------------------------
+
+def test_single_group_collectives(device):
+    group = TPGroup.single(device)
+    assert (group.size, group.rank, group.transport) == (1, 0, LOCAL)
+    assert group.all_reduce_transport(1 << 30) == LOCAL
+    x = torch.arange(6.0, device=device).view(2, 3)
+    assert group.all_reduce(x) is x and torch.equal(x, torch.arange(6.0, device=device).view(2, 3))
+    out = torch.empty_like(x)
+    assert group.all_reduce(x, out=out) is out and torch.equal(out, x)
+    gathered = torch.empty(1, 2, 3, device=device)
+    assert torch.equal(group.all_gather(x, gathered)[0], x)
+    buf = group.symmetric_empty(10)
+    assert buf.shape == (10,) and buf.dtype == torch.float32 and not group.is_symmetric(buf)
+    group.barrier()
+
+
+def test_single_group_argument_errors(device):
+    group = TPGroup.single(device)
+    x = torch.zeros(2, 3, device=device)
+    with pytest.raises(ValueError, match="out must be"):
+        group.all_reduce(x, out=torch.zeros(3, 2, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        group.all_reduce(x.t())
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        group.all_gather(x, torch.zeros(2, 2, 3, device=device))
+    with pytest.raises(ValueError, match="transport"):
+        TPGroup(None, transport="nvls")
+
+
+def test_init_tp_group_without_torchrun(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("torch.distributed already initialised in this process")
+    assert init_tp_group().transport == LOCAL
+
+
+# -- TP 2 on two GPUs, under torchrun ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def groups():
+    from dsaspec.distributed.tp_group import init_distributed
+
+    assert init_distributed(timeout_s=180)
+    import torch.distributed as dist
+
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    symm = TPGroup(dist.group.WORLD, transport="auto")
+    nccl = TPGroup(dist.group.WORLD, transport="nccl")
+    return {SYMM_MEM: symm, NCCL: nccl}
+
+
+def _graph(fn):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _same_on_all_ranks(group, tensor):
+    gathered = torch.empty(group.size, *tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    group.all_gather(tensor.contiguous(), gathered)
+    return all(torch.equal(gathered[0], gathered[r]) for r in range(group.size))
+
+
+@pytest.mark.multigpu
+def test_transports(groups):
+    assert groups[SYMM_MEM].transport == SYMM_MEM, "symmetric-memory one-shot all-reduce unavailable"
+    assert groups[NCCL].transport == NCCL
+    assert groups[SYMM_MEM].all_reduce_transport(groups[SYMM_MEM].symm_mem_max_bytes + 4) == NCCL
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_all_reduce_exact_lanes(groups, transport, mode):
+    # Own slots hold exact integers in [0, 65535], foreign slots +0.0: the sum is an exact exchange.
+    group = groups[transport]
+    rows, slots = 16, group.size * 5
+    values = torch.randint(0, 65536, (rows, slots, 4), generator=torch.Generator().manual_seed(1)).float().cuda()
+    owner = torch.arange(slots, device="cuda") // 5
+    local = torch.where((owner == group.rank)[None, :, None], values, torch.zeros_like(values))
+    symmetric = group.symmetric_empty(local.numel()).view(rows, slots, 4)
+    staged_in = torch.empty_like(local)
+    out_sym, out_staged = torch.empty_like(local), torch.empty_like(local)
+
+    def step():
+        symmetric.copy_(local)
+        staged_in.copy_(local)
+        group.all_reduce(symmetric, out=out_sym)
+        group.all_reduce(staged_in, out=out_staged)
+
+    if mode == "eager":
+        step()
+    else:
+        graph = _graph(step)
+        out_sym.zero_()
+        out_staged.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_sym.view(torch.int32), values.view(torch.int32))
+    assert torch.equal(out_staged.view(torch.int32), values.view(torch.int32))
+    if transport == SYMM_MEM:
+        assert group.is_symmetric(symmetric)
+        with pytest.raises(ValueError, match="different out"):
+            group.all_reduce(symmetric)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_reduce_in_place_and_all_gather(groups, transport, dtype):
+    group = groups[transport]
+    x = torch.full((3, 257), float(group.rank + 1), dtype=dtype, device="cuda")
+    gathered = torch.empty(group.size, 3, 257, dtype=dtype, device="cuda")
+
+    def step():
+        x.fill_(float(group.rank + 1))
+        group.all_reduce(x)
+        group.all_gather(x, gathered)
+
+    graph = _graph(step)
+    x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    total = float(sum(range(1, group.size + 1)))
+    assert torch.all(x == total) and torch.all(gathered == total)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
+@pytest.mark.parametrize("vocab", [154880, 129280, 151936, 1001])
+def test_exchange_over_real_transport(groups, transport, vocab):
+    from test_argmax_exchange import adversarial_logits
+
+    from dsaspec.ops.argmax_exchange import draft_finalize, exchange_layout
+    from dsaspec.spec.lm_head import padded_vocab_size
+    from dsaspec.spec.logits_processor import exchange_argmax_partials
+
+    group = groups[transport]
+    rows = 64
+    shard = padded_vocab_size(vocab, group.size) // group.size
+    slots = group.size * exchange_layout(shard)[0]
+    local = torch.empty(rows, shard, dtype=torch.bfloat16, device="cuda")
+    exchange = group.symmetric_empty(rows * slots * 4).view(rows, slots, 4)
+    reduced = torch.empty_like(exchange)
+    tokens = torch.empty(rows, dtype=torch.int64, device="cuda")
+    topk_p = torch.empty(rows, device="cuda")
+
+    def step():
+        result = exchange_argmax_partials(group, local, vocab_size=vocab, exchange=exchange, reduced=reduced,
+                                          check=False)
+        draft_finalize(tokens=tokens, topk_p=topk_p, reduced=result, check=False)
+
+    full = adversarial_logits(rows, vocab, shard, group.size, torch.bfloat16, seed=vocab).cuda()
+    local.copy_(full[:, group.rank * shard:(group.rank + 1) * shard])
+    step()
+    torch.cuda.synchronize()
+    expected = torch.argmax(full[:, :vocab].float(), dim=-1)
+    assert torch.equal(tokens, expected)
+    graph = _graph(step)
+    for seed in range(3):
+        full = adversarial_logits(rows, vocab, shard, group.size, torch.bfloat16, seed=seed + 7).cuda()
+        local.copy_(full[:, group.rank * shard:(group.rank + 1) * shard])
+        tokens.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(tokens, torch.argmax(full[:, :vocab].float(), dim=-1))
+    assert _same_on_all_ranks(group, tokens)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_logits_processor_both_ways(groups, transport, dtype, monkeypatch):
+    from dsaspec.spec.draft_step import greedy_draft_step
+    from dsaspec.spec.lm_head import VocabParallelLMHead
+    from dsaspec.spec.logits_processor import GREEDY_TOPK1, LogitsProcessor
+
+    group = groups[transport]
+    vocab, hidden_size, max_rows = 154880, 256, 64
+    head = VocabParallelLMHead(vocab, hidden_size, group, dtype=dtype)
+    head.load_weight(torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(0)))
+    processor = LogitsProcessor(head, max_rows=max_rows)
+    processor.enable_draft_argmax_exchange()
+    assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (transport == SYMM_MEM)
+    for rows in (1, 5, 16, 64):
+        hidden = torch.empty(rows, hidden_size, dtype=dtype, device="cuda")
+        positions = torch.empty(rows, dtype=torch.int64, device="cuda")
+        inputs = [torch.randn(rows, hidden_size, generator=torch.Generator().manual_seed(rows * 10 + i)).to(dtype)
+                  for i in range(3)]
+        results = {}
+        for path in ("exchange", "gather"):
+            monkeypatch.setenv(KILL_SWITCH, "1" if path == "exchange" else "0")
+            hidden.copy_(inputs[0])
+            positions.fill_(0)
+            eager = greedy_draft_step(processor, hidden, positions)
+            eager_tokens = eager.tokens.clone()
+            graph = _graph(lambda: greedy_draft_step(processor, hidden, positions, check=False))
+            results[path] = [eager_tokens]
+            for i, x in enumerate(inputs):
+                hidden.copy_(x.cuda())
+                positions.fill_(i)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(eager.positions, positions + 1)
+                assert torch.equal(eager.topk_p, torch.ones_like(eager.topk_p))
+                results[path].append(eager.tokens.clone())
+            if path == "exchange" and transport == SYMM_MEM:
+                assert processor.forward(hidden, GREEDY_TOPK1).next_token_logits is None
+        for a, b in zip(results["exchange"], results["gather"]):
+            assert torch.equal(a, b), f"rows={rows}: exchange {a.tolist()} != gather {b.tolist()}"
+        assert _same_on_all_ranks(group, results["exchange"][-1])
+    monkeypatch.delenv(KILL_SWITCH)
