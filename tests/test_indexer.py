@@ -1,4 +1,4 @@
-"""indexer_logits against the dense reference, over ragged live lengths and a poisoned page table."""
+"""indexer_logits against the dense reference over ragged live lengths and a poisoned page table."""
 
 import pytest
 import torch

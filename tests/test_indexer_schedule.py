@@ -1,4 +1,4 @@
-"""indexer_schedule against its reference: exact equality, and every live block owned exactly once."""
+"""indexer_schedule against its reference: exact equality, every live block owned exactly once."""
 
 import pytest
 import torch

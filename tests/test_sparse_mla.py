@@ -1,4 +1,4 @@
-"""sparse_mla_decode against the fp32 reference: ragged valid counts, holes, repeats, poisoned cache."""
+"""sparse_mla_decode against the fp32 reference: ragged counts, holes, repeats, poisoned cache."""
 
 import pytest
 import torch

@@ -54,7 +54,8 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, 
     if UPCAST:
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
-    running_max = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)  # finite: empty blocks stay NaN-free
+    # a finite start keeps exp2(running_max - new_max) NaN-free while every slot is masked
+    running_max = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)
     denominator = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, LATENT), dtype=tl.float32)
     # split `split` of `num_splits` takes an equal run of the row's slot blocks

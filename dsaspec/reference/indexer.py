@@ -6,7 +6,8 @@ import torch
 
 
 def reference_indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
-                             page_table_1: torch.Tensor, seqlens: torch.Tensor) -> list[torch.Tensor]:
+                             page_table_1: torch.Tensor,
+                             seqlens: torch.Tensor) -> list[torch.Tensor]:
     """Per row ``r`` an fp32 ``[seqlens[r]]`` tensor:
     ``sum_h weights[r, h] * relu(q[r, h] . k_cache[page_table_1[r, t]])`` for ``t < seqlens[r]``."""
     logits = []
@@ -31,7 +32,8 @@ def random_indexer_inputs(seqlens: list[int], num_heads: int, width: int, num_sl
                                                  dtype=torch.int32)
     return dict(
         q=torch.randn(rows, num_heads, 128, generator=gen).to(torch.bfloat16).to(device),
-        weights=(torch.randn(rows, num_heads, generator=gen) * (128 * num_heads) ** -0.5).to(device),
+        weights=(torch.randn(rows, num_heads, generator=gen)
+                 * (128 * num_heads) ** -0.5).to(device),
         k_cache=torch.randn(num_slots, 128, generator=gen).to(torch.bfloat16).to(device),
         page_table_1=page_table.to(device),
         seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device),

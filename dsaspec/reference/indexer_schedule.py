@@ -9,7 +9,8 @@ def reference_indexer_schedule(seqlens: torch.Tensor, num_sms: int,
                                block_kv: int = 64) -> torch.Tensor:
     """``[num_sms + 1, 2]`` int32: SM ``i`` starts at global block
     ``g_i = i * (total // num_sms) + min(i, total % num_sms)``, given as (row, block in row) with
-    zero-length rows skipped; ``(R, 0)`` once every block is handed out. Negative lengths count as 0.
+    zero-length rows skipped; ``(R, 0)`` once every block is handed out. Negative lengths count
+    as 0.
     """
     blocks = [-(-max(int(length), 0) // block_kv) for length in seqlens.tolist()]
     total = sum(blocks)
