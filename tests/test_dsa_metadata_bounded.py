@@ -93,12 +93,47 @@ def test_replay_with_new_lengths_rewrites_live_prefix(device):
     assert [t.data_ptr() for t in out.tensors()] == ptrs
 
 
+@pytest.mark.parametrize("ext", [[1, 0, 2], [4, 4, 4]])
+def test_variable_extend_wrong_row_total_stays_in_bounds(device, ext):
+    """sum(extend_seq_lens) != rows is a precondition checked only with check=True; without the
+    check neither kernel reads or writes out of bounds (rows past the sum get length 0)."""
+    table = make_table(3, 256, device)
+    idx = torch.tensor([0, 1, 2], device=device)
+    seq_lens = torch.tensor([100, 5, 200], dtype=torch.int32, device=device)
+    ext = torch.tensor(ext, dtype=torch.int32, device=device)
+    for kernel in (context_wide_metadata, bounded_metadata):
+        out = MetadataBuffers.allocate(Mode.DRAFT_EXTEND, 3, 256, 64, device, rows=6)
+        with pytest.raises(ValueError, match="sum\\(extend_seq_lens\\)"):
+            kernel(Mode.DRAFT_EXTEND, table, idx, seq_lens, out, index_topk=64, page_size=64, extend_seq_lens=ext)
+        kernel(Mode.DRAFT_EXTEND, table, idx, seq_lens, out, index_topk=64, page_size=64,
+               extend_seq_lens=ext, check=False)
+        total = int(ext.sum())
+        if total < 6:
+            assert out.seqlens_expanded[total:].tolist() == [0] * (6 - total)
+
+
 def test_num_splits_depends_only_on_batch_and_budget():
     assert num_splits(1, 2048) == 256
     assert num_splits(16, 2048) == 128
     assert num_splits(64, 2048) == 32
     assert num_splits(4096, 2048) == 1
     assert num_splits(3, 7) == 2
+
+
+@pytest.mark.parametrize("block_cols", [128, 256])
+def test_block_size_does_not_change_what_is_written(device, block_cols):
+    mode, n = Mode.TARGET_VERIFY, 2
+    table = make_table(4, 600, device)
+    idx, seq_lens, _ = make_batch(mode, 5, 600, 4, n, device)
+    want = MetadataBuffers.allocate(mode, 5, 600, 64, device, num_draft_tokens=n)
+    context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=64, page_size=64, num_draft_tokens=n)
+    got = MetadataBuffers.allocate(mode, 5, 600, 64, device, num_draft_tokens=n)
+    for t in got.tensors():
+        t.fill_(POISON)
+    bounded_metadata(mode, table, idx, seq_lens, got, index_topk=64, page_size=64, num_draft_tokens=n,
+                     budget=10, block_cols=block_cols)
+    assert_contract_equal(got, want, mode, seq_lens, n)
+    _assert_tail_untouched(got, mode, seq_lens, n, None)
 
 
 def test_bad_budget_and_mismatched_destinations(device):
@@ -108,6 +143,8 @@ def test_bad_budget_and_mismatched_destinations(device):
     out = MetadataBuffers.allocate(Mode.DECODE, 1, 128, 64, device)
     with pytest.raises(ValueError, match="budget must be >= 1"):
         bounded_metadata(Mode.DECODE, table, idx, s, out, index_topk=8, page_size=64, budget=0)
+    with pytest.raises(ValueError, match="block_cols must be a power of two >= 128"):
+        bounded_metadata(Mode.DECODE, table, idx, s, out, index_topk=8, page_size=64, block_cols=96)
     other = MetadataBuffers.allocate(Mode.DECODE, 1, 256, 64, device)
     with pytest.raises(ValueError, match=r"out\[1\] does not match out\[0\]"):
         bounded_metadata(Mode.DECODE, table, idx, s, [out, other], index_topk=8, page_size=64)
@@ -152,7 +189,7 @@ def test_gpu_graph_replay_new_lengths_no_recompile(mode, n):
 
     launch()
     torch.cuda.synchronize()
-    compiled = sum(len(c) for c in _bounded_kernel.device_caches[0][0].values()) if hasattr(_bounded_kernel, "device_caches") else None
+    compiled = len(_bounded_kernel.device_caches[device.index or 0][0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch()
@@ -164,8 +201,7 @@ def test_gpu_graph_replay_new_lengths_no_recompile(mode, n):
         want = MetadataBuffers.allocate(mode, B, FULL_W, 64, device, num_draft_tokens=n)
         context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=2048, page_size=64, num_draft_tokens=n)
         assert_contract_equal(out, want, mode, seq_lens, n)
-    if compiled is not None:
-        assert sum(len(c) for c in _bounded_kernel.device_caches[0][0].values()) == compiled
+    assert len(_bounded_kernel.device_caches[device.index or 0][0]) == compiled
 
 
 @pytest.mark.gpu

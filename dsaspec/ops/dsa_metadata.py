@@ -89,8 +89,8 @@ class MetadataBuffers:
             rows = batch if mode is Mode.DECODE else batch * num_draft_tokens
         if mode is Mode.DECODE and rows != batch:
             raise ValueError(f"decode has one row per request: rows must equal batch={batch}, got {rows}")
-        if rows < 1:
-            raise ValueError(f"rows must be >= 1, got {rows}")
+        if rows < 0:
+            raise ValueError(f"rows must be >= 0, got {rows}")
         expanded = 0 if mode is Mode.DECODE else rows
         lengths = torch.zeros(2 * batch + 1 + expanded + 2 * rows + 1, dtype=torch.int32, device=device)
         views = torch.split(lengths, [batch, batch + 1, expanded, rows, rows + 1])
@@ -257,11 +257,14 @@ def write_lengths(seq_lens_ptr, ext_ptr, lengths_ptr, off_cu, off_exp, off_dsa, 
             b = offs_r // N
             count = N
             local = offs_r % N
-        s_row = tl.load(seq_lens_ptr + b, mask=mask_r, other=0).to(tl.int32)
+        # Rows past sum(extend_seq_lens) (a violated precondition) get length 0, no OOB read.
+        has_request = mask_r & (b < B)
+        s_row = tl.load(seq_lens_ptr + b, mask=has_request, other=0).to(tl.int32)
         if MODE == 1:
             expanded = s_row + local + 1
         else:
             expanded = tl.maximum(s_row - count + local + 1, 0)
+        expanded = tl.where(has_request, expanded, 0)
         tl.store(lengths_ptr + off_exp + offs_r, expanded, mask=mask_r)
     dsa = tl.where(mask_r, tl.minimum(expanded, K), 0)
     tl.store(lengths_ptr + off_dsa + offs_r, dsa, mask=mask_r)
@@ -301,9 +304,9 @@ def _context_wide_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_p
             b = tl.sum((ends <= row).to(tl.int32), axis=0)
         else:
             b = row // N
-        pool = tl.load(req_pool_ptr + b).to(tl.int64)
+        pool = tl.load(req_pool_ptr + b, mask=b < B, other=0).to(tl.int64)
         cols = tile * TILE_W + tl.arange(0, TILE_W)
-        col_mask = cols < W
+        col_mask = (cols < W) & (b < B)
         vals = tl.load(req_to_token_ptr + pool * stride_pool + cols, mask=col_mask, other=0)
         store_tile(vals, cols, col_mask, row, pt_ptr, real_ptr, W_OUT, W_REAL, P, HAS_REAL)
 

@@ -4,8 +4,8 @@ cost that follows the live KV length instead of the configured context.
 Grid ``1 + B * splits`` with ``splits = max(1, min(budget // B, 256))``: it depends only on the
 batch bucket and the budget, never on lengths, so one captured launch replays with any lengths.
 Program 0 writes the 1-D outputs; program ``1 + b * splits + split`` strides over request ``b``'s
-live 128-column tiles (``tile = split, split + splits, ...`` below ``cdiv(live, 128)``), reads each
-tile of ``req_to_token`` once and writes it to every metadata row of the request (N rows for
+tile-rounded live prefix ``[0, min(roundup(live, 128), W))`` in blocks of ``BLOCK_COLS`` columns
+(``block = split, split + splits, ...``), reads each block of ``req_to_token`` once and writes it to every metadata row of the request (N rows for
 target verify and draft extend) in every destination buffer set (up to four per launch: the MTP
 draft step backends). Columns past the tile-rounded live prefix are never written, so they keep
 whatever an earlier replay left there (valid slot ids; consumers never read them).
@@ -29,6 +29,7 @@ from dsaspec.ops.dsa_metadata import (TILE, MetadataBuffers, Mode, extend_prefix
 
 MAX_SPLITS = 256
 MAX_DESTINATIONS = 4
+BLOCK_COLS = 1024  # columns moved per program step: 4 KiB loads keep enough bytes in flight
 
 
 def num_splits(batch: int, budget: int) -> int:
@@ -54,7 +55,8 @@ def _bounded_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, e
                     off_cu, off_exp, off_dsa, off_dsacu,
                     B, R, N, K, W, W_OUT, W_REAL, P, SPLITS,
                     MODE: tl.constexpr, HAS_REAL: tl.constexpr, NUM_DEST: tl.constexpr,
-                    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, TILE_W: tl.constexpr):
+                    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, TILE_W: tl.constexpr,
+                    BLOCK_COLS: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:
         write_lengths(seq_lens_ptr, ext_ptr, len0, off_cu, off_exp, off_dsa, off_dsacu,
@@ -81,15 +83,17 @@ def _bounded_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, e
         elif MODE == 3:
             lanes, ext, starts, _ = extend_prefix(ext_ptr, B, BLOCK_B)
             first = tl.sum(tl.where(lanes == b, starts, 0), axis=0)
-            count = tl.sum(tl.where(lanes == b, ext, 0), axis=0)
+            # Rows past R (sum(extend_seq_lens) > rows, a violated precondition) are dropped.
+            count = tl.minimum(tl.sum(tl.where(lanes == b, ext, 0), axis=0), tl.maximum(R - first, 0))
         else:
             first = b * N
             count = N
         pool = tl.load(req_pool_ptr + b).to(tl.int64)
         src = req_to_token_ptr + pool * stride_pool
-        for tile in tl.range(split, tl.cdiv(live, TILE_W), SPLITS):
-            cols = tile * TILE_W + tl.arange(0, TILE_W)
-            col_mask = cols < W
+        end = tl.minimum(tl.cdiv(live, TILE_W) * TILE_W, W)  # tile-rounded live prefix
+        for block in tl.range(split, tl.cdiv(end, BLOCK_COLS), SPLITS):
+            cols = block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+            col_mask = cols < end
             vals = tl.load(src + cols, mask=col_mask, other=0)
             for j in tl.range(0, count):
                 _store_all(vals, cols, col_mask, first + j, pt0, real0, pt1, real1, pt2, real2,
@@ -100,7 +104,7 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
                      seq_lens: torch.Tensor, out: MetadataBuffers | Sequence[MetadataBuffers], *,
                      index_topk: int, page_size: int, num_draft_tokens: int = 1,
                      extend_seq_lens: torch.Tensor | None = None, budget: int | None = None,
-                     check: bool = True) -> None:
+                     block_cols: int = BLOCK_COLS, check: bool = True) -> None:
     """Write the replay metadata of ``mode`` into ``out`` over each row's live prefix only.
 
     Same math and arguments as :func:`dsaspec.ops.dsa_metadata.context_wide_metadata`; ``out`` may
@@ -110,6 +114,8 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
     ``budget`` (default ``flags.metadata_program_budget()``) caps the programs per launch:
     ``1 + B * max(1, min(budget // B, 256))``. Preconditions checked only when ``check`` (they
     need a host sync): pool indices in range, ``0 <= s (+N) <= W``, ``sum(extend_seq_lens) == rows``.
+    ``block_cols`` (a power of two >= 128) is how many columns one program moves per step; the
+    written region does not depend on it.
     """
     mode = Mode(mode)
     outs = [out] if isinstance(out, MetadataBuffers) else list(out)
@@ -119,6 +125,8 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
     budget = flags.metadata_program_budget() if budget is None else budget
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
+    if block_cols < TILE or block_cols & (block_cols - 1):
+        raise ValueError(f"block_cols must be a power of two >= {TILE}, got {block_cols}")
     B, R, W = outs[0].batch, outs[0].rows, req_to_token.shape[1]
     splits = num_splits(B, budget)
     block_b, block_r = launch_shape(B, R)
@@ -135,4 +143,5 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
             req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, ext, *dests,
             *outs[0].length_offsets(), B, R, num_draft_tokens, index_topk, W, outs[0].width,
             w_real, page_size, splits, MODE=code, HAS_REAL=has_real, NUM_DEST=len(group),
-            BLOCK_B=block_b, BLOCK_R=block_r, TILE_W=TILE)
+            BLOCK_B=block_b, BLOCK_R=block_r, TILE_W=TILE,
+            BLOCK_COLS=block_cols)
