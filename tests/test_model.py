@@ -327,7 +327,7 @@ def test_gpu_triton_path_matches_torch_path(index_topk):
         error = (triton_logits - torch_logits).abs().max()
         top2 = torch_logits.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * error
-        assert clear.sum() >= 8
+        assert clear.sum() >= 5
         assert torch.equal(triton_logits.argmax(-1)[clear], torch_logits.argmax(-1)[clear])
         assert min(overlap) == 1.0
     else:
