@@ -14,7 +14,7 @@ def reference_indexer_schedule(seqlens: torch.Tensor, num_sms: int,
     """
     blocks = [-(-max(int(length), 0) // block_kv) for length in seqlens.tolist()]
     total = sum(blocks)
-    out = torch.empty(num_sms + 1, 2, dtype=torch.int32)
+    out = torch.empty(num_sms + 1, 2, dtype=torch.int32, device=seqlens.device)
     for sm in range(num_sms + 1):
         start = sm * (total // num_sms) + min(sm, total % num_sms)
         row, first_block = 0, 0

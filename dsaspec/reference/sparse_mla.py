@@ -11,7 +11,7 @@ def reference_sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: 
     ``sm_scale * q[r, h] . kv_cache[slot]`` applied to ``kv_cache[slot, :512]``; zeros for a row
     without a valid slot."""
     num_rows, num_heads, _ = q.shape
-    out = torch.zeros(num_rows, num_heads, 512)
+    out = torch.zeros(num_rows, num_heads, 512, device=q.device)
     for row in range(num_rows):
         chosen = slots[row][slots[row] >= 0].long()
         if chosen.numel() == 0:

@@ -16,7 +16,7 @@ def reference_topk_positions(logits: torch.Tensor, seqlens: torch.Tensor,
                              k: int) -> torch.Tensor:
     """int64 ``[R, k]``: per row the ``min(seqlens[r], k)`` positions ``t < seqlens[r]`` of the
     largest logits (ties to the lowest position), ascending, then ``-1``."""
-    out = torch.full((logits.shape[0], k), -1, dtype=torch.int64)
+    out = torch.full((logits.shape[0], k), -1, dtype=torch.int64, device=logits.device)
     for row, length in enumerate(seqlens.tolist()):
         length = max(length, 0)
         keys = order_key(logits[row, :length])
@@ -29,6 +29,6 @@ def reference_topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table
                          k: int) -> torch.Tensor:
     """int32 ``[R, k]``: ``page_table_1[r, t]`` for the positions of
     :func:`reference_topk_positions`, ``-1`` where there is none."""
-    positions = reference_topk_positions(logits, seqlens, k)
+    positions = reference_topk_positions(logits, seqlens, k).to(page_table_1.device)
     slots = torch.gather(page_table_1.long(), 1, positions.clamp(min=0))
     return torch.where(positions >= 0, slots, -1).to(torch.int32)
