@@ -267,7 +267,7 @@ def test_emulated_full_vocab_gpu(vocab, tp, dtype):
     from dsaspec.spec.lm_head import padded_vocab_size
 
     shard = padded_vocab_size(vocab, tp) // tp
-    for rows in (1, 2, 7, 16, 33, 64):
+    for rows in (1, 7, 64):
         check_emulated(vocab, tp, shard, dtype, rows=rows, device="cuda", split_columns=DEFAULT_SPLIT_COLUMNS,
                        seed=rows * 1000 + tp)
 
