@@ -277,8 +277,9 @@ def _targets(rows: list[dict]) -> list[dict]:
         out.append({"target": f"TP2 rows {r['rows']}: exchange within 1.05x of local GEMM + one all-reduce",
                     "value": f"{r['new_over_gemm_allreduce']:.3f}x", "met": r["new_over_gemm_allreduce"] <= 1.05})
     for r in (r for r in rows if r["tp"] == 2 and r["rows"] == 16):
-        out.append({"target": "TP2 rows 16: exchange at least 15% faster than the gather path",
-                    "value": f"{100 * r['saving']:.1f}% less time ({r['speedup']:.3f}x)", "met": r["saving"] >= 0.15})
+        # "15% faster" read as speed: gather time / exchange time >= 1.15 (the time saved is reported too).
+        out.append({"target": "TP2 rows 16: exchange at least 15% faster than the gather path (speedup >= 1.15)",
+                    "value": f"{r['speedup']:.3f}x ({100 * r['saving']:.1f}% less time)", "met": r["speedup"] >= 1.15})
     slower = [f"TP{r['tp']}/rows {r['rows']}" for r in rows if r["new_us"] > r["baseline_us"]]
     out.append({"target": "exchange never slower than the gather path", "value": ", ".join(slower) or "no point slower",
                 "met": not slower})
