@@ -100,6 +100,15 @@ def test_kill_switch_values(value, engaged, monkeypatch, device):
     assert (out.next_token_argmax_partials is not None) == engaged
 
 
+def test_symm_mem_transport_choice():
+    group = FactsOnlyGroup(2, SYMM_MEM, symm_mem_max_bytes=1024)
+    assert group.all_reduce_transport(1024) == SYMM_MEM
+    assert group.all_reduce_transport(1028) == NCCL  # above the one-shot size limit
+    assert group.all_reduce_transport(6, torch.bfloat16) == NCCL  # not a multiple of 4 bytes
+    assert group.all_reduce_transport(8, torch.int32) == NCCL
+    assert FactsOnlyGroup(2, NCCL).all_reduce_transport(16) == NCCL
+
+
 def test_enable_is_idempotent_and_sizes_the_buffer():
     processor, _ = make_processor(FactsOnlyGroup(2, SYMM_MEM), max_rows=16)
     first = processor._exchange

@@ -134,10 +134,13 @@ def test_all_reduce_exact_lanes(groups, transport, mode):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_reduce_in_place_and_all_gather(groups, transport, dtype):
+@pytest.mark.parametrize("shape", [(4, 256), (3, 257)])  # (3, 257) bf16 is not 4-byte sized: NCCL
+def test_all_reduce_in_place_and_all_gather(groups, transport, dtype, shape):
     group = groups[transport]
-    x = torch.full((3, 257), float(group.rank + 1), dtype=dtype, device="cuda")
-    gathered = torch.empty(group.size, 3, 257, dtype=dtype, device="cuda")
+    x = torch.full(shape, float(group.rank + 1), dtype=dtype, device="cuda")
+    gathered = torch.empty(group.size, *shape, dtype=dtype, device="cuda")
+    nbytes = x.numel() * x.element_size()
+    assert group.all_reduce_transport(nbytes, dtype) == (NCCL if transport == NCCL or nbytes % 4 else SYMM_MEM)
 
     def step():
         x.fill_(float(group.rank + 1))

@@ -129,7 +129,9 @@ class TPGroup:
         """Transport a sum all-reduce of ``nbytes`` bytes of ``dtype`` takes: local, symm_mem or nccl."""
         if self.transport != SYMM_MEM:
             return self.transport
-        return SYMM_MEM if dtype in (torch.float32, torch.bfloat16) and nbytes <= self.symm_mem_max_bytes else NCCL
+        # The one-shot kernel takes fp32/bf16 and sizes that are a multiple of 4 bytes.
+        fits = dtype in (torch.float32, torch.bfloat16) and nbytes % 4 == 0 and nbytes <= self.symm_mem_max_bytes
+        return SYMM_MEM if fits else NCCL
 
     def symmetric_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A ``[numel]`` buffer that ``all_reduce`` reads without staging (zero-copy).
