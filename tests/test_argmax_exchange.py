@@ -176,7 +176,7 @@ def check_emulated(vocab, tp, shard, dtype, rows, device, split_columns, seed=0,
         if compare_reference and fill is None and order == sorted(order):
             for rank, buf in enumerate(buffers):
                 ref = argmax_partials_reference(shards[rank], rank=rank, tp_size=tp, vocab_size=vocab, split_width=split_width)
-                assert torch.equal(buf.cpu().view(torch.int32), ref.view(torch.int32)), f"rank {rank} partials differ"
+                assert torch.equal(buf.cpu().view(torch.int32), ref.cpu().view(torch.int32)), f"rank {rank} partials differ"
             ref_tokens, _, _ = argmax_finalize_reference(reduced, positions)
             assert torch.equal(ref_tokens, expected)
 

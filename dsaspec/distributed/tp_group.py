@@ -80,6 +80,7 @@ class TPGroup:
             return
         if self.device.type != "cuda":
             raise ValueError(f"a TP group of size {self.size} needs a CUDA device, got {self.device}")
+        disable_nvlink_multicast()  # before any symmetric-memory rendezvous (and NCCL communicator, if lazy)
         self.transport = NCCL
         if transport != NCCL:
             ok = self._setup_symmetric_memory()
