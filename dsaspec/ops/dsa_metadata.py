@@ -139,6 +139,8 @@ class MetadataBuffers:
         return (self.mode == other.mode and self.page_size == other.page_size
                 and self.lengths.shape == other.lengths.shape
                 and self.page_table_1.shape == other.page_table_1.shape
+                and self.page_table_1.stride() == other.page_table_1.stride()
+                and (self.real_page_table is None or self.real_page_table.stride() == other.real_page_table.stride())
                 and self.page_table_1.device == other.page_table_1.device
                 and (self.real_page_table is None) == (other.real_page_table is None))
 
@@ -195,8 +197,8 @@ def validate_inputs(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: to
             raise ValueError(f"{where} has {out.rows} rows, {mode.value} needs {expected_rows}")
         if out.width < W:
             raise ValueError(f"{where}.page_table_1 is {out.width} wide, narrower than req_to_token's W={W}")
-        if not out.page_table_1.is_contiguous() or (out.real_page_table is not None and not out.real_page_table.is_contiguous()):
-            raise ValueError(f"{where} page tables must be contiguous")
+        if out.page_table_1.stride(1) != 1 or (out.real_page_table is not None and out.real_page_table.stride(1) != 1):
+            raise ValueError(f"{where} page tables must have unit column stride")
         if i and not out.same_layout(outs[0]):
             raise ValueError(f"{where} does not match out[0] (mode, page size, shapes, device)")
     if not check:
@@ -273,20 +275,20 @@ def write_lengths(seq_lens_ptr, ext_ptr, lengths_ptr, off_cu, off_exp, off_dsa, 
 
 
 @triton.jit
-def store_tile(vals, cols, col_mask, row, pt_ptr, real_ptr, W, W_REAL, P,
+def store_tile(vals, cols, col_mask, row, pt_ptr, real_ptr, stride_pt, stride_real, P,
                HAS_REAL: tl.constexpr):
     """Store one loaded ``req_to_token`` tile into ``page_table_1[row]`` and its page starts
     (``// P``) into ``real_page_table[row]``; int64 row offsets."""
     row64 = row.to(tl.int64)
-    tl.store(pt_ptr + row64 * W + cols, vals, mask=col_mask)
+    tl.store(pt_ptr + row64 * stride_pt + cols, vals, mask=col_mask)
     if HAS_REAL:
-        tl.store(real_ptr + row64 * W_REAL + cols // P, vals // P, mask=col_mask & (cols % P == 0))
+        tl.store(real_ptr + row64 * stride_real + cols // P, vals // P, mask=col_mask & (cols % P == 0))
 
 
-@triton.jit(do_not_specialize=["stride_pool", "W", "W_OUT", "W_REAL"])
+@triton.jit(do_not_specialize=["W"])
 def _context_wide_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, ext_ptr,
                          lengths_ptr, off_cu, off_exp, off_dsa, off_dsacu, pt_ptr, real_ptr,
-                         B, R, N, K, W, W_OUT, W_REAL, P, NUM_TILES,
+                         B, R, N, K, W, stride_pt, stride_real, P, NUM_TILES,
                          MODE: tl.constexpr, HAS_REAL: tl.constexpr,
                          BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, TILE_W: tl.constexpr):
     pid = tl.program_id(0)
@@ -308,7 +310,7 @@ def _context_wide_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_p
         cols = tile * TILE_W + tl.arange(0, TILE_W)
         col_mask = (cols < W) & (b < B)
         vals = tl.load(req_to_token_ptr + pool * stride_pool + cols, mask=col_mask, other=0)
-        store_tile(vals, cols, col_mask, row, pt_ptr, real_ptr, W_OUT, W_REAL, P, HAS_REAL)
+        store_tile(vals, cols, col_mask, row, pt_ptr, real_ptr, stride_pt, stride_real, P, HAS_REAL)
 
 
 def launch_shape(B: int, R: int) -> tuple[int, int]:
@@ -345,6 +347,6 @@ def context_wide_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indic
         req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
         extend_seq_lens if extend_seq_lens is not None else seq_lens,
         out.lengths, *out.length_offsets(), out.page_table_1, real if real is not None else out.page_table_1,
-        B, R, num_draft_tokens, index_topk, W, out.width, real.shape[1] if real is not None else 0, page_size,
+        B, R, num_draft_tokens, index_topk, W, out.page_table_1.stride(0), real.stride(0) if real is not None else 0, page_size,
         num_tiles, MODE=code, HAS_REAL=real is not None, BLOCK_B=block_b, BLOCK_R=block_r, TILE_W=TILE)
     return out

@@ -29,7 +29,8 @@ from dsaspec.ops.dsa_metadata import (TILE, MetadataBuffers, Mode, extend_prefix
 
 MAX_SPLITS = 256
 MAX_DESTINATIONS = 4
-BLOCK_COLS = 1024  # columns moved per program step: 4 KiB loads keep enough bytes in flight
+BLOCK_COLS = 256  # columns moved per program step (H200 sweep: scripts/tune_metadata.py)
+NUM_WARPS = 2
 
 
 def num_splits(batch: int, budget: int) -> int:
@@ -39,21 +40,21 @@ def num_splits(batch: int, budget: int) -> int:
 
 @triton.jit
 def _store_all(vals, cols, col_mask, row, pt0, real0, pt1, real1, pt2, real2, pt3, real3,
-               W_OUT, W_REAL, P, HAS_REAL: tl.constexpr, NUM_DEST: tl.constexpr):
-    store_tile(vals, cols, col_mask, row, pt0, real0, W_OUT, W_REAL, P, HAS_REAL)
+               stride_pt, stride_real, P, HAS_REAL: tl.constexpr, NUM_DEST: tl.constexpr):
+    store_tile(vals, cols, col_mask, row, pt0, real0, stride_pt, stride_real, P, HAS_REAL)
     if NUM_DEST > 1:
-        store_tile(vals, cols, col_mask, row, pt1, real1, W_OUT, W_REAL, P, HAS_REAL)
+        store_tile(vals, cols, col_mask, row, pt1, real1, stride_pt, stride_real, P, HAS_REAL)
     if NUM_DEST > 2:
-        store_tile(vals, cols, col_mask, row, pt2, real2, W_OUT, W_REAL, P, HAS_REAL)
+        store_tile(vals, cols, col_mask, row, pt2, real2, stride_pt, stride_real, P, HAS_REAL)
     if NUM_DEST > 3:
-        store_tile(vals, cols, col_mask, row, pt3, real3, W_OUT, W_REAL, P, HAS_REAL)
+        store_tile(vals, cols, col_mask, row, pt3, real3, stride_pt, stride_real, P, HAS_REAL)
 
 
-@triton.jit(do_not_specialize=["stride_pool", "W", "W_OUT", "W_REAL"])
+@triton.jit(do_not_specialize=["W"])
 def _bounded_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, ext_ptr,
                     len0, pt0, real0, len1, pt1, real1, len2, pt2, real2, len3, pt3, real3,
                     off_cu, off_exp, off_dsa, off_dsacu,
-                    B, R, N, K, W, W_OUT, W_REAL, P, SPLITS,
+                    B, R, N, K, W, stride_pt, stride_real, P, SPLITS,
                     MODE: tl.constexpr, HAS_REAL: tl.constexpr, NUM_DEST: tl.constexpr,
                     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, TILE_W: tl.constexpr,
                     BLOCK_COLS: tl.constexpr):
@@ -97,14 +98,14 @@ def _bounded_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, e
             vals = tl.load(src + cols, mask=col_mask, other=0)
             for j in tl.range(0, count):
                 _store_all(vals, cols, col_mask, first + j, pt0, real0, pt1, real1, pt2, real2,
-                           pt3, real3, W_OUT, W_REAL, P, HAS_REAL, NUM_DEST)
+                           pt3, real3, stride_pt, stride_real, P, HAS_REAL, NUM_DEST)
 
 
 def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, out: MetadataBuffers | Sequence[MetadataBuffers], *,
                      index_topk: int, page_size: int, num_draft_tokens: int = 1,
                      extend_seq_lens: torch.Tensor | None = None, budget: int | None = None,
-                     block_cols: int = BLOCK_COLS, check: bool = True) -> None:
+                     block_cols: int = BLOCK_COLS, num_warps: int = NUM_WARPS, check: bool = True) -> None:
     """Write the replay metadata of ``mode`` into ``out`` over each row's live prefix only.
 
     Same math and arguments as :func:`dsaspec.ops.dsa_metadata.context_wide_metadata`; ``out`` may
@@ -114,8 +115,9 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
     ``budget`` (default ``flags.metadata_program_budget()``) caps the programs per launch:
     ``1 + B * max(1, min(budget // B, 256))``. Preconditions checked only when ``check`` (they
     need a host sync): pool indices in range, ``0 <= s (+N) <= W``, ``sum(extend_seq_lens) == rows``.
-    ``block_cols`` (a power of two >= 128) is how many columns one program moves per step; the
-    written region does not depend on it.
+    ``block_cols`` (a power of two >= 128) is how many columns one program moves per step and
+    ``num_warps`` its warps (tuning knobs, defaults measured on an H200); the written region does
+    not depend on them.
     """
     mode = Mode(mode)
     outs = [out] if isinstance(out, MetadataBuffers) else list(out)
@@ -131,7 +133,7 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
     splits = num_splits(B, budget)
     block_b, block_r = launch_shape(B, R)
     has_real = outs[0].real_page_table is not None
-    w_real = outs[0].real_page_table.shape[1] if has_real else 0
+    stride_real = outs[0].real_page_table.stride(0) if has_real else 0
     code = mode_code(mode, extend_seq_lens is not None)
     ext = extend_seq_lens if extend_seq_lens is not None else seq_lens
     for start in range(0, len(outs), MAX_DESTINATIONS):
@@ -141,7 +143,7 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
             dests += [o.lengths, o.page_table_1, o.real_page_table if has_real else o.page_table_1]
         _bounded_kernel[(1 + B * splits,)](
             req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, ext, *dests,
-            *outs[0].length_offsets(), B, R, num_draft_tokens, index_topk, W, outs[0].width,
-            w_real, page_size, splits, MODE=code, HAS_REAL=has_real, NUM_DEST=len(group),
+            *outs[0].length_offsets(), B, R, num_draft_tokens, index_topk, W,
+            outs[0].page_table_1.stride(0), stride_real, page_size, splits, MODE=code, HAS_REAL=has_real, NUM_DEST=len(group),
             BLOCK_B=block_b, BLOCK_R=block_r, TILE_W=TILE,
-            BLOCK_COLS=block_cols)
+            BLOCK_COLS=block_cols, num_warps=num_warps)
