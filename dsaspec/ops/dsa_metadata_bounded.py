@@ -29,8 +29,8 @@ from dsaspec.ops.dsa_metadata import (TILE, MetadataBuffers, Mode, extend_prefix
 
 MAX_SPLITS = 256
 MAX_DESTINATIONS = 4
-BLOCK_COLS = 256  # columns moved per program step (H200 sweep: scripts/tune_metadata.py)
-NUM_WARPS = 2
+BLOCK_COLS = 128  # columns moved per program step (H200 sweep: scripts/tune_metadata.py)
+NUM_WARPS = 4
 
 
 def num_splits(batch: int, budget: int) -> int:
