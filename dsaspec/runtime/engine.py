@@ -1,0 +1,304 @@
+"""Greedy generation with continuous batching: eager chunked prefill, decode from CUDA graphs.
+
+:class:`Engine` owns the memory of one model (``ReqToTokenPool``, ``PageAllocator``, the target
+``KVPool``), a :class:`~dsaspec.attention.dsa_backend.DSAAttnBackend` and a
+:class:`~dsaspec.runtime.graph_runner.DecodeGraphRunner` captured for the batch buckets. The
+scheduler loop of :meth:`Engine.generate`:
+
+1. admit waiting requests while a request row is free and the KV pool has the pages of the whole
+   request (prompt + ``max_new_tokens - 1`` positions, reserved up front so a running request
+   never runs out of pages); prefill each one eagerly (chunked) and take its first token;
+2. one decode step for every running request (padded to its bucket, graph replay);
+3. finish requests at ``max_new_tokens`` (or ``eos_token_id``), release their rows and pages.
+
+A request that could never fit (too long for the context, more pages than the pool has) is
+refused before anything runs; one that does not fit *now* waits for running requests to finish.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from dsaspec.attention.dsa_backend import DEFAULT_BUCKETS, DSAAttnBackend
+from dsaspec.runtime.graph_runner import DecodeGraphRunner
+from dsaspec.runtime.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
+                                    PoolExhaustedError, ReqToTokenPool, RequestSlots)
+from dsaspec.runtime.model import DSAModel, num_sms
+
+LENGTH, EOS = "length", "eos"
+
+
+@dataclass
+class GenerationResult:
+    """One request's greedy output.
+
+    Attributes
+    ----------
+    token_ids : the generated tokens (prompt excluded; ends with ``eos_token_id`` when that
+        stopped it).
+    prompt_len : tokens in the prompt.
+    finish_reason : ``"length"`` (``max_new_tokens`` reached) or ``"eos"``.
+    ttft_s : seconds from the start of ``generate`` to the first token (waiting + prefill).
+    tpot_s : mean seconds between consecutive generated tokens; None with a single token.
+    """
+
+    token_ids: list[int]
+    prompt_len: int
+    finish_reason: str
+    ttft_s: float
+    tpot_s: float | None
+
+
+@dataclass
+class GenerationStats:
+    """What one ``generate`` call did: prefill work, decode steps, their host wall times (each
+    step ends with the next tokens on the host) and the batch bucket of each step (``None``:
+    eager, above the largest bucket)."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    step_times_s: list[float] = field(default_factory=list)
+    step_batches: list[int] = field(default_factory=list)
+    step_buckets: list[int | None] = field(default_factory=list)
+
+    @property
+    def decode_steps(self) -> int:
+        return len(self.step_times_s)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(self.step_batches)
+
+    @property
+    def median_step_ms(self) -> float | None:
+        """Median decode step wall time in ms (the batch's TPOT); None without decode steps."""
+        return 1e3 * statistics.median(self.step_times_s) if self.step_times_s else None
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    row: int = -1
+    tokens: list[int] = field(default_factory=list)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def next_position(self) -> int:
+        """Position of the last generated token: the decode step writes its KV there."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+class Engine:
+    """Greedy generation over one :class:`DSAModel` with continuous batching.
+
+    Parameters
+    ----------
+    model : DSAModel
+        Weights initialised or loaded; its device and dtype are the engine's.
+    context_len : int
+        Longest sequence (prompt + generated) a request may reach; the page-table width is
+        ``context_len + 5``. Configuring a long context costs table memory, not step time.
+    max_batch : int
+        Request rows: at most this many requests decode together.
+    num_slots : int or None
+        KV slots (a multiple of 64, page 0 reserved); default: every row at full context.
+    bucket_sizes : batch buckets captured as CUDA graphs (only those up to the first bucket
+        holding ``max_batch`` are kept); larger batches run eagerly.
+    use_cuda_graph : capture graphs (default: on CUDA with the Triton ops).
+    prefill_chunk : rows per eager prefill forward.
+    force_kernel : ``"bounded"`` / ``"context_wide"`` metadata kernels for tests and benchmarks
+        (default: the backend's selection, see ``DSASPEC_BOUNDED_REPLAY_METADATA``).
+    progress : show a tqdm bar over generated tokens.
+    """
+
+    def __init__(self, model: DSAModel, *, context_len: int, max_batch: int = 8,
+                 num_slots: int | None = None, bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
+                 use_cuda_graph: bool | None = None, prefill_chunk: int = 512,
+                 force_kernel: str | None = None, progress: bool = True):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        weight = model.lm_head.weight
+        self.model, self.config = model, model.config
+        self.device = weight.device
+        self.prefill_chunk = prefill_chunk
+        self.progress = progress
+        self.req_pool = ReqToTokenPool(max_batch, context_len, num_draft_tokens=1, device=self.device)
+        if num_slots is None:
+            num_slots = PAGE_SIZE * (1 + max_batch * -(-context_len // PAGE_SIZE))
+        self.allocator = PageAllocator(num_slots, PAGE_SIZE)
+        self.slots = RequestSlots(self.req_pool, self.allocator)
+        self.kv = KVPool.for_model(self.config, num_slots, dtype=weight.dtype, device=self.device)
+        buckets = sorted(set(int(b) for b in bucket_sizes))
+        holding = [b for b in buckets if b >= max_batch]
+        buckets = [b for b in buckets if b < max_batch] + holding[:1]
+        self.backend = DSAAttnBackend(self.req_pool.req_to_token, index_topk=self.config.index_topk,
+                                      page_size=PAGE_SIZE, bucket_sizes=buckets,
+                                      num_sms=num_sms(self.device), force_kernel=force_kernel)
+        self.runner = DecodeGraphRunner(model, self.kv, self.backend, use_cuda_graph=use_cuda_graph).capture()
+        self.stats = GenerationStats()
+
+    @property
+    def max_batch(self) -> int:
+        return self.req_pool.max_reqs
+
+    @property
+    def context_len(self) -> int:
+        return self.req_pool.context_len
+
+    def generate(self, prompt_token_ids, max_new_tokens, *, eos_token_id: int | None = None,
+                 progress: bool | None = None):
+        """Greedy continuation of one prompt or of a list of prompts.
+
+        Parameters
+        ----------
+        prompt_token_ids : a prompt (sequence of ints or 1-D int tensor) or a list of prompts.
+        max_new_tokens : int for every request, or one int per prompt; each >= 1.
+        eos_token_id : stop a request after it generates this token (kept in its output).
+        progress : override the engine's progress bar setting.
+
+        Returns
+        -------
+        A :class:`GenerationResult` for a single prompt, a list of them (prompt order) for a list.
+        ``self.stats`` holds the call's :class:`GenerationStats`. Raises ``ValueError`` (empty
+        prompt, token outside the vocabulary, ``max_new_tokens < 1``), ``ContextLengthError``
+        (prompt + new tokens beyond ``context_len``) or ``PoolExhaustedError`` (a request needs
+        more KV pages than the pool has) before any work.
+        """
+        single = _is_single_prompt(prompt_token_ids)
+        prompts = [prompt_token_ids] if single else list(prompt_token_ids)
+        requests = self._validate(prompts, max_new_tokens, eos_token_id)
+        self.stats = GenerationStats()
+        show = self.progress if progress is None else progress
+        total = sum(r.max_new_tokens for r in requests)
+        with tqdm(total=total, desc="generate", unit="tok", disable=not show, leave=False) as bar:
+            self._schedule(requests, eos_token_id, bar, time.perf_counter())
+        results = [GenerationResult(r.tokens, len(r.prompt), r.finish_reason, r.first_token_at,
+                                    (r.last_token_at - r.first_token_at) / (len(r.tokens) - 1)
+                                    if len(r.tokens) > 1 else None) for r in requests]
+        return results[0] if single else results
+
+    # ---- validation -------------------------------------------------------------------------
+    def _validate(self, prompts, max_new_tokens, eos_token_id) -> list[_Request]:
+        if not prompts:
+            raise ValueError("prompt_token_ids is empty: expected a prompt (list of token ids) or a "
+                             "non-empty list of prompts")
+        if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
+            limits = [max_new_tokens] * len(prompts)
+        else:
+            limits = list(max_new_tokens)
+            if len(limits) != len(prompts):
+                raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts")
+        vocab = self.config.vocab_size
+        if eos_token_id is not None and not 0 <= int(eos_token_id) < vocab:
+            raise ValueError(f"eos_token_id must be in [0, {vocab}), got {eos_token_id}")
+        usable_pages = self.allocator.num_pages - 1
+        requests = []
+        for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+            tokens = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+            if not tokens:
+                raise ValueError(f"prompt {i} is empty: a request needs at least one prompt token")
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ValueError(f"max_new_tokens must be an int >= 1, got {limit!r} (prompt {i})")
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token id(s) {bad[:4]} outside the vocabulary [0, {vocab})")
+            positions = len(tokens) + limit - 1           # KV positions the request will write
+            if positions > self.context_len:
+                raise ContextLengthError(
+                    f"prompt {i}: {len(tokens)} prompt tokens + max_new_tokens={limit} need "
+                    f"{positions} positions, more than context_len={self.context_len}")
+            pages = -(-positions // PAGE_SIZE)
+            if pages > usable_pages:
+                raise PoolExhaustedError(
+                    f"prompt {i}: {positions} positions need {pages} KV pages of {PAGE_SIZE} slots, "
+                    f"the pool has {usable_pages} (num_slots={self.allocator.num_slots}); raise num_slots")
+            requests.append(_Request(i, tokens, limit))
+        return requests
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def _schedule(self, requests: list[_Request], eos_token_id, bar, start: float) -> None:
+        waiting, running = deque(requests), []
+        try:
+            while waiting or running:
+                while waiting and self.req_pool.num_free:
+                    request = waiting[0]
+                    try:
+                        request.row = self.slots.admit(len(request.prompt), reserve=request.max_new_tokens - 1)
+                    except PoolExhaustedError:
+                        if not running:
+                            raise
+                        break                         # wait for running requests to free pages
+                    waiting.popleft()
+                    self._prefill(request, start)
+                    bar.update(1)
+                    if not self._finished(request, eos_token_id):
+                        running.append(request)
+                if running:
+                    self._decode_step(running, start)
+                    bar.update(len(running))
+                    bar.set_postfix(bs=len(running), waiting=len(waiting), refresh=False)
+                    running = [r for r in running if not self._finished(r, eos_token_id)]
+        finally:
+            for request in requests:
+                if request.row >= 0:
+                    self.slots.release(request.row)
+                    request.row = -1
+
+    def _finished(self, request: _Request, eos_token_id) -> bool:
+        if eos_token_id is not None and request.tokens[-1] == eos_token_id:
+            request.finish_reason = EOS
+        elif len(request.tokens) >= request.max_new_tokens:
+            request.finish_reason = LENGTH
+        else:
+            return False
+        self.slots.release(request.row)
+        request.row = -1
+        return True
+
+    @torch.no_grad()
+    def _prefill(self, request: _Request, start: float) -> None:
+        began = time.perf_counter()
+        ids = torch.tensor(request.prompt, dtype=torch.int64, device=self.device)
+        hidden = self.model.prefill(ids, self.req_pool.req_to_token, request.row, self.kv,
+                                    chunk_size=self.prefill_chunk)
+        request.tokens.append(int(self.model.logits(hidden[-1:]).argmax()))
+        now = time.perf_counter()
+        request.first_token_at = request.last_token_at = now - start
+        self.stats.prefill_tokens += len(request.prompt)
+        self.stats.prefill_s += now - began
+
+    def _decode_step(self, running: list[_Request], start: float) -> None:
+        began = time.perf_counter()
+        next_tokens = self.runner.step([r.tokens[-1] for r in running], [r.next_position for r in running],
+                                       [r.row for r in running])
+        now = time.perf_counter()
+        for request, token in zip(running, next_tokens):
+            request.tokens.append(token)
+            request.last_token_at = now - start
+        self.stats.step_times_s.append(now - began)
+        self.stats.step_batches.append(len(running))
+        self.stats.step_buckets.append(self.runner.bucket_for(len(running)))
+
+
+def _is_single_prompt(prompt_token_ids) -> bool:
+    if isinstance(prompt_token_ids, torch.Tensor):
+        if prompt_token_ids.dim() != 1:
+            raise ValueError(f"a prompt tensor must be 1-D, got shape {tuple(prompt_token_ids.shape)}")
+        return True
+    if not isinstance(prompt_token_ids, Sequence) or isinstance(prompt_token_ids, (str, bytes)):
+        raise ValueError(f"prompt_token_ids must be a list of token ids or a list of prompts, "
+                         f"got {type(prompt_token_ids).__name__}")
+    return len(prompt_token_ids) > 0 and not isinstance(prompt_token_ids[0], (Sequence, torch.Tensor))
