@@ -212,6 +212,15 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     return nbytes / (statistics.median(times) * 1e-3) / 1e9
 
 
+def copy_time_us(nbytes: int, *, iters: int = 100, cold_l2: bool = True) -> float:
+    """Median CUPTI time of one device-to-device copy moving ``nbytes`` (read + write) in a graph:
+    what the same traffic costs as a plain memcpy, ramp-up included."""
+    half = max(nbytes // 2, 4)
+    src = torch.empty(half, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return time_in_graph(lambda: dst.copy_(src), iters=iters, cold_l2=cold_l2, graph_diff=False).median_us
+
+
 def empty_kernel_us() -> float:
     """CUPTI duration of an empty kernel node in a graph, in µs (the floor of any launch)."""
     from dsaspec.ops.empty import empty_kernel
@@ -239,9 +248,11 @@ class Floors:
 def compare(baseline: Callable[[], None], new: Callable[[], None], *, nbytes: int, floors: Floors,
             iters: int = 200, cold_l2: bool = True) -> dict:
     """Time ``baseline`` and ``new`` side by side (same process, same method) and return the JSON
-    row fields of design/benchmarking.md: baseline_us, new_us, speedup, floor_us, spread, ..."""
+    row fields of design/benchmarking.md: baseline_us, new_us, speedup, floor_us, spread, ...,
+    and ``copy_us``: a plain device-to-device copy of the same byte count, timed the same way."""
     base = time_in_graph(baseline, iters=iters, cold_l2=cold_l2)
     cand = time_in_graph(new, iters=iters, cold_l2=cold_l2)
+    copy = copy_time_us(nbytes, iters=iters, cold_l2=cold_l2)
     return {
         "baseline_us": base.median_us,
         "new_us": cand.median_us,
@@ -252,6 +263,8 @@ def compare(baseline: Callable[[], None], new: Callable[[], None], *, nbytes: in
         "new_gbps": nbytes / (cand.median_us * 1e3),
         "new_over_floor": cand.median_us / floors.floor_us(nbytes),
         "bytes": nbytes,
+        "copy_us": copy,
+        "new_over_copy": cand.median_us / copy,
         "spread": {"baseline": base.spread, "new": cand.spread},
         "graph_diff_us": {"baseline": base.graph_diff_us, "new": cand.graph_diff_us},
         "detail": {"baseline": base.summary(), "new": cand.summary()},
