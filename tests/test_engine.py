@@ -280,25 +280,13 @@ def test_gpu_bounded_and_context_wide_metadata_token_identical(gpu_models, prese
 
 @pytest.mark.gpu
 def test_gpu_one_million_context_matches_4k_context(gpu_models):
-    """bench preset, 1M-token context configured (KV pool sized for the live tokens only): the
-    same tokens as a 4k context, with either metadata kernel."""
+    """bench preset, 1M-token context configured (KV pool sized for the live tokens only, large
+    enough that admission never waits, so the batches match): the same tokens as a 4k context,
+    with either metadata kernel."""
     model = gpu_models("bench")
     reference, _ = _gpu_generate(model, "bench", context_len=4096)
     for kernel in ("bounded", "context_wide"):
-        tokens, engine = _gpu_generate(model, "bench", context_len=1 << 20, num_slots=64 * PAGE_SIZE,
+        tokens, engine = _gpu_generate(model, "bench", context_len=1 << 20, num_slots=128 * PAGE_SIZE,
                                        force_kernel=kernel)
         assert engine.backend.width == (1 << 20) + 5
         assert tokens == reference, kernel
-
-
-@pytest.mark.gpu
-def test_gpu_engine_matches_one_request_at_a_time_on_dense_rows(gpu_models):
-    """tiny preset, top-k above every length (no selection can flip with accumulation order):
-    batched engine tokens equal the single-request loop's wherever both use the Triton kernels."""
-    model = DSAModel(get_config("tiny", index_topk=512), device="cuda", use_triton=True).init_weights(0)
-    prompts = _prompts((40, 7, 90), model.config.vocab_size, seed=5)
-    engine = _engine(model, context_len=512, max_batch=2)
-    results = engine.generate(prompts, [6, 9, 5])
-    agree = sum(r.token_ids == sequential_greedy(model, p, n)
-                for r, p, n in zip(results, prompts, (6, 9, 5)))
-    assert agree >= 2       # bf16 GEMMs of different batch sizes may flip a near-tie, rarely
