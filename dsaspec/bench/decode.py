@@ -435,7 +435,7 @@ def _markdown(rows, on_gpu, reference_context, markdown_table) -> str:
     phase_rows = []
     for r in rows:
         for side, kernel in (("baseline", CONTEXT_WIDE), ("new", BOUNDED)):
-            result = r["phases"][side]
+            result = r["phases"][kernel]
             if result is None:
                 continue
             phase_rows.append({"context_len": r["context_len"], "bs": r["bs"], "kernel": kernel,
