@@ -275,21 +275,27 @@ def write_lengths(seq_lens_ptr, ext_ptr, lengths_ptr, off_cu, off_exp, off_dsa, 
 
 
 @triton.jit
-def store_tile(vals, cols, col_mask, row, pt_ptr, real_ptr, stride_pt, stride_real, P,
-               HAS_REAL: tl.constexpr):
+def page_starts(vals, cols, col_mask, PAGE_SIZE: tl.constexpr):
+    """Real-table entries of one tile: (``T // P`` values, real columns, mask of page starts)."""
+    return vals // PAGE_SIZE, cols // PAGE_SIZE, col_mask & (cols % PAGE_SIZE == 0)
+
+
+@triton.jit
+def store_tile(vals, cols, col_mask, real_vals, real_cols, real_mask, row, pt_ptr, real_ptr,
+               stride_pt, stride_real, HAS_REAL: tl.constexpr):
     """Store one loaded ``req_to_token`` tile into ``page_table_1[row]`` and its page starts
-    (``// P``) into ``real_page_table[row]``; int64 row offsets."""
+    (from :func:`page_starts`) into ``real_page_table[row]``; int64 row offsets."""
     row64 = row.to(tl.int64)
     tl.store(pt_ptr + row64 * stride_pt + cols, vals, mask=col_mask)
     if HAS_REAL:
-        tl.store(real_ptr + row64 * stride_real + cols // P, vals // P, mask=col_mask & (cols % P == 0))
+        tl.store(real_ptr + row64 * stride_real + real_cols, real_vals, mask=real_mask)
 
 
 @triton.jit(do_not_specialize=["W"])
 def _context_wide_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, ext_ptr,
                          lengths_ptr, off_cu, off_exp, off_dsa, off_dsacu, pt_ptr, real_ptr,
-                         B, R, N, K, W, stride_pt, stride_real, P, NUM_TILES,
-                         MODE: tl.constexpr, HAS_REAL: tl.constexpr,
+                         B, R, N, K, W, stride_pt, stride_real, NUM_TILES,
+                         MODE: tl.constexpr, HAS_REAL: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, TILE_W: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:
@@ -310,7 +316,9 @@ def _context_wide_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_p
         cols = tile * TILE_W + tl.arange(0, TILE_W)
         col_mask = (cols < W) & (b < B)
         vals = tl.load(req_to_token_ptr + pool * stride_pool + cols, mask=col_mask, other=0)
-        store_tile(vals, cols, col_mask, row, pt_ptr, real_ptr, stride_pt, stride_real, P, HAS_REAL)
+        real_vals, real_cols, real_mask = page_starts(vals, cols, col_mask, PAGE_SIZE)
+        store_tile(vals, cols, col_mask, real_vals, real_cols, real_mask, row, pt_ptr, real_ptr,
+                   stride_pt, stride_real, HAS_REAL)
 
 
 def launch_shape(B: int, R: int) -> tuple[int, int]:
@@ -347,6 +355,7 @@ def context_wide_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indic
         req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens,
         extend_seq_lens if extend_seq_lens is not None else seq_lens,
         out.lengths, *out.length_offsets(), out.page_table_1, real if real is not None else out.page_table_1,
-        B, R, num_draft_tokens, index_topk, W, out.page_table_1.stride(0), real.stride(0) if real is not None else 0, page_size,
-        num_tiles, MODE=code, HAS_REAL=real is not None, BLOCK_B=block_b, BLOCK_R=block_r, TILE_W=TILE)
+        B, R, num_draft_tokens, index_topk, W, out.page_table_1.stride(0), real.stride(0) if real is not None else 0,
+        num_tiles, MODE=code, HAS_REAL=real is not None, PAGE_SIZE=page_size, BLOCK_B=block_b, BLOCK_R=block_r,
+        TILE_W=TILE)
     return out

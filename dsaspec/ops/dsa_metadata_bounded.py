@@ -25,7 +25,8 @@ import triton.language as tl
 
 from dsaspec import flags
 from dsaspec.ops.dsa_metadata import (TILE, MetadataBuffers, Mode, extend_prefix, launch_shape,
-                                      mode_code, store_tile, validate_inputs, write_lengths)
+                                      mode_code, page_starts, store_tile, validate_inputs,
+                                      write_lengths)
 
 MAX_SPLITS = 256
 MAX_DESTINATIONS = 4
@@ -39,23 +40,29 @@ def num_splits(batch: int, budget: int) -> int:
 
 
 @triton.jit
-def _store_all(vals, cols, col_mask, row, pt0, real0, pt1, real1, pt2, real2, pt3, real3,
-               stride_pt, stride_real, P, HAS_REAL: tl.constexpr, NUM_DEST: tl.constexpr):
-    store_tile(vals, cols, col_mask, row, pt0, real0, stride_pt, stride_real, P, HAS_REAL)
+def _store_all(vals, cols, col_mask, real_vals, real_cols, real_mask, row, pt0, real0, pt1, real1,
+               pt2, real2, pt3, real3, stride_pt, stride_real, HAS_REAL: tl.constexpr,
+               NUM_DEST: tl.constexpr):
+    store_tile(vals, cols, col_mask, real_vals, real_cols, real_mask, row, pt0, real0, stride_pt,
+               stride_real, HAS_REAL)
     if NUM_DEST > 1:
-        store_tile(vals, cols, col_mask, row, pt1, real1, stride_pt, stride_real, P, HAS_REAL)
+        store_tile(vals, cols, col_mask, real_vals, real_cols, real_mask, row, pt1, real1, stride_pt,
+                   stride_real, HAS_REAL)
     if NUM_DEST > 2:
-        store_tile(vals, cols, col_mask, row, pt2, real2, stride_pt, stride_real, P, HAS_REAL)
+        store_tile(vals, cols, col_mask, real_vals, real_cols, real_mask, row, pt2, real2, stride_pt,
+                   stride_real, HAS_REAL)
     if NUM_DEST > 3:
-        store_tile(vals, cols, col_mask, row, pt3, real3, stride_pt, stride_real, P, HAS_REAL)
+        store_tile(vals, cols, col_mask, real_vals, real_cols, real_mask, row, pt3, real3, stride_pt,
+                   stride_real, HAS_REAL)
 
 
 @triton.jit(do_not_specialize=["W"])
 def _bounded_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, ext_ptr,
                     len0, pt0, real0, len1, pt1, real1, len2, pt2, real2, len3, pt3, real3,
                     off_cu, off_exp, off_dsa, off_dsacu,
-                    B, R, N, K, W, stride_pt, stride_real, P, SPLITS,
-                    MODE: tl.constexpr, HAS_REAL: tl.constexpr, NUM_DEST: tl.constexpr,
+                    B, R, N, K, W, stride_pt, stride_real, SPLITS,
+                    MODE: tl.constexpr, HAS_REAL: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    NUM_DEST: tl.constexpr,
                     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, TILE_W: tl.constexpr,
                     BLOCK_COLS: tl.constexpr):
     pid = tl.program_id(0)
@@ -96,9 +103,11 @@ def _bounded_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, e
             cols = block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
             col_mask = cols < end
             vals = tl.load(src + cols, mask=col_mask, other=0)
+            # Once per block, not per row: the real-table values are the same for all N rows.
+            real_vals, real_cols, real_mask = page_starts(vals, cols, col_mask, PAGE_SIZE)
             for j in tl.range(0, count):
-                _store_all(vals, cols, col_mask, first + j, pt0, real0, pt1, real1, pt2, real2,
-                           pt3, real3, stride_pt, stride_real, P, HAS_REAL, NUM_DEST)
+                _store_all(vals, cols, col_mask, real_vals, real_cols, real_mask, first + j, pt0, real0,
+                           pt1, real1, pt2, real2, pt3, real3, stride_pt, stride_real, HAS_REAL, NUM_DEST)
 
 
 def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -144,6 +153,7 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
         _bounded_kernel[(1 + B * splits,)](
             req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, ext, *dests,
             *outs[0].length_offsets(), B, R, num_draft_tokens, index_topk, W,
-            outs[0].page_table_1.stride(0), stride_real, page_size, splits, MODE=code, HAS_REAL=has_real, NUM_DEST=len(group),
+            outs[0].page_table_1.stride(0), stride_real, splits, MODE=code, HAS_REAL=has_real,
+            PAGE_SIZE=page_size, NUM_DEST=len(group),
             BLOCK_B=block_b, BLOCK_R=block_r, TILE_W=TILE,
             BLOCK_COLS=block_cols, num_warps=num_warps)
