@@ -16,6 +16,15 @@ import triton
 RESULTS_ROOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def machine_info() -> dict:
     """GPU, driver, torch, triton, date and command line of this run."""
     info = {
@@ -26,6 +35,7 @@ def machine_info() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "git_commit": _git_commit(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -56,9 +56,19 @@ def summarize(folder: Path) -> str:
                             "(µs, max over ranks)", ["TP", "transport"], cols, keys, groups, "rows"))
     path = folder / "decode.json"
     if path.exists():
-        data = json.loads(path.read_text())
-        if "summary_markdown" in data:
-            parts.append(data["summary_markdown"])
+        rows = json.loads(path.read_text())["rows"]
+        keys, cols, groups = _pivot(rows, ("context_len",), "bs",
+                                    lambda r: f"{r['baseline_us'] / 1e3:.2f} → {r['new_us'] / 1e3:.2f}")
+        parts.append(_table("Runtime decode TPOT (ms), bench preset (GLM-5 attention and vocab, 2 layers), 1k live "
+                            "tokens: context-wide → bounded metadata", ["context configured"], cols, keys, groups, "bs"))
+        short = min(r["context_len"] for r in rows)
+        ref = {r["bs"]: r for r in rows if r["context_len"] == short}
+        ratio_rows = [dict(r, ratio=f"{r['baseline_us'] / ref[r['bs']]['baseline_us']:.2f} / "
+                                    f"{r['new_us'] / ref[r['bs']]['new_us']:.2f}")
+                      for r in rows if r["context_len"] != short]
+        keys, cols, groups = _pivot(ratio_rows, ("context_len",), "bs", lambda r: r["ratio"])
+        parts.append(_table(f"TPOT with a larger context configured over TPOT with {short} configured "
+                            "(context-wide / bounded)", ["context configured"], cols, keys, groups, "bs"))
     return "\n\n".join(parts)
 
 
