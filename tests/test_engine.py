@@ -25,14 +25,6 @@ PROMPT_LENS = (5, 70, 33)           # 70 > top-k 64: sparse selection during dec
 MAX_NEW = [6, 4, 8]                 # different lengths: requests finish and join at different steps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _prompts(lengths, vocab, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]

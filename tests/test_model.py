@@ -19,15 +19,6 @@ CONTEXT = 192
 NUM_SLOTS = 10 * PAGE_SIZE
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    # The small per-row ops of the references pay more for thread hand-off than they compute.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Session:
     """One model, its memory and a request: prefill, decode, verify and MTP steps on table rows."""
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, check_tensor
+from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, check_live_width, check_tensor
 
 INDEX_HEAD_DIM = 128
 
@@ -122,11 +122,4 @@ def _check_inputs(q, weights, k_cache, page_table_1, seqlens, schedule, out) -> 
     if schedule.shape[0] < 2 or not schedule.is_contiguous():
         raise ValueError(f"schedule: expected a contiguous [num_sms + 1, 2] tensor with "
                          f"num_sms >= 1, got shape {tuple(schedule.shape)}")
-    if num_rows:
-        longest = int(seqlens.max())
-        if longest > page_table_1.shape[1]:
-            raise ValueError(f"seqlens: a row has {longest} live tokens, more than the page "
-                             f"table's width {page_table_1.shape[1]}")
-        if longest > out.shape[1]:
-            raise ValueError(f"out: width {out.shape[1]} is smaller than the longest row "
-                             f"({longest} live tokens)")
+    check_live_width(seqlens, page_table_1=page_table_1, out=out)

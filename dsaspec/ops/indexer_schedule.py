@@ -40,6 +40,18 @@ def check_tensor(name: str, tensor, *, dtype: torch.dtype, shape: tuple | None =
                          f"got strides {tensor.stride()}")
 
 
+def check_live_width(seqlens: torch.Tensor, **widths: torch.Tensor) -> None:
+    """Raise a ``ValueError`` naming the tensor when the longest row of ``seqlens`` (a host sync)
+    does not fit in the last dimension of any of ``widths`` (``name=tensor``)."""
+    if seqlens.numel() == 0:
+        return
+    longest = int(seqlens.max())
+    for name, tensor in widths.items():
+        if longest > tensor.shape[-1]:
+            raise ValueError(f"{name}: width {tensor.shape[-1]} is smaller than the longest row "
+                             f"({longest} live tokens)")
+
+
 @triton.jit
 def _indexer_schedule_kernel(seqlens_ptr, out_ptr, num_rows, num_sms,
                              BLOCK_KV: tl.constexpr, BLOCK_R: tl.constexpr,

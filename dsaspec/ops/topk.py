@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaspec.ops.indexer_schedule import check_tensor
+from dsaspec.ops.indexer_schedule import check_live_width, check_tensor
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps
@@ -149,11 +149,4 @@ def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions) -> None:
     if out_positions is not None:
         check_tensor("out_positions", out_positions, dtype=torch.int32, shape=(num_rows, k),
                      device=device)
-    if num_rows:
-        longest = int(seqlens.max())
-        if longest > logits.shape[1]:
-            raise ValueError(f"logits: width {logits.shape[1]} is smaller than the longest row "
-                             f"({longest} live tokens)")
-        if longest > page_table_1.shape[1]:
-            raise ValueError(f"seqlens: a row has {longest} live tokens, more than the page "
-                             f"table's width {page_table_1.shape[1]}")
+    check_live_width(seqlens, logits=logits, page_table_1=page_table_1)
