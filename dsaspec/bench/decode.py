@@ -221,7 +221,7 @@ def _timed_run(runner, context, bs, args) -> tuple[list[float], torch.Tensor]:
 
 def _profile(model, context: _Context, kernel: str, args) -> dict[int, dict]:
     """Median per-phase µs of one step for every bs of one configuration (a marker runner)."""
-    from dsaspec.bench.timing import _device_events
+    from dsaspec.bench.timing import device_events
 
     markers = PhaseMarkers(model)
     backend = context.runners[kernel].backend
@@ -238,7 +238,7 @@ def _profile(model, context: _Context, kernel: str, args) -> dict[int, dict]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             decode_run(runner, context, bs, args.profile_steps, args=args, markers=markers)
             torch.cuda.synchronize()
-        per_step = attribute_phases(_device_events(prof), sequence, args.profile_steps)
+        per_step = attribute_phases(device_events(prof), sequence, args.profile_steps)
         phases = {p: statistics.median(s.get(p, 0.0) for s in per_step) for p in PHASE_PATTERNS}
         out[bs] = {"phases_us": phases,
                    "kernel_sum_us": statistics.median(sum(s.values()) for s in per_step)}

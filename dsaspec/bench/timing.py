@@ -80,7 +80,7 @@ def _capture(body: Callable[[], None], copies: int, stream: torch.cuda.Stream) -
     return graph
 
 
-def _device_events(prof) -> list[tuple[str, int, int]]:
+def device_events(prof) -> list[tuple[str, int, int]]:
     """(name, start_ns, end_ns) of every device activity CUPTI recorded, sorted by start."""
     out = []
     for ev in prof.profiler.kineto_results.events():
@@ -127,7 +127,7 @@ def time_in_graph(
         for _ in range(iters):
             graph.replay()
         torch.cuda.synchronize()
-    events = _device_events(prof)
+    events = device_events(prof)
     flush_name = None
     if flusher is not None:
         # The flush is the first activity of each replay; its name identifies it.
