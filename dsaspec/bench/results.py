@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import triton
 
+from dsaspec import flags
+
 RESULTS_ROOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
@@ -34,7 +36,7 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "interpreter": flags.triton_interpret(),
         "git_commit": _git_commit(),
     }
     if torch.cuda.is_available():
