@@ -152,7 +152,6 @@ def run(args) -> int:
         point.check_identical()  # again after timing
         row["bit_identical"] = True
         rows.append(row)
-        del point
     targets = _targets(rows) if cuda else None
     if cuda:
         columns = [("step_backends", "step backends"), ("live_kv", "live KV"), ("bs", "bs"),

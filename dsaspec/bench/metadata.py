@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode, context_wide_metadata
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
-from dsaspec.reference.dsa_metadata import assert_contract_equal, live_lengths
+from dsaspec.reference.dsa_metadata import assert_contract_equal
 
 OPS = {"decode": Mode.DECODE, "target_verify": Mode.TARGET_VERIFY, "draft_extend": Mode.DRAFT_EXTEND}
 FULL_CONTEXT = 1 << 20
