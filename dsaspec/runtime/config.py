@@ -253,15 +253,11 @@ PRESETS: dict[str, ModelConfig] = {
         indexer_rope_interleave=True, rope_interleave=True, rope_theta=10000.0, rms_norm_eps=1e-5,
         max_position_embeddings=4096, num_nextn_predict_layers=1, model_type="glm_moe_dsa",
         name="tiny"),
-    # Benchmarks: GLM-5 attention, indexer and vocab shapes, 2 layers and a modest dense FFN.
-    "bench": ModelConfig(
-        vocab_size=154880, hidden_size=6144, intermediate_size=4096, num_hidden_layers=2,
-        num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
-        qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
-        index_topk=2048, indexer_rope_interleave=True, rope_interleave=True, rope_theta=1e6,
-        rms_norm_eps=1e-5, max_position_embeddings=1048576, num_nextn_predict_layers=1,
-        model_type="glm_moe_dsa", name="bench"),
 }
+
+# Benchmarks: GLM-5 attention, indexer and vocab shapes, 2 layers and a modest dense FFN.
+PRESETS["bench"] = PRESETS["glm5"].replace(num_hidden_layers=2, intermediate_size=4096,
+                                           max_position_embeddings=1048576, name="bench")
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
