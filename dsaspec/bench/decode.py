@@ -280,7 +280,7 @@ def _apply_cpu_sizes(args) -> None:
 
 
 def run(args) -> int:
-    from dsaspec.bench.results import markdown_table, write_results
+    from dsaspec.bench.results import bench_params, markdown_table, write_results
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
@@ -376,7 +376,7 @@ def run(args) -> int:
               f"CUPTI kernel durations of {args.profile_steps} profiled steps of a marker-instrumented graph "
               f"(median per step), attributed as in phase_patterns."
               if on_gpu else "Triton interpreter on CPU (metadata), torch reference ops (model): token identity only.")
-    params = {k: v for k, v in vars(args).items() if k != "run"}
+    params = bench_params(args)
     payload = {"method": method, "params": params, "floors": vars(floors) if floors else None,
                "phase_patterns": PHASE_PATTERNS, "phase_errors": phase_errors, "kernels": {"baseline": CONTEXT_WIDE, "new": BOUNDED},
                "rows": rows}

@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE
 from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
-from dsaspec.bench.results import markdown_table, write_results
+from dsaspec.bench.results import bench_params, markdown_table, write_results
+from dsaspec.bench.timing import COLD_L2_METHOD
 from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
 from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal
@@ -172,12 +173,9 @@ def run(args) -> int:
                      f"{floors.empty_us:.2f} µs; floor = max(bytes / bandwidth, empty kernel).")
         notes += [f"- {t['target']}: {t['value']} → {'met' if t['met'] else 'NOT met'}" for t in targets]
     markdown = markdown_table(columns, rows) + "\n\n" + "\n".join(notes)
-    method = ("CUDA-graph replays with an L2 flush (2x L2) before each function; per-replay device time from "
-              "CUPTI (torch.profiler, first to last device activity), median of %d; spread = (max-min)/median; "
-              "graph-difference time as cross-check; floor = max(bytes / measured copy bandwidth, empty kernel "
-              "node); bit-identity checked on the contract region before and after timing." % args.iters
+    method = (COLD_L2_METHOD.format(iters=args.iters) + " Bit-identity is also checked before timing."
               if cuda else "Triton interpreter on CPU: bit-identity only, no times.")
-    payload = {"method": method, "params": {k: v for k, v in vars(args).items() if k != "run"},
+    payload = {"method": method, "params": bench_params(args),
                "floors": vars(floors) if floors else None, "targets": targets, "rows": rows}
     out = write_results("draft_metadata", payload, markdown, args.out)
     print(markdown)

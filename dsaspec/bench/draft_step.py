@@ -29,7 +29,7 @@ if not torch.cuda.is_available():  # before anything imports triton (also under 
 
 from tqdm import tqdm  # noqa: E402
 
-from dsaspec.bench.results import markdown_table, write_results  # noqa: E402
+from dsaspec.bench.results import bench_params, markdown_table, write_results  # noqa: E402
 from dsaspec.distributed.tp_group import TPGroup, disable_nvlink_multicast, init_distributed  # noqa: E402
 from dsaspec.ops.argmax_exchange import LANES, exchange_layout  # noqa: E402
 from dsaspec.spec.draft_step import greedy_draft_step  # noqa: E402
@@ -162,7 +162,7 @@ def _run_interpreter(args) -> int:
         rows.append({"tp": 1, "rows": r, "vocab": CPU_VOCAB, "hidden": CPU_HIDDEN, "tokens_identical": True})
     markdown = markdown_table([("tp", "TP"), ("rows", "rows"), ("tokens_identical", "tokens identical")], rows)
     payload = {"method": "Triton interpreter on CPU: token identity only, no times.",
-               "params": {k: v for k, v in vars(args).items() if k != "run"}, "rows": rows}
+               "params": bench_params(args), "rows": rows}
     print(markdown)
     print(f"results: {write_results('draft_step', payload, markdown, args.out)}")
     return 0
@@ -251,7 +251,7 @@ def _report(args, rows: list[dict], floors, world: int) -> int:
               "spread = (max-min)/median (max over ranks); graph-difference time as cross-check; tokens, topk_p "
               "and positions checked identical between the paths and to torch.argmax of the gathered fp32 "
               "logits before and after timing.")
-    payload = {"method": method, "params": {k: v for k, v in vars(args).items() if k != "run"},
+    payload = {"method": method, "params": bench_params(args),
                "floors": vars(floors), "targets": targets, "rows": rows}
     out = write_results("draft_step", payload, markdown, args.out)
     print(markdown)

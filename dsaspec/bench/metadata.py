@@ -15,6 +15,7 @@ import argparse
 import torch
 from tqdm import tqdm
 
+from dsaspec.bench.timing import COLD_L2_METHOD
 from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode, context_wide_metadata
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
 from dsaspec.reference.dsa_metadata import assert_contract_equal
@@ -70,7 +71,7 @@ def _point(op: str, live: int, bs: int, args, device) -> tuple:
 
 
 def run(args) -> int:
-    from dsaspec.bench.results import markdown_table, write_results
+    from dsaspec.bench.results import bench_params, markdown_table, write_results
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
@@ -102,12 +103,9 @@ def run(args) -> int:
         del table, base_out, new_out
     if on_gpu:
         torch.cuda.synchronize()
-    method = ("CUDA-graph replays with an L2 flush (2x L2) before each kernel; per-replay kernel time "
-              "from CUPTI (torch.profiler), median of %d; floor = max(bytes / measured copy bandwidth, "
-              "empty kernel node); same-bytes copy = one device-to-device memcpy moving the same bytes, timed "
-              "the same way; bit-identity checked on the contract region after timing." % args.iters
-              if on_gpu else "Triton interpreter on CPU: bit-identity only, no times.")
-    payload = {"method": method, "params": {k: v for k, v in vars(args).items() if k != "run"},
+    method = (COLD_L2_METHOD.format(iters=args.iters) if on_gpu
+              else "Triton interpreter on CPU: bit-identity only, no times.")
+    payload = {"method": method, "params": bench_params(args),
                "floors": vars(floors) if floors else None, "rows": rows}
     if on_gpu:
         cols = [("op", "op"), ("live_kv", "live KV"), ("bs", "bs"), ("baseline_us", "context-wide µs"),

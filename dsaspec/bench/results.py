@@ -54,6 +54,11 @@ def machine_info() -> dict:
     return info
 
 
+def bench_params(args) -> dict:
+    """The command's options as recorded in a results JSON (``params``)."""
+    return {k: v for k, v in vars(args).items() if k != "run"}
+
+
 def default_machine_dir() -> str:
     """``h200`` on an H200, ``cpu-interpreter`` without CUDA, else the GPU name in lower case."""
     if not torch.cuda.is_available():

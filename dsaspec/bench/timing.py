@@ -17,6 +17,13 @@ import torch
 
 FLUSH_BYTES = 2 * 60 * 1024 * 1024  # twice the H200's 60 MB L2
 
+COLD_L2_METHOD = ("CUDA-graph replays with an L2 flush (2x L2) before each timed function; per-replay device "
+                  "time from CUPTI (torch.profiler, first to last device activity), median of {iters}; "
+                  "spread = (max-min)/median; graph-difference time as cross-check; floor = max(bytes / "
+                  "measured copy bandwidth, empty kernel node); same-bytes copy = one device-to-device memcpy "
+                  "moving the same bytes, timed the same way; bit-identity checked on the contract region "
+                  "after timing.")
+
 
 @dataclass
 class Timing:
