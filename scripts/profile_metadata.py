@@ -6,7 +6,7 @@
 
 import torch
 
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
 
 W, B, N, LIVE = (1 << 20) + 9, 16, 5, 65536

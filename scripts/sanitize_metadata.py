@@ -5,7 +5,9 @@
 
 import torch
 
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode, context_wide_metadata
+from dsaspec.ops.dsa_metadata import context_wide_metadata
+
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
 from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
 

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from dsaspec.bench.timing import time_in_graph, warm_up_gpu
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
 
 W = (1 << 20) + 4 + 5

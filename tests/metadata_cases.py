@@ -2,7 +2,7 @@
 
 import torch
 
-from dsaspec.ops.dsa_metadata import Mode
+from dsaspec.ops.dsa_metadata_common import Mode
 
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129]
 

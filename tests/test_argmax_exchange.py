@@ -252,7 +252,7 @@ def test_emulated_rows(rows, device):
 @pytest.mark.parametrize("vocab,tp,dtype", [(154880, 2, torch.bfloat16), (129280, 8, torch.float32),
                                             (151936, 4, torch.bfloat16)])
 def test_emulated_full_vocab_cpu_sized(vocab, tp, dtype, device):
-    from dsaspec.spec.lm_head import padded_vocab_size
+    from dsaspec.speculative.lm_head import padded_vocab_size
 
     shard = padded_vocab_size(vocab, tp) // tp
     check_emulated(vocab, tp, shard, dtype, rows=2, device=device, split_columns=DEFAULT_SPLIT_COLUMNS,
@@ -264,7 +264,7 @@ def test_emulated_full_vocab_cpu_sized(vocab, tp, dtype, device):
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])
 @pytest.mark.parametrize("vocab", FULL_VOCABS)
 def test_emulated_full_vocab_gpu(vocab, tp, dtype):
-    from dsaspec.spec.lm_head import padded_vocab_size
+    from dsaspec.speculative.lm_head import padded_vocab_size
 
     shard = padded_vocab_size(vocab, tp) // tp
     for rows in (1, 7, 64):
@@ -275,7 +275,7 @@ def test_emulated_full_vocab_gpu(vocab, tp, dtype):
 @pytest.mark.gpu
 def test_random_bf16_rows_have_ties_and_match():
     # Realistic bf16 logits: a few percent of rows have a tied maximum; all must match torch.argmax.
-    from dsaspec.spec.lm_head import padded_vocab_size
+    from dsaspec.speculative.lm_head import padded_vocab_size
 
     vocab, tp = 154880, 2
     shard = padded_vocab_size(vocab, tp) // tp
@@ -359,7 +359,7 @@ def test_finalize_argument_errors(device):
 @pytest.mark.gpu
 def test_partials_and_finalize_in_cuda_graph():
     vocab, tp, rows = 129280, 8, 16
-    from dsaspec.spec.lm_head import padded_vocab_size
+    from dsaspec.speculative.lm_head import padded_vocab_size
 
     shard = padded_vocab_size(vocab, tp) // tp
     splits, _ = exchange_layout(shard)

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.draft_decode_metadata import copy_metadata, draft_decode_metadata, precompute_and_copy
 from dsaspec.reference.dsa_metadata import assert_contract_equal
 from metadata_cases import make_batch, make_table

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend, select_kernel
-from dsaspec.ops.dsa_metadata import Mode
+from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
 from dsaspec.reference.indexer_schedule import reference_indexer_schedule
 

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode, context_wide_metadata
+from dsaspec.ops.dsa_metadata import context_wide_metadata
+
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.reference.dsa_metadata import reference_metadata
 from metadata_cases import make_batch, make_table
 

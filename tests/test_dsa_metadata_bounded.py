@@ -4,7 +4,9 @@ region, never writing outside the buffers or past the tile-rounded live prefix."
 import pytest
 import torch
 
-from dsaspec.ops.dsa_metadata import TILE, MetadataBuffers, Mode, context_wide_metadata
+from dsaspec.ops.dsa_metadata import context_wide_metadata
+
+from dsaspec.ops.dsa_metadata_common import TILE, MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata, num_splits
 from dsaspec.reference.dsa_metadata import assert_contract_equal, expanded_lengths, live_lengths
 from metadata_cases import make_batch, make_table

@@ -11,9 +11,9 @@ import torch
 from dsaspec.distributed.tp_group import DEFAULT_SYMM_MEM_MAX_BYTES, LOCAL, NCCL, SYMM_MEM, TPGroup
 from dsaspec.ops.argmax_exchange import exchange_layout
 from dsaspec.reference.argmax_exchange import gathered_logits_reference
-from dsaspec.spec.draft_step import greedy_draft_step
-from dsaspec.spec.lm_head import VocabParallelLMHead, padded_vocab_size
-from dsaspec.spec.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
+from dsaspec.speculative.draft_step import greedy_draft_step
+from dsaspec.speculative.lm_head import VocabParallelLMHead, padded_vocab_size
+from dsaspec.speculative.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
 
 KILL_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
 

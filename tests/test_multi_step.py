@@ -11,7 +11,7 @@ from dsaspec.attention import dsa_backend, multi_step
 from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
 from dsaspec.attention.multi_step import (ONE_LAUNCH, PER_STEP, PRECOMPUTE_AND_COPY,
                                           DSAMultiStepDraftBackend, steps_running_indexer)
-from dsaspec.ops.dsa_metadata import Mode
+from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
 from dsaspec.reference.indexer_schedule import reference_indexer_schedule
 

@@ -162,8 +162,8 @@ def test_exchange_over_real_transport(groups, transport, vocab):
     from test_argmax_exchange import adversarial_logits
 
     from dsaspec.ops.argmax_exchange import draft_finalize, exchange_layout
-    from dsaspec.spec.lm_head import padded_vocab_size
-    from dsaspec.spec.logits_processor import exchange_argmax_partials
+    from dsaspec.speculative.lm_head import padded_vocab_size
+    from dsaspec.speculative.logits_processor import exchange_argmax_partials
 
     group = groups[transport]
     rows = 64
@@ -201,9 +201,9 @@ def test_exchange_over_real_transport(groups, transport, vocab):
 @pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_logits_processor_both_ways(groups, transport, dtype, monkeypatch):
-    from dsaspec.spec.draft_step import greedy_draft_step
-    from dsaspec.spec.lm_head import VocabParallelLMHead
-    from dsaspec.spec.logits_processor import GREEDY_TOPK1, LogitsProcessor
+    from dsaspec.speculative.draft_step import greedy_draft_step
+    from dsaspec.speculative.lm_head import VocabParallelLMHead
+    from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor
 
     group = groups[transport]
     vocab, hidden_size, max_rows = 154880, 256, 64

@@ -2,7 +2,7 @@
 
 One :class:`DSAAttnBackend` serves one ``req_to_token`` table. For every captured batch bucket and
 forward mode (decode, target verify, draft extend) it owns the static metadata buffers
-(:class:`~dsaspec.ops.dsa_metadata.MetadataBuffers`) and a static indexer schedule, allocated once
+(:class:`~dsaspec.ops.dsa_metadata_common.MetadataBuffers`) and a static indexer schedule, allocated once
 by :meth:`~DSAAttnBackend.capture`. :meth:`~DSAAttnBackend.replay` writes new metadata into them
 (never rebinding them, never syncing the host), so a CUDA graph captured over them stays valid.
 Batches above the largest bucket go through :meth:`~DSAAttnBackend.eager`, whose buffers are only
@@ -22,7 +22,8 @@ from typing import Sequence
 import torch
 
 from dsaspec import flags
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode, context_wide_metadata
+from dsaspec.ops.dsa_metadata import context_wide_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
 from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, indexer_schedule
 

@@ -29,7 +29,7 @@ import torch
 
 from dsaspec import flags
 from dsaspec.attention.dsa_backend import BOUNDED, DEFAULT_BUCKETS, DSAAttnBackend, check_index_tensor
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
 
 ONE_LAUNCH = "one_launch"

@@ -25,7 +25,7 @@ from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
 from dsaspec.bench.results import bench_params, markdown_table, write_results
 from dsaspec.bench.timing import COLD_L2_METHOD
 from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal
 
 INDEX_TOPK = 2048

@@ -32,9 +32,9 @@ from tqdm import tqdm  # noqa: E402
 from dsaspec.bench.results import bench_params, markdown_table, write_results  # noqa: E402
 from dsaspec.distributed.tp_group import TPGroup, disable_nvlink_multicast, init_distributed  # noqa: E402
 from dsaspec.ops.argmax_exchange import LANES, exchange_layout  # noqa: E402
-from dsaspec.spec.draft_step import greedy_draft_step  # noqa: E402
-from dsaspec.spec.lm_head import VocabParallelLMHead  # noqa: E402
-from dsaspec.spec.logits_processor import GREEDY_TOPK1, LogitsProcessor  # noqa: E402
+from dsaspec.speculative.draft_step import greedy_draft_step  # noqa: E402
+from dsaspec.speculative.lm_head import VocabParallelLMHead  # noqa: E402
+from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_VOCAB, CPU_HIDDEN = 1000, 64
@@ -238,12 +238,12 @@ def _report(args, rows: list[dict], floors, world: int) -> int:
                ("allreduce_us", "all-reduce µs"), ("gemm_allreduce_us", "GEMM + all-reduce µs"),
                ("new_over_gemm_allreduce", "exchange / (GEMM + AR)"), ("floor_us", "floor µs"),
                ("new_over_floor", "exchange / floor")]
-    seed_style = _seed_style_table(rows)
+    summary = _summary_by_rows(rows)
     notes = [f"Vocab {args.vocab}, hidden {args.hidden}, bf16 head; µs per draft step, max over the TP ranks. "
              f"Copy bandwidth {floors.copy_gbps:.0f} GB/s (read + write); empty kernel node {floors.empty_us:.2f} µs; "
              "floor = shard weight bytes / copy bandwidth + one all-reduce of the exchange buffer."]
     notes += [f"- {t['target']}: {t['value']} → {'met' if t['met'] else 'NOT met'}" for t in targets]
-    markdown = ("Draft step (LM head + top-1): logits gather → partials exchange (µs)\n\n" + seed_style + "\n\n"
+    markdown = ("Draft step (LM head + top-1): logits gather → partials exchange (µs)\n\n" + summary + "\n\n"
                 + markdown_table(columns, rows) + "\n\n" + "\n".join(notes))
     method = ("One greedy draft step per path captured in a CUDA graph; per-replay device time from CUPTI "
               "(torch.profiler, first to last device activity of the step) in each rank's process, median of "
@@ -259,7 +259,8 @@ def _report(args, rows: list[dict], floors, world: int) -> int:
     return 0 if all(t["met"] for t in targets) else 1
 
 
-def _seed_style_table(rows: list[dict]) -> str:
+def _summary_by_rows(rows: list[dict]) -> str:
+    """One line per TP: gather → exchange µs at every row count."""
     counts = sorted({r["rows"] for r in rows})
     lines = ["| rows | " + " | ".join(map(str, counts)) + " |", "|---|" + "---|" * len(counts)]
     for tp in sorted({r["tp"] for r in rows}):

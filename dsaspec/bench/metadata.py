@@ -1,4 +1,4 @@
-"""Replay metadata: context-wide vs live-bounded kernels (the seed's first table).
+"""Replay metadata: context-wide vs live-bounded kernels, decode / target verify / draft extend x live KV x bs.
 
 Every point: one ``req_to_token`` table of width ``W`` (1M context + 4 + N by default), ``bs``
 requests with ``live_kv`` committed tokens, ``N`` rows per request for target verify and draft
@@ -16,7 +16,8 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.bench.timing import COLD_L2_METHOD
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode, context_wide_metadata
+from dsaspec.ops.dsa_metadata import context_wide_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
 from dsaspec.reference.dsa_metadata import assert_contract_equal
 

@@ -1,4 +1,4 @@
-"""Results files: ``benchmarks/results/<machine>/<name>.{json,md,png}`` (design/benchmarking.md)."""
+"""Results files: ``benchmarks/results/<machine>/<name>.{json,md,png}`` (docs/benchmarking.md)."""
 
 from __future__ import annotations
 

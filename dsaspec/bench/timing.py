@@ -1,4 +1,4 @@
-"""Kernel timing inside CUDA graphs, without host launch latency (design/benchmarking.md).
+"""Kernel timing inside CUDA graphs, without host launch latency (docs/benchmarking.md).
 
 Method: a graph is captured with ``[L2 flush (optional), fn]``; it is replayed ``iters`` times under
 ``torch.profiler`` and each replay's time is read from CUPTI as the span from the start of the first
@@ -255,7 +255,7 @@ class Floors:
 def compare(baseline: Callable[[], None], new: Callable[[], None], *, nbytes: int, floors: Floors,
             iters: int = 200, cold_l2: bool = True) -> dict:
     """Time ``baseline`` and ``new`` side by side (same process, same method) and return the JSON
-    row fields of design/benchmarking.md: baseline_us, new_us, speedup, floor_us, spread, ...,
+    row fields of docs/benchmarking.md: baseline_us, new_us, speedup, floor_us, spread, ...,
     and ``copy_us``: a plain device-to-device copy of the same byte count, timed the same way."""
     base = time_in_graph(baseline, iters=iters, cold_l2=cold_l2)
     cand = time_in_graph(new, iters=iters, cold_l2=cold_l2)

@@ -1,6 +1,6 @@
 """Metadata of the MTP draft decode: every draft step backend gets identical DECODE metadata.
 
-Two ways to produce it (design/dsa-metadata.md, "Multi-step draft decode"):
+Two ways to produce it (docs/metadata-kernels.md):
 
 - :func:`precompute_and_copy` — what engines do today: the context-wide decode kernel writes a
   full-width scratch set, then one multi-destination copy kernel copies all of it into the first
@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode, context_wide_metadata
+from dsaspec.ops.dsa_metadata import context_wide_metadata
+
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
 
 COPY_BLOCK = 4096  # int32 elements per copy program (16 KiB)

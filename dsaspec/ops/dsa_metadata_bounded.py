@@ -10,7 +10,7 @@ target verify and draft extend) in every destination buffer set (up to four per 
 draft step backends). Columns past the tile-rounded live prefix are never written, so they keep
 whatever an earlier replay left there (valid slot ids; consumers never read them).
 
-Why one program group per request instead of per row (the seed launches per row): a request's N
+Why one program group per request instead of per row (the context-wide kernel launches per row): a request's N
 verify rows share one ``req_to_token`` row, so reading it once and writing it N times moves
 1 + N units of traffic per tile instead of 2N.
 """
@@ -24,9 +24,10 @@ import triton
 import triton.language as tl
 
 from dsaspec import flags
-from dsaspec.ops.dsa_metadata import (TILE, MetadataBuffers, Mode, extend_prefix, launch_shape,
-                                      mode_code, page_starts, store_tile, validate_inputs,
-                                      write_lengths)
+from dsaspec.ops.dsa_metadata_common import (MODE_DECODE, MODE_EXTEND_VARIABLE, MODE_VERIFY, TILE,
+                                             MetadataBuffers, Mode, extend_prefix, launch_shape,
+                                             mode_code, page_starts, store_tile, validate_inputs,
+                                             write_lengths)
 
 MAX_SPLITS = 256
 MAX_DESTINATIONS = 4
@@ -83,12 +84,12 @@ def _bounded_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, e
         b = idx // SPLITS
         split = idx % SPLITS
         live = tl.load(seq_lens_ptr + b).to(tl.int32)
-        if MODE == 1:
+        if MODE == MODE_VERIFY:
             live = live + N
-        if MODE == 0:
+        if MODE == MODE_DECODE:
             first = b
             count = 1
-        elif MODE == 3:
+        elif MODE == MODE_EXTEND_VARIABLE:
             lanes, ext, starts, _ = extend_prefix(ext_ptr, B, BLOCK_B)
             first = tl.sum(tl.where(lanes == b, starts, 0), axis=0)
             # Rows past R (sum(extend_seq_lens) > rows, a violated precondition) are dropped.

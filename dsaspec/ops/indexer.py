@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, check_live_width, check_tensor
+from dsaspec.ops.checks import check_live_width, check_tensor
+from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV
 
 INDEX_HEAD_DIM = 128
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaspec.ops.indexer_schedule import check_tensor
+from dsaspec.ops.checks import check_tensor
 
 LATENT_DIM = 512  # value / latent width
 ROPE_DIM = 64

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaspec.ops.indexer_schedule import check_live_width, check_tensor
+from dsaspec.ops.checks import check_live_width, check_tensor
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps

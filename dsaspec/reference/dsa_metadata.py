@@ -1,10 +1,10 @@
-"""Pure-PyTorch DSA replay metadata (design/dsa-metadata.md): the spec both kernels are tested against."""
+"""Pure-PyTorch DSA replay metadata (docs/metadata-kernels.md): the spec both kernels are tested against."""
 
 from __future__ import annotations
 
 import torch
 
-from dsaspec.ops.dsa_metadata import MetadataBuffers, Mode
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 
 
 def expanded_lengths(mode: Mode, seq_lens: torch.Tensor, num_draft_tokens: int = 1,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from dsaspec.attention.dsa_backend import DSAAttnBackend
-from dsaspec.ops.dsa_metadata import Mode
+from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.runtime.memory import KVPool
 from dsaspec.runtime.model import AttentionInputs, DSAModel
 

@@ -18,7 +18,7 @@ import torch
 from dsaspec import flags
 from dsaspec.distributed.tp_group import LOCAL, NCCL, TPGroup
 from dsaspec.ops.argmax_exchange import DEFAULT_SPLIT_COLUMNS, LANES, argmax_partials, draft_finalize, exchange_layout
-from dsaspec.spec.lm_head import VocabParallelLMHead
+from dsaspec.speculative.lm_head import VocabParallelLMHead
 
 
 @dataclass(frozen=True)

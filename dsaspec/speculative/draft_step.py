@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaspec.ops.argmax_exchange import draft_finalize
-from dsaspec.spec.logits_processor import GREEDY_TOPK1, LogitsProcessor
+from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor
 
 
 @dataclass
