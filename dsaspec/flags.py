@@ -42,3 +42,20 @@ def triton_interpret() -> bool:
     """``TRITON_INTERPRET``: kernels run under the Triton interpreter (CPU tensors). Set it before
     anything imports triton; tests do this in conftest.py when no GPU is present."""
     return _switch("TRITON_INTERPRET", default=False)
+
+
+def simulate_accept_len() -> float | None:
+    """``DSASPEC_SIMULATE_ACCEPT_LEN``: unset (default) for real acceptance; a mean accept length
+    (>= 1, bonus token included) forces every speculative iteration to accept about that many
+    tokens, for controlled benchmarks. Output tokens are then not the model's greedy output."""
+    value = os.environ.get("DSASPEC_SIMULATE_ACCEPT_LEN", "").strip()
+    if not value:
+        return None
+    try:
+        mean = float(value)
+    except ValueError:
+        raise ValueError(f"DSASPEC_SIMULATE_ACCEPT_LEN must be a number >= 1 (a mean accept length), "
+                         f"got {value!r}") from None
+    if not mean >= 1.0:
+        raise ValueError(f"DSASPEC_SIMULATE_ACCEPT_LEN must be >= 1 (a mean accept length), got {value!r}")
+    return mean

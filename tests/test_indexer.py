@@ -16,7 +16,7 @@ def _launch(inputs, num_sms, out_width, check=True):
     schedule = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=seqlens.device)
     indexer_schedule(seqlens, num_sms, schedule)
     out = torch.full((seqlens.numel(), out_width), SENTINEL, device=seqlens.device)
-    indexer_logits(**inputs, schedule=schedule, out=out, check=check)
+    indexer_logits(**inputs, schedule=schedule, out=out, check_values=check)
     return out
 
 
@@ -116,7 +116,7 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
 
     def step():
         indexer_schedule(seqlens, num_sms, schedule)
-        indexer_logits(**inputs, schedule=schedule, out=out, check=False)
+        indexer_logits(**inputs, schedule=schedule, out=out, check_values=False)
 
     step()  # compile outside capture
     graph = torch.cuda.CUDAGraph()

@@ -329,7 +329,7 @@ def test_gpu_triton_path_matches_torch_path(index_topk):
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny", "bench"])
 def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
-    """A decode step (Triton ops, check=False, static inputs) captured in a CUDA graph replays to
+    """A decode step (Triton ops, check_values=False, static inputs) captured in a CUDA graph replays to
     the eager result, for new tokens and lengths written into the same buffers."""
     config = get_config(preset)
     model = DSAModel(config, device="cuda", use_triton=True).init_weights(0)
@@ -363,7 +363,7 @@ def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
         indexer_schedule(static["attn"].seqlens, sms, out=static["attn"].schedule)
 
     def run():
-        return model(static["ids"], static["positions"], static["loc"], session.kv, static["attn"], check=False)
+        return model(static["ids"], static["positions"], static["loc"], session.kv, static["attn"], check_values=False)
 
     fill((150, 40), (3, 4))
     with torch.no_grad():

@@ -128,7 +128,7 @@ def test_gpu_cuda_graph_replay_with_new_slots(split):
     sparse_mla_decode(**inputs, out=out, workspace=workspace)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sparse_mla_decode(**inputs, out=out, check=False, workspace=workspace)
+        sparse_mla_decode(**inputs, out=out, check_values=False, workspace=workspace)
     gen = torch.Generator().manual_seed(0)
     for high in (1, 100, k):
         counts = torch.randint(0, high + 1, (num_rows,), generator=gen).tolist()

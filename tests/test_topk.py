@@ -26,7 +26,7 @@ def _inputs(logits, seqlens, width, seed=0, num_slots=1000):
 def _run(logits, seqlens, page_table, k, device, check=True):
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=device)
     positions = torch.full_like(out, -7)
-    topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), k, out, check=check,
+    topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), k, out, check_values=check,
                out_positions=positions)
     return out.cpu(), positions.cpu()
 
@@ -163,7 +163,7 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
     topk_slots(logits_d, seqlens_d, table_d, k, out, out_positions=positions)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        topk_slots(logits_d, seqlens_d, table_d, k, out, check=False, out_positions=positions)
+        topk_slots(logits_d, seqlens_d, table_d, k, out, check_values=False, out_positions=positions)
     for high in (3, 3_000, width):
         seqlens = torch.randint(0, high + 1, (num_rows,), generator=gen, dtype=torch.int32)
         seqlens_d.copy_(seqlens)

@@ -65,7 +65,7 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seql
 
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                    page_table_1: torch.Tensor, seqlens: torch.Tensor, schedule: torch.Tensor,
-                   out: torch.Tensor, check: bool = True) -> torch.Tensor:
+                   out: torch.Tensor, check_values: bool = True) -> torch.Tensor:
     """Lightning-indexer logits of every query row over its live tokens.
 
     ``out[r, t] = sum_h weights[r, h] * relu(q[r, h] . k_cache[page_table_1[r, t]])`` for
@@ -84,14 +84,14 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     out : fp32 ``[R, W_out]``, written at ``[r, t]`` for ``t < min(64 * cdiv(seqlens[r], 64),
         W_out)``: the logit for ``t < seqlens[r]``, ``-inf`` up to the 64-token block edge.
         Everything beyond is left untouched.
-    check : validate shapes, dtypes, devices and (host sync) the lengths against ``W`` and
+    check_values : validate shapes, dtypes, devices and (host sync) the lengths against ``W`` and
         ``W_out``. Pass ``False`` inside CUDA graphs.
 
     Returns
     -------
     ``out``.
     """
-    if check:
+    if check_values:
         _check_inputs(q, weights, k_cache, page_table_1, seqlens, schedule, out)
     num_rows, num_heads, head_dim = q.shape
     block_h = max(16, triton.next_power_of_2(num_heads))

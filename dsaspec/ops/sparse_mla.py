@@ -145,7 +145,7 @@ def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int 
 
 
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-                      sm_scale: float, out: torch.Tensor, check: bool = True,
+                      sm_scale: float, out: torch.Tensor, check_values: bool = True,
                       workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse MQA attention of every query row over its selected slots, in the latent space.
 
@@ -162,7 +162,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         row stops after its last valid entry.
     sm_scale : softmax scale applied to the 576-wide dot product.
     out : bf16 ``[R, H, 512]``, written (every entry).
-    check : validate shapes, dtypes, devices and (host sync) that every slot is below
+    check_values : validate shapes, dtypes, devices and (host sync) that every slot is below
         ``num_slots``. Pass ``False`` inside CUDA graphs.
     workspace : optional fp32 ``[R, H, num_splits, 513]`` from :func:`sparse_mla_workspace`,
         written. With it each row's slots are split into ``num_splits`` runs handled by separate
@@ -173,7 +173,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     -------
     ``out``.
     """
-    if check:
+    if check_values:
         _check_inputs(q, kv_cache, slots, out, workspace)
     num_rows, num_heads, _ = q.shape
     block_h = _GPU_BLOCK_H if q.is_cuda else 16

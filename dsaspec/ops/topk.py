@@ -95,7 +95,7 @@ def _topk_slots_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positio
 
 
 def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.Tensor, k: int,
-               out: torch.Tensor, check: bool = True,
+               out: torch.Tensor, check_values: bool = True,
                out_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Exact per-row top-k of the live logits, mapped to KV slots.
 
@@ -112,7 +112,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     page_table_1 : int32 ``[R, W]``, logical position -> slot; only selected entries are read.
     k : number of entries per row, >= 1.
     out : int32 ``[R, k]``, written (every entry).
-    check : validate shapes, dtypes, devices and (host sync) the lengths against ``W_out`` and
+    check_values : validate shapes, dtypes, devices and (host sync) the lengths against ``W_out`` and
         ``W``. Pass ``False`` inside CUDA graphs.
     out_positions : optional int32 ``[R, k]``, written with the logical positions (``-1`` past
         the selection) in the same order as ``out``.
@@ -121,7 +121,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     -------
     ``out``. Grid ``(R,)``; one program per row walks the live range at most five times.
     """
-    if check:
+    if check_values:
         _check_inputs(logits, seqlens, page_table_1, k, out, out_positions)
     write_positions = out_positions is not None
     positions = out_positions if write_positions else out

@@ -30,6 +30,7 @@ _REQUIRED_HF_KEYS = (
 )
 # HF model_type -> default indexer RoPE layout when the config does not say it.
 _INDEXER_INTERLEAVE_DEFAULT = {"glm_moe_dsa": True, "deepseek_v32": False}
+FULL, SHARED = "full", "shared"   # indexer_types entries: own indexer / reuse the previous full layer's top-k
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,19 @@ class ModelConfig:
     num_nextn_predict_layers: int = 1
     tie_word_embeddings: bool = False
     model_type: str = "deepseek_v32"
+    # GLM-5.x IndexShare: per decoder layer "full" (own indexer) or "shared" (no indexer weights; reuses
+    # the previous full layer's top-k); None = every layer full. The MTP layer always has an indexer.
+    indexer_types: tuple[str, ...] | None = None
+    # GLM-5.x: the draft steps reuse the draft extend's MTP top-k instead of running the MTP indexer
+    index_share_for_mtp_iteration: bool = False
     # not an HF field (and not part of equality)
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        if isinstance(self.indexer_types, list):
+            object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
 
     # ---- derived shapes -------------------------------------------------------------------
     @property
@@ -101,10 +109,13 @@ class ModelConfig:
         """Factor folded into the indexer head weights: ``index_head_dim**-0.5 * index_n_heads**-0.5``."""
         return self.index_head_dim ** -0.5 * self.index_n_heads ** -0.5
 
-    @property
-    def num_layers_with_mtp(self) -> int:
-        """Decoder layers plus MTP layers (the MTP layer's HF id is ``num_hidden_layers``)."""
-        return self.num_hidden_layers + self.num_nextn_predict_layers
+    def has_indexer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` runs its own indexer (``indexer_types`` "full"); a shared
+        layer reuses the top-k of the closest full layer before it. The MTP layer
+        (``layer == num_hidden_layers``) always has one."""
+        if self.indexer_types is None or layer >= self.num_hidden_layers:
+            return True
+        return self.indexer_types[layer] == FULL
 
     # ---- validation -----------------------------------------------------------------------
     def validate(self) -> "ModelConfig":
@@ -140,6 +151,17 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
         if self.rope_scaling is not None:
             _validate_yarn(self.rope_scaling)
+        if self.indexer_types is not None:
+            types = self.indexer_types
+            if len(types) != self.num_hidden_layers or any(t not in (FULL, SHARED) for t in types):
+                raise ValueError(f"ModelConfig.indexer_types must hold {self.num_hidden_layers} entries "
+                                 f"'{FULL}' or '{SHARED}', got {list(types)!r}")
+            if types[0] != FULL:
+                raise ValueError("ModelConfig.indexer_types[0] must be 'full': a shared layer reuses the "
+                                 "top-k of an earlier full layer")
+        if not isinstance(self.index_share_for_mtp_iteration, bool):
+            raise ValueError(f"ModelConfig.index_share_for_mtp_iteration must be a bool, "
+                             f"got {self.index_share_for_mtp_iteration!r}")
         return self
 
     # ---- HF dicts ---------------------------------------------------------------------------
@@ -177,6 +199,8 @@ class ModelConfig:
             num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             model_type=model_type,
+            indexer_types=indexer_types_from_hf(hf),
+            index_share_for_mtp_iteration=hf.get("index_share_for_mtp_iteration", False),
             name=name,
         )
         return config.validate()
@@ -194,7 +218,10 @@ class ModelConfig:
             num_nextn_predict_layers=self.num_nextn_predict_layers,
             tie_word_embeddings=self.tie_word_embeddings,
             first_k_dense_replace=self.num_hidden_layers,  # every layer dense in this runtime
+            index_share_for_mtp_iteration=self.index_share_for_mtp_iteration,
         )
+        if self.indexer_types is not None:
+            out["indexer_types"] = list(self.indexer_types)
         if self.rope_scaling is not None:
             out["rope_scaling"] = dict(self.rope_scaling)
         return out
@@ -202,6 +229,34 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes).validate()
+
+
+def indexer_types_from_hf(hf: dict[str, Any]) -> tuple[str, ...] | None:
+    """Per-layer indexer types of an HF config: ``indexer_types`` when given; else from
+    ``index_topk_pattern`` (``"F"``/``"S"`` per layer); else from ``index_topk_freq`` and
+    ``index_skip_topk_offset``: layer ``i`` is shared iff ``max(i - offset + 1, 0) % freq != 0``
+    (GLM-5.2: freq 4, offset 3 -> full layers 0, 1, 2, 6, 10, ...). None when every layer is full."""
+    layers = hf["num_hidden_layers"]
+    if hf.get("indexer_types") is not None:
+        types = tuple(hf["indexer_types"])
+    elif hf.get("index_topk_pattern") is not None:
+        letters = {"F": FULL, "S": SHARED}
+        pattern = hf["index_topk_pattern"]
+        if any(c not in letters for c in pattern):
+            raise ValueError(f"HF config index_topk_pattern must hold 'F'/'S' per layer, got {pattern!r}")
+        types = tuple(letters[c] for c in pattern)
+    else:
+        freq = hf.get("index_topk_freq") or 1
+        if not isinstance(freq, int) or freq < 1:
+            raise ValueError(f"HF config index_topk_freq must be a positive int, got {freq!r}")
+        if freq == 1:
+            return None
+        if hf.get("index_skip_topk_offset") is None:
+            raise ValueError("HF config sets index_topk_freq > 1 without index_skip_topk_offset or "
+                             "indexer_types: which layers share the top-k is ambiguous")
+        offset = int(hf["index_skip_topk_offset"])
+        types = tuple(SHARED if max(i - offset + 1, 0) % freq else FULL for i in range(layers))
+    return None if all(t == FULL for t in types) else types
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -255,6 +310,12 @@ PRESETS: dict[str, ModelConfig] = {
         name="tiny"),
 }
 
+# GLM-5.2: GLM-5's shapes with IndexShare (a full indexer every 4th layer from layer 2 on, and
+# the draft steps reuse the draft extend's MTP top-k) and a 1M-token context.
+PRESETS["glm52"] = PRESETS["glm5"].replace(
+    rope_theta=8e6, max_position_embeddings=1048576, index_share_for_mtp_iteration=True,
+    indexer_types=indexer_types_from_hf(dict(num_hidden_layers=78, index_topk_freq=4,
+                                             index_skip_topk_offset=3)), name="glm52")
 # Benchmarks: GLM-5 attention, indexer and vocab shapes, 2 layers and a modest dense FFN.
 PRESETS["bench"] = PRESETS["glm5"].replace(num_hidden_layers=2, intermediate_size=4096,
                                            max_position_embeddings=1048576, name="bench")

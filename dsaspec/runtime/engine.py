@@ -1,15 +1,20 @@
-"""Greedy generation with continuous batching: eager chunked prefill, decode from CUDA graphs.
+"""Greedy generation with continuous batching: eager chunked prefill, decode from CUDA graphs,
+plain or speculative (MTP, EAGLE chain).
 
 :class:`Engine` owns the memory of one model (``ReqToTokenPool``, ``PageAllocator``, the target
-``KVPool``), a :class:`~dsaspec.attention.dsa_backend.DSAAttnBackend` and a
-:class:`~dsaspec.runtime.graph_runner.DecodeGraphRunner` captured for the batch buckets. The
-scheduler loop of :meth:`Engine.generate`:
+``KVPool``, and with speculation the MTP layer's ``KVPool``), a
+:class:`~dsaspec.attention.dsa_backend.DSAAttnBackend` and either a
+:class:`~dsaspec.runtime.graph_runner.DecodeGraphRunner` (plain greedy decoding) or a
+:class:`~dsaspec.runtime.spec_worker.SpecWorker` (speculative decoding), captured for the batch
+buckets. The scheduler loop of :meth:`Engine.generate`:
 
 1. admit waiting requests while a request row is free and the KV pool has the pages of the whole
-   request (prompt + ``max_new_tokens - 1`` positions, reserved up front so a running request
-   never runs out of pages); prefill each one eagerly (chunked) and take its first token;
-2. one decode step for every running request (padded to its bucket, graph replay);
-3. finish requests at ``max_new_tokens`` (or ``eos_token_id``), release their rows and pages.
+   request (every position it will ever write: prompt + ``max_new_tokens - 1``, plus ``N - 1``
+   verified positions past the last one with speculation), reserved up front so a running request
+   never runs out of pages; prefill each one eagerly (chunked) and take its first token;
+2. one decode step (or one speculative iteration) for every running request, padded to its bucket;
+3. append each request's new tokens one at a time and stop it exactly where plain greedy decoding
+   would (``max_new_tokens`` reached, or ``eos_token_id`` generated); release its row and pages.
 
 A request that could never fit (too long for the context, more pages than the pool has) is
 refused before anything runs; one that does not fit *now* waits for running requests to finish.
@@ -27,10 +32,15 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.attention.dsa_backend import DEFAULT_BUCKETS, DSAAttnBackend
+from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
+from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.runtime.graph_runner import DecodeGraphRunner
 from dsaspec.runtime.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
                                     PoolExhaustedError, ReqToTokenPool, RequestSlots)
 from dsaspec.runtime.model import DSAModel, num_sms
+from dsaspec.runtime.spec_worker import SpecConfig, SpecWorker
+from dsaspec.speculative.lm_head import VocabParallelLMHead
+from dsaspec.speculative.logits_processor import LogitsProcessor
 
 LENGTH, EOS = "length", "eos"
 
@@ -58,15 +68,20 @@ class GenerationResult:
 
 @dataclass
 class GenerationStats:
-    """What one ``generate`` call did: prefill work, decode steps, their host wall times (each
-    step ends with the next tokens on the host) and the batch bucket of each step (``None``:
-    eager, above the largest bucket)."""
+    """What one ``generate`` call did: prefill work, decode steps (speculative iterations), their
+    host wall times (each step ends with the new tokens on the host), the batch and bucket of each
+    step (``None``: eager, above the largest bucket), the tokens each step kept, and with
+    speculation every request's accept length per iteration and (when timed) each iteration's
+    device time per phase."""
 
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     step_times_s: list[float] = field(default_factory=list)
     step_batches: list[int] = field(default_factory=list)
     step_buckets: list[int | None] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    accept_lens: list[int] = field(default_factory=list)
+    phase_ms: list[dict] = field(default_factory=list)
 
     @property
     def decode_steps(self) -> int:
@@ -74,7 +89,12 @@ class GenerationStats:
 
     @property
     def decode_tokens(self) -> int:
-        return sum(self.step_batches)
+        return sum(self.step_tokens)
+
+    @property
+    def mean_accept_len(self) -> float | None:
+        """Mean tokens committed per request per speculative iteration; None without speculation."""
+        return statistics.fmean(self.accept_lens) if self.accept_lens else None
 
     @property
     def median_step_ms(self) -> float | None:
@@ -120,12 +140,16 @@ class Engine:
     force_kernel : ``"bounded"`` / ``"context_wide"`` metadata kernels for tests and benchmarks
         (default: the backend's selection, see ``DSASPEC_BOUNDED_REPLAY_METADATA``).
     progress : show a tqdm bar over generated tokens.
+    speculative : SpecConfig to decode speculatively with the model's MTP layer; None: plain
+        greedy decoding.
+    time_phases : with speculation on CUDA, record each iteration's device time per phase.
     """
 
     def __init__(self, model: DSAModel, *, context_len: int, max_batch: int = 8,
                  num_slots: int | None = None, bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
                  use_cuda_graph: bool | None = None, prefill_chunk: int = 512,
-                 force_kernel: str | None = None, progress: bool = True):
+                 force_kernel: str | None = None, progress: bool = True,
+                 speculative: SpecConfig | None = None, time_phases: bool = False):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -135,20 +159,56 @@ class Engine:
         self.device = weight.device
         self.prefill_chunk = prefill_chunk
         self.progress = progress
-        self.req_pool = ReqToTokenPool(max_batch, context_len, num_draft_tokens=1, device=self.device)
+        self.spec = speculative
+        self.time_phases = time_phases
+        draft_tokens = speculative.num_draft_tokens if speculative else 1
+        self.req_pool = ReqToTokenPool(max_batch, context_len, num_draft_tokens=draft_tokens, device=self.device)
         if num_slots is None:
-            num_slots = PAGE_SIZE * (1 + max_batch * -(-context_len // PAGE_SIZE))
+            num_slots = PAGE_SIZE * (1 + max_batch * -(-self.req_pool.width // PAGE_SIZE))
         self.allocator = PageAllocator(num_slots, PAGE_SIZE)
         self.slots = RequestSlots(self.req_pool, self.allocator)
         self.kv = KVPool.for_model(self.config, num_slots, dtype=weight.dtype, device=self.device)
         buckets = sorted(set(int(b) for b in bucket_sizes))
         holding = [b for b in buckets if b >= max_batch]
         buckets = [b for b in buckets if b < max_batch] + holding[:1]
-        self.backend = DSAAttnBackend(self.req_pool.req_to_token, index_topk=self.config.index_topk,
-                                      page_size=PAGE_SIZE, bucket_sizes=buckets,
-                                      num_sms=num_sms(self.device), force_kernel=force_kernel)
-        self.runner = DecodeGraphRunner(model, self.kv, self.backend, use_cuda_graph=use_cuda_graph).capture()
+        backend_kwargs = dict(index_topk=self.config.index_topk, page_size=PAGE_SIZE, bucket_sizes=buckets,
+                              num_sms=num_sms(self.device), force_kernel=force_kernel)
+        self.backend = DSAAttnBackend(self.req_pool.req_to_token, num_draft_tokens=draft_tokens, **backend_kwargs)
+        self.runner = self.worker = None
+        if speculative is None:
+            self.runner = DecodeGraphRunner(model, self.kv, self.backend, use_cuda_graph=use_cuda_graph).capture()
+        else:
+            self.worker = self._spec_worker(speculative, num_slots, buckets, backend_kwargs, use_cuda_graph)
         self.stats = GenerationStats()
+
+    def _spec_worker(self, spec: SpecConfig, num_slots: int, buckets, backend_kwargs, use_cuda_graph) -> SpecWorker:
+        """The MTP KV pool, the draft step backends, the draft LM head's LogitsProcessor (argmax
+        exchange opted in) and the captured SpecWorker."""
+        config, weight = self.config, self.model.lm_head.weight
+        self.mtp_kv = KVPool.for_model(config, num_slots, mtp=True, dtype=weight.dtype, device=self.device)
+        multi_step = None
+        if spec.num_steps > 1:
+            backend_kwargs = {k: v for k, v in backend_kwargs.items() if k != "bucket_sizes"}
+            multi_step = DSAMultiStepDraftBackend.create(
+                self.req_pool.req_to_token, num_steps=spec.num_steps, bucket_sizes=buckets,
+                index_share=config.index_share_for_mtp_iteration, **backend_kwargs)
+        head = VocabParallelLMHead(config.vocab_size, config.hidden_size, TPGroup.single(self.device),
+                                   dtype=weight.dtype)
+        head.load_weight(weight)
+        processor = LogitsProcessor(head, max_rows=max(self.max_batch, buckets[-1]))
+        processor.enable_draft_argmax_exchange()
+        return SpecWorker(self.model, self.req_pool, self.kv, self.mtp_kv, self.backend, multi_step, processor,
+                          spec, use_cuda_graph=use_cuda_graph).capture()
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Whether decode steps (or speculative phases) replay CUDA graphs."""
+        return (self.runner or self.worker).use_cuda_graph
+
+    def extra_positions(self) -> int:
+        """Positions a request writes past its last token's: ``N - 1`` verified rows with
+        speculation, 0 without."""
+        return self.spec.num_draft_tokens - 1 if self.spec else 0
 
     @property
     def max_batch(self) -> int:
@@ -215,12 +275,12 @@ class Engine:
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token id(s) {bad[:4]} outside the vocabulary [0, {vocab})")
-            positions = len(tokens) + limit - 1           # KV positions the request will write
+            positions = len(tokens) + limit - 1           # positions of the request's tokens' KV
             if positions > self.context_len:
                 raise ContextLengthError(
                     f"prompt {i}: {len(tokens)} prompt tokens + max_new_tokens={limit} need "
                     f"{positions} positions, more than context_len={self.context_len}")
-            pages = -(-positions // PAGE_SIZE)
+            pages = -(-(positions + self.extra_positions()) // PAGE_SIZE)
             if pages > usable_pages:
                 raise PoolExhaustedError(
                     f"prompt {i}: {positions} positions need {pages} KV pages of {PAGE_SIZE} slots, "
@@ -236,7 +296,8 @@ class Engine:
                 while waiting and self.req_pool.num_free:
                     request = waiting[0]
                     try:
-                        request.row = self.slots.admit(len(request.prompt), reserve=request.max_new_tokens - 1)
+                        request.row = self.slots.admit(
+                            len(request.prompt), reserve=request.max_new_tokens - 1 + self.extra_positions())
                     except PoolExhaustedError:
                         if not running:
                             raise
@@ -247,8 +308,7 @@ class Engine:
                     if not self._finished(request, eos_token_id):
                         running.append(request)
                 if running:
-                    self._decode_step(running, start)
-                    bar.update(len(running))
+                    bar.update(self._decode_step(running, start, eos_token_id))
                     bar.set_postfix(bs=len(running), waiting=len(waiting), refresh=False)
                     running = [r for r in running if not self._finished(r, eos_token_id)]
         finally:
@@ -271,26 +331,54 @@ class Engine:
     @torch.no_grad()
     def _prefill(self, request: _Request, start: float) -> None:
         began = time.perf_counter()
-        ids = torch.tensor(request.prompt, dtype=torch.int64, device=self.device)
-        hidden = self.model.prefill(ids, self.req_pool.req_to_token, request.row, self.kv,
-                                    chunk_size=self.prefill_chunk)
-        request.tokens.append(int(self.model.logits(hidden[-1:]).argmax()))
+        if self.worker is not None:
+            request.tokens.append(self.worker.prefill(request.row, request.prompt, chunk_size=self.prefill_chunk))
+        else:
+            ids = torch.tensor(request.prompt, dtype=torch.int64, device=self.device)
+            hidden = self.model.prefill(ids, self.req_pool.req_to_token, request.row, self.kv,
+                                        chunk_size=self.prefill_chunk)
+            request.tokens.append(int(self.model.logits(hidden[-1:]).argmax()))
         now = time.perf_counter()
         request.first_token_at = request.last_token_at = now - start
         self.stats.prefill_tokens += len(request.prompt)
         self.stats.prefill_s += now - began
 
-    def _decode_step(self, running: list[_Request], start: float) -> None:
+    def _decode_step(self, running: list[_Request], start: float, eos_token_id) -> int:
+        """One decode step (or speculative iteration) of the running requests; appends their new
+        tokens up to where each stops. Returns the number of tokens kept."""
         began = time.perf_counter()
-        next_tokens = self.runner.step([r.tokens[-1] for r in running], [r.next_position for r in running],
-                                       [r.row for r in running])
+        rows = [r.row for r in running]
+        if self.worker is None:
+            new_tokens = [[t] for t in self.runner.step([r.tokens[-1] for r in running],
+                                                        [r.next_position for r in running], rows)]
+            bucket = self.runner.bucket_for(len(running))
+        else:
+            result = self.worker.iterate(rows, timed=self.time_phases)
+            new_tokens = result.committed
+            bucket = self.worker.bucket_for(len(running))
+            self.stats.accept_lens.extend(result.accept_lens)
+            if result.phase_ms is not None:
+                self.stats.phase_ms.append(result.phase_ms)
         now = time.perf_counter()
-        for request, token in zip(running, next_tokens):
-            request.tokens.append(token)
+        kept = 0
+        for request, tokens in zip(running, new_tokens):
+            for token in tokens:
+                request.tokens.append(token)
+                kept += 1
+                if _stops(request, eos_token_id):
+                    break
             request.last_token_at = now - start
         self.stats.step_times_s.append(now - began)
         self.stats.step_batches.append(len(running))
-        self.stats.step_buckets.append(self.runner.bucket_for(len(running)))
+        self.stats.step_buckets.append(bucket)
+        self.stats.step_tokens.append(kept)
+        return kept
+
+
+def _stops(request: _Request, eos_token_id) -> bool:
+    """Whether the request's last token ends it (``eos_token_id``, or ``max_new_tokens`` reached)."""
+    return (eos_token_id is not None and request.tokens[-1] == eos_token_id) or \
+        len(request.tokens) >= request.max_new_tokens
 
 
 def _is_single_prompt(prompt_token_ids) -> bool:

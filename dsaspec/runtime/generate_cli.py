@@ -67,7 +67,7 @@ def run(args) -> int:
     engine = Engine(model, context_len=args.context_len, max_batch=args.max_batch, num_slots=args.num_slots,
                     use_cuda_graph=False if args.no_cuda_graph else None, progress=not args.no_progress)
     print(f"model: {source}; device {device}, {args.dtype}, ops {'triton' if use_triton else 'torch'}, "
-          f"CUDA graphs {'on' if engine.runner.use_cuda_graph else 'off'}, metadata kernel "
+          f"CUDA graphs {'on' if engine.use_cuda_graph else 'off'}, metadata kernel "
           f"{engine.backend.kernel} ({engine.backend.kernel_reason})")
     results = engine.generate(prompts, args.max_new_tokens, eos_token_id=args.eos_token_id)
     for i, result in enumerate(results):

@@ -1,4 +1,10 @@
-"""Greedy decode steps over batch buckets: static inputs, metadata replay, a CUDA graph per bucket.
+"""CUDA graphs per batch bucket, and the greedy decode step built on them.
+
+:class:`BucketGraphs` is the capture / replay machinery every phase of the runtime uses (decode
+here, target verify, draft decode and draft extend in :mod:`dsaspec.runtime.spec_worker`): one
+graph per batch bucket over a phase's static buffers, warmed up on a side stream (Triton compiles
+there) and captured into one memory pool shared by every phase; without graphs the same body runs
+eagerly over the same buffers.
 
 One :class:`DecodeGraphRunner` serves one model, one target KV pool and one
 :class:`~dsaspec.attention.dsa_backend.DSAAttnBackend`. For every batch bucket of the backend it
@@ -21,12 +27,68 @@ from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from dsaspec.attention.dsa_backend import DSAAttnBackend
 from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.runtime.memory import KVPool
 from dsaspec.runtime.model import AttentionInputs, DSAModel
 
 _IDS, _POSITIONS, _ROWS = range(3)
+
+
+def graphs_usable(device: torch.device, model: DSAModel, use_cuda_graph: bool | None) -> bool:
+    """Resolve ``use_cuda_graph`` (None: on CUDA with the Triton ops); a clear error when graphs
+    are asked for where they cannot run."""
+    on_cuda = device.type == "cuda"
+    if use_cuda_graph is None:
+        return on_cuda and model.use_triton
+    if use_cuda_graph and not on_cuda:
+        raise ValueError("use_cuda_graph=True needs the req_to_token table on a CUDA device")
+    if use_cuda_graph and not model.use_triton:
+        raise ValueError("use_cuda_graph=True needs model.use_triton=True (the torch ops sync with "
+                         "the host and cannot be captured)")
+    return bool(use_cuda_graph)
+
+
+class BucketGraphs:
+    """One CUDA graph per batch bucket of one phase, captured over the phase's static buffers.
+
+    Parameters
+    ----------
+    enabled : capture graphs (False: :meth:`run` calls the body eagerly every time).
+    pool : graph memory pool handle shared with other phases (``torch.cuda.graph_pool_handle()``);
+        None: the first capture makes one.
+    """
+
+    def __init__(self, enabled: bool, pool=None):
+        self.enabled = enabled
+        self.pool = pool
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def capture(self, bucket: int, body: Callable[[], None]) -> None:
+        """Run ``body`` twice on a side stream (warm-up: Triton compiles, allocator settles), then
+        capture it as the graph of ``bucket``. No-op when disabled."""
+        if not self.enabled:
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body()
+        self.pool = graph.pool()
+        self._graphs[bucket] = graph
+
+    def run(self, bucket: int, body: Callable[[], None], *, use_graph: bool | None = None) -> None:
+        """Replay the graph of ``bucket`` (or, disabled or ``use_graph=False``, run ``body``)."""
+        if self.enabled and use_graph is not False:
+            self._graphs[bucket].replay()
+        else:
+            body()
 
 
 class DecodeGraphRunner:
@@ -55,17 +117,10 @@ class DecodeGraphRunner:
     """
 
     def __init__(self, model: DSAModel, kv: KVPool, backend: DSAAttnBackend, *,
-                 use_cuda_graph: bool | None = None):
-        on_cuda = backend.device.type == "cuda"
-        if use_cuda_graph is None:
-            use_cuda_graph = on_cuda and model.use_triton
-        if use_cuda_graph and not on_cuda:
-            raise ValueError("use_cuda_graph=True needs the req_to_token table on a CUDA device")
-        if use_cuda_graph and not model.use_triton:
-            raise ValueError("use_cuda_graph=True needs model.use_triton=True (the torch reference ops "
-                             "sync with the host and cannot be captured)")
+                 use_cuda_graph: bool | None = None, pool=None):
         self.model, self.kv, self.backend = model, kv, backend
-        self.use_cuda_graph = bool(use_cuda_graph)
+        self.use_cuda_graph = graphs_usable(backend.device, model, use_cuda_graph)
+        self.graphs = BucketGraphs(self.use_cuda_graph, pool)
         self.max_bucket = backend.bucket_sizes[-1]
         device = backend.device
         self._inputs = torch.zeros(3, self.max_bucket, dtype=torch.int64, device=device)
@@ -76,7 +131,6 @@ class DecodeGraphRunner:
         self.out_cache_loc = torch.zeros(self.max_bucket, dtype=torch.int64, device=device)
         self.next_tokens = torch.zeros(self.max_bucket, dtype=torch.int64, device=device)
         self._attn: dict[int, AttentionInputs] = {}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._captured = False
 
     @property
@@ -91,26 +145,13 @@ class DecodeGraphRunner:
         if self._captured:
             return self
         topk = self.model.config.index_topk
-        pool = None
         for bucket in reversed(self.backend.bucket_sizes):
             metadata = self.backend.capture(bucket, Mode.DECODE)
             self._attn[bucket] = AttentionInputs.from_metadata(
                 metadata, self.backend.schedule(bucket, Mode.DECODE), topk)
             self.load([], [], [], bucket)           # every row padding: valid metadata to capture over
             self.prepare(bucket)
-            if not self.use_cuda_graph:
-                continue
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(bucket, check=False)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(bucket, check=False)
-            pool = graph.pool()
-            self._graphs[bucket] = graph
+            self.graphs.capture(bucket, lambda: self._forward(bucket, check_values=False))
         if self.use_cuda_graph:
             torch.cuda.synchronize()
         self._captured = True
@@ -147,9 +188,9 @@ class DecodeGraphRunner:
         self.out_cache_loc[:bucket].copy_(self.backend.req_to_token[rows, positions])
         self.backend.replay(bucket, rows, self.seq_lens[:bucket], Mode.DECODE)
 
-    def _forward(self, bucket: int, *, check: bool) -> None:
-        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket],
-                            self.out_cache_loc[:bucket], self.kv, self._attn[bucket], check=check)
+    def _forward(self, bucket: int, *, check_values: bool) -> None:
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.out_cache_loc[:bucket],
+                            self.kv, self._attn[bucket], check_values=check_values)
         torch.argmax(self.model.logits(hidden), dim=-1, out=self.next_tokens[:bucket])
 
     @torch.no_grad()
@@ -161,10 +202,8 @@ class DecodeGraphRunner:
         if not self._captured:
             raise RuntimeError("DecodeGraphRunner.run before capture()")
         self.prepare(bucket)
-        if self.use_cuda_graph and use_graph is not False:
-            self._graphs[bucket].replay()
-        else:
-            self._forward(bucket, check=not self.use_cuda_graph)
+        self.graphs.run(bucket, lambda: self._forward(bucket, check_values=not self.use_cuda_graph),
+                        use_graph=use_graph)
         return self.next_tokens[:bucket]
 
     @torch.no_grad()
@@ -186,5 +225,5 @@ class DecodeGraphRunner:
         metadata, schedule = self.backend.eager(rows, pos + 1, Mode.DECODE)
         attn = AttentionInputs.from_metadata(metadata, schedule, self.model.config.index_topk)
         loc = self.backend.req_to_token[rows, pos].long()
-        hidden = self.model(ids, pos, loc, self.kv, attn, check=True)
+        hidden = self.model(ids, pos, loc, self.kv, attn)
         return self.model.logits(hidden).argmax(-1).tolist()

@@ -34,37 +34,16 @@ from dsaspec.runtime.memory import KVPool
 @functools.lru_cache(maxsize=2)
 def dsa_ops(use_triton: bool) -> SimpleNamespace:
     """The four DSA ops (``indexer_schedule``, ``indexer_logits``, ``topk_slots``,
-    ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check``): the
-    Triton kernels when ``use_triton``, else the plain-torch references (eager only: they loop
-    over rows on the host)."""
+    ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check_values``):
+    the Triton kernels when ``use_triton``, else the runtime's plain-torch versions
+    (:mod:`dsaspec.runtime.torch_ops`; eager only: they read lengths on the host)."""
     if use_triton:
         from dsaspec.ops.indexer import indexer_logits
         from dsaspec.ops.indexer_schedule import indexer_schedule
         from dsaspec.ops.sparse_mla import sparse_mla_decode
         from dsaspec.ops.topk import topk_slots
-
-        return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
-                               topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode)
-    from dsaspec.reference.indexer import reference_indexer_logits
-    from dsaspec.reference.indexer_schedule import reference_indexer_schedule
-    from dsaspec.reference.sparse_mla import reference_sparse_mla_decode
-    from dsaspec.reference.topk import reference_topk_slots
-
-    def indexer_schedule(seqlens, num_sms, out):
-        return out.copy_(reference_indexer_schedule(seqlens.cpu(), num_sms))
-
-    def indexer_logits(q, weights, k_cache, page_table_1, seqlens, schedule, out, check=True):
-        out.fill_(float("-inf"))
-        for row, row_logits in enumerate(reference_indexer_logits(q, weights, k_cache, page_table_1, seqlens)):
-            out[row, : row_logits.numel()] = row_logits
-        return out
-
-    def topk_slots(logits, seqlens, page_table_1, k, out, check=True):
-        return out.copy_(reference_topk_slots(logits, seqlens, page_table_1, k))
-
-    def sparse_mla_decode(q, kv_cache, slots, sm_scale, out, check=True):
-        return out.copy_(reference_sparse_mla_decode(q, kv_cache, slots, sm_scale))
-
+    else:
+        from dsaspec.runtime.torch_ops import indexer_logits, indexer_schedule, sparse_mla_decode, topk_slots
     return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
                            topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode)
 
@@ -109,29 +88,57 @@ class AttentionInputs:
 
     @classmethod
     def from_metadata(cls, metadata, schedule: torch.Tensor, index_topk: int,
-                      logits_width: int | None = None) -> "AttentionInputs":
+                      logits_width: int | None = None, scratch: "AttentionScratch | None" = None
+                      ) -> "AttentionInputs":
         """Inputs over a DSA backend's static buffers of one (batch, mode): ``metadata`` (a
         ``MetadataBuffers``: its ``page_table_1`` and ``seqlens_expanded``) and its indexer
-        ``schedule``. Allocates the scratch once (call at capture): ``index_logits`` fp32
-        ``[R, logits_width or W]`` and ``topk_slots`` int32 ``[R, index_topk]``."""
+        ``schedule``. The scratch (``index_logits`` fp32 ``[R, logits_width or W]``, ``topk_slots``
+        int32 ``[R, index_topk]``) is allocated here (call at capture), or taken as the leading
+        rows of ``scratch``, which forwards that never run at the same time can share."""
         page_table = metadata.page_table_1
         rows, width = page_table.shape
+        if scratch is None:
+            scratch = AttentionScratch.allocate(rows, logits_width or width, index_topk, page_table.device)
         return cls(page_table_1=page_table, seqlens=metadata.seqlens_expanded, schedule=schedule,
-                   index_logits=torch.empty(rows, logits_width or width, device=page_table.device),
-                   topk_slots=torch.empty(rows, index_topk, dtype=torch.int32, device=page_table.device))
+                   **scratch.view(rows))
 
 
 @dataclass
-class _Step:
-    """Per-step state every layer reads: RoPE cos/sin fp32 ``[R, rope/2]``, the rows' slots,
-    the attention inputs, the ops and whether the ops validate (host syncs) their inputs."""
+class AttentionScratch:
+    """Indexer scratch of up to ``rows`` query rows: logits fp32 ``[rows, width]`` and selected slots
+    int32 ``[rows, index_topk]``."""
+
+    index_logits: torch.Tensor
+    topk_slots: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, width: int, index_topk: int, device) -> "AttentionScratch":
+        return cls(torch.empty(rows, width, device=device),
+                   torch.empty(rows, index_topk, dtype=torch.int32, device=device))
+
+    def view(self, rows: int) -> dict:
+        """The leading ``rows`` rows, as ``AttentionInputs`` keyword arguments."""
+        if rows > self.topk_slots.shape[0]:
+            raise ValueError(f"the attention scratch holds {self.topk_slots.shape[0]} rows, {rows} asked for")
+        return dict(index_logits=self.index_logits[:rows], topk_slots=self.topk_slots[:rows])
+
+
+@dataclass
+class _ForwardState:
+    """What every layer of one forward reads: RoPE cos/sin fp32 ``[R, rope/2]``, the rows' KV
+    slots, the attention inputs, the ops, whether the ops run their value checks (host syncs),
+    and ``selected``: the KV slots int32 ``[R, k]`` the last indexer chose (a shared-indexer
+    layer attends to them). ``seeded``: ``selected`` was given up front (IndexShare draft steps)
+    and no indexer runs."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     out_cache_loc: torch.Tensor
     attn: AttentionInputs
     ops: SimpleNamespace
-    check: bool
+    check_values: bool
+    selected: torch.Tensor | None = None
+    seeded: bool = False
 
 
 def build_extend_inputs(req_to_token: torch.Tensor, rows, prefix_lens, extend_lens):
@@ -275,7 +282,7 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(config.index_head_dim, config.attn_norm_eps, device, dtype)
         self.weights_proj = _linear(config.hidden_size, config.index_n_heads, device, dtype)
 
-    def forward(self, x, q_latent, step: _Step, index_k_cache):
+    def forward(self, x, q_latent, step: _ForwardState, index_k_cache):
         """Write each row's key into ``index_k_cache[out_cache_loc]``; return the query
         ``[R, index_n_heads, 128]`` (model dtype) and head weights fp32 ``[R, index_n_heads]``
         (``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``)."""
@@ -291,9 +298,10 @@ class Indexer(nn.Module):
 
 
 class MLAAttention(nn.Module):
-    """Multi-head latent attention with DSA, run in the absorbed (MQA) form over the 576-wide cache."""
+    """Multi-head latent attention with DSA, run in the absorbed (MQA) form over the 576-wide cache.
+    Layer ``layer`` owns an indexer unless the config makes it a shared-indexer layer."""
 
-    def __init__(self, config: ModelConfig, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
         super().__init__()
         self.config = config
         heads = config.num_attention_heads
@@ -305,7 +313,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = _linear(config.kv_lora_rank,
                                  heads * (config.qk_nope_head_dim + config.v_head_dim), device, dtype)
         self.o_proj = _linear(heads * config.v_head_dim, config.hidden_size, device, dtype)
-        self.indexer = Indexer(config, device, dtype)
+        self.indexer = Indexer(config, device, dtype) if config.has_indexer(layer) else None
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``kv_b_proj.weight``: ``W_UK [H, qk_nope, 512]`` and ``W_UV [H, v, 512]``."""
@@ -314,7 +322,7 @@ class MLAAttention(nn.Module):
                                               cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim:]
 
-    def forward(self, x, step: _Step, mla_cache, index_k_cache) -> torch.Tensor:
+    def forward(self, x, step: _ForwardState, mla_cache, index_k_cache) -> torch.Tensor:
         """``x`` ``[R, hidden]`` (normed) -> ``[R, hidden]``; writes the rows' entries of
         ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` at ``out_cache_loc``
         and ``attn.topk_slots`` (if given)."""
@@ -327,19 +335,21 @@ class MLAAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_rope = apply_rope(k_rope, step.cos, step.sin, cfg.rope_interleave)
         mla_cache.index_copy_(0, step.out_cache_loc, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1))
-        q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache)
+        if self.indexer is not None and not step.seeded:
+            q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache)
+            step.selected = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)
 
         w_uk, w_uv = self.absorbed_weights()
         q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)      # [R, H, 512]
         q_mqa = torch.cat((q_absorbed, q_rope), dim=-1).contiguous()              # [R, H, 576]
-        slots = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)
         o_latent = torch.empty(rows, heads, cfg.kv_lora_rank, device=x.device, dtype=x.dtype)
-        step.ops.sparse_mla_decode(q_mqa, mla_cache, slots, cfg.softmax_scale, out=o_latent, check=step.check)
+        step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
+                                   check_values=step.check_values)
         o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [R, H, v]
         return self.o_proj(o.reshape(rows, heads * cfg.v_head_dim))
 
 
-def _select_slots(q_index, index_weights, index_k_cache, step: _Step, index_topk):
+def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, index_topk):
     """Indexer logits over each row's live positions, then the top-k as slots: int32 ``[R, k]``."""
     rows, device = q_index.shape[0], q_index.device
     attn, ops = step.attn, step.ops
@@ -355,8 +365,9 @@ def _select_slots(q_index, index_weights, index_k_cache, step: _Step, index_topk
     if slots is None:
         slots = torch.empty(rows, index_topk, dtype=torch.int32, device=device)
     ops.indexer_logits(q_index, index_weights, index_k_cache, attn.page_table_1, attn.seqlens,
-                       schedule, out=logits, check=step.check)
-    ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots, check=step.check)
+                       schedule, out=logits, check_values=step.check_values)
+    ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots,
+                   check_values=step.check_values)
     return slots
 
 
@@ -374,16 +385,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """RMSNorm -> MLA with DSA -> residual -> RMSNorm -> SwiGLU -> residual."""
+    """RMSNorm -> MLA with DSA -> residual -> RMSNorm -> SwiGLU -> residual (layer index ``layer``)."""
 
-    def __init__(self, config: ModelConfig, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.self_attn = MLAAttention(config, device, dtype)
+        self.self_attn = MLAAttention(config, layer, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = MLP(config, device, dtype)
 
-    def forward(self, x, step: _Step, mla_cache, index_k_cache):
+    def forward(self, x, step: _ForwardState, mla_cache, index_k_cache):
         x = x + self.self_attn(self.input_layernorm(x), step, mla_cache, index_k_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -401,7 +412,7 @@ class MTPLayer(DecoderLayer):
     first), one full decoder layer (the inherited parameters) and ``shared_head.norm``."""
 
     def __init__(self, config: ModelConfig, device=None, dtype=None):
-        super().__init__(config, device, dtype)
+        super().__init__(config, config.num_hidden_layers, device, dtype)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.eh_proj = _linear(2 * config.hidden_size, config.hidden_size, device, dtype)
@@ -414,7 +425,7 @@ class DSABackbone(nn.Module):
     def __init__(self, config: ModelConfig, device=None, dtype=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
-        layers = [DecoderLayer(config, device, dtype) for _ in range(config.num_hidden_layers)]
+        layers = [DecoderLayer(config, i, device, dtype) for i in range(config.num_hidden_layers)]
         layers += [MTPLayer(config, device, dtype) for _ in range(config.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
@@ -472,9 +483,11 @@ class DSAModel(nn.Module):
             param.copy_(value)
         return self
 
-    def _step(self, positions, out_cache_loc, attn: AttentionInputs, check: bool) -> _Step:
+    def _state(self, positions, out_cache_loc, attn: AttentionInputs, check_values: bool,
+               seed_slots: torch.Tensor | None = None) -> _ForwardState:
         cos, sin = self.rotary(positions)
-        return _Step(cos, sin, out_cache_loc, attn, dsa_ops(self.use_triton), check)
+        return _ForwardState(cos, sin, out_cache_loc, attn, dsa_ops(self.use_triton), check_values,
+                             selected=seed_slots, seeded=seed_slots is not None)
 
     def _check(self, input_ids, positions, out_cache_loc, attn: AttentionInputs, kv: KVPool, layers: int):
         rows = input_ids.shape[0]
@@ -495,7 +508,7 @@ class DSAModel(nn.Module):
             raise ValueError(f"KV pool dtype {kv.mla_cache[0].dtype} != model dtype {self.lm_head.weight.dtype}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-                kv: KVPool, attn: AttentionInputs, *, check: bool = True) -> torch.Tensor:
+                kv: KVPool, attn: AttentionInputs, *, check_values: bool = True) -> torch.Tensor:
         """One target step over ``R`` rows.
 
         Parameters
@@ -503,8 +516,8 @@ class DSAModel(nn.Module):
         input_ids : int ``[R]``; positions : int64 ``[R]`` (RoPE positions);
         out_cache_loc : int64 ``[R]`` (slot each row's KV is written to);
         kv : the target KVPool (``num_hidden_layers`` layers); attn : AttentionInputs of the rows.
-        check : validate the inputs here and in the ops (the ops' checks sync with the host);
-        pass False inside CUDA graphs.
+        check_values : let the ops check lengths and slots against their buffers (host syncs);
+        pass False inside CUDA graphs. Shapes and dtypes are always checked (host only).
 
         Returns
         -------
@@ -512,9 +525,8 @@ class DSAModel(nn.Module):
         input, and the hidden the MTP layer consumes). Writes every layer's cache entries at
         ``out_cache_loc`` and ``attn.topk_slots`` if given.
         """
-        if check:
-            self._check(input_ids, positions, out_cache_loc, attn, kv, self.config.num_hidden_layers)
-        step = self._step(positions, out_cache_loc, attn, check)
+        self._check(input_ids, positions, out_cache_loc, attn, kv, self.config.num_hidden_layers)
+        step = self._state(positions, out_cache_loc, attn, check_values)
         x = self.model.embed_tokens(input_ids)
         for i in range(self.config.num_hidden_layers):
             x = self.model.layers[i](x, step, kv.mla_cache[i], kv.index_k_cache[i])
@@ -522,7 +534,7 @@ class DSAModel(nn.Module):
 
     def forward_mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                     out_cache_loc: torch.Tensor, kv: KVPool, attn: AttentionInputs, *,
-                    check: bool = True) -> torch.Tensor:
+                    seed_slots: torch.Tensor | None = None, check_values: bool = True) -> torch.Tensor:
         """One MTP step over ``R`` rows: ``shared_head.norm(layer(eh_proj([enorm(embed(ids)),
         hnorm(hidden)])))``.
 
@@ -530,7 +542,9 @@ class DSAModel(nn.Module):
         ----------
         input_ids : int ``[R]`` (row at position p holds token p+1); hidden : ``[R, hidden]``
         (target post-norm hidden of position p, or the previous MTP output); positions,
-        out_cache_loc, attn : as in ``forward``; kv : the MTP layer's own KVPool (1 layer).
+        out_cache_loc, attn, check_values : as in ``forward``; kv : the MTP layer's own KVPool (1 layer).
+        seed_slots : optional int32 ``[R, index_topk]`` KV slots (``-1`` = none) the attention reads
+        instead of running the indexer (IndexShare draft steps; the indexer key is not written).
 
         Returns
         -------
@@ -538,12 +552,15 @@ class DSAModel(nn.Module):
         hidden carried to the next draft step). Writes the MTP caches at ``out_cache_loc``.
         """
         layer = self.mtp_layer
-        if check:
-            self._check(input_ids, positions, out_cache_loc, attn, kv, 1)
-            if hidden.shape != (input_ids.shape[0], self.config.hidden_size):
-                raise ValueError(f"hidden must be [{input_ids.shape[0]}, {self.config.hidden_size}], "
-                                 f"got {tuple(hidden.shape)}")
-        step = self._step(positions, out_cache_loc, attn, check)
+        rows = input_ids.shape[0]
+        self._check(input_ids, positions, out_cache_loc, attn, kv, 1)
+        if hidden.shape != (rows, self.config.hidden_size):
+            raise ValueError(f"hidden must be [{rows}, {self.config.hidden_size}], got {tuple(hidden.shape)}")
+        if seed_slots is not None and (seed_slots.shape != (rows, self.config.index_topk)
+                                       or seed_slots.dtype != torch.int32):
+            raise ValueError(f"seed_slots must be int32 [{rows}, {self.config.index_topk}], got "
+                             f"{seed_slots.dtype} {tuple(seed_slots.shape)}")
+        step = self._state(positions, out_cache_loc, attn, check_values, seed_slots)
         embedded = layer.enorm(self.model.embed_tokens(input_ids))
         x = layer.eh_proj(torch.cat((embedded, layer.hnorm(hidden.to(embedded.dtype))), dim=-1))
         x = layer(x, step, kv.mla_cache[0], kv.index_k_cache[0])
@@ -565,18 +582,28 @@ class DSAModel(nn.Module):
 
     @torch.no_grad()
     def prefill_mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, req_to_token: torch.Tensor,
-                    row: int, kv: KVPool, *, prefix_len: int = 0, chunk_size: int = 512) -> torch.Tensor:
+                    row: int, kv: KVPool, *, prefix_len: int = 0, chunk_size: int = 512,
+                    selection_out: torch.Tensor | None = None) -> torch.Tensor:
         """Eager MTP prefill (draft extend) of one request: row at position ``prefix_len + i``
         takes ``next_ids[i]`` (the token at position + 1) and ``hidden[i]``. Returns the MTP
-        outputs ``[T, hidden]``; writes the MTP caches."""
-        return self._chunked(lambda ids, h, pos, loc, attn: self.forward_mtp(ids, h, pos, loc, kv, attn),
-                             next_ids, hidden, req_to_token, row, prefix_len, chunk_size)
+        outputs ``[T, hidden]``; writes the MTP caches and, when given, ``selection_out`` (int32
+        ``[index_topk]``) with the KV slots the MTP indexer selected for the last row (the
+        IndexShare seed of the first draft steps)."""
+        def step(ids, h, pos, loc, attn):
+            out = self.forward_mtp(ids, h, pos, loc, kv, attn)
+            if selection_out is not None:
+                selection_out.copy_(attn.topk_slots[-1])
+            return out
+
+        return self._chunked(step, next_ids, hidden, req_to_token, row, prefix_len, chunk_size)
 
     def _chunked(self, step, input_ids, hidden, req_to_token, row, prefix_len, chunk_size):
         outputs = []
         for start in range(0, input_ids.shape[0], chunk_size):
             ids = input_ids[start:start + chunk_size]
             positions, loc, attn = build_extend_inputs(req_to_token, [row], [prefix_len + start], [ids.shape[0]])
+            attn.topk_slots = torch.empty(ids.shape[0], self.config.index_topk, dtype=torch.int32,
+                                          device=ids.device)
             chunk_hidden = None if hidden is None else hidden[start:start + chunk_size]
             outputs.append(step(ids, chunk_hidden, positions, loc, attn))
         return torch.cat(outputs)

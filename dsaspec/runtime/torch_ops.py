@@ -1,0 +1,83 @@
+"""The DSA ops of the runtime in plain torch, for eager runs without the Triton kernels (fp32
+models on the CPU, and the tests' tight comparisons).
+
+Same signatures and contracts as the Triton ops in ``dsaspec.ops`` (``out=`` buffers,
+``check_values``), computed batched over the rows with masks. They read the longest live length
+on the host, so they cannot be captured in a CUDA graph. The schedule of the Triton indexer has
+no meaning here: :func:`indexer_schedule` leaves its buffer as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LATENT_DIM = 512
+
+
+def _live_width(seqlens: torch.Tensor, *widths: int) -> int:
+    """Longest row (host sync), checked against every width it must fit in."""
+    longest = int(seqlens.max()) if seqlens.numel() else 0
+    for width in widths:
+        if longest > width:
+            raise ValueError(f"seqlens: the longest row ({longest} live tokens) does not fit in width {width}")
+    return max(longest, 0)
+
+
+def indexer_schedule(seqlens: torch.Tensor, num_sms: int, out: torch.Tensor, **_) -> torch.Tensor:
+    """No schedule is needed by :func:`indexer_logits`: returns ``out`` untouched."""
+    return out
+
+
+def indexer_logits(q, weights, k_cache, page_table_1, seqlens, schedule, out, check_values=True,
+                   **_):
+    """``out[r, t] = sum_h weights[r, h] * relu(q[r, h] . k_cache[page_table_1[r, t]])`` for
+    ``t < seqlens[r]``, ``-inf`` for the other columns up to the longest row; fp32 math.
+    ``schedule`` is ignored."""
+    live = _live_width(seqlens, page_table_1.shape[1], out.shape[1])
+    positions = torch.arange(live, device=q.device)
+    in_row = positions[None, :] < seqlens[:, None]
+    slots = torch.where(in_row, page_table_1[:, :live], 0).long()
+    keys = k_cache.float()[slots]                                        # [R, live, d]
+    scores = torch.einsum("rhd,rtd->rht", q.float(), keys).clamp_min(0)
+    logits = torch.einsum("rh,rht->rt", weights.float(), scores)
+    out[:, :live] = torch.where(in_row, logits, float("-inf"))
+    return out
+
+
+def _descending_key(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order like the fp32 bit patterns of ``values`` (``-0.0 < +0.0``; NaNs by
+    sign beyond the infinities), all >= 0."""
+    bits = values.float().contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits.bitwise_not() & 0xFFFFFFFF, bits | 0x80000000)
+
+
+def topk_slots(logits, seqlens, page_table_1, k, out, check_values=True, **_):
+    """Per row the slots of the ``min(seqlens[r], k)`` largest live logits (ties to the lowest
+    position), in ascending position order, then ``-1``. Rows with ``seqlens[r] <= k`` take every
+    live position."""
+    live = _live_width(seqlens, logits.shape[1], page_table_1.shape[1])
+    positions = torch.arange(live, device=logits.device)
+    in_row = positions[None, :] < seqlens[:, None]
+    keys = torch.where(in_row, _descending_key(logits[:, :live]), -1)
+    order = torch.sort(keys, dim=1, descending=True, stable=True)
+    taken = min(k, live)
+    chosen = order.indices[:, :taken]
+    valid = order.values[:, :taken] >= 0
+    chosen = torch.sort(torch.where(valid, chosen, live), dim=1).values   # invalid last
+    valid = chosen < live
+    slots = torch.gather(page_table_1[:, :max(live, 1)], 1, chosen.clamp(max=max(live - 1, 0)))
+    out.fill_(-1)
+    out[:, :taken] = torch.where(valid, slots, -1)
+    return out
+
+
+def sparse_mla_decode(q, kv_cache, slots, sm_scale, out, check_values=True, **_):
+    """``out[r, h] = softmax_j(sm_scale * q[r, h] . kv[s_j]) @ kv[s_j, :512]`` over the valid
+    (``>= 0``) slots of row ``r``; zeros for a row without one. fp32 math."""
+    valid = slots >= 0
+    keys = kv_cache.float()[slots.clamp_min(0).long()]                   # [R, k, 576]
+    scores = torch.einsum("rhd,rkd->rhk", q.float(), keys) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                 # all-masked rows -> 0
+    out.copy_(torch.einsum("rhk,rkd->rhd", probs, keys[..., :LATENT_DIM]))
+    return out

@@ -1,0 +1,307 @@
+"""Speculative decoding (runtime/spec_worker.py through the Engine) against plain greedy decoding.
+
+Every emitted token of a greedy chain is a target argmax, so speculative output must equal the
+plain engine's output token for token whatever the drafts are; the drafts decide only how many
+tokens an iteration commits. CPU: the tiny model in fp32 with the runtime's torch ops (metadata
+and draft-argmax kernels under the Triton interpreter). Two models: seeded random weights (the
+MTP layer drafts noise: accept length 1) and a "predictable" variant whose residual branches are
+scaled down so the next token mostly follows the current one and the MTP layer mostly guesses it
+(accept lengths 1..N). A test double in place of the draft phase gives oracle drafts.
+GPU (``-m gpu``): bf16 from CUDA graphs, batches up to 32, 256 new tokens, 1M context configured.
+"""
+
+import statistics
+import types
+
+import pytest
+import torch
+
+from dsaspec.runtime.config import get_config
+from dsaspec.runtime.engine import Engine
+from dsaspec.runtime.memory import PAGE_SIZE, ContextLengthError
+from dsaspec.runtime.model import DSAModel
+from dsaspec.runtime.spec_worker import SpecConfig
+
+CONTEXT = 192
+PROMPT_LENS = (5, 70, 62)           # 70 > top-k 64 (sparse rows); 62: verify blocks cross a page
+MAX_NEW = [9, 7, 12]
+
+
+def _prompts(lengths, vocab, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _engine(model, spec=None, **kwargs):
+    kwargs.setdefault("context_len", CONTEXT)
+    kwargs.setdefault("max_batch", 2)
+    kwargs.setdefault("bucket_sizes", (1, 2))
+    kwargs.setdefault("progress", False)
+    return Engine(model, speculative=spec, **kwargs)
+
+
+def _tokens(engine, prompts, max_new, **kwargs):
+    return [r.token_ids for r in engine.generate(prompts, max_new, **kwargs)]
+
+
+@torch.no_grad()
+def predictable(model: DSAModel, branch_scale: float) -> DSAModel:
+    """Scale every residual branch (o_proj, down_proj) by ``branch_scale`` and make the MTP layer
+    read only the embedding of its token (``eh_proj = [I | 0]``, ``enorm = 1``, ``shared_head.norm
+    = the final norm``): the target's next token then mostly depends on the current token alone, and
+    the MTP layer mostly predicts it."""
+    hidden = model.config.hidden_size
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.mul_(branch_scale)
+        layer.mlp.down_proj.weight.mul_(branch_scale)
+    mtp = model.mtp_layer
+    mtp.eh_proj.weight.zero_()
+    mtp.eh_proj.weight[:, :hidden] = torch.eye(hidden)
+    mtp.enorm.weight.fill_(1.0)
+    mtp.shared_head.norm.weight.copy_(model.model.norm.weight)
+    return model
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    return DSAModel(get_config("tiny"), dtype=torch.float32).init_weights(0)
+
+
+@pytest.fixture(scope="module")
+def guessing_model():
+    return predictable(DSAModel(get_config("tiny"), dtype=torch.float32).init_weights(1), 0.5)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return _prompts(PROMPT_LENS, get_config("tiny").vocab_size)
+
+
+@pytest.fixture(scope="module")
+def plain_random(random_model, prompts):
+    return _tokens(_engine(random_model), prompts, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def plain_guessing(guessing_model, prompts):
+    return _tokens(_engine(guessing_model), prompts, MAX_NEW)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_speculative_equals_plain_greedy(guessing_model, prompts, plain_guessing, steps):
+    """Two rows for three requests (joins and departures mid-run), accept lengths 1..N."""
+    engine = _engine(guessing_model, SpecConfig(num_steps=steps))
+    assert _tokens(engine, prompts, MAX_NEW) == plain_guessing
+    stats = engine.stats
+    assert set(stats.step_batches) == {1, 2}
+    assert max(stats.accept_lens) <= steps + 1
+    if steps > 1:
+        assert 1 < stats.mean_accept_len < steps + 1 and 1 in stats.accept_lens   # real mixes
+    assert stats.decode_tokens == sum(MAX_NEW) - len(MAX_NEW)
+    assert engine.req_pool.num_free == 2 and engine.allocator.num_free_pages == engine.allocator.num_pages - 1
+
+
+def test_random_mtp_accepts_only_the_bonus(random_model, prompts, plain_random):
+    engine = _engine(random_model, SpecConfig(num_steps=2))
+    assert _tokens(engine, prompts, MAX_NEW) == plain_random
+    assert set(engine.stats.accept_lens) == {1}
+
+
+def _oracle(engine, continuation: dict, right) -> None:
+    """Replace the draft phase: request row r at committed length L drafts ``continuation[r][L + j]``
+    for ``j = 1 .. S`` (the plain engine's tokens), or a wrong token where ``right(r, L, j)`` is
+    False. The rows are mapped to their request at prefill."""
+    worker = engine.worker
+    prefill = worker.prefill
+    owner = {}
+
+    def recording_prefill(self, row, prompt, **kwargs):
+        owner[row] = continuation[tuple(prompt)]
+        return prefill(row, prompt, **kwargs)
+
+    def oracle_draft(self, batch, attns, check_values):
+        for i, (row, length) in enumerate(zip(batch.rows.tolist(), batch.seq_lens.tolist())):
+            if row == self.dummy_row:
+                continue
+            for j in range(1, self.spec.num_steps + 1):
+                token = owner[row][length + j]
+                batch.drafts[i, j - 1] = token if right(row, length, j) else (token + 1) % 1031
+
+    worker.prefill = types.MethodType(recording_prefill, worker)
+    worker._draft = types.MethodType(oracle_draft, worker)
+
+
+@pytest.mark.parametrize("case", ["all-right", "all-wrong", "right-with-p"])
+def test_oracle_drafts_accept_what_they_should(random_model, prompts, case):
+    steps, max_new = 3, [9, 7, 12]
+    longer = _tokens(_engine(random_model), prompts, [m + steps for m in max_new])   # drafts past the end
+    continuation = {tuple(p): p + t for p, t in zip(prompts, longer)}
+    rng = torch.Generator().manual_seed(7)
+    decided = {}
+
+    def right(row, length, j):
+        if case != "right-with-p":
+            return case == "all-right"
+        key = (row, length, j)
+        if key not in decided:
+            decided[key] = bool(torch.rand((), generator=rng) < 0.6)
+        return decided[key]
+
+    engine = _engine(random_model, SpecConfig(num_steps=steps), max_batch=3, bucket_sizes=(4,))
+    _oracle(engine, continuation, right)
+    assert _tokens(engine, prompts, max_new) == [t[:m] for t, m in zip(longer, max_new)]
+    lens = engine.stats.accept_lens
+    if case == "all-right":
+        assert set(lens) == {steps + 1}
+    elif case == "all-wrong":
+        assert set(lens) == {1}
+    else:
+        # each iteration accepts the leading right drafts and the bonus, nothing more
+        expected = []
+        for (row, length, _), _ in sorted(decided.items())[::steps]:
+            leading = 0
+            while leading < steps and decided[row, length, leading + 1]:
+                leading += 1
+            expected.append(leading + 1)
+        assert sorted(lens) == sorted(expected) and len(set(lens)) > 1
+
+
+def test_rejected_kv_is_never_read(guessing_model, prompts, plain_guessing):
+    """After every iteration, NaN into both pools at the rejected positions ``L + A .. L + N - 1``:
+    nothing reads them before the next verify / draft extend overwrites them."""
+    spec = SpecConfig(num_steps=3)
+    engine = _engine(guessing_model, spec)
+    worker = engine.worker
+    iterate = worker.iterate
+    poisoned = []
+
+    def poisoning_iterate(self, rows, **kwargs):
+        result = iterate(rows, **kwargs)
+        for row, accepted in zip(rows, result.accept_lens):
+            committed = int(self.state.seq_lens[row])
+            stale = self.req_pool.req_to_token[row, committed:committed - accepted + spec.num_draft_tokens].long()
+            for pool in (self.target_kv, self.mtp_kv):
+                for cache in pool.mla_cache + pool.index_k_cache:
+                    cache[stale] = float("nan")
+            poisoned.append(stale.numel())
+        return result
+
+    worker.iterate = types.MethodType(poisoning_iterate, worker)
+    assert _tokens(engine, prompts, MAX_NEW) == plain_guessing
+    assert sum(poisoned) > 0
+
+
+def test_page_boundaries_eos_and_eager_batches(guessing_model):
+    """Verify blocks across page boundaries (prompts 61..64, 127, 128), requests ending mid-block at
+    max_new_tokens and at eos, three requests above the largest bucket (eager phases)."""
+    prompts = _prompts((61, 62, 63, 64, 127, 128), 1031, seed=5)
+    max_new = [5, 6, 7, 8, 9, 10]
+    plain = _engine(guessing_model, max_batch=3, bucket_sizes=(1,))
+    expected = _tokens(plain, prompts, max_new)
+    engine = _engine(guessing_model, SpecConfig(num_steps=3), max_batch=3, bucket_sizes=(1,))
+    assert _tokens(engine, prompts, max_new) == expected
+    assert None in engine.stats.step_buckets and 1 in engine.stats.step_buckets
+    assert engine.stats.mean_accept_len > 1
+    eos = expected[4][3]
+    first = {i: t.index(eos) for i, t in enumerate(expected) if eos in t}
+    results = engine.generate(prompts, max_new, eos_token_id=eos)
+    for i, (result, tokens) in enumerate(zip(results, expected)):
+        assert result.token_ids == (tokens[:first[i] + 1] if i in first else tokens)
+        assert result.finish_reason == ("eos" if i in first else "length")
+
+
+def test_context_end(guessing_model):
+    """A request that fills the context exactly runs (its last verify block writes past it, inside
+    the table's headroom); one more token is refused up front."""
+    spec = SpecConfig(num_steps=3)
+    context = 80
+    prompt = _prompts((72,), 1031, seed=9)[0]
+    expected = _tokens(_engine(guessing_model, context_len=context), [prompt], [9])
+    engine = _engine(guessing_model, spec, context_len=context)
+    assert engine.req_pool.width == context + 4 + spec.num_draft_tokens
+    assert _tokens(engine, [prompt], [9]) == expected
+    with pytest.raises(ContextLengthError, match="need 81 positions, more than context_len=80"):
+        engine.generate(prompt, 10)
+
+
+def test_simulated_accept_length(random_model, prompts, monkeypatch):
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "2.5")
+    spec = SpecConfig(num_steps=3)
+    assert spec.simulate_accept_len == 2.5 and spec.simulated
+    engine = _engine(random_model, spec)
+    results = engine.generate(prompts, [20, 20, 20])
+    assert [len(r.token_ids) for r in results] == [20, 20, 20]          # lengths stay exact
+    lens = engine.stats.accept_lens
+    assert set(lens) == {2, 3} and abs(statistics.fmean(lens) - 2.5) < 0.5
+
+
+def test_spec_config_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="eagle_topk=2: only 1"):
+        SpecConfig(num_steps=3, eagle_topk=2)
+    with pytest.raises(ValueError, match="num_draft_tokens must be num_steps \\+ 1 = 4"):
+        SpecConfig(num_steps=3, num_draft_tokens=6)
+    with pytest.raises(ValueError, match="num_steps must be a positive int"):
+        SpecConfig(num_steps=0)
+    with pytest.raises(ValueError, match=r"simulated accept length must lie in \[1, 4\]"):
+        SpecConfig(num_steps=3, simulate_accept_len=4.5)
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "fast")
+    with pytest.raises(ValueError, match="DSASPEC_SIMULATE_ACCEPT_LEN must be a number"):
+        SpecConfig()
+
+
+def test_argmax_exchange_switch_keeps_tokens_and_acceptance(guessing_model, prompts, monkeypatch):
+    outputs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", switch)
+        engine = _engine(guessing_model, SpecConfig(num_steps=3))
+        from dsaspec.speculative.logits_processor import GREEDY_TOPK1
+        assert engine.worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (switch == "1")
+        outputs[switch] = (_tokens(engine, prompts, MAX_NEW), engine.stats.accept_lens)
+    assert outputs["1"] == outputs["0"]
+
+
+def test_index_share_layers_and_seeded_draft_steps(prompts):
+    """GLM-5.2 style: shared-indexer target layers and draft steps seeded with the draft extend's
+    top-k: the MTP indexer never runs in a draft step, whose seed holds min(L, K) slots."""
+    config = get_config("tiny", num_hidden_layers=3, indexer_types=("full", "shared", "full"),
+                        index_share_for_mtp_iteration=True)
+    model = predictable(DSAModel(config, dtype=torch.float32).init_weights(3), 0.5)
+    assert model.model.layers[1].self_attn.indexer is None
+    expected = _tokens(_engine(model), prompts, MAX_NEW)
+    engine = _engine(model, SpecConfig(num_steps=3))
+    worker = engine.worker
+    indexer_calls = {"draft": 0, "other": 0}
+    phase = {"now": "other"}
+    model.mtp_layer.self_attn.indexer.register_forward_hook(
+        lambda *_: indexer_calls.__setitem__(phase["now"], indexer_calls[phase["now"]] + 1))
+    draft = worker._draft
+    seeds = []
+
+    def watched_draft(self, batch, attns, check_values):
+        phase["now"] = "draft"
+        real = batch.rows != self.dummy_row
+        seed = self.state.seed[batch.rows[real]]
+        seeds.append(((seed >= 0).sum(1).tolist(), batch.seq_lens[real].tolist()))
+        draft(batch, attns, check_values)
+        phase["now"] = "other"
+
+    worker._draft = types.MethodType(watched_draft, worker)
+    assert _tokens(engine, prompts, MAX_NEW) == expected
+    assert indexer_calls["draft"] == 0 and indexer_calls["other"] > 0
+    k = config.index_topk
+    assert seeds and all(count == min(length, k) for counts, lengths in seeds
+                         for count, length in zip(counts, lengths))
+    assert max(length for _, lengths in seeds for length in lengths) > k      # sparse seeds too
+
+
+def test_kv_reservation_covers_the_last_verify_block(random_model):
+    spec = SpecConfig(num_steps=3)
+    engine = _engine(random_model, spec, num_slots=3 * PAGE_SIZE)
+    # 60 + 5 - 1 = 64 positions (one page) plus 3 verified past the last: two pages per request
+    results = engine.generate(_prompts((60, 60), 1031, seed=2), 5)
+    assert set(engine.stats.step_batches) == {1}                 # the second waited for pages
+    assert [len(r.token_ids) for r in results] == [5, 5]
