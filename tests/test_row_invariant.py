@@ -136,6 +136,13 @@ def test_linear_split_launches_repeat_and_leave_counters_zero(device):
     assert not ri._counters[x.device].any()
 
 
+def test_linear_split_launch_beyond_the_counters_is_refused(monkeypatch, device):
+    monkeypatch.setattr(ri, "_COUNTER_CAPACITY", 2)
+    x, w = torch.ones(40, 64, device=device), torch.ones(16, 64, device=device)
+    with pytest.raises(ValueError, match="3 output tiles exceeds the 2 tile counters"):
+        ri.linear(x, w, config=ri.GemmConfig(16, 16, 16, 2, 4, 1))
+
+
 @pytest.mark.parametrize("m,k,n", [(0, 32, 16), (4, 0, 16), (4, 32, 0)])
 def test_linear_empty(m, k, n, device):
     x = torch.ones(m, k, device=device)

@@ -81,13 +81,23 @@ def _k_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return per_split, triton.cdiv(k_blocks, per_split)
 
 
+def split_k_for(n: int, k: int, block_n: int, block_k: int, device: torch.device | str, batch: int = 1) -> int:
+    """K splits for ``batch`` products ``[*, K] @ [K, N]`` tiled ``block_n x block_k``:
+    ``min(2 * SMs // (batch * N-tiles), K-blocks // 2, 32)``, at least 1, lowered so no split is
+    empty. At M <= BLOCK_M the grid then holds about two programs per SM and each split keeps >= 2
+    K blocks. SMs: the device's, 132 off-GPU."""
+    tiles = max(1, batch * triton.cdiv(n, block_n))
+    k_blocks = triton.cdiv(k, block_k)
+    wanted = _PROGRAMS_PER_SM * _num_sms(torch.device(device)) // tiles
+    return _k_split(k, block_k, max(1, min(wanted, k_blocks // _MIN_K_BLOCKS_PER_SPLIT, _MAX_SPLIT_K)))[1]
+
+
 def gemm_config(n: int, k: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> GemmConfig:
-    """The default GEMM configuration for ``[*, K] @ [K, N]`` (``batch`` independent products).
+    """The default GEMM configuration for ``batch`` products ``[*, K] @ [K, N]``.
 
     bf16: ``BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, min(128, K rounded up to a power of 2)``, 4 warps,
-    4 stages; fp32 (FMA dot): ``16, 32, min(32, ...)``, 4 warps, 3 stages. ``split_k = min(2 * SMs
-    // (batch * N-tiles), K-blocks // 2, 32)``, at least 1: at M <= 16 the grid holds about two
-    programs per SM, each split keeps >= 2 K blocks. SMs: the device's, 132 off-GPU.
+    4 stages; fp32 (FMA dot): ``16, 32, min(32, ...)``, 4 warps, 3 stages; ``split_k`` from
+    :func:`split_k_for`. Nothing depends on M.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype}")
@@ -96,11 +106,8 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, device: torch.device | str, 
     else:
         block_n, block_k, num_warps, num_stages = 64, 128, 4, 4
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    tiles = max(1, batch * triton.cdiv(n, block_n))
-    k_blocks = triton.cdiv(k, block_k)
-    wanted = _PROGRAMS_PER_SM * _num_sms(torch.device(device)) // tiles
-    split_k = max(1, min(wanted, k_blocks // _MIN_K_BLOCKS_PER_SPLIT, _MAX_SPLIT_K))
-    return GemmConfig(16, block_n, block_k, _k_split(k, block_k, split_k)[1], num_warps, num_stages)
+    return GemmConfig(16, block_n, block_k, split_k_for(n, k, block_n, block_k, device, batch),
+                      num_warps, num_stages)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
