@@ -60,9 +60,13 @@ def _point(kind: str, shape: dict, m: int, theirs, ours, nbytes: int, floors, it
     return row
 
 
-def bench_linear(floors, iters: int) -> list[dict]:
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item.strip()]
+
+
+def bench_linear(shapes, floors, iters: int) -> list[dict]:
     rows = []
-    for k, n in LINEAR_SHAPES:
+    for k, n in shapes:
         w = _randn(n, k, scale=k ** -0.5)
         x = _randn(max(MS), k)
         out = torch.empty(max(MS), n, dtype=DTYPE, device="cuda")
@@ -119,9 +123,9 @@ def _variants(n: int, k: int) -> list[ri.GemmConfig]:
     return sorted(configs, key=dataclasses.astuple)
 
 
-def sweep_linear(iters: int) -> list[dict]:
+def sweep_linear(shapes, iters: int) -> list[dict]:
     rows = []
-    for k, n in LINEAR_SHAPES:
+    for k, n in shapes:
         w = _randn(n, k, scale=k ** -0.5)
         x = _randn(max(SWEEP_MS), k)
         default = ri.gemm_config(n, k, DTYPE, w.device)
@@ -155,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["main", "sweep", "both"], default="main",
                         help="main: the comparison table; sweep: GemmConfig variants of linear; both")
     parser.add_argument("--sweep-iters", type=int, default=30)
+    parser.add_argument("--shapes", type=_shapes, default=LINEAR_SHAPES,
+                        help="linear shapes as KxN,KxN,... (default: the six GLM-5 decode shapes)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device", file=sys.stderr)
@@ -164,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     floors = Floors.measure()
     rows = []
     if args.mode != "sweep":
-        rows = bench_linear(floors, args.iters) + bench_bmm(floors, args.iters) + bench_rms_norm(floors, args.iters)
-    sweep = sweep_linear(args.sweep_iters) if args.mode != "main" else None
+        rows = (bench_linear(args.shapes, floors, args.iters) + bench_bmm(floors, args.iters)
+                + bench_rms_norm(floors, args.iters))
+    sweep = sweep_linear(args.shapes, args.sweep_iters) if args.mode != "main" else None
     columns = [("op", "op"), ("k", "K"), ("n", "N"), ("d", "D"), ("m", "M"), ("baseline_us", "torch µs"),
                ("new_us", "row-invariant µs"), ("ratio", "ratio"), ("floor_us", "floor µs"),
                ("new_over_floor", "new / floor"), ("new_gbps", "new GB/s"),

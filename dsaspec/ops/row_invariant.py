@@ -231,8 +231,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     ----------
     x : Tensor ``[M, K]``, bf16 or fp32, unit last stride (any row stride).
     weight : Tensor ``[N, K]``, ``x``'s dtype and device, unit last stride.
-    out : Tensor ``[M, N]``, ``x``'s dtype, unit last stride, or None (allocated); written at
-        ``[:M, :N]`` only.
+    out : Tensor ``[M, N]``, ``x``'s dtype, unit last stride (any row stride), or None (allocated).
     config : GemmConfig or None; None: ``gemm_config(N, K, dtype, device)``. Each row's result is
         bitwise independent of M and of the other rows for a fixed configuration.
 
