@@ -1,0 +1,365 @@
+"""Row-invariant GEMM and norms: each output row is bitwise the same whatever the row count M and
+whatever the other rows hold, so a target-verify step over ``bs * N`` rows reproduces the decode
+step over ``bs`` rows token for token.
+
+cuBLAS picks its kernel and split-K by M, and torch's row reductions pick block shapes by the
+number of rows; here nothing that shapes the arithmetic depends on M:
+
+* GEMM (``linear``, ``bmm``): one kernel, ``C[b] = A[b] @ B[b]`` with fp32 accumulation. The tile
+  ``(BLOCK_M, BLOCK_N, BLOCK_K)``, the warps and the K split are a :class:`GemmConfig` chosen from
+  ``(N, K, dtype, device, batch)`` by :func:`gemm_config`, never from M. A row of A meets a tile of
+  B in a ``tl.dot`` of fixed shape (rows past M are masked to zero, and a tensor-core or FMA dot
+  computes each output element from its own row and column only), K blocks are accumulated in
+  order, and with a split K the splits' fp32 partials go to a workspace and the program that
+  arrives last at a tile (an atomic tile counter, which it resets to 0) sums them in split order
+  0, 1, ..., S-1 and writes the tile: the order of arrival decides who sums, never the order of
+  the sum. fp32 operands use ``input_precision="ieee"`` (FMA, no TF32).
+* Norms (``rms_norm``, ``layer_norm``): one program per row, blocks and warps chosen from the row
+  width only.
+
+The decode GEMMs are weight-bandwidth bound (M of 1..256, weights of 1..2000 MB), so a
+configuration streams the weight once per M tile with many programs in flight: the K split is
+picked so that at M <= BLOCK_M the grid holds about two programs per SM. The pure PyTorch
+definitions are ``dsaspec.reference.row_invariant``.
+
+Split-K launches on one device share one buffer of tile counters (allocated zeroed on the first
+split launch, which must therefore happen outside CUDA-graph capture; every launch leaves it
+zeroed): two split-K launches must not run at the same time on different streams of one device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaspec.ops.checks import check_tensor
+
+_DTYPES = (torch.bfloat16, torch.float32)
+_DEFAULT_SMS = 132  # an H200's; used off-GPU so the interpreter takes the H200's tile choices
+_PROGRAMS_PER_SM = 2
+_MIN_K_BLOCKS_PER_SPLIT = 2
+_MAX_SPLIT_K = 32
+_COUNTER_CAPACITY = 1 << 20  # tile counters per device: B * M-tiles * N-tiles of a split launch
+_NORM_MAX_BLOCK = 8192
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile and K split of the row-invariant GEMM. Calls whose rows must agree bitwise must use
+    the same configuration (the default, :func:`gemm_config`, depends only on N, K, dtype, device
+    and batch)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"config.{name}: expected a power of two >= 16, got {value}")
+        if not 1 <= self.split_k <= 256:
+            raise ValueError(f"config.split_k: expected 1..256, got {self.split_k}")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SMS
+
+
+def _k_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(K blocks per split, number of splits <= ``split_k``): no split is empty."""
+    k_blocks = max(1, triton.cdiv(k, block_k))
+    per_split = triton.cdiv(k_blocks, split_k)
+    return per_split, triton.cdiv(k_blocks, per_split)
+
+
+def split_k_for(n: int, k: int, block_n: int, block_k: int, device: torch.device | str, batch: int = 1) -> int:
+    """K splits for ``batch`` products ``[*, K] @ [K, N]`` tiled ``block_n x block_k``:
+    ``min(2 * SMs // (batch * N-tiles), K-blocks // 2, 32)``, at least 1, lowered so no split is
+    empty. At M <= BLOCK_M the grid then holds about two programs per SM and each split keeps >= 2
+    K blocks. SMs: the device's, 132 off-GPU."""
+    tiles = max(1, batch * triton.cdiv(n, block_n))
+    k_blocks = triton.cdiv(k, block_k)
+    wanted = _PROGRAMS_PER_SM * _num_sms(torch.device(device)) // tiles
+    return _k_split(k, block_k, max(1, min(wanted, k_blocks // _MIN_K_BLOCKS_PER_SPLIT, _MAX_SPLIT_K)))[1]
+
+
+def gemm_config(n: int, k: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> GemmConfig:
+    """The default GEMM configuration for ``batch`` products ``[*, K] @ [K, N]``.
+
+    bf16: ``BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, min(128, K rounded up to a power of 2)``, 4 warps,
+    4 stages; fp32 (FMA dot): ``16, 32, min(32, ...)``, 4 warps, 3 stages; ``split_k`` from
+    :func:`split_k_for`. Nothing depends on M.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype}")
+    if dtype == torch.float32:
+        block_n, block_k, num_warps, num_stages = 32, 32, 4, 3
+    else:
+        block_n, block_k, num_warps, num_stages = 64, 128, 4, 4
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    return GemmConfig(16, block_n, block_k, split_k_for(n, k, block_n, block_k, device, batch),
+                      num_warps, num_stages)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    if tiles > _COUNTER_CAPACITY:
+        raise ValueError(f"a split-K launch of {tiles} output tiles exceeds the {_COUNTER_CAPACITY} tile "
+                         "counters; use a configuration with split_k=1 or fewer rows")
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K tile counters are allocated (zeroed) on the first split-K call "
+                               f"on {device}; make one call outside CUDA-graph capture first")
+        counters = torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
+
+
+@triton.jit(do_not_specialize=["M", "m_tiles"])
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, counters_ptr,
+                 M, N, K,
+                 stride_ab, stride_am, stride_ak,
+                 stride_bb, stride_bk, stride_bn,
+                 stride_cb, stride_cm, stride_cn,
+                 m_tiles, n_tiles, k_blocks_per_split,
+                 SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    # M tiles vary fastest, so the programs that read one weight tile run together (L2 reuse).
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    pid_m = pid % m_tiles
+    rest = pid // m_tiles
+    split = rest % SPLIT_K
+    pid_n = rest // SPLIT_K
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    k_lo = split * k_blocks_per_split * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + k_blocks_per_split * BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = (a_ptr + batch * stride_ab + rows.to(tl.int64)[:, None] * stride_am
+              + (k_lo + ks)[None, :] * stride_ak)
+    b_ptrs = (b_ptr + batch * stride_bb + (k_lo + ks)[:, None] * stride_bk
+              + cols.to(tl.int64)[None, :] * stride_bn)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k + ks) < k_hi
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot multiplies the raw bits
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        # "ieee" keeps fp32 operands off TF32 (an FMA dot); bf16 operands ignore it.
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    c_ptrs = (c_ptr + batch * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
+              + cols.to(tl.int64)[None, :] * stride_cn)
+    c_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        tile = (batch * n_tiles + pid_n) * m_tiles + pid_m
+        in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ws_tile = ws_ptr + tile * (SPLIT_K * BLOCK_M * BLOCK_N) + in_tile
+        tl.store(ws_tile + split * (BLOCK_M * BLOCK_N), acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(ws_tile, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(ws_tile + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(counters_ptr + tile, 0)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """``out[i] = a[i] @ b[i]`` for 3-D strided ``a [B, M, K]``, ``b [B, K, N]``, ``out [B, M, N]``."""
+    batch, m, k = a.shape
+    n = b.shape[2]
+    if batch == 0 or m == 0 or n == 0:
+        return out
+    per_split, splits = _k_split(k, config.block_k, config.split_k)
+    m_tiles = triton.cdiv(m, config.block_m)
+    n_tiles = triton.cdiv(n, config.block_n)
+    if splits > 1:
+        tiles = batch * m_tiles * n_tiles
+        counters = _tile_counters(out.device, tiles)
+        workspace = torch.empty(tiles * splits * config.block_m * config.block_n,
+                                dtype=torch.float32, device=out.device)
+    else:
+        counters = workspace = out  # not read by a one-split launch
+    grid = (m_tiles * splits * n_tiles, batch)
+    _gemm_kernel[grid](
+        a, b, out, workspace, counters, m, n, k,
+        a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        m_tiles, n_tiles, per_split,
+        SPLIT_K=splits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        UPCAST=not out.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def _check_dtype(name: str, tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"{name}: expected dtype bfloat16 or float32, got {tensor.dtype}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
+           config: GemmConfig | None = None) -> torch.Tensor:
+    """Row-invariant ``y = x @ weight.T`` (fp32 accumulation, result in ``x``'s dtype).
+
+    Parameters
+    ----------
+    x : Tensor ``[M, K]``, bf16 or fp32, unit last stride (any row stride).
+    weight : Tensor ``[N, K]``, ``x``'s dtype and device, unit last stride.
+    out : Tensor ``[M, N]``, ``x``'s dtype, unit last stride (any row stride), or None (allocated).
+    config : GemmConfig or None; None: ``gemm_config(N, K, dtype, device)``. Each row's result is
+        bitwise independent of M and of the other rows for a fixed configuration.
+
+    Returns
+    -------
+    ``out``.
+    """
+    _check_dtype("x", x)
+    check_tensor("x", x, dtype=x.dtype, ndim=2)
+    m, k = x.shape
+    check_tensor("weight", weight, dtype=x.dtype, shape=(None, k), device=x.device)
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=(m, n), device=x.device)
+    config = config or gemm_config(n, k, x.dtype, x.device)
+    _gemm(x[None], weight.t()[None], out[None], config)
+    return out
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
+        config: GemmConfig | None = None) -> torch.Tensor:
+    """Row-invariant batched ``out[i] = a[i] @ b[i]`` (fp32 accumulation, result in ``a``'s dtype).
+
+    Parameters
+    ----------
+    a : Tensor ``[B, M, K]``, bf16 or fp32, unit last stride (other strides free, e.g.
+        ``q_nope.transpose(0, 1)``).
+    b : Tensor ``[B, K, N]``, ``a``'s dtype and device, any strides (e.g. ``W_UV.transpose(1, 2)``).
+    out : Tensor ``[B, M, N]``, ``a``'s dtype, unit last stride, or None (allocated contiguous).
+    config : GemmConfig or None; None: ``gemm_config(N, K, dtype, device, batch=B)``.
+
+    Returns
+    -------
+    ``out``.
+    """
+    _check_dtype("a", a)
+    check_tensor("a", a, dtype=a.dtype, ndim=3)
+    batch, m, k = a.shape
+    if not isinstance(b, torch.Tensor):
+        raise TypeError(f"b: expected a torch.Tensor, got {type(b).__name__}")
+    if b.dtype != a.dtype:
+        raise ValueError(f"b: expected dtype {a.dtype}, got {b.dtype}")
+    if b.dim() != 3 or b.shape[0] != batch or b.shape[1] != k:
+        raise ValueError(f"b: expected shape ({batch}, {k}, *), got {tuple(b.shape)}")
+    if b.device != a.device:
+        raise ValueError(f"b: expected device {a.device}, got {b.device}")
+    n = b.shape[2]
+    if out is None:
+        out = torch.empty(batch, m, n, dtype=a.dtype, device=a.device)
+    check_tensor("out", out, dtype=a.dtype, shape=(batch, m, n), device=a.device)
+    return _gemm(a, b, out, config or gemm_config(n, k, a.dtype, a.device, batch=batch))
+
+
+@triton.jit
+def _norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, D, stride_x, stride_y, eps,
+                 LAYER_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    offs = tl.arange(0, BLOCK)
+    if LAYER_NORM:
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            total += tl.load(x_row + start + offs, mask=start + offs < D, other=0.0).to(tl.float32)
+        mean = tl.sum(total, axis=0) / D
+    else:
+        mean = 0.0
+    squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        mask = start + offs < D
+        x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+        centred = tl.where(mask, x - mean, 0.0)
+        squares += centred * centred
+    rstd = tl.rsqrt(tl.sum(squares, axis=0) / D + eps)
+    for start in range(0, D, BLOCK):
+        mask = start + offs < D
+        x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd * tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+        if LAYER_NORM:
+            y += tl.load(b_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + start + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm(x, weight, bias, eps, out):
+    _check_dtype("x", x)
+    check_tensor("x", x, dtype=x.dtype, ndim=2)
+    m, d = x.shape
+    if d < 1:
+        raise ValueError(f"x: expected at least one column, got shape {tuple(x.shape)}")
+    check_tensor("weight", weight, dtype=x.dtype, shape=(d,), device=x.device)
+    if bias is not None:
+        check_tensor("bias", bias, dtype=x.dtype, shape=(d,), device=x.device)
+    if out is None:
+        out = torch.empty(m, d, dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=(m, d), device=x.device)
+    if m == 0:
+        return out
+    block = min(triton.next_power_of_2(d), _NORM_MAX_BLOCK)
+    _norm_kernel[(m,)](x, weight, weight if bias is None else bias, out, d, x.stride(0), out.stride(0),
+                       float(eps), LAYER_NORM=bias is not None, BLOCK=block,
+                       num_warps=min(16, max(1, block // 512)))
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-invariant ``y = x * rsqrt(mean(x^2) + eps) * weight``, fp32 math, result in ``x``'s dtype.
+
+    Parameters
+    ----------
+    x : Tensor ``[M, D]``, bf16 or fp32, unit last stride (any row stride), D >= 1.
+    weight : Tensor ``[D]``, ``x``'s dtype and device.
+    eps : float.
+    out : Tensor ``[M, D]``, ``x``'s dtype, unit last stride, or None (allocated).
+
+    Returns
+    -------
+    ``out``.
+    """
+    return _norm(x, weight, None, eps, out)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-invariant ``y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias`` (biased variance,
+    two passes), fp32 math, result in ``x``'s dtype. Shapes as :func:`rms_norm`; ``bias`` like
+    ``weight``."""
+    if bias is None:
+        raise ValueError("bias: expected a tensor of shape (D,), got None")
+    return _norm(x, weight, bias, eps, out)
