@@ -19,7 +19,7 @@ import torch
 from dsaspec.runtime.config import get_config
 from dsaspec.runtime.engine import Engine
 from dsaspec.runtime.memory import PAGE_SIZE, ContextLengthError
-from dsaspec.runtime.model import DSAModel
+from dsaspec.runtime.model import DSAModel, RowInvariant
 from dsaspec.runtime.spec_worker import SpecConfig
 
 CONTEXT = 192
@@ -305,3 +305,98 @@ def test_kv_reservation_covers_the_last_verify_block(random_model):
     results = engine.generate(_prompts((60, 60), 1031, seed=2), 5)
     assert set(engine.stats.step_batches) == {1}                 # the second waited for pages
     assert [len(r.token_ids) for r in results] == [5, 5]
+
+
+def test_row_invariant_model_runs_the_row_invariant_kernels():
+    """The model's row-invariant mode reaches every GEMM and norm, and computes what the default
+    mode does (a small one-layer model: the row-invariant kernels run under the interpreter)."""
+    config = get_config("tiny", vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32,
+                        num_attention_heads=2, index_n_heads=2, num_hidden_layers=1)
+    default = DSAModel(config, dtype=torch.float32).init_weights(4)
+    invariant = DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(4)
+    flags = {type(m).__name__: m.row_invariant for m in invariant.modules() if isinstance(m, RowInvariant)}
+    assert flags == {"Linear": True, "RMSNorm": True, "LayerNorm": True, "Indexer": True, "MLAAttention": True}
+    prompt = [3, 1, 4, 1, 5]
+    outs = [_tokens(_engine(model, max_batch=1, bucket_sizes=(1,)), [prompt], [3]) for model in (default, invariant)]
+    assert outs[0] == outs[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: `python -m pytest -q -m gpu tests/test_spec_engine.py`
+
+GPU_CONTEXT = 1 << 20
+
+
+def _gpu_model(preset, *, row_invariant, branch_scale=0.5, seed=0):
+    model = DSAModel(get_config(preset), device="cuda", use_triton=True, row_invariant=row_invariant)
+    return predictable(model.init_weights(seed), branch_scale)
+
+
+def _gpu_prompts(count, preset, seed=11):
+    k = get_config(preset).index_topk
+    lengths = [(k + 37, 7, 3 * k // 2, 64, 130)[i % 5] for i in range(count)]   # sparse and dense rows
+    return _prompts(lengths, get_config(preset).vocab_size, seed)
+
+
+def _gpu_engine(model, spec=None, *, max_batch, requests, max_new, **kwargs):
+    slots = PAGE_SIZE * (2 + max_batch * -(-(max(map(len, requests)) + max_new + 8) // PAGE_SIZE))
+    kwargs.setdefault("context_len", GPU_CONTEXT)
+    return Engine(model, speculative=spec, max_batch=max_batch, num_slots=slots, progress=False,
+                  bucket_sizes=(1, 2, 4, 8, 16, 32), **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset, batch, max_new", [("tiny", 32, 256), ("bench", 8, 64)])
+def test_gpu_speculative_equals_plain_row_invariant(preset, batch, max_new):
+    """bf16, CUDA graphs, 1M context configured, row-invariant GEMMs and norms: speculative output
+    equals plain greedy output token for token; the batch shrinks as requests finish."""
+    model = _gpu_model(preset, row_invariant=True)
+    requests = _gpu_prompts(batch, preset)
+    limits = [max_new - 3 * (i % 4) for i in range(batch)]
+    plain = _gpu_engine(model, max_batch=batch, requests=requests, max_new=max_new)
+    spec = _gpu_engine(model, SpecConfig(num_steps=3), max_batch=batch, requests=requests, max_new=max_new)
+    assert spec.use_cuda_graph and spec.backend.kernel == "bounded"
+    want = _tokens(plain, requests, limits)
+    got = _tokens(spec, requests, limits)
+    mismatched = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    assert not mismatched, f"requests {mismatched} differ; first at token " \
+        f"{next(j for j, (x, y) in enumerate(zip(got[mismatched[0]], want[mismatched[0]])) if x != y)}"
+    assert 1.2 < spec.stats.mean_accept_len < 4
+    assert max(spec.stats.step_batches) == batch and min(spec.stats.step_batches) < batch
+
+
+@pytest.mark.gpu
+def test_gpu_kill_switches_keep_tokens_and_acceptance(monkeypatch):
+    """Bounded metadata + one-launch draft metadata + argmax exchange against context-wide +
+    precompute-and-copy + logits gather: identical tokens and accept lengths."""
+    from dsaspec.attention.multi_step import ONE_LAUNCH, PRECOMPUTE_AND_COPY
+    from dsaspec.speculative.logits_processor import GREEDY_TOPK1
+
+    model = _gpu_model("bench", row_invariant=False)
+    requests = _gpu_prompts(6, "bench", seed=12)
+    outputs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("DSASPEC_BOUNDED_REPLAY_METADATA", switch)
+        monkeypatch.setenv("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", switch)
+        engine = _gpu_engine(model, SpecConfig(num_steps=3), max_batch=6, requests=requests, max_new=48)
+        worker = engine.worker
+        assert worker.backend.kernel == ("bounded" if switch == "1" else "context_wide")
+        assert worker.multi_step.path(8) == (ONE_LAUNCH if switch == "1" else PRECOMPUTE_AND_COPY)
+        assert worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (switch == "1")
+        outputs[switch] = (_tokens(engine, requests, 48), engine.stats.accept_lens)
+    assert outputs["1"] == outputs["0"]
+    assert statistics.fmean(outputs["1"][1]) > 1.2
+
+
+@pytest.mark.gpu
+def test_gpu_graph_and_eager_phases_agree():
+    """The same iterations from CUDA graphs and eagerly (static buffers, no capture), and with the
+    batch above the largest bucket (eager metadata sized to the live lengths)."""
+    model = _gpu_model("tiny", row_invariant=False)
+    requests = _gpu_prompts(5, "tiny", seed=13)
+    runs = []
+    for graphs, buckets in ((True, (1, 2, 4, 8)), (False, (1, 2, 4, 8)), (True, (1, 2))):
+        engine = Engine(model, speculative=SpecConfig(num_steps=3), max_batch=5, context_len=4096,
+                        bucket_sizes=buckets, use_cuda_graph=graphs, progress=False)
+        runs.append((_tokens(engine, requests, 40), engine.stats.accept_lens))
+    assert runs[0] == runs[1] == runs[2]

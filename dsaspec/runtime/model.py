@@ -169,7 +169,21 @@ def build_extend_inputs(req_to_token: torch.Tensor, rows, prefix_lens, extend_le
 # building blocks
 
 
-class RMSNorm(nn.Module):
+class RowInvariant:
+    """Mixin of the modules whose arithmetic cuBLAS / torch would shape by the number of rows:
+    with ``row_invariant`` set (by :class:`DSAModel`) they run the kernels of
+    :mod:`dsaspec.ops.row_invariant`, whose results per row do not depend on the other rows."""
+
+    row_invariant: bool = False
+
+
+def _row_invariant_ops():
+    from dsaspec.ops import row_invariant
+
+    return row_invariant
+
+
+class RMSNorm(RowInvariant, nn.Module):
     """``y = x / sqrt(mean(x^2) + eps) * weight`` in fp32, returned in ``x``'s dtype."""
 
     def __init__(self, dim: int, eps: float, device=None, dtype=None):
@@ -178,12 +192,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:
+            return _row_invariant_ops().rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(RowInvariant, nn.Module):
     """LayerNorm with weight and bias (the indexer's ``k_norm``), fp32 math."""
 
     def __init__(self, dim: int, eps: float, device=None, dtype=None):
@@ -193,12 +209,28 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:
+            return _row_invariant_ops().layer_norm(x, self.weight, self.bias, self.eps)
         y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)
 
 
-def _linear(in_features: int, out_features: int, device, dtype) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+class Linear(RowInvariant, nn.Linear):
+    """Bias-free ``y = x @ weight.T`` (cuBLAS, or the row-invariant GEMM)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:
+            return _row_invariant_ops().linear(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+def _linear(in_features: int, out_features: int, device, dtype) -> Linear:
+    return Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool) -> torch.Tensor:
+    """``a[i] @ b[i]`` (cuBLAS, or the row-invariant GEMM)."""
+    return _row_invariant_ops().bmm(a, b) if row_invariant else torch.bmm(a, b)
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -270,7 +302,7 @@ def _rope_first(x: torch.Tensor, rope_dim: int, cos, sin, interleaved: bool) -> 
 # layers
 
 
-class Indexer(nn.Module):
+class Indexer(RowInvariant, nn.Module):
     """The lightning indexer's projections: ``wq_b`` (q latent -> heads x 128), ``wk`` + LayerNorm
     ``k_norm`` (hidden -> 128, one key per token), ``weights_proj`` (hidden -> one weight per head)."""
 
@@ -293,11 +325,15 @@ class Indexer(nn.Module):
         q = _rope_first(q, rope, step.cos, step.sin, interleaved)
         k = _rope_first(self.k_norm(self.wk(x)), rope, step.cos, step.sin, interleaved)
         index_k_cache.index_copy_(0, step.out_cache_loc, k)
-        weights = F.linear(x.float(), self.weights_proj.weight.float()) * cfg.index_weight_scale
+        if self.row_invariant:
+            weights = _row_invariant_ops().linear(x.float(), self.weights_proj.weight.float())
+        else:
+            weights = F.linear(x.float(), self.weights_proj.weight.float())
+        weights = weights * cfg.index_weight_scale
         return q, weights
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(RowInvariant, nn.Module):
     """Multi-head latent attention with DSA, run in the absorbed (MQA) form over the 576-wide cache.
     Layer ``layer`` owns an indexer unless the config makes it a shared-indexer layer."""
 
@@ -340,12 +376,12 @@ class MLAAttention(nn.Module):
             step.selected = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)
 
         w_uk, w_uv = self.absorbed_weights()
-        q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)      # [R, H, 512]
+        q_absorbed = _bmm(q_nope.transpose(0, 1), w_uk, self.row_invariant).transpose(0, 1)  # [R, H, 512]
         q_mqa = torch.cat((q_absorbed, q_rope), dim=-1).contiguous()              # [R, H, 576]
         o_latent = torch.empty(rows, heads, cfg.kv_lora_rank, device=x.device, dtype=x.dtype)
         step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
                                    check_values=step.check_values)
-        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [R, H, v]
+        o = _bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), self.row_invariant).transpose(0, 1)  # [R, H, v]
         return self.o_proj(o.reshape(rows, heads * cfg.v_head_dim))
 
 
@@ -445,16 +481,27 @@ class DSAModel(nn.Module):
         Where and in which dtype the parameters live (bf16 is the target; caches must match).
     use_triton : bool
         Run the DSA ops as Triton kernels (else plain torch, eager only).
+    row_invariant : bool
+        Run the GEMMs and norms through :mod:`dsaspec.ops.row_invariant`, so every row's result
+        is bitwise independent of how many rows a step holds: a target-verify step then computes
+        each position exactly as a decode step does, and speculative greedy output equals plain
+        greedy output token for token. Default off (cuBLAS and torch's norms, which pick their
+        kernels by the row count).
     """
 
-    def __init__(self, config: ModelConfig, *, device=None, dtype=torch.bfloat16, use_triton: bool = False):
+    def __init__(self, config: ModelConfig, *, device=None, dtype=torch.bfloat16, use_triton: bool = False,
+                 row_invariant: bool = False):
         super().__init__()
         self.config = config.validate()
         self.use_triton = use_triton
+        self.row_invariant = row_invariant
         self.model = DSABackbone(config, device, dtype)
         self.lm_head = _linear(config.hidden_size, config.vocab_size, device, dtype)
         self.rotary = Rotary(config, device)
         self.requires_grad_(False)
+        for module in self.modules():
+            if isinstance(module, RowInvariant):
+                module.row_invariant = row_invariant
 
     @property
     def mtp_layer(self) -> MTPLayer:
