@@ -319,11 +319,14 @@ PRESETS["glm52"] = PRESETS["glm5"].replace(
 # Benchmarks: GLM-5 attention, indexer and vocab shapes, 2 layers and a modest dense FFN.
 PRESETS["bench"] = PRESETS["glm5"].replace(num_hidden_layers=2, intermediate_size=4096,
                                            max_position_embeddings=1048576, name="bench")
+# End-to-end benchmark: GLM-5 shapes at 16 dense layers (about 13 GB of bf16 weights read per
+# decode step on one GPU), a per-step latency of the order a GLM-5 deployment shows per token.
+PRESETS["e2e"] = PRESETS["glm5"].replace(num_hidden_layers=16, max_position_embeddings=1048576, name="e2e")
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
-    """A preset by name (``glm5``, ``deepseek_v32``, ``tiny``, ``bench``), with optional field
-    overrides, validated."""
+    """A preset by name (``glm5``, ``glm52``, ``deepseek_v32``, ``tiny``, ``bench``, ``e2e``), with
+    optional field overrides, validated."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides)

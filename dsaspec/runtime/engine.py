@@ -32,15 +32,11 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.attention.dsa_backend import DEFAULT_BUCKETS, DSAAttnBackend
-from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
-from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.runtime.graph_runner import DecodeGraphRunner
 from dsaspec.runtime.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
                                     PoolExhaustedError, ReqToTokenPool, RequestSlots)
 from dsaspec.runtime.model import DSAModel, num_sms
-from dsaspec.runtime.spec_worker import SpecConfig, SpecWorker
-from dsaspec.speculative.lm_head import VocabParallelLMHead
-from dsaspec.speculative.logits_processor import LogitsProcessor
+from dsaspec.runtime.spec_worker import SpecConfig, build_spec_worker
 
 LENGTH, EOS = "length", "eos"
 
@@ -171,34 +167,19 @@ class Engine:
         buckets = sorted(set(int(b) for b in bucket_sizes))
         holding = [b for b in buckets if b >= max_batch]
         buckets = [b for b in buckets if b < max_batch] + holding[:1]
-        backend_kwargs = dict(index_topk=self.config.index_topk, page_size=PAGE_SIZE, bucket_sizes=buckets,
-                              num_sms=num_sms(self.device), force_kernel=force_kernel)
-        self.backend = DSAAttnBackend(self.req_pool.req_to_token, num_draft_tokens=draft_tokens, **backend_kwargs)
-        self.runner = self.worker = None
+        self.runner = self.worker = self.mtp_kv = None
         if speculative is None:
+            self.backend = DSAAttnBackend(self.req_pool.req_to_token, index_topk=self.config.index_topk,
+                                          page_size=PAGE_SIZE, bucket_sizes=buckets,
+                                          num_sms=num_sms(self.device), force_kernel=force_kernel)
             self.runner = DecodeGraphRunner(model, self.kv, self.backend, use_cuda_graph=use_cuda_graph).capture()
         else:
-            self.worker = self._spec_worker(speculative, num_slots, buckets, backend_kwargs, use_cuda_graph)
+            self.mtp_kv = KVPool.for_model(self.config, num_slots, mtp=True, dtype=weight.dtype, device=self.device)
+            self.worker = build_spec_worker(model, self.req_pool, self.kv, self.mtp_kv, speculative,
+                                            bucket_sizes=buckets, num_sms=num_sms(self.device),
+                                            force_kernel=force_kernel, use_cuda_graph=use_cuda_graph)
+            self.backend = self.worker.backend
         self.stats = GenerationStats()
-
-    def _spec_worker(self, spec: SpecConfig, num_slots: int, buckets, backend_kwargs, use_cuda_graph) -> SpecWorker:
-        """The MTP KV pool, the draft step backends, the draft LM head's LogitsProcessor (argmax
-        exchange opted in) and the captured SpecWorker."""
-        config, weight = self.config, self.model.lm_head.weight
-        self.mtp_kv = KVPool.for_model(config, num_slots, mtp=True, dtype=weight.dtype, device=self.device)
-        multi_step = None
-        if spec.num_steps > 1:
-            backend_kwargs = {k: v for k, v in backend_kwargs.items() if k != "bucket_sizes"}
-            multi_step = DSAMultiStepDraftBackend.create(
-                self.req_pool.req_to_token, num_steps=spec.num_steps, bucket_sizes=buckets,
-                index_share=config.index_share_for_mtp_iteration, **backend_kwargs)
-        head = VocabParallelLMHead(config.vocab_size, config.hidden_size, TPGroup.single(self.device),
-                                   dtype=weight.dtype)
-        head.load_weight(weight)
-        processor = LogitsProcessor(head, max_rows=max(self.max_batch, buckets[-1]))
-        processor.enable_draft_argmax_exchange()
-        return SpecWorker(self.model, self.req_pool, self.kv, self.mtp_kv, self.backend, multi_step, processor,
-                          spec, use_cuda_graph=use_cuda_graph).capture()
 
     @property
     def use_cuda_graph(self) -> bool:

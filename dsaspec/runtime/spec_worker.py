@@ -36,12 +36,14 @@ import torch
 from dsaspec import flags
 from dsaspec.attention.dsa_backend import DSAAttnBackend
 from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
+from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.runtime.accept import Acceptance, greedy_accept
 from dsaspec.runtime.graph_runner import BucketGraphs, graphs_usable
-from dsaspec.runtime.memory import KVPool, ReqToTokenPool
+from dsaspec.runtime.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.runtime.model import AttentionInputs, AttentionScratch, DSAModel
 from dsaspec.speculative.draft_step import greedy_draft_step
+from dsaspec.speculative.lm_head import VocabParallelLMHead
 from dsaspec.speculative.logits_processor import LogitsProcessor
 
 PHASES = ("metadata", "draft", "verify", "extend")
@@ -110,8 +112,13 @@ class IterationResult:
     phase_ms: dict[str, float] | None = None
 
 
-class _SpecState:
-    """Per-request carry, one row per ``req_to_token`` row (the dummy row included)."""
+class SpecState:
+    """Per-request carry, one row per ``req_to_token`` row (the dummy row included): committed
+    length ``seq_lens`` (int64), pending ``bonus`` token, first draft ``draft_first``, its MTP hidden
+    ``draft_hidden`` (model dtype ``[rows, hidden]``) and the IndexShare ``seed`` (int32 KV slots
+    ``[rows, index_topk]``, -1 = none)."""
+
+    FIELDS = ("seq_lens", "bonus", "draft_first", "draft_hidden", "seed")
 
     def __init__(self, table_rows: int, hidden: int, index_topk: int, dtype, device):
         long = dict(dtype=torch.int64, device=device)
@@ -120,6 +127,17 @@ class _SpecState:
         self.draft_first = torch.zeros(table_rows, **long)
         self.draft_hidden = torch.zeros(table_rows, hidden, dtype=dtype, device=device)
         self.seed = torch.full((table_rows, index_topk), -1, dtype=torch.int32, device=device)
+
+    def snapshot(self, rows: list[int]) -> dict:
+        """Copies of the carry of table rows ``rows``."""
+        index = torch.tensor(rows, dtype=torch.int64, device=self.seq_lens.device)
+        return {name: getattr(self, name)[index].clone() for name in self.FIELDS}
+
+    def restore(self, rows: list[int], snapshot: dict) -> None:
+        """Write a :meth:`snapshot` (of any worker's state over the same table) back to ``rows``."""
+        index = torch.tensor(rows, dtype=torch.int64, device=self.seq_lens.device)
+        for name in self.FIELDS:
+            getattr(self, name)[index] = snapshot[name]
 
 
 class _Batch:
@@ -185,7 +203,7 @@ class SpecWorker:
         self.dtype = model.lm_head.weight.dtype
         self.use_cuda_graph = graphs_usable(self.device, model, use_cuda_graph)
         self.buckets = backend.bucket_sizes
-        self.state = _SpecState(req_pool.req_to_token.shape[0], config.hidden_size, config.index_topk,
+        self.state = SpecState(req_pool.req_to_token.shape[0], config.hidden_size, config.index_topk,
                                 self.dtype, self.device)
         largest = self.buckets[-1]
         self._static = _Batch(largest, steps, config.hidden_size, self.dtype, self.device)
@@ -194,7 +212,8 @@ class SpecWorker:
         self._attn: dict[int, dict] = {}          # bucket -> phase -> AttentionInputs (draft: one per step)
         pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
         self.graphs = {phase: BucketGraphs(self.use_cuda_graph, pool) for phase in ("draft", "verify", "extend")}
-        self._rng = random.Random(spec.simulate_seed)
+        self.simulate_accept_len = spec.simulate_accept_len   # may be changed between iterations
+        self.rng = random.Random(spec.simulate_seed)          # the simulated draws
         self._captured = False
 
     @property
@@ -286,13 +305,13 @@ class SpecWorker:
         return self.backend.bucket_for(bs)
 
     def draw_accept_len(self) -> int:
-        """This iteration's simulated accept length: floor or ceil of the mean, the ceil with
-        probability frac(mean); 0 when simulation is off."""
-        mean = self.spec.simulate_accept_len
+        """This iteration's simulated accept length: floor or ceil of ``simulate_accept_len``, the
+        ceil with probability frac(mean); 0 when simulation is off."""
+        mean = self.simulate_accept_len
         if mean is None:
             return 0
         low = int(mean)
-        return low + (self._rng.random() < mean - low)
+        return low + (self.rng.random() < mean - low)
 
     @torch.no_grad()
     def iterate(self, rows: list[int], *, timed: bool = False) -> IterationResult:
@@ -397,8 +416,7 @@ class SpecWorker:
                             batch.out_cache_loc.flatten(), self.target_kv, attn, check_values=check_values)
         batch.verify_hidden.copy_(hidden)
         targets = self.model.logits(hidden).argmax(-1).view(batch.n, steps + 1)
-        forced = batch.forced if self.spec.simulated else None
-        accepted = greedy_accept(batch.drafts, targets, forced_accept_len=forced, out=batch.acceptance)
+        accepted = greedy_accept(batch.drafts, targets, forced_accept_len=batch.forced, out=batch.acceptance)
         state.seq_lens[rows] = lens + accepted.accept_len
         state.bonus[rows] = accepted.bonus
         state.seq_lens[self.dummy_row] = 1
@@ -417,3 +435,26 @@ class SpecWorker:
         state.draft_hidden[rows] = chosen
         if self.index_share:
             state.seed[rows] = attn.topk_slots[select]
+
+
+def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPool, mtp_kv: KVPool,
+                      spec: SpecConfig, *, bucket_sizes, num_sms: int, force_kernel: str | None = None,
+                      budget: int | None = None, use_cuda_graph: bool | None = None) -> SpecWorker:
+    """A captured :class:`SpecWorker` with its parts: the DSA backend (N rows per request), the
+    ``S - 1`` draft step backends, and the draft LogitsProcessor over a copy of the model's LM head
+    (TP 1, argmax exchange opted in). The kill switches are read here, once."""
+    config, weight = model.config, model.lm_head.weight
+    table = req_pool.req_to_token
+    common = dict(index_topk=config.index_topk, page_size=PAGE_SIZE, bucket_sizes=bucket_sizes,
+                  num_sms=num_sms, budget=budget, force_kernel=force_kernel)
+    backend = DSAAttnBackend(table, num_draft_tokens=spec.num_draft_tokens, **common)
+    multi_step = None
+    if spec.num_steps > 1:
+        multi_step = DSAMultiStepDraftBackend.create(table, num_steps=spec.num_steps,
+                                                     index_share=config.index_share_for_mtp_iteration, **common)
+    head = VocabParallelLMHead(config.vocab_size, config.hidden_size, TPGroup.single(backend.device), dtype=weight.dtype)
+    head.load_weight(weight)
+    processor = LogitsProcessor(head, max_rows=max(req_pool.max_reqs, backend.bucket_sizes[-1]))
+    processor.enable_draft_argmax_exchange()
+    return SpecWorker(model, req_pool, target_kv, mtp_kv, backend, multi_step, processor, spec,
+                      use_cuda_graph=use_cuda_graph).capture()

@@ -1,0 +1,353 @@
+"""End-to-end MTP speculative decoding: tok/s/user by concurrency, baseline vs new, 1M vs 4k context.
+
+baseline = ``DSASPEC_BOUNDED_REPLAY_METADATA=0`` and ``DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE=0``
+(context-wide replay metadata, precompute + copies for the draft steps, logits gather for the
+draft tokens); new = both on (the defaults). Per model preset and configured context, one
+``req_to_token`` table, the target and MTP KV pools, and two captured
+:class:`~dsaspec.runtime.spec_worker.SpecWorker` (baseline, new) over them. ``max(concurrency)``
+requests with ``--prompt-len``-token random prompts are prefilled once (eager; that prefill time
+per request is the TTFT reported); every run restores that state and runs ``--iterations``
+speculative iterations (S = ``--num-steps``) of the first ``concurrency`` requests, exactly as the
+Engine does (metadata, draft / verify / extend graphs, one device-to-host copy). Positions past the
+prompt are rewritten by every run before they are read, as rejected positions are in a run.
+
+Per point and path: iteration wall time (host, each iteration ends with its tokens on the host),
+the device time of each phase (CUDA events), the mean accept length, per-token latency =
+median iteration time / mean accept length, tok/s/user = 1000 / per-token latency [ms], output
+tok/s = concurrency x tok/s/user. Runs are interleaved baseline / new / new / baseline; the two
+paths must commit identical tokens. Accept modes: a simulated mean accept length (default 3.0,
+every iteration forced to it) and the real acceptance of the weights (seeded random weights: the
+MTP layer drafts noise, so about 1.0).
+
+Without CUDA: the ``tiny`` preset in fp32 with the torch ops, small sizes; only token identity is
+checked, no time is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE
+from dsaspec.runtime.config import get_config
+from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
+from dsaspec.runtime.model import DSAModel, num_sms
+from dsaspec.runtime.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
+
+FULL_CONTEXT = 1 << 20
+PATHS = ("baseline", "new")
+KILL_SWITCHES = ("DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE")
+REAL = "real"
+NOISE = 0.99                   # new / baseline speed below this counts as slower
+CONTEXT_TARGET = 1.02          # bounded per-token latency at a long context over the short one
+
+
+def _positive_ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+    return values
+
+
+def _accept_modes(text: str) -> list[str]:
+    modes = [v.strip() for v in text.split(",") if v.strip()]
+    for mode in modes:
+        if mode != REAL:
+            try:
+                if float(mode) < 1:
+                    raise ValueError
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"accept modes are numbers >= 1 or '{REAL}', got {mode!r}") from None
+    if not modes:
+        raise argparse.ArgumentTypeError("expected at least one accept mode")
+    return modes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--presets", type=lambda t: [v for v in t.split(",") if v], default=["e2e", "bench"],
+                   help="model presets, comma-separated (random weights); the first is the headline table")
+    p.add_argument("--concurrency", type=_positive_ints, default=[1, 2, 4, 8, 16, 32],
+                   help="requests decoding together (each is a graph bucket)")
+    p.add_argument("--contexts", type=_positive_ints, default=[FULL_CONTEXT, 4096],
+                   help="configured context lengths; the smallest is the reference for the context target")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--iterations", type=int, default=24, help="speculative iterations per run")
+    p.add_argument("--runs", type=int, default=4, help="timed runs per point and path (interleaved)")
+    p.add_argument("--accept", type=_accept_modes, default=["3.0", REAL],
+                   help=f"accept modes: simulated mean accept lengths and/or '{REAL}'")
+    p.add_argument("--num-steps", type=int, default=3, help="draft steps S (N = S + 1 verified tokens)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and simulated draws")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<machine>)")
+
+
+@contextlib.contextmanager
+def kill_switches(on: bool):
+    """Both kill switches on (new) or off (baseline) while a worker is built and captured."""
+    saved = {name: os.environ.get(name) for name in KILL_SWITCHES}
+    for name in KILL_SWITCHES:
+        os.environ[name] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@dataclass
+class _Setup:
+    """One configured context: the workers of both paths over one table and pool pair, the
+    prefilled requests and their carry right after prefill."""
+
+    context_len: int
+    workers: dict
+    rows: list[int]
+    snapshot: dict
+    ttft_ms: float | None
+
+
+def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, device) -> _Setup:
+    spec = SpecConfig(num_steps=args.num_steps)
+    count = len(prompts)
+    pool = ReqToTokenPool(count, context_len, num_draft_tokens=spec.num_draft_tokens, device=device)
+    written = args.prompt_len + args.iterations * spec.num_draft_tokens + spec.num_draft_tokens
+    allocator = PageAllocator(PAGE_SIZE * (1 + count * -(-written // PAGE_SIZE)))
+    slots = RequestSlots(pool, allocator)
+    dtype = model.lm_head.weight.dtype
+    target_kv = KVPool.for_model(model.config, allocator.num_slots, dtype=dtype, device=device)
+    mtp_kv = KVPool.for_model(model.config, allocator.num_slots, mtp=True, dtype=dtype, device=device)
+    workers = {}
+    for path in PATHS:
+        with kill_switches(path == "new"):
+            workers[path] = build_spec_worker(
+                model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency, num_sms=num_sms(device),
+                force_kernel=BOUNDED if path == "new" else CONTEXT_WIDE,
+                budget=None if device.type == "cuda" else 8)
+    rows = [slots.admit(args.prompt_len, reserve=written - args.prompt_len) for _ in prompts]
+    times = []
+    for row, prompt in zip(rows, prompts):
+        began = time.perf_counter()
+        workers["new"].prefill(row, prompt, chunk_size=args.prompt_len)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - began))
+    return _Setup(context_len, workers, rows, workers["new"].state.snapshot(rows),
+                  statistics.median(times) if device.type == "cuda" else None)
+
+
+@torch.no_grad()
+def _run(worker: SpecWorker, setup: _Setup, concurrency: int, accept: str, args, *, timed: bool) -> dict:
+    """One run from the prefilled state: ``--iterations`` iterations of the first ``concurrency``
+    requests. Returns per-iteration wall ms, phase ms, accept lengths and committed tokens."""
+    rows = setup.rows[:concurrency]
+    worker.state.restore(setup.rows, setup.snapshot)
+    worker.simulate_accept_len = None if accept == REAL else float(accept)
+    worker.rng.seed(args.seed)
+    out = {"iter_ms": [], "phase_ms": [], "accept_lens": [], "tokens": []}
+    if timed:
+        torch.cuda.synchronize()
+    for _ in range(args.iterations):
+        began = time.perf_counter()
+        result = worker.iterate(rows, timed=timed)
+        out["iter_ms"].append(1e3 * (time.perf_counter() - began))
+        out["phase_ms"].append(result.phase_ms)
+        out["accept_lens"].extend(result.accept_lens)
+        out["tokens"].append(result.committed)
+    return out
+
+
+def _summary(runs: list[dict], concurrency: int) -> dict:
+    iters = sorted(t for run in runs for t in run["iter_ms"])
+    run_medians = [statistics.median(run["iter_ms"]) for run in runs]
+    median = statistics.median(iters)
+    accept = statistics.fmean(a for run in runs for a in run["accept_lens"])
+    per_token = median / accept
+    phases = {phase: statistics.median(p[phase] for run in runs for p in run["phase_ms"]) for phase in PHASES}
+    return {"ms_per_iter": median, "run_medians_ms": run_medians, "spread": (max(run_medians) - min(run_medians)) / median,
+            "accept_len": accept, "ms_per_token": per_token, "tok_s_user": 1e3 / per_token,
+            "output_tok_s": concurrency * 1e3 / per_token, "phases_ms": phases, "iterations": len(iters)}
+
+
+def _apply_cpu_sizes(args) -> None:
+    args.presets = ["tiny"]
+    args.contexts = [1024, 128]
+    args.concurrency = [1, 2]
+    args.prompt_len = 70
+    args.iterations = 3
+    args.runs = 1
+    args.accept = ["3.0", REAL]
+    print("No CUDA: tiny preset (fp32) with the torch ops, metadata and draft-argmax kernels under the Triton "
+          "interpreter, contexts 1024 / 128, concurrency 1 / 2, prompt 70, 3 iterations, one run; the other "
+          "size options are ignored. Token identity is checked; no time is measured (interpreter times mean "
+          "nothing).")
+
+
+def run(args) -> int:
+    from dsaspec.bench.results import bench_params, markdown_table, write_results
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        _apply_cpu_sizes(args)
+    for name in ("prompt_len", "iterations", "runs", "num_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.concurrency = sorted(set(args.concurrency))
+    args.contexts = sorted(set(args.contexts), reverse=True)
+    written = args.prompt_len + (args.iterations + 1) * (args.num_steps + 1)
+    if args.contexts[-1] < written:
+        raise ValueError(f"every --contexts value must hold the prompt and the run ({written} positions), "
+                         f"got {args.contexts[-1]}")
+    for preset in args.presets:
+        get_config(preset)                                # a clear error for an unknown preset
+    device = torch.device("cuda" if on_gpu else "cpu")
+    if on_gpu:
+        from dsaspec.bench.timing import warm_up_gpu
+
+        warm_up_gpu()
+    rows, mismatches = [], []
+    for preset in args.presets:
+        model = DSAModel(get_config(preset), device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
+                         use_triton=on_gpu).init_weights(args.seed)
+        generator = torch.Generator().manual_seed(args.seed + 1)
+        prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+                   for _ in range(max(args.concurrency))]
+        for context_len in args.contexts:
+            setup = _build(model, context_len, prompts, args, device)
+            points = [(accept, c) for accept in args.accept for c in args.concurrency]
+            for accept, concurrency in tqdm(points, desc=f"{preset} context {context_len}", unit="point"):
+                runs = {path: [] for path in PATHS}
+                tokens = {path: _run(setup.workers[path], setup, concurrency, accept, args, timed=False)["tokens"]
+                          for path in PATHS}                      # warm-up, and the tokens to compare
+                identical = tokens["baseline"] == tokens["new"]
+                if on_gpu:
+                    for r in range(args.runs):
+                        for path in (PATHS if r % 2 == 0 else PATHS[::-1]):
+                            result = _run(setup.workers[path], setup, concurrency, accept, args, timed=True)
+                            identical &= result["tokens"] == tokens[path]
+                            runs[path].append(result)
+                if not identical:
+                    mismatches.append((preset, context_len, accept, concurrency))
+                rows.append(_row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu))
+            del setup
+        del model
+        if on_gpu:
+            torch.cuda.empty_cache()
+    if on_gpu:
+        _add_targets(rows, args.contexts[-1])
+    method = (f"{args.iterations} speculative iterations per run (S = {args.num_steps}) from the same prefilled state "
+              f"(prompt {args.prompt_len} tokens), {args.runs} timed runs per point and path interleaved "
+              "baseline/new/new/baseline after one warm-up run each; iteration = host wall time of "
+              "SpecWorker.iterate (metadata + draft/verify/extend graph replays + one device-to-host copy); phases "
+              "from CUDA events; per-token latency = median iteration time / mean accept length; spread = "
+              "(max - min) / median of the per-run medians." if on_gpu else
+              "Triton interpreter on CPU (metadata, draft argmax), torch ops (model): token identity only.")
+    payload = {"method": method, "params": bench_params(args), "kill_switches": list(KILL_SWITCHES), "rows": rows}
+    markdown = _markdown(rows, on_gpu, args, markdown_table)
+    out = write_results("e2e", payload, markdown, args.out, figure=_figure(rows, args) if on_gpu else None)
+    print(markdown)
+    print(f"results: {out}")
+    if mismatches:
+        print(f"error: baseline and new committed different tokens at {mismatches}")
+        return 1
+    return 0
+
+
+def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu) -> dict:
+    row = {"preset": preset, "concurrency": concurrency, "context": context_len, "accept": accept,
+           "tokens_identical": identical, "accept_len": None, "baseline_tok_s_user": None, "new_tok_s_user": None,
+           "speedup": None, "baseline_ms_per_iter": None, "new_ms_per_iter": None, "ttft_ms": setup.ttft_ms}
+    if not on_gpu:
+        return row
+    base, new = _summary(runs["baseline"], concurrency), _summary(runs["new"], concurrency)
+    saved_metadata = base["phases_ms"]["metadata"] - new["phases_ms"]["metadata"]
+    saved_phases = sum(base["phases_ms"][p] - new["phases_ms"][p] for p in PHASES)
+    row.update(accept_len=new["accept_len"], baseline_tok_s_user=base["tok_s_user"], new_tok_s_user=new["tok_s_user"],
+               speedup=new["tok_s_user"] / base["tok_s_user"], baseline_ms_per_iter=base["ms_per_iter"],
+               new_ms_per_iter=new["ms_per_iter"],
+               runs_overlap=min(base["run_medians_ms"]) <= max(new["run_medians_ms"])
+               and min(new["run_medians_ms"]) <= max(base["run_medians_ms"]),
+               predicted_speedup_metadata=base["ms_per_iter"] / (base["ms_per_iter"] - saved_metadata),
+               predicted_speedup_phases=base["ms_per_iter"] / (base["ms_per_iter"] - saved_phases),
+               baseline=base, new=new)
+    return row
+
+
+def _add_targets(rows: list[dict], reference_context: int) -> None:
+    """new / baseline >= 0.99 everywhere; new per-token latency at each context over the reference
+    context's (same preset, accept mode and concurrency) <= 1.02."""
+    reference = {(r["preset"], r["accept"], r["concurrency"]): r for r in rows if r["context"] == reference_context}
+    for row in rows:
+        ref = reference[row["preset"], row["accept"], row["concurrency"]]
+        row["new_not_slower"] = row["speedup"] >= NOISE
+        row["new_vs_reference_context"] = row["new"]["ms_per_token"] / ref["new"]["ms_per_token"]
+        row["baseline_vs_reference_context"] = row["baseline"]["ms_per_token"] / ref["baseline"]["ms_per_token"]
+        row["context_target_met"] = row["new_vs_reference_context"] <= CONTEXT_TARGET
+
+
+def _markdown(rows, on_gpu, args, markdown_table) -> str:
+    if not on_gpu:
+        return markdown_table([("preset", "preset"), ("context", "context"), ("accept", "accept"),
+                               ("concurrency", "concurrency"), ("tokens_identical", "baseline == new tokens")], rows)
+    parts = []
+    for preset in args.presets:
+        mine = [r for r in rows if r["preset"] == preset]
+        flat = [dict(r, b_tps=r["baseline_tok_s_user"], n_tps=r["new_tok_s_user"], al=r["accept_len"],
+                     b_out=r["baseline"]["output_tok_s"], n_out=r["new"]["output_tok_s"],
+                     b_spread=r["baseline"]["spread"], n_spread=r["new"]["spread"]) for r in mine]
+        parts.append(f"## {preset}: tok/s/user, baseline → new\n\n" + markdown_table([
+            ("context", "context"), ("accept", "accept mode"), ("concurrency", "concurrency"), ("al", "accept len"),
+            ("b_tps", "baseline tok/s/user"), ("n_tps", "new tok/s/user"), ("speedup", "speedup"),
+            ("baseline_ms_per_iter", "baseline ms/iter"), ("new_ms_per_iter", "new ms/iter"),
+            ("b_out", "baseline output tok/s"), ("n_out", "new output tok/s"), ("ttft_ms", "TTFT ms"),
+            ("b_spread", "spread b"), ("n_spread", "spread n"), ("runs_overlap", "run ranges overlap"),
+            ("tokens_identical", "tokens identical")], flat))
+        phase_rows = [dict(r, path=path, **{f"{p}_ms": r[path]["phases_ms"][p] for p in PHASES},
+                           iter_ms=r[path]["ms_per_iter"]) for r in mine for path in PATHS]
+        parts.append(f"### {preset}: iteration split by phase (device time, CUDA events, median ms)\n\n" + markdown_table(
+            [("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"), ("path", "path")]
+            + [(f"{p}_ms", p) for p in PHASES] + [("iter_ms", "iteration (host wall)")], phase_rows))
+        parts.append(f"### {preset}: targets\n\n" + markdown_table(
+            [("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"), ("speedup", "new / baseline"),
+             ("new_not_slower", f">= {NOISE}"), ("predicted_speedup_metadata", "predicted by metadata phase"),
+             ("predicted_speedup_phases", "predicted by all phases"),
+             ("new_vs_reference_context", f"new / context {args.contexts[-1]}"),
+             ("baseline_vs_reference_context", f"baseline / context {args.contexts[-1]}"),
+             ("context_target_met", f"new within {CONTEXT_TARGET - 1:.0%}")], mine))
+    return "\n\n".join(parts)
+
+
+def _figure(rows, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = args.presets
+    accepts = args.accept
+    fig, axes = plt.subplots(len(presets), len(accepts), figsize=(5.5 * len(accepts), 4 * len(presets)), squeeze=False)
+    for i, preset in enumerate(presets):
+        for j, accept in enumerate(accepts):
+            ax = axes[i][j]
+            for context in args.contexts:
+                mine = sorted((r for r in rows if r["preset"] == preset and r["accept"] == accept
+                               and r["context"] == context), key=lambda r: r["concurrency"])
+                xs = [r["concurrency"] for r in mine]
+                ax.plot(xs, [r["baseline_tok_s_user"] for r in mine], "o--", label=f"baseline, context {context}")
+                ax.plot(xs, [r["new_tok_s_user"] for r in mine], "o-", label=f"new, context {context}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel("tok/s/user")
+            ax.set_title(f"{preset}, accept {accept}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
