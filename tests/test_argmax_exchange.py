@@ -285,7 +285,7 @@ def test_emulated_small(vocab, tp, shard, dtype, device):
 
 @pytest.mark.parametrize("rows", [1, 2, 63, 64])
 def test_emulated_rows(rows, device):
-    check_emulated(700, 2, 384, torch.bfloat16, rows=rows, device=device, split_columns=256, seed=rows)
+    check_emulated(700, 2, 384, torch.bfloat16, rows=rows, device=device, split_columns=384, seed=rows)
 
 
 @pytest.mark.parametrize("vocab,tp,dtype", [(154880, 2, torch.bfloat16), (129280, 8, torch.float32),
