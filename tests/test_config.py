@@ -1,36 +1,50 @@
-"""ModelConfig: presets carry the real shapes, HF dicts round-trip, bad values give clear errors."""
+"""ModelConfig: the presets are the released configs, validate and round-trip through HF dicts; the
+derived widths are the model's; bad values give clear errors."""
 
-import math
+import json
 
 import pytest
 
 from dsaspec.runtime.config import PRESETS, ModelConfig, get_config
+from dsaspec.runtime.memory import KVPool
+from dsaspec.runtime.model import DSAModel
+
+# The released config.json files (zai-org/GLM-5, deepseek-ai/DeepSeek-V3.2), MoE and token fields
+# kept: the presets must be what they say, and the fields this runtime does not model are ignored.
+GLM5_CONFIG_JSON = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+    "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
+    "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+    "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
+    "n_routed_experts": 256, "first_k_dense_replace": 3, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 202752, "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+}
+DEEPSEEK_V32_CONFIG_JSON = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+    "n_routed_experts": 256, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_validate_and_round_trip_through_hf_dict(name):
     config = get_config(name)
-    assert config.kv_cache_dim == 576 and config.index_head_dim == 128
-    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+    assert config.validate() is config
+    assert ModelConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict()))) == config
 
 
-def test_glm5_shapes():
-    c = get_config("glm5")
-    assert (c.hidden_size, c.vocab_size, c.num_attention_heads) == (6144, 154880, 64)
-    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == \
-        (2048, 512, 192, 64, 256)
-    assert (c.index_n_heads, c.index_topk, c.indexer_rope_interleave) == (32, 2048, True)
-    assert c.num_attention_heads * c.qk_head_dim == 16384                       # q_b_proj out
-    assert c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim) == 28672  # kv_b_proj out
-    assert c.softmax_scale == 256 ** -0.5
-
-
-def test_deepseek_v32_shapes_and_yarn_scale():
-    c = get_config("deepseek_v32")
-    assert (c.hidden_size, c.vocab_size, c.num_attention_heads, c.q_lora_rank) == (7168, 129280, 128, 1536)
-    assert (c.qk_nope_head_dim, c.v_head_dim, c.index_n_heads, c.indexer_rope_interleave) == (128, 128, 64, False)
-    mscale = 0.1 * math.log(40) + 1
-    assert c.softmax_scale == pytest.approx(192 ** -0.5 * mscale ** 2)
+@pytest.mark.parametrize("name,published", [("glm5", GLM5_CONFIG_JSON), ("deepseek_v32", DEEPSEEK_V32_CONFIG_JSON)])
+def test_presets_are_the_released_configs(name, published):
+    assert ModelConfig.from_hf_dict(published) == get_config(name)
 
 
 def test_bench_keeps_glm5_attention_and_vocab():
@@ -41,48 +55,53 @@ def test_bench_keeps_glm5_attention_and_vocab():
     assert bench.num_hidden_layers == 2
 
 
-def _glm5_hf_dict():
-    """An HF GLM-5 style config.json (MoE fields present, rope in rope_parameters, no layout key)."""
-    return {
-        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
-        "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
-        "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
-        "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
-        "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
-        "n_routed_experts": 256, "rms_norm_eps": 1e-5, "max_position_embeddings": 202752,
-        "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
-        "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-    }
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_derived_widths_are_the_models_widths(name):
+    # Built on the meta device: the shapes of the full-size models without their memory.
+    config = get_config(name)
+    model = DSAModel(config, device="meta")
+    attn = model.model.layers[0].self_attn
+    assert attn.q_b_proj.out_features == config.num_attention_heads * config.qk_head_dim
+    assert attn.kv_a_proj_with_mqa.out_features == config.kv_cache_dim
+    assert KVPool.for_model(config, 1, device="meta").mla_cache[0].shape == (1, config.kv_cache_dim)
 
 
-def test_from_hf_dict_reads_glm5_and_picks_layout_by_model_type():
-    config = ModelConfig.from_hf_dict(_glm5_hf_dict())
-    assert config == get_config("glm5")
-    deepseek = dict(_glm5_hf_dict(), model_type="deepseek_v32")
+def test_softmax_scale_without_and_with_yarn():
+    # 1/sqrt(qk_head_dim) unless YaRN sets mscale_all_dim; then it grows with the factor.
+    config = get_config("tiny")
+    plain = config.qk_head_dim ** -0.5
+    assert config.softmax_scale == plain
+
+    def yarn(**fields):
+        scaling = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 32} | fields
+        return config.replace(rope_scaling=scaling).softmax_scale
+
+    assert yarn() == yarn(mscale_all_dim=0.0) == yarn(factor=1.0, mscale_all_dim=1.0) == plain
+    assert plain < yarn(factor=4.0, mscale_all_dim=1.0) < yarn(mscale_all_dim=1.0) < yarn(mscale_all_dim=2.0)
+
+
+def test_from_hf_dict_picks_the_indexer_layout_by_model_type():
+    assert ModelConfig.from_hf_dict(GLM5_CONFIG_JSON).indexer_rope_interleave is True
+    deepseek = dict(GLM5_CONFIG_JSON, model_type="deepseek_v32")
     assert ModelConfig.from_hf_dict(deepseek).indexer_rope_interleave is False
-    explicit = dict(_glm5_hf_dict(), indexer_rope_interleave=False)
+    explicit = dict(GLM5_CONFIG_JSON, indexer_rope_interleave=False)
     assert ModelConfig.from_hf_dict(explicit).indexer_rope_interleave is False
 
 
-def test_from_hf_dict_reads_yarn_rope_scaling():
-    hf = get_config("deepseek_v32").to_hf_dict()
-    config = ModelConfig.from_hf_dict(hf)
-    assert config.rope_scaling["factor"] == 40.0 and config.rope_theta == 10000.0
-
-
 @pytest.mark.parametrize("change, message", [
-    ({"kv_lora_rank": 256}, "kv_lora_rank=512"),
-    ({"qk_rope_head_dim": 32}, "qk_rope_head_dim=64"),
-    ({"index_head_dim": 64}, "index_head_dim must be 128"),
-    ({"hidden_size": 0}, "hidden_size must be a positive int"),
-    ({"num_attention_heads": 2.5}, "num_attention_heads must be a positive int"),
-    ({"index_topk": True}, "index_topk must be a positive int"),
-    ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers must be 0 or 1"),
-    ({"indexer_rope_interleave": "yes"}, "indexer_rope_interleave must be a bool"),
-    ({"rms_norm_eps": 0.0}, "rms_norm_eps must be a positive number"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "only YaRN"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
+    ({"kv_lora_rank": 256}, r"kv_lora_rank=512 and qk_rope_head_dim=64 \(a 576-wide cache\), got kv_lora_rank=256"),
+    ({"qk_rope_head_dim": 32}, r"got kv_lora_rank=512, qk_rope_head_dim=32"),
+    ({"index_head_dim": 64}, r"index_head_dim must be 128 \(the indexer kernel's head dim\), got 64"),
+    ({"hidden_size": 0}, "ModelConfig.hidden_size must be a positive int, got 0"),
+    ({"num_attention_heads": 2.5}, "ModelConfig.num_attention_heads must be a positive int, got 2.5"),
+    ({"index_topk": True}, "ModelConfig.index_topk must be a positive int, got True"),
+    ({"num_nextn_predict_layers": 2}, r"num_nextn_predict_layers must be 0 or 1 \(one MTP layer\), got 2"),
+    ({"indexer_rope_interleave": "yes"}, "ModelConfig.indexer_rope_interleave must be a bool, got 'yes'"),
+    ({"rms_norm_eps": 0.0}, "ModelConfig.rms_norm_eps must be a positive number, got 0.0"),
+    ({"tie_word_embeddings": True}, "ModelConfig.tie_word_embeddings=True is not supported"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "only YaRN is supported, got type 'linear'"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}},
+     "ModelConfig.rope_scaling needs 'original_max_position_embeddings' for YaRN"),
 ])
 def test_validate_names_the_bad_field(change, message):
     with pytest.raises(ValueError, match=message):
@@ -90,11 +109,11 @@ def test_validate_names_the_bad_field(change, message):
 
 
 def test_from_hf_dict_names_missing_keys():
-    hf = _glm5_hf_dict()
+    hf = dict(GLM5_CONFIG_JSON)
     del hf["q_lora_rank"], hf["index_topk"]
     with pytest.raises(ValueError, match=r"missing required key\(s\) \['q_lora_rank', 'index_topk'\]"):
         ModelConfig.from_hf_dict(hf)
-    with pytest.raises(ValueError, match="expects a dict"):
+    with pytest.raises(ValueError, match="from_hf_dict expects a dict, got list"):
         ModelConfig.from_hf_dict([("hidden_size", 1)])
 
 

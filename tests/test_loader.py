@@ -40,11 +40,12 @@ def test_sharded_round_trip(tmp_path):
     _assert_same(model, load_weights(_model(seed=2), tmp_path))
 
 
-def test_config_json_has_hf_fields(tmp_path):
-    save_checkpoint(_model(), tmp_path)
+def test_config_json_reads_back_and_declares_every_layer_dense(tmp_path):
+    config = get_config("tiny", index_topk=32, indexer_rope_interleave=False)
+    save_checkpoint(DSAModel(config, dtype=torch.bfloat16).init_weights(0), tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
-    assert hf["kv_lora_rank"] == 512 and hf["index_topk"] == 64 and hf["indexer_rope_interleave"] is True
-    assert load_config(tmp_path) == get_config("tiny")
+    assert hf["first_k_dense_replace"] == hf["num_hidden_layers"]  # an HF reader builds no MoE layer
+    assert load_config(tmp_path) == config
 
 
 def test_shared_mtp_duplicates_are_accepted(tmp_path):

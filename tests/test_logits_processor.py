@@ -14,6 +14,7 @@ from dsaspec.reference.argmax_exchange import gathered_logits_reference
 from dsaspec.speculative.draft_step import greedy_draft_step
 from dsaspec.speculative.lm_head import VocabParallelLMHead, padded_vocab_size
 from dsaspec.speculative.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
+from test_argmax_exchange import first_max_index
 
 KILL_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
 
@@ -81,11 +82,11 @@ def test_each_fallback_declines(case, reason, monkeypatch):
                            symm_mem_max_bytes=64 if case == "too_big_for_symm_mem" else DEFAULT_SYMM_MEM_MAX_BYTES)
     kwargs = {"final_logit_softcapping": 30.0} if case == "softcap" else {}
     kwargs.update({"dp_attention": True} if case == "dp_attention" else {})
+    if case == "kill_switch":
+        monkeypatch.setenv(KILL_SWITCH, "0")
     processor, _ = make_processor(group, vocab_parallel=case != "replicated_head", **kwargs)
     sampling = {"no_sampling": None, "sampling": DraftSampling(topk=1, greedy=False),
                 "topk2": DraftSampling(topk=2)}.get(case, GREEDY_TOPK1)
-    if case == "kill_switch":
-        monkeypatch.setenv(KILL_SWITCH, "0")
     declined = processor.draft_argmax_exchange_declined(sampling)
     assert declined is not None and reason in declined
     assert not processor.uses_draft_argmax_exchange(sampling)
@@ -98,6 +99,22 @@ def test_kill_switch_values(value, engaged, monkeypatch, device):
     out = processor.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1)
     assert (out.next_token_logits is None) == engaged
     assert (out.next_token_argmax_partials is not None) == engaged
+
+
+@pytest.mark.parametrize("built_with,flipped_to", [("1", "0"), ("0", "1")])
+def test_kill_switch_is_read_once_at_construction(built_with, flipped_to, monkeypatch, device):
+    # A captured graph keeps the branch it was captured with, so the processor must too.
+    monkeypatch.setenv(KILL_SWITCH, built_with)
+    processor, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=256)
+    monkeypatch.setenv(KILL_SWITCH, flipped_to)
+    engaged = built_with == "1"
+    assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == engaged
+    out = processor.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1)
+    assert (out.next_token_logits is None) == engaged
+    rebuilt, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=256)
+    assert rebuilt.uses_draft_argmax_exchange(GREEDY_TOPK1) == (not engaged)
+    out = rebuilt.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1)
+    assert (out.next_token_logits is None) == (not engaged)
 
 
 def test_symm_mem_transport_choice():
@@ -138,8 +155,6 @@ def test_gather_path_logits(vocab_parallel, softcap, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("rows", [1, 7, 16])
 def test_draft_step_paths_identical(dtype, rows, device, monkeypatch):
-    processor, _ = make_processor(TPGroup.single(device), vocab=1000, hidden=64, dtype=dtype, max_rows=16,
-                                  split_columns=256)
     hidden = torch.randn(rows, 64, device=device).to(dtype)
     hidden[0] = 0  # an all-zero row: every logit ties, the first index must win
     positions = torch.arange(rows, device=device) + 100
@@ -147,15 +162,19 @@ def test_draft_step_paths_identical(dtype, rows, device, monkeypatch):
     results = {}
     for path in ("exchange", "gather"):
         monkeypatch.setenv(KILL_SWITCH, "1" if path == "exchange" else "0")
+        processor, _ = make_processor(TPGroup.single(device), vocab=1000, hidden=64, dtype=dtype, max_rows=16,
+                                      split_columns=256)
+        assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (path == "exchange")
         out = greedy_draft_step(processor, hidden, positions, token_map=token_map)
         results[path] = (out.tokens.clone(), out.topk_p.clone(), out.positions.clone())
-    expected = token_map[torch.argmax(processor.forward(hidden).next_token_logits, dim=-1)]
+    # The oracle: the first maximum of the fp32 logits, from the head's own GEMM.
+    local = torch.mm(hidden, processor.lm_head.weight.t())
+    expected = token_map[first_max_index(local[:, :1000]).to(device)]
     assert expected[0] == token_map[0]
-    for a, b in zip(results["exchange"], results["gather"]):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    assert torch.equal(results["exchange"][0], expected)
-    assert torch.equal(results["exchange"][2], positions + 1)
-    assert torch.equal(results["exchange"][1], torch.ones(rows, device=device))
+    for path, (tokens, topk_p, positions_out) in results.items():
+        assert tokens.dtype == torch.int64 and torch.equal(tokens, expected), path
+        assert torch.equal(positions_out, positions + 1), path
+        assert torch.equal(topk_p, torch.ones(rows, device=device)), path
 
 
 def test_exchange_output_fields(device):
@@ -168,16 +187,20 @@ def test_exchange_output_fields(device):
 
 def test_argument_errors(device):
     processor, _ = make_processor(TPGroup.single(device), max_rows=4)
-    with pytest.raises(ValueError, match="max_rows=4"):
+    with pytest.raises(ValueError, match="hidden_states has 5 rows, above max_rows=4"):
         processor.forward(torch.randn(5, 32, device=device))
-    with pytest.raises(ValueError, match="positions must be int64"):
+    with pytest.raises(ValueError, match=r"positions must be int64 \[2\], got \(2,\) torch.int32"):
         processor.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1,
                           positions=torch.zeros(2, dtype=torch.int32, device=device))
-    with pytest.raises(TypeError, match="hidden_states must be torch.float32"):
+    for size in (999, 1001):
+        with pytest.raises(ValueError, match=rf"token_map must be \[vocab_size=1000\], got \({size},\)"):
+            processor.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1,
+                              token_map=torch.zeros(size, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match="hidden_states must be torch.float32 .the head's dtype., got torch.float64"):
         processor.forward(torch.randn(2, 32, device=device, dtype=torch.float64))
-    with pytest.raises(ValueError, match="hidden_states must be"):
+    with pytest.raises(ValueError, match=r"hidden_states must be \[rows, 32\], got \(2, 31\)"):
         processor.forward(torch.randn(2, 31, device=device))
-    with pytest.raises(ValueError, match="max_rows"):
+    with pytest.raises(ValueError, match="max_rows must be >= 1, got 0"):
         LogitsProcessor(processor.lm_head, max_rows=0)
 
 
@@ -222,12 +245,13 @@ def test_draft_step_in_cuda_graph(rows, monkeypatch):
     for path in ("exchange", "gather"):
         monkeypatch.setenv(KILL_SWITCH, "1" if path == "exchange" else "0")
         processor, _ = make_processor(group, vocab=vocab, hidden=hidden_size, dtype=torch.bfloat16, max_rows=64)
+        assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (path == "exchange")
         hidden.copy_(inputs[0])
         greedy_draft_step(processor, hidden, positions)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = greedy_draft_step(processor, hidden, positions, check=False)
+            out = greedy_draft_step(processor, hidden, positions)
         tokens[path] = []
         for i, x in enumerate(inputs):
             hidden.copy_(x)

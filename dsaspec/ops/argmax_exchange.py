@@ -112,7 +112,6 @@ def argmax_partials(
     tp_size: int,
     vocab_size: int,
     split_columns: int = DEFAULT_SPLIT_COLUMNS,
-    check: bool = True,
 ) -> torch.Tensor:
     """Write this rank's argmax candidates into its slots of the exchange buffer, +0.0 elsewhere.
 
@@ -127,29 +126,32 @@ def argmax_partials(
     out : Tensor ``[rows, tp_size * splits, 4]`` fp32, contiguous; written entirely (every slot).
     rank, tp_size, vocab_size : int; ``tp_size * Sh >= vocab_size >= 1``.
     split_columns : int; target columns per program (see ``exchange_layout``).
-    check : bool; validate arguments (host-side only, no device sync).
+
+    Arguments are validated on the host (shapes, dtypes, strides, devices; no device sync), on every
+    call: inside a captured CUDA graph that happens once, at capture.
 
     Returns
     -------
     ``out``.
     """
+    if local_logits.dim() != 2 or local_logits.shape[1] < 1:
+        raise ValueError(f"local_logits must be [rows, Sh] with Sh >= 1, got {tuple(local_logits.shape)}")
     rows, shard = local_logits.shape
     splits, split_width = exchange_layout(shard, split_columns)
-    if check:
-        if local_logits.dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(f"local_logits must be bf16 or fp32, got {local_logits.dtype}")
-        if local_logits.stride(1) != 1:
-            raise ValueError("local_logits must have unit column stride")
-        if not 0 <= rank < tp_size:
-            raise ValueError(f"rank must be in [0, tp_size={tp_size}), got {rank}")
-        if not 1 <= vocab_size <= tp_size * shard:
-            raise ValueError(f"vocab_size must be in [1, tp_size * Sh = {tp_size * shard}], got {vocab_size}")
-        expected = (rows, tp_size * splits, LANES)
-        if tuple(out.shape) != expected or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous fp32 tensor of shape {expected}, got "
-                             f"{tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}")
-        if out.device != local_logits.device:
-            raise ValueError(f"out is on {out.device}, local_logits on {local_logits.device}")
+    if local_logits.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"local_logits must be bf16 or fp32, got {local_logits.dtype}")
+    if local_logits.stride(1) != 1:
+        raise ValueError(f"local_logits must have unit column stride, got strides {local_logits.stride()}")
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank must be in [0, tp_size={tp_size}), got {rank}")
+    if not 1 <= vocab_size <= tp_size * shard:
+        raise ValueError(f"vocab_size must be in [1, tp_size * Sh = {tp_size * shard}], got {vocab_size}")
+    expected = (rows, tp_size * splits, LANES)
+    if tuple(out.shape) != expected or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of shape {expected}, got "
+                         f"{tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}")
+    if out.device != local_logits.device:
+        raise ValueError(f"out must be on local_logits' device {local_logits.device}, got {out.device}")
     if rows == 0:
         return out
     is_bf16 = local_logits.dtype == torch.bfloat16
@@ -212,7 +214,6 @@ def draft_finalize(
     reduced: torch.Tensor | None = None,
     argmax_tokens: torch.Tensor | None = None,
     token_map: torch.Tensor | None = None,
-    check: bool = True,
 ) -> torch.Tensor:
     """Greedy (topk = 1) draft bookkeeping: token, ``topk_p = 1.0``, ``positions + 1``; one warp per row.
 
@@ -234,39 +235,51 @@ def draft_finalize(
     reduced : Tensor ``[rows, slots, 4]`` fp32, unit lane stride, slot stride 4; exactly one of
         ``reduced`` / ``argmax_tokens``.
     argmax_tokens : Tensor ``[rows]`` int64 (e.g. ``torch.argmax`` output; may be ``tokens``).
-    token_map : optional Tensor ``[vocab]`` int32/int64.
-    check : bool; validate arguments (host-side only).
+    token_map : optional Tensor ``[map_size]`` int32/int64, contiguous.
+
+    Arguments are validated on the host (shapes, dtypes, strides, devices; no device sync), on every
+    call: inside a captured CUDA graph that happens once, at capture.
+
+    Precondition not checked (it is device data): every token, before mapping, indexes
+    ``token_map``: ``0 <= token < map_size``. The kernel's ``token_map[token]`` load is unmasked. It
+    holds when ``map_size >= vocab_size`` and ``reduced`` comes from ``argmax_partials`` with that
+    ``vocab_size``, or ``argmax_tokens`` is an argmax over ``vocab_size`` columns
+    (``LogitsProcessor.forward`` checks the map's size).
 
     Returns
     -------
     ``tokens``.
     """
-    rows = tokens.shape[0]
+    if (reduced is None) == (argmax_tokens is None):
+        raise ValueError("pass exactly one of reduced= (exchange path) and argmax_tokens= (gather path)")
     has_positions = positions is not None
-    if check:
-        if (reduced is None) == (argmax_tokens is None):
-            raise ValueError("pass exactly one of reduced= (exchange path) and argmax_tokens= (gather path)")
-        if has_positions != (positions_out is not None):
-            raise ValueError("pass both positions= and positions_out=, or neither")
-        checked = [("tokens", tokens, (torch.int32, torch.int64)), ("topk_p", topk_p, (torch.float32,))]
-        if has_positions:
-            checked += [("positions", positions, (torch.int32, torch.int64)),
-                        ("positions_out", positions_out, (positions.dtype,))]
-        for name, t, dtypes in checked:
-            if t.dim() != 1 or t.shape[0] != rows or t.dtype not in dtypes or t.stride(0) != 1:
-                raise ValueError(f"{name} must be a contiguous [{rows}] tensor of dtype in {dtypes}, "
-                                 f"got {tuple(t.shape)} {t.dtype}")
-        if reduced is not None and (reduced.dim() != 3 or reduced.shape[0] != rows or reduced.shape[2] != LANES
-                                    or reduced.dtype != torch.float32 or reduced.stride(2) != 1
-                                    or reduced.stride(1) != LANES):
-            raise ValueError(f"reduced must be fp32 [{rows}, slots, 4] with dense slots, got "
-                             f"{tuple(reduced.shape)} {reduced.dtype}")
-        if argmax_tokens is not None and (tuple(argmax_tokens.shape) != (rows,) or argmax_tokens.dtype != torch.int64):
-            raise ValueError(f"argmax_tokens must be int64 [{rows}], got {tuple(argmax_tokens.shape)} "
-                             f"{argmax_tokens.dtype}")
-        if token_map is not None and (token_map.dim() != 1 or token_map.dtype not in (torch.int32, torch.int64)):
-            raise ValueError(f"token_map must be a 1-D int32/int64 tensor, got {tuple(token_map.shape)} "
-                             f"{token_map.dtype}")
+    if has_positions != (positions_out is not None):
+        raise ValueError("pass both positions= and positions_out=, or neither")
+    rows = tokens.shape[0] if tokens.dim() == 1 else -1
+    checked = [("tokens", tokens, (torch.int32, torch.int64)), ("topk_p", topk_p, (torch.float32,))]
+    if has_positions:
+        checked += [("positions", positions, (torch.int32, torch.int64)),
+                    ("positions_out", positions_out, (positions.dtype,))]
+    if argmax_tokens is not None:
+        checked.append(("argmax_tokens", argmax_tokens, (torch.int64,)))
+    for name, t, dtypes in checked:
+        if t.dim() != 1 or t.shape[0] != rows or t.dtype not in dtypes or t.stride(0) != 1:
+            raise ValueError(f"{name} must be a contiguous 1-D tensor with one entry per row of tokens, of "
+                             f"dtype in {dtypes}, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    if reduced is not None and (reduced.dim() != 3 or reduced.shape[0] != rows or reduced.shape[2] != LANES
+                                or reduced.dtype != torch.float32 or reduced.stride(2) != 1
+                                or reduced.stride(1) != LANES):
+        raise ValueError(f"reduced must be fp32 [{rows}, slots, 4] with dense slots, got "
+                         f"{tuple(reduced.shape)} {reduced.dtype} strides {reduced.stride()}")
+    if token_map is not None and (token_map.dim() != 1 or token_map.dtype not in (torch.int32, torch.int64)
+                                  or token_map.stride(0) != 1):
+        raise ValueError(f"token_map must be a contiguous 1-D int32/int64 tensor, got {tuple(token_map.shape)} "
+                         f"{token_map.dtype} strides {token_map.stride()}")
+    others = {"topk_p": topk_p, "positions": positions, "positions_out": positions_out, "reduced": reduced,
+              "argmax_tokens": argmax_tokens, "token_map": token_map}
+    for name, t in others.items():
+        if t is not None and t.device != tokens.device:
+            raise ValueError(f"{name} must be on tokens' device {tokens.device}, got {t.device}")
     if rows == 0:
         return tokens
     slots = reduced.shape[1] if reduced is not None else 1

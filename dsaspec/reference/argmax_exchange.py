@@ -23,8 +23,9 @@ KEY_NEG_INF = 0x007FFFFF
 LANES = 4
 
 
-def order_key(values: torch.Tensor) -> torch.Tensor:
-    """Order-preserving uint32 key of fp32 values, as int64: ``a < b ⇔ key(a) < key(b)``.
+def order_key_nan_max_zeros_equal(values: torch.Tensor) -> torch.Tensor:
+    """Order-preserving uint32 key of fp32 values, as int64: ``a < b ⇔ key(a) < key(b)``; every NaN
+    is above +inf (one key for all NaNs) and -0 equals +0 (``torch.argmax``'s order).
 
     Parameters
     ----------
@@ -73,7 +74,7 @@ def argmax_partials_reference(
     out = torch.full((rows, tp_size * splits, LANES), foreign_fill, dtype=torch.float32)
     out[:, rank * splits:(rank + 1) * splits] = 0.0
     n_valid = max(0, min(vocab_size - rank * shard, shard))
-    keys = order_key(local_logits[:, :n_valid].cpu())
+    keys = order_key_nan_max_zeros_equal(local_logits[:, :n_valid].cpu())
     for s in range(splits):
         lo, hi = s * split_width, min((s + 1) * split_width, n_valid)
         if lo >= hi:

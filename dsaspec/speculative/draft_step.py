@@ -28,7 +28,6 @@ def greedy_draft_step(
     positions: torch.Tensor,
     *,
     token_map: torch.Tensor | None = None,
-    check: bool = True,
 ) -> DraftStepOutput:
     """Greedy draft step: ``token = argmax(gathered fp32 logits)`` (through either path), ``topk_p = 1``,
     ``positions + 1``.
@@ -42,19 +41,20 @@ def greedy_draft_step(
     processor : LogitsProcessor (exchange used when it opted in and is eligible for greedy topk = 1).
     hidden_states : Tensor ``[rows, hidden]``, the head's dtype; ``rows <= processor.max_rows``.
     positions : Tensor ``[rows]`` int64.
-    token_map : optional Tensor ``[draft_vocab]`` int; maps draft tokens to target tokens.
-    check : bool; validate arguments (host-side only; pass False inside a captured graph's hot loop).
+    token_map : optional Tensor ``[vocab_size]`` int32/int64; maps draft tokens to target tokens.
+
+    Arguments are validated on the host (no device sync); inside a captured graph, once, at capture.
 
     Returns
     -------
     DraftStepOutput; writes only the processor's static buffers.
     """
     rows = hidden_states.shape[0]
-    out = processor.forward(hidden_states, GREEDY_TOPK1, positions=positions, token_map=token_map, check=check)
+    out = processor.forward(hidden_states, GREEDY_TOPK1, positions=positions, token_map=token_map)
     argmax, tokens, topk_p, positions_out = processor.draft_outputs(rows)
     if out.next_token_logits is None:
         return DraftStepOutput(tokens, topk_p, positions_out)
     torch.argmax(out.next_token_logits, dim=-1, out=argmax)
     draft_finalize(tokens=tokens, topk_p=topk_p, positions=positions, positions_out=positions_out,
-                   argmax_tokens=argmax, token_map=token_map, check=check)
+                   argmax_tokens=argmax, token_map=token_map)
     return DraftStepOutput(tokens, topk_p, positions_out)

@@ -6,7 +6,9 @@ Exchange path (greedy topk = 1 drafts of processors that opted in): local GEMM â
 one fp32 SUM all-reduce â†’ finalize; no logits leave the rank and ``next_token_logits`` is None.
 
 The choice is made from TP-replicated facts only (sampling, head layout, config, transport, kill
-switch), so every rank takes the same branch; it fails closed to the gather path.
+switch), so every rank takes the same branch; it fails closed to the gather path. The kill switch is
+read once, when the processor is built: a captured CUDA graph keeps the branch it was captured with,
+so a processor never changes branch behind a graph's back.
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ def exchange_argmax_partials(
     exchange: torch.Tensor,
     reduced: torch.Tensor,
     split_columns: int = DEFAULT_SPLIT_COLUMNS,
-    check: bool = True,
 ) -> torch.Tensor:
     """Partials of this rank's shard, then one fp32 SUM all-reduce over ``group``.
 
@@ -76,7 +77,7 @@ def exchange_argmax_partials(
     The all-reduced buffer ``[rows, TP * splits, 4]`` fp32 (``reduced`` or ``exchange``).
     """
     argmax_partials(local_logits, exchange, rank=group.rank, tp_size=group.size, vocab_size=vocab_size,
-                    split_columns=split_columns, check=check)
+                    split_columns=split_columns)
     transport = group.all_reduce_transport(exchange.numel() * 4)
     if transport == LOCAL:
         return exchange
@@ -95,6 +96,9 @@ class LogitsProcessor:
     dp_attention : bool; rows are gathered across DP ranks (the exchange does not apply).
     max_rows : int; largest row count of a forward (the static buffers' size).
     split_columns : int; target columns per program of the partials kernel.
+
+    The kill switch ``DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE`` is read here, once: changing it later
+    affects only processors built afterwards (a captured graph could not follow it anyway).
     """
 
     def __init__(self, lm_head: VocabParallelLMHead, *, final_logit_softcapping: float | None = None,
@@ -108,6 +112,7 @@ class LogitsProcessor:
         self.dp_attention = dp_attention
         self.max_rows = max_rows
         self.split_columns = split_columns
+        self._kill_switch_on = flags.spec_draft_argmax_exchange()
         device, dtype = self.group.device, lm_head.weight.dtype
         shard, shards = lm_head.shard_size, lm_head.num_shards
         self._local = torch.empty(max_rows * shard, dtype=dtype, device=device)
@@ -157,8 +162,8 @@ class LogitsProcessor:
             return "DP attention"
         if self.group.all_reduce_transport(self.exchange_nbytes) == NCCL:
             return "the all-reduce would run on NCCL"
-        if not flags.spec_draft_argmax_exchange():
-            return "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE=0"
+        if not self._kill_switch_on:
+            return "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE was off when the processor was built"
         return None
 
     def uses_draft_argmax_exchange(self, sampling: DraftSampling | None) -> bool:
@@ -166,8 +171,8 @@ class LogitsProcessor:
         return self.draft_argmax_exchange_declined(sampling) is None
 
     def forward(self, hidden_states: torch.Tensor, sampling: DraftSampling | None = None, *,
-                positions: torch.Tensor | None = None, token_map: torch.Tensor | None = None,
-                check: bool = True) -> LogitsProcessorOutput:
+                positions: torch.Tensor | None = None,
+                token_map: torch.Tensor | None = None) -> LogitsProcessorOutput:
         """Logits (gather path) or greedy draft tokens (exchange path) for ``hidden_states``.
 
         Parameters
@@ -175,19 +180,24 @@ class LogitsProcessor:
         hidden_states : Tensor ``[rows, hidden]``, the head's dtype; ``rows <= max_rows``.
         sampling : DraftSampling of a draft forward, or None (target / non-draft: always gather).
         positions : optional Tensor ``[rows]`` int64; on the exchange path ``positions + 1`` is written.
-        token_map : optional Tensor ``[draft_vocab]`` int; on the exchange path tokens are mapped through it.
-        check : bool; validate arguments (host-side only).
+        token_map : optional Tensor ``[vocab_size]`` int32/int64; on the exchange path tokens are mapped
+            through it.
+
+        Arguments are validated on the host (no device sync), on every call: inside a captured CUDA
+        graph that happens once, at capture.
 
         Returns
         -------
         LogitsProcessorOutput (see its docstring); writes the processor's static buffers only.
         """
         rows = hidden_states.shape[0]
-        if check:
-            if rows > self.max_rows:
-                raise ValueError(f"hidden_states has {rows} rows, above max_rows={self.max_rows}")
-            if positions is not None and (tuple(positions.shape) != (rows,) or positions.dtype != torch.int64):
-                raise ValueError(f"positions must be int64 [{rows}], got {tuple(positions.shape)} {positions.dtype}")
+        if rows > self.max_rows:
+            raise ValueError(f"hidden_states has {rows} rows, above max_rows={self.max_rows}")
+        if positions is not None and (tuple(positions.shape) != (rows,) or positions.dtype != torch.int64):
+            raise ValueError(f"positions must be int64 [{rows}], got {tuple(positions.shape)} {positions.dtype}")
+        if token_map is not None and tuple(token_map.shape) != (self.vocab_size,):
+            # draft_finalize's token_map load is unmasked: one entry per vocab token keeps it in bounds.
+            raise ValueError(f"token_map must be [vocab_size={self.vocab_size}], got {tuple(token_map.shape)}")
         shard = self.lm_head.shard_size
         local = self.lm_head(hidden_states, out=self._local[:rows * shard].view(rows, shard))
         if not self.uses_draft_argmax_exchange(sampling):
@@ -197,11 +207,11 @@ class LogitsProcessor:
             self.group, local, vocab_size=self.vocab_size,
             exchange=self._exchange[view].view(rows, self._slots, LANES),
             reduced=self._reduced[view].view(rows, self._slots, LANES),
-            split_columns=self.split_columns, check=check)
+            split_columns=self.split_columns)
         tokens, topk_p = self._tokens[:rows], self._topk_p[:rows]
         positions_out = None if positions is None else self._positions[:rows]
         draft_finalize(tokens=tokens, topk_p=topk_p, positions=positions, positions_out=positions_out,
-                       reduced=reduced, token_map=token_map, check=check)
+                       reduced=reduced, token_map=token_map)
         return LogitsProcessorOutput(next_token_argmax_partials=reduced, next_token_ids=tokens, topk_p=topk_p,
                                      positions=positions_out)
 
