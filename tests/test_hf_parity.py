@@ -157,8 +157,6 @@ def test_greedy_tokens_match(pair):
     assert compared >= 4
 
 
-@pytest.mark.xfail(strict=True, reason="ModelConfig.to_hf_dict writes no num_key_value_heads: transformers then "
-                   "defaults it to 64 (GLM) / 128 (V3.2) heads and its MLA breaks for any other head count")
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_our_checkpoint_runs_in_transformers(model_type, tmp_path):
     """The other direction: a checkpoint written by ``save_checkpoint`` loads in transformers (which

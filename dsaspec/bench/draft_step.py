@@ -128,8 +128,8 @@ class _Step:
             all_reduce()
 
         fns = {
-            "gather": lambda: greedy_draft_step(self.gather, hidden, positions, check=False),
-            "exchange": lambda: greedy_draft_step(self.exchange, hidden, positions, check=False),
+            "gather": lambda: greedy_draft_step(self.gather, hidden, positions),
+            "exchange": lambda: greedy_draft_step(self.exchange, hidden, positions),
             "gemm": gemm,
             "gemm_allreduce": gemm_all_reduce,
         }

@@ -218,6 +218,7 @@ class ModelConfig:
             num_nextn_predict_layers=self.num_nextn_predict_layers,
             tie_word_embeddings=self.tie_word_embeddings,
             first_k_dense_replace=self.num_hidden_layers,  # every layer dense in this runtime
+            num_key_value_heads=self.num_attention_heads,   # MLA: one KV head per attention head (HF field)
             index_share_for_mtp_iteration=self.index_share_for_mtp_iteration,
         )
         if self.indexer_types is not None:
