@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One lent-GPU session: runs the named steps in order, logs and results under $OUT (default ./gpu_out).
+#   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
+# Steps: spec-tests, gpu-tests, rowinv-bench, dsa-ops, metadata, e2e, e2e-quick, decode, draft-step, sanitize
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+status=0
+for step in "$@"; do
+    echo "== $step $(date +%T)"
+    case $step in
+        spec-tests)   python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 tests/test_spec_engine.py tests/test_row_invariant.py ;;
+        gpu-tests)    python3 -m pytest -q -m gpu -p no:cacheprovider -n 3 --dist loadfile tests ;;
+        rowinv-bench) python3 scripts/bench_row_invariant.py --out "$OUT/row_invariant.json" ;;
+        dsa-ops)      python3 -m dsaspec bench dsa-ops --out "$OUT" ;;
+        metadata)     python3 -m dsaspec bench metadata --out "$OUT" && python3 -m dsaspec bench draft-metadata --out "$OUT" ;;
+        e2e)          python3 -m dsaspec bench e2e --out "$OUT" ;;
+        e2e-quick)    python3 -m dsaspec bench e2e --presets e2e --contexts 1048576,4096 --concurrency 1,8,32 \
+                          --iterations 8 --runs 2 --accept 3.0 --out "$OUT" ;;
+        decode)       python3 -m dsaspec bench decode --out "$OUT" ;;
+        draft-step)   python3 -m dsaspec bench draft-step --out "$OUT" ;;
+        *) echo "unknown step $step"; status=2; continue ;;
+    esac
+    rc=$?
+    echo "== $step exit $rc $(date +%T)"
+    [ $rc -ne 0 ] && status=1
+done
+exit $status
