@@ -419,7 +419,7 @@ class SpecWorker:
         accepted = greedy_accept(batch.drafts, targets, forced_accept_len=batch.forced, out=batch.acceptance)
         state.seq_lens[rows] = lens + accepted.accept_len
         state.bonus[rows] = accepted.bonus
-        state.seq_lens[self.dummy_row] = 1
+        state.seq_lens[self.dummy_row:self.dummy_row + 1].fill_(1)
 
     def _extend(self, batch: _Batch, attn: AttentionInputs, check_values: bool) -> None:
         """The MTP layer over the verified rows with the committed tokens; the row of the new bonus
