@@ -3,7 +3,9 @@
 The lightning-indexer logits kernel (``dsaspec.ops.indexer``) runs one program per SM; program
 ``i`` walks the (row, block) pairs from ``schedule[i]`` up to, not including, ``schedule[i + 1]``.
 The schedule depends only on the lengths, so it is rebuilt in the graph (one program, no host
-sync) whenever the lengths change.
+sync) whenever the lengths change. Rows no longer than ``skip_len`` (the top-k: there sparse
+attention equals dense, so their logits are not needed) get no blocks, decided per row on the
+device (docs/dsa-kernels.md).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ _MAX_TILE = 8192  # elements of the (SMs x rows) comparison tile the schedule ke
 
 
 @triton.jit
-def _indexer_schedule_kernel(seqlens_ptr, out_ptr, num_rows, num_sms,
+def _indexer_schedule_kernel(seqlens_ptr, out_ptr, num_rows, num_sms, skip_len,
                              BLOCK_KV: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_S: tl.constexpr):
     rows = tl.arange(0, BLOCK_R)
     real_row = rows < num_rows
     lengths = tl.maximum(tl.load(seqlens_ptr + rows, mask=real_row, other=0), 0)
+    lengths = tl.where(lengths > skip_len, lengths, 0)
     blocks = (lengths + BLOCK_KV - 1) // BLOCK_KV
     blocks_through = tl.cumsum(blocks, 0)  # blocks of rows 0..r inclusive
     total = tl.sum(blocks, 0)
@@ -44,12 +47,13 @@ def _indexer_schedule_kernel(seqlens_ptr, out_ptr, num_rows, num_sms,
 
 
 def indexer_schedule(seqlens: torch.Tensor, num_sms: int, out: torch.Tensor,
-                     block_kv: int = INDEXER_BLOCK_KV) -> torch.Tensor:
-    """Split ``sum_r cdiv(seqlens[r], block_kv)`` KV blocks evenly over ``num_sms`` SMs.
+                     block_kv: int = INDEXER_BLOCK_KV, skip_len: int = 0) -> torch.Tensor:
+    """Split the live KV blocks of the rows longer than ``skip_len`` evenly over ``num_sms`` SMs.
 
-    SM ``i`` owns global blocks ``[g_i, g_{i+1})`` with
-    ``g_i = i * (total // num_sms) + min(i, total % num_sms)``, blocks numbered row-major over
-    (row, block within row). Negative lengths count as 0.
+    Row ``r`` has ``cdiv(seqlens[r], block_kv)`` blocks if ``seqlens[r] > skip_len``, else none
+    (negative lengths count as 0); ``total`` is their sum. SM ``i`` owns global blocks
+    ``[g_i, g_{i+1})`` with ``g_i = i * (total // num_sms) + min(i, total % num_sms)``, blocks
+    numbered row-major over (row, block within row).
 
     Parameters
     ----------
@@ -59,6 +63,10 @@ def indexer_schedule(seqlens: torch.Tensor, num_sms: int, out: torch.Tensor,
         ``i``'s share starts (the first row that has blocks left at ``g_i``), and
         ``out[num_sms] = (R, 0)``.
     block_kv : KV tokens per block (the indexer kernel's block, 64).
+    skip_len : rows with ``seqlens[r] <= skip_len`` get no blocks, so ``indexer_logits`` leaves
+        their logits unwritten. Pass the top-k (``index_topk``): ``topk_slots`` selects every
+        live position of such rows without reading logits. 0 (default): every live row is
+        scheduled (the behaviour before the skip; the benchmark's baseline). >= 0.
 
     Returns
     -------
@@ -68,6 +76,8 @@ def indexer_schedule(seqlens: torch.Tensor, num_sms: int, out: torch.Tensor,
         raise ValueError(f"num_sms: expected >= 1, got {num_sms}")
     if block_kv < 1:
         raise ValueError(f"block_kv: expected >= 1, got {block_kv}")
+    if skip_len < 0:
+        raise ValueError(f"skip_len: expected >= 0, got {skip_len}")
     check_tensor("seqlens", seqlens, dtype=torch.int32, ndim=1)
     check_tensor("out", out, dtype=torch.int32, shape=(num_sms + 1, 2), device=seqlens.device)
     if not out.is_contiguous():
@@ -77,6 +87,6 @@ def indexer_schedule(seqlens: torch.Tensor, num_sms: int, out: torch.Tensor,
         raise ValueError("seqlens: expected a contiguous tensor")
     block_r = triton.next_power_of_2(max(num_rows, 1))
     block_s = max(1, min(triton.next_power_of_2(num_sms + 1), _MAX_TILE // block_r))
-    _indexer_schedule_kernel[(1,)](seqlens, out, num_rows, num_sms,
+    _indexer_schedule_kernel[(1,)](seqlens, out, num_rows, num_sms, skip_len,
                                    BLOCK_KV=block_kv, BLOCK_R=block_r, BLOCK_S=block_s)
     return out
