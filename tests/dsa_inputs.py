@@ -8,17 +8,22 @@ POISON_SLOT = 2**30  # a slot id far out of range: page-table entries that must 
 
 
 def random_indexer_inputs(seqlens: list[int], num_heads: int, width: int, num_slots: int,
-                          device, seed: int = 0, poison: int = POISON_SLOT) -> dict:
+                          device, seed: int = 0, poison: int = POISON_SLOT,
+                          rows_per_group: int = 1) -> dict:
     """Random inputs for ``indexer_logits``: bf16 queries and keys, fp32 weights (scale folded
     in), a page table whose live prefixes hold random (repeating) slots and whose tails hold
-    ``poison`` (an out-of-range slot id that must never be read)."""
+    ``poison`` (an out-of-range slot id that must never be read). With ``rows_per_group`` G the
+    rows of each group share one random prefix; the group's first row holds it up to the longest
+    member (what the kernel reads), the others only up to their own length."""
     gen = torch.Generator().manual_seed(seed)
     rows = len(seqlens)
     page_table = torch.full((rows, width), poison, dtype=torch.int32)
-    for row, length in enumerate(seqlens):
-        length = max(length, 0)
-        page_table[row, :length] = torch.randint(0, num_slots, (length,), generator=gen,
-                                                 dtype=torch.int32)
+    for first in range(0, rows, rows_per_group):
+        members = [max(length, 0) for length in seqlens[first:first + rows_per_group]]
+        shared = torch.randint(0, num_slots, (max(members),), generator=gen, dtype=torch.int32)
+        page_table[first, :shared.numel()] = shared
+        for offset, length in enumerate(members[1:], start=1):
+            page_table[first + offset, :length] = shared[:length]
     return dict(
         q=torch.randn(rows, num_heads, 128, generator=gen).to(torch.bfloat16).to(device),
         weights=(torch.randn(rows, num_heads, generator=gen)

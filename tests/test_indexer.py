@@ -14,13 +14,14 @@ SENTINEL = 12345.0  # what `out` holds before the call
 CONFIGS = {"new": INDEXER_CONFIG, "baseline": INDEXER_BASELINE_CONFIG}
 
 
-def _launch(inputs, num_sms, out_width, skip_len=0, config=INDEXER_CONFIG, check_values=True):
+def _launch(inputs, num_sms, out_width, skip_len=0, config=INDEXER_CONFIG, check_values=True,
+            rows_per_group=1):
     seqlens = inputs["seqlens"]
     schedule = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=seqlens.device)
-    indexer_schedule(seqlens, num_sms, schedule, skip_len=skip_len)
+    indexer_schedule(seqlens, num_sms, schedule, skip_len=skip_len, rows_per_group=rows_per_group)
     out = torch.full((seqlens.numel(), out_width), SENTINEL, device=seqlens.device)
     indexer_logits(**inputs, schedule=schedule, out=out, skip_len=skip_len,
-                   check_values=check_values, config=config)
+                   rows_per_group=rows_per_group, check_values=check_values, config=config)
     return out
 
 
@@ -75,6 +76,43 @@ def test_skipped_rows_never_read(device):
     for row in (0, 2):
         torch.testing.assert_close(out[row, :seqlens[row]].cpu(), expected[row], rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("skip_len", [0, 64])
+@pytest.mark.parametrize("rows_per_group", [2, 4])
+def test_row_groups(rows_per_group, skip_len, device):
+    """Groups of rows sharing a page table (target verify): one key read per group, every row's
+    logits exact up to its own length, -inf to its own block edge, nothing else written; the
+    other members' page-table tails are poisoned, so only the first row's table is read."""
+    lengths = [0, 1, 63, 64, 65, 127, 128, 129, 130, 2, 64, 200, 197, 198, 199, 200]
+    seqlens = lengths[:len(lengths) // rows_per_group * rows_per_group]
+    inputs = random_indexer_inputs(seqlens, 8, width=210, num_slots=300, device=device,
+                                   seed=rows_per_group + skip_len, rows_per_group=rows_per_group)
+    for num_sms in (1, 3):
+        out = _launch(inputs, num_sms, out_width=256, skip_len=skip_len,
+                      rows_per_group=rows_per_group, check_values=False)
+        _assert_matches(out, inputs, rtol=1e-5, atol=1e-5, skip_len=skip_len)
+
+
+def test_row_groups_checked(device):
+    """check_values: a schedule built for other units, or group rows whose live page tables
+    differ, are errors."""
+    inputs = random_indexer_inputs([70, 71, 5, 9], 4, width=80, num_slots=90, device=device,
+                                   rows_per_group=2)
+    with pytest.raises(ValueError, match=r"schedule: built for 4 units, expected R / "
+                                         r"rows_per_group = 2; pass the schedule's rows_per_group"):
+        schedule = torch.zeros(3, 2, dtype=torch.int32, device=device)
+        indexer_schedule(inputs["seqlens"], 2, schedule)
+        indexer_logits(**inputs, schedule=schedule, out=torch.zeros(4, 80, device=device),
+                       rows_per_group=2)
+    inputs["page_table_1"][1, 70] = (inputs["page_table_1"][0, 70] + 1) % 90
+    with pytest.raises(ValueError, match=r"page_table_1: rows 0..1 form a group \(rows_per_group"
+                                         r"=2\) but their live prefixes differ"):
+        _launch(inputs, 2, out_width=80, rows_per_group=2)
+    with pytest.raises(ValueError, match="rows_per_group: expected a divisor >= 1 of the 4 rows, "
+                                         "got 3"):
+        indexer_logits(**inputs, schedule=torch.zeros(3, 2, dtype=torch.int32, device=device),
+                       out=torch.zeros(4, 80, device=device), rows_per_group=3)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -148,6 +186,24 @@ def test_gpu_production_sizes(config, num_rows, longest, skip_len):
                   config=CONFIGS[config])
     # bf16 products are exact in fp32; only the accumulation order differs from the reference.
     _assert_matches(out, inputs, rtol=1e-4, atol=1e-4, skip_len=skip_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("rows_per_group", [4, 6])
+def test_gpu_row_groups(config, rows_per_group):
+    """Target verify at production sizes: 16 requests x N rows sharing their page tables."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(rows_per_group)
+    seqlens = []
+    for live in torch.randint(1, 70_000, (16,), generator=gen).tolist() + [2048, 2050]:
+        seqlens += [live + j for j in range(rows_per_group)]
+    inputs = random_indexer_inputs(seqlens, 32, width=GPU_WIDTH, num_slots=1 << 20, device=device,
+                                   seed=2, rows_per_group=rows_per_group)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out = _launch(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
+                  rows_per_group=rows_per_group, config=CONFIGS[config])
+    _assert_matches(out, inputs, rtol=1e-4, atol=1e-4, skip_len=2048)
 
 
 @pytest.mark.gpu

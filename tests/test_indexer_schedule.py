@@ -10,26 +10,33 @@ from dsaspec.reference.indexer_schedule import reference_indexer_schedule, sched
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 2047, 2048, 2049]
 
 
-def _run(seqlens, num_sms, device, skip_len=0):
+def _run(seqlens, num_sms, device, skip_len=0, rows_per_group=1):
     out = torch.full((num_sms + 1, 2), -7, dtype=torch.int32, device=device)
-    indexer_schedule(seqlens.to(device), num_sms, out, skip_len=skip_len)
+    indexer_schedule(seqlens.to(device), num_sms, out, skip_len=skip_len,
+                     rows_per_group=rows_per_group)
     return out.cpu()
 
 
-def _check(seqlens, num_sms, device, skip_len=0):
+def _check(seqlens, num_sms, device, skip_len=0, rows_per_group=1):
     seqlens = torch.as_tensor(seqlens, dtype=torch.int32)
-    got = _run(seqlens, num_sms, device, skip_len)
-    want = reference_indexer_schedule(seqlens, num_sms, skip_len=skip_len)
-    assert torch.equal(got, want), (seqlens, num_sms, skip_len)
-    shares = schedule_shares(got, seqlens, skip_len=skip_len)
+    got = _run(seqlens, num_sms, device, skip_len, rows_per_group)
+    want = reference_indexer_schedule(seqlens, num_sms, skip_len=skip_len,
+                                      rows_per_group=rows_per_group)
+    assert torch.equal(got, want), (seqlens, num_sms, skip_len, rows_per_group)
+    shares = schedule_shares(got, seqlens, skip_len=skip_len, rows_per_group=rows_per_group)
     owned = [pair for share in shares for pair in share]
-    # stated here independently of the reference: every block of every row longer than skip_len
-    live = [(row, block) for row, length in enumerate(seqlens.tolist()) if length > skip_len
-            for block in range(-(-length // 64))]
+    # stated here independently of the reference: every block up to the longest row longer
+    # than skip_len of each group
+    lengths = seqlens.tolist()
+    live = []
+    for unit in range(len(lengths) // rows_per_group):
+        members = lengths[unit * rows_per_group:(unit + 1) * rows_per_group]
+        longest = max([length for length in members if length > skip_len], default=0)
+        live += [(unit, block) for block in range(-(-longest // 64))]
     assert owned == live
     sizes = [len(share) for share in shares]
     assert max(sizes) - min(sizes) <= 1
-    assert got[-1].tolist() == [seqlens.numel(), 0]
+    assert got[-1].tolist() == [seqlens.numel() // rows_per_group, 0]
 
 
 @pytest.mark.parametrize("length", EDGE_LENGTHS)
@@ -79,6 +86,20 @@ def test_skip_everything(device):
     assert got.tolist() == [[4, 0]] * 6
 
 
+@pytest.mark.parametrize("rows_per_group", [2, 3, 4, 6])
+@pytest.mark.parametrize("skip_len", [0, 64])
+def test_row_groups(rows_per_group, skip_len, device):
+    """Groups of rows (target verify: the N rows of a request) are scheduled as one unit over
+    their longest member longer than skip_len."""
+    gen = torch.Generator().manual_seed(rows_per_group)
+    lengths = torch.randint(0, 300, (rows_per_group * 9,), generator=gen)
+    lengths[:rows_per_group] = 0  # an empty group
+    lengths[rows_per_group:2 * rows_per_group] = skip_len  # a skipped group
+    lengths[2 * rows_per_group] = skip_len + 1  # one long member
+    for num_sms in (1, 5, 132):
+        _check(lengths, num_sms, device, skip_len=skip_len, rows_per_group=rows_per_group)
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_skip_random_rows(seed, device):
     gen = torch.Generator().manual_seed(seed)
@@ -99,6 +120,12 @@ def test_bad_arguments(device):
         indexer_schedule(seqlens, 4, out, block_kv=0)
     with pytest.raises(ValueError, match="skip_len: expected >= 0, got -1"):
         indexer_schedule(seqlens, 4, out, skip_len=-1)
+    with pytest.raises(ValueError, match="rows_per_group: expected a divisor >= 1 of the 3 rows, "
+                                         "got 2"):
+        indexer_schedule(seqlens, 4, out, rows_per_group=2)
+    with pytest.raises(ValueError, match="rows_per_group: expected a divisor >= 1 of the 3 rows, "
+                                         "got 0"):
+        indexer_schedule(seqlens, 4, out, rows_per_group=0)
     with pytest.raises(ValueError, match="out: expected a contiguous"):
         indexer_schedule(seqlens, 4, torch.zeros(5, 4, dtype=torch.int32, device=device)[:, :2])
 

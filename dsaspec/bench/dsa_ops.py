@@ -9,7 +9,8 @@ layer (one call of each op), from CUDA-graph replays with a cold L2 (dsaspec/ben
 CUPTI kernel time, median and spread).
 
 - ``indexer``: ``indexer_schedule`` + ``indexer_logits``. new: ``skip_len`` = top-k (rows with
-  live <= k get no blocks) and ``INDEXER_CONFIG``; baseline: ``skip_len`` 0 and
+  live <= k get no blocks), ``rows_per_group`` = rows per request (the N verify rows share each
+  key read) and ``INDEXER_CONFIG``; baseline: ``skip_len`` 0, one row per unit and
   ``INDEXER_BASELINE_CONFIG`` (the earlier kernel).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
   without reading logits; baseline: ``read_short_rows=True``.
@@ -224,19 +225,23 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
 # the ops, new and baseline, on a point's static buffers
 
 
-def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs: int | None = None):
-    """Schedule + logits into ``logits_new`` / ``logits_baseline``."""
+def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs: int | None = None,
+             rows_per_group: int | None = None):
+    """Schedule + logits into ``logits_new`` / ``logits_baseline``. The new form skips rows with
+    live <= k and reads each key block once per request (``rows_per_group`` = N in verify)."""
     s = p.shapes
     skip = s.topk if new else 0
     config = config or (INDEXER_CONFIG if new else INDEXER_BASELINE_CONFIG)
     programs = programs or s.num_sms
-    schedule = p.buffer(f"schedule_{skip}_{programs}", (programs + 1, 2), torch.int32)
+    groups = rows_per_group or (p.n if new else 1)
+    schedule = p.buffer(f"schedule_{skip}_{programs}_{groups}", (programs + 1, 2), torch.int32)
     logits = p.buffer("logits_new" if new else "logits_baseline", (p.rows, p.live), torch.float32)
 
     def run(check_values: bool = False) -> None:
-        indexer_schedule(p.seqlens, programs, schedule, skip_len=skip)
+        indexer_schedule(p.seqlens, programs, schedule, skip_len=skip, rows_per_group=groups)
         indexer_logits(p.q_index, p.weights, p.index_k, p.page_table, p.seqlens, schedule, logits,
-                       skip_len=skip, check_values=check_values, config=config)
+                       skip_len=skip, rows_per_group=groups, check_values=check_values,
+                       config=config)
 
     return run
 
@@ -557,10 +562,11 @@ def _tune(args) -> int:
     for mode, bs, live in tqdm(TUNE_POINTS, desc="dsa-ops tune", unit="point"):
         point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed)
         _prepare(point)
-        candidates = [("indexer", vars(config) | {"programs_per_sm": per_sm},
-                       _indexer(point, True, config, per_sm * shapes.num_sms))
+        candidates = [("indexer", vars(config) | {"programs_per_sm": per_sm, "rows_per_group": groups},
+                       _indexer(point, True, config, per_sm * shapes.num_sms, groups))
                       for config in TUNE_INDEXER for per_sm in TUNE_PROGRAMS_PER_SM
-                      if per_sm == 1 or config == INDEXER_CONFIG]
+                      for groups in dict.fromkeys((point.n, 1))
+                      if (per_sm == 1 and groups == point.n) or config == INDEXER_CONFIG]
         for config in TUNE_SPARSE_MLA:
             for split in (False, True):
                 workspace = sparse_mla_workspace(point.rows, shapes.heads, device, num_sms=shapes.num_sms,
@@ -580,8 +586,7 @@ def _tune(args) -> int:
         del point
     for r in rows:  # against the default configuration at the same point (and split choice)
         same = [d for d in rows if (d["op"], d["mode"], d["bs"], d["live_kv"]) == (r["op"], r["mode"], r["bs"], r["live_kv"])
-                and (d["config"].get("splits", 1) > 1) == (r["config"].get("splits", 1) > 1)
-                and d["config"].get("programs_per_sm", 1) == 1]
+                and (d["config"].get("splits", 1) > 1) == (r["config"].get("splits", 1) > 1)]
         default = same[0].get("us") if same else None
         r["vs_default"] = r["us"] / default if "us" in r and default else None
     md = markdown_table([("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("config", "config"),
