@@ -6,7 +6,9 @@ program ``i`` walks its share of (row, 64-token block) pairs from ``dsaspec.ops.
 so the cost follows the live lengths and never the page-table width, and rows the schedule skips
 (``skip_len``) cost nothing. Per block: gather the 64 keys (software-pipelined over the row's
 blocks), one tensor-core dot with the block's tokens as the M dimension against the row's heads
-(loaded once per row), ReLU, the weighted sum over heads (docs/dsa-kernels.md).
+(loaded once per row), ReLU, the weighted sum over heads. With ``rows_per_group`` G the unit is
+G rows sharing a page table (target verify), whose G * H (row, head) pairs share each key read
+(docs/dsa-kernels.md).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     weights : fp32 ``[R, H]``, per-head weights.
     k_cache : bf16 ``[num_slots, 128]``, indexer key cache indexed by slot.
     page_table_1 : int32 ``[R, W]``, logical position -> slot; only ``[r, :seqlens[r])`` of the
-        scheduled rows is read.
+        scheduled rows is read (with groups: each group's first row, up to its longest member).
     seqlens : int32 ``[R]``, causal length of each row (``seqlens_expanded``).
     schedule : int32 ``[num_sms + 1, 2]``, from ``indexer_schedule(seqlens, num_sms, out,
         skip_len=skip_len, rows_per_group=rows_per_group)`` with the same ``seqlens``,
