@@ -17,6 +17,7 @@ BENCHMARKS = {
     "draft-metadata": "draft_metadata",
     "draft-step": "draft_step",
     "decode": "decode",
+    "dsa-ops": "dsa_ops",
     "e2e": "e2e",
 }
 

@@ -1,12 +1,12 @@
-"""topk_slots: exact against the stable-sort reference, and a top-k set by torch.topk's standard."""
+"""topk_slots: exact against the stable-sort reference, and a top-k set by torch.topk's standard;
+rows with live <= k take every live position without reading logits."""
 
 import pytest
 import torch
 
+from dsa_inputs import POISON_SLOT
 from dsaspec.ops.topk import topk_slots
-from dsaspec.reference.topk import order_key, reference_topk_positions, reference_topk_slots
-
-POISON_SLOT = 2**30  # page-table entries past the live length: never to be read
+from dsaspec.reference.topk import float_order_key, reference_topk_positions, reference_topk_slots
 
 
 def _inputs(logits, seqlens, width, seed=0, num_slots=1000):
@@ -23,16 +23,18 @@ def _inputs(logits, seqlens, width, seed=0, num_slots=1000):
     return logits, torch.tensor(seqlens, dtype=torch.int32), page_table
 
 
-def _run(logits, seqlens, page_table, k, device, check=True):
+def _run(logits, seqlens, page_table, k, device, check_values=True, read_short_rows=False):
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=device)
     positions = torch.full_like(out, -7)
-    topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), k, out, check_values=check,
-               out_positions=positions)
+    topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), k, out,
+               check_values=check_values, out_positions=positions,
+               read_short_rows=read_short_rows)
     return out.cpu(), positions.cpu()
 
 
-def _assert_topk(logits, seqlens, page_table, k, device):
-    out, positions = _run(logits, seqlens, page_table, k, device)
+def _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=False):
+    out, positions = _run(logits, seqlens, page_table, k, device,
+                          read_short_rows=read_short_rows)
     want_positions = reference_topk_positions(logits, seqlens, k)
     assert torch.equal(positions.long(), want_positions)
     assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
@@ -57,13 +59,34 @@ def _assert_topk_set(logits, seqlens, positions, k):
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129]
 
 
+@pytest.mark.parametrize("read_short_rows", [False, True])
 @pytest.mark.parametrize("k", [1, 64, 100])
-def test_edge_lengths_random_logits(k, device):
+def test_edge_lengths_random_logits(k, read_short_rows, device):
     seqlens = EDGE_LENGTHS + [k - 1, k, k + 1, 300, 5]
     gen = torch.Generator().manual_seed(k)
     logits, seqlens, page_table = _inputs(torch.randn(len(seqlens), 320, generator=gen), seqlens,
                                           width=310, seed=k)
-    _assert_topk(logits, seqlens, page_table, k, device)
+    _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=read_short_rows)
+
+
+@pytest.mark.parametrize("k", [64, 130])
+def test_short_rows_ignore_logits(k, device):
+    """Rows with live <= k (the indexer skips them, so their logits are whatever the buffer
+    held: NaN here) take every live position in order; longer rows are unaffected."""
+    seqlens = [0, 1, 63, 64, 65, 129, 130, 131, 300, k]
+    gen = torch.Generator().manual_seed(k)
+    logits, seqlens, page_table = _inputs(torch.randn(len(seqlens), 320, generator=gen),
+                                          seqlens, width=300, seed=k)
+    fresh = logits.clone()
+    short = seqlens <= k
+    fresh[short] = float("nan")
+    out, positions = _run(fresh, seqlens, page_table, k, device)
+    assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
+    for row in torch.nonzero(short).flatten().tolist():
+        length = int(seqlens[row])
+        assert positions[row, :length].tolist() == list(range(length))
+        assert torch.all(positions[row, length:] == -1) and torch.all(out[row, length:] == -1)
+        assert torch.equal(out[row, :length], page_table[row, :length])
 
 
 @pytest.mark.parametrize("values", [1, 2, 7])
@@ -82,7 +105,7 @@ def test_close_values_need_every_digit(device):
     gen = torch.Generator().manual_seed(0)
     bits = base + torch.randperm(250, generator=gen).to(torch.int32)
     logits = torch.stack([bits.view(torch.float32), -bits.view(torch.float32)])
-    assert torch.unique(order_key(logits[0]) >> 8).numel() <= 2
+    assert torch.unique(float_order_key(logits[0]) >> 8).numel() <= 2
     logits, seqlens, page_table = _inputs(logits, [250, 250], width=250)
     _assert_topk(logits, seqlens, page_table, 64, device)
 
@@ -121,12 +144,22 @@ def test_bad_arguments(device):
     seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)
     table = torch.zeros(2, 32, dtype=torch.int32, device=device)
     out = torch.zeros(2, 4, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="logits"):
+    with pytest.raises(ValueError, match=r"logits: width 16 is smaller than the longest row "
+                                         r"\(20 live tokens\)"):
         topk_slots(logits, seqlens, table, 4, out)
-    with pytest.raises(ValueError, match="out"):
+    with pytest.raises(ValueError, match=r"out: expected shape \(2, 5\), got \(2, 4\)"):
         topk_slots(torch.zeros(2, 32, device=device), seqlens, table, 5, out)
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match="k: expected >= 1, got 0"):
         topk_slots(torch.zeros(2, 32, device=device), seqlens, table, 0, out)
+    with pytest.raises(ValueError, match="seqlens: expected dtype torch.int32, got torch.int64"):
+        topk_slots(torch.zeros(2, 32, device=device), seqlens.long(), table, 4, out)
+    with pytest.raises(ValueError, match=r"out_positions: expected shape \(2, 4\)"):
+        topk_slots(torch.zeros(2, 32, device=device), seqlens, table, 4, out,
+                   out_positions=out[:1])
+    # check_values=False skips only the checks that read device data
+    with pytest.raises(ValueError, match="logits: expected dtype torch.float32"):
+        topk_slots(torch.zeros(2, 32, device=device).half(), seqlens, table, 4, out,
+                   check_values=False)
 
 
 GPU_WIDTH = 1_048_586
@@ -163,8 +196,9 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
     topk_slots(logits_d, seqlens_d, table_d, k, out, out_positions=positions)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        topk_slots(logits_d, seqlens_d, table_d, k, out, check_values=False, out_positions=positions)
-    for high in (3, 3_000, width):
+        topk_slots(logits_d, seqlens_d, table_d, k, out, check_values=False,
+                   out_positions=positions)
+    for high in (3, 2_048, 3_000, width):
         seqlens = torch.randint(0, high + 1, (num_rows,), generator=gen, dtype=torch.int32)
         seqlens_d.copy_(seqlens)
         graph.replay()

@@ -3,70 +3,140 @@
 ``out[r, t] = sum_h weights[r, h] * relu(q[r, h] . k_cache[page_table_1[r, t]])`` for
 ``t < seqlens[r]``. The grid is one program per schedule entry (``num_sms``, fixed at capture);
 program ``i`` walks its share of (row, 64-token block) pairs from ``dsaspec.ops.indexer_schedule``,
-so the cost follows the live lengths and never the page-table width.
+so the cost follows the live lengths and never the page-table width, and rows the schedule skips
+(``skip_len``) cost nothing. Per block: gather the 64 keys (software-pipelined over the row's
+blocks), one tensor-core dot with the block's tokens as the M dimension against the row's heads
+(loaded once per row), ReLU, the weighted sum over heads. With ``rows_per_group`` G the unit is
+G rows sharing a page table (target verify), whose G * H (row, head) pairs share each key read
+(docs/dsa-kernels.md).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_live_width, check_tensor
-from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV
+from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, check_rows_per_group
 
 INDEX_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Launch configuration of :func:`indexer_logits` (the result does not depend on it beyond
+    fp32 summation order).
+
+    tokens_as_m : the dot's M dimension is the block's 64 tokens (``keys @ q^T``, one Hopper
+        warpgroup MMA per block, the head sum stays within a thread quad) instead of the heads.
+    num_warps : warps per program.
+    num_stages : software-pipelining depth of the loop over a row's blocks (key gathers in
+        flight ahead of the dot).
+    """
+
+    tokens_as_m: bool
+    num_warps: int
+    num_stages: int
+
+
+INDEXER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=3)
+# The earlier kernel (heads as M, Triton's default pipelining depth): the benchmark's baseline.
+INDEXER_BASELINE_CONFIG = IndexerConfig(tokens_as_m=False, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _head_sum(weighted, select, TOKENS_AS_M: tl.constexpr, ALL: tl.constexpr):
+    """Per token, the sum over the selected (member, head) columns of ``weighted``
+    (``[BLOCK_KV, BLOCK_C]`` when ``TOKENS_AS_M``, else ``[BLOCK_C, BLOCK_KV]``); ``ALL``: every
+    column (the others hold zeros)."""
+    if TOKENS_AS_M:
+        if not ALL:
+            weighted = tl.where(select[None, :], weighted, 0.0)
+        return tl.sum(weighted, axis=1)
+    else:
+        if not ALL:
+            weighted = tl.where(select[:, None], weighted, 0.0)
+        return tl.sum(weighted, axis=0)
 
 
 @triton.jit
 def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seqlens_ptr,
                            schedule_ptr, out_ptr,
                            q_stride_row, q_stride_head, weights_stride_row, k_cache_stride,
-                           page_table_stride, out_stride, num_rows, num_heads, out_width,
-                           HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+                           page_table_stride, out_stride, num_units, num_heads, out_width,
+                           skip_len, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_C: tl.constexpr, BLOCK_KV: tl.constexpr,
+                           TOKENS_AS_M: tl.constexpr, NUM_STAGES: tl.constexpr,
                            UPCAST: tl.constexpr):
+    # A unit is GROUP consecutive rows sharing one page table (one row when GROUP == 1); its
+    # GROUP * num_heads (member, head) pairs are the columns of one dot per key block.
     sm = tl.program_id(0)
-    row = tl.load(schedule_ptr + sm * 2)
+    unit = tl.load(schedule_ptr + sm * 2)
     block = tl.load(schedule_ptr + sm * 2 + 1)
-    end_row = tl.load(schedule_ptr + sm * 2 + 2)
+    end_unit = tl.load(schedule_ptr + sm * 2 + 2)
     end_block = tl.load(schedule_ptr + sm * 2 + 3)
-    heads = tl.arange(0, BLOCK_H)
-    real_head = heads < num_heads
+    cols = tl.arange(0, BLOCK_C)
+    member = cols // num_heads
+    head = cols % num_heads
+    real_col = member < GROUP
     dims = tl.arange(0, HEAD_DIM)
     tokens = tl.arange(0, BLOCK_KV)
-    while (row < num_rows) & ((row < end_row) | ((row == end_row) & (block < end_block))):
-        row64 = row.to(tl.int64)
-        seqlen = tl.load(seqlens_ptr + row)
-        stop = tl.cdiv(seqlen, BLOCK_KV)
-        if row == end_row:
+    while (unit < num_units) & ((unit < end_unit) | ((unit == end_unit) & (block < end_block))):
+        first_row = unit.to(tl.int64) * GROUP
+        col_rows = first_row + member
+        # each column's member length, 0 for members the schedule skips (never written)
+        lengths = tl.load(seqlens_ptr + col_rows, mask=real_col, other=0)
+        lengths = tl.where(lengths > skip_len, lengths, 0)
+        unit_len = tl.max(lengths, 0)
+        # a unit without blocks (the schedule's skip) may lie inside this program's share
+        stop = tl.cdiv(unit_len, BLOCK_KV)
+        if unit == end_unit:
             stop = tl.minimum(stop, end_block)
-        q = tl.load(q_ptr + row64 * q_stride_row + heads[:, None] * q_stride_head + dims[None, :],
-                    mask=real_head[:, None], other=0.0)
+        q = tl.load(q_ptr + col_rows[:, None] * q_stride_row + head[:, None] * q_stride_head
+                    + dims[None, :], mask=real_col[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        head_weights = tl.load(weights_ptr + row64 * weights_stride_row + heads,
-                               mask=real_head, other=0.0)
-        for kv_block in range(block, stop):
+        head_weights = tl.load(weights_ptr + col_rows * weights_stride_row + head, mask=real_col,
+                               other=0.0)
+        for kv_block in tl.range(block, stop, num_stages=NUM_STAGES):
             positions = kv_block * BLOCK_KV + tokens
-            live = positions < seqlen
-            slots = tl.load(page_table_ptr + row64 * page_table_stride + positions,
+            live = positions < unit_len
+            slots = tl.load(page_table_ptr + first_row * page_table_stride + positions,
                             mask=live, other=0)
             keys = tl.load(k_cache_ptr + slots.to(tl.int64)[:, None] * k_cache_stride
                            + dims[None, :], mask=live[:, None], other=0.0)
             if UPCAST:
                 keys = keys.to(tl.float32)
-            scores = tl.dot(q, tl.trans(keys))  # [BLOCK_H, BLOCK_KV], fp32 accumulate
-            logits = tl.sum(tl.maximum(scores, 0.0) * head_weights[:, None], axis=0)
-            logits = tl.where(live, logits, float("-inf"))
-            tl.store(out_ptr + row64 * out_stride + positions, logits, mask=positions < out_width)
-        row += 1
+            if TOKENS_AS_M:
+                scores = tl.dot(keys, tl.trans(q))  # [BLOCK_KV, BLOCK_C], fp32 accumulate
+                weighted = tl.maximum(scores, 0.0) * head_weights[None, :]
+            else:
+                scores = tl.dot(q, tl.trans(keys))  # [BLOCK_C, BLOCK_KV]
+                weighted = tl.maximum(scores, 0.0) * head_weights[:, None]
+            for g in tl.static_range(GROUP):
+                if GROUP == 1:
+                    length = unit_len
+                else:
+                    length = tl.load(seqlens_ptr + first_row + g)
+                    length = tl.where(length > skip_len, length, 0)
+                logits = _head_sum(weighted, member == g, TOKENS_AS_M, GROUP == 1)
+                logits = tl.where(positions < length, logits, float("-inf"))
+                edge = tl.cdiv(length, BLOCK_KV) * BLOCK_KV
+                tl.store(out_ptr + (first_row + g) * out_stride + positions, logits,
+                         mask=(positions < edge) & (positions < out_width))
+        unit += 1
         block = 0
 
 
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                    page_table_1: torch.Tensor, seqlens: torch.Tensor, schedule: torch.Tensor,
-                   out: torch.Tensor, check_values: bool = True) -> torch.Tensor:
-    """Lightning-indexer logits of every query row over its live tokens.
+                   out: torch.Tensor, *, skip_len: int = 0, rows_per_group: int = 1,
+                   check_values: bool = True,
+                   config: IndexerConfig = INDEXER_CONFIG) -> torch.Tensor:
+    """Lightning-indexer logits of every scheduled query row over its live tokens.
 
     ``out[r, t] = sum_h weights[r, h] * relu(q[r, h] . k_cache[page_table_1[r, t]])`` for
     ``t < seqlens[r]``, fp32 accumulation of bf16 products. The scale (``softmax_scale *
@@ -77,31 +147,53 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     q : bf16 ``[R, H, 128]``, indexer queries (last dim contiguous).
     weights : fp32 ``[R, H]``, per-head weights.
     k_cache : bf16 ``[num_slots, 128]``, indexer key cache indexed by slot.
-    page_table_1 : int32 ``[R, W]``, logical position -> slot; only ``[r, :seqlens[r])`` is read.
+    page_table_1 : int32 ``[R, W]``, logical position -> slot; only ``[r, :seqlens[r])`` of the
+        scheduled rows is read (with groups: each group's first row, up to its longest member).
     seqlens : int32 ``[R]``, causal length of each row (``seqlens_expanded``).
-    schedule : int32 ``[num_sms + 1, 2]``, from ``indexer_schedule(seqlens, num_sms, ...)`` with
-        the same ``seqlens`` and block 64; the grid is ``num_sms`` programs.
-    out : fp32 ``[R, W_out]``, written at ``[r, t]`` for ``t < min(64 * cdiv(seqlens[r], 64),
-        W_out)``: the logit for ``t < seqlens[r]``, ``-inf`` up to the 64-token block edge.
-        Everything beyond is left untouched.
-    check_values : validate shapes, dtypes, devices and (host sync) the lengths against ``W`` and
-        ``W_out``. Pass ``False`` inside CUDA graphs.
+    schedule : int32 ``[num_sms + 1, 2]``, from ``indexer_schedule(seqlens, num_sms, out,
+        skip_len=skip_len, rows_per_group=rows_per_group)`` with the same ``seqlens``,
+        ``skip_len``, ``rows_per_group`` and block 64; the grid is ``num_sms`` programs.
+    out : fp32 ``[R, W_out]``, written for every row with ``seqlens[r] > skip_len`` at
+        ``[r, t]`` for ``t < min(64 * cdiv(seqlens[r], 64), W_out)``: the logit for
+        ``t < seqlens[r]``, ``-inf`` up to the 64-token block edge. Everything else is left
+        untouched: rows with ``seqlens[r] <= skip_len`` are neither read nor written.
+    skip_len : the schedule's ``skip_len`` (pass the top-k, whose ``topk_slots`` needs no
+        logits of such rows; 0: every row). A different value cannot make a written logit
+        wrong, only idle SMs or waste work.
+    rows_per_group : ``G``, the schedule's. ``G > 1`` (target verify: the N rows of a request):
+        rows ``[u * G, (u + 1) * G)`` must share their page-table prefix up to the longest of
+        them, which is read from row ``u * G`` only, and each key block is read once for the
+        ``G`` rows (one dot with ``G * H`` columns). Logits of a row then differ from ``G = 1``
+        in the summation order of the head sum (not bitwise equal).
+    check_values : also check (a host sync, so not inside CUDA graphs) that every length fits
+        ``W`` and ``W_out``, that the schedule was built for ``R / G`` units and that the rows
+        of a group share their page-table prefix. Shapes, dtypes, devices and strides are
+        always checked. With ``False`` these are preconditions (a longer row reads past its
+        page-table row).
+    config : launch configuration; :data:`INDEXER_BASELINE_CONFIG` is the earlier
+        kernel (the benchmark's baseline).
 
     Returns
     -------
     ``out``.
     """
-    if check_values:
-        _check_inputs(q, weights, k_cache, page_table_1, seqlens, schedule, out)
+    _check_inputs(q, weights, k_cache, page_table_1, seqlens, schedule, out)
+    if skip_len < 0:
+        raise ValueError(f"skip_len: expected >= 0, got {skip_len}")
     num_rows, num_heads, head_dim = q.shape
-    block_h = max(16, triton.next_power_of_2(num_heads))
+    check_rows_per_group(rows_per_group, num_rows)
+    if check_values:
+        check_live_width(seqlens, page_table_1=page_table_1, out=out)
+        _check_groups(page_table_1, seqlens, schedule, rows_per_group, skip_len)
+    block_c = max(16, triton.next_power_of_2(rows_per_group * num_heads))
     num_programs = schedule.shape[0] - 1
     _indexer_logits_kernel[(num_programs,)](
         q, weights, k_cache, page_table_1, seqlens, schedule, out,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), page_table_1.stride(0),
-        out.stride(0), num_rows, num_heads, out.shape[1],
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_KV=INDEXER_BLOCK_KV, UPCAST=not q.is_cuda,
-        num_warps=4)
+        out.stride(0), num_rows // rows_per_group, num_heads, out.shape[1], skip_len,
+        GROUP=rows_per_group, HEAD_DIM=head_dim, BLOCK_C=block_c, BLOCK_KV=INDEXER_BLOCK_KV,
+        TOKENS_AS_M=config.tokens_as_m, NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
+        num_warps=config.num_warps)
     return out
 
 
@@ -123,4 +215,25 @@ def _check_inputs(q, weights, k_cache, page_table_1, seqlens, schedule, out) -> 
     if schedule.shape[0] < 2 or not schedule.is_contiguous():
         raise ValueError(f"schedule: expected a contiguous [num_sms + 1, 2] tensor with "
                          f"num_sms >= 1, got shape {tuple(schedule.shape)}")
-    check_live_width(seqlens, page_table_1=page_table_1, out=out)
+
+
+def _check_groups(page_table_1, seqlens, schedule, rows_per_group, skip_len) -> None:
+    """Value checks (host sync) of the unit structure: the schedule's end marker and, for groups,
+    that every scheduled row's live page-table prefix equals its group's first row's."""
+    num_rows = seqlens.shape[0]
+    units = int(schedule[-1, 0])
+    if units != num_rows // rows_per_group:
+        raise ValueError(f"schedule: built for {units} units, expected R / rows_per_group = "
+                         f"{num_rows // rows_per_group}; pass the schedule's rows_per_group")
+    if rows_per_group == 1 or num_rows == 0:
+        return
+    longest = max(int(seqlens.max()), 0)
+    grouped = page_table_1[:, :longest].reshape(-1, rows_per_group, longest)
+    lengths = torch.where(seqlens > skip_len, seqlens, 0).view(-1, rows_per_group)
+    needed = torch.arange(longest, device=seqlens.device) < lengths[:, :, None]
+    differs = ((grouped != grouped[:, :1]) & needed).flatten(1).any(1)
+    if bool(differs.any()):
+        unit = int(differs.nonzero()[0])
+        raise ValueError(f"page_table_1: rows {unit * rows_per_group}.."
+                         f"{(unit + 1) * rows_per_group - 1} form a group (rows_per_group="
+                         f"{rows_per_group}) but their live prefixes differ from the first row's")

@@ -3,7 +3,11 @@
 The lightning-indexer logits kernel (``dsaspec.ops.indexer``) runs one program per SM; program
 ``i`` walks the (row, block) pairs from ``schedule[i]`` up to, not including, ``schedule[i + 1]``.
 The schedule depends only on the lengths, so it is rebuilt in the graph (one program, no host
-sync) whenever the lengths change.
+sync) whenever the lengths change. Rows no longer than ``skip_len`` (the top-k: there sparse
+attention equals dense, so their logits are not needed) get no blocks, decided per row on the
+device. With ``rows_per_group = G > 1`` the unit is a group of ``G`` consecutive rows sharing one
+page table (the N rows of a target-verify request), so the indexer reads each key block once for
+all of them (docs/dsa-kernels.md).
 """
 
 from __future__ import annotations
@@ -19,12 +23,19 @@ _MAX_TILE = 8192  # elements of the (SMs x rows) comparison tile the schedule ke
 
 
 @triton.jit
-def _indexer_schedule_kernel(seqlens_ptr, out_ptr, num_rows, num_sms,
+def _indexer_schedule_kernel(seqlens_ptr, out_ptr, num_rows, num_sms, skip_len,
+                             GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                              BLOCK_KV: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_S: tl.constexpr):
+    # `rows` below are groups of GROUP consecutive query rows (one row each when GROUP == 1); a
+    # group's length is its longest member that is longer than skip_len
     rows = tl.arange(0, BLOCK_R)
     real_row = rows < num_rows
-    lengths = tl.maximum(tl.load(seqlens_ptr + rows, mask=real_row, other=0), 0)
+    members = tl.arange(0, GROUP_P2)
+    member_lengths = tl.load(seqlens_ptr + rows[:, None] * GROUP + members[None, :],
+                             mask=real_row[:, None] & (members[None, :] < GROUP), other=0)
+    member_lengths = tl.where(member_lengths > skip_len, member_lengths, 0)
+    lengths = tl.max(member_lengths, 1)
     blocks = (lengths + BLOCK_KV - 1) // BLOCK_KV
     blocks_through = tl.cumsum(blocks, 0)  # blocks of rows 0..r inclusive
     total = tl.sum(blocks, 0)
@@ -44,21 +55,31 @@ def _indexer_schedule_kernel(seqlens_ptr, out_ptr, num_rows, num_sms,
 
 
 def indexer_schedule(seqlens: torch.Tensor, num_sms: int, out: torch.Tensor,
-                     block_kv: int = INDEXER_BLOCK_KV) -> torch.Tensor:
-    """Split ``sum_r cdiv(seqlens[r], block_kv)`` KV blocks evenly over ``num_sms`` SMs.
+                     block_kv: int = INDEXER_BLOCK_KV, skip_len: int = 0,
+                     rows_per_group: int = 1) -> torch.Tensor:
+    """Split the live KV blocks of the rows longer than ``skip_len`` evenly over ``num_sms`` SMs.
 
+    Units are groups of ``G = rows_per_group`` consecutive rows (rows themselves for ``G = 1``).
+    Group ``u`` has ``cdiv(L_u, block_kv)`` blocks, ``L_u`` = the longest of its rows with
+    ``seqlens[r] > skip_len`` (0 if none; negative lengths count as 0); ``total`` is their sum.
     SM ``i`` owns global blocks ``[g_i, g_{i+1})`` with
-    ``g_i = i * (total // num_sms) + min(i, total % num_sms)``, blocks numbered row-major over
-    (row, block within row). Negative lengths count as 0.
+    ``g_i = i * (total // num_sms) + min(i, total % num_sms)``, blocks numbered unit-major over
+    (unit, block within unit).
 
     Parameters
     ----------
     seqlens : int32 ``[R]``, the causal length of each query row (``seqlens_expanded``).
     num_sms : number of indexer programs (one per SM), >= 1.
-    out : int32 ``[num_sms + 1, 2]``, written: ``out[i] = (row, block within row)`` where SM
-        ``i``'s share starts (the first row that has blocks left at ``g_i``), and
-        ``out[num_sms] = (R, 0)``.
+    out : int32 ``[num_sms + 1, 2]``, written: ``out[i] = (unit, block within unit)`` where SM
+        ``i``'s share starts (the first unit that has blocks left at ``g_i``), and
+        ``out[num_sms] = (R / G, 0)``.
     block_kv : KV tokens per block (the indexer kernel's block, 64).
+    skip_len : rows with ``seqlens[r] <= skip_len`` get no blocks, so ``indexer_logits`` leaves
+        their logits unwritten. Pass the top-k (``index_topk``): ``topk_slots`` selects every
+        live position of such rows without reading logits. 0 (default): every live row is
+        scheduled (the behaviour before the skip; the benchmark's baseline). >= 0.
+    rows_per_group : ``G >= 1`` dividing ``R``; pass the same value to ``indexer_logits``. ``G > 1``
+        (target verify: N) needs the rows of a group to share their page-table prefix.
 
     Returns
     -------
@@ -68,15 +89,27 @@ def indexer_schedule(seqlens: torch.Tensor, num_sms: int, out: torch.Tensor,
         raise ValueError(f"num_sms: expected >= 1, got {num_sms}")
     if block_kv < 1:
         raise ValueError(f"block_kv: expected >= 1, got {block_kv}")
+    if skip_len < 0:
+        raise ValueError(f"skip_len: expected >= 0, got {skip_len}")
     check_tensor("seqlens", seqlens, dtype=torch.int32, ndim=1)
+    check_rows_per_group(rows_per_group, seqlens.shape[0])
     check_tensor("out", out, dtype=torch.int32, shape=(num_sms + 1, 2), device=seqlens.device)
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous [num_sms + 1, 2] tensor")
-    num_rows = seqlens.shape[0]
-    if num_rows > 1 and seqlens.stride(0) != 1:
+    if seqlens.shape[0] > 1 and seqlens.stride(0) != 1:
         raise ValueError("seqlens: expected a contiguous tensor")
-    block_r = triton.next_power_of_2(max(num_rows, 1))
+    num_units = seqlens.shape[0] // rows_per_group
+    block_r = triton.next_power_of_2(max(num_units, 1))
     block_s = max(1, min(triton.next_power_of_2(num_sms + 1), _MAX_TILE // block_r))
-    _indexer_schedule_kernel[(1,)](seqlens, out, num_rows, num_sms,
+    _indexer_schedule_kernel[(1,)](seqlens, out, num_units, num_sms, skip_len,
+                                   GROUP=rows_per_group,
+                                   GROUP_P2=triton.next_power_of_2(rows_per_group),
                                    BLOCK_KV=block_kv, BLOCK_R=block_r, BLOCK_S=block_s)
     return out
+
+
+def check_rows_per_group(rows_per_group: int, num_rows: int) -> None:
+    """Raise a ``ValueError`` unless ``rows_per_group`` is >= 1 and divides ``num_rows``."""
+    if rows_per_group < 1 or num_rows % rows_per_group:
+        raise ValueError(f"rows_per_group: expected a divisor >= 1 of the {num_rows} rows, got "
+                         f"{rows_per_group}")

@@ -20,20 +20,3 @@ def reference_sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: 
         probs = torch.softmax(sm_scale * (q[row].float() @ keys.T), dim=-1)  # [H, n]
         out[row] = probs @ keys[:, :512]
     return out
-
-
-def random_sparse_mla_inputs(num_rows: int, num_heads: int, num_slots: int, k: int,
-                             valid_counts: list[int], device, seed: int = 0) -> dict:
-    """Random inputs for ``sparse_mla_decode``: bf16 queries and cache, and per row
-    ``valid_counts[r]`` random (repeating) slots followed by ``-1``."""
-    gen = torch.Generator().manual_seed(seed)
-    slots = torch.full((num_rows, k), -1, dtype=torch.int32)
-    for row, count in enumerate(valid_counts):
-        slots[row, :count] = torch.randint(0, num_slots, (count,), generator=gen,
-                                           dtype=torch.int32)
-    return dict(
-        q=torch.randn(num_rows, num_heads, 576, generator=gen).to(torch.bfloat16).to(device),
-        kv_cache=torch.randn(num_slots, 576, generator=gen).to(torch.bfloat16).to(device),
-        slots=slots.to(device),
-        sm_scale=576 ** -0.5,
-    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def order_key(values: torch.Tensor) -> torch.Tensor:
+def float_order_key(values: torch.Tensor) -> torch.Tensor:
     """int64 keys (0 .. 2^32-1) ordered like the fp32 bit patterns of ``values``: for finite
     values the float order, with -0.0 below +0.0; NaNs land by sign beyond the infinities."""
     bits = values.float().contiguous().view(torch.int32).long()
@@ -19,7 +19,7 @@ def reference_topk_positions(logits: torch.Tensor, seqlens: torch.Tensor,
     out = torch.full((logits.shape[0], k), -1, dtype=torch.int64, device=logits.device)
     for row, length in enumerate(seqlens.tolist()):
         length = max(length, 0)
-        keys = order_key(logits[row, :length])
+        keys = float_order_key(logits[row, :length])
         chosen = torch.sort(keys, descending=True, stable=True).indices[:k]
         out[row, :chosen.numel()] = torch.sort(chosen).values
     return out

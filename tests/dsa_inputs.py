@@ -1,0 +1,57 @@
+"""Random inputs for the DSA decode ops' tests (indexer, top-k, sparse MLA)."""
+
+from __future__ import annotations
+
+import torch
+
+POISON_SLOT = 2**30  # a slot id far out of range: page-table entries that must never be read
+
+
+def random_indexer_inputs(seqlens: list[int], num_heads: int, width: int, num_slots: int,
+                          device, seed: int = 0, poison: int = POISON_SLOT,
+                          rows_per_group: int = 1) -> dict:
+    """Random inputs for ``indexer_logits``: bf16 queries and keys, fp32 weights (scale folded
+    in), a page table whose live prefixes hold random (repeating) slots and whose tails hold
+    ``poison`` (an out-of-range slot id that must never be read). With ``rows_per_group`` G the
+    rows of each group share one random prefix; the group's first row holds it up to the longest
+    member (what the kernel reads), the others only up to their own length."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(seqlens)
+    page_table = torch.full((rows, width), poison, dtype=torch.int32)
+    for first in range(0, rows, rows_per_group):
+        members = [max(length, 0) for length in seqlens[first:first + rows_per_group]]
+        shared = torch.randint(0, num_slots, (max(members),), generator=gen, dtype=torch.int32)
+        page_table[first, :shared.numel()] = shared
+        for offset, length in enumerate(members[1:], start=1):
+            page_table[first + offset, :length] = shared[:length]
+    return dict(
+        q=torch.randn(rows, num_heads, 128, generator=gen).to(torch.bfloat16).to(device),
+        weights=(torch.randn(rows, num_heads, generator=gen)
+                 * (128 * num_heads) ** -0.5).to(device),
+        k_cache=torch.randn(num_slots, 128, generator=gen).to(torch.bfloat16).to(device),
+        page_table_1=page_table.to(device),
+        seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device),
+    )
+
+
+def random_sparse_mla_inputs(num_rows: int, num_heads: int, num_slots: int, k: int,
+                             valid_counts: list[int], device, seed: int = 0) -> dict:
+    """Random inputs for ``sparse_mla_decode``: bf16 queries and cache, and per row
+    ``valid_counts[r]`` random (repeating) slots followed by ``-1``."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.full((num_rows, k), -1, dtype=torch.int32)
+    for row, count in enumerate(valid_counts):
+        slots[row, :count] = torch.randint(0, num_slots, (count,), generator=gen,
+                                           dtype=torch.int32)
+    return dict(
+        q=torch.randn(num_rows, num_heads, 576, generator=gen).to(torch.bfloat16).to(device),
+        kv_cache=torch.randn(num_slots, 576, generator=gen).to(torch.bfloat16).to(device),
+        slots=slots.to(device),
+        sm_scale=576 ** -0.5,
+    )
+
+
+def to_cpu(inputs: dict) -> dict:
+    """The same inputs with every tensor on the CPU (for the references)."""
+    return {name: value.cpu() if torch.is_tensor(value) else value
+            for name, value in inputs.items()}
