@@ -123,7 +123,8 @@ def test_replay_matches_reference_and_keeps_buffers(kernel, mode):
             assert got is out
             want = reference_metadata(mode, table, rpi, sl, index_topk=K, page_size=P, num_draft_tokens=N)
             assert_contract_equal(got, want, mode, sl, N)
-            assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.num_sms))
+            assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.num_sms, skip_len=be.index_topk,
+                                                                    rows_per_group=be.rows_per_group(mode)))
         assert [t.data_ptr() for t in out.tensors()] + [schedule.data_ptr()] == ptrs
 
 
@@ -136,7 +137,7 @@ def test_replay_without_schedule_refresh_leaves_schedule():
     sl = torch.tensor([7, 9], dtype=torch.int32)
     be.replay(2, torch.tensor([0, 1], dtype=torch.int32), sl, Mode.DECODE, refresh_schedule=False)
     assert torch.equal(be.schedule(2, Mode.DECODE), before)
-    assert not torch.equal(before, reference_indexer_schedule(sl, be.num_sms))
+    assert not torch.equal(before, reference_indexer_schedule(sl, be.num_sms, skip_len=be.index_topk))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -181,7 +182,8 @@ def test_eager_width_is_live_max(kernel, mode):
     want = reference_metadata(mode, table[:, :live_max], rpi, sl, index_topk=K, page_size=P, num_draft_tokens=N)
     assert_contract_equal(out, want, mode, sl, N)
     assert schedule.shape == (be.num_sms + 1, 2)
-    assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.num_sms))
+    assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.num_sms, skip_len=be.index_topk,
+                                                                    rows_per_group=be.rows_per_group(mode)))
 
 
 def test_eager_variable_draft_extend():
@@ -269,7 +271,9 @@ def _graph_replay_case(width: int, bs: int, lengths_list, kernel=None):
             want = reference_metadata(mode, table, rpi, sl, index_topk=2048, page_size=P, num_draft_tokens=N)
             assert_contract_equal(out, want, mode, sl, N)
             assert torch.equal(be.schedule(bs, mode).cpu(),
-                               reference_indexer_schedule(out.seqlens_expanded.cpu(), be.num_sms))
+                               reference_indexer_schedule(out.seqlens_expanded.cpu(), be.num_sms,
+                                                          skip_len=be.index_topk,
+                                                          rows_per_group=be.rows_per_group(mode)))
         assert [t.data_ptr() for t in out.tensors()] == ptrs
 
 

@@ -46,9 +46,9 @@ def schedule_calls(monkeypatch):
     calls = []
     real = dsa_backend.indexer_schedule
 
-    def recording(seqlens, num_sms, out, block_kv=64):
+    def recording(seqlens, num_sms, out, **kwargs):
         calls.append(out.data_ptr())
-        return real(seqlens, num_sms, out, block_kv=block_kv)
+        return real(seqlens, num_sms, out, **kwargs)
 
     monkeypatch.setattr(dsa_backend, "indexer_schedule", recording)
     return calls
@@ -170,7 +170,7 @@ def test_which_steps_refresh_schedule(monkeypatch, schedule_calls, kernel, flag,
     m.replay(4, rpi, sl, seeded=seeded)
     assert m.schedule_refresh_steps(seeded) == want
     assert schedule_calls == [schedules[i].data_ptr() for i in want]
-    expected = reference_indexer_schedule(sl, 5)
+    expected = reference_indexer_schedule(sl, 5, skip_len=m.step_backends[0].index_topk)
     for i, s in enumerate(schedules):
         assert torch.equal(s, expected) if i in want else bool((s == -1).all())
 
@@ -275,7 +275,7 @@ def test_cuda_graph_replay_new_lengths_1m(kernel, share_buffers):
         for step, out in zip(m.step_backends, outs):
             assert_contract_equal(out, want, Mode.DECODE, sl)
             assert torch.equal(step.schedule(4, Mode.DECODE).cpu(),
-                               reference_indexer_schedule(sl.cpu(), step.num_sms))
+                               reference_indexer_schedule(sl.cpu(), step.num_sms, skip_len=step.index_topk))
     assert [[t.data_ptr() for t in o.tensors()] for o in outs] == ptrs
 
 

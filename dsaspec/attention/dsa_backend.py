@@ -89,13 +89,20 @@ class DSAAttnBackend:
         here because the bounded grid depends on it and must not change between capture and replay.
     force_kernel : for tests and benchmarks only: ``"bounded"`` or ``"context_wide"`` overrides the
         selection (e.g. to run the bounded kernels under the CPU interpreter).
+    group_verify_rows : the indexer reads each key block once for the N target-verify rows of a
+        request (its schedule and logits use ``rows_per_group = N``); False keeps every row on its
+        own, whose logits are then bitwise those of the same position in a decode step (the
+        row-invariant mode needs that).
+
+    The indexer schedules skip the rows whose live length is at most ``index_topk`` (their top-k
+    is every live position: no indexer logits are needed).
     """
 
     def __init__(self, req_to_token: torch.Tensor, *, index_topk: int, page_size: int = 64,
                  num_draft_tokens: int = 1, bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
                  index_kpool: int = 1, kpool_metadata_fusion: bool = False,
                  num_sms: int | None = None, budget: int | None = None,
-                 force_kernel: str | None = None):
+                 force_kernel: str | None = None, group_verify_rows: bool = True):
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2 or req_to_token.dtype != torch.int32:
             got = (f"{req_to_token.dtype} {tuple(req_to_token.shape)}" if isinstance(req_to_token, torch.Tensor)
                    else type(req_to_token).__name__)
@@ -129,6 +136,7 @@ class DSAAttnBackend:
                 index_kpool=index_kpool, kpool_metadata_fusion=kpool_metadata_fusion)
         else:
             self.kernel, self.kernel_reason = force_kernel, f"force_kernel={force_kernel!r} (tests/benchmarks only)"
+        self.group_verify_rows = group_verify_rows
         self._buffers: dict[tuple[int, Mode], MetadataBuffers] = {}
         self._schedules: dict[tuple[int, Mode], torch.Tensor] = {}
 
@@ -210,12 +218,21 @@ class DSAAttnBackend:
             context_wide_metadata(mode, table, req_pool_indices, seq_lens, out, **kwargs)
         return out
 
+    def rows_per_group(self, mode: Mode | str) -> int:
+        """The indexer's ``rows_per_group`` in ``mode``: N for target verify when
+        ``group_verify_rows``, else 1."""
+        grouped = self.group_verify_rows and as_mode(mode) is Mode.TARGET_VERIFY
+        return self.num_draft_tokens if grouped else 1
+
+    def _write_schedule(self, seqlens: torch.Tensor, mode: Mode, out: torch.Tensor) -> torch.Tensor:
+        return indexer_schedule(seqlens, self.num_sms, out, block_kv=INDEXER_BLOCK_KV, skip_len=self.index_topk,
+                                rows_per_group=self.rows_per_group(mode))
+
     def refresh_schedule(self, bs: int, mode: Mode | str) -> torch.Tensor:
         """Rewrite the static indexer schedule of ``(bs, mode)`` from its buffers' row context
-        lengths (``seqlens_expanded``; decode: ``cache_seqlens``). One small graph-safe launch."""
-        out = self.schedule(bs, mode)
-        indexer_schedule(self.buffers(bs, mode).seqlens_expanded, self.num_sms, out, block_kv=INDEXER_BLOCK_KV)
-        return out
+        lengths (``seqlens_expanded``; decode: ``cache_seqlens``), rows of at most ``index_topk``
+        live tokens skipped, ``rows_per_group(mode)`` rows per group. One small graph-safe launch."""
+        return self._write_schedule(self.buffers(bs, mode).seqlens_expanded, as_mode(mode), self.schedule(bs, mode))
 
     def replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: Mode | str,
                extend_seq_lens: torch.Tensor | None = None, *, refresh_schedule: bool = True,
@@ -273,5 +290,5 @@ class DSAAttnBackend:
         self.write_metadata(mode, req_pool_indices, seq_lens, out, extend_seq_lens, check=True,
                             req_to_token=self.req_to_token[:, :width])
         schedule = torch.zeros(self.num_sms + 1, 2, dtype=torch.int32, device=self.device)
-        indexer_schedule(out.seqlens_expanded, self.num_sms, schedule, block_kv=INDEXER_BLOCK_KV)
+        self._write_schedule(out.seqlens_expanded, mode, schedule)
         return out, schedule

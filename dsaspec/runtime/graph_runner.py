@@ -148,7 +148,8 @@ class DecodeGraphRunner:
         for bucket in reversed(self.backend.bucket_sizes):
             metadata = self.backend.capture(bucket, Mode.DECODE)
             self._attn[bucket] = AttentionInputs.from_metadata(
-                metadata, self.backend.schedule(bucket, Mode.DECODE), topk)
+                metadata, self.backend.schedule(bucket, Mode.DECODE), topk,
+                workspace=self.model.attention_workspace(bucket))
             self.load([], [], [], bucket)           # every row padding: valid metadata to capture over
             self.prepare(bucket)
             self.graphs.capture(bucket, lambda: self._forward(bucket, check_values=False))

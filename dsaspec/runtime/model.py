@@ -74,6 +74,11 @@ class AttentionInputs:
     topk_slots : Tensor or None
         int32 ``[R, index_topk]``; after the step it holds the *last* layer's selected slots
         (-1 fills). None: allocated in the step.
+    rows_per_group : int
+        The indexer's row groups (the schedule's): N for grouped target-verify rows, else 1.
+    workspace : Tensor or None
+        The sparse-MLA split workspace of these rows (``sparse_mla_workspace``), or None: one pass
+        per row (row-invariant).
     """
 
     page_table_1: torch.Tensor
@@ -81,6 +86,8 @@ class AttentionInputs:
     schedule: torch.Tensor | None = None
     index_logits: torch.Tensor | None = None
     topk_slots: torch.Tensor | None = None
+    rows_per_group: int = 1
+    workspace: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -88,19 +95,20 @@ class AttentionInputs:
 
     @classmethod
     def from_metadata(cls, metadata, schedule: torch.Tensor, index_topk: int,
-                      logits_width: int | None = None, scratch: "AttentionScratch | None" = None
-                      ) -> "AttentionInputs":
+                      logits_width: int | None = None, scratch: "AttentionScratch | None" = None, *,
+                      rows_per_group: int = 1, workspace: torch.Tensor | None = None) -> "AttentionInputs":
         """Inputs over a DSA backend's static buffers of one (batch, mode): ``metadata`` (a
-        ``MetadataBuffers``: its ``page_table_1`` and ``seqlens_expanded``) and its indexer
-        ``schedule``. The scratch (``index_logits`` fp32 ``[R, logits_width or W]``, ``topk_slots``
-        int32 ``[R, index_topk]``) is allocated here (call at capture), or taken as the leading
-        rows of ``scratch``, which forwards that never run at the same time can share."""
+        ``MetadataBuffers``: its ``page_table_1`` and ``seqlens_expanded``), its indexer
+        ``schedule`` and that schedule's ``rows_per_group``. The scratch (``index_logits`` fp32
+        ``[R, logits_width or W]``, ``topk_slots`` int32 ``[R, index_topk]``) is allocated here
+        (call at capture), or taken as the leading rows of ``scratch``, which forwards that never
+        run at the same time can share."""
         page_table = metadata.page_table_1
         rows, width = page_table.shape
         if scratch is None:
             scratch = AttentionScratch.allocate(rows, logits_width or width, index_topk, page_table.device)
         return cls(page_table_1=page_table, seqlens=metadata.seqlens_expanded, schedule=schedule,
-                   **scratch.view(rows))
+                   rows_per_group=rows_per_group, workspace=workspace, **scratch.view(rows))
 
 
 @dataclass
@@ -380,20 +388,22 @@ class MLAAttention(RowInvariant, nn.Module):
         q_mqa = torch.cat((q_absorbed, q_rope), dim=-1).contiguous()              # [R, H, 576]
         o_latent = torch.empty(rows, heads, cfg.kv_lora_rank, device=x.device, dtype=x.dtype)
         step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
-                                   check_values=step.check_values)
+                                   check_values=step.check_values, workspace=step.attn.workspace)
         o = _bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), self.row_invariant).transpose(0, 1)  # [R, H, v]
         return self.o_proj(o.reshape(rows, heads * cfg.v_head_dim))
 
 
 def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, index_topk):
-    """Indexer logits over each row's live positions, then the top-k as slots: int32 ``[R, k]``."""
+    """Indexer logits over each row's live positions, then the top-k as slots: int32 ``[R, k]``.
+    Rows of at most ``index_topk`` live positions take them all: the indexer skips them."""
     rows, device = q_index.shape[0], q_index.device
     attn, ops = step.attn, step.ops
     schedule = attn.schedule
     if schedule is None:
         sms = num_sms(device)
         schedule = ops.indexer_schedule(attn.seqlens, sms,
-                                        out=torch.empty(sms + 1, 2, dtype=torch.int32, device=device))
+                                        out=torch.empty(sms + 1, 2, dtype=torch.int32, device=device),
+                                        skip_len=index_topk, rows_per_group=attn.rows_per_group)
     logits = attn.index_logits
     if logits is None:
         logits = torch.empty(rows, attn.page_table_1.shape[1], dtype=torch.float32, device=device)
@@ -401,7 +411,8 @@ def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, in
     if slots is None:
         slots = torch.empty(rows, index_topk, dtype=torch.int32, device=device)
     ops.indexer_logits(q_index, index_weights, index_k_cache, attn.page_table_1, attn.seqlens,
-                       schedule, out=logits, check_values=step.check_values)
+                       schedule, out=logits, skip_len=index_topk, rows_per_group=attn.rows_per_group,
+                       check_values=step.check_values)
     ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots,
                    check_values=step.check_values)
     return slots
@@ -612,6 +623,16 @@ class DSAModel(nn.Module):
         x = layer.eh_proj(torch.cat((embedded, layer.hnorm(hidden.to(embedded.dtype))), dim=-1))
         x = layer(x, step, kv.mla_cache[0], kv.index_k_cache[0])
         return layer.shared_head.norm(x)
+
+    def attention_workspace(self, rows: int) -> torch.Tensor | None:
+        """The sparse-MLA split workspace for steps of ``rows`` rows (allocate once, before graph
+        capture), or None: no split (the torch ops, the row-invariant mode, or rows enough to fill
+        the GPU without splitting)."""
+        if not self.use_triton or self.row_invariant:
+            return None
+        from dsaspec.ops.sparse_mla import sparse_mla_workspace
+
+        return sparse_mla_workspace(rows, self.config.num_attention_heads, self.lm_head.weight.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``."""

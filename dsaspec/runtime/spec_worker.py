@@ -7,7 +7,8 @@ the first draft ``d_1`` and the MTP hidden that drafted it, and (IndexShare) the
 One iteration of a batch, with ``S`` draft steps and ``N = S + 1`` verified tokens per request:
 
     metadata   L = seq_lens[rows]; the decode metadata of every draft step backend (one launch),
-               TARGET_VERIFY metadata from L, DRAFT_EXTEND metadata from L + N   (eager, no sync)
+               TARGET_VERIFY metadata from L, DRAFT_EXTEND metadata from L + N, the indexer
+               schedules (graph M: the replay-metadata kernels of all phases in one graph)
     draft      S - 1 MTP forwards (graph D): step i embeds d_{i+1} at position L + i, writes the
                MTP cache at slot T[r, L + i], attends to [0, L) (DSA decode metadata of L; the
                IndexShare seed instead of the MTP indexer when the model shares it) and drafts
@@ -211,7 +212,8 @@ class SpecWorker:
                                                   self.device)
         self._attn: dict[int, dict] = {}          # bucket -> phase -> AttentionInputs (draft: one per step)
         pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
-        self.graphs = {phase: BucketGraphs(self.use_cuda_graph, pool) for phase in ("draft", "verify", "extend")}
+        self.graphs = {phase: BucketGraphs(self.use_cuda_graph, pool) for phase in PHASES}
+        self._workspaces: dict[int, torch.Tensor | None] = {}
         self.simulate_accept_len = spec.simulate_accept_len   # may be changed between iterations
         self.rng = random.Random(spec.simulate_seed)          # the simulated draws
         self._captured = False
@@ -228,27 +230,37 @@ class SpecWorker:
         if self._captured:
             return self
         topk = self.config.index_topk
+        rows_n = self.spec.num_draft_tokens
         for bucket in reversed(self.buckets):
             attn = {}
             for phase, mode in (("verify", Mode.TARGET_VERIFY), ("extend", Mode.DRAFT_EXTEND)):
                 attn[phase] = AttentionInputs.from_metadata(
                     self.backend.capture(bucket, mode), self.backend.schedule(bucket, mode), topk,
-                    scratch=self._scratch)
+                    scratch=self._scratch, rows_per_group=self.backend.rows_per_group(mode),
+                    workspace=self._workspace(bucket * rows_n))
             if self.multi_step is not None:
                 step_buffers = self.multi_step.capture(bucket)
                 attn["draft"] = [AttentionInputs.from_metadata(buf, step.schedule(bucket, Mode.DECODE), topk,
-                                                               scratch=self._scratch)
+                                                               scratch=self._scratch, workspace=self._workspace(bucket))
                                  for buf, step in zip(step_buffers, self.multi_step.step_backends)]
             self._attn[bucket] = attn
             batch = self._bucket_batch(bucket)
             self._load(batch, [], forced=0)                  # all padding: valid inputs to capture over
-            self._prepare(batch, bucket)
-            for phase, body in self._bodies(batch, attn, check_values=False).items():
+            bodies = {"metadata": lambda: self._prepare(batch, bucket),
+                      **self._bodies(batch, attn, check_values=False)}
+            for phase, body in bodies.items():
                 self.graphs[phase].capture(bucket, body)
         if self.use_cuda_graph:
             torch.cuda.synchronize()
         self._captured = True
         return self
+
+    def _workspace(self, rows: int) -> torch.Tensor | None:
+        """The sparse-MLA split workspace of ``rows``-row forwards, shared by every phase (they run
+        one after another)."""
+        if rows not in self._workspaces:
+            self._workspaces[rows] = self.model.attention_workspace(rows)
+        return self._workspaces[rows]
 
     def _bucket_batch(self, bucket: int) -> _Batch:
         """Views of the largest bucket's static tensors for ``bucket`` rows."""
@@ -335,7 +347,7 @@ class SpecWorker:
         if bucket is None:
             attn = self._prepare_eager(batch)
         else:
-            self._prepare(batch, bucket)
+            self.graphs["metadata"].run(bucket, lambda: self._prepare(batch, bucket))
             attn = self._attn[bucket]
         record(1)
         bodies = self._bodies(batch, attn, check_values=bucket is None)
@@ -380,7 +392,8 @@ class SpecWorker:
 
         def inputs(seq_lens, mode):
             metadata, schedule = self.backend.eager(batch.rows, seq_lens, mode)
-            return AttentionInputs.from_metadata(metadata, schedule, topk)
+            return AttentionInputs.from_metadata(metadata, schedule, topk,
+                                                 rows_per_group=self.backend.rows_per_group(mode))
 
         attn = {"verify": inputs(batch.seq_lens, Mode.TARGET_VERIFY),
                 "extend": inputs(batch.extend_lens, Mode.DRAFT_EXTEND)}
@@ -447,7 +460,8 @@ def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPo
     table = req_pool.req_to_token
     common = dict(index_topk=config.index_topk, page_size=PAGE_SIZE, bucket_sizes=bucket_sizes,
                   num_sms=num_sms, budget=budget, force_kernel=force_kernel)
-    backend = DSAAttnBackend(table, num_draft_tokens=spec.num_draft_tokens, **common)
+    backend = DSAAttnBackend(table, num_draft_tokens=spec.num_draft_tokens,
+                             group_verify_rows=not model.row_invariant, **common)
     multi_step = None
     if spec.num_steps > 1:
         multi_step = DSAMultiStepDraftBackend.create(table, num_steps=spec.num_steps,

@@ -31,8 +31,8 @@ def indexer_schedule(seqlens: torch.Tensor, num_sms: int, out: torch.Tensor, **_
 def indexer_logits(q, weights, k_cache, page_table_1, seqlens, schedule, out, check_values=True,
                    **_):
     """``out[r, t] = sum_h weights[r, h] * relu(q[r, h] . k_cache[page_table_1[r, t]])`` for
-    ``t < seqlens[r]``, ``-inf`` for the other columns up to the longest row; fp32 math.
-    ``schedule`` is ignored."""
+    ``t < seqlens[r]``, ``-inf`` for the other columns up to the longest row; fp32 math, every
+    row. ``schedule`` and the Triton op's row skipping and grouping arguments are ignored."""
     live = _live_width(seqlens, page_table_1.shape[1], out.shape[1])
     positions = torch.arange(live, device=q.device)
     in_row = positions[None, :] < seqlens[:, None]
