@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent-GPU session: runs the named steps in order, logs and results under $OUT (default ./gpu_out).
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
-# Steps: spec-tests, gpu-tests, rowinv-bench, dsa-ops, metadata, e2e, e2e-quick, decode, draft-step, sanitize
+# Steps: spec-tests, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, metadata, e2e, e2e-quick, decode, diagnose, draft-step
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -21,6 +21,8 @@ for step in "$@"; do
         e2e-quick)    python3 -m dsaspec bench e2e --presets e2e --contexts 1048576,4096 --concurrency 1,8,32 \
                           --iterations 8 --runs 2 --accept 3.0 --out "$OUT" ;;
         decode)       python3 -m dsaspec bench decode --out "$OUT" ;;
+        diagnose)     python3 scripts/diagnose_spec_identity.py --out "$OUT/spec_identity.md" ;;
+        dsa-sanitize) bash scripts/gpu_dsa_ops.sh sanitize ;;
         draft-step)   python3 -m dsaspec bench draft-step --out "$OUT" ;;
         *) echo "unknown step $step"; status=2; continue ;;
     esac
