@@ -28,7 +28,7 @@ install() { "$python" -m pip install -q --disable-pip-version-check "$@"; }
 if ! "$python" -c "import torch" >/dev/null 2>&1; then
     install torch==2.13.0
 fi
-if "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     install -e ".[test,plot]"
 else
     install -e ".[test,plot,cpu]"
