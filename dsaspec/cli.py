@@ -1,15 +1,19 @@
 """The ``dsaspec`` command: ``dsaspec bench NAME [...]`` and ``dsaspec generate [...]``.
 
 Each benchmark lives in ``dsaspec/bench/<module>.py`` with ``add_arguments(parser)`` and
-``run(args) -> int``; it is registered in ``BENCHMARKS`` below.
+``run(args) -> int``; it is registered in ``BENCHMARKS`` below. A :class:`~dsaspec.errors.UserError`
+(bad option, environment variable or file) is printed as one line ``dsaspec: error: ...`` with exit
+status 2; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import os
 import sys
+
+from dsaspec import flags
+from dsaspec.errors import UserError
+from dsaspec.options import Parser
 
 # name on the command line -> module under dsaspec.bench
 BENCHMARKS = {
@@ -22,61 +26,54 @@ BENCHMARKS = {
 }
 
 
-def _use_interpreter_without_cuda() -> None:
-    # Must happen before anything imports triton.
-    import torch
+def build_parser() -> Parser:
+    """The ``dsaspec`` parser with every subcommand. Import it only after
+    :func:`dsaspec.flags.select_triton_interpreter` (the subcommands import triton)."""
+    from dsaspec.runtime import generate_cli
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _available_benchmarks() -> dict:
-    found = {}
-    for name, module in BENCHMARKS.items():
-        try:
-            found[name] = importlib.import_module(f"dsaspec.bench.{module}")
-        except ModuleNotFoundError as err:
-            if err.name != f"dsaspec.bench.{module}":
-                raise
-    return found
-
-
-def main(argv: list[str] | None = None) -> int:
-    _use_interpreter_without_cuda()
-    parser = argparse.ArgumentParser(prog="dsaspec", description=__doc__.splitlines()[0])
+    parser = Parser(prog="dsaspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="run a benchmark and write benchmarks/results/<machine>/")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    modules = _available_benchmarks()
+    modules = {name: importlib.import_module(f"dsaspec.bench.{module}") for name, module in BENCHMARKS.items()}
     for name, module in modules.items():
-        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        p = bench_sub.add_parser(name, help=module.__doc__.strip().splitlines()[0], description=module.__doc__)
         module.add_arguments(p)
         p.set_defaults(run=module.run)
     p_all = bench_sub.add_parser("all", help="every benchmark with its defaults, one after another")
+    p_all.add_argument("--out", default=None,
+                       help="results folder of every benchmark (default: benchmarks/results/<machine>)")
     p_all.set_defaults(run=lambda args: _run_all(modules, args))
 
+    p = sub.add_parser("generate", help="greedy generation with the dsaspec runtime", description=generate_cli.__doc__)
+    generate_cli.add_arguments(p)
+    p.set_defaults(run=generate_cli.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``dsaspec`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on a
+    user error, printed as one line on stderr)."""
     try:
-        generate = importlib.import_module("dsaspec.runtime.generate_cli")
-    except ModuleNotFoundError as err:
-        if err.name != "dsaspec.runtime.generate_cli":
-            raise
-    else:
-        p = sub.add_parser("generate", help="greedy generation with the dsaspec runtime")
-        generate.add_arguments(p)
-        p.set_defaults(run=generate.run)
+        import torch
 
-    args = parser.parse_args(argv)
-    return int(args.run(args) or 0)
+        flags.select_triton_interpreter(torch.cuda.is_available())  # before anything imports triton
+        args = build_parser().parse_args(argv)
+        flags.check_all()
+        return int(args.run(args) or 0)
+    except UserError as err:
+        print(f"dsaspec: error: {err}", file=sys.stderr)
+        return 2
 
 
-def _run_all(modules: dict, _args) -> int:
+def _run_all(modules: dict, args) -> int:
     status = 0
     for name, module in modules.items():
         print(f"== dsaspec bench {name}", flush=True)
-        p = argparse.ArgumentParser(prog=f"dsaspec bench {name}")
+        p = Parser(prog=f"dsaspec bench {name}")
         module.add_arguments(p)
-        status |= int(module.run(p.parse_args([])) or 0)
+        status |= int(module.run(p.parse_args([] if args.out is None else ["--out", args.out])) or 0)
     return status
 
 

@@ -1,46 +1,72 @@
-"""Every environment switch of dsaspec, read in one place.
+"""Every environment switch of dsaspec, read in one place, strictly.
 
-Kill switches default to on; setting one to ``0`` (or ``false``/``off``/``no``) restores the
-baseline path. They are read when called, so tests can flip them with ``monkeypatch.setenv``.
+Switches accept ``1``/``0``, ``true``/``false``, ``on``/``off``, ``yes``/``no`` (any case); unset
+or empty means the default; anything else raises :class:`~dsaspec.errors.UserError` naming the
+variable. Kill switches default to on; turning one off restores the baseline path. They are read
+when called, so tests can flip them with ``monkeypatch.setenv``.
 """
 
-import os
+from __future__ import annotations
 
-_FALSE = {"0", "false", "off", "no"}
+import os
+from importlib import metadata
+
+from dsaspec.errors import UserError
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+ACCEPTED = "1/0, true/false, on/off, yes/no"
+
+# Triton interpreter (no CUDA): the versions the CPU suite passes with. triton 3.6 needs numpy < 2.4
+# (numpy 2.4 breaks its interpreter); triton 3.8 also passes with numpy 2.4.
+INTERPRETER_PINS = ("triton==3.6.0", "numpy<2.4")
+_INTERPRETER_TESTED = {(3, 6): (2, 4), (3, 8): None}  # triton (major, minor) -> numpy bound (exclusive)
 
 
 def _switch(name: str, default: bool = True) -> bool:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
         return default
-    return value.strip().lower() not in _FALSE
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise UserError(f"{name}={os.environ[name]!r} is not a switch value: expected one of {ACCEPTED} "
+                    "(any case), or unset for the default")
 
 
 def bounded_replay_metadata() -> bool:
     """``DSASPEC_BOUNDED_REPLAY_METADATA``: live-bounded replay metadata kernels and the one-launch
-    MTP draft-decode metadata (default on). ``0`` restores the context-wide kernels and
+    MTP draft-decode metadata (default on). Off restores the context-wide kernels and
     precompute + copies."""
     return _switch("DSASPEC_BOUNDED_REPLAY_METADATA")
 
 
 def spec_draft_argmax_exchange() -> bool:
     """``DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE``: greedy draft steps exchange vocab-shard argmax
-    partials instead of gathering logits (default on). ``0`` keeps the logits gather."""
+    partials instead of gathering logits (default on). Off keeps the logits gather."""
     return _switch("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE")
 
 
 def metadata_program_budget() -> int:
-    """``DSASPEC_METADATA_BUDGET``: program budget of the bounded metadata kernels (default 2048).
-    The grid is ``1 + requests * max(1, min(budget // requests, 256))``."""
-    value = int(os.environ.get("DSASPEC_METADATA_BUDGET", "2048"))
+    """``DSASPEC_METADATA_BUDGET``: program budget of the bounded metadata kernels (default 2048),
+    a positive integer. The grid is ``1 + requests * max(1, min(budget // requests, 256))``."""
+    text = os.environ.get("DSASPEC_METADATA_BUDGET", "").strip()
+    if not text:
+        return 2048
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise ValueError(f"DSASPEC_METADATA_BUDGET must be >= 1, got {value}")
+        raise UserError(f"DSASPEC_METADATA_BUDGET={os.environ['DSASPEC_METADATA_BUDGET']!r}: expected a "
+                        "positive integer (program budget of the bounded metadata kernels), or unset for 2048")
     return value
 
 
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET``: kernels run under the Triton interpreter (CPU tensors). Set it before
-    anything imports triton; tests do this in conftest.py when no GPU is present."""
+    anything imports triton (see :func:`select_triton_interpreter`)."""
     return _switch("TRITON_INTERPRET", default=False)
 
 
@@ -54,8 +80,74 @@ def simulate_accept_len() -> float | None:
     try:
         mean = float(value)
     except ValueError:
-        raise ValueError(f"DSASPEC_SIMULATE_ACCEPT_LEN must be a number >= 1 (a mean accept length), "
-                         f"got {value!r}") from None
+        raise UserError(f"DSASPEC_SIMULATE_ACCEPT_LEN={value!r}: expected a number >= 1 (a mean accept "
+                        "length), or unset for real acceptance") from None
     if not mean >= 1.0:
-        raise ValueError(f"DSASPEC_SIMULATE_ACCEPT_LEN must be >= 1 (a mean accept length), got {value!r}")
+        raise UserError(f"DSASPEC_SIMULATE_ACCEPT_LEN={value!r}: expected a number >= 1 (a mean accept "
+                        "length), or unset for real acceptance")
     return mean
+
+
+def check_all() -> None:
+    """Read every switch once, so a bad value fails before any work starts (raises UserError)."""
+    bounded_replay_metadata()
+    spec_draft_argmax_exchange()
+    metadata_program_budget()
+    simulate_accept_len()
+    triton_interpret()
+
+
+def _installed_versions() -> tuple[str | None, str | None]:
+    """(triton, numpy) versions (None: not installed), read without importing either."""
+    found = []
+    for name in ("triton", "numpy"):
+        try:
+            found.append(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            found.append(None)
+    return found[0], found[1]
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def interpreter_version_problem(triton_version: str | None, numpy_version: str | None) -> str | None:
+    """Why the Triton interpreter cannot be trusted with these versions (None if it can): the
+    triton minor release must be one the CPU suite passes with, numpy below its bound."""
+    if triton_version is None or numpy_version is None:
+        return f"{'triton' if triton_version is None else 'numpy'} is not installed"
+    tested = _major_minor(triton_version)
+    if tested not in _INTERPRETER_TESTED:
+        tested_with = ", ".join(f"{a}.{b}" for a, b in _INTERPRETER_TESTED)
+        return f"triton {triton_version} is not a release it is tested with ({tested_with})"
+    bound = _INTERPRETER_TESTED[tested]
+    if bound is not None and _major_minor(numpy_version) >= bound:
+        return f"triton {triton_version} fails with numpy {numpy_version}"
+    return None
+
+
+def select_triton_interpreter(cuda_available: bool) -> bool:
+    """Decide whether the Triton kernels run under the interpreter, before anything imports triton.
+
+    Without CUDA, ``TRITON_INTERPRET`` defaults to 1 (set in ``os.environ``). When the interpreter
+    is in use, the installed triton and numpy must be versions it works with. Returns whether the
+    interpreter is used. Raises UserError: ``TRITON_INTERPRET`` off without CUDA, a bad switch
+    value, or triton / numpy versions the interpreter fails with (the message says what to install).
+    """
+    if not cuda_available:
+        if not os.environ.get("TRITON_INTERPRET", "").strip():
+            os.environ["TRITON_INTERPRET"] = "1"
+        if not triton_interpret():
+            raise UserError(f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} needs a CUDA device and "
+                            "none is available: unset it (without CUDA the kernels run under the interpreter)")
+    if not triton_interpret():
+        return False
+    triton_version, numpy_version = _installed_versions()
+    problem = interpreter_version_problem(triton_version, numpy_version)
+    if problem:
+        pins = " ".join(f"'{pin}'" for pin in INTERPRETER_PINS)
+        raise UserError(f"the Triton interpreter (used without CUDA) cannot run here: {problem}; "
+                        f"install the tested versions: pip install {pins} (or pip install -e '.[cpu]')")
+    return True

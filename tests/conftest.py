@@ -1,18 +1,29 @@
 """Test setup: without a GPU, Triton kernels run under the interpreter on CPU tensors.
 
-TRITON_INTERPRET must be set before anything imports triton, so it is decided here, first.
+TRITON_INTERPRET must be set before anything imports triton, so it is decided here, first
+(``flags.select_triton_interpreter``, which also refuses triton / numpy versions the interpreter
+fails with, in one line).
 """
 
 import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Small CPU ops are dozens of times faster single-threaded on the 2-core CI machines.
-    torch.set_num_threads(1)
+from dsaspec import flags
+from dsaspec.errors import UserError
 
-import pytest  # noqa: E402
+
+def pytest_configure(config):
+    # Runs before collection imports any test module (and so triton).
+    try:
+        flags.select_triton_interpreter(torch.cuda.is_available())
+    except UserError as err:
+        raise pytest.UsageError(f"dsaspec: error: {err}") from None
+    if not torch.cuda.is_available():
+        # Small CPU ops are dozens of times faster single-threaded on the 2-core CI machines.
+        torch.set_num_threads(1)
+
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")

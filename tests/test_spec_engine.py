@@ -249,7 +249,7 @@ def test_spec_config_is_validated(monkeypatch):
     with pytest.raises(ValueError, match=r"simulated accept length must lie in \[1, 4\]"):
         SpecConfig(num_steps=3, simulate_accept_len=4.5)
     monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "fast")
-    with pytest.raises(ValueError, match="DSASPEC_SIMULATE_ACCEPT_LEN must be a number"):
+    with pytest.raises(ValueError, match="DSASPEC_SIMULATE_ACCEPT_LEN=.fast.: expected a number >= 1"):
         SpecConfig()
 
 

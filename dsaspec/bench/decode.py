@@ -40,7 +40,9 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
-from dsaspec.runtime.config import get_config
+from dsaspec.errors import UserError
+from dsaspec.options import format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.runtime.config import PRESETS, get_config
 from dsaspec.runtime.graph_runner import DecodeGraphRunner
 from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.runtime.model import DSAModel, num_sms
@@ -75,17 +77,21 @@ NAME_PHASES = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="bench", help="model preset (random weights)")
-    p.add_argument("--bs", nargs="+", type=int, default=[1, 4, 16, 32], help="batch sizes (= graph buckets)")
-    p.add_argument("--contexts", nargs="+", type=int, default=[FULL_CONTEXT, 4096],
-                   help="configured context lengths; the smallest is the reference for the TPOT target")
-    p.add_argument("--live", type=int, default=1024, help="prompt tokens per request (live KV at the first step)")
-    p.add_argument("--steps", type=int, default=64, help="decode steps per run")
-    p.add_argument("--runs", type=int, default=4, help="timed runs per point (interleaved over configurations)")
-    p.add_argument("--profile-steps", type=int, default=8, help="profiled steps per point (phase breakdown)")
-    p.add_argument("--budget", type=int, default=None, help="bounded metadata program budget (default: flag)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<machine>)")
+    p.add_argument("--preset", default="bench", choices=sorted(PRESETS), help="model preset (random weights)")
+    p.add_argument("--bs", type=positive_int_list, default=[1, 4, 16, 32],
+                   help="comma-separated batch sizes (= graph buckets)")
+    p.add_argument("--contexts", type=positive_int_list, default=[FULL_CONTEXT, 4096],
+                   help="comma-separated configured context lengths; the smallest is the reference for the "
+                        "TPOT target")
+    p.add_argument("--live", type=positive_int, default=1024, help="prompt tokens per request (live KV at the first step)")
+    p.add_argument("--steps", type=positive_int, default=64, help="decode steps per run")
+    p.add_argument("--runs", type=positive_int, default=4, help="timed runs per point (interleaved over configurations)")
+    p.add_argument("--profile-steps", type=nonnegative_int, default=8,
+                   help="profiled steps per point for the phase breakdown (0: no breakdown)")
+    p.add_argument("--budget", type=positive_int, default=None,
+                   help="bounded metadata program budget (default: DSASPEC_METADATA_BUDGET; 8 on CPU)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights and the prompts")
+    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
 
 @dataclass
@@ -267,16 +273,14 @@ def _summary(run_times: list[list[float]]) -> dict:
 
 
 def _apply_cpu_sizes(args) -> None:
-    args.preset = "tiny"
-    args.contexts = [1024, 128]
-    args.live = 70
-    args.bs = [1, 2]
-    args.steps = 3
-    args.runs = 1
-    args.budget = args.budget or 8
-    print("No CUDA: tiny preset (fp32) with the torch reference ops, metadata kernels under the Triton "
-          "interpreter, contexts 1024 / 128, bs 1 / 2, 3 steps. Token identity is checked; no time is "
-          "measured (interpreter times mean nothing).")
+    ignored = use_cpu_sizes(args, add_arguments, {"preset": "tiny", "contexts": [1024, 128], "live": 70,
+                                                  "bs": [1, 2], "steps": 3, "runs": 1, "budget": args.budget or 8},
+                            unused=("profile_steps",))
+    print(f"No CUDA: tiny preset (fp32) with the torch reference ops, metadata kernels under the Triton "
+          f"interpreter, contexts {format_value(args.contexts)}, bs {format_value(args.bs)}, {args.steps} steps. "
+          "Token identity is checked; no time is measured (interpreter times mean nothing).")
+    if ignored:
+        print(ignored)
 
 
 def run(args) -> int:
@@ -287,11 +291,9 @@ def run(args) -> int:
         _apply_cpu_sizes(args)
     args.bs = sorted(set(args.bs))
     args.contexts = sorted(set(args.contexts), reverse=True)
-    if args.bs[0] < 1 or args.steps < 1 or args.runs < 1 or args.live < 1:
-        raise ValueError("--bs, --steps, --runs and --live must be >= 1")
     if args.contexts[-1] < args.live + args.steps:
-        raise ValueError(f"every context must hold --live + --steps = {args.live + args.steps} tokens, "
-                         f"got {args.contexts[-1]}")
+        raise UserError(f"--contexts {args.contexts[-1]} cannot hold --live {args.live} + --steps {args.steps} = "
+                        f"{args.live + args.steps} tokens")
     device = torch.device("cuda" if on_gpu else "cpu")
     floors = None
     if on_gpu:

@@ -26,6 +26,7 @@ from dsaspec.bench.results import bench_params, markdown_table, write_results
 from dsaspec.bench.timing import COLD_L2_METHOD
 from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
+from dsaspec.options import check_at_most, format_value, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.reference.dsa_metadata import assert_contract_equal
 
 INDEX_TOPK = 2048
@@ -34,16 +35,18 @@ EXTRA_COLUMNS = 4  # req_to_token has context + 4 + N columns with speculative d
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--step-backends", type=int, nargs="+", default=[3, 4],
-                        help="draft step backends S-1 (3: EAGLE 4/1/5, 4: EAGLE 5/1/6); N = S-1 + 2")
-    parser.add_argument("--live-kv", type=int, nargs="+", default=[1024, 65536],
-                        help="live KV tokens of every request")
-    parser.add_argument("--bs", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--context-len", type=int, default=1 << 20, help="W = context_len + 4 + N")
-    parser.add_argument("--iters", type=int, default=200, help="timed graph replays per measurement")
-    parser.add_argument("--budget", type=int, default=None,
+    parser.add_argument("--step-backends", type=positive_int_list, default=[3, 4],
+                        help="comma-separated draft step backend counts S-1 (3: EAGLE 4/1/5, 4: EAGLE 5/1/6); "
+                             "N = S-1 + 2")
+    parser.add_argument("--live-kv", type=positive_int_list, default=[1024, 65536],
+                        help="comma-separated live KV tokens of every request (at most --context-len)")
+    parser.add_argument("--bs", type=positive_int_list, default=[1, 4, 16], help="comma-separated batch sizes")
+    parser.add_argument("--context-len", type=positive_int, default=1 << 20,
+                        help="configured context; table width W = context_len + 4 + N")
+    parser.add_argument("--iters", type=positive_int, default=200, help="timed graph replays per measurement")
+    parser.add_argument("--budget", type=positive_int, default=None,
                         help="bounded-kernel program budget (default: DSASPEC_METADATA_BUDGET; 16 on CPU)")
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/<machine>)")
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
 
 def floor_bytes(bs: int, live: int, destinations: int) -> int:
@@ -104,27 +107,27 @@ class _Point:
 def run(args) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        ignored = use_cpu_sizes(args, add_arguments, {"context_len": 700, "live_kv": [64, 300], "bs": [1, 4],
+                                                      "budget": args.budget or 16}, unused=("iters",))
+        print(f"No CUDA: Triton interpreter at context {args.context_len}, live KV {format_value(args.live_kv)}, "
+              f"bs {format_value(args.bs)}, budget {args.budget}; bit-identity is checked, no time is measured "
+              "(interpreter times mean nothing).")
+        if ignored:
+            print(ignored)
+    check_at_most(args.live_kv, "--live-kv", args.context_len, "--context-len")
     floors = None
     if cuda:
         from dsaspec.bench.timing import Floors, compare, time_in_graph, warm_up_gpu
 
         warm_up_gpu()
         floors = Floors.measure()
-    else:
-        args.context_len = min(args.context_len, 700)
-        args.live_kv = [min(x, args.context_len) for x in (64, 300)]
-        args.bs = [1, 4]
-        args.budget = 16 if args.budget is None else args.budget
-        print(f"No CUDA: Triton interpreter at context {args.context_len}; bit-identity is checked, "
-              "no time is measured (interpreter times mean nothing).")
     points = [(s, live, bs) for s in args.step_backends for live in args.live_kv for bs in args.bs]
     pool = max(args.bs) + 1
     tables: dict[int, torch.Tensor] = {}
     rows = []
     for steps, live, bs in tqdm(points, desc="draft-metadata", unit="point"):
         width = args.context_len + EXTRA_COLUMNS + steps + 2  # N = num_steps + 1 = step backends + 2
-        if live > width:
-            raise ValueError(f"--live-kv {live} exceeds the table width {width}")
         if width not in tables:
             g = torch.Generator().manual_seed(width)
             tables[width] = torch.randint(0, 2**31 - 1, (pool, width), dtype=torch.int32, generator=g).to(device)

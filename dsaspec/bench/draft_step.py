@@ -9,9 +9,10 @@ the TP ranks. Also timed: the local GEMM alone, one all-reduce of the exchange b
 all-reduce (the exchange's reference point). Floor = shard weight bytes / measured copy bandwidth +
 one all-reduce.
 
-TP > 1 needs that many GPUs: ``dsaspec bench draft-step --tp 1,2`` re-launches itself under
-``torchrun --nproc-per-node 2``; rank 0 writes the results. Without CUDA: TP 1 at a tiny size under
-the Triton interpreter, token identity only, no time reported.
+TP > 1 needs that many GPUs: ``dsaspec bench draft-step --tp 1,2`` re-launches itself
+(``python -m dsaspec bench draft-step``) under ``torchrun --nproc-per-node 2``; rank 0 writes the
+results. Without CUDA: TP 1 at a tiny size under the Triton interpreter, token identity only, no
+time reported.
 """
 
 from __future__ import annotations
@@ -23,50 +24,41 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-if not torch.cuda.is_available():  # before anything imports triton (also under ``python -m``)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tqdm import tqdm  # noqa: E402
-
-from dsaspec.bench.results import bench_params, markdown_table, write_results  # noqa: E402
-from dsaspec.distributed.tp_group import TPGroup, disable_nvlink_multicast, init_distributed  # noqa: E402
-from dsaspec.ops.argmax_exchange import LANES, exchange_layout  # noqa: E402
-from dsaspec.speculative.draft_step import greedy_draft_step  # noqa: E402
-from dsaspec.speculative.lm_head import VocabParallelLMHead  # noqa: E402
-from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor  # noqa: E402
+from dsaspec.bench.results import bench_params, markdown_table, write_results
+from dsaspec.distributed.tp_group import TPGroup, disable_nvlink_multicast, init_distributed
+from dsaspec.errors import UserError
+from dsaspec.ops.argmax_exchange import LANES, exchange_layout
+from dsaspec.options import format_value, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.speculative.draft_step import greedy_draft_step
+from dsaspec.speculative.lm_head import VocabParallelLMHead
+from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_VOCAB, CPU_HIDDEN = 1000, 64
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=_int_list, default=None,
-                        help="comma-separated TP sizes (default: 1,2 with >= 2 GPUs, else 1); TP N needs N GPUs")
-    parser.add_argument("--rows", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated row counts")
-    parser.add_argument("--vocab", type=int, default=154880)
-    parser.add_argument("--hidden", type=int, default=6144)
-    parser.add_argument("--iters", type=int, default=200, help="timed graph replays per measurement")
+    parser.add_argument("--tp", type=positive_int_list, default=None,
+                        help="comma-separated TP sizes; TP N needs N GPUs (default: 1,2 with >= 2 GPUs, else 1)")
+    parser.add_argument("--rows", type=positive_int_list, default=[1, 2, 4, 8, 16],
+                        help="comma-separated row counts (draft tokens per step)")
+    parser.add_argument("--vocab", type=positive_int, default=154880, help="vocabulary size of the LM head")
+    parser.add_argument("--hidden", type=positive_int, default=6144, help="hidden size of the LM head")
+    parser.add_argument("--iters", type=positive_int, default=200, help="timed graph replays per measurement")
     parser.add_argument("--transport", choices=["auto", "symm_mem", "nccl"], default="auto",
                         help="all-reduce transport of the TP group (nccl: the exchange declines)")
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/<machine>)")
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
 
 def run(args) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     tps = args.tp or ([1, 2] if gpus >= 2 else [1])
-    if any(tp < 1 for tp in tps):
-        print(f"error: --tp sizes must be >= 1, got {tps}", file=sys.stderr)
-        return 2
     need = max(tps)
     if need > max(gpus, 1):
-        print(f"error: --tp {need} needs {need} GPUs (one process per GPU), but {gpus} "
-              f"{'is' if gpus == 1 else 'are'} present", file=sys.stderr)
-        return 2
+        raise UserError(f"--tp {format_value(tps)}: TP {need} needs {need} GPUs (one process per GPU), but "
+                        f"{gpus} {'is' if gpus == 1 else 'are'} present")
     args.tp = tps
     if gpus == 0:
         return _run_interpreter(args)
@@ -80,7 +72,7 @@ def _launch_torchrun(args, nproc: int) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "dsaspec.bench.draft_step", "--tp", ",".join(map(str, args.tp)),
+           "-m", "dsaspec", "bench", "draft-step", "--tp", ",".join(map(str, args.tp)),
            "--rows", ",".join(map(str, args.rows)), "--vocab", str(args.vocab), "--hidden", str(args.hidden),
            "--iters", str(args.iters), "--transport", args.transport]
     if args.out:
@@ -152,14 +144,19 @@ class _Step:
 
 
 def _run_interpreter(args) -> int:
-    print(f"No CUDA: Triton interpreter at vocab {CPU_VOCAB}, hidden {CPU_HIDDEN}, TP 1; token identity is "
-          "checked, no time is measured (interpreter times mean nothing).")
-    step = _Step(TPGroup.single("cpu"), CPU_VOCAB, CPU_HIDDEN, max(args.rows))
+    ignored = use_cpu_sizes(args, add_arguments, {"vocab": CPU_VOCAB, "hidden": CPU_HIDDEN},
+                            unused=("iters", "transport"))
+    print(f"No CUDA: Triton interpreter at vocab {args.vocab}, hidden {args.hidden}, TP 1, rows "
+          f"{format_value(args.rows)}; token identity is checked, no time is measured (interpreter times mean "
+          "nothing).")
+    if ignored:
+        print(ignored)
+    step = _Step(TPGroup.single("cpu"), args.vocab, args.hidden, max(args.rows))
     rows = []
     for r in tqdm(args.rows, desc="draft-step", unit="rows"):
         _, hidden, positions = step.functions(r)
         step.check_identical(hidden, positions)
-        rows.append({"tp": 1, "rows": r, "vocab": CPU_VOCAB, "hidden": CPU_HIDDEN, "tokens_identical": True})
+        rows.append({"tp": 1, "rows": r, "vocab": args.vocab, "hidden": args.hidden, "tokens_identical": True})
     markdown = markdown_table([("tp", "TP"), ("rows", "rows"), ("tokens_identical", "tokens identical")], rows)
     payload = {"method": "Triton interpreter on CPU: token identity only, no times.",
                "params": bench_params(args), "rows": rows}
@@ -286,12 +283,3 @@ def _targets(rows: list[dict]) -> list[dict]:
                 "met": not slower})
     return out
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dsaspec.bench.draft_step", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,6 +19,7 @@ from dsaspec.bench.timing import COLD_L2_METHOD
 from dsaspec.ops.dsa_metadata import context_wide_metadata
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
+from dsaspec.options import check_at_most, choice_list, format_value, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.reference.dsa_metadata import assert_contract_equal
 
 OPS = {"decode": Mode.DECODE, "target_verify": Mode.TARGET_VERIFY, "draft_extend": Mode.DRAFT_EXTEND}
@@ -26,16 +27,20 @@ FULL_CONTEXT = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
-    p.add_argument("--live-kv", nargs="+", type=int, default=[1024, 65536])
-    p.add_argument("--bs", nargs="+", type=int, default=[1, 4, 16])
-    p.add_argument("--num-draft-tokens", type=int, default=5, help="N: rows per request for verify / draft extend")
-    p.add_argument("--context-len", type=int, default=FULL_CONTEXT, help="W = context_len + 4 + N")
-    p.add_argument("--index-topk", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--budget", type=int, default=None, help="bounded kernel program budget (default: flag)")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<machine>)")
+    p.add_argument("--ops", type=choice_list(OPS), default=list(OPS), help="comma-separated metadata ops")
+    p.add_argument("--live-kv", type=positive_int_list, default=[1024, 65536],
+                   help="comma-separated live KV tokens per request (at most --context-len)")
+    p.add_argument("--bs", type=positive_int_list, default=[1, 4, 16], help="comma-separated batch sizes")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=5,
+                   help="N: rows per request for target verify / draft extend")
+    p.add_argument("--context-len", type=positive_int, default=FULL_CONTEXT,
+                   help="configured context; table width W = context_len + 4 + N")
+    p.add_argument("--index-topk", type=positive_int, default=2048, help="indexer top-k of the model")
+    p.add_argument("--page-size", type=positive_int, default=64, help="KV page size (1: no real page table)")
+    p.add_argument("--budget", type=positive_int, default=None,
+                   help="bounded kernel program budget (default: DSASPEC_METADATA_BUDGET)")
+    p.add_argument("--iters", type=positive_int, default=200, help="timed graph replays per measurement")
+    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
 
 def bytes_moved(mode: Mode, bs: int, live: int, n: int, page_size: int) -> int:
@@ -76,11 +81,14 @@ def run(args) -> int:
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
-        args.context_len = min(args.context_len, 2048)
-        args.live_kv = [min(x, args.context_len) for x in (1000, 2000)]
-        args.bs = [1, 4]
-        print("No CUDA: running under the Triton interpreter at W = %d. Bit-identity is checked; "
-              "no time is measured (interpreter times mean nothing)." % (args.context_len + 4 + args.num_draft_tokens))
+        ignored = use_cpu_sizes(args, add_arguments, {"context_len": 2048, "live_kv": [1000, 2000], "bs": [1, 4]},
+                                unused=("iters",))
+        print(f"No CUDA: running under the Triton interpreter at W = {args.context_len + 4 + args.num_draft_tokens}, "
+              f"live KV {format_value(args.live_kv)}, bs {format_value(args.bs)}. Bit-identity is checked; "
+              "no time is measured (interpreter times mean nothing).")
+        if ignored:
+            print(ignored)
+    check_at_most(args.live_kv, "--live-kv", args.context_len, "--context-len")
     device = torch.device("cuda" if on_gpu else "cpu")
     floors = None
     if on_gpu:

@@ -3,21 +3,34 @@
 By default the embedded ``tiny`` preset with seeded random weights (``--checkpoint DIR`` loads a
 safetensors checkpoint instead), prompts of different lengths (one longer than the tiny model's
 top-k, so the attention is sparse), continuous batching, CUDA graphs on a GPU. Prints each
-request's generated ids, its time to first token and time per output token.
+request's generated ids, its time to first token and time per output token. Every option is
+checked before the model is built; a model that does not fit the device's free memory (the
+machine's available memory on CPU) is refused up front.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+from unittest import mock
 
 import torch
+
+from dsaspec import flags
+from dsaspec.errors import UserError
+from dsaspec.options import nonnegative_int, positive_int, positive_int_list
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def device_arg(text: str) -> torch.device:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N``."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return device
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,50 +38,144 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from dsaspec.runtime.config import PRESETS
 
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (random weights)")
-    p.add_argument("--checkpoint", default=None, help="safetensors checkpoint directory (overrides --preset)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
-    p.add_argument("--prompt-lens", type=_int_list, default=[8, 80], help="comma-separated prompt lengths")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--eos-token-id", type=int, default=None)
-    p.add_argument("--max-batch", type=int, default=4, help="requests decoding together")
-    p.add_argument("--context-len", type=int, default=2048, help="configured context (page-table width)")
-    p.add_argument("--num-slots", type=int, default=None, help="KV slots (default: every row at full context)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--checkpoint", default=None,
+                   help="safetensors checkpoint directory (config.json + weights); overrides --preset (default: none)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights and the prompts")
+    p.add_argument("--prompt-lens", type=positive_int_list, default=[8, 80],
+                   help="comma-separated prompt lengths, one request each")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens generated per request")
+    p.add_argument("--eos-token-id", type=nonnegative_int, default=None,
+                   help="stop a request at this token (default: none, generate --max-new-tokens)")
+    p.add_argument("--max-batch", type=positive_int, default=4, help="requests decoding together")
+    p.add_argument("--context-len", type=positive_int, default=2048,
+                   help="configured context: prompt + generated tokens per request (page-table width)")
+    p.add_argument("--num-slots", type=positive_int, default=None,
+                   help="KV slots, a multiple of 64 (default: every request row at full --context-len)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weight and activation dtype")
     p.add_argument("--ops", default="auto", choices=["auto", "triton", "torch"],
                    help="DSA ops: Triton kernels or torch references (auto: triton on CUDA)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on CUDA")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on CUDA (default: graphs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
+
+
+def check_device(device: torch.device, option: str = "--device") -> None:
+    """Raise UserError unless ``device`` exists on this machine."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        raise UserError(f"{option} {device}: {why}; use {option} cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"{option} {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def required_bytes(config, dtype: torch.dtype, *, max_batch: int, context_len: int, num_slots: int) -> dict:
+    """Bytes the engine allocates up front: ``weights`` (every parameter in ``dtype``), ``kv`` (the
+    MLA and indexer-key caches over ``num_slots``), ``table`` (req_to_token) and their ``total``.
+    Activations and workspaces come on top."""
+    from dsaspec.runtime.memory import KVPool, ReqToTokenPool
+    from dsaspec.runtime.model import DSAModel
+
+    meta = torch.device("meta")
+    # Shapes only: skip nn.Embedding's normal_ init, which on meta tensors costs seconds (it
+    # imports torch's Python decompositions).
+    with mock.patch("torch.nn.init.normal_", lambda tensor, *args, **kwargs: tensor):
+        weights = sum(p.nbytes for p in DSAModel(config, device=meta, dtype=dtype).parameters())
+    kv = KVPool.for_model(config, num_slots, dtype=dtype, device=meta).nbytes()
+    table = ReqToTokenPool(max_batch, context_len, device=meta).req_to_token.nbytes
+    return {"weights": weights, "kv": kv, "table": table, "total": weights + kv + table}
+
+
+def available_bytes(device: torch.device) -> tuple[int, str] | None:
+    """(bytes free for a new model, where that number comes from) on ``device``; None if unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"{device} has"
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024, "this machine has"
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def check_fits(source: str, need: dict, device: torch.device, dtype_name: str) -> None:
+    """Raise UserError if ``need['total']`` bytes exceed what ``device`` has available."""
+    have = available_bytes(device)
+    if have is not None and need["total"] > have[0]:
+        raise UserError(f"{source} needs at least {_gb(need['total'])} ({_gb(need['weights'])} weights in "
+                        f"{dtype_name}, {_gb(need['kv'] + need['table'])} KV cache and tables) but {have[1]} "
+                        f"{_gb(have[0])} available; choose a smaller model or --context-len / --max-batch")
+
+
+def check_requests(args, config, page_size: int) -> int:
+    """Check the requests against the model and the memory options; return the KV slots to use."""
+    if args.eos_token_id is not None and args.eos_token_id >= config.vocab_size:
+        raise UserError(f"--eos-token-id {args.eos_token_id} is outside the model's vocabulary "
+                        f"[0, {config.vocab_size})")
+    positions = max(args.prompt_lens) + args.max_new_tokens - 1  # KV positions of the longest request
+    if positions > args.context_len:
+        raise UserError(f"--prompt-lens {max(args.prompt_lens)} with --max-new-tokens {args.max_new_tokens} "
+                        f"needs {positions} positions, more than --context-len {args.context_len}")
+    pages = -(-positions // page_size)
+    if args.num_slots is None:
+        return page_size * (1 + args.max_batch * -(-args.context_len // page_size))
+    if args.num_slots % page_size or args.num_slots // page_size < 1 + pages:
+        raise UserError(f"--num-slots {args.num_slots}: expected a multiple of {page_size} of at least "
+                        f"{page_size * (1 + pages)} (one reserved page + {pages} page(s) for the longest "
+                        f"request, {positions} positions)")
+    return args.num_slots
 
 
 def run(args) -> int:
-    """Build the model and the engine, generate, print ids and timings. Returns 0."""
+    """Check the options, build the model and the engine, generate, print ids and timings.
+    Returns 0; raises UserError for bad options, checkpoints or a model that does not fit."""
     from dsaspec.runtime.config import get_config
     from dsaspec.runtime.engine import Engine
-    from dsaspec.runtime.loader import load_checkpoint
+    from dsaspec.runtime.loader import load_config, load_weights
+    from dsaspec.runtime.memory import PAGE_SIZE
     from dsaspec.runtime.model import DSAModel
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
     use_triton = args.ops == "triton" or (args.ops == "auto" and device.type == "cuda")
     dtype = DTYPES[args.dtype]
     if use_triton and dtype != torch.bfloat16:
-        print("error: the Triton DSA ops need --dtype bf16", file=sys.stderr)
-        return 2
+        raise UserError(f"--ops triton needs --dtype bf16, got --dtype {args.dtype}")
+    if use_triton and device.type == "cpu" and not flags.triton_interpret():
+        raise UserError("--ops triton on --device cpu needs the Triton interpreter: set TRITON_INTERPRET=1")
     if args.checkpoint:
-        model = load_checkpoint(args.checkpoint, device=device, dtype=dtype, use_triton=use_triton)
+        config = load_config(args.checkpoint)
         source = f"checkpoint {args.checkpoint}"
     else:
-        model = DSAModel(get_config(args.preset), device=device, dtype=dtype,
-                         use_triton=use_triton).init_weights(args.seed)
+        config = get_config(args.preset)
+        source = f"--preset {args.preset}"
+    num_slots = check_requests(args, config, PAGE_SIZE)
+    check_fits(source, required_bytes(config, dtype, max_batch=args.max_batch, context_len=args.context_len,
+                                      num_slots=num_slots), device, args.dtype)
+
+    model = DSAModel(config, device=device, dtype=dtype, use_triton=use_triton)
+    if args.checkpoint:
+        load_weights(model, args.checkpoint)
+    else:
+        model.init_weights(args.seed)
         source = f"preset {args.preset}, random weights (seed {args.seed})"
     generator = torch.Generator().manual_seed(args.seed + 1)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist()
-               for n in args.prompt_lens]
-    engine = Engine(model, context_len=args.context_len, max_batch=args.max_batch, num_slots=args.num_slots,
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in args.prompt_lens]
+    engine = Engine(model, context_len=args.context_len, max_batch=args.max_batch, num_slots=num_slots,
                     use_cuda_graph=False if args.no_cuda_graph else None, progress=not args.no_progress)
     print(f"model: {source}; device {device}, {args.dtype}, ops {'triton' if use_triton else 'torch'}, "
           f"CUDA graphs {'on' if engine.use_cuda_graph else 'off'}, metadata kernel "
           f"{engine.backend.kernel} ({engine.backend.kernel_reason})")
+    if device.type == "cpu":
+        print("On CPU the times below mean nothing for GPU performance (host times of reference ops "
+              "and the Triton interpreter).")
     results = engine.generate(prompts, args.max_new_tokens, eos_token_id=args.eos_token_id)
     for i, result in enumerate(results):
         tpot = "n/a" if result.tpot_s is None else f"{1e3 * result.tpot_s:.2f} ms"

@@ -3,25 +3,33 @@
 ``hnorm`` / ``eh_proj`` / ``shared_head.norm`` / its decoder-layer tensors, ``lm_head.weight``).
 
 A checkpoint is a directory: ``config.json`` (HF fields) and either ``model.safetensors`` or shards
-listed in ``model.safetensors.index.json`` (``weight_map``: tensor name -> file).
+listed in ``model.safetensors.index.json`` (``weight_map``: tensor name -> file). Problems with the
+checkpoint (missing or malformed files, tensors that do not match the model) raise
+:class:`~dsaspec.errors.UserError` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from dsaspec.errors import UserError
 from dsaspec.runtime.config import ModelConfig
 from dsaspec.runtime.model import DSAModel
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+    """A checkpoint directory or one of its files does not exist."""
 
 
 def _shared_duplicates(config: ModelConfig) -> re.Pattern:
@@ -59,30 +67,62 @@ def save_checkpoint(model: DSAModel, path: str | Path, *, max_shard_bytes: int |
     return path
 
 
+def _read_json(file: Path):
+    try:
+        return json.loads(file.read_text())
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise UserError(f"{file}: not valid JSON ({err})") from None
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path):
+    """``safe_open`` that names ``file`` when it is missing or not a valid safetensors file."""
+    if not file.is_file():
+        raise CheckpointNotFoundError(f"{file}: no such file (listed in {INDEX_FILE})")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise UserError(f"{file}: not a valid safetensors file ({err})") from None
+
+
 def load_config(path: str | Path) -> ModelConfig:
     """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``)."""
-    file = Path(path) / CONFIG_FILE
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist or is not a directory")
+    file = path / CONFIG_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {path}")
-    return ModelConfig.from_hf_dict(json.loads(file.read_text()), name=Path(path).name)
+        raise CheckpointNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {path}")
+    try:
+        return ModelConfig.from_hf_dict(_read_json(file), name=path.name)
+    except UserError:
+        raise
+    except ValueError as err:  # a missing key or a bad value, named by from_hf_dict
+        raise UserError(f"{file}: {err}") from None
 
 
 def _weight_files(path: Path) -> dict[str, str]:
     """Tensor name -> file, from the index or the single file."""
     if (path / INDEX_FILE).is_file():
-        return dict(json.loads((path / INDEX_FILE).read_text())["weight_map"])
+        weight_map = _read_json(path / INDEX_FILE)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserError(f"{path / INDEX_FILE}: expected a 'weight_map' object (tensor name -> file)")
+        return dict(weight_map)
     if (path / SINGLE_FILE).is_file():
-        with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
+        with _open_safetensors(path / SINGLE_FILE) as f:
             return {name: SINGLE_FILE for name in f.keys()}
-    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {path}")
+    raise CheckpointNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {path}")
 
 
 @torch.no_grad()
 def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     """Copy every parameter of ``model`` from checkpoint directory ``path`` (cast to the
-    parameter's dtype; bit-exact when the dtypes match). Raises ``ValueError`` listing missing
-    tensors, unexpected ones (MoE experts, fp8 scales, ... are not part of this model) and shape
-    mismatches; nothing is copied unless all checks pass. Returns ``model``."""
+    parameter's dtype; bit-exact when the dtypes match). Raises ``UserError`` (a ``ValueError``)
+    listing missing tensors, unexpected ones (MoE experts, fp8 scales, ... are not part of this
+    model), shape mismatches and unreadable files; nothing is copied unless all checks pass.
+    Returns ``model``."""
     path = Path(path)
     files = _weight_files(path)
     params = dict(model.state_dict())
@@ -90,21 +130,21 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     missing = sorted(set(params) - set(files))
     unexpected = sorted(n for n in set(files) - set(params) if not duplicates.fullmatch(n))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:8]}"
+        raise UserError(f"checkpoint {path} does not match the model: missing {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} ({len(missing)}), unexpected "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})")
     by_file: dict[str, list[str]] = {}
     for name in params:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(str(path / file), framework="pt") as f:
+        with _open_safetensors(path / file) as f:
             for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != tuple(params[name].shape):
-                    raise ValueError(f"checkpoint tensor {name} has shape {shape}, the model expects "
-                                     f"{tuple(params[name].shape)}")
+                    raise UserError(f"{path / file}: tensor {name} has shape {shape}, the model expects "
+                                    f"{tuple(params[name].shape)}")
     for file, names in by_file.items():
-        with safe_open(str(path / file), framework="pt") as f:
+        with _open_safetensors(path / file) as f:
             for name in names:
                 params[name].copy_(f.get_tensor(name))
     return model

@@ -1,0 +1,322 @@
+"""The ``dsaspec`` command: every user error is one line ``dsaspec: error: ...`` (exit status 2)
+naming the option, variable or file; internal errors keep their traceback; options are validated,
+documented with their defaults, and never silently ignored."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsaspec import cli
+from dsaspec.errors import UserError
+from dsaspec.options import (Parser, check_at_most, choice_list, format_value, nonnegative_int,
+                             positive_int, positive_int_list, use_cpu_sizes)
+from dsaspec.runtime import generate_cli
+from dsaspec.runtime.config import get_config
+from dsaspec.runtime.loader import CONFIG_FILE, SINGLE_FILE, save_checkpoint
+from dsaspec.runtime.model import DSAModel
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def run_cli(capsys, argv):
+    """(exit status, stdout, stderr) of ``dsaspec argv`` run in-process."""
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_one_line_error(capsys, argv, *named):
+    status, _, err = run_cli(capsys, argv)
+    lines = err.strip().splitlines()
+    assert status == 2, err
+    assert len(lines) == 1 and lines[0].startswith("dsaspec: error: "), err
+    assert "Traceback" not in err
+    for text in named:
+        assert text in lines[0], (text, lines[0])
+    return lines[0]
+
+
+# ------------------------------------------------------------------------- generate options
+
+@pytest.mark.parametrize("argv,named", [
+    (["--max-batch", "-1"], ["--max-batch", "'-1'", "positive integer"]),
+    (["--max-new-tokens", "0"], ["--max-new-tokens", "'0'"]),
+    (["--context-len", "0"], ["--context-len", "'0'"]),
+    (["--prompt-lens", "0"], ["--prompt-lens", "'0'"]),
+    (["--prompt-lens", "-3"], ["--prompt-lens", "'-3'"]),
+    (["--prompt-lens", "abc"], ["--prompt-lens", "'abc'", "comma-separated positive integers"]),
+    (["--prompt-lens", "8,,x"], ["--prompt-lens", "'8,,x'"]),
+    (["--num-slots", "1"], ["--num-slots 1", "multiple of 64"]),
+    (["--num-slots", "128"], ["--num-slots 128", "at least 192"]),          # longest request: 95 positions
+    (["--eos-token-id", "99999"], ["--eos-token-id 99999", "[0, 1031)"]),
+    (["--eos-token-id", "-1"], ["--eos-token-id", "'-1'"]),
+    (["--prompt-lens", "3000"], ["--prompt-lens 3000", "--context-len 2048"]),
+    (["--checkpoint", "/nonexistent"], ["/nonexistent", "does not exist"]),
+    (["--device", "banana"], ["--device", "'banana'", "cpu, cuda or cuda:N"]),
+    (["--device", "cuda:99"], ["--device cuda:99"]),
+    (["--preset", "nope"], ["--preset", "'nope'"]),
+    (["--ops", "triton", "--dtype", "fp32"], ["--ops triton", "--dtype bf16"]),
+])
+def test_generate_option_errors(capsys, argv, named):
+    assert_one_line_error(capsys, ["generate", "--no-progress", *argv], *named)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="needs a machine without CUDA")
+def test_generate_device_cuda_without_cuda(capsys):
+    assert_one_line_error(capsys, ["generate", "--device", "cuda"], "--device cuda", "--device cpu")
+
+
+def test_generate_refuses_a_model_that_does_not_fit(capsys, monkeypatch):
+    monkeypatch.setattr(generate_cli, "available_bytes", lambda device: (2 * 10**9, "this machine has"))
+    line = assert_one_line_error(capsys, ["generate", "--preset", "glm5"], "--preset glm5 needs at least",
+                                 "weights in bf16", "has 2.0 GB available")
+    # The figure is the parameter bytes of the real model (about 33.6B parameters in bf16).
+    need = float(line.split("needs at least ")[1].split(" GB")[0])
+    assert 67 < need < 70
+
+
+def test_required_bytes_counts_parameters_and_caches():
+    config = get_config("tiny")
+    need = generate_cli.required_bytes(config, torch.float32, max_batch=2, context_len=100, num_slots=192)
+    model = DSAModel(config, dtype=torch.float32)
+    assert need["weights"] == sum(p.numel() for p in model.parameters()) * 4
+    layers = config.num_hidden_layers
+    assert need["kv"] == layers * 192 * (576 + 128) * 4
+    assert need["total"] == need["weights"] + need["kv"] + need["table"] and need["table"] > 0
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU note is printed on CPU runs")
+def test_generate_on_cpu_says_its_times_mean_nothing(capsys):
+    status, out, err = run_cli(capsys, ["generate", "--prompt-lens", "3", "--max-new-tokens", "2",
+                                        "--context-len", "64", "--no-progress", "--dtype", "fp32"])
+    assert status == 0, err
+    assert "mean nothing for GPU performance" in out and "request 0: prompt 3 tokens, 2 generated" in out
+
+
+# ------------------------------------------------------------------------- checkpoints
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A saved checkpoint of the tiny preset (one layer, so the files stay small)."""
+    model = DSAModel(get_config("tiny", num_hidden_layers=1), dtype=torch.bfloat16).init_weights(0)
+    return save_checkpoint(model, tmp_path_factory.mktemp("ckpt"))
+
+
+def _copy(checkpoint, tmp_path):
+    for file in checkpoint.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    return tmp_path
+
+
+def test_malformed_config_names_the_file(capsys, checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    (path / CONFIG_FILE).write_text('{"vocab_size": 1031,')
+    assert_one_line_error(capsys, ["generate", "--checkpoint", path], str(path / CONFIG_FILE), "not valid JSON")
+
+
+def test_config_with_a_bad_value_names_the_file(capsys, checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    config = json.loads((path / CONFIG_FILE).read_text())
+    config["hidden_size"] = -4
+    (path / CONFIG_FILE).write_text(json.dumps(config))
+    assert_one_line_error(capsys, ["generate", "--checkpoint", path], str(path / CONFIG_FILE), "hidden_size")
+
+
+def test_corrupt_safetensors_names_the_file(capsys, checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    (path / SINGLE_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    assert_one_line_error(capsys, ["generate", "--checkpoint", path], str(path / SINGLE_FILE),
+                          "not a valid safetensors file")
+
+
+def test_truncated_safetensors_names_the_file(capsys, checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    data = (path / SINGLE_FILE).read_bytes()
+    (path / SINGLE_FILE).write_bytes(data[: len(data) // 2])
+    assert_one_line_error(capsys, ["generate", "--checkpoint", path], str(path / SINGLE_FILE))
+
+
+def test_wrong_shape_tensor_names_file_and_tensor(capsys, checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    tensors = load_file(str(path / SINGLE_FILE))
+    tensors["model.norm.weight"] = torch.ones(7, dtype=torch.bfloat16)
+    save_file(tensors, str(path / SINGLE_FILE))
+    assert_one_line_error(capsys, ["generate", "--checkpoint", path], str(path / SINGLE_FILE),
+                          "model.norm.weight has shape (7,)", "(256,)")
+
+
+def test_missing_shard_names_the_file(capsys, checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    names = list(load_file(str(path / SINGLE_FILE)))
+    (path / SINGLE_FILE).unlink()
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "shard-1.safetensors"
+                                                                                 for n in names}}))
+    assert_one_line_error(capsys, ["generate", "--checkpoint", path], str(path / "shard-1.safetensors"))
+
+
+# ------------------------------------------------------------------------- environment
+
+@pytest.mark.parametrize("name,value", [
+    ("DSASPEC_METADATA_BUDGET", "abc"),
+    ("DSASPEC_BOUNDED_REPLAY_METADATA", "maybe"),
+    ("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", "banana"),
+])
+def test_bad_environment_switch_is_named(capsys, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    assert_one_line_error(capsys, ["generate"], f"{name}='{value}'")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="needs a machine without CUDA")
+def test_interpreter_off_without_cuda(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert_one_line_error(capsys, ["generate"], "TRITON_INTERPRET='0'", "CUDA")
+
+
+def test_interpreter_with_untested_versions_says_what_to_install(capsys, monkeypatch):
+    from dsaspec import flags
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(flags, "_installed_versions", lambda: ("3.9.0", "2.4.1"))
+    assert_one_line_error(capsys, ["bench", "metadata"], "triton 3.9.0", "pip install 'triton==3.6.0' 'numpy<2.4'")
+
+
+def test_internal_errors_keep_their_traceback(monkeypatch):
+    def broken(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(generate_cli, "run", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["generate"])
+
+
+def test_python_m_dsaspec_prints_one_line():
+    proc = subprocess.run([sys.executable, "-m", "dsaspec", "generate", "--max-batch", "-1"], capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("dsaspec: error: argument --max-batch"), proc.stderr
+
+
+# ------------------------------------------------------------------------- bench options
+
+@pytest.mark.parametrize("argv,named", [
+    (["bench", "metadata", "--bs", "0"], "--bs"),
+    (["bench", "metadata", "--bs", "-1"], "--bs"),
+    (["bench", "metadata", "--bs", "1", "4"], "unrecognized arguments: 4"),  # one list syntax: commas
+    (["bench", "metadata", "--ops", "decode,nope"], "--ops"),
+    (["bench", "metadata", "--iters", "0"], "--iters"),
+    (["bench", "draft-metadata", "--bs", "0"], "--bs"),
+    (["bench", "draft-metadata", "--step-backends", "0"], "--step-backends"),
+    (["bench", "draft-step", "--vocab", "0"], "--vocab"),
+    (["bench", "draft-step", "--rows", "x"], "--rows"),
+    (["bench", "draft-step", "--tp", "64"], "--tp 64"),
+    (["bench", "decode", "--preset", "nope"], "--preset"),
+    (["bench", "decode", "--bs", "0"], "--bs"),
+    (["bench", "decode", "--steps", "0"], "--steps"),
+    (["bench", "decode", "--profile-steps", "-1"], "--profile-steps"),
+    (["bench", "nope"], "nope"),
+    (["bench", "all", "--bs", "1"], "--bs"),
+])
+def test_bench_option_errors(capsys, argv, named):
+    assert_one_line_error(capsys, argv, named)
+
+
+def test_bench_all_passes_out_to_every_benchmark(capsys, monkeypatch, tmp_path):
+    import importlib
+
+    seen = {}
+    for name, module in cli.BENCHMARKS.items():
+        mod = importlib.import_module(f"dsaspec.bench.{module}")
+        monkeypatch.setattr(mod, "run", lambda args, name=name: seen.setdefault(name, args.out) and 0)
+    status, out, _ = run_cli(capsys, ["bench", "all", "--out", tmp_path])
+    assert status == 0
+    assert seen == {name: str(tmp_path) for name in cli.BENCHMARKS}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU run's fixed sizes")
+def test_cpu_bench_names_the_options_it_ignores(capsys, tmp_path):
+    status, out, err = run_cli(capsys, ["bench", "draft-step", "--vocab", "5000", "--rows", "1,3", "--iters", "9",
+                                        "--out", tmp_path])
+    assert status == 0, err
+    assert "--vocab 5000 (uses 1000)" in out and "--iters 9 (not used)" in out
+    payload = json.loads((tmp_path / "draft_step.json").read_text())
+    assert [r["rows"] for r in payload["rows"]] == [1, 3]          # --rows is honoured
+    assert {r["vocab"] for r in payload["rows"]} == {1000}
+
+
+def test_use_cpu_sizes_reports_replaced_and_unused_options():
+    from dsaspec.bench import metadata
+
+    parser = Parser()
+    metadata.add_arguments(parser)
+    args = parser.parse_args(["--live-kv", "999999", "--bs", "2,8", "--iters", "5", "--page-size", "1"])
+    note = use_cpu_sizes(args, metadata.add_arguments, {"live_kv": [1000, 2000], "bs": [1, 4], "context_len": 2048},
+                         unused=("iters",))
+    assert args.live_kv == [1000, 2000] and args.bs == [1, 4] and args.context_len == 2048 and args.page_size == 1
+    assert "--live-kv 999999 (uses 1000,2000)" in note and "--bs 2,8 (uses 1,4)" in note
+    assert "--iters 5 (not used)" in note and "--context-len" not in note and "--page-size" not in note
+    args = parser.parse_args([])
+    assert use_cpu_sizes(args, metadata.add_arguments, {"bs": [1, 4]}, unused=("iters",)) is None
+
+
+def test_live_kv_above_the_context_is_refused():
+    with pytest.raises(UserError, match=r"--live-kv 5000,9000 exceeds --context-len 4096"):
+        check_at_most([1024, 5000, 9000], "--live-kv", 4096, "--context-len")
+    check_at_most([4096], "--live-kv", 4096, "--context-len")
+
+
+# ------------------------------------------------------------------------- help and types
+
+def _parsers(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_has_help_and_shows_its_default():
+    checked = 0
+    for parser in _parsers(cli.build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            name = f"{parser.prog} {action.option_strings[0]}"
+            assert action.help, name
+            assert action.nargs not in ("+", "*"), f"{name}: lists are comma-separated"
+            if action.default is None or action.default is False:
+                assert "default" in action.help, f"{name} must say its default"
+            else:
+                assert f"(default: {format_value(action.default)})" in text, name
+            checked += 1
+    assert checked > 40
+
+
+def test_argument_types():
+    assert positive_int(" 7 ") == 7 and nonnegative_int("0") == 0
+    assert positive_int_list("1,4,16") == [1, 4, 16] and positive_int_list("3,") == [3]
+    for bad in ("0", "-2", "1.5", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_int(bad)
+    for bad in ("", ",", "1,0", "1;2", "1 2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_int_list(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        nonnegative_int("-1")
+    ops = choice_list(["a", "b"])
+    assert ops("b,a") == ["b", "a"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        ops("a,c")
+
+
+def test_parser_errors_are_user_errors():
+    parser = Parser(prog="x")
+    parser.add_argument("--n", type=positive_int, default=1, help="n")
+    with pytest.raises(UserError, match=r"argument --n: expected a positive integer, got '0' \(see x --help\)"):
+        parser.parse_args(["--n", "0"])
