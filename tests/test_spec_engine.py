@@ -400,3 +400,46 @@ def test_gpu_graph_and_eager_phases_agree():
                         bucket_sizes=buckets, use_cuda_graph=graphs, progress=False)
         runs.append((_tokens(engine, requests, 40), engine.stats.accept_lens))
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_generate_command_speculative(capsys, monkeypatch):
+    from dsaspec import cli
+
+    args = ["generate", "--prompt-lens", "5,70", "--max-new-tokens", "6", "--context-len", "128", "--dtype", "fp32",
+            "--no-progress", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding: NEXTN, 2 draft steps, topk 1, 3 tokens verified" in out
+    assert "mean accept length 1.00 of 3" in out and "request 1: prompt 70 tokens, 6 generated" in out
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "2")
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "NOT the model's greedy output" in out and "mean accept length 2.00 of 3 (simulated)" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-num-steps", "3"], "--speculative-num-steps needs --speculative-algorithm"),
+    (["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "4"], "eagle_topk=4: only 1"),
+    (["--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "7"],
+     "num_draft_tokens must be num_steps + 1 = 4"),
+    (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm: invalid choice"),
+])
+def test_generate_speculative_option_errors(capsys, argv, message):
+    from dsaspec import cli
+
+    assert cli.main(["generate", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dsaspec: error:") and message in err[0]
+
+
+def test_bench_e2e_smoke_on_cpu(tmp_path):
+    """Without CUDA the end-to-end bench runs tiny sizes, checks baseline == new tokens, reports no times."""
+    import json
+
+    from dsaspec import cli
+
+    assert cli.main(["bench", "e2e", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "e2e.json").read_text())
+    assert payload["rows"] and all(r["tokens_identical"] for r in payload["rows"])
+    assert all(r["new_tok_s_user"] is None for r in payload["rows"])
+    assert {r["accept"] for r in payload["rows"]} == {"3.0", "real"}

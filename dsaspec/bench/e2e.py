@@ -36,7 +36,9 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE
-from dsaspec.runtime.config import get_config
+from dsaspec.errors import UserError
+from dsaspec.options import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.runtime.config import PRESETS, get_config
 from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.runtime.model import DSAModel, num_sms
 from dsaspec.runtime.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
@@ -47,13 +49,6 @@ KILL_SWITCHES = ("DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_E
 REAL = "real"
 NOISE = 0.99                   # new / baseline speed below this counts as slower
 CONTEXT_TARGET = 1.02          # bounded per-token latency at a long context over the short one
-
-
-def _positive_ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
-    return values
 
 
 def _accept_modes(text: str) -> list[str]:
@@ -70,20 +65,23 @@ def _accept_modes(text: str) -> list[str]:
     return modes
 
 
+_accept_modes.__name__ = "accept mode list"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--presets", type=lambda t: [v for v in t.split(",") if v], default=["e2e", "bench"],
+    p.add_argument("--presets", type=choice_list(sorted(PRESETS)), default=["e2e", "bench"],
                    help="model presets, comma-separated (random weights); the first is the headline table")
-    p.add_argument("--concurrency", type=_positive_ints, default=[1, 2, 4, 8, 16, 32],
-                   help="requests decoding together (each is a graph bucket)")
-    p.add_argument("--contexts", type=_positive_ints, default=[FULL_CONTEXT, 4096],
+    p.add_argument("--concurrency", type=positive_int_list, default=[1, 2, 4, 8, 16, 32],
+                   help="requests decoding together, comma-separated (each is a graph bucket)")
+    p.add_argument("--contexts", type=positive_int_list, default=[FULL_CONTEXT, 4096],
                    help="configured context lengths; the smallest is the reference for the context target")
-    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request")
-    p.add_argument("--iterations", type=int, default=24, help="speculative iterations per run")
-    p.add_argument("--runs", type=int, default=4, help="timed runs per point and path (interleaved)")
+    p.add_argument("--prompt-len", type=positive_int, default=1024, help="prompt tokens per request")
+    p.add_argument("--iterations", type=positive_int, default=24, help="speculative iterations per run")
+    p.add_argument("--runs", type=positive_int, default=4, help="timed runs per point and path (interleaved)")
     p.add_argument("--accept", type=_accept_modes, default=["3.0", REAL],
-                   help=f"accept modes: simulated mean accept lengths and/or '{REAL}'")
-    p.add_argument("--num-steps", type=int, default=3, help="draft steps S (N = S + 1 verified tokens)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and simulated draws")
+                   help=f"accept modes, comma-separated: simulated mean accept lengths (>= 1) and/or '{REAL}'")
+    p.add_argument("--num-steps", type=positive_int, default=3, help="draft steps S (N = S + 1 verified tokens)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights, prompts and simulated draws")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<machine>)")
 
 
@@ -178,17 +176,15 @@ def _summary(runs: list[dict], concurrency: int) -> dict:
 
 
 def _apply_cpu_sizes(args) -> None:
-    args.presets = ["tiny"]
-    args.contexts = [1024, 128]
-    args.concurrency = [1, 2]
-    args.prompt_len = 70
-    args.iterations = 3
-    args.runs = 1
-    args.accept = ["3.0", REAL]
-    print("No CUDA: tiny preset (fp32) with the torch ops, metadata and draft-argmax kernels under the Triton "
-          "interpreter, contexts 1024 / 128, concurrency 1 / 2, prompt 70, 3 iterations, one run; the other "
-          "size options are ignored. Token identity is checked; no time is measured (interpreter times mean "
+    ignored = use_cpu_sizes(args, add_arguments, {"presets": ["tiny"], "contexts": [1024, 128], "concurrency": [1, 2],
+                                                  "prompt_len": 70, "iterations": 3, "runs": 1})
+    print(f"No CUDA: tiny preset (fp32) with the torch ops, metadata and draft-argmax kernels under the Triton "
+          f"interpreter, contexts {format_value(args.contexts)}, concurrency {format_value(args.concurrency)}, "
+          f"prompt {args.prompt_len}, {args.iterations} iterations, one run, accept modes "
+          f"{format_value(args.accept)}. Token identity is checked; no time is measured (interpreter times mean "
           "nothing).")
+    if ignored:
+        print(ignored)
 
 
 def run(args) -> int:
@@ -197,17 +193,12 @@ def run(args) -> int:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         _apply_cpu_sizes(args)
-    for name in ("prompt_len", "iterations", "runs", "num_steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.concurrency = sorted(set(args.concurrency))
     args.contexts = sorted(set(args.contexts), reverse=True)
     written = args.prompt_len + (args.iterations + 1) * (args.num_steps + 1)
     if args.contexts[-1] < written:
-        raise ValueError(f"every --contexts value must hold the prompt and the run ({written} positions), "
-                         f"got {args.contexts[-1]}")
-    for preset in args.presets:
-        get_config(preset)                                # a clear error for an unknown preset
+        raise UserError(f"--contexts {args.contexts[-1]} cannot hold --prompt-len {args.prompt_len} and "
+                        f"--iterations {args.iterations} of {args.num_steps + 1} tokens ({written} positions)")
     device = torch.device("cuda" if on_gpu else "cpu")
     if on_gpu:
         from dsaspec.bench.timing import warm_up_gpu

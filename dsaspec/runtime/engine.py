@@ -160,7 +160,7 @@ class Engine:
         draft_tokens = speculative.num_draft_tokens if speculative else 1
         self.req_pool = ReqToTokenPool(max_batch, context_len, num_draft_tokens=draft_tokens, device=self.device)
         if num_slots is None:
-            num_slots = PAGE_SIZE * (1 + max_batch * -(-self.req_pool.width // PAGE_SIZE))
+            num_slots = self.default_num_slots(max_batch, context_len, draft_tokens)
         self.allocator = PageAllocator(num_slots, PAGE_SIZE)
         self.slots = RequestSlots(self.req_pool, self.allocator)
         self.kv = KVPool.for_model(self.config, num_slots, dtype=weight.dtype, device=self.device)
@@ -180,6 +180,12 @@ class Engine:
                                             force_kernel=force_kernel, use_cuda_graph=use_cuda_graph)
             self.backend = self.worker.backend
         self.stats = GenerationStats()
+
+    @staticmethod
+    def default_num_slots(max_batch: int, context_len: int, num_draft_tokens: int = 1) -> int:
+        """KV slots for every request row at the full table width, plus the reserved page."""
+        width = ReqToTokenPool.width_for(context_len, num_draft_tokens)
+        return PAGE_SIZE * (1 + max_batch * -(-width // PAGE_SIZE))
 
     @property
     def use_cuda_graph(self) -> bool:

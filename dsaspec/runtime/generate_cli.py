@@ -2,8 +2,10 @@
 
 By default the embedded ``tiny`` preset with seeded random weights (``--checkpoint DIR`` loads a
 safetensors checkpoint instead), prompts of different lengths (one longer than the tiny model's
-top-k, so the attention is sparse), continuous batching, CUDA graphs on a GPU. Prints each
-request's generated ids, its time to first token and time per output token. Every option is
+top-k, so the attention is sparse), continuous batching, CUDA graphs on a GPU; with
+``--speculative-algorithm NEXTN`` MTP speculative decoding (SGLang's option names). Prints each
+request's generated ids, its time to first token and time per output token (and the mean accept
+length). Every option is
 checked before the model is built; a model that does not fit the device's free memory (the
 machine's available memory on CPU) is refused up front.
 """
@@ -17,9 +19,11 @@ import torch
 
 from dsaspec import flags
 from dsaspec.errors import UserError
-from dsaspec.options import nonnegative_int, positive_int, positive_int_list
+from dsaspec.options import nonnegative_int, option_name, positive_int, positive_int_list
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SPEC_ALGORITHMS = ("NEXTN", "EAGLE")        # both: the MTP layer drafts a chain (EAGLE topk 1)
+SPEC_OPTIONS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
 def device_arg(text: str) -> torch.device:
@@ -58,6 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DSA ops: Triton kernels or torch references (auto: triton on CUDA)")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on CUDA (default: graphs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
+    p.add_argument("--row-invariant", action="store_true",
+                   help="row-invariant GEMMs and norms: speculative output equals plain greedy output token "
+                        "for token (default: cuBLAS and torch norms)")
+    p.add_argument("--speculative-algorithm", type=str.upper, choices=SPEC_ALGORITHMS, default=None,
+                   help="speculative decoding with the model's MTP layer (default: none, plain greedy decoding)")
+    p.add_argument("--speculative-num-steps", type=positive_int, default=None,
+                   help="draft tokens per iteration, S (default: 3 with --speculative-algorithm)")
+    p.add_argument("--speculative-eagle-topk", type=positive_int, default=None,
+                   help="drafts per step; only 1 (a chain) is implemented (default: 1)")
+    p.add_argument("--speculative-num-draft-tokens", type=positive_int, default=None,
+                   help="tokens verified per request per iteration, S + 1 for a chain (default: S + 1)")
 
 
 def check_device(device: torch.device, option: str = "--device") -> None:
@@ -71,10 +86,11 @@ def check_device(device: torch.device, option: str = "--device") -> None:
         raise UserError(f"{option} {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
-def required_bytes(config, dtype: torch.dtype, *, max_batch: int, context_len: int, num_slots: int) -> dict:
+def required_bytes(config, dtype: torch.dtype, *, max_batch: int, context_len: int, num_slots: int,
+                   mtp: bool = False) -> dict:
     """Bytes the engine allocates up front: ``weights`` (every parameter in ``dtype``), ``kv`` (the
-    MLA and indexer-key caches over ``num_slots``), ``table`` (req_to_token) and their ``total``.
-    Activations and workspaces come on top."""
+    MLA and indexer-key caches over ``num_slots``, with ``mtp`` the MTP layer's too), ``table``
+    (req_to_token) and their ``total``. Activations and workspaces come on top."""
     from dsaspec.runtime.memory import KVPool, ReqToTokenPool
     from dsaspec.runtime.model import DSAModel
 
@@ -84,6 +100,8 @@ def required_bytes(config, dtype: torch.dtype, *, max_batch: int, context_len: i
     with mock.patch("torch.nn.init.normal_", lambda tensor, *args, **kwargs: tensor):
         weights = sum(p.nbytes for p in DSAModel(config, device=meta, dtype=dtype).parameters())
     kv = KVPool.for_model(config, num_slots, dtype=dtype, device=meta).nbytes()
+    if mtp:
+        kv += KVPool.for_model(config, num_slots, mtp=True, dtype=dtype, device=meta).nbytes()
     table = ReqToTokenPool(max_batch, context_len, device=meta).req_to_token.nbytes
     return {"weights": weights, "kv": kv, "table": table, "total": weights + kv + table}
 
@@ -114,18 +132,43 @@ def check_fits(source: str, need: dict, device: torch.device, dtype_name: str) -
                         f"{_gb(have[0])} available; choose a smaller model or --context-len / --max-batch")
 
 
-def check_requests(args, config, page_size: int) -> int:
+def speculative_config(args, config):
+    """The SpecConfig the options ask for (None without --speculative-algorithm); UserError for
+    options that cannot be honoured."""
+    from dsaspec.runtime.spec_worker import SpecConfig
+
+    given = [name for name in SPEC_OPTIONS if getattr(args, name) is not None]
+    if args.speculative_algorithm is None:
+        if given:
+            raise UserError(f"{option_name(given[0])} needs --speculative-algorithm "
+                            f"({' or '.join(SPEC_ALGORITHMS)})")
+        return None
+    if config.num_nextn_predict_layers != 1:
+        raise UserError(f"--speculative-algorithm {args.speculative_algorithm} needs a model with its MTP layer "
+                        "(num_nextn_predict_layers = 1); this one has none")
+    steps = args.speculative_num_steps or 3
+    try:
+        return SpecConfig(num_steps=steps, eagle_topk=args.speculative_eagle_topk or 1,
+                          num_draft_tokens=args.speculative_num_draft_tokens or steps + 1)
+    except ValueError as err:                      # SpecConfig names the option that is out of range
+        raise UserError(f"--speculative options: {err}") from None
+
+
+def check_requests(args, config, page_size: int, draft_tokens: int = 1) -> int:
     """Check the requests against the model and the memory options; return the KV slots to use."""
     if args.eos_token_id is not None and args.eos_token_id >= config.vocab_size:
         raise UserError(f"--eos-token-id {args.eos_token_id} is outside the model's vocabulary "
                         f"[0, {config.vocab_size})")
+    from dsaspec.runtime.engine import Engine
+
     positions = max(args.prompt_lens) + args.max_new_tokens - 1  # KV positions of the longest request
     if positions > args.context_len:
         raise UserError(f"--prompt-lens {max(args.prompt_lens)} with --max-new-tokens {args.max_new_tokens} "
                         f"needs {positions} positions, more than --context-len {args.context_len}")
+    positions += draft_tokens - 1                                  # the last verify block
     pages = -(-positions // page_size)
     if args.num_slots is None:
-        return page_size * (1 + args.max_batch * -(-args.context_len // page_size))
+        return Engine.default_num_slots(args.max_batch, args.context_len, draft_tokens)
     if args.num_slots % page_size or args.num_slots // page_size < 1 + pages:
         raise UserError(f"--num-slots {args.num_slots}: expected a multiple of {page_size} of at least "
                         f"{page_size * (1 + pages)} (one reserved page + {pages} page(s) for the longest "
@@ -156,11 +199,12 @@ def run(args) -> int:
     else:
         config = get_config(args.preset)
         source = f"--preset {args.preset}"
-    num_slots = check_requests(args, config, PAGE_SIZE)
+    spec = speculative_config(args, config)
+    num_slots = check_requests(args, config, PAGE_SIZE, spec.num_draft_tokens if spec else 1)
     check_fits(source, required_bytes(config, dtype, max_batch=args.max_batch, context_len=args.context_len,
-                                      num_slots=num_slots), device, args.dtype)
+                                      num_slots=num_slots, mtp=spec is not None), device, args.dtype)
 
-    model = DSAModel(config, device=device, dtype=dtype, use_triton=use_triton)
+    model = DSAModel(config, device=device, dtype=dtype, use_triton=use_triton, row_invariant=args.row_invariant)
     if args.checkpoint:
         load_weights(model, args.checkpoint)
     else:
@@ -169,10 +213,17 @@ def run(args) -> int:
     generator = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in args.prompt_lens]
     engine = Engine(model, context_len=args.context_len, max_batch=args.max_batch, num_slots=num_slots,
-                    use_cuda_graph=False if args.no_cuda_graph else None, progress=not args.no_progress)
+                    use_cuda_graph=False if args.no_cuda_graph else None, progress=not args.no_progress,
+                    speculative=spec)
     print(f"model: {source}; device {device}, {args.dtype}, ops {'triton' if use_triton else 'torch'}, "
           f"CUDA graphs {'on' if engine.use_cuda_graph else 'off'}, metadata kernel "
           f"{engine.backend.kernel} ({engine.backend.kernel_reason})")
+    if spec is not None:
+        print(f"speculative decoding: {args.speculative_algorithm}, {spec.num_steps} draft steps, topk 1, "
+              f"{spec.num_draft_tokens} tokens verified per iteration")
+        if spec.simulated:
+            print(f"simulated acceptance (DSASPEC_SIMULATE_ACCEPT_LEN={spec.simulate_accept_len}): the tokens "
+                  "below are NOT the model's greedy output")
     if device.type == "cpu":
         print("On CPU the times below mean nothing for GPU performance (host times of reference ops "
               "and the Triton interpreter).")
@@ -184,7 +235,11 @@ def run(args) -> int:
         print(f"  ids: {result.token_ids}")
     stats = engine.stats
     if stats.decode_steps:
-        print(f"decode: {stats.decode_steps} steps, {stats.decode_tokens} tokens, median step "
-              f"{stats.median_step_ms:.2f} ms (host wall time per step, batch sizes "
+        what = "iterations" if spec else "steps"
+        print(f"decode: {stats.decode_steps} {what}, {stats.decode_tokens} tokens, median step "
+              f"{stats.median_step_ms:.2f} ms (host wall time per {what[:-1]}, batch sizes "
               f"{min(stats.step_batches)}-{max(stats.step_batches)})")
+    if spec is not None and stats.accept_lens:
+        note = " (simulated)" if spec.simulated else ""
+        print(f"mean accept length {stats.mean_accept_len:.2f} of {spec.num_draft_tokens}{note}")
     return 0

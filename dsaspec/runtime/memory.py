@@ -57,11 +57,16 @@ class ReqToTokenPool:
         self.max_reqs = max_reqs
         self.context_len = context_len
         self.num_draft_tokens = num_draft_tokens
-        self.width = context_len + 4 + num_draft_tokens
+        self.width = self.width_for(context_len, num_draft_tokens)
         self.dummy_row = max_reqs
         self.req_to_token = torch.full((max_reqs + 1, self.width), SINK_SLOT, dtype=torch.int32,
                                        device=device)
         self._free_rows = list(range(max_reqs - 1, -1, -1))  # pop() hands out row 0 first
+
+    @staticmethod
+    def width_for(context_len: int, num_draft_tokens: int = 1) -> int:
+        """Table width W of a configured context: ``context_len + 4 + N``."""
+        return context_len + 4 + num_draft_tokens
 
     @property
     def num_free(self) -> int:
