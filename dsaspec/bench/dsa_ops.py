@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from dsaspec.errors import UserError
+from dsaspec.options import choice_list, nonnegative_int, positive_int, positive_int_list
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, IndexerConfig, indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
@@ -87,70 +89,21 @@ TUNE_POINTS = (("decode", 1, 65536), ("decode", 16, 65536), ("target_verify", 16
                ("decode", 64, 8192), ("decode", 1, 8192))
 
 
-def _list_of(kind: str, choices=None):
-    """argparse type: a comma-separated list of positive integers (``kind == "int"``) or of
-    ``choices``; duplicates dropped, order kept."""
-
-    def parse(text: str) -> list:
-        items = [item.strip() for item in text.split(",")]
-        if any(not item for item in items):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-        if kind == "int":
-            try:
-                values = [int(item) for item in items]
-            except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"expected comma-separated positive integers, got {text!r}") from None
-            if min(values) < 1:
-                raise argparse.ArgumentTypeError(
-                    f"expected comma-separated positive integers, got {text!r}")
-        else:
-            unknown = [item for item in items if item not in choices]
-            if unknown:
-                raise argparse.ArgumentTypeError(
-                    f"unknown value {unknown[0]!r}; expected a comma-separated list of "
-                    f"{', '.join(choices)}")
-            values = items
-        return list(dict.fromkeys(values))
-
-    return parse
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _preset(text: str) -> str:
-    if text not in PRESETS:
-        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; expected one of {', '.join(sorted(PRESETS))}")
-    return text
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ops", type=_list_of("choice", OPS), default=list(OPS),
-                   help=f"comma-separated ops of {','.join(OPS)} (default: all)")
-    p.add_argument("--modes", type=_list_of("choice", MODES), default=list(MODES),
-                   help=f"comma-separated modes of {','.join(MODES)} (default: both)")
-    p.add_argument("--bs", type=_list_of("int"), default=[1, 4, 16, 32, 64],
-                   help="comma-separated batch sizes (requests) (default: 1,4,16,32,64)")
-    p.add_argument("--live-kv", type=_list_of("int"), default=[1024, 8192, 65536],
-                   help="comma-separated live KV tokens per request (default: 1024,8192,65536)")
-    p.add_argument("--verify-rows", type=_positive_int, default=4,
-                   help="N: rows per request in target verify (default: 4)")
-    p.add_argument("--preset", type=_preset, default="glm5",
-                   help="model preset giving heads, index heads and top-k (default: glm5)")
-    p.add_argument("--iters", type=_positive_int, default=100,
-                   help="timed graph replays per measurement (default: 100)")
+    p.add_argument("--ops", type=choice_list(OPS), default=list(OPS), help="ops, comma-separated")
+    p.add_argument("--modes", type=choice_list(MODES), default=list(MODES), help="modes, comma-separated")
+    p.add_argument("--bs", type=positive_int_list, default=[1, 4, 16, 32, 64],
+                   help="batch sizes (requests), comma-separated")
+    p.add_argument("--live-kv", type=positive_int_list, default=[1024, 8192, 65536],
+                   help="live KV tokens per request, comma-separated")
+    p.add_argument("--verify-rows", type=positive_int, default=4, help="N: rows per request in target verify")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="glm5",
+                   help="model preset giving heads, index heads and top-k")
+    p.add_argument("--iters", type=positive_int, default=100, help="timed graph replays per measurement")
     p.add_argument("--tune", action="store_true",
                    help="instead: time the candidate kernel configurations (TUNE_* in this module) at "
-                        "fixed points; writes dsa_ops_tune.{json,md} (needs CUDA)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+                        "fixed points; writes dsa_ops_tune.{json,md} (needs CUDA; default: off)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random inputs")
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
 
@@ -472,8 +425,7 @@ def run(args) -> int:
     on_gpu = torch.cuda.is_available()
     if args.tune:
         if not on_gpu:
-            print("dsaspec bench dsa-ops: error: --tune needs a CUDA device", file=sys.stderr)
-            return 2
+            raise UserError("--tune needs a CUDA device (it times kernels)")
         return _tune(args)
     shapes = _shapes(args, on_gpu)
     if not on_gpu:
