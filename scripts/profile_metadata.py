@@ -15,5 +15,5 @@ table = torch.randint(0, 1 << 30, (B + 1, W), dtype=torch.int32, device=dev)
 out = MetadataBuffers.allocate(Mode.TARGET_VERIFY, B, W, 64, dev, num_draft_tokens=N)
 seq_lens = torch.full((B,), LIVE, dtype=torch.int32, device=dev)
 bounded_metadata(Mode.TARGET_VERIFY, table, torch.arange(B, device=dev), seq_lens, out, index_topk=2048,
-                 page_size=64, num_draft_tokens=N, check=False)
+                 page_size=64, num_draft_tokens=N, check_values=False)
 torch.cuda.synchronize()

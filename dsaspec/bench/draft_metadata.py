@@ -70,15 +70,15 @@ class _Point:
 
     def baseline(self) -> None:
         precompute_and_copy(self.table, self.rpi, self.seq_lens, self.scratch, self.base_outs,
-                            index_topk=INDEX_TOPK, page_size=PAGE_SIZE, check=False)
+                            index_topk=INDEX_TOPK, page_size=PAGE_SIZE, check_values=False)
 
     def one_launch(self) -> None:
         draft_decode_metadata(self.table, self.rpi, self.seq_lens, self.new_outs, index_topk=INDEX_TOPK,
-                              page_size=PAGE_SIZE, budget=self.budget, check=False)
+                              page_size=PAGE_SIZE, budget=self.budget, check_values=False)
 
     def shared_write(self) -> None:
         draft_decode_metadata(self.table, self.rpi, self.seq_lens, [self.shared], index_topk=INDEX_TOPK,
-                              page_size=PAGE_SIZE, budget=self.budget, check=False)
+                              page_size=PAGE_SIZE, budget=self.budget, check_values=False)
 
     def check_identical(self) -> None:
         """Every path bit-identical to the baseline on the contract region (raises otherwise)."""

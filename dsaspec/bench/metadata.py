@@ -63,10 +63,10 @@ def _point(op: str, live: int, bs: int, args, device) -> tuple:
     context_wide_metadata(mode, table, idx, seq_lens, base_out, **kw)  # eager checks once
 
     def baseline():
-        context_wide_metadata(mode, table, idx, seq_lens, base_out, check=False, **kw)
+        context_wide_metadata(mode, table, idx, seq_lens, base_out, check_values=False, **kw)
 
     def new():
-        bounded_metadata(mode, table, idx, seq_lens, new_out, check=False, budget=args.budget, **kw)
+        bounded_metadata(mode, table, idx, seq_lens, new_out, check_values=False, budget=args.budget, **kw)
 
     return mode, n, table, idx, seq_lens, base_out, new_out, baseline, new
 
