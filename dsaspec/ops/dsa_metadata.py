@@ -20,7 +20,8 @@ from dsaspec.ops.dsa_metadata_common import (MODE_DECODE, MODE_EXTEND_VARIABLE, 
                                              write_lengths)
 
 
-@triton.jit(do_not_specialize=["W", "POOL"])
+# Sizes that differ per batch bucket are not specialised: fewer compiled variants per server.
+@triton.jit(do_not_specialize=["B", "R", "W", "POOL", "LENGTH_PROGRAMS"])
 def _context_wide_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, ext_ptr,
                          lengths_ptr, off_cu, off_exp, off_dsa, off_dsacu, pt_ptr, real_ptr,
                          B, R, N, K, W, POOL, stride_pt, stride_real, NUM_TILES, LENGTH_PROGRAMS,

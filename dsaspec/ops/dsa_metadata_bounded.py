@@ -97,7 +97,8 @@ def _copy_block(src, block, end, first, count, pt0, real0, pt1, real1, pt2, real
                 tl.store(real3 + real_off, real_vals, mask=real_mask)
 
 
-@triton.jit(do_not_specialize=["W", "POOL"])
+# Sizes that differ per batch bucket are not specialised: fewer compiled variants per server.
+@triton.jit(do_not_specialize=["B", "R", "W", "POOL", "LENGTH_PROGRAMS", "SPLITS"])
 def _bounded_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, ext_ptr,
                     len0, pt0, real0, len1, pt1, real1, len2, pt2, real2, len3, pt3, real3,
                     off_cu, off_exp, off_dsa, off_dsacu,
