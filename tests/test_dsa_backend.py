@@ -236,6 +236,8 @@ def test_bad_input_errors():
         DSAAttnBackend(table, index_topk=K, index_kpool=0)
     with pytest.raises(ValueError, match="bucket_sizes"):
         DSAAttnBackend(table, index_topk=K, bucket_sizes=())
+    with pytest.raises(ValueError, match="^row_align must be an integer >= 1, got 0$"):
+        DSAAttnBackend(table, index_topk=K, row_align=0)
     with pytest.raises(ValueError, match="share_from reads a different req_to_token"):
         backend(table.clone(), BOUNDED, bucket_sizes=(4,)).capture(4, Mode.DECODE, share_from=be)
     with pytest.raises(ValueError, match="share_from has page_size=64"):

@@ -97,7 +97,7 @@ def test_gpu_every_batch_to_256_matches_reference(kernel, mode, variable):
     width = 1000 + 4 + 8
     table = poisoned_table(260, width, device, seed=1)
     for batch in range(1, 257):
-        n = 1 if mode is Mode.DECODE else (8 if batch % 2 else 1 + batch % 7)
+        n = 1 if mode is Mode.DECODE else (8 if batch % 2 == 0 else 1 + batch % 7)
         idx, seq_lens, ext = make_batch(mode, batch, width, 260, n, device, seed=batch, variable=variable)
         ref = reference_metadata(mode, table, idx, seq_lens, index_topk=700, page_size=64, num_draft_tokens=n,
                                  extend_seq_lens=ext)

@@ -163,6 +163,20 @@ def test_gate_mixed_kernels_use_precompute():
     assert m.path(4) == PRECOMPUTE_AND_COPY and "step backend 1" in m.path_reason(4)
 
 
+@pytest.mark.parametrize("kernel,path", [(BOUNDED, ONE_LAUNCH), (CONTEXT_WIDE, PER_STEP)])
+def test_padded_rows(kernel, path):
+    """row_align pads the page-table rows: the bounded one launch writes them; the baseline's
+    whole-buffer copy cannot, so the context-wide backends write per step."""
+    table = make_table(POOL, W_CPU, "cpu")
+    m = multi(table, 3, kernel, row_align=4)
+    outs = m.capture(4)
+    assert m.path(4) == path and outs[0].page_table_1.stride(0) % 4 == 0
+    rpi, sl = batch([611, 3, 200, 1])
+    want = reference_metadata(Mode.DECODE, table, rpi, sl, index_topk=K, page_size=P)
+    for out in m.replay(4, rpi, sl, check_values=True):
+        assert_contract_equal(out, want, Mode.DECODE, sl)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("flag", ["1", "0"])
 def test_gate_on_cuda_follows_kill_switch(monkeypatch, flag):

@@ -83,6 +83,8 @@ class DSAAttnBackend:
         132 off-GPU); the schedule buffers are ``[num_sms + 1, 2]``.
     budget : program budget of the bounded kernels (default ``DSASPEC_METADATA_BUDGET``); fixed
         here because the bounded grid depends on it and must not change between capture and replay.
+    row_align : the static page tables' rows are padded to a multiple of this many columns
+        (``MetadataBuffers.allocate``; 4 = 16-byte aligned rows, a tuning knob of the bounded kernel).
     force_kernel : for tests and benchmarks only: ``"bounded"`` or ``"context_wide"`` overrides the
         selection (e.g. to run the bounded kernels under the CPU interpreter).
     """
@@ -90,7 +92,7 @@ class DSAAttnBackend:
     def __init__(self, req_to_token: torch.Tensor, *, index_topk: int, page_size: int = 64,
                  num_draft_tokens: int = 1, bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
                  index_kpool: int = 1, kpool_metadata_fusion: bool = False,
-                 num_sms: int | None = None, budget: int | None = None,
+                 num_sms: int | None = None, budget: int | None = None, row_align: int = 1,
                  force_kernel: str | None = None):
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2 or req_to_token.dtype != torch.int32:
             got = (f"{req_to_token.dtype} {tuple(req_to_token.shape)}" if isinstance(req_to_token, torch.Tensor)
@@ -122,6 +124,9 @@ class DSAAttnBackend:
         self.bucket_sizes = buckets
         self.num_sms = int(num_sms)
         self.budget = flags.metadata_program_budget() if budget is None else int(budget)
+        if int(row_align) != row_align or row_align < 1:
+            raise ValueError(f"row_align must be an integer >= 1, got {row_align!r}")
+        self.row_align = int(row_align)
         if self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {budget}")
         if force_kernel is None:
@@ -169,7 +174,8 @@ class DSAAttnBackend:
             self._schedules[key] = share_from.schedule(bs, mode)
         else:
             self._buffers[key] = MetadataBuffers.allocate(mode, bs, self.width, self.page_size, self.device,
-                                                          num_draft_tokens=self.num_draft_tokens)
+                                                          num_draft_tokens=self.num_draft_tokens,
+                                                          row_align=self.row_align)
             self._schedules[key] = torch.zeros(self.num_sms + 1, 2, dtype=torch.int32, device=self.device)
         return self._buffers[key]
 

@@ -12,8 +12,9 @@ captured batch bucket the multi-step backend picks one of three ways to write it
 - ``precompute_and_copy`` (what engines do today, and what the kill switch restores): the
   context-wide decode kernel fills a full-width ``[bs, W]`` scratch, which is then copied whole into
   every step backend (one multi-destination copy for the first three, one copy per further one).
-- ``per_step``: the tables do not match, so no single write can serve them: every step backend
-  writes its own metadata with its own kernel.
+- ``per_step``: the tables do not match, so no single write can serve them (or the baseline's
+  whole-buffer copy cannot, because the page-table rows are padded): every step backend writes its
+  own metadata with its own kernel.
 
 Indexer schedules: on the baseline every step backend refreshes its schedule. With the kill switch
 on, only step backends that run the indexer refresh: none when the draft steps are seeded with the
@@ -130,6 +131,10 @@ class DSAMultiStepDraftBackend:
             not_bounded = [i for i, s in enumerate(self.step_backends) if s.kernel != BOUNDED]
             if not matched:
                 self._paths[bs] = (PER_STEP, why)
+            elif not_bounded and not all(t.is_contiguous() for t in first.buffers(bs, Mode.DECODE).tensors()):
+                self._paths[bs] = (PER_STEP, f"step backend {not_bounded[0]} uses the context-wide kernels and "
+                                   "the page-table rows are padded (row_align): the whole-buffer copy needs "
+                                   "contiguous tables")
             elif not_bounded:
                 i = not_bounded[0]
                 self._paths[bs] = (PRECOMPUTE_AND_COPY, f"step backend {i} uses the context-wide "
