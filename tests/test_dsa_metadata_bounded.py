@@ -24,8 +24,9 @@ def _bounded(mode, table, idx, seq_lens, ext, n, page_size, budget, *, dests=1, 
     """Reference and ``dests`` poisoned buffer sets written by one bounded call."""
     ref = reference_metadata(mode, table, idx, seq_lens, index_topk=topk, page_size=page_size,
                              num_draft_tokens=n, extend_seq_lens=ext)
+    alloc = knobs.pop("alloc", {})
     made = [poisoned_buffers(mode, seq_lens.shape[0], table.shape[1], page_size, table.device,
-                             num_draft_tokens=n, rows=ref.rows, **knobs.pop("alloc", {})) for _ in range(dests)]
+                             num_draft_tokens=n, rows=ref.rows, **alloc) for _ in range(dests)]
     gots = [g for g, _ in made]
     bounded_metadata(mode, table, idx, seq_lens, gots if dests > 1 else gots[0], index_topk=topk,
                      page_size=page_size, num_draft_tokens=n, extend_seq_lens=ext, budget=budget, **knobs)
