@@ -6,6 +6,8 @@
 #   draft     dsaspec bench draft-metadata (3/4 step backends, bs 1..256)    (~4 min)
 #   tune      scripts/tune_metadata.py: knob sweep at live 64k vs same-bytes copy (~3-5 min)
 #   sanitize  compute-sanitizer memcheck over every kernel path (if compute-sanitizer is on PATH)
+#   ncu       Nsight Compute of target verify, bs 16, live 64k: default vs 16-byte aligned rows with
+#             512-column blocks (if ncu is on PATH)
 #
 # Each step writes its log to $OUT/logs/<step>.log and its results (JSON/MD) to $OUT; without OUT,
 # to benchmarks/results/<machine>/{logs/,}. Run the steps as separate commands where one command
@@ -28,7 +30,7 @@ step() {
     [ "$rc" -eq 0 ] || status=1
 }
 
-for what in "${@:-tests bench draft tune sanitize}"; do
+for what in "${@:-tests bench draft tune sanitize ncu}"; do
   for name in $what; do
     case "$name" in
       tests) step gpu_tests_metadata python3 -m pytest -q -m gpu tests/test_dsa_metadata.py \
@@ -43,7 +45,19 @@ for what in "${@:-tests bench draft tune sanitize}"; do
         else
           echo "== sanitize: compute-sanitizer not on PATH, skipped" | tee "$LOGS/sanitizer_metadata.log"
         fi ;;
-      *) echo "gpu_metadata.sh: unknown step '$name' (tests, bench, draft, tune, sanitize)" >&2; exit 2 ;;
+      ncu)
+        if command -v ncu >/dev/null; then
+          for variant in "" "--row-align 4 --block-cols 512"; do
+            tag=$( [ -z "$variant" ] && echo default || echo aligned_512 )
+            # shellcheck disable=SC2086
+            step "ncu_bounded_verify_$tag" ncu --clock-control none --section SpeedOfLight \
+                --section MemoryWorkloadAnalysis --section Occupancy -k regex:_bounded_kernel -c 1 \
+                python3 scripts/profile_metadata.py $variant
+          done
+        else
+          echo "== ncu: ncu not on PATH, skipped" | tee "$LOGS/ncu_bounded_verify.log"
+        fi ;;
+      *) echo "gpu_metadata.sh: unknown step '$name' (tests, bench, draft, tune, sanitize, ncu)" >&2; exit 2 ;;
     esac
   done
 done
