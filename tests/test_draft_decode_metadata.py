@@ -7,7 +7,7 @@ import torch
 
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.draft_decode_metadata import copy_metadata, draft_decode_metadata, precompute_and_copy
-from dsaspec.reference.dsa_metadata import assert_contract_equal
+from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
 from metadata_cases import make_batch, make_table
 
 W = 333
@@ -30,8 +30,10 @@ def test_one_launch_matches_precompute_and_copy(device, steps, page_size):
             t.fill_(-5)
     precompute_and_copy(table, idx, seq_lens, scratch, copied, index_topk=64, page_size=page_size)
     draft_decode_metadata(table, idx, seq_lens, launched, index_topk=64, page_size=page_size, budget=12)
+    ref = reference_metadata(Mode.DECODE, table, idx, seq_lens, index_topk=64, page_size=page_size)
     for got, want in zip(launched, copied):
         assert_contract_equal(got, want, Mode.DECODE, seq_lens)
+        assert_contract_equal(got, ref, Mode.DECODE, seq_lens)
     for out in copied:  # the baseline copies every column, the scratch's full width
         for got, want in zip(out.tensors(), scratch.tensors()):
             assert torch.equal(got, want)

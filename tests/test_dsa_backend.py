@@ -60,40 +60,43 @@ def backend(table, kernel=None, **kwargs) -> DSAAttnBackend:
 
 @pytest.mark.parametrize("on_cuda", [True, False])
 @pytest.mark.parametrize("enabled", [True, False])
-@pytest.mark.parametrize("kpool", [1, 2])
-@pytest.mark.parametrize("fusion", [False, True])
-def test_select_kernel_truth_table(on_cuda, enabled, kpool, fusion):
-    kernel, reason = select_kernel(on_cuda=on_cuda, bounded_enabled=enabled, index_kpool=kpool,
-                                   kpool_metadata_fusion=fusion)
-    want = BOUNDED if (on_cuda and enabled and kpool == 1 and not fusion) else CONTEXT_WIDE
-    assert kernel == want
-    assert reason
+def test_select_kernel_truth_table(on_cuda, enabled):
+    kernel, reason = select_kernel(on_cuda=on_cuda, bounded_enabled=enabled)
+    assert kernel == (BOUNDED if on_cuda and enabled else CONTEXT_WIDE)
     if not enabled:
         assert FLAG in reason
     elif not on_cuda:
         assert "CUDA" in reason
-    elif kpool != 1:
-        assert "index_kpool=2" in reason
 
 
 @pytest.mark.parametrize("flag", ["1", "0"])
-@pytest.mark.parametrize("kpool", [1, 2])
-def test_backend_selection_cpu(monkeypatch, flag, kpool):
+def test_backend_selection_cpu(monkeypatch, flag):
     monkeypatch.setenv(FLAG, flag)
-    be = DSAAttnBackend(make_table(2, 64, "cpu"), index_topk=K, index_kpool=kpool)
+    be = DSAAttnBackend(make_table(2, 64, "cpu"), index_topk=K)
     assert be.kernel == CONTEXT_WIDE
     assert (FLAG in be.kernel_reason) if flag == "0" else ("CUDA" in be.kernel_reason)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flag", ["1", "0"])
-@pytest.mark.parametrize("kpool,fusion", [(1, False), (2, False), (2, True), (1, True)])
-def test_backend_selection_cuda(monkeypatch, flag, kpool, fusion):
+def test_backend_selection_cuda(monkeypatch, flag):
     monkeypatch.setenv(FLAG, flag)
-    be = DSAAttnBackend(make_table(2, 64, "cuda"), index_topk=K, index_kpool=kpool,
-                        kpool_metadata_fusion=fusion)
-    want = BOUNDED if (flag == "1" and kpool == 1 and not fusion) else CONTEXT_WIDE
-    assert be.kernel == want, be.kernel_reason
+    be = DSAAttnBackend(make_table(2, 64, "cuda"), index_topk=K)
+    assert be.kernel == (BOUNDED if flag == "1" else CONTEXT_WIDE), be.kernel_reason
+
+
+def test_kpool_is_rejected_until_implemented():
+    """The metadata here is not kpool-aware (dsa = min(L, K)): asking for kpool raises, in the
+    step backends of the multi-step backend too."""
+    from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
+
+    table = make_table(2, 64, "cpu")
+    with pytest.raises(ValueError, match="^index_kpool=2: kpool-aware metadata is not implemented"):
+        DSAAttnBackend(table, index_topk=K, index_kpool=2)
+    with pytest.raises(ValueError, match="^kpool_metadata_fusion=True: kpool metadata fusion is not implemented$"):
+        DSAAttnBackend(table, index_topk=K, kpool_metadata_fusion=True)
+    with pytest.raises(ValueError, match="^index_kpool=4: kpool-aware metadata is not implemented"):
+        DSAMultiStepDraftBackend.create(table, num_steps=3, index_topk=K, index_kpool=4)
 
 
 def test_force_kernel_overrides_selection(monkeypatch):
@@ -119,7 +122,7 @@ def test_replay_matches_reference_and_keeps_buffers(kernel, mode):
         # several replays with new lengths (longer, then shorter: the stale tail must not matter)
         for seed in range(2):
             rpi, sl = pool_indices(bs, seed), lengths_for(mode, W_CPU, bs, seed)
-            got = be.replay(bs, rpi, sl, mode, check=True)
+            got = be.replay(bs, rpi, sl, mode, check_values=True)
             assert got is out
             want = reference_metadata(mode, table, rpi, sl, index_topk=K, page_size=P, num_draft_tokens=N)
             assert_contract_equal(got, want, mode, sl, N)
@@ -148,12 +151,12 @@ def test_replay_variable_draft_extend(kernel):
     rpi = torch.tensor([4, 2, 9], dtype=torch.int32)
     sl = torch.tensor([200, 2, 129], dtype=torch.int32)
     ext = torch.tensor([4, 1, 4], dtype=torch.int64)  # sums to bs * N = 9
-    out = be.replay(3, rpi, sl, Mode.DRAFT_EXTEND, ext, check=True)
+    out = be.replay(3, rpi, sl, Mode.DRAFT_EXTEND, ext, check_values=True)
     want = reference_metadata(Mode.DRAFT_EXTEND, table, rpi, sl, index_topk=K, page_size=P,
                               num_draft_tokens=N, extend_seq_lens=ext)
     assert_contract_equal(out, want, Mode.DRAFT_EXTEND, sl, N, ext)
     with pytest.raises(ValueError, match="sum"):
-        be.replay(3, rpi, sl, Mode.DRAFT_EXTEND, torch.tensor([1, 1, 1]), check=True)
+        be.replay(3, rpi, sl, Mode.DRAFT_EXTEND, torch.tensor([1, 1, 1]), check_values=True)
 
 
 def test_page_size_one_has_no_real_table():
@@ -162,7 +165,7 @@ def test_page_size_one_has_no_real_table():
     out = be.capture(2, Mode.TARGET_VERIFY)
     assert out.real_page_table is None
     rpi, sl = torch.tensor([3, 5], dtype=torch.int32), torch.tensor([130, 0], dtype=torch.int32)
-    be.replay(2, rpi, sl, Mode.TARGET_VERIFY, check=True)
+    be.replay(2, rpi, sl, Mode.TARGET_VERIFY, check_values=True)
     want = reference_metadata(Mode.TARGET_VERIFY, table, rpi, sl, index_topk=K, page_size=1, num_draft_tokens=N)
     assert_contract_equal(out, want, Mode.TARGET_VERIFY, sl, N)
 
@@ -222,11 +225,11 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="req_pool_indices must be an int32/int64 tensor"):
         be.replay(4, rpi.float(), sl, Mode.DECODE)
     with pytest.raises(ValueError, match="exceeds the page-table width"):
-        be.replay(4, rpi, torch.full((4,), W_CPU + 1, dtype=torch.int32), Mode.DECODE, check=True)
+        be.replay(4, rpi, torch.full((4,), W_CPU + 1, dtype=torch.int32), Mode.DECODE, check_values=True)
     with pytest.raises(ValueError, match="exceeds the page-table width"):
         be.eager(rpi, torch.full((4,), W_CPU - 1, dtype=torch.int32), Mode.TARGET_VERIFY)
     with pytest.raises(ValueError, match="req_pool_indices must lie in"):
-        be.replay(4, torch.full((4,), POOL, dtype=torch.int32), sl, Mode.DECODE, check=True)
+        be.replay(4, torch.full((4,), POOL, dtype=torch.int32), sl, Mode.DECODE, check_values=True)
     with pytest.raises(ValueError, match="req_to_token must be an int32 tensor"):
         DSAAttnBackend(table.long(), index_topk=K)
     with pytest.raises(ValueError, match="force_kernel"):
@@ -235,6 +238,8 @@ def test_bad_input_errors():
         DSAAttnBackend(table, index_topk=K, index_kpool=0)
     with pytest.raises(ValueError, match="bucket_sizes"):
         DSAAttnBackend(table, index_topk=K, bucket_sizes=())
+    with pytest.raises(ValueError, match="^row_align must be an integer >= 1, got 0$"):
+        DSAAttnBackend(table, index_topk=K, row_align=0)
     with pytest.raises(ValueError, match="share_from reads a different req_to_token"):
         backend(table.clone(), BOUNDED, bucket_sizes=(4,)).capture(4, Mode.DECODE, share_from=be)
     with pytest.raises(ValueError, match="share_from has page_size=64"):

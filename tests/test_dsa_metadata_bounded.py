@@ -1,17 +1,17 @@
-"""Live-bounded replay metadata against the context-wide kernels: bit-identical on the contract
-region, never writing outside the buffers or past the tile-rounded live prefix."""
+"""Live-bounded replay metadata against the plain-torch oracle and the context-wide kernel:
+bit-identical on the contract region, writing exactly the tile-rounded live prefix (the rest of
+each row keeps its poison) and nothing outside the buffers; tuning knobs change nothing written."""
 
 import pytest
 import torch
 
 from dsaspec.ops.dsa_metadata import context_wide_metadata
-
+from dsaspec.ops.dsa_metadata_bounded import MAX_SPLITS, bounded_metadata, num_splits
 from dsaspec.ops.dsa_metadata_common import TILE, MetadataBuffers, Mode
-from dsaspec.ops.dsa_metadata_bounded import bounded_metadata, num_splits
-from dsaspec.reference.dsa_metadata import assert_contract_equal, expanded_lengths, live_lengths
-from metadata_cases import make_batch, make_table
+from dsaspec.reference.dsa_metadata import (assert_contract_equal, expanded_lengths, live_lengths,
+                                            reference_metadata)
+from metadata_cases import WRITE_POISON, make_batch, make_table, poisoned_buffers, poisoned_table
 
-POISON = -123456
 CASES = [
     (Mode.DECODE, 1, False),
     (Mode.TARGET_VERIFY, 5, False),
@@ -20,138 +20,127 @@ CASES = [
 ]
 
 
-def _both(mode, table, idx, seq_lens, ext, n, page_size, budget, *, dests=1, topk=64):
-    rows = None if ext is None else int(ext.sum())
-    B, W = seq_lens.shape[0], table.shape[1]
-    want = MetadataBuffers.allocate(mode, B, W, page_size, table.device, num_draft_tokens=n, rows=rows)
-    context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=topk, page_size=page_size,
-                          num_draft_tokens=n, extend_seq_lens=ext)
-    gots = [MetadataBuffers.allocate(mode, B, W, page_size, table.device, num_draft_tokens=n, rows=rows)
-            for _ in range(dests)]
-    for g in gots:
-        for t in g.tensors():
-            t.fill_(POISON)
+def _bounded(mode, table, idx, seq_lens, ext, n, page_size, budget, *, dests=1, topk=64, **knobs):
+    """Reference and ``dests`` poisoned buffer sets written by one bounded call."""
+    ref = reference_metadata(mode, table, idx, seq_lens, index_topk=topk, page_size=page_size,
+                             num_draft_tokens=n, extend_seq_lens=ext)
+    alloc = knobs.pop("alloc", {})
+    made = [poisoned_buffers(mode, seq_lens.shape[0], table.shape[1], page_size, table.device,
+                             num_draft_tokens=n, rows=ref.rows, **alloc) for _ in range(dests)]
+    gots = [g for g, _ in made]
     bounded_metadata(mode, table, idx, seq_lens, gots if dests > 1 else gots[0], index_topk=topk,
-                     page_size=page_size, num_draft_tokens=n, extend_seq_lens=ext, budget=budget)
-    return want, gots
+                     page_size=page_size, num_draft_tokens=n, extend_seq_lens=ext, budget=budget, **knobs)
+    assert all(a.outside_untouched() for _, arenas in made for a in arenas), "wrote outside the buffers"
+    return ref, gots
 
 
 def _assert_tail_untouched(got: MetadataBuffers, mode, seq_lens, n, ext):
-    """Columns past the tile-rounded live prefix keep the poison."""
+    """Columns past the tile-rounded live prefix keep the poison; columns inside were written."""
     owner, _ = expanded_lengths(mode, seq_lens, n, ext)
     live = live_lengths(mode, seq_lens, n)[owner]
     rounded = torch.clamp((live + TILE - 1) // TILE * TILE, max=got.width)
     cols = torch.arange(got.width, device=seq_lens.device)
     past = cols[None, :] >= rounded[:, None]
-    assert (got.page_table_1[past] == POISON).all()
-    inside = ~past
-    assert (got.page_table_1[inside] != POISON).all()
+    assert (got.page_table_1[past] == WRITE_POISON).all()
+    assert (got.page_table_1[~past] != WRITE_POISON).all()
     if got.real_page_table is not None:
         P = got.page_size
         real_cols = torch.arange(got.real_page_table.shape[1], device=seq_lens.device)
         real_past = real_cols[None, :] * P >= rounded[:, None]
-        assert (got.real_page_table[real_past] == POISON).all()
-        assert (got.real_page_table[~real_past] != POISON).all()
+        assert (got.real_page_table[real_past] == WRITE_POISON).all()
+        assert (got.real_page_table[~real_past] != WRITE_POISON).all()
 
 
 @pytest.mark.parametrize("mode,n,variable", CASES)
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("width,batch,budget,dtype", [(450, 13, 40, torch.int32), (129, 3, 1, torch.int64),
                                                      (200, 16, 3, torch.int32)])
-def test_bounded_matches_context_wide(device, mode, n, variable, page_size, width, batch, budget, dtype):
-    table = make_table(7, width, device, seed=width)
+def test_bounded_matches_reference(device, mode, n, variable, page_size, width, batch, budget, dtype):
+    table = poisoned_table(7, width, device, seed=width)
     idx, seq_lens, ext = make_batch(mode, batch, width, 7, n, device, seed=batch, dtype=dtype,
                                     variable=variable)
-    want, (got,) = _both(mode, table, idx, seq_lens, ext, n, page_size, budget)
-    assert_contract_equal(got, want, mode, seq_lens, n, ext)
+    ref, (got,) = _bounded(mode, table, idx, seq_lens, ext, n, page_size, budget)
+    assert_contract_equal(got, ref, mode, seq_lens, n, ext)
     _assert_tail_untouched(got, mode, seq_lens, n, ext)
 
 
+@pytest.mark.parametrize("mode,n,variable", CASES)
+def test_bounded_matches_context_wide(device, mode, n, variable):
+    table = make_table(7, 333, device, seed=2)
+    idx, seq_lens, ext = make_batch(mode, 9, 333, 7, n, device, seed=5, variable=variable)
+    _, (got,) = _bounded(mode, table, idx, seq_lens, ext, n, 64, 20)
+    want = MetadataBuffers.allocate(mode, 9, 333, 64, device, num_draft_tokens=n, rows=got.rows)
+    context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=64, page_size=64, num_draft_tokens=n,
+                          extend_seq_lens=ext)
+    assert_contract_equal(got, want, mode, seq_lens, n, ext)
+
+
 @pytest.mark.parametrize("dests", [2, 4, 5])
-def test_several_destinations_in_one_call(device, dests):
-    mode, n = Mode.DECODE, 1
+@pytest.mark.parametrize("mode,n,variable", [(Mode.DECODE, 1, False), (Mode.DRAFT_EXTEND, 3, True)])
+def test_several_destinations_in_one_call(device, dests, mode, n, variable):
     table = make_table(5, 333, device)
-    idx, seq_lens, _ = make_batch(mode, 6, 333, 5, n, device)
-    want, gots = _both(mode, table, idx, seq_lens, None, n, 64, 9, dests=dests)
+    idx, seq_lens, ext = make_batch(mode, 6, 333, 5, n, device, variable=variable)
+    ref, gots = _bounded(mode, table, idx, seq_lens, ext, n, 64, 9, dests=dests)
     for got in gots:
-        assert_contract_equal(got, want, mode, seq_lens, n)
-        _assert_tail_untouched(got, mode, seq_lens, n, None)
+        assert_contract_equal(got, ref, mode, seq_lens, n, ext)
+        _assert_tail_untouched(got, mode, seq_lens, n, ext)
 
 
 def test_replay_with_new_lengths_rewrites_live_prefix(device):
     """Longer then shorter lengths into the same buffers: the live prefix is always current."""
     mode, n, W = Mode.TARGET_VERIFY, 3, 400
-    table = make_table(6, W, device)
     out = MetadataBuffers.allocate(mode, 4, W, 64, device, num_draft_tokens=n)
     ptrs = [t.data_ptr() for t in out.tensors()]
     idx = torch.tensor([5, 2, 2, 0], device=device)
     for lengths in ([10, 1, 300, 64], [397, 129, 0, 1], [5, 5, 5, 5]):
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
         table = make_table(6, W, device, seed=sum(lengths))
-        want = MetadataBuffers.allocate(mode, 4, W, 64, device, num_draft_tokens=n)
-        context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=16, page_size=64, num_draft_tokens=n)
         bounded_metadata(mode, table, idx, seq_lens, out, index_topk=16, page_size=64, num_draft_tokens=n, budget=6)
+        want = reference_metadata(mode, table, idx, seq_lens, index_topk=16, page_size=64, num_draft_tokens=n)
         assert_contract_equal(out, want, mode, seq_lens, n)
     assert [t.data_ptr() for t in out.tensors()] == ptrs
 
 
-@pytest.mark.parametrize("ext", [[1, 0, 2], [4, 4, 4]])
-def test_variable_extend_wrong_row_total_stays_in_bounds(device, ext):
-    """sum(extend_seq_lens) != rows is a precondition checked only with check=True; without the
-    check neither kernel reads or writes out of bounds (rows past the sum get length 0)."""
-    table = make_table(3, 256, device)
-    idx = torch.tensor([0, 1, 2], device=device)
-    seq_lens = torch.tensor([100, 5, 200], dtype=torch.int32, device=device)
-    ext = torch.tensor(ext, dtype=torch.int32, device=device)
-    for kernel in (context_wide_metadata, bounded_metadata):
-        out = MetadataBuffers.allocate(Mode.DRAFT_EXTEND, 3, 256, 64, device, rows=6)
-        with pytest.raises(ValueError, match="sum\\(extend_seq_lens\\)"):
-            kernel(Mode.DRAFT_EXTEND, table, idx, seq_lens, out, index_topk=64, page_size=64, extend_seq_lens=ext)
-        kernel(Mode.DRAFT_EXTEND, table, idx, seq_lens, out, index_topk=64, page_size=64,
-               extend_seq_lens=ext, check=False)
-        total = int(ext.sum())
-        if total < 6:
-            assert out.seqlens_expanded[total:].tolist() == [0] * (6 - total)
+def test_num_splits_bounds_the_grid():
+    """Programs per request stay in [1, 256] and the copy programs of a launch within the budget
+    (or one per request when the budget is smaller than the batch)."""
+    for batch in (1, 2, 3, 16, 64, 255, 256, 257, 4096):
+        for budget in (1, 7, 100, 2048, 10**6):
+            splits = num_splits(batch, budget)
+            assert 1 <= splits <= MAX_SPLITS
+            assert batch * splits <= max(budget, batch)
+            assert splits == MAX_SPLITS or batch * (splits + 1) > budget  # no budget left unused
 
 
-def test_num_splits_depends_only_on_batch_and_budget():
-    assert num_splits(1, 2048) == 256
-    assert num_splits(16, 2048) == 128
-    assert num_splits(64, 2048) == 32
-    assert num_splits(4096, 2048) == 1
-    assert num_splits(3, 7) == 2
-
-
-@pytest.mark.parametrize("block_cols", [128, 256])
-def test_block_size_does_not_change_what_is_written(device, block_cols):
+@pytest.mark.parametrize("block_cols,num_warps,row_align", [(128, 4, 1), (256, 2, 1), (512, 4, 4), (128, 1, 16)])
+def test_knobs_do_not_change_what_is_written(device, block_cols, num_warps, row_align):
     mode, n = Mode.TARGET_VERIFY, 2
-    table = make_table(4, 600, device)
+    table = poisoned_table(4, 600, device)
     idx, seq_lens, _ = make_batch(mode, 5, 600, 4, n, device)
-    want = MetadataBuffers.allocate(mode, 5, 600, 64, device, num_draft_tokens=n)
-    context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=64, page_size=64, num_draft_tokens=n)
-    got = MetadataBuffers.allocate(mode, 5, 600, 64, device, num_draft_tokens=n)
-    for t in got.tensors():
-        t.fill_(POISON)
-    bounded_metadata(mode, table, idx, seq_lens, got, index_topk=64, page_size=64, num_draft_tokens=n,
-                     budget=10, block_cols=block_cols)
-    assert_contract_equal(got, want, mode, seq_lens, n)
+    ref, (got,) = _bounded(mode, table, idx, seq_lens, None, n, 64, 10, block_cols=block_cols,
+                           num_warps=num_warps, alloc=dict(row_align=row_align))
+    assert_contract_equal(got, ref, mode, seq_lens, n)
     _assert_tail_untouched(got, mode, seq_lens, n, None)
 
 
-def test_bad_budget_and_mismatched_destinations(device):
+def test_bad_knobs_and_mismatched_destinations(device):
     table = make_table(2, 128, device)
     idx = torch.tensor([0], device=device)
     s = torch.tensor([5], dtype=torch.int32, device=device)
     out = MetadataBuffers.allocate(Mode.DECODE, 1, 128, 64, device)
-    with pytest.raises(ValueError, match="budget must be >= 1"):
+    with pytest.raises(ValueError, match="^budget must be >= 1, got 0$"):
         bounded_metadata(Mode.DECODE, table, idx, s, out, index_topk=8, page_size=64, budget=0)
-    with pytest.raises(ValueError, match="block_cols must be a power of two >= 128"):
+    with pytest.raises(ValueError, match="^block_cols must be a power of two >= 128, got 96$"):
         bounded_metadata(Mode.DECODE, table, idx, s, out, index_topk=8, page_size=64, block_cols=96)
+    with pytest.raises(ValueError, match="^num_warps must be a power of two >= 1, got 3$"):
+        bounded_metadata(Mode.DECODE, table, idx, s, out, index_topk=8, page_size=64, num_warps=3)
     other = MetadataBuffers.allocate(Mode.DECODE, 1, 256, 64, device)
-    with pytest.raises(ValueError, match=r"out\[1\] does not match out\[0\]"):
+    with pytest.raises(ValueError, match=r"^out\[1\] does not match out\[0\] \(mode, page size, shapes, strides, device\)$"):
         bounded_metadata(Mode.DECODE, table, idx, s, [out, other], index_topk=8, page_size=64)
-    with pytest.raises(ValueError, match="extend_seq_lens is only for draft extend"):
+    with pytest.raises(ValueError, match="^extend_seq_lens is only for draft extend, not decode$"):
         bounded_metadata(Mode.DECODE, table, idx, s, out, index_topk=8, page_size=64, extend_seq_lens=s)
+    with pytest.raises(ValueError, match="^out: at least one MetadataBuffers is required$"):
+        bounded_metadata(Mode.DECODE, table, idx, s, [], index_topk=8, page_size=64)
 
 
 # ---------------------------------------------------------------- GPU: full width, graphs, int64
@@ -161,13 +150,17 @@ FULL_W = 1_048_576 + 4 + 6  # 1M context with EAGLE 5/1/6
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,n,variable", CASES)
-@pytest.mark.parametrize("batch", [1, 5, 16, 64])
+@pytest.mark.parametrize("batch", [1, 5, 16, 64, 256])
 def test_gpu_full_width(mode, n, variable, batch):
     device = torch.device("cuda")
     table = make_table(batch + 3, FULL_W, device, seed=batch)
     idx, seq_lens, ext = make_batch(mode, batch, FULL_W, batch + 3, n, device, seed=batch, variable=variable)
-    want, gots = _both(mode, table, idx, seq_lens, ext, n, 64, 2048, dests=2)
+    ref, gots = _bounded(mode, table, idx, seq_lens, ext, n, 64, 2048, dests=2)
+    want = MetadataBuffers.allocate(mode, batch, FULL_W, 64, device, num_draft_tokens=n, rows=ref.rows)
+    context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=64, page_size=64, num_draft_tokens=n,
+                          extend_seq_lens=ext)
     for got in gots:
+        assert_contract_equal(got, ref, mode, seq_lens, n, ext)
         assert_contract_equal(got, want, mode, seq_lens, n, ext)
         _assert_tail_untouched(got, mode, seq_lens, n, ext)
 
@@ -187,7 +180,7 @@ def test_gpu_graph_replay_new_lengths_no_recompile(mode, n):
 
     def launch():
         bounded_metadata(mode, table, idx, seq_lens, out, index_topk=2048, page_size=64,
-                         num_draft_tokens=n, check=False)
+                         num_draft_tokens=n, check_values=False)
 
     launch()
     torch.cuda.synchronize()
@@ -204,6 +197,26 @@ def test_gpu_graph_replay_new_lengths_no_recompile(mode, n):
         context_wide_metadata(mode, table, idx, seq_lens, want, index_topk=2048, page_size=64, num_draft_tokens=n)
         assert_contract_equal(out, want, mode, seq_lens, n)
     assert len(_bounded_kernel.device_caches[device.index or 0][0]) == compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,n,variable", CASES)
+@pytest.mark.parametrize("block_cols,num_warps", [(512, 4), (256, 2), (1024, 4)])
+def test_gpu_vector_rows(mode, n, variable, block_cols, num_warps):
+    """16-byte aligned rows (table stride and row_align a multiple of 4) with blocks wide enough
+    for 16-byte vectors: the same contract region, the same untouched tails."""
+    device = torch.device("cuda")
+    batch, pool = 16, 19
+    table = torch.empty(pool, FULL_W + 2, dtype=torch.int32, device=device)[:, :FULL_W]
+    table.copy_(make_table(pool, FULL_W, device, seed=3))
+    lengths = [65536, 65536 + 5, 1, 0, 127, 128, 129, FULL_W - n] * 2
+    idx, seq_lens, ext = make_batch(mode, batch, FULL_W, pool, n, device, seed=9, lengths=lengths, variable=variable)
+    ref, gots = _bounded(mode, table, idx, seq_lens, ext, n, 64, 2048, dests=2, block_cols=block_cols,
+                         num_warps=num_warps, alloc=dict(row_align=4))
+    for got in gots:
+        assert got.page_table_1.stride(0) % 4 == 0
+        assert_contract_equal(got, ref, mode, seq_lens, n, ext)
+        _assert_tail_untouched(got, mode, seq_lens, n, ext)
 
 
 @pytest.mark.gpu

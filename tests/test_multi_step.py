@@ -7,7 +7,7 @@ launch runs under the interpreter; the gpu-marked tests use a 1M-token table and
 import pytest
 import torch
 
-from dsaspec.attention import dsa_backend, multi_step
+from dsaspec.attention import dsa_backend
 from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
 from dsaspec.attention.multi_step import (ONE_LAUNCH, PER_STEP, PRECOMPUTE_AND_COPY,
                                           DSAMultiStepDraftBackend, steps_running_indexer)
@@ -68,8 +68,8 @@ def test_one_launch_matches_precompute_and_copies(num_step_backends):
     ptrs = [[t.data_ptr() for t in b.tensors()] for b in new.capture(bs)]
     for seed, lengths in enumerate([[611, 129, 0, 1], [64, 65, 300, 1], [128, 127, 63, 1]]):
         rpi, sl = batch(lengths, seed)
-        got = new.replay(bs, rpi, sl, check=True)
-        base = old.replay(bs, rpi, sl, check=True)
+        got = new.replay(bs, rpi, sl, check_values=True)
+        base = old.replay(bs, rpi, sl, check_values=True)
         want = reference_metadata(Mode.DECODE, table, rpi, sl, index_topk=K, page_size=P)
         assert len(got) == len(base) == num_step_backends
         assert len({id(b) for b in got}) == num_step_backends  # distinct buffer sets
@@ -79,15 +79,47 @@ def test_one_launch_matches_precompute_and_copies(num_step_backends):
     assert [[t.data_ptr() for t in b.tensors()] for b in new.capture(bs)] == ptrs
 
 
-def test_one_launch_is_one_kernel_call_per_four_step_backends(monkeypatch):
+@pytest.fixture
+def launches():
+    """(kernel name, NUM_DEST) of every real launch of a metadata kernel, through Triton's
+    pre-run hooks (called by the JIT launcher on GPU and by the interpreter on CPU)."""
+    from dsaspec.ops import draft_decode_metadata, dsa_metadata, dsa_metadata_bounded
+
+    kernels = [dsa_metadata_bounded._bounded_kernel, dsa_metadata._context_wide_kernel,
+               draft_decode_metadata._copy_kernel]
     seen = []
-    monkeypatch.setattr(multi_step, "draft_decode_metadata",
-                        lambda *args, **kw: seen.append([id(o) for o in args[3]]))
+    hooks = []
+    for kernel in kernels:
+        def hook(*args, _name=kernel.__name__, **kwargs):
+            seen.append((_name, kwargs.get("NUM_DEST")))
+        kernel.pre_run_hooks.append(hook)
+        hooks.append((kernel, hook))
+    yield seen
+    for kernel, hook in hooks:
+        kernel.pre_run_hooks.remove(hook)
+
+
+@pytest.mark.parametrize("num_step_backends,want", [
+    (2, [("_bounded_kernel", 2)]),
+    (4, [("_bounded_kernel", 4)]),
+    (5, [("_bounded_kernel", 4), ("_bounded_kernel", 1)]),
+])
+def test_one_launch_is_one_kernel_launch_per_four_step_backends(launches, num_step_backends, want):
     table = make_table(POOL, W_CPU, "cpu")
-    m = multi(table, 6, BOUNDED)
+    m = multi(table, num_step_backends + 1, BOUNDED)
     m.capture(4)
     m.replay(4, *batch([5, 6, 7, 1]), seeded=True)
-    assert seen == [[id(b) for b in m.capture(4)]]
+    assert launches == want
+
+
+def test_precompute_and_copy_launches(launches):
+    """The baseline: one context-wide kernel, one 3-destination copy, one copy per further backend."""
+    table = make_table(POOL, W_CPU, "cpu")
+    m = multi(table, 6, CONTEXT_WIDE)
+    m.capture(4)
+    m.replay(4, *batch([5, 6, 7, 1]), seeded=True)
+    assert launches == [("_context_wide_kernel", None), ("_copy_kernel", 3), ("_copy_kernel", 1),
+                        ("_copy_kernel", 1)]
 
 
 # ---------------------------------------------------------------- the gate
@@ -116,7 +148,7 @@ def test_gate_mismatched_tables_fall_back_per_step(mismatch):
     m.capture(4)
     assert m.path(4) == PER_STEP and "step backend 2" in m.path_reason(4)
     rpi, sl = batch([300, 2, 129, 1])
-    for step, out in zip(steps, m.replay(4, rpi, sl, check=True)):
+    for step, out in zip(steps, m.replay(4, rpi, sl, check_values=True)):
         want = reference_metadata(Mode.DECODE, step.req_to_token, rpi, sl, index_topk=step.index_topk,
                                   page_size=step.page_size)
         assert_contract_equal(out, want, Mode.DECODE, sl)
@@ -129,6 +161,20 @@ def test_gate_mixed_kernels_use_precompute():
     m = DSAMultiStepDraftBackend(steps)
     m.capture(4)
     assert m.path(4) == PRECOMPUTE_AND_COPY and "step backend 1" in m.path_reason(4)
+
+
+@pytest.mark.parametrize("kernel,path", [(BOUNDED, ONE_LAUNCH), (CONTEXT_WIDE, PER_STEP)])
+def test_padded_rows(kernel, path):
+    """row_align pads the page-table rows: the bounded one launch writes them; the baseline's
+    whole-buffer copy cannot, so the context-wide backends write per step."""
+    table = make_table(POOL, W_CPU, "cpu")
+    m = multi(table, 3, kernel, row_align=4)
+    outs = m.capture(4)
+    assert m.path(4) == path and outs[0].page_table_1.stride(0) % 4 == 0
+    rpi, sl = batch([611, 3, 200, 1])
+    want = reference_metadata(Mode.DECODE, table, rpi, sl, index_topk=K, page_size=P)
+    for out in m.replay(4, rpi, sl, check_values=True):
+        assert_contract_equal(out, want, Mode.DECODE, sl)
 
 
 @pytest.mark.gpu
@@ -177,25 +223,19 @@ def test_which_steps_refresh_schedule(monkeypatch, schedule_calls, kernel, flag,
 
 # ---------------------------------------------------------------- shared buffer set
 
-@pytest.mark.parametrize("kernel", [BOUNDED, CONTEXT_WIDE])
-def test_shared_buffers_single_destination(monkeypatch, schedule_calls, kernel):
+@pytest.mark.parametrize("kernel,want", [
+    (BOUNDED, [("_bounded_kernel", 1)]),
+    (CONTEXT_WIDE, [("_context_wide_kernel", None), ("_copy_kernel", 1)]),
+])
+def test_shared_buffers_single_destination(schedule_calls, launches, kernel, want):
     table = make_table(POOL, W_CPU, "cpu")
     m = multi(table, 5, kernel, share_buffers=True, index_share=False)
     outs = m.capture(4)
     assert all(o is outs[0] for o in outs)
     assert all(s.schedule(4, Mode.DECODE) is m.step_backends[0].schedule(4, Mode.DECODE) for s in m.step_backends)
-    op = "draft_decode_metadata" if kernel == BOUNDED else "precompute_and_copy"
-    real = getattr(multi_step, op)
-    destinations = []
-
-    def recording(*args, **kw):
-        destinations.append(len(args[-1]))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(multi_step, op, recording)
     rpi, sl = batch([611, 3, 200, 1])
-    got = m.replay(4, rpi, sl, check=True)
-    assert destinations == [1]
+    got = m.replay(4, rpi, sl, check_values=True)
+    assert launches == want
     assert len(schedule_calls) == 1  # one shared schedule, refreshed once
     assert_contract_equal(got[0], reference_metadata(Mode.DECODE, table, rpi, sl, index_topk=K, page_size=P),
                           Mode.DECODE, sl)
@@ -221,7 +261,7 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="at least one step backend"):
         DSAMultiStepDraftBackend([])
     with pytest.raises(ValueError, match="seq_len = 700 exceeds the page-table width"):
-        m.replay(4, rpi, torch.tensor([700, 1, 1, 1], dtype=torch.int32), check=True)
+        m.replay(4, rpi, torch.tensor([700, 1, 1, 1], dtype=torch.int32), check_values=True)
 
 
 # ---------------------------------------------------------------- GPU, 1M-token table
@@ -242,8 +282,8 @@ def test_one_launch_matches_precompute_1m(num_step_backends):
         new.capture(bs)
         old.capture(bs)
         rpi, sl = batch(lengths, bs, "cuda")
-        got = new.replay(bs, rpi, sl, check=True)
-        base = old.replay(bs, rpi, sl, check=True)
+        got = new.replay(bs, rpi, sl, check_values=True)
+        base = old.replay(bs, rpi, sl, check_values=True)
         torch.cuda.synchronize()
         for g, b in zip(got, base):
             assert_contract_equal(g, b, Mode.DECODE, sl)
@@ -293,10 +333,3 @@ def test_bench_draft_metadata_cpu_checks_identity(tmp_path):
     assert draft_metadata.run(parser.parse_args(["--step-backends", "2", "--out", str(tmp_path)])) == 0
     rows = json.loads((tmp_path / "draft_metadata.json").read_text())["rows"]
     assert len(rows) == 4 and all(r["bit_identical"] for r in rows)
-
-
-def test_bench_floor_bytes():
-    from dsaspec.bench.draft_metadata import floor_bytes
-
-    # bs 2, live 100: read 2*100 ints; per destination 200 + 2*cdiv(100, 64) + 4*2 + 2 ints
-    assert floor_bytes(2, 100, 3) == 4 * (200 + 3 * (200 + 4 + 10))

@@ -9,10 +9,10 @@ Batches above the largest bucket go through :meth:`~DSAAttnBackend.eager`, whose
 as wide as the longest live row.
 
 Kernel selection (:attr:`DSAAttnBackend.kernel`, with :attr:`DSAAttnBackend.kernel_reason`): the
-live-bounded kernels when ``req_to_token`` is on CUDA, ``DSASPEC_BOUNDED_REPLAY_METADATA`` is on,
-``index_kpool == 1`` and no kpool metadata fusion is asked for; the context-wide kernels (what
-engines run today) otherwise. dsaspec implements no kpool-aware metadata: with ``index_kpool > 1``
-the backend keeps the baseline kernels, whose ``dsa_cache_seqlens`` are ``min(L, index_topk)``.
+live-bounded kernels when ``req_to_token`` is on CUDA and ``DSASPEC_BOUNDED_REPLAY_METADATA`` is on;
+the context-wide kernels (what engines run today) otherwise. dsaspec implements no kpool-aware
+metadata (``dsa_cache_seqlens`` is ``min(L, index_topk)``), so ``index_kpool > 1`` and kpool
+metadata fusion are rejected at construction instead of getting lengths that are not kpool-aware.
 """
 
 from __future__ import annotations
@@ -42,21 +42,16 @@ def as_mode(mode: Mode | str) -> Mode:
         raise ValueError(f"mode must be one of {accepted}; got {mode!r}") from None
 
 
-def select_kernel(*, on_cuda: bool, bounded_enabled: bool, index_kpool: int,
-                  kpool_metadata_fusion: bool) -> tuple[str, str]:
+def select_kernel(*, on_cuda: bool, bounded_enabled: bool) -> tuple[str, str]:
     """Which metadata kernels a backend uses, and why: ``(BOUNDED | CONTEXT_WIDE, reason)``.
 
-    Bounded iff ``on_cuda and bounded_enabled and index_kpool == 1 and not kpool_metadata_fusion``.
+    Bounded iff ``on_cuda and bounded_enabled``.
     """
     if not bounded_enabled:
         return CONTEXT_WIDE, "DSASPEC_BOUNDED_REPLAY_METADATA=0 (kill switch off)"
     if not on_cuda:
         return CONTEXT_WIDE, "req_to_token is not on a CUDA device"
-    if index_kpool != 1:
-        return CONTEXT_WIDE, f"index_kpool={index_kpool} > 1 keeps the baseline kernels (no kpool fusion here)"
-    if kpool_metadata_fusion:
-        return CONTEXT_WIDE, "kpool metadata fusion requested: not implemented, baseline kernels kept"
-    return BOUNDED, "CUDA, DSASPEC_BOUNDED_REPLAY_METADATA on, index_kpool == 1, no kpool metadata fusion"
+    return BOUNDED, "CUDA and DSASPEC_BOUNDED_REPLAY_METADATA on"
 
 
 def check_index_tensor(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -81,12 +76,15 @@ class DSAAttnBackend:
     page_size : P, real page size (64); 1 means no ``real_page_table``.
     num_draft_tokens : N, rows per request in target verify and draft extend.
     bucket_sizes : captured batch buckets; :meth:`capture` accepts only these.
-    index_kpool, kpool_metadata_fusion : kpool geometry; either one off its default selects the
-        context-wide kernels (see :func:`select_kernel`).
+    index_kpool, kpool_metadata_fusion : kpool geometry. Not implemented: anything but
+        ``index_kpool=1`` and ``kpool_metadata_fusion=False`` raises (the metadata written here is
+        not kpool-aware).
     num_sms : SMs the indexer schedule splits the KV blocks over (default: the device's count,
         132 off-GPU); the schedule buffers are ``[num_sms + 1, 2]``.
     budget : program budget of the bounded kernels (default ``DSASPEC_METADATA_BUDGET``); fixed
         here because the bounded grid depends on it and must not change between capture and replay.
+    row_align : the static page tables' rows are padded to a multiple of this many columns
+        (``MetadataBuffers.allocate``; 4 = 16-byte aligned rows, a tuning knob of the bounded kernel).
     force_kernel : for tests and benchmarks only: ``"bounded"`` or ``"context_wide"`` overrides the
         selection (e.g. to run the bounded kernels under the CPU interpreter).
     group_verify_rows : the indexer reads each key block once for the N target-verify rows of a
@@ -101,7 +99,7 @@ class DSAAttnBackend:
     def __init__(self, req_to_token: torch.Tensor, *, index_topk: int, page_size: int = 64,
                  num_draft_tokens: int = 1, bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
                  index_kpool: int = 1, kpool_metadata_fusion: bool = False,
-                 num_sms: int | None = None, budget: int | None = None,
+                 num_sms: int | None = None, budget: int | None = None, row_align: int = 1,
                  force_kernel: str | None = None, group_verify_rows: bool = True):
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2 or req_to_token.dtype != torch.int32:
             got = (f"{req_to_token.dtype} {tuple(req_to_token.shape)}" if isinstance(req_to_token, torch.Tensor)
@@ -111,6 +109,11 @@ class DSAAttnBackend:
                             ("num_draft_tokens", num_draft_tokens), ("index_kpool", index_kpool)):
             if int(value) != value or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if index_kpool != 1:
+            raise ValueError(f"index_kpool={index_kpool}: kpool-aware metadata is not implemented "
+                             "(dsa_cache_seqlens would be min(L, index_topk), not kpool-aware); use index_kpool=1")
+        if kpool_metadata_fusion:
+            raise ValueError("kpool_metadata_fusion=True: kpool metadata fusion is not implemented")
         buckets = tuple(sorted(set(int(b) for b in bucket_sizes)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"bucket_sizes must be non-empty positive integers, got {tuple(bucket_sizes)}")
@@ -128,12 +131,14 @@ class DSAAttnBackend:
         self.bucket_sizes = buckets
         self.num_sms = int(num_sms)
         self.budget = flags.metadata_program_budget() if budget is None else int(budget)
+        if int(row_align) != row_align or row_align < 1:
+            raise ValueError(f"row_align must be an integer >= 1, got {row_align!r}")
+        self.row_align = int(row_align)
         if self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {budget}")
         if force_kernel is None:
             self.kernel, self.kernel_reason = select_kernel(
-                on_cuda=req_to_token.is_cuda, bounded_enabled=flags.bounded_replay_metadata(),
-                index_kpool=index_kpool, kpool_metadata_fusion=kpool_metadata_fusion)
+                on_cuda=req_to_token.is_cuda, bounded_enabled=flags.bounded_replay_metadata())
         else:
             self.kernel, self.kernel_reason = force_kernel, f"force_kernel={force_kernel!r} (tests/benchmarks only)"
         self.group_verify_rows = group_verify_rows
@@ -177,7 +182,8 @@ class DSAAttnBackend:
             self._schedules[key] = share_from.schedule(bs, mode)
         else:
             self._buffers[key] = MetadataBuffers.allocate(mode, bs, self.width, self.page_size, self.device,
-                                                          num_draft_tokens=self.num_draft_tokens)
+                                                          num_draft_tokens=self.num_draft_tokens,
+                                                          row_align=self.row_align)
             self._schedules[key] = torch.zeros(self.num_sms + 1, 2, dtype=torch.int32, device=self.device)
         return self._buffers[key]
 
@@ -203,15 +209,17 @@ class DSAAttnBackend:
 
     def write_metadata(self, mode: Mode | str, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                        out: MetadataBuffers, extend_seq_lens: torch.Tensor | None = None, *,
-                       check: bool = False, req_to_token: torch.Tensor | None = None) -> MetadataBuffers:
+                       check_values: bool = False, req_to_token: torch.Tensor | None = None) -> MetadataBuffers:
         """Write the ``mode`` metadata of the batch into ``out`` with the selected kernel.
 
         ``req_to_token`` overrides the table (the eager path passes a column prefix of it).
-        ``check`` runs the kernels' value checks, which read device data (not graph-safe).
+        ``check_values`` runs the kernels' precondition checks, which read device data (not
+        graph-safe); the preconditions, and what the kernels do when they are violated unchecked,
+        are in :func:`~dsaspec.ops.dsa_metadata_bounded.bounded_metadata`.
         """
         table = self.req_to_token if req_to_token is None else req_to_token
-        kwargs = dict(index_topk=self.index_topk, page_size=self.page_size,
-                      num_draft_tokens=self.num_draft_tokens, extend_seq_lens=extend_seq_lens, check=check)
+        kwargs = dict(index_topk=self.index_topk, page_size=self.page_size, num_draft_tokens=self.num_draft_tokens,
+                      extend_seq_lens=extend_seq_lens, check_values=check_values)
         if self.kernel == BOUNDED:
             bounded_metadata(mode, table, req_pool_indices, seq_lens, out, budget=self.budget, **kwargs)
         else:
@@ -236,7 +244,7 @@ class DSAAttnBackend:
 
     def replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: Mode | str,
                extend_seq_lens: torch.Tensor | None = None, *, refresh_schedule: bool = True,
-               check: bool = False) -> MetadataBuffers:
+               check_values: bool = False) -> MetadataBuffers:
         """Write the metadata of a ``bs``-bucket batch into the static buffers of ``(bs, mode)``.
 
         ``req_pool_indices``, ``seq_lens``: int32/int64 ``[bs]`` (padded rows: ``seq_lens = 1``,
@@ -245,8 +253,8 @@ class DSAAttnBackend:
         variable draft-extend form; the static buffers hold ``bs * N`` rows, so it must sum to
         ``bs * N`` (other totals go through :meth:`eager`). Writes the buffers of ``(bs, mode)``
         (live prefix of the page tables, every 1-D output) and, with ``refresh_schedule``, its
-        indexer schedule. No host sync and no allocation unless ``check`` (value checks that read
-        device data; not graph-safe).
+        indexer schedule. No host sync and no allocation unless ``check_values`` (the kernels'
+        precondition checks, which read device data; not graph-safe; see :meth:`write_metadata`).
         """
         mode = as_mode(mode)
         out = self.buffers(bs, mode)
@@ -254,7 +262,7 @@ class DSAAttnBackend:
         check_index_tensor("seq_lens", seq_lens, bs, self.device)
         if extend_seq_lens is not None:
             check_index_tensor("extend_seq_lens", extend_seq_lens, bs, self.device)
-        self.write_metadata(mode, req_pool_indices, seq_lens, out, extend_seq_lens, check=check)
+        self.write_metadata(mode, req_pool_indices, seq_lens, out, extend_seq_lens, check_values=check_values)
         if refresh_schedule:
             self.refresh_schedule(bs, mode)
         return out
@@ -287,7 +295,7 @@ class DSAAttnBackend:
         width = max(1, live_max)
         out = MetadataBuffers.allocate(mode, batch, width, self.page_size, self.device,
                                        num_draft_tokens=self.num_draft_tokens, rows=rows)
-        self.write_metadata(mode, req_pool_indices, seq_lens, out, extend_seq_lens, check=True,
+        self.write_metadata(mode, req_pool_indices, seq_lens, out, extend_seq_lens, check_values=True,
                             req_to_token=self.req_to_token[:, :width])
         schedule = torch.zeros(self.num_sms + 1, 2, dtype=torch.int32, device=self.device)
         self._write_schedule(out.seqlens_expanded, mode, schedule)

@@ -12,8 +12,9 @@ captured batch bucket the multi-step backend picks one of three ways to write it
 - ``precompute_and_copy`` (what engines do today, and what the kill switch restores): the
   context-wide decode kernel fills a full-width ``[bs, W]`` scratch, which is then copied whole into
   every step backend (one multi-destination copy for the first three, one copy per further one).
-- ``per_step``: the tables do not match, so no single write can serve them: every step backend
-  writes its own metadata with its own kernel.
+- ``per_step``: the tables do not match, so no single write can serve them (or the baseline's
+  whole-buffer copy cannot, because the page-table rows are padded): every step backend writes its
+  own metadata with its own kernel.
 
 Indexer schedules: on the baseline every step backend refreshes its schedule. With the kill switch
 on, only step backends that run the indexer refresh: none when the draft steps are seeded with the
@@ -130,6 +131,10 @@ class DSAMultiStepDraftBackend:
             not_bounded = [i for i, s in enumerate(self.step_backends) if s.kernel != BOUNDED]
             if not matched:
                 self._paths[bs] = (PER_STEP, why)
+            elif not_bounded and not all(t.is_contiguous() for t in first.buffers(bs, Mode.DECODE).tensors()):
+                self._paths[bs] = (PER_STEP, f"step backend {not_bounded[0]} uses the context-wide kernels and "
+                                   "the page-table rows are padded (row_align): the whole-buffer copy needs "
+                                   "contiguous tables")
             elif not_bounded:
                 i = not_bounded[0]
                 self._paths[bs] = (PRECOMPUTE_AND_COPY, f"step backend {i} uses the context-wide "
@@ -165,7 +170,7 @@ class DSAMultiStepDraftBackend:
         return steps_running_indexer(self.num_step_backends, index_share=self.index_share, seeded=seeded)
 
     def replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, *,
-               seeded: bool = False, check: bool = False) -> list[MetadataBuffers]:
+               seeded: bool = False, check_values: bool = False) -> list[MetadataBuffers]:
         """Write the decode metadata of a ``bs``-bucket batch into every step backend's static
         buffers, then refresh the schedules of :meth:`schedule_refresh_steps` (``seeded``: the draft
         steps carry the draft-extend top-k).
@@ -173,19 +178,21 @@ class DSAMultiStepDraftBackend:
         ``req_pool_indices``, ``seq_lens``: int32/int64 ``[bs]`` (committed lengths; padded rows 1).
         Writes each step backend's decode buffers of ``bs`` (live prefix of the page tables, every
         1-D output), the scratch on the baseline path, and the refreshed schedules. No host sync
-        unless ``check``. Returns the buffers in step order.
+        unless ``check_values`` (the kernels' precondition checks, see
+        :meth:`DSAAttnBackend.write_metadata`). Returns the buffers in step order.
         """
         path = self.path(bs)
         steps = self.step_backends
         outs = [step.buffers(bs, Mode.DECODE) for step in steps]
         if path == PER_STEP:
             for step in steps:
-                step.replay(bs, req_pool_indices, seq_lens, Mode.DECODE, refresh_schedule=False, check=check)
+                step.replay(bs, req_pool_indices, seq_lens, Mode.DECODE, refresh_schedule=False,
+                            check_values=check_values)
         else:
             first = steps[0]
             check_index_tensor("req_pool_indices", req_pool_indices, bs, first.device)
             check_index_tensor("seq_lens", seq_lens, bs, first.device)
-            kwargs = dict(index_topk=first.index_topk, page_size=first.page_size, check=check)
+            kwargs = dict(index_topk=first.index_topk, page_size=first.page_size, check_values=check_values)
             if path == ONE_LAUNCH:
                 draft_decode_metadata(first.req_to_token, req_pool_indices, seq_lens, unique_by_identity(outs),
                                       budget=first.budget, **kwargs)

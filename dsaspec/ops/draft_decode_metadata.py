@@ -18,9 +18,8 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.dsa_metadata import context_wide_metadata
-
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 
 COPY_BLOCK = 4096  # int32 elements per copy program (16 KiB)
 MAX_COPY_DESTINATIONS = 3
@@ -80,17 +79,19 @@ def copy_metadata(src: MetadataBuffers, dsts: Sequence[MetadataBuffers]) -> None
 def precompute_and_copy(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                         seq_lens: torch.Tensor, scratch: MetadataBuffers,
                         outs: Sequence[MetadataBuffers], *, index_topk: int, page_size: int,
-                        check: bool = True) -> None:
+                        check_values: bool = True) -> None:
     """Baseline: context-wide DECODE metadata into ``scratch`` (``[B, W]`` + real table), then copy
     it whole into ``outs``: one 3-destination copy, then one copy per remaining buffer set.
 
     ``scratch`` is preallocated by the caller (engines allocate it per replay; a captured graph
     cannot). Writes every buffer of ``scratch`` and of each ``outs[i]`` over the full width.
+    ``check_values``: the host-synced precondition checks of
+    :func:`~dsaspec.ops.dsa_metadata.context_wide_metadata` (what happens without them is stated there).
     """
     if not outs:
         raise ValueError("outs: at least one step backend buffer set is required")
     context_wide_metadata(Mode.DECODE, req_to_token, req_pool_indices, seq_lens, scratch,
-                          index_topk=index_topk, page_size=page_size, check=check)
+                          index_topk=index_topk, page_size=page_size, check_values=check_values)
     copy_metadata(scratch, outs[:MAX_COPY_DESTINATIONS])
     for out in outs[MAX_COPY_DESTINATIONS:]:
         copy_metadata(scratch, [out])
@@ -99,10 +100,12 @@ def precompute_and_copy(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
 def draft_decode_metadata(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                           seq_lens: torch.Tensor, outs: Sequence[MetadataBuffers], *,
                           index_topk: int, page_size: int, budget: int | None = None,
-                          check: bool = True) -> None:
+                          check_values: bool = True) -> None:
     """New path: live-bounded DECODE metadata written straight into every step backend's buffers,
-    one launch per four buffer sets (see :func:`dsaspec.ops.dsa_metadata_bounded.bounded_metadata`)."""
+    one launch per four buffer sets. Arguments, ``check_values`` and what happens without it: see
+    :func:`dsaspec.ops.dsa_metadata_bounded.bounded_metadata`."""
     if not outs:
         raise ValueError("outs: at least one step backend buffer set is required")
     bounded_metadata(Mode.DECODE, req_to_token, req_pool_indices, seq_lens, outs,
-                     index_topk=index_topk, page_size=page_size, budget=budget, check=check)
+                     index_topk=index_topk, page_size=page_size, budget=budget,
+                     check_values=check_values)

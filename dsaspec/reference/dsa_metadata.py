@@ -1,68 +1,110 @@
-"""Pure-PyTorch DSA replay metadata (docs/metadata-kernels.md): the spec both kernels are tested against."""
+"""Pure-PyTorch DSA replay metadata (docs/metadata-kernels.md): the contract both kernels are tested
+against, stated with plain torch ops (nothing here comes from ``dsaspec.ops``).
+
+For ``B`` requests with committed lengths ``s``, pool rows ``r`` and ``N`` draft tokens:
+
+- decode: one row per request, ``live = s``, ``seqlens_expanded = s``;
+- target verify: rows ``b*N + j`` (``j < N``), ``live = s + N``, ``seqlens_expanded = s + j + 1``;
+- draft extend: rows ``b*N + j``, or ``extend_seq_lens[b]`` consecutive rows per request when given,
+  ``live = s``, ``seqlens_expanded = max(s - n_b + j + 1, 0)`` with ``n_b`` the request's row count;
+- ``cache_seqlens = live``, ``cu_seqlens_k = [0, cumsum(live)]``,
+  ``dsa_cache_seqlens = min(seqlens_expanded, index_topk)``, ``dsa_cu_seqlens_k = [0, cumsum(dsa)]``;
+- ``page_table_1[row, c] = T[r[b], c]`` and ``real_page_table[row, c] = T[r[b], c*P] // P``.
+
+Consumers read ``page_table_1[row, :live)`` and ``real_page_table[row, :cdiv(live, P))`` only:
+that and the five 1-D outputs are the contract region.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
+DECODE, TARGET_VERIFY, DRAFT_EXTEND = "decode", "target_verify", "draft_extend"
+ONE_D_OUTPUTS = ("cache_seqlens", "cu_seqlens_k", "seqlens_expanded", "dsa_cache_seqlens", "dsa_cu_seqlens_k")
 
 
-def expanded_lengths(mode: Mode, seq_lens: torch.Tensor, num_draft_tokens: int = 1,
+def _mode(mode) -> str:
+    name = getattr(mode, "value", mode)
+    if name not in (DECODE, TARGET_VERIFY, DRAFT_EXTEND):
+        raise ValueError(f"mode must be one of {DECODE}, {TARGET_VERIFY}, {DRAFT_EXTEND}; got {mode!r}")
+    return name
+
+
+@dataclass
+class ReferenceMetadata:
+    """Every output of one replay as plain int32 tensors (``real_page_table`` is ``None`` when P = 1)."""
+
+    page_size: int
+    cache_seqlens: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seqlens_expanded: torch.Tensor
+    dsa_cache_seqlens: torch.Tensor
+    dsa_cu_seqlens_k: torch.Tensor
+    page_table_1: torch.Tensor
+    real_page_table: torch.Tensor | None
+
+    @property
+    def rows(self) -> int:
+        return self.page_table_1.shape[0]
+
+
+def expanded_lengths(mode, seq_lens: torch.Tensor, num_draft_tokens: int = 1,
                      extend_seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(request of each row, seqlens_expanded of each row), int64, for ``mode``."""
-    mode = Mode(mode)
+    mode = _mode(mode)
     s = seq_lens.long()
     B = s.shape[0]
-    if mode is Mode.DECODE:
-        return torch.arange(B, device=s.device), s.clone()
+    requests = torch.arange(B, device=s.device)
+    if mode == DECODE:
+        return requests, s.clone()
     if extend_seq_lens is not None:
-        ext = extend_seq_lens.long()
-        owner = torch.repeat_interleave(torch.arange(B, device=s.device), ext)
-        starts = torch.cumsum(ext, 0) - ext
-        local = torch.arange(owner.shape[0], device=s.device) - starts[owner]
-        return owner, torch.clamp(s[owner] - ext[owner] + local + 1, min=0)
-    N = num_draft_tokens
-    owner = torch.arange(B, device=s.device).repeat_interleave(N)
-    local = torch.arange(B * N, device=s.device) % N
-    if mode is Mode.TARGET_VERIFY:
-        return owner, s[owner] + local + 1
-    return owner, torch.clamp(s[owner] - N + local + 1, min=0)
+        rows_per_request = extend_seq_lens.long()
+    else:
+        rows_per_request = torch.full((B,), num_draft_tokens, dtype=torch.long, device=s.device)
+    owner = torch.repeat_interleave(requests, rows_per_request)
+    starts = torch.cumsum(rows_per_request, 0) - rows_per_request
+    j = torch.arange(owner.shape[0], device=s.device) - starts[owner]
+    if mode == TARGET_VERIFY:
+        return owner, s[owner] + j + 1
+    return owner, torch.clamp(s[owner] - rows_per_request[owner] + j + 1, min=0)
 
 
-def live_lengths(mode: Mode, seq_lens: torch.Tensor, num_draft_tokens: int = 1) -> torch.Tensor:
+def live_lengths(mode, seq_lens: torch.Tensor, num_draft_tokens: int = 1) -> torch.Tensor:
     """live(request): ``s + N`` for target verify, ``s`` otherwise (int64 ``[B]``)."""
-    return seq_lens.long() + (num_draft_tokens if Mode(mode) is Mode.TARGET_VERIFY else 0)
+    return seq_lens.long() + (num_draft_tokens if _mode(mode) == TARGET_VERIFY else 0)
 
 
-def reference_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+def _with_leading_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.new_zeros(1), torch.cumsum(x, 0)])
+
+
+def reference_metadata(mode, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                        seq_lens: torch.Tensor, *, index_topk: int, page_size: int,
                        num_draft_tokens: int = 1, extend_seq_lens: torch.Tensor | None = None,
-                       width: int | None = None) -> MetadataBuffers:
-    """Every output of ``mode`` over the full width, as new buffers (see MetadataBuffers)."""
-    mode = Mode(mode)
-    B = seq_lens.shape[0]
+                       width: int | None = None) -> ReferenceMetadata:
+    """Every output of ``mode`` over the full width (``width`` columns, default W; columns past W
+    are 0), as new int32 tensors."""
     W = req_to_token.shape[1]
+    width = W if width is None else width
     owner, expanded = expanded_lengths(mode, seq_lens, num_draft_tokens, extend_seq_lens)
-    out = MetadataBuffers.allocate(mode, B, width or W, page_size, req_to_token.device,
-                                   num_draft_tokens=num_draft_tokens, rows=owner.shape[0])
     cache = live_lengths(mode, seq_lens, num_draft_tokens)
-    out.cache_seqlens.copy_(cache)
-    out.cu_seqlens_k.copy_(torch.cat([cache.new_zeros(1), torch.cumsum(cache, 0)]))
-    if mode is not Mode.DECODE:
-        out.seqlens_expanded.copy_(expanded)
     dsa = torch.clamp(expanded, max=index_topk)
-    out.dsa_cache_seqlens.copy_(dsa)
-    out.dsa_cu_seqlens_k.copy_(torch.cat([dsa.new_zeros(1), torch.cumsum(dsa, 0)]))
-    rows = req_to_token[req_pool_indices.long()[owner]]
-    out.page_table_1[:, :W] = rows
-    if out.real_page_table is not None:
-        out.real_page_table[:, : -(-W // page_size)] = rows[:, ::page_size] // page_size
-    return out
+    table = torch.zeros(owner.shape[0], width, dtype=torch.int32, device=req_to_token.device)
+    table[:, :W] = req_to_token[req_pool_indices.long()[owner]]
+    real = None
+    if page_size > 1:
+        real = torch.zeros(owner.shape[0], -(-width // page_size), dtype=torch.int32, device=table.device)
+        real[:, : -(-W // page_size)] = table[:, :W:page_size] // page_size
+    i32 = lambda x: x.to(torch.int32)  # noqa: E731
+    return ReferenceMetadata(page_size=page_size, cache_seqlens=i32(cache), cu_seqlens_k=i32(_with_leading_zero(cache)),
+                             seqlens_expanded=i32(expanded), dsa_cache_seqlens=i32(dsa),
+                             dsa_cu_seqlens_k=i32(_with_leading_zero(dsa)), page_table_1=table, real_page_table=real)
 
 
-def contract_masks(mode: Mode, seq_lens: torch.Tensor, width: int, page_size: int,
-                   num_draft_tokens: int = 1, extend_seq_lens: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def contract_masks(mode, seq_lens: torch.Tensor, width: int, page_size: int, num_draft_tokens: int = 1,
+                   extend_seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Boolean masks of the contract region: ``page_table_1[row, :live)`` and
     ``real_page_table[row, :cdiv(live, P))`` for every metadata row."""
     owner, _ = expanded_lengths(mode, seq_lens, num_draft_tokens, extend_seq_lens)
@@ -75,24 +117,27 @@ def contract_masks(mode: Mode, seq_lens: torch.Tensor, width: int, page_size: in
     return pt_mask, real_cols[None, :] < (-(-live // page_size))[:, None]
 
 
-def assert_contract_equal(got: MetadataBuffers, want: MetadataBuffers, mode: Mode,
-                          seq_lens: torch.Tensor, num_draft_tokens: int = 1,
+def assert_contract_equal(got, want, mode, seq_lens: torch.Tensor, num_draft_tokens: int = 1,
                           extend_seq_lens: torch.Tensor | None = None) -> None:
-    """Assert bit-identity on the contract region: all 1-D outputs and the live page-table prefixes."""
-    names = ["cache_seqlens", "cu_seqlens_k", "seqlens_expanded", "dsa_cache_seqlens", "dsa_cu_seqlens_k"]
-    for name in names:
+    """Assert bit-identity on the contract region: the five 1-D outputs (values and int32 dtype)
+    and the live page-table prefixes. ``got`` and ``want``: anything with the attributes of
+    :class:`ReferenceMetadata` (kernel output buffers or the reference)."""
+    for name in ONE_D_OUTPUTS:
         a, b = getattr(got, name), getattr(want, name)
-        if not torch.equal(a.cpu(), b.cpu()):
-            raise AssertionError(f"{name} differs:\n got  {a.tolist()}\n want {b.tolist()}")
-    pt_mask, real_mask = contract_masks(mode, seq_lens, got.width, got.page_size, num_draft_tokens,
-                                        extend_seq_lens)
-    diff = (got.page_table_1 != want.page_table_1) & pt_mask
-    if diff.any():
-        r, c = diff.nonzero()[0].tolist()
-        raise AssertionError(f"page_table_1[{r}, {c}] = {int(got.page_table_1[r, c])}, want {int(want.page_table_1[r, c])}")
+        if a.dtype != torch.int32 or b.dtype != torch.int32 or not torch.equal(a.cpu(), b.cpu()):
+            raise AssertionError(f"{name} differs:\n got  {a.dtype} {a.tolist()}\n want {b.dtype} {b.tolist()}")
+    pt_mask, real_mask = contract_masks(mode, seq_lens, got.page_table_1.shape[1], got.page_size,
+                                        num_draft_tokens, extend_seq_lens)
+    checks = [("page_table_1", got.page_table_1, want.page_table_1, pt_mask)]
     if real_mask is not None:
-        diff = (got.real_page_table != want.real_page_table) & real_mask
+        checks.append(("real_page_table", got.real_page_table, want.real_page_table, real_mask))
+    for name, a, b, mask in checks:
+        if a.shape[0] != mask.shape[0] or b.shape[0] != mask.shape[0]:
+            raise AssertionError(f"{name} has {a.shape[0]} / {b.shape[0]} rows, the contract {mask.shape[0]}")
+        cols = min(a.shape[1], b.shape[1])
+        if mask[:, cols:].any():
+            raise AssertionError(f"{name} is narrower ({cols} columns) than the live prefix")
+        diff = (a[:, :cols] != b[:, :cols]) & mask[:, :cols]
         if diff.any():
             r, c = diff.nonzero()[0].tolist()
-            raise AssertionError(f"real_page_table[{r}, {c}] = {int(got.real_page_table[r, c])}, "
-                                 f"want {int(want.real_page_table[r, c])}")
+            raise AssertionError(f"{name}[{r}, {c}] = {int(a[r, c])}, want {int(b[r, c])}")
