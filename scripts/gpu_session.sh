@@ -13,10 +13,10 @@ for step in "$@"; do
     echo "== $step $(date +%T)"
     case $step in
         spec-tests)   python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 tests/test_spec_engine.py tests/test_row_invariant.py ;;
-        gpu-tests)    python3 -m pytest -q -m gpu -p no:cacheprovider -n 3 --dist loadfile tests ;;
+        gpu-tests)    python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --dist loadfile --timeout 420 tests ;;
         rowinv-bench) python3 scripts/bench_row_invariant.py --out "$OUT/row_invariant.json" ;;
         dsa-ops)      python3 -m dsaspec bench dsa-ops --out "$OUT" ;;
-        metadata)     python3 -m dsaspec bench metadata --out "$OUT" && python3 -m dsaspec bench draft-metadata --out "$OUT" ;;
+        metadata)     python3 -m dsaspec bench metadata --iters 100 --out "$OUT"; python3 -m dsaspec bench draft-metadata --iters 100 --out "$OUT" ;;
         e2e)          python3 -m dsaspec bench e2e --out "$OUT" ;;
         e2e-quick)    python3 -m dsaspec bench e2e --presets e2e --contexts 1048576,4096 --concurrency 1,8,32 \
                           --iterations 8 --runs 2 --accept 3.0 --out "$OUT" ;;
