@@ -391,8 +391,9 @@ def test_gpu_kill_switches_keep_tokens_and_acceptance(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_graph_and_eager_phases_agree():
     """The same iterations from CUDA graphs and eagerly (static buffers, no capture), and with the
-    batch above the largest bucket (eager metadata sized to the live lengths)."""
-    model = _gpu_model("tiny", row_invariant=False)
+    batch above the largest bucket (eager metadata sized to the live lengths, 5 rows instead of a
+    bucket of 8: row-invariant numerics, since cuBLAS gives a row other bits at another M)."""
+    model = _gpu_model("tiny", row_invariant=True)
     requests = _gpu_prompts(5, "tiny", seed=13)
     runs = []
     for graphs, buckets in ((True, (1, 2, 4, 8)), (False, (1, 2, 4, 8)), (True, (1, 2))):

@@ -152,8 +152,13 @@ class MetadataBuffers:
             return False
         return (self.mode == other.mode and self.page_size == other.page_size
                 and self.length_offsets() == other.length_offsets()
-                and all(a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-                        and a.device == b.device for a, b in zip(self.tensors(), other.tensors())))
+                and all(_layout(a) == _layout(b) for a, b in zip(self.tensors(), other.tensors())))
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What addressing a tensor depends on: shape, dtype, device and the strides of its dimensions
+    longer than 1 (a 0- or 1-long dimension's stride is never used, and torch leaves it arbitrary)."""
+    return t.shape, t.dtype, t.device, tuple(st for st, n in zip(t.stride(), t.shape) if n > 1)
 
 
 def validate_inputs(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
