@@ -234,3 +234,15 @@ def test_gpu_int64_offsets():
     assert torch.equal(out.page_table_1[-1], last)
     assert torch.equal(out.page_table_1[-n], last)
     assert torch.equal(out.real_page_table[-1], last[::64] // 64)
+
+
+def test_zero_row_variable_extend_into_two_destinations():
+    """A variable draft extend whose only request extends by 0 rows, written into two buffer sets
+    (the empty outputs' views have no data pointer: their layouts must still match)."""
+    table = make_table(4, 300, "cpu", seed=1)
+    idx, seq_lens = torch.tensor([1]), torch.tensor([0], dtype=torch.int32)
+    ext = torch.tensor([0], dtype=torch.int32)
+    ref, gots = _bounded(Mode.DRAFT_EXTEND, table, idx, seq_lens, ext, 5, 64, 8, dests=2)
+    for got in gots:
+        assert got.rows == 0
+        assert_contract_equal(got, ref, Mode.DRAFT_EXTEND, seq_lens, 5, ext)

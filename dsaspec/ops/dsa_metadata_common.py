@@ -140,9 +140,10 @@ class MetadataBuffers:
 
     def length_offsets(self) -> tuple[int, int, int, int]:
         """Element offsets of cu_seqlens_k, seqlens_expanded, dsa_cache_seqlens, dsa_cu_seqlens_k
-        inside ``lengths`` (cache_seqlens is at 0)."""
+        inside ``lengths`` (cache_seqlens is at 0). An empty output (0 rows) gets offset 0: no
+        element of it is ever addressed, and torch reports 0 as the data pointer of an empty view."""
         base = self.lengths.data_ptr()
-        return tuple((t.data_ptr() - base) // 4 for t in
+        return tuple((t.data_ptr() - base) // 4 if t.numel() else 0 for t in
                      (self.cu_seqlens_k, self.seqlens_expanded, self.dsa_cache_seqlens, self.dsa_cu_seqlens_k))
 
     def same_layout(self, other: "MetadataBuffers") -> bool:
