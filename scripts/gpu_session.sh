@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent-GPU session: runs the named steps in order, logs and results under $OUT (default ./gpu_out).
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
-# Steps: spec-tests, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, metadata, e2e, e2e-quick, decode, diagnose, draft-step
+# Steps: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e, e2e-quick, decode, diagnose, draft-step
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -24,6 +24,12 @@ for step in "$@"; do
         decode)       python3 -m dsaspec bench decode --out "$OUT" ;;
         diagnose)     python3 scripts/diagnose_spec_identity.py --out "$OUT/spec_identity.md" ;;
         dsa-sanitize) bash scripts/gpu_dsa_ops.sh sanitize ;;
+        sanitize)     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_metadata.py \
+                          > "$OUT/sanitizer_metadata.log" 2>&1; tail -3 "$OUT/sanitizer_metadata.log"
+                      compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_row_invariant.py \
+                          > "$OUT/sanitizer_row_invariant.log" 2>&1; tail -3 "$OUT/sanitizer_row_invariant.log"
+                      compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize_row_invariant.py \
+                          > "$OUT/racecheck_row_invariant.log" 2>&1; tail -3 "$OUT/racecheck_row_invariant.log" ;;
         draft-step)   python3 -m dsaspec bench draft-step --out "$OUT" ;;
         *) echo "unknown step $step"; status=2; continue ;;
     esac
