@@ -14,6 +14,7 @@ reports the fastest per point (a tuning aid for ``gemm_config``; every variant i
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import dataclasses
 import itertools
 import json
@@ -152,6 +153,23 @@ def sweep_linear(shapes, iters: int) -> list[dict]:
     return rows
 
 
+def render_markdown(payload: dict) -> str:
+    """The result tables of a results payload (the JSON this script writes)."""
+    machine = payload["machine"]
+    parts = [f"# row_invariant\n\nMachine: {machine.get('gpu')}, torch {machine['torch']}, triton {machine['triton']}, "
+             f"{machine['date']}.\n\nMethod: {payload['method']}\n"]
+    columns = [("op", "op"), ("k", "K"), ("n", "N"), ("d", "D"), ("m", "M"), ("baseline_us", "torch µs"),
+               ("new_us", "row-invariant µs"), ("ratio", "ratio"), ("floor_us", "floor µs"),
+               ("new_over_floor", "new / floor"), ("new_gbps", "new GB/s"),
+               ("torch_row0_equals_m1", "torch row 0 = M 1")]
+    if payload["rows"]:
+        parts.append(markdown_table(columns, payload["rows"]))
+    if payload["sweep"]:
+        parts.append(markdown_table([("k", "K"), ("n", "N"), ("m", "M"), ("default_us", "default µs"),
+                                     ("best_us", "best µs"), ("best", "best config")], payload["sweep"]))
+    return "\n\n".join(parts) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON results file")
@@ -173,20 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = (bench_linear(args.shapes, floors, args.iters) + bench_bmm(floors, args.iters)
                 + bench_rms_norm(floors, args.iters))
     sweep = sweep_linear(args.shapes, args.sweep_iters) if args.mode != "main" else None
-    columns = [("op", "op"), ("k", "K"), ("n", "N"), ("d", "D"), ("m", "M"), ("baseline_us", "torch µs"),
-               ("new_us", "row-invariant µs"), ("ratio", "ratio"), ("floor_us", "floor µs"),
-               ("new_over_floor", "new / floor"), ("new_gbps", "new GB/s"),
-               ("torch_row0_equals_m1", "torch row 0 = M 1")]
-    if rows:
-        print(markdown_table(columns, rows))
-    if sweep:
-        print(markdown_table([("k", "K"), ("n", "N"), ("m", "M"), ("default_us", "default µs"),
-                              ("best_us", "best µs"), ("best", "best config")], sweep))
     payload = {"benchmark": "row_invariant", "machine": machine_info(),
                "method": COLD_L2_METHOD.format(iters=args.iters) + " ratio = row-invariant / torch.",
                "params": vars(args), "floors": vars(floors), "rows": rows, "sweep": sweep}
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
+    markdown = render_markdown(payload)
+    Path(args.out).with_suffix(".md").write_text(markdown)
+    print(markdown)
     print(f"results: {args.out}")
     return 0
 

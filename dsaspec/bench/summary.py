@@ -69,6 +69,24 @@ def summarize(folder: Path) -> str:
         keys, cols, groups = _pivot(ratio_rows, ("context_len",), "bs", lambda r: r["ratio"])
         parts.append(_table(f"TPOT with a larger context configured over TPOT with {short} configured "
                             "(context-wide / bounded)", ["context configured"], cols, keys, groups, "bs"))
+    path = folder / "e2e.json"
+    if path.exists():
+        rows = json.loads(path.read_text())["rows"]
+        for preset in dict.fromkeys(r["preset"] for r in rows):
+            mine = [r for r in rows if r["preset"] == preset]
+            keys, cols, groups = _pivot(mine, ("context", "accept"), "concurrency",
+                                        lambda r: f"{r['baseline_tok_s_user']:.0f} → {r['new_tok_s_user']:.0f} "
+                                                  f"({r['speedup']:.2f}x)")
+            parts.append(_table(f"MTP speculative decoding end to end, `{preset}` preset, S = 3: tok/s/user, "
+                                "baseline (both kill switches off) → new", ["context configured", "accept length"],
+                                cols, keys, groups, "concurrency"))
+    path = folder / "dsa_ops.json"
+    if path.exists():
+        rows = [r for r in json.loads(path.read_text())["rows"] if r["op"] != "layer"]
+        keys, cols, groups = _pivot(rows, ("op", "mode", "live_kv"), "bs",
+                                    lambda r: f"{r['baseline_us']:.1f} → {r['new_us']:.1f}")
+        parts.append(_table("DSA decode ops per layer, GLM-5 shapes: previous kernels → new (µs)",
+                            ["op", "mode", "live KV"], cols, keys, groups, "bs"))
     return "\n\n".join(parts)
 
 
