@@ -289,7 +289,7 @@ class SpecWorker:
     def prefill(self, row: int, prompt: list[int], *, chunk_size: int = 512) -> int:
         """Eager prefill of one admitted request: the target over the prompt (its first token, the
         bonus), then the MTP layer over the prompt shifted by one with the bonus last (the first draft,
-        its hidden and the seed). Returns the first generated token."""
+        its hidden and the IndexShare seed). Returns the first generated token."""
         model, table = self.model, self.req_pool.req_to_token
         ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
         hidden = model.prefill(ids, table, row, self.target_kv, chunk_size=chunk_size)
@@ -436,7 +436,7 @@ class SpecWorker:
 
     def _extend(self, batch: _Batch, attn: AttentionInputs, check_values: bool) -> None:
         """The MTP layer over the verified rows with the committed tokens; the row of the new bonus
-        gives the next first draft, its hidden and (IndexShare) the seed."""
+        gives the next first draft, its hidden and (IndexShare) the top-k seed."""
         state, rows = self.state, batch.rows
         width = self.spec.num_draft_tokens
         accepted = batch.acceptance
