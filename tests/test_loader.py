@@ -89,3 +89,37 @@ def test_missing_files_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(get_config("tiny").to_hf_dict()))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_checkpoint(tmp_path)
+
+
+def test_index_share_checkpoint_has_no_indexer_weights_for_shared_layers(tmp_path):
+    """GLM-5.2 IndexShare: shared layers carry no indexer tensors; the config's indexer_types and
+    index_share_for_mtp_iteration survive the round trip, and a config that calls a shared layer
+    full is refused: the checkpoint has no indexer tensors for it."""
+    config = get_config("tiny", num_hidden_layers=3, indexer_types=("full", "shared", "full"),
+                        index_share_for_mtp_iteration=True)
+    model = DSAModel(config, dtype=torch.float32).init_weights(5)
+    path = save_checkpoint(model, tmp_path / "ckpt")
+    names = load_file(str(path / SINGLE_FILE)).keys()
+    assert not any(n.startswith("model.layers.1.self_attn.indexer.") for n in names)
+    assert any(n.startswith("model.layers.2.self_attn.indexer.") for n in names)
+    assert any(n.startswith("model.layers.3.self_attn.indexer.") for n in names)       # the MTP layer
+    loaded = load_checkpoint(path, dtype=torch.float32)
+    assert loaded.config == config
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    hf = json.loads((path / "config.json").read_text())
+    hf["indexer_types"] = ["full"] * 3
+    (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"missing \['model\.layers\.1\.self_attn\.indexer"):
+        load_checkpoint(path, dtype=torch.float32)
+
+
+def test_indexer_types_from_frequency_and_offset():
+    from dsaspec.runtime.config import ModelConfig
+
+    hf = get_config("tiny", num_hidden_layers=8).to_hf_dict()
+    hf.update(index_topk_freq=4, index_skip_topk_offset=3)
+    config = ModelConfig.from_hf_dict(hf)
+    assert [config.has_indexer(i) for i in range(9)] == [True, True, True, False, False, False, True, False, True]
+    hf.pop("index_skip_topk_offset")
+    with pytest.raises(ValueError, match="index_topk_freq > 1 without index_skip_topk_offset"):
+        ModelConfig.from_hf_dict(hf)
