@@ -444,3 +444,16 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
     assert payload["rows"] and all(r["tokens_identical"] for r in payload["rows"])
     assert all(r["new_tok_s_user"] is None for r in payload["rows"])
     assert {r["accept"] for r in payload["rows"]} == {"3.0", "real"}
+
+
+def test_triton_ops_speculative_equals_plain():
+    """bf16 through the Triton kernels (interpreter on CPU) and the row-invariant GEMMs and norms,
+    on a small one-layer model: speculative output equals plain greedy output."""
+    config = get_config("tiny", vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32,
+                        num_attention_heads=2, index_n_heads=2, num_hidden_layers=1)
+    model = predictable(DSAModel(config, use_triton=True, row_invariant=True).init_weights(6), 0.5)
+    prompts = _prompts((5, 70), config.vocab_size, seed=4)                  # 70 > top-k 64: sparse rows
+    expected = _tokens(_engine(model, context_len=96), prompts, [5, 4])
+    engine = _engine(model, SpecConfig(num_steps=2), context_len=96)
+    assert _tokens(engine, prompts, [5, 4]) == expected
+    assert max(engine.stats.accept_lens) > 1
