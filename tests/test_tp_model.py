@@ -2,8 +2,8 @@
 
 TP 2 and TP 4 in one process (tests/fake_tp.py: one thread per rank, run in lockstep, the
 all-reduce a sum and the all-gather a stack): each rank's shards against slices of the TP 1 weights
-written out by hand, and the sharded forward against the TP 1 forward. fp32 with the runtime's
-torch ops.
+written out by hand, the sharded forward against the TP 1 forward, and sharded loading from one
+checkpoint. fp32 with the runtime's torch ops.
 
 Tolerance: a row-parallel GEMM sums its K dimension as TP partial sums plus one all-reduce instead
 of one sum, so results differ from TP 1 in rounding only: fp32 hidden states and logits of the tiny
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dsaspec.runtime.config import get_config
+from dsaspec.runtime.loader import load_weights, save_checkpoint
 from dsaspec.runtime.memory import KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.runtime.model import DSAModel, build_extend_inputs
 from fake_tp import fake_groups, run_ranks
@@ -148,3 +149,54 @@ def test_sharded_forward_matches_tp1(tp):
         assert torch.equal(a.argmax(-1)[decided], b.argmax(-1)[decided])
     for a, b in zip(got["selected"], reference["selected"]):
         assert torch.equal(a.sort().values, b.sort().values)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def test_each_rank_loads_its_slices_of_one_checkpoint(tmp_path, monkeypatch):
+    config = get_config("tiny")
+    save_checkpoint(DSAModel(config, dtype=torch.float32).init_weights(3), tmp_path, max_shard_bytes=1 << 20)
+    groups, expected = _tp_models(config, 2, seed=3)
+    from dsaspec.runtime import loader
+
+    whole_reads = []
+    safe_open = loader.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def get_tensor(self, name):
+            whole_reads.append(name)
+            return self.inner.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    for group, want in zip(groups, expected):
+        model = DSAModel(config, dtype=torch.float32, tp_group=group).init_weights(9)
+        load_weights(model, tmp_path)
+        for name, param in model.state_dict().items():
+            assert torch.equal(param, want.state_dict()[name]), name
+        assert whole_reads and not set(whole_reads) & set(model.shards())
+        whole_reads.clear()
+
+
+def test_sharded_loading_names_the_unsharded_shape_and_saving_needs_tp1(tmp_path):
+    config = get_config("tiny")
+    save_checkpoint(DSAModel(config, dtype=torch.float32).init_weights(0), tmp_path)
+    _, (model, _) = _tp_models(get_config("tiny", intermediate_size=256), 2)
+    with pytest.raises(ValueError, match=r"mlp.gate_proj.weight has shape \(512, 256\), the model expects \(256, 256\)"):
+        load_weights(model, tmp_path)
+    with pytest.raises(ValueError, match="save_checkpoint writes a TP 1 model; this one is rank 0 of TP 2"):
+        save_checkpoint(model, tmp_path / "again")
