@@ -1,9 +1,10 @@
-"""Tensor parallelism of the DSA model, emulated on the CPU.
+"""Tensor parallelism of the DSA model and the runtime, emulated on the CPU.
 
 TP 2 and TP 4 in one process (tests/fake_tp.py: one thread per rank, run in lockstep, the
 all-reduce a sum and the all-gather a stack): each rank's shards against slices of the TP 1 weights
-written out by hand, the sharded forward against the TP 1 forward, and sharded loading from one
-checkpoint. fp32 with the runtime's torch ops.
+written out by hand, the sharded forward against the TP 1 forward, sharded loading from one
+checkpoint, and the Engine at TP 2 (speculative = plain, = TP 1, the argmax-exchange switch). fp32
+with the runtime's torch ops.
 
 Tolerance: a row-parallel GEMM sums its K dimension as TP partial sums plus one all-reduce instead
 of one sum, so results differ from TP 1 in rounding only: fp32 hidden states and logits of the tiny
@@ -14,13 +15,19 @@ wherever the TP 1 top-2 margin exceeds twice that.
 import pytest
 import torch
 
+from dsaspec.distributed.tp_group import SYMM_MEM
 from dsaspec.runtime.config import get_config
+from dsaspec.runtime.engine import Engine
 from dsaspec.runtime.loader import load_weights, save_checkpoint
 from dsaspec.runtime.memory import KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.runtime.model import DSAModel, build_extend_inputs
+from dsaspec.runtime.spec_worker import SpecConfig
+from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor
 from fake_tp import fake_groups, run_ranks
+from test_spec_engine import predictable
 
 TOL = 1e-4
+EXCHANGE_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
 
 
 def _tp_models(config, tp, seed=0, dtype=torch.float32, **kwargs):
@@ -200,3 +207,83 @@ def test_sharded_loading_names_the_unsharded_shape_and_saving_needs_tp1(tmp_path
         load_weights(model, tmp_path)
     with pytest.raises(ValueError, match="save_checkpoint writes a TP 1 model; this one is rank 0 of TP 2"):
         save_checkpoint(model, tmp_path / "again")
+
+
+# ---------------------------------------------------------------------------------------------
+# the Engine at TP 2
+
+PROMPTS = [[7, 3, 900, 12, 5], list(range(100, 170))]          # 70 > top-k 64: sparse rows
+MAX_NEW = [7, 6]
+
+
+def watch_draft_paths(monkeypatch, groups) -> dict:
+    """Per rank: the draft forwards of every LogitsProcessor by the path they took (``exchange``: no
+    logits left the rank; ``gather``), and the transports of the all-reduces of symmetric buffers (the
+    exchange's) over ``groups``. Installed before a worker is built: with CUDA graphs the Python runs
+    at warm-up and capture, so what is counted is what the graphs hold (and the eager prefill's)."""
+    seen = {g.rank: {"exchange": 0, "gather": 0, "symmetric_all_reduce": []} for g in groups}
+    forward = LogitsProcessor.forward
+
+    def watched_forward(self, hidden_states, sampling=None, **kwargs):
+        out = forward(self, hidden_states, sampling, **kwargs)
+        if sampling is not None:
+            seen[self.group.rank]["gather" if out.next_token_logits is not None else "exchange"] += 1
+        return out
+
+    def watch(group):
+        all_reduce = group.all_reduce
+
+        def watched_all_reduce(tensor, out=None):
+            if group.is_symmetric(tensor):
+                seen[group.rank]["symmetric_all_reduce"].append(group.all_reduce_transport(tensor.numel() * 4))
+            return all_reduce(tensor, out)
+
+        monkeypatch.setattr(group, "all_reduce", watched_all_reduce)
+
+    monkeypatch.setattr(LogitsProcessor, "forward", watched_forward)
+    for group in groups:
+        watch(group)
+    return seen
+
+
+def check_draft_paths(seen: dict, exchange: bool) -> None:
+    """Every draft forward took the exchange (``exchange``) or the gather path, and each exchange
+    all-reduced its symmetric buffer over symmetric memory."""
+    path = "exchange" if exchange else "gather"
+    assert seen[path] > 0 and seen["exchange"] + seen["gather"] == seen[path], seen
+    assert seen["symmetric_all_reduce"] == [SYMM_MEM] * seen["exchange"]
+
+
+def _engine_run(model, spec=None):
+    engine = Engine(model, context_len=96, max_batch=2, bucket_sizes=(1, 2), progress=False, speculative=spec)
+    results = engine.generate(PROMPTS, MAX_NEW)
+    return {"tokens": [r.token_ids for r in results], "accept": engine.stats.accept_lens,
+            "exchange": None if spec is None else engine.worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1)}
+
+
+@pytest.fixture(scope="module")
+def guessing_tp1():
+    return predictable(DSAModel(get_config("tiny"), dtype=torch.float32).init_weights(1), 0.5)
+
+
+def test_tp2_engine_speculative_equals_plain_and_tp1(guessing_tp1, monkeypatch):
+    """Plain and speculative decoding at TP 2 (vocab-parallel head, draft tokens by the argmax
+    exchange, then by the logits gather with the kill switch off) commit the TP 1 plain tokens; the
+    two switch settings accept identically."""
+    groups, ranks = _tp_models(get_config("tiny"), 2, seed=1)
+    ranks = [predictable(m, 0.5) for m in ranks]
+    expected = _engine_run(guessing_tp1)["tokens"]
+    plain = run_ranks(groups, lambda g: _engine_run(ranks[g.rank]))
+    assert plain[0]["tokens"] == plain[1]["tokens"] == expected
+    runs = {}
+    for switch in ("1", "0"):
+        with monkeypatch.context() as patch:
+            patch.setenv(EXCHANGE_SWITCH, switch)
+            seen = watch_draft_paths(patch, groups)
+            runs[switch] = run_ranks(groups, lambda g: _engine_run(ranks[g.rank], SpecConfig(num_steps=3)))
+        for rank, out in enumerate(runs[switch]):
+            assert out["tokens"] == expected
+            assert out["exchange"] == (switch == "1")
+            check_draft_paths(seen[rank], exchange=switch == "1")
+    assert runs["1"][0]["accept"] == runs["0"][0]["accept"] == runs["1"][1]["accept"]
+    assert max(runs["1"][0]["accept"]) > 1
