@@ -3,8 +3,8 @@
 TP 2 and TP 4 in one process (tests/fake_tp.py: one thread per rank, run in lockstep, the
 all-reduce a sum and the all-gather a stack): each rank's shards against slices of the TP 1 weights
 written out by hand, the sharded forward against the TP 1 forward, sharded loading from one
-checkpoint, and the Engine at TP 2 (speculative = plain, = TP 1, the argmax-exchange switch). fp32
-with the runtime's torch ops.
+checkpoint, the Engine at TP 2 (speculative = plain, = TP 1, the argmax-exchange switch), and the
+command-line errors. fp32 with the runtime's torch ops.
 
 Tolerance: a row-parallel GEMM sums its K dimension as TP partial sums plus one all-reduce instead
 of one sum, so results differ from TP 1 in rounding only: fp32 hidden states and logits of the tiny
@@ -287,3 +287,45 @@ def test_tp2_engine_speculative_equals_plain_and_tp1(guessing_tp1, monkeypatch):
             check_draft_paths(seen[rank], exchange=switch == "1")
     assert runs["1"][0]["accept"] == runs["0"][0]["accept"] == runs["1"][1]["accept"]
     assert max(runs["1"][0]["accept"]) > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+@pytest.mark.parametrize("argv", [["generate", "--tp", "2"], ["bench", "e2e", "--tp", "2"]])
+def test_tp_needs_as_many_gpus(capsys, argv):
+    from dsaspec import cli
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has two GPUs")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dsaspec: error: --tp 2: TP 2 needs 2 GPUs (one process per GPU)")
+
+
+def test_tp_under_torchrun_needs_a_matching_world(capsys, monkeypatch):
+    from dsaspec import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["generate", "--no-progress"]) == 2
+    assert "--tp 1 under torchrun with WORLD_SIZE=2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("dsaspec.runtime.generate_cli", ["--tp", "2", "--prompt-lens", "5,70", "--row-invariant", "--device", "cuda",
+                                      "--speculative-algorithm", "nextn", "--eos-token-id", "3"]),
+    ("dsaspec.bench.e2e", ["--tp", "2", "--presets", "bench", "--accept", "2.5,real", "--contexts", "4096"]),
+])
+def test_relaunch_command_line_parses_back(module, argv):
+    """What a command re-launches itself with under torchrun parses to the same options."""
+    import importlib
+
+    from dsaspec.options import Parser
+    from dsaspec.runtime.launch import command_line
+
+    add_arguments = importlib.import_module(module).add_arguments
+    parser = Parser()
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    assert vars(parser.parse_args(command_line(add_arguments, args))) == vars(args)
