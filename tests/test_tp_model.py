@@ -1,16 +1,23 @@
-"""Tensor parallelism of the DSA model and the runtime, emulated on the CPU.
+"""Tensor parallelism of the DSA model and the runtime (docs/runtime.md, "Tensor parallel").
 
-TP 2 and TP 4 in one process (tests/fake_tp.py: one thread per rank, run in lockstep, the
-all-reduce a sum and the all-gather a stack): each rank's shards against slices of the TP 1 weights
-written out by hand, the sharded forward against the TP 1 forward, sharded loading from one
-checkpoint, the Engine at TP 2 (speculative = plain, = TP 1, the argmax-exchange switch), and the
-command-line errors. fp32 with the runtime's torch ops.
+CPU: TP 2 and TP 4 emulated in one process (tests/fake_tp.py: one thread per rank, run in lockstep,
+the all-reduce a sum and the all-gather a stack): each rank's shards against slices of the TP 1
+weights written out by hand, the sharded forward against the TP 1 forward, the Engine at TP 2
+(speculative = plain, = TP 1, the argmax-exchange switch), sharded loading from one checkpoint,
+and the command-line errors. fp32 with the runtime's torch ops.
 
 Tolerance: a row-parallel GEMM sums its K dimension as TP partial sums plus one all-reduce instead
 of one sum, so results differ from TP 1 in rounding only: fp32 hidden states and logits of the tiny
 model agree to 1e-4 (measured: at most 3e-6 on logits up to 5), and greedy tokens must agree
 wherever the TP 1 top-2 margin exceeds twice that.
+
+multigpu (two GPUs, bf16, CUDA graphs):
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
+        torchrun --nproc-per-node 2 -m pytest tests/test_tp_model.py -q -m multigpu -p no:cacheprovider
 """
+
+import os
 
 import pytest
 import torch
@@ -329,3 +336,139 @@ def test_relaunch_command_line_parses_back(module, argv):
     add_arguments(parser)
     args = parser.parse_args(argv)
     assert vars(parser.parse_args(command_line(add_arguments, args))) == vars(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# two GPUs, under torchrun (see the module docstring)
+
+
+@pytest.fixture(scope="module")
+def group():
+    from dsaspec.distributed.tp_group import init_tp_group
+
+    group = init_tp_group()
+    assert group.size == 2 and group.transport == SYMM_MEM, "symmetric-memory all-reduce unavailable"
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    return group
+
+
+def _same_on_ranks(group, tensor) -> bool:
+    gathered = torch.empty(group.size, *tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    group.all_gather(tensor.contiguous(), gathered)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def _gpu_prompts(preset, count, seed=21):
+    config = get_config(preset)
+    k = config.index_topk
+    lengths = [(k + 37, 9, 3 * k // 2, 64, 130)[i % 5] for i in range(count)]
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _gpu_engine(model, spec=None, *, batch, max_new, prompts, context_len=1 << 20):
+    slots = 64 * (2 + batch * -(-(max(map(len, prompts)) + max_new + 8) // 64))
+    return Engine(model, speculative=spec, context_len=context_len, max_batch=batch, num_slots=slots, progress=False,
+                  bucket_sizes=(1, 2, 4, 8, 16, 32))
+
+
+def _gpu_model(preset, group, *, row_invariant, branch_scale=None, seed=0):
+    model = DSAModel(get_config(preset), use_triton=True, row_invariant=row_invariant, tp_group=group)
+    model.init_weights(seed)
+    return model if branch_scale is None else predictable(model, branch_scale)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("preset, batch, max_new", [("tiny", 16, 128), ("bench", 8, 64)])
+def test_tp2_speculative_equals_plain_row_invariant(group, preset, batch, max_new):
+    """bf16, CUDA graphs, 1M context configured, row-invariant GEMMs (a sum of two bf16 partials is
+    correctly rounded whatever the transport, so TP 2 keeps row invariance): speculative = plain."""
+    model = _gpu_model(preset, group, row_invariant=True, branch_scale={"tiny": 0.5, "bench": 0.2}[preset])
+    prompts = _gpu_prompts(preset, batch)
+    limits = [max_new - 3 * (i % 4) for i in range(batch)]
+    plain = _gpu_engine(model, batch=batch, max_new=max_new, prompts=prompts)
+    spec = _gpu_engine(model, SpecConfig(num_steps=3), batch=batch, max_new=max_new, prompts=prompts)
+    assert spec.use_cuda_graph and spec.worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1)
+    want = [r.token_ids for r in plain.generate(prompts, limits)]
+    got = [r.token_ids for r in spec.generate(prompts, limits)]
+    mismatched = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    assert not mismatched, f"rank {group.rank}: requests {mismatched} differ"
+    assert 1.2 < spec.stats.mean_accept_len < 4
+    assert _same_on_ranks(group, torch.tensor(sum(got, []), device=group.device))
+
+
+@pytest.mark.multigpu
+def test_tp2_logits_close_to_tp1(group):
+    """The bench preset (GLM-5 shapes, 2 layers) in bf16: TP 2 against TP 1 (the whole model on each
+    rank's GPU), prefill and one decode step. Rounding is all that differs (TP 1 rounds a GEMM's
+    whole K sum to bf16 once; TP 2 rounds each rank's partial, then the all-reduced sum), so on a
+    dense prompt (300 < top-k: every row attends to every position) the logits (|logit| < 8, bf16
+    ulp 1/32 there) agree within 0.125 (4 ulps; measured on CPU: 0.047) and greedy tokens agree
+    wherever the TP 1 top-2 margin exceeds 0.25. On a sparse prompt (top-k + 37) a rounding
+    difference can flip an indexer top-k boundary, which moves that row's logits further (a
+    property of DSA, not of TP): only the mean difference is bounded; both prompts' flips are printed."""
+    tol = 0.125
+    tp1 = DSAModel(get_config("bench"), device=group.device, use_triton=True).init_weights(0)
+    tp2 = _gpu_model("bench", group, row_invariant=False)
+    k = get_config("bench").index_topk
+    generator = torch.Generator().manual_seed(23)
+    for name, length in (("dense", 300), ("sparse", k + 37)):
+        ids = torch.randint(0, tp1.config.vocab_size, (length,), generator=generator).tolist()
+        want, got = (_Request(model, length + 1).run(ids, [17], chunk=512) for model in (tp1, tp2))
+        a, b = torch.cat(got["logits"]), torch.cat(want["logits"])
+        assert _same_on_ranks(group, a)
+        diff = (a - b).abs()
+        top2 = b.topk(2, dim=-1).values
+        margin = top2[:, 0] - top2[:, 1]
+        flips = a.argmax(-1) != b.argmax(-1)
+        print(f"rank {group.rank} {name} prompt ({length}): |TP2 - TP1| max {diff.max():.4f}, mean {diff.mean():.5f}; "
+              f"{int(flips.sum())} of {flips.numel()} greedy tokens differ, at TP 1 margins "
+              f"{[round(m, 4) for m in margin[flips].tolist()[:8]]}")
+        assert diff.mean() < 0.02
+        if name == "dense":
+            assert diff.max() < tol
+            assert not bool((flips & (margin > 2 * tol)).any())
+
+
+@pytest.mark.multigpu
+def test_tp2_kill_switch_paths_tokens_and_acceptance(group, monkeypatch):
+    """Exchange on vs off at TP 2 (default numerics, graphs): identical tokens and accept lengths; the
+    draft steps take the exchange (its all-reduce on symmetric memory) or the gather path."""
+    model = _gpu_model("bench", group, row_invariant=False, branch_scale=0.2, seed=2)
+    prompts = _gpu_prompts("bench", 6, seed=22)
+    outputs = {}
+    for switch in ("1", "0"):
+        with monkeypatch.context() as patch:
+            patch.setenv(EXCHANGE_SWITCH, switch)
+            seen = watch_draft_paths(patch, [group])[group.rank]
+            engine = _gpu_engine(model, SpecConfig(num_steps=3), batch=6, max_new=48, prompts=prompts)
+            outputs[switch] = ([r.token_ids for r in engine.generate(prompts, 48)], engine.stats.accept_lens)
+        processor = engine.worker.processor
+        assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (switch == "1")
+        assert processor.lm_head is model.lm_head and processor.lm_head.num_shards == 2
+        if switch == "1":
+            assert group.all_reduce_transport(processor.exchange_nbytes) == SYMM_MEM
+        else:
+            assert "was off" in processor.draft_argmax_exchange_declined(GREEDY_TOPK1)
+        check_draft_paths(seen, exchange=switch == "1")
+        del engine, processor
+    assert outputs["1"] == outputs["0"]
+    assert sum(outputs["1"][1]) / len(outputs["1"][1]) > 1.2
+
+
+@pytest.mark.multigpu
+def test_tp2_loads_its_slices(group, tmp_path_factory):
+    """Rank 0 writes a TP 1 checkpoint; every rank loads its slices of it: the same weights as the
+    sharded init of the same seed."""
+    import torch.distributed as dist
+
+    path = [str(tmp_path_factory.mktemp("ckpt")) if group.rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    if group.rank == 0:
+        save_checkpoint(DSAModel(get_config("tiny"), device=group.device).init_weights(4), path[0],
+                        max_shard_bytes=1 << 20)
+    group.barrier()
+    loaded = load_weights(DSAModel(get_config("tiny"), tp_group=group), path[0])
+    expected = DSAModel(get_config("tiny"), tp_group=group).init_weights(4)
+    for name, param in loaded.state_dict().items():
+        assert torch.equal(param, expected.state_dict()[name]), name
