@@ -319,6 +319,28 @@ def test_tp_under_torchrun_needs_a_matching_world(capsys, monkeypatch):
     assert "--tp 1 under torchrun with WORLD_SIZE=2" in capsys.readouterr().err
 
 
+def test_tp_generate_relaunches_itself_under_torchrun(monkeypatch, tmp_path):
+    """With the GPUs (faked), ``generate --tp 2`` checks its options, then runs itself as two
+    torchrun processes with the same options, in the caller's directory, this checkout importable."""
+    import subprocess
+
+    from dsaspec import cli
+    from dsaspec.runtime import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kwargs: calls.append((cmd, kwargs))
+                        or subprocess.CompletedProcess(cmd, 3))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["generate", "--tp", "2", "--prompt-lens", "5,9", "--no-progress"]) == 3
+    (cmd, kwargs), = calls
+    assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dsaspec"]
+    assert cmd[7] == "generate" and cmd[cmd.index("--tp") + 1] == "2" and cmd[cmd.index("--prompt-lens") + 1] == "5,9"
+    assert kwargs.get("cwd") is None and str(launch.REPO_ROOT) in kwargs["env"]["PYTHONPATH"]
+    assert cli.main(["generate", "--tp", "2", "--speculative-num-steps", "2"]) == 2     # checked before launching
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("module, argv", [
     ("dsaspec.runtime.generate_cli", ["--tp", "2", "--prompt-lens", "5,70", "--row-invariant", "--device", "cuda",
                                       "--speculative-algorithm", "nextn", "--eos-token-id", "3"]),

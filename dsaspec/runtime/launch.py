@@ -71,14 +71,15 @@ def command_line(add_arguments: Callable[[argparse.ArgumentParser], None], args)
 
 def torchrun(argv: list[str], nproc: int) -> int:
     """Run ``python -m dsaspec *argv`` as ``nproc`` processes under torchrun (standalone, one node,
-    this checkout first on ``PYTHONPATH``); returns the exit status."""
+    this checkout first on ``PYTHONPATH``, the caller's working directory, so relative paths in
+    ``argv`` keep their meaning); returns the exit status."""
     disable_nvlink_multicast()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "dsaspec", *argv]
     print("launching:", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, env=env, cwd=REPO_ROOT).returncode
+    return subprocess.run(cmd, env=env).returncode
 
 
 def relaunch(command: list[str], add_arguments, args, nproc: int) -> int:
