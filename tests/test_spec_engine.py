@@ -315,7 +315,8 @@ def test_row_invariant_model_runs_the_row_invariant_kernels():
     default = DSAModel(config, dtype=torch.float32).init_weights(4)
     invariant = DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(4)
     flags = {type(m).__name__: m.row_invariant for m in invariant.modules() if isinstance(m, RowInvariant)}
-    assert flags == {"Linear": True, "RMSNorm": True, "LayerNorm": True, "Indexer": True, "MLAAttention": True}
+    assert flags == {"Linear": True, "RMSNorm": True, "LayerNorm": True, "Indexer": True, "MLAAttention": True,
+                     "LMHead": True}
     prompt = [3, 1, 4, 1, 5]
     outs = [_tokens(_engine(model, max_batch=1, bucket_sizes=(1,)), [prompt], [3]) for model in (default, invariant)]
     assert outs[0] == outs[1]

@@ -19,23 +19,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from dsaspec.bench.results import bench_params, markdown_table, write_results
-from dsaspec.distributed.tp_group import TPGroup, disable_nvlink_multicast, init_distributed
+from dsaspec.distributed.tp_group import TPGroup, init_distributed
 from dsaspec.errors import UserError
 from dsaspec.ops.argmax_exchange import LANES, exchange_layout
 from dsaspec.options import format_value, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.runtime.launch import relaunch
 from dsaspec.speculative.draft_step import greedy_draft_step
 from dsaspec.speculative.lm_head import VocabParallelLMHead
 from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_VOCAB, CPU_HIDDEN = 1000, 64
 
 
@@ -63,22 +60,8 @@ def run(args) -> int:
     if gpus == 0:
         return _run_interpreter(args)
     if need > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return _launch_torchrun(args, need)
+        return relaunch(["bench", "draft-step"], add_arguments, args, need)
     return _run_worker(args)
-
-
-def _launch_torchrun(args, nproc: int) -> int:
-    disable_nvlink_multicast()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "dsaspec", "bench", "draft-step", "--tp", ",".join(map(str, args.tp)),
-           "--rows", ",".join(map(str, args.rows)), "--vocab", str(args.vocab), "--hidden", str(args.hidden),
-           "--iters", str(args.iters), "--transport", args.transport]
-    if args.out:
-        cmd += ["--out", str(args.out)]
-    print("launching:", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, env=env, cwd=REPO_ROOT).returncode
 
 
 class _Step:

@@ -19,6 +19,13 @@ paths must commit identical tokens. Accept modes: a simulated mean accept length
 every iteration forced to it) and the real acceptance of the weights (seeded random weights: the
 MTP layer drafts noise, so about 1.0).
 
+``--tp N`` (N GPUs; the command starts N processes under torchrun): the same table with the model
+sharded over N GPUs, plus a third path, ``gather`` = new with only
+``DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE=0`` (the draft tokens by the logits gather), which isolates the
+argmax exchange; its per-iteration gain is set against ``bench draft-step``'s saving per draft step
+(``draft_step.json`` in the same results folder) times the S draft LM-head evaluations of an
+iteration. Rows carry ``tp``; rank 0 writes ``e2e_tp{N}.{json,md,png}``.
+
 Without CUDA: the ``tiny`` preset in fp32 with the torch ops, small sizes; only token identity is
 checked, no time is reported.
 """
@@ -27,10 +34,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -44,8 +53,13 @@ from dsaspec.runtime.model import DSAModel, num_sms
 from dsaspec.runtime.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
 
 FULL_CONTEXT = 1 << 20
+BOUNDED_SWITCH, EXCHANGE_SWITCH = KILL_SWITCHES = ("DSASPEC_BOUNDED_REPLAY_METADATA",
+                                                    "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE")
+# path -> the kill switches it is built with; "gather" (TP > 1) differs from "new" in the exchange only
+SWITCHES = {"baseline": {BOUNDED_SWITCH: False, EXCHANGE_SWITCH: False},
+            "new": {BOUNDED_SWITCH: True, EXCHANGE_SWITCH: True},
+            "gather": {BOUNDED_SWITCH: True, EXCHANGE_SWITCH: False}}
 PATHS = ("baseline", "new")
-KILL_SWITCHES = ("DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE")
 REAL = "real"
 NOISE = 0.99                   # new / baseline speed below this counts as slower
 CONTEXT_TARGET = 1.02          # bounded per-token latency at a long context over the short one
@@ -82,14 +96,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"accept modes, comma-separated: simulated mean accept lengths (>= 1) and/or '{REAL}'")
     p.add_argument("--num-steps", type=positive_int, default=3, help="draft steps S (N = S + 1 verified tokens)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights, prompts and simulated draws")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel size: the model sharded over this many GPUs, one process each (started "
+                        "under torchrun); adds the exchange-only path")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<machine>)")
 
 
 @contextlib.contextmanager
-def kill_switches(on: bool):
-    """Both kill switches on (new) or off (baseline) while a worker is built and captured."""
+def kill_switches(path: str):
+    """The kill switches of ``path`` (``SWITCHES``) while its worker is built and captured."""
     saved = {name: os.environ.get(name) for name in KILL_SWITCHES}
-    for name in KILL_SWITCHES:
+    for name, on in SWITCHES[path].items():
         os.environ[name] = "1" if on else "0"
     try:
         yield
@@ -113,7 +130,7 @@ class _Setup:
     ttft_ms: float | None
 
 
-def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, device) -> _Setup:
+def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, device, paths) -> _Setup:
     spec = SpecConfig(num_steps=args.num_steps)
     count = len(prompts)
     pool = ReqToTokenPool(count, context_len, num_draft_tokens=spec.num_draft_tokens, device=device)
@@ -124,11 +141,11 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
     target_kv = KVPool.for_model(model.config, allocator.num_slots, dtype=dtype, device=device)
     mtp_kv = KVPool.for_model(model.config, allocator.num_slots, mtp=True, dtype=dtype, device=device)
     workers = {}
-    for path in PATHS:
-        with kill_switches(path == "new"):
+    for path in paths:
+        with kill_switches(path):
             workers[path] = build_spec_worker(
                 model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency, num_sms=num_sms(device),
-                force_kernel=BOUNDED if path == "new" else CONTEXT_WIDE,
+                force_kernel=BOUNDED if SWITCHES[path][BOUNDED_SWITCH] else CONTEXT_WIDE,
                 budget=None if device.type == "cuda" else 8)
     rows = [slots.admit(args.prompt_len, reserve=written - args.prompt_len) for _ in prompts]
     times = []
@@ -189,7 +206,12 @@ def _apply_cpu_sizes(args) -> None:
 
 def run(args) -> int:
     from dsaspec.bench.results import bench_params, markdown_table, write_results
+    from dsaspec.runtime.launch import check_gpus, check_world, relaunch, under_torchrun
 
+    if args.tp > 1:
+        check_gpus(args.tp)
+    if under_torchrun():
+        check_world(args.tp)
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         _apply_cpu_sizes(args)
@@ -199,61 +221,89 @@ def run(args) -> int:
     if args.contexts[-1] < written:
         raise UserError(f"--contexts {args.contexts[-1]} cannot hold --prompt-len {args.prompt_len} and "
                         f"--iterations {args.iterations} of {args.num_steps + 1} tokens ({written} positions)")
-    device = torch.device("cuda" if on_gpu else "cpu")
+    if args.tp > 1 and not under_torchrun():
+        return relaunch(["bench", "e2e"], add_arguments, args, args.tp)
+    group = None
+    if args.tp > 1:
+        from dsaspec.distributed.tp_group import init_tp_group
+
+        group = init_tp_group()
+    leader = group is None or group.rank == 0
+    device = group.device if group else torch.device("cuda" if on_gpu else "cpu")
+    paths = PATHS + (("gather",) if args.tp > 1 else ())
     if on_gpu:
         from dsaspec.bench.timing import warm_up_gpu
 
         warm_up_gpu()
     rows, mismatches = [], []
     for preset in args.presets:
-        model = DSAModel(get_config(preset), device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
-                         use_triton=on_gpu).init_weights(args.seed)
+        model = DSAModel(get_config(preset), device=None if group else device,
+                         dtype=torch.bfloat16 if on_gpu else torch.float32, use_triton=on_gpu,
+                         tp_group=group).init_weights(args.seed)
         generator = torch.Generator().manual_seed(args.seed + 1)
         prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
                    for _ in range(max(args.concurrency))]
         for context_len in args.contexts:
-            setup = _build(model, context_len, prompts, args, device)
+            setup = _build(model, context_len, prompts, args, device, paths)
             points = [(accept, c) for accept in args.accept for c in args.concurrency]
-            for accept, concurrency in tqdm(points, desc=f"{preset} context {context_len}", unit="point"):
-                runs = {path: [] for path in PATHS}
+            for accept, concurrency in tqdm(points, desc=f"{preset} context {context_len}", unit="point",
+                                            disable=not leader):
+                runs = {path: [] for path in paths}
                 tokens = {path: _run(setup.workers[path], setup, concurrency, accept, args, timed=False)["tokens"]
-                          for path in PATHS}                      # warm-up, and the tokens to compare
-                identical = tokens["baseline"] == tokens["new"]
+                          for path in paths}                      # warm-up, and the tokens to compare
+                identical = all(tokens[path] == tokens["baseline"] for path in paths)
                 if on_gpu:
                     for r in range(args.runs):
-                        for path in (PATHS if r % 2 == 0 else PATHS[::-1]):
+                        for path in (paths if r % 2 == 0 else paths[::-1]):
                             result = _run(setup.workers[path], setup, concurrency, accept, args, timed=True)
                             identical &= result["tokens"] == tokens[path]
                             runs[path].append(result)
                 if not identical:
                     mismatches.append((preset, context_len, accept, concurrency))
-                rows.append(_row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu))
+                rows.append(_row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, args.tp))
             del setup
         del model
         if on_gpu:
             torch.cuda.empty_cache()
+    if not leader:
+        return 1 if mismatches else 0
     if on_gpu:
         _add_targets(rows, args.contexts[-1])
+        if args.tp > 1:
+            _add_exchange_prediction(rows, args.num_steps, _results_dir(args.out) / "draft_step.json")
+    order = "/".join(paths) + "/" + "/".join(paths[::-1])
     method = (f"{args.iterations} speculative iterations per run (S = {args.num_steps}) from the same prefilled state "
               f"(prompt {args.prompt_len} tokens), {args.runs} timed runs per point and path interleaved "
-              "baseline/new/new/baseline after one warm-up run each; iteration = host wall time of "
+              f"{order} after one warm-up run each; iteration = host wall time of "
               "SpecWorker.iterate (metadata + draft/verify/extend graph replays + one device-to-host copy); phases "
               "from CUDA events; per-token latency = median iteration time / mean accept length; spread = "
               "(max - min) / median of the per-run medians." if on_gpu else
               "Triton interpreter on CPU (metadata, draft argmax), torch ops (model): token identity only.")
-    payload = {"method": method, "params": bench_params(args), "kill_switches": list(KILL_SWITCHES), "rows": rows}
+    if args.tp > 1 and on_gpu:
+        method += (f" TP {args.tp}: {args.tp} processes under torchrun, times of rank 0; 'gather' = new with "
+                   f"{EXCHANGE_SWITCH}=0; predicted exchange saving per iteration = S x (gather - exchange) µs "
+                   "per draft step from bench draft-step at this TP and rows = concurrency.")
+    payload = {"method": method, "params": bench_params(args), "kill_switches": list(KILL_SWITCHES),
+               "paths": {path: SWITCHES[path] for path in paths}, "rows": rows}
     markdown = _markdown(rows, on_gpu, args, markdown_table)
-    out = write_results("e2e", payload, markdown, args.out, figure=_figure(rows, args) if on_gpu else None)
+    name = "e2e" if args.tp == 1 else f"e2e_tp{args.tp}"
+    out = write_results(name, payload, markdown, args.out, figure=_figure(rows, args) if on_gpu else None)
     print(markdown)
     print(f"results: {out}")
     if mismatches:
-        print(f"error: baseline and new committed different tokens at {mismatches}")
+        print(f"error: the paths ({', '.join(paths)}) committed different tokens at {mismatches}")
         return 1
     return 0
 
 
-def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu) -> dict:
-    row = {"preset": preset, "concurrency": concurrency, "context": context_len, "accept": accept,
+def _results_dir(out) -> Path:
+    from dsaspec.bench.results import RESULTS_ROOT, default_machine_dir
+
+    return Path(out) if out else RESULTS_ROOT / default_machine_dir()
+
+
+def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, tp) -> dict:
+    row = {"preset": preset, "tp": tp, "concurrency": concurrency, "context": context_len, "accept": accept,
            "tokens_identical": identical, "accept_len": None, "baseline_tok_s_user": None, "new_tok_s_user": None,
            "speedup": None, "baseline_ms_per_iter": None, "new_ms_per_iter": None, "ttft_ms": setup.ttft_ms}
     if not on_gpu:
@@ -269,7 +319,32 @@ def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gp
                predicted_speedup_metadata=base["ms_per_iter"] / (base["ms_per_iter"] - saved_metadata),
                predicted_speedup_phases=base["ms_per_iter"] / (base["ms_per_iter"] - saved_phases),
                baseline=base, new=new)
+    if "gather" in runs:
+        gather = _summary(runs["gather"], concurrency)
+        row.update(gather_tok_s_user=gather["tok_s_user"], gather_ms_per_iter=gather["ms_per_iter"],
+                   exchange_speedup=new["tok_s_user"] / gather["tok_s_user"],
+                   exchange_saved_ms_per_iter=gather["ms_per_iter"] - new["ms_per_iter"],
+                   exchange_saved_phase_ms={p: gather["phases_ms"][p] - new["phases_ms"][p] for p in PHASES},
+                   gather=gather)
     return row
+
+
+def _add_exchange_prediction(rows: list[dict], num_steps: int, draft_step_json: Path) -> None:
+    """``predicted_exchange_saved_ms``: an iteration evaluates the draft LM head S times at ``rows =
+    concurrency`` (S - 1 draft steps, then the draft extend's next first draft), so the exchange
+    should save S x (gather - exchange) µs of ``bench draft-step`` at the same TP and rows; None
+    where that file has no such point. ``exchange_saved_vs_predicted``: measured / predicted."""
+    saving = {}
+    if draft_step_json.is_file():
+        for r in json.loads(draft_step_json.read_text()).get("rows", []):
+            if r.get("baseline_us") is not None and r.get("new_us") is not None:
+                saving[r["tp"], r["rows"]] = (r["baseline_us"] - r["new_us"]) / 1e3
+    for row in rows:
+        per_step = saving.get((row["tp"], row["concurrency"]))
+        predicted = None if per_step is None else num_steps * per_step
+        row["predicted_exchange_saved_ms"] = predicted
+        row["exchange_saved_vs_predicted"] = (row["exchange_saved_ms_per_iter"] / predicted
+                                              if predicted else None)
 
 
 def _add_targets(rows: list[dict], reference_context: int) -> None:
@@ -294,15 +369,29 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
         flat = [dict(r, b_tps=r["baseline_tok_s_user"], n_tps=r["new_tok_s_user"], al=r["accept_len"],
                      b_out=r["baseline"]["output_tok_s"], n_out=r["new"]["output_tok_s"],
                      b_spread=r["baseline"]["spread"], n_spread=r["new"]["spread"]) for r in mine]
-        parts.append(f"## {preset}: tok/s/user, baseline → new\n\n" + markdown_table([
+        tp = mine[0]["tp"] if mine else 1
+        title = f"## {preset}{f' at TP {tp}' if tp > 1 else ''}: tok/s/user, baseline → new\n\n"
+        parts.append(title + markdown_table([
             ("context", "context"), ("accept", "accept mode"), ("concurrency", "concurrency"), ("al", "accept len"),
             ("b_tps", "baseline tok/s/user"), ("n_tps", "new tok/s/user"), ("speedup", "speedup"),
             ("baseline_ms_per_iter", "baseline ms/iter"), ("new_ms_per_iter", "new ms/iter"),
             ("b_out", "baseline output tok/s"), ("n_out", "new output tok/s"), ("ttft_ms", "TTFT ms"),
             ("b_spread", "spread b"), ("n_spread", "spread n"), ("runs_overlap", "run ranges overlap"),
             ("tokens_identical", "tokens identical")], flat))
+        if tp > 1:
+            parts.append(f"### {preset} at TP {tp}: the argmax exchange alone (gather = new with "
+                         f"{EXCHANGE_SWITCH}=0)\n\n" + markdown_table([
+                             ("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"),
+                             ("gather_tok_s_user", "gather tok/s/user"), ("new_tok_s_user", "new tok/s/user"),
+                             ("exchange_speedup", "new / gather"), ("gather_ms_per_iter", "gather ms/iter"),
+                             ("new_ms_per_iter", "new ms/iter"), ("exchange_saved_ms_per_iter", "saved ms/iter"),
+                             ("saved_draft", "saved in draft ms"), ("saved_extend", "saved in extend ms"),
+                             ("predicted_exchange_saved_ms", "predicted by draft-step ms"),
+                             ("exchange_saved_vs_predicted", "measured / predicted")],
+                             [dict(r, saved_draft=r["exchange_saved_phase_ms"]["draft"],
+                                   saved_extend=r["exchange_saved_phase_ms"]["extend"]) for r in mine]))
         phase_rows = [dict(r, path=path, **{f"{p}_ms": r[path]["phases_ms"][p] for p in PHASES},
-                           iter_ms=r[path]["ms_per_iter"]) for r in mine for path in PATHS]
+                           iter_ms=r[path]["ms_per_iter"]) for r in mine for path in SWITCHES if path in r]
         parts.append(f"### {preset}: iteration split by phase (device time, CUDA events, median ms)\n\n" + markdown_table(
             [("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"), ("path", "path")]
             + [(f"{p}_ms", p) for p in PHASES] + [("iter_ms", "iteration (host wall)")], phase_rows))
@@ -334,10 +423,12 @@ def _figure(rows, args):
                 xs = [r["concurrency"] for r in mine]
                 ax.plot(xs, [r["baseline_tok_s_user"] for r in mine], "o--", label=f"baseline, context {context}")
                 ax.plot(xs, [r["new_tok_s_user"] for r in mine], "o-", label=f"new, context {context}")
+                if mine and "gather" in mine[0]:
+                    ax.plot(xs, [r["gather_tok_s_user"] for r in mine], "x:", label=f"gather, context {context}")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrency")
             ax.set_ylabel("tok/s/user")
-            ax.set_title(f"{preset}, accept {accept}")
+            ax.set_title(f"{preset}{f' at TP {args.tp}' if args.tp > 1 else ''}, accept {accept}")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()

@@ -7,13 +7,13 @@ top-k, so the attention is sparse), continuous batching, CUDA graphs on a GPU; w
 request's generated ids, its time to first token and time per output token (and the mean accept
 length). Every option is
 checked before the model is built; a model that does not fit the device's free memory (the
-machine's available memory on CPU) is refused up front.
+machine's available memory on CPU) is refused up front. ``--tp N`` shards the model over N GPUs
+(one process per GPU, started under torchrun by the command itself); rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
-from unittest import mock
 
 import torch
 
@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DSA ops: Triton kernels or torch references (auto: triton on CUDA)")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on CUDA (default: graphs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel size: the model sharded over this many GPUs, one process each "
+                        "(started under torchrun)")
     p.add_argument("--row-invariant", action="store_true",
                    help="row-invariant GEMMs and norms: speculative output equals plain greedy output token "
                         "for token (default: cuBLAS and torch norms)")
@@ -86,19 +89,25 @@ def check_device(device: torch.device, option: str = "--device") -> None:
         raise UserError(f"{option} {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
+class _Layout:
+    """Rank 0 of a TP group of ``size`` on the meta device: enough to build a model's shapes."""
+
+    def __init__(self, size: int):
+        self.rank, self.size, self.device = 0, size, torch.device("meta")
+
+
 def required_bytes(config, dtype: torch.dtype, *, max_batch: int, context_len: int, num_slots: int,
-                   mtp: bool = False) -> dict:
-    """Bytes the engine allocates up front: ``weights`` (every parameter in ``dtype``), ``kv`` (the
-    MLA and indexer-key caches over ``num_slots``, with ``mtp`` the MTP layer's too), ``table``
-    (req_to_token) and their ``total``. Activations and workspaces come on top."""
+                   mtp: bool = False, tp: int = 1) -> dict:
+    """Bytes the engine allocates up front on one GPU: ``weights`` (every parameter of a rank's
+    shard at TP ``tp``, in ``dtype``), ``kv`` (the MLA and indexer-key caches over ``num_slots``,
+    with ``mtp`` the MTP layer's too; replicated over TP), ``table`` (req_to_token) and their
+    ``total``. Activations and workspaces come on top."""
     from dsaspec.runtime.memory import KVPool, ReqToTokenPool
     from dsaspec.runtime.model import DSAModel
 
     meta = torch.device("meta")
-    # Shapes only: skip nn.Embedding's normal_ init, which on meta tensors costs seconds (it
-    # imports torch's Python decompositions).
-    with mock.patch("torch.nn.init.normal_", lambda tensor, *args, **kwargs: tensor):
-        weights = sum(p.nbytes for p in DSAModel(config, device=meta, dtype=dtype).parameters())
+    model = DSAModel(config, dtype=dtype, tp_group=_Layout(tp)) if tp > 1 else DSAModel(config, device=meta, dtype=dtype)
+    weights = sum(p.nbytes for p in model.parameters())
     kv = KVPool.for_model(config, num_slots, dtype=dtype, device=meta).nbytes()
     if mtp:
         kv += KVPool.for_model(config, num_slots, mtp=True, dtype=dtype, device=meta).nbytes()
@@ -182,9 +191,17 @@ def run(args) -> int:
     from dsaspec.runtime.config import get_config
     from dsaspec.runtime.engine import Engine
     from dsaspec.runtime.loader import load_config, load_weights
+    from dsaspec.runtime.launch import check_gpus, check_world, relaunch, under_torchrun
     from dsaspec.runtime.memory import PAGE_SIZE
     from dsaspec.runtime.model import DSAModel
 
+    if args.tp > 1:
+        check_gpus(args.tp)
+        if args.device is not None and (args.device.type != "cuda" or args.device.index is not None):
+            raise UserError(f"--tp {args.tp} runs one process per GPU (cuda:0 .. cuda:{args.tp - 1}); "
+                            f"leave out --device {args.device}")
+    if under_torchrun():
+        check_world(args.tp)
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)
     use_triton = args.ops == "triton" or (args.ops == "auto" and device.type == "cuda")
@@ -201,10 +218,22 @@ def run(args) -> int:
         source = f"--preset {args.preset}"
     spec = speculative_config(args, config)
     num_slots = check_requests(args, config, PAGE_SIZE, spec.num_draft_tokens if spec else 1)
-    check_fits(source, required_bytes(config, dtype, max_batch=args.max_batch, context_len=args.context_len,
-                                      num_slots=num_slots, mtp=spec is not None), device, args.dtype)
+    for name in ("num_attention_heads", "intermediate_size"):
+        if getattr(config, name) % args.tp:
+            raise UserError(f"--tp {args.tp} must divide the model's {name} ({getattr(config, name)})")
+    if args.tp > 1 and not under_torchrun():
+        return relaunch(["generate"], add_arguments, args, args.tp)
+    group = None
+    if args.tp > 1:
+        from dsaspec.distributed.tp_group import init_tp_group
 
-    model = DSAModel(config, device=device, dtype=dtype, use_triton=use_triton, row_invariant=args.row_invariant)
+        group = init_tp_group()
+        device = group.device
+    check_fits(source, required_bytes(config, dtype, max_batch=args.max_batch, context_len=args.context_len,
+                                      num_slots=num_slots, mtp=spec is not None, tp=args.tp), device, args.dtype)
+
+    model = DSAModel(config, device=None if group else device, dtype=dtype, use_triton=use_triton,
+                     row_invariant=args.row_invariant, tp_group=group)
     if args.checkpoint:
         load_weights(model, args.checkpoint)
     else:
@@ -212,10 +241,22 @@ def run(args) -> int:
         source = f"preset {args.preset}, random weights (seed {args.seed})"
     generator = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in args.prompt_lens]
+    leader = group is None or group.rank == 0
     engine = Engine(model, context_len=args.context_len, max_batch=args.max_batch, num_slots=num_slots,
-                    use_cuda_graph=False if args.no_cuda_graph else None, progress=not args.no_progress,
-                    speculative=spec)
-    print(f"model: {source}; device {device}, {args.dtype}, ops {'triton' if use_triton else 'torch'}, "
+                    use_cuda_graph=False if args.no_cuda_graph else None,
+                    progress=leader and not args.no_progress, speculative=spec)
+    if leader:
+        _print_setup(args, source, device, use_triton, engine, spec, group)
+    results = engine.generate(prompts, args.max_new_tokens, eos_token_id=args.eos_token_id)
+    if leader:
+        _print_results(results, engine.stats, spec)
+    return 0
+
+
+def _print_setup(args, source, device, use_triton, engine, spec, group) -> None:
+    """What runs: model, TP, device, ops, graphs, metadata kernel, speculative settings."""
+    tp = "" if group is None else f"; TP {group.size} over {group.size} GPUs ({group.transport} all-reduce)"
+    print(f"model: {source}{tp}; device {device}, {args.dtype}, ops {'triton' if use_triton else 'torch'}, "
           f"CUDA graphs {'on' if engine.use_cuda_graph else 'off'}, metadata kernel "
           f"{engine.backend.kernel} ({engine.backend.kernel_reason})")
     if spec is not None:
@@ -227,13 +268,15 @@ def run(args) -> int:
     if device.type == "cpu":
         print("On CPU the times below mean nothing for GPU performance (host times of reference ops "
               "and the Triton interpreter).")
-    results = engine.generate(prompts, args.max_new_tokens, eos_token_id=args.eos_token_id)
+
+
+def _print_results(results, stats, spec) -> None:
+    """Each request's ids and times, the decode steps and the mean accept length."""
     for i, result in enumerate(results):
         tpot = "n/a" if result.tpot_s is None else f"{1e3 * result.tpot_s:.2f} ms"
         print(f"request {i}: prompt {result.prompt_len} tokens, {len(result.token_ids)} generated "
               f"({result.finish_reason}), TTFT {1e3 * result.ttft_s:.1f} ms, TPOT {tpot}")
         print(f"  ids: {result.token_ids}")
-    stats = engine.stats
     if stats.decode_steps:
         what = "iterations" if spec else "steps"
         print(f"decode: {stats.decode_steps} {what}, {stats.decode_tokens} tokens, median step "
@@ -242,4 +285,3 @@ def run(args) -> int:
     if spec is not None and stats.accept_lens:
         note = " (simulated)" if spec.simulated else ""
         print(f"mean accept length {stats.mean_accept_len:.2f} of {spec.num_draft_tokens}{note}")
-    return 0

@@ -5,7 +5,8 @@
 A checkpoint is a directory: ``config.json`` (HF fields) and either ``model.safetensors`` or shards
 listed in ``model.safetensors.index.json`` (``weight_map``: tensor name -> file). Problems with the
 checkpoint (missing or malformed files, tensors that do not match the model) raise
-:class:`~dsaspec.errors.UserError` naming the file.
+:class:`~dsaspec.errors.UserError` naming the file. A tensor-parallel rank reads only its slices of
+the sharded tensors (``safe_open(...).get_slice``), from the same checkpoint as TP 1.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ def _shared_duplicates(config: ModelConfig) -> re.Pattern:
 def save_checkpoint(model: DSAModel, path: str | Path, *, max_shard_bytes: int | None = None) -> Path:
     """Write ``config.json`` and the parameters (HF names, their own dtype) under directory
     ``path``: one ``model.safetensors``, or shards of at most ``max_shard_bytes`` (a tensor larger
-    than that gets a shard of its own) plus ``model.safetensors.index.json``. Returns ``path``."""
+    than that gets a shard of its own) plus ``model.safetensors.index.json``. Returns ``path``.
+    Only a TP 1 model (a rank holds only its shards)."""
+    if model.tp_size != 1:
+        raise ValueError(f"save_checkpoint writes a TP 1 model; this one is rank {model.group.rank} of TP "
+                         f"{model.tp_size}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2, sort_keys=True))
@@ -119,13 +124,16 @@ def _weight_files(path: Path) -> dict[str, str]:
 @torch.no_grad()
 def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     """Copy every parameter of ``model`` from checkpoint directory ``path`` (cast to the
-    parameter's dtype; bit-exact when the dtypes match). Raises ``UserError`` (a ``ValueError``)
+    parameter's dtype; bit-exact when the dtypes match). A TP rank reads only its slice of each
+    sharded tensor (``model.shards()``; vocab padding zero). Raises ``UserError`` (a ``ValueError``)
     listing missing tensors, unexpected ones (MoE experts, fp8 scales, ... are not part of this
-    model), shape mismatches and unreadable files; nothing is copied unless all checks pass.
-    Returns ``model``."""
+    model), shapes that differ from the unsharded model's and unreadable files; nothing is copied
+    unless all checks pass. Returns ``model``."""
     path = Path(path)
     files = _weight_files(path)
     params = dict(model.state_dict())
+    expected = model.checkpoint_shapes()
+    shards = model.shards()
     duplicates = _shared_duplicates(model.config)
     missing = sorted(set(params) - set(files))
     unexpected = sorted(n for n in set(files) - set(params) if not duplicates.fullmatch(n))
@@ -140,17 +148,23 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
         with _open_safetensors(path / file) as f:
             for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(params[name].shape):
+                if shape != expected[name]:
                     raise UserError(f"{path / file}: tensor {name} has shape {shape}, the model expects "
-                                    f"{tuple(params[name].shape)}")
+                                    f"{expected[name]}")
     for file, names in by_file.items():
         with _open_safetensors(path / file) as f:
             for name in names:
-                params[name].copy_(f.get_tensor(name))
+                shard = shards.get(name)
+                if shard is None:
+                    params[name].copy_(f.get_tensor(name))
+                else:
+                    shard.fill(params[name], f.get_slice(name)[shard.index(len(expected[name]))])
     return model
 
 
-def load_checkpoint(path: str | Path, *, device=None, dtype=torch.bfloat16, use_triton: bool = False) -> DSAModel:
-    """Build a :class:`DSAModel` from ``config.json`` and load its weights from ``path``."""
-    model = DSAModel(load_config(path), device=device, dtype=dtype, use_triton=use_triton)
+def load_checkpoint(path: str | Path, *, device=None, dtype=torch.bfloat16, use_triton: bool = False,
+                    tp_group=None) -> DSAModel:
+    """Build a :class:`DSAModel` (this rank's shard over ``tp_group``, or TP 1 on ``device``) from
+    ``config.json`` and load its weights from ``path``."""
+    model = DSAModel(load_config(path), device=device, dtype=dtype, use_triton=use_triton, tp_group=tp_group)
     return load_weights(model, path)

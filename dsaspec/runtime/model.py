@@ -11,6 +11,12 @@ its slot *before* attention, then the attention reads ``page_table_1[r, :seqlens
 The three ops come from :func:`dsa_ops` (Triton kernels, or plain torch behind ``use_triton``).
 With ``AttentionInputs.schedule`` given, a step does no host sync and allocates nothing that
 depends on data, so it can be captured in a CUDA graph.
+
+Tensor parallel over a :class:`~dsaspec.distributed.tp_group.TPGroup` (docs/runtime.md): vocab-parallel
+embedding and LM head, MLA split by attention heads (``q_b_proj`` / ``kv_b_proj`` column parallel,
+``o_proj`` row parallel), dense FFN split by its intermediate features; one all-reduce after the
+embedding, ``o_proj`` and ``down_proj``. The latent projections, the lightning indexer, the norms
+and the MTP layer's ``eh_proj`` are replicated, and so are the KV caches (latent MLA: one KV head).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.runtime.config import ModelConfig, yarn_mscale
 from dsaspec.runtime.memory import KVPool
+from dsaspec.speculative.lm_head import VOCAB_PAD_MULTIPLE, VocabParallelLMHead, padded_vocab_size
 
 # ---------------------------------------------------------------------------------------------
 # ops
@@ -223,8 +231,49 @@ class LayerNorm(RowInvariant, nn.Module):
         return y.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Where a tensor-parallel parameter comes from in its checkpoint tensor: along dim ``dim``
+    (checkpoint size ``full``), checkpoint indices ``[start, start + valid)`` are the local indices
+    ``[0, valid)``; local indices past ``valid`` (vocab padding) hold zeros."""
+
+    dim: int
+    start: int
+    valid: int
+    full: int
+
+    def full_shape(self, local_shape) -> tuple[int, ...]:
+        """The checkpoint shape of a parameter of ``local_shape``."""
+        shape = list(local_shape)
+        shape[self.dim] = self.full
+        return tuple(shape)
+
+    def index(self, ndim: int) -> tuple[slice, ...]:
+        """The slices of the checkpoint tensor (``ndim`` dims) this rank holds."""
+        index = [slice(None)] * ndim
+        index[self.dim] = slice(self.start, self.start + self.valid)
+        return tuple(index)
+
+    def fill(self, param: torch.Tensor, part: torch.Tensor) -> None:
+        """Write ``part`` (the checkpoint tensor at :meth:`index`, any dtype) into ``param``; zero
+        the padding."""
+        local = param.shape[self.dim]
+        if self.valid < local:
+            param.narrow(self.dim, self.valid, local - self.valid).zero_()
+        param.narrow(self.dim, 0, self.valid).copy_(part)
+
+
+def _vocab_pad_multiple(group: TPGroup) -> int:
+    """The vocab is padded to a multiple of ``64 * TP`` at TP > 1 and not at all at TP 1 (the
+    checkpoint's shape, and TP 1 GEMMs of the vocab's own width)."""
+    return VOCAB_PAD_MULTIPLE if group.size > 1 else 1
+
+
 class Linear(RowInvariant, nn.Linear):
-    """Bias-free ``y = x @ weight.T`` (cuBLAS, or the row-invariant GEMM)."""
+    """Bias-free ``y = x @ weight.T`` (cuBLAS, or the row-invariant GEMM). ``shard``: this rank's
+    part of the checkpoint weight (None: replicated)."""
+
+    shard: Shard | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_invariant:
@@ -232,8 +281,63 @@ class Linear(RowInvariant, nn.Linear):
         return F.linear(x, self.weight)
 
 
-def _linear(in_features: int, out_features: int, device, dtype) -> Linear:
-    return Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+COLUMN, ROW = "column", "row"
+
+
+def _linear(in_features: int, out_features: int, device, dtype, *, group: TPGroup | None = None,
+            split: str | None = None) -> Linear:
+    """A bias-free :class:`Linear`, replicated, or split over ``group``: ``COLUMN`` parallel (this
+    rank's contiguous block of the output features) or ``ROW`` parallel (its block of the input
+    features; the partial outputs need a sum over the group)."""
+    if split is None or group.size == 1:
+        return Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+    dim, full = (0, out_features) if split == COLUMN else (1, in_features)
+    local = full // group.size
+    shape = (out_features, local) if split == ROW else (local, in_features)
+    module = Linear(shape[1], shape[0], bias=False, device=device, dtype=dtype)
+    module.shard = Shard(dim, group.rank * local, local, full)
+    return module
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding (``embed_tokens.weight``), its rows split over ``group`` as the LM head
+    splits the vocab: rank ``r`` holds rows ``[r * Sh, (r + 1) * Sh)`` of the padded table. Each
+    rank looks up the ids it holds (zeros for the others) and one all-reduce sums the ranks: every
+    output row has one non-zero contributor, so the sum is exact. At TP 1: a plain lookup."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, device=None, dtype=None):
+        super().__init__()
+        self.group = group
+        self.rows = padded_vocab_size(vocab_size, group.size, _vocab_pad_multiple(group)) // group.size
+        self.start = group.rank * self.rows
+        self.shard = Shard(0, self.start, max(0, min(vocab_size - self.start, self.rows)), vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size, device=device, dtype=dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` int ``[R]`` -> ``[R, hidden]`` (one all-reduce at TP > 1)."""
+        if self.group.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        held = (local >= 0) & (local < self.rows)
+        out = F.embedding(torch.where(held, local, 0), self.weight)
+        out.masked_fill_(~held[:, None], 0)
+        return self.group.all_reduce(out)
+
+
+class LMHead(RowInvariant, VocabParallelLMHead):
+    """The LM head (``lm_head.weight``): a :class:`VocabParallelLMHead` over the model's TP group
+    (the speculative runtime's LogitsProcessor runs over it), with the row-invariant GEMM when the
+    model runs row-invariant. The vocab is padded only at TP > 1 (``_vocab_pad_multiple``)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, dtype):
+        super().__init__(vocab_size, hidden_size, group, dtype=dtype, pad_multiple=_vocab_pad_multiple(group))
+        self.shard = Shard(0, self.shard_start, self.valid_columns, vocab_size)
+
+    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Local logits ``[rows, Sh]`` (``hidden_states @ weight^T``, into ``out`` if given)."""
+        if self.row_invariant:
+            return _row_invariant_ops().linear(hidden_states, self.weight, out=out)
+        return super().forward(hidden_states, out)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool) -> torch.Tensor:
@@ -343,35 +447,45 @@ class Indexer(RowInvariant, nn.Module):
 
 class MLAAttention(RowInvariant, nn.Module):
     """Multi-head latent attention with DSA, run in the absorbed (MQA) form over the 576-wide cache.
-    Layer ``layer`` owns an indexer unless the config makes it a shared-indexer layer."""
+    Layer ``layer`` owns an indexer unless the config makes it a shared-indexer layer.
 
-    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
+    Over a TP group of size ``T`` the rank holds ``H / T`` consecutive attention heads:
+    ``q_b_proj`` and ``kv_b_proj`` are split by heads (column parallel; the HF layouts keep a head's
+    rows together), ``o_proj`` by its input features (row parallel) and its partial outputs are
+    summed by one all-reduce. ``q_a_proj``, ``kv_a_proj_with_mqa``, their norms and the indexer
+    are replicated: every rank writes the same cache entries and selects the same top-k."""
+
+    def __init__(self, config: ModelConfig, layer: int, group: TPGroup, device=None, dtype=None):
         super().__init__()
         self.config = config
+        self.group = group
         heads = config.num_attention_heads
+        self.num_heads = heads // group.size
+        tp = dict(group=group)
         self.q_a_proj = _linear(config.hidden_size, config.q_lora_rank, device, dtype)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.attn_norm_eps, device, dtype)
-        self.q_b_proj = _linear(config.q_lora_rank, heads * config.qk_head_dim, device, dtype)
+        self.q_b_proj = _linear(config.q_lora_rank, heads * config.qk_head_dim, device, dtype, split=COLUMN, **tp)
         self.kv_a_proj_with_mqa = _linear(config.hidden_size, config.kv_cache_dim, device, dtype)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.attn_norm_eps, device, dtype)
-        self.kv_b_proj = _linear(config.kv_lora_rank,
-                                 heads * (config.qk_nope_head_dim + config.v_head_dim), device, dtype)
-        self.o_proj = _linear(heads * config.v_head_dim, config.hidden_size, device, dtype)
+        self.kv_b_proj = _linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
+                                 device, dtype, split=COLUMN, **tp)
+        self.o_proj = _linear(heads * config.v_head_dim, config.hidden_size, device, dtype, split=ROW, **tp)
         self.indexer = Indexer(config, device, dtype) if config.has_indexer(layer) else None
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of ``kv_b_proj.weight``: ``W_UK [H, qk_nope, 512]`` and ``W_UV [H, v, 512]``."""
+        """Views of ``kv_b_proj.weight``: ``W_UK [H, qk_nope, 512]`` and ``W_UV [H, v, 512]`` (this
+        rank's ``H / TP`` heads)."""
         cfg = self.config
-        per_head = self.kv_b_proj.weight.view(cfg.num_attention_heads,
-                                              cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        per_head = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                              cfg.kv_lora_rank)
         return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim:]
 
     def forward(self, x, step: _ForwardState, mla_cache, index_k_cache) -> torch.Tensor:
-        """``x`` ``[R, hidden]`` (normed) -> ``[R, hidden]``; writes the rows' entries of
-        ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` at ``out_cache_loc``
-        and ``attn.topk_slots`` (if given)."""
+        """``x`` ``[R, hidden]`` (normed) -> ``[R, hidden]`` (summed over the TP group); writes the
+        rows' entries of ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` at
+        ``out_cache_loc`` and ``attn.topk_slots`` (if given)."""
         cfg = self.config
-        rows, heads = x.shape[0], cfg.num_attention_heads
+        rows, heads = x.shape[0], self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(rows, heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
@@ -390,7 +504,7 @@ class MLAAttention(RowInvariant, nn.Module):
         step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
                                    check_values=step.check_values, workspace=step.attn.workspace)
         o = _bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), self.row_invariant).transpose(0, 1)  # [R, H, v]
-        return self.o_proj(o.reshape(rows, heads * cfg.v_head_dim))
+        return self.group.all_reduce(self.o_proj(o.reshape(rows, heads * cfg.v_head_dim)))
 
 
 def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, index_topk):
@@ -419,27 +533,31 @@ def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, in
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """Dense SwiGLU: ``down(silu(gate(x)) * up(x))``; over a TP group the intermediate features are
+    split (``gate_proj`` / ``up_proj`` column parallel, ``down_proj`` row parallel) and one
+    all-reduce sums the partial outputs."""
 
-    def __init__(self, config: ModelConfig, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None):
         super().__init__()
-        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, device, dtype)
-        self.up_proj = _linear(config.hidden_size, config.intermediate_size, device, dtype)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, device, dtype)
+        self.group = group
+        tp = dict(group=group)
+        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, device, dtype, split=COLUMN, **tp)
+        self.up_proj = _linear(config.hidden_size, config.intermediate_size, device, dtype, split=COLUMN, **tp)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, device, dtype, split=ROW, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.group.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     """RMSNorm -> MLA with DSA -> residual -> RMSNorm -> SwiGLU -> residual (layer index ``layer``)."""
 
-    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, layer: int, group: TPGroup, device=None, dtype=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.self_attn = MLAAttention(config, layer, device, dtype)
+        self.self_attn = MLAAttention(config, layer, group, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.mlp = MLP(config, device, dtype)
+        self.mlp = MLP(config, group, device, dtype)
 
     def forward(self, x, step: _ForwardState, mla_cache, index_k_cache):
         x = x + self.self_attn(self.input_layernorm(x), step, mla_cache, index_k_cache)
@@ -456,10 +574,11 @@ class SharedHead(nn.Module):
 
 class MTPLayer(DecoderLayer):
     """The MTP (NextN) layer: ``enorm``, ``hnorm``, ``eh_proj`` (2 hidden -> hidden, embedding
-    first), one full decoder layer (the inherited parameters) and ``shared_head.norm``."""
+    first, replicated), one full decoder layer (the inherited parameters) and ``shared_head.norm``;
+    it shares the target's embedding and LM head."""
 
-    def __init__(self, config: ModelConfig, device=None, dtype=None):
-        super().__init__(config, config.num_hidden_layers, device, dtype)
+    def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None):
+        super().__init__(config, config.num_hidden_layers, group, device, dtype)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.eh_proj = _linear(2 * config.hidden_size, config.hidden_size, device, dtype)
@@ -469,11 +588,11 @@ class MTPLayer(DecoderLayer):
 class DSABackbone(nn.Module):
     """``model.*`` of the HF layout: embedding, decoder layers (+ the MTP layer last), final norm."""
 
-    def __init__(self, config: ModelConfig, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
-        layers = [DecoderLayer(config, i, device, dtype) for i in range(config.num_hidden_layers)]
-        layers += [MTPLayer(config, device, dtype) for _ in range(config.num_nextn_predict_layers)]
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group, device, dtype)
+        layers = [DecoderLayer(config, i, group, device, dtype) for i in range(config.num_hidden_layers)]
+        layers += [MTPLayer(config, group, device, dtype) for _ in range(config.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
 
@@ -498,21 +617,58 @@ class DSAModel(nn.Module):
         each position exactly as a decode step does, and speculative greedy output equals plain
         greedy output token for token. Default off (cuBLAS and torch's norms, which pick their
         kernels by the row count).
+    tp_group : TPGroup or None
+        Tensor-parallel group this rank's shard belongs to (every rank builds its own DSAModel over
+        the same group, collectively); None: TP 1 on ``device``. With a group, ``device`` must be
+        None or the group's device. ``num_attention_heads`` and ``intermediate_size`` must divide
+        by its size. TP 1 computes exactly what the unsharded model does.
     """
 
     def __init__(self, config: ModelConfig, *, device=None, dtype=torch.bfloat16, use_triton: bool = False,
-                 row_invariant: bool = False):
+                 row_invariant: bool = False, tp_group: TPGroup | None = None):
         super().__init__()
         self.config = config.validate()
+        if tp_group is None:
+            tp_group = TPGroup.single(torch.device(device) if device is not None else torch.get_default_device())
+        elif device is not None and torch.device(device) != tp_group.device:
+            raise ValueError(f"device {device} differs from the TP group's device {tp_group.device}; pass device=None")
+        for name in ("num_attention_heads", "intermediate_size"):
+            if getattr(config, name) % tp_group.size:
+                raise ValueError(f"tensor parallel size {tp_group.size} must divide ModelConfig.{name} "
+                                 f"({getattr(config, name)})")
+        device = tp_group.device
+        self.group = tp_group
         self.use_triton = use_triton
         self.row_invariant = row_invariant
-        self.model = DSABackbone(config, device, dtype)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, device, dtype)
+        self.model = DSABackbone(config, tp_group, device, dtype)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp_group, dtype)
         self.rotary = Rotary(config, device)
         self.requires_grad_(False)
         for module in self.modules():
             if isinstance(module, RowInvariant):
                 module.row_invariant = row_invariant
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks of the tensor-parallel group (1: unsharded)."""
+        return self.group.size
+
+    @property
+    def num_local_heads(self) -> int:
+        """Attention heads of this rank (``num_attention_heads / tp_size``)."""
+        return self.config.num_attention_heads // self.group.size
+
+    def shards(self) -> dict[str, Shard]:
+        """The tensor-parallel parameters by HF name: where each comes from in its checkpoint
+        tensor. Parameters not listed are replicated (the checkpoint tensor as is)."""
+        return {f"{name}.weight": module.shard for name, module in self.named_modules()
+                if getattr(module, "shard", None) is not None}
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's shape in the (unsharded) checkpoint, by HF name."""
+        shards = self.shards()
+        return {name: shards[name].full_shape(p.shape) if name in shards else tuple(p.shape)
+                for name, p in self.state_dict().items()}
 
     @property
     def mtp_layer(self) -> MTPLayer:
@@ -525,20 +681,27 @@ class DSAModel(nn.Module):
     def init_weights(self, seed: int) -> "DSAModel":
         """Seeded random init (same seed, device type and dtype -> same weights): projections
         ``N(0, 1/fan_in)``, embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.1^2)``, norm biases
-        ``N(0, 0.1^2)``."""
+        ``N(0, 0.1^2)``. Every tensor is drawn at its checkpoint shape and a TP rank keeps its
+        shard, so the ranks of any TP size hold the shards of the TP 1 model of the same seed."""
         device = next(self.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
+        shards = self.shards()
         for name, param in self.named_parameters():
-            noise = torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32)
+            shard = shards.get(name)
+            shape = param.shape if shard is None else shard.full_shape(param.shape)
+            noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
             if name.endswith("embed_tokens.weight"):
                 value = noise
-            elif param.dim() == 2:
-                value = noise / math.sqrt(param.shape[1])
+            elif len(shape) == 2:
+                value = noise / math.sqrt(shape[1])
             elif name.endswith(".bias"):
                 value = noise * 0.1
             else:
                 value = 1.0 + noise * 0.1
-            param.copy_(value)
+            if shard is None:
+                param.copy_(value)
+            else:
+                shard.fill(param, value[shard.index(value.dim())])
         return self
 
     def _state(self, positions, out_cache_loc, attn: AttentionInputs, check_values: bool,
@@ -632,11 +795,17 @@ class DSAModel(nn.Module):
             return None
         from dsaspec.ops.sparse_mla import sparse_mla_workspace
 
-        return sparse_mla_workspace(rows, self.config.num_attention_heads, self.lm_head.weight.device)
+        return sparse_mla_workspace(rows, self.num_local_heads, self.lm_head.weight.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``."""
-        return self.lm_head(hidden).float()
+        """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``; at TP > 1 the
+        vocab shards are all-gathered (collective)."""
+        local = self.lm_head(hidden)
+        if self.group.size == 1:
+            return local.float()
+        gathered = self.group.all_gather(local, torch.empty(self.group.size, *local.shape, dtype=local.dtype,
+                                                             device=local.device))
+        return gathered.permute(1, 0, 2).reshape(local.shape[0], -1)[:, :self.config.vocab_size].float()
 
     # ---- eager prefill helpers --------------------------------------------------------------
     @torch.no_grad()

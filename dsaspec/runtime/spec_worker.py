@@ -20,7 +20,10 @@ One iteration of a batch, with ``S`` draft steps and ``N = S + 1`` verified toke
                hidden states (graph E); the row of position L + A - 1 gives the next d_1, its
                hidden and (IndexShare) the MTP indexer's top-k as the next seed
 
-then one device-to-host copy of the accept lengths and committed tokens. Rejected positions keep
+then one device-to-host copy of the accept lengths and committed tokens. Target tokens (verify rows,
+the prefill's bonus) come from ``processor.target_tokens`` over the model's (vocab-parallel) LM head,
+draft tokens from its greedy draft path; at TP 1 in row-invariant mode the target tokens are the
+argmax of ``model.logits`` (the row-invariant head, exactly as plain decoding takes them). Rejected positions keep
 stale KV in both pools; the next verify and draft extend overwrite them before anything reads them
 (rows attend causally and draft steps only to ``[0, L)``), and ``req_to_token`` is never rewritten.
 Padded rows of a bucket point at the dummy table row (all sink slots) with ``L = 1``. Batches above
@@ -37,14 +40,12 @@ import torch
 from dsaspec import flags
 from dsaspec.attention.dsa_backend import DSAAttnBackend
 from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
-from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.runtime.accept import Acceptance, greedy_accept
 from dsaspec.runtime.graph_runner import BucketGraphs, graphs_usable
 from dsaspec.runtime.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.runtime.model import AttentionInputs, AttentionScratch, DSAModel
 from dsaspec.speculative.draft_step import greedy_draft_step
-from dsaspec.speculative.lm_head import VocabParallelLMHead
 from dsaspec.speculative.logits_processor import LogitsProcessor
 
 PHASES = ("metadata", "draft", "verify", "extend")
@@ -175,7 +176,9 @@ class SpecWorker:
     backend : DSAAttnBackend over ``req_pool.req_to_token`` with ``num_draft_tokens = N``: the
         TARGET_VERIFY and DRAFT_EXTEND buffers of every bucket.
     multi_step : DSAMultiStepDraftBackend with ``S - 1`` step backends (None when ``S == 1``).
-    processor : LogitsProcessor over the model's LM head (the draft tokens' path).
+    processor : LogitsProcessor over the model's LM head (``model.lm_head``): the draft tokens'
+        greedy path and the target tokens; ``max_rows`` at least ``N`` times the larger of
+        ``max_reqs`` and the largest bucket (the verify rows).
     spec : SpecConfig.
     use_cuda_graph : None: on CUDA with the Triton ops.
     """
@@ -194,8 +197,12 @@ class SpecWorker:
         have_steps = 0 if multi_step is None else multi_step.num_step_backends
         if have_steps != expected_steps:
             raise ValueError(f"num_steps={steps} needs {expected_steps} draft step backend(s), got {have_steps}")
-        if processor.max_rows < req_pool.max_reqs:
-            raise ValueError(f"processor.max_rows={processor.max_rows} is below max_reqs={req_pool.max_reqs}")
+        if processor.lm_head is not model.lm_head:
+            raise ValueError("processor must run over the model's LM head (model.lm_head)")
+        verify_rows = max(req_pool.max_reqs, backend.bucket_sizes[-1]) * n_verify
+        if processor.max_rows < verify_rows:
+            raise ValueError(f"processor.max_rows={processor.max_rows} is below the verify rows {verify_rows} "
+                             f"(num_draft_tokens x max(max_reqs, largest bucket))")
         self.model, self.config, self.spec = model, config, spec
         self.req_pool, self.target_kv, self.mtp_kv = req_pool, target_kv, mtp_kv
         self.backend, self.multi_step, self.processor = backend, multi_step, processor
@@ -293,7 +300,7 @@ class SpecWorker:
         model, table = self.model, self.req_pool.req_to_token
         ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
         hidden = model.prefill(ids, table, row, self.target_kv, chunk_size=chunk_size)
-        bonus = model.logits(hidden[-1:]).argmax(-1)
+        bonus = self._target_tokens(hidden[-1:])
         next_ids = torch.cat((ids[1:], bonus))
         selection = torch.empty(self.config.index_topk, dtype=torch.int32, device=self.device)
         drafted = model.prefill_mtp(next_ids, hidden, table, row, self.mtp_kv, chunk_size=chunk_size,
@@ -428,11 +435,18 @@ class SpecWorker:
         hidden = self.model(batch.verify_ids.flatten(), batch.positions.flatten(),
                             batch.out_cache_loc.flatten(), self.target_kv, attn, check_values=check_values)
         batch.verify_hidden.copy_(hidden)
-        targets = self.model.logits(hidden).argmax(-1).view(batch.n, steps + 1)
+        targets = self._target_tokens(hidden).view(batch.n, steps + 1)
         accepted = greedy_accept(batch.drafts, targets, forced_accept_len=batch.forced, out=batch.acceptance)
         state.seq_lens[rows] = lens + accepted.accept_len
         state.bonus[rows] = accepted.bonus
         state.seq_lens[self.dummy_row:self.dummy_row + 1].fill_(1)
+
+    def _target_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's greedy token of each row int64 ``[rows]``: ``processor.target_tokens``, or at
+        TP 1 in row-invariant mode the argmax of ``model.logits`` (plain decoding's own path)."""
+        if self.model.tp_size == 1 and self.model.row_invariant:
+            return self.model.logits(hidden).argmax(-1)
+        return self.processor.target_tokens(hidden)
 
     def _extend(self, batch: _Batch, attn: AttentionInputs, check_values: bool) -> None:
         """The MTP layer over the verified rows with the committed tokens; the row of the new bonus
@@ -454,9 +468,10 @@ def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPo
                       spec: SpecConfig, *, bucket_sizes, num_sms: int, force_kernel: str | None = None,
                       budget: int | None = None, use_cuda_graph: bool | None = None) -> SpecWorker:
     """A captured :class:`SpecWorker` with its parts: the DSA backend (N rows per request), the
-    ``S - 1`` draft step backends, and the draft LogitsProcessor over a copy of the model's LM head
-    (TP 1, argmax exchange opted in). The kill switches are read here, once."""
-    config, weight = model.config, model.lm_head.weight
+    ``S - 1`` draft step backends, and the LogitsProcessor over the model's (vocab-parallel) LM
+    head, opted in to the draft argmax exchange (collective at TP > 1). The kill switches are read
+    here, once."""
+    config = model.config
     table = req_pool.req_to_token
     common = dict(index_topk=config.index_topk, page_size=PAGE_SIZE, bucket_sizes=bucket_sizes,
                   num_sms=num_sms, budget=budget, force_kernel=force_kernel)
@@ -466,9 +481,8 @@ def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPo
     if spec.num_steps > 1:
         multi_step = DSAMultiStepDraftBackend.create(table, num_steps=spec.num_steps,
                                                      index_share=config.index_share_for_mtp_iteration, **common)
-    head = VocabParallelLMHead(config.vocab_size, config.hidden_size, TPGroup.single(backend.device), dtype=weight.dtype)
-    head.load_weight(weight)
-    processor = LogitsProcessor(head, max_rows=max(req_pool.max_reqs, backend.bucket_sizes[-1]))
+    rows = max(req_pool.max_reqs, backend.bucket_sizes[-1]) * spec.num_draft_tokens
+    processor = LogitsProcessor(model.lm_head, max_rows=rows)
     processor.enable_draft_argmax_exchange()
     return SpecWorker(model, req_pool, target_kv, mtp_kv, backend, multi_step, processor, spec,
                       use_cuda_graph=use_cuda_graph).capture()

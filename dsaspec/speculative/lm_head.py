@@ -21,7 +21,7 @@ class VocabParallelLMHead(torch.nn.Module):
     """LM head whose weight is this rank's shard ``[V_pad / TP, hidden]`` of the padded vocab.
 
     Rank ``r`` holds vocab rows ``[r * Sh, (r + 1) * Sh)`` with ``Sh = V_pad / TP`` and
-    ``V_pad = padded_vocab_size(vocab_size, TP)``; rows past ``vocab_size`` are zero padding. With
+    ``V_pad = padded_vocab_size(vocab_size, TP, pad_multiple)``; rows past ``vocab_size`` are zero padding. With
     ``vocab_parallel=False`` the head is replicated: every rank holds all ``V_pad`` rows (TP 1 layout).
 
     Parameters
@@ -30,10 +30,14 @@ class VocabParallelLMHead(torch.nn.Module):
     group : TPGroup; its ``rank`` / ``size`` pick the shard and its ``device`` holds the weight.
     dtype : weight dtype (bf16 by default; fp32 for an fp32 head).
     vocab_parallel : bool; False for a replicated head.
+    pad_multiple : int; ``V_pad`` is a multiple of ``pad_multiple * TP`` (1: no padding at TP 1).
+
+    ``weight`` is a parameter (no gradient), so a model holding the head lists, initialises and
+    loads it with its other parameters.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, *, dtype: torch.dtype = torch.bfloat16,
-                 vocab_parallel: bool = True):
+                 vocab_parallel: bool = True, pad_multiple: int = VOCAB_PAD_MULTIPLE):
         super().__init__()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -41,10 +45,11 @@ class VocabParallelLMHead(torch.nn.Module):
         self.vocab_parallel = vocab_parallel
         self.num_shards = group.size if vocab_parallel else 1
         self.shard_rank = group.rank if vocab_parallel else 0
-        self.padded_vocab_size = padded_vocab_size(vocab_size, self.num_shards)
+        self.padded_vocab_size = padded_vocab_size(vocab_size, self.num_shards, pad_multiple)
         self.shard_size = self.padded_vocab_size // self.num_shards
         self.shard_start = self.shard_rank * self.shard_size
-        self.register_buffer("weight", torch.zeros(self.shard_size, hidden_size, dtype=dtype, device=group.device))
+        self.weight = torch.nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype, device=group.device),
+                                         requires_grad=False)
 
     @property
     def valid_columns(self) -> int:

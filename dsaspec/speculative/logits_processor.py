@@ -122,6 +122,7 @@ class LogitsProcessor:
         self._tokens = torch.empty(max_rows, dtype=torch.int64, device=device)
         self._topk_p = torch.empty(max_rows, dtype=torch.float32, device=device)
         self._positions = torch.empty(max_rows, dtype=torch.int64, device=device)
+        self._target_ids = torch.empty(max_rows, dtype=torch.int64, device=device)
         self._slots = self.group.size * exchange_layout(shard, split_columns)[0]
         self._exchange = None
         self._reduced = None
@@ -231,6 +232,22 @@ class LogitsProcessor:
             cap = self.final_logit_softcapping
             logits.div_(cap).tanh_().mul_(cap)
         return logits
+
+    def target_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Greedy target token of each row: ``torch.argmax`` of the gathered fp32 logits (the first
+        maximum), for target verify and the prefill's first token.
+
+        Parameters
+        ----------
+        hidden_states : Tensor ``[rows, hidden]``, the head's dtype; ``rows <= max_rows``.
+
+        Returns
+        -------
+        Tensor ``[rows]`` int64, a view of a static buffer (valid until the next call); no host
+        sync, so it can be captured in a CUDA graph.
+        """
+        logits = self.forward(hidden_states).next_token_logits
+        return torch.argmax(logits, dim=-1, out=self._target_ids[:hidden_states.shape[0]])
 
     def draft_outputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Static ``[rows]`` views (argmax scratch int64, tokens int64, topk_p fp32, positions int64)."""
