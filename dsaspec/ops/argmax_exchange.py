@@ -28,7 +28,6 @@ TOPK_SPLIT_COLUMNS = 8192
 TOPK_P_REL_ERROR = 2.0**-18
 TOPK_P_ABS_ERROR = 2.0**-126
 _MAX_BLOCK = 2048
-_TOPK_BLOCK = 4096
 _INT32_MIN = tl.constexpr(-(2**31))
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _INT64_MAX = tl.constexpr(2**63 - 1)
@@ -399,70 +398,48 @@ def _topk_partials_kernel(
     tp_size,
     splits,
     K: tl.constexpr,
-    K_P2: tl.constexpr,
     LANES_P2: tl.constexpr,
     IS_BF16: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # >= split_width: the whole split is one tile
     TP_P2: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    lo = split * split_width
-    hi = tl.minimum(lo + split_width, n_valid)
-    row_ptr = logits_bits_ptr + row.to(tl.int64) * logits_row_stride
-    offs = tl.arange(0, BLOCK)
-    place = tl.arange(0, K_P2)
-    # The split's best K so far, best first: signed order key (INT32_MIN: none) and local column.
-    top_key = tl.full([K_P2], _INT32_MIN, tl.int32)
-    top_col = tl.full([K_P2], _INT32_MAX, tl.int32)
-    # Per lane, sum of exp(x - m) over the columns so far, m = value of top_key[0] (rescaled when m grows).
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(lo, hi, BLOCK):
-        cols = start + offs
-        mask = cols < hi
-        bits = _widened_bits(tl.load(row_ptr + cols, mask=mask, other=0), IS_BF16)
-        key = tl.where(mask, _signed_order_key(bits), _INT32_MIN)
-        old_top = tl.max(top_key, axis=0)  # INT32_MIN before the first block
-        new_key = tl.full([K_P2], _INT32_MIN, tl.int32)
-        new_col = tl.full([K_P2], _INT32_MAX, tl.int32)
-        # K rounds over (block ∪ best so far): the largest key, lowest column on equal keys (earlier blocks
-        # hold lower columns), taken out of the pool each round.
-        for j in tl.static_range(K):
-            best = tl.maximum(tl.max(key, axis=0), tl.max(top_key, axis=0))
-            col = tl.minimum(tl.min(tl.where(key == best, cols, _INT32_MAX), axis=0),
-                             tl.min(tl.where(top_key == best, top_col, _INT32_MAX), axis=0))
-            col = tl.where(best > _INT32_MIN, col, _INT32_MAX)
-            new_key = tl.where(place == j, best, new_key)
-            new_col = tl.where(place == j, col, new_col)
-            key = tl.where(cols == col, _INT32_MIN, key)
-            top_key = tl.where(top_col == col, _INT32_MIN, top_key)
-        top_key = new_key
-        top_col = new_col
-        new_top = tl.max(top_key, axis=0)
-        finite = _finite_key(new_top)  # False for NaN and ±inf: the sum lane is 0 then
-        m_new = tl.where(finite, _signed_key_value(new_top), 0.0)
-        grown = finite & (old_top > _KEY_NEG_INF)  # some finite column before this block
-        rescale = tl.where(grown, tl.exp(tl.where(grown, _signed_key_value(old_top), m_new) - m_new), 0.0)
-        live = mask & finite
-        x = tl.where(live, bits.to(tl.float32, bitcast=True), m_new)
-        acc = acc * rescale + tl.where(live, tl.exp(x - m_new), 0.0)
-    split_sum = tl.where(_finite_key(tl.max(top_key, axis=0)), tl.sum(acc, axis=0), 0.0)
-    # Lane l holds part l % 4 of candidate l // 4; lane 4K the split's sum of exponentials.
-    lane = tl.arange(0, LANES_P2)
-    pick = (lane // 4)[:, None] == place[None, :]
-    key_l = tl.max(tl.where(pick, top_key[None, :], _INT32_MIN), axis=1)
-    found = key_l > _INT32_MIN
-    index = shard_start + tl.where(found, tl.min(tl.where(pick, top_col[None, :], _INT32_MAX), axis=1), 0)
-    part = lane % 4
-    packed = tl.where(part == 0, ((key_l >> 16) & 0xFFFF) ^ 0x8000,
-                      tl.where(part == 1, key_l & 0xFFFF, tl.where(part == 2, index >> 16, index & 0xFFFF)))
-    value = tl.where(found, packed, 0).to(tl.float32)
-    value = tl.where(lane == 4 * K, split_sum, value)
+    slot_lanes = 4 * K + 1
+    out_row = out_ptr + row.to(tl.int64) * out_row_stride
+    # Every other rank's slot of this split: +0.0.
     ranks = tl.arange(0, TP_P2)
-    slot = ranks * splits + split
-    ptrs = out_ptr + row.to(tl.int64) * out_row_stride + slot[:, None] * (4 * K + 1) + lane[None, :]
-    own = (ranks == rank)[:, None]
-    tl.store(ptrs, tl.where(own, value[None, :], 0.0), mask=(ranks < tp_size)[:, None] & (lane < 4 * K + 1)[None, :])
+    lane = tl.arange(0, LANES_P2)
+    foreign = out_row + (ranks * splits + split)[:, None] * slot_lanes + lane[None, :]
+    tl.store(foreign, tl.zeros([TP_P2, LANES_P2], tl.float32),
+             mask=((ranks < tp_size) & (ranks != rank))[:, None] & (lane < slot_lanes)[None, :])
+    own = out_row + (rank * splits + split) * slot_lanes
+    lo = split * split_width
+    cols = lo + tl.arange(0, BLOCK)
+    mask = cols < tl.minimum(lo + split_width, n_valid)
+    bits = _widened_bits(tl.load(logits_bits_ptr + row.to(tl.int64) * logits_row_stride + cols, mask=mask, other=0),
+                         IS_BF16)
+    key = tl.where(mask, _signed_order_key(bits), _INT32_MIN)
+    part = tl.arange(0, 4)
+    first = _INT32_MIN
+    # K rounds: the largest key, lowest column among equal keys, then taken out; a round that finds no
+    # column (fewer than K valid columns) writes an empty candidate (zeros).
+    for j in tl.static_range(K):
+        best = tl.max(key, axis=0)
+        col = tl.min(tl.where(key == best, cols, _INT32_MAX), axis=0)
+        key = tl.where(cols == col, _INT32_MIN, key)
+        index = shard_start + col
+        packed = tl.where(part == 0, ((best >> 16) & 0xFFFF) ^ 0x8000,
+                          tl.where(part == 1, best & 0xFFFF, tl.where(part == 2, index >> 16, index & 0xFFFF)))
+        tl.store(own + 4 * j + part, tl.where(best > _INT32_MIN, packed, 0).to(tl.float32))
+        if j == 0:
+            first = best
+    # Sum of exp(x - m) over the split, m = its maximum; 0 if m is NaN or ±inf (or the split is empty).
+    finite = _finite_key(first)
+    m = tl.where(finite, _signed_key_value(first), 0.0)
+    live = mask & finite
+    x = tl.where(live, bits.to(tl.float32, bitcast=True), m)
+    tl.store(own + 4 * K, tl.sum(tl.where(live, tl.exp(x - m), 0.0), axis=0))
 
 
 def topk_partials(
@@ -490,7 +467,8 @@ def topk_partials(
     out : Tensor ``[rows, tp_size * splits, 4 * k + 1]`` fp32, contiguous; written entirely.
     k : int, ``1 <= k <= min(TOPK_MAX, vocab_size)``.
     rank, tp_size, vocab_size : int; ``tp_size * Sh >= vocab_size >= 1``.
-    split_columns : int; target columns per program (see ``exchange_layout``).
+    split_columns : int, ``<= TOPK_SPLIT_COLUMNS``; target columns per program (see ``exchange_layout``):
+        a program holds its whole split.
 
     Arguments are validated on the host (shapes, dtypes, strides, devices; no device sync), on every
     call: inside a captured CUDA graph that happens once, at capture.
@@ -499,6 +477,8 @@ def topk_partials(
     -------
     ``out``.
     """
+    if not 1 <= split_columns <= TOPK_SPLIT_COLUMNS:
+        raise ValueError(f"split_columns must be in [1, TOPK_SPLIT_COLUMNS={TOPK_SPLIT_COLUMNS}], got {split_columns}")
     if not 1 <= k <= min(TOPK_MAX, vocab_size):
         raise ValueError(f"k must be in [1, min(TOPK_MAX={TOPK_MAX}, vocab_size={vocab_size})], got {k}")
     rows, shard, splits, split_width = _check_partials(local_logits, out, rank=rank, tp_size=tp_size,
@@ -511,9 +491,9 @@ def topk_partials(
     n_valid = max(0, min(vocab_size - rank * shard, shard))
     _topk_partials_kernel[(rows, splits)](
         bits, out, bits.stride(0), out.stride(0), n_valid, split_width, rank * shard, rank, tp_size, splits,
-        K=k, K_P2=max(2, triton.next_power_of_2(k)), LANES_P2=triton.next_power_of_2(topk_slot_lanes(k)),
-        IS_BF16=is_bf16, BLOCK=min(_TOPK_BLOCK, triton.next_power_of_2(split_width)),
-        TP_P2=triton.next_power_of_2(tp_size), num_warps=8 if split_width >= 2048 else 4,
+        K=k, LANES_P2=triton.next_power_of_2(topk_slot_lanes(k)), IS_BF16=is_bf16,
+        BLOCK=triton.next_power_of_2(split_width), TP_P2=triton.next_power_of_2(tp_size),
+        num_warps=8 if split_width >= 2048 else 4,
     )
     return out
 
@@ -548,7 +528,7 @@ def _topk_finalize_kernel(
     index = (idx_hi << 16) | idx_lo
     split_max = tl.max(tl.where(place[None, :] == 0, key, _INT32_MIN), axis=1)
     split_sum = tl.load(row_ptr + slot * (4 * K + 1) + 4 * K, mask=slot < slots, other=0.0)
-    top_key = tl.max(tl.max(key, axis=1), axis=0)
+    top_key = tl.max(key)
     top = _signed_key_value(top_key)
     finite = _finite_key(top_key)  # NaN or ±inf at the top: softmax is NaN everywhere
     m = tl.where(finite, top, 0.0)
@@ -556,13 +536,17 @@ def _topk_finalize_kernel(
     split_value = tl.where(finite & (split_max > _INT32_MIN), _signed_key_value(split_max), float("-inf"))
     total = tl.sum(_exp_difference(split_value, m) * split_sum, axis=0)
     total = tl.where(finite, total, 1.0)
+    chosen_key = tl.full([K_P2], _INT32_MIN, tl.int32)
+    chosen = tl.zeros([K_P2], tl.int64)
     for j in tl.static_range(K):
-        best = tl.max(tl.max(key, axis=1), axis=0)
-        token = tl.min(tl.min(tl.where(key == best, index, _INT64_MAX), axis=1), axis=0)
+        best = tl.max(key)
+        token = tl.min(tl.where(key == best, index, _INT64_MAX))
         key = tl.where(index == token, _INT32_MIN, key)  # candidates are distinct tokens
-        p = _exp_difference(tl.where(finite, _signed_key_value(best), 0.0), m) / total
-        tl.store(index_ptr + row.to(tl.int64) * index_row_stride + j, token)
-        tl.store(p_ptr + row.to(tl.int64) * p_row_stride + j, tl.where(finite, p, float("nan")))
+        chosen_key = tl.where(place == j, best, chosen_key)
+        chosen = tl.where(place == j, token, chosen)
+    p = _exp_difference(tl.where(finite & (chosen_key > _INT32_MIN), _signed_key_value(chosen_key), m), m) / total
+    tl.store(index_ptr + row.to(tl.int64) * index_row_stride + place, chosen, mask=place < K)
+    tl.store(p_ptr + row.to(tl.int64) * p_row_stride + place, tl.where(finite, p, float("nan")), mask=place < K)
     if HAS_LSE:
         tl.store(lse_ptr + row, tl.where(finite, top + tl.log(total), top))
 
