@@ -30,6 +30,7 @@ TOPK_P_ABS_ERROR = 2.0**-126
 _MAX_BLOCK = 2048
 _INT32_MIN = tl.constexpr(-(2**31))
 _INT32_MAX = tl.constexpr(2**31 - 1)
+_INT64_MIN = tl.constexpr(-(2**63))
 _INT64_MAX = tl.constexpr(2**63 - 1)
 _KEY_NEG_INF = tl.constexpr(-2139095041)  # signed order keys of -inf and +inf
 _KEY_POS_INF = tl.constexpr(2139095040)
@@ -112,6 +113,14 @@ def _signed_order_key(bits):
 def _signed_key_value(key):
     """The fp32 value of a signed order key (the inverse of ``_signed_order_key``; NaN key → NaN)."""
     return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rank_pair(key, position):
+    """int64 ordering (signed order key, then lower position first): ``key * 2**32 + (2**31 - 1 - position)``
+    for int32 ``key`` and ``0 <= position < 2**31`` (``2**31 - 1 - position == position ^ (2**31 - 1)``);
+    always above INT64_MIN. ``position = (pair & (2**31 - 1)) ^ (2**31 - 1)``."""
+    return (key.to(tl.int64) << 32) | (position ^ _INT32_MAX).to(tl.int64)
 
 
 @triton.jit
@@ -419,21 +428,22 @@ def _topk_partials_kernel(
     mask = cols < tl.minimum(lo + split_width, n_valid)
     bits = _widened_bits(tl.load(logits_bits_ptr + row.to(tl.int64) * logits_row_stride + cols, mask=mask, other=0),
                          IS_BF16)
-    key = tl.where(mask, _signed_order_key(bits), _INT32_MIN)
+    # (key, column) as one int64, ordered by key, then lower column first: one max per round picks both.
+    ranked = tl.where(mask, _rank_pair(_signed_order_key(bits), cols), _INT64_MIN)
     part = tl.arange(0, 4)
     first = _INT32_MIN
     # K rounds: the largest key, lowest column among equal keys, then taken out; a round that finds no
     # column (fewer than K valid columns) writes an empty candidate (zeros).
     for j in tl.static_range(K):
-        best = tl.max(key, axis=0)
-        col = tl.min(tl.where(key == best, cols, _INT32_MAX), axis=0)
-        key = tl.where(cols == col, _INT32_MIN, key)
-        index = shard_start + col
+        top = tl.max(ranked, axis=0)
+        ranked = tl.where(ranked == top, _INT64_MIN, ranked)
+        best = (top >> 32).to(tl.int32)
+        index = shard_start + ((top & _INT32_MAX).to(tl.int32) ^ _INT32_MAX)
         packed = tl.where(part == 0, ((best >> 16) & 0xFFFF) ^ 0x8000,
                           tl.where(part == 1, best & 0xFFFF, tl.where(part == 2, index >> 16, index & 0xFFFF)))
-        tl.store(own + 4 * j + part, tl.where(best > _INT32_MIN, packed, 0).to(tl.float32))
+        tl.store(own + 4 * j + part, tl.where(top > _INT64_MIN, packed, 0).to(tl.float32))
         if j == 0:
-            first = best
+            first = tl.where(top > _INT64_MIN, best, _INT32_MIN)
     # Sum of exp(x - m) over the split, m = its maximum; 0 if m is NaN or ±inf (or the split is empty).
     finite = _finite_key(first)
     m = tl.where(finite, _signed_key_value(first), 0.0)
@@ -493,7 +503,7 @@ def topk_partials(
         bits, out, bits.stride(0), out.stride(0), n_valid, split_width, rank * shard, rank, tp_size, splits,
         K=k, LANES_P2=triton.next_power_of_2(topk_slot_lanes(k)), IS_BF16=is_bf16,
         BLOCK=triton.next_power_of_2(split_width), TP_P2=triton.next_power_of_2(tp_size),
-        num_warps=8 if split_width >= 2048 else 4,
+        num_warps=16 if split_width > 4096 else 8 if split_width >= 2048 else 4,  # about 100 registers a thread
     )
     return out
 
@@ -522,28 +532,29 @@ def _topk_finalize_kernel(
     # Lanes are exact integers; -0.0 (a sign-rewriting transport) converts to 0.
     key_hi = tl.load(base + 0, mask=live, other=0.0).to(tl.int32)
     key_lo = tl.load(base + 1, mask=live, other=0.0).to(tl.int32)
-    idx_hi = tl.load(base + 2, mask=live, other=0.0).to(tl.int64)
-    idx_lo = tl.load(base + 3, mask=live, other=0.0).to(tl.int64)
-    key = tl.where(key_hi > 0, ((key_hi ^ 0x8000) << 16) | key_lo, _INT32_MIN)  # lane 0 == 0: no candidate
-    index = (idx_hi << 16) | idx_lo
-    split_max = tl.max(tl.where(place[None, :] == 0, key, _INT32_MIN), axis=1)
-    split_sum = tl.load(row_ptr + slot * (4 * K + 1) + 4 * K, mask=slot < slots, other=0.0)
-    top_key = tl.max(key)
+    idx_hi = tl.load(base + 2, mask=live, other=0.0).to(tl.int32)
+    idx_lo = tl.load(base + 3, mask=live, other=0.0).to(tl.int32)
+    present = key_hi > 0  # lane 0 == 0: no candidate
+    key = tl.where(present, ((key_hi ^ 0x8000) << 16) | key_lo, _INT32_MIN)
+    ranked = tl.where(present, _rank_pair(key, (idx_hi << 16) | idx_lo), _INT64_MIN)
+    # K rounds over every candidate of the row: largest key, lowest vocab index among equal keys.
+    chosen_key = tl.full([K_P2], _INT32_MIN, tl.int32)
+    chosen = tl.zeros([K_P2], tl.int64)
+    for j in tl.static_range(K):
+        top = tl.max(ranked)
+        ranked = tl.where(ranked == top, _INT64_MIN, ranked)  # candidates are distinct tokens
+        chosen_key = tl.where(place == j, (top >> 32).to(tl.int32), chosen_key)
+        chosen = tl.where(place == j, (top & _INT32_MAX) ^ _INT32_MAX, chosen)
+    top_key = tl.max(chosen_key, axis=0)
     top = _signed_key_value(top_key)
     finite = _finite_key(top_key)  # NaN or ±inf at the top: softmax is NaN everywhere
     m = tl.where(finite, top, 0.0)
     # Sum of exp(x - M) over the row from the splits: sum_s exp(m_s - M) * s_s (empty splits add 0).
+    split_max = tl.max(tl.where(place[None, :] == 0, key, _INT32_MIN), axis=1)
+    split_sum = tl.load(row_ptr + slot * (4 * K + 1) + 4 * K, mask=slot < slots, other=0.0)
     split_value = tl.where(finite & (split_max > _INT32_MIN), _signed_key_value(split_max), float("-inf"))
     total = tl.sum(_exp_difference(split_value, m) * split_sum, axis=0)
     total = tl.where(finite, total, 1.0)
-    chosen_key = tl.full([K_P2], _INT32_MIN, tl.int32)
-    chosen = tl.zeros([K_P2], tl.int64)
-    for j in tl.static_range(K):
-        best = tl.max(key)
-        token = tl.min(tl.where(key == best, index, _INT64_MAX))
-        key = tl.where(index == token, _INT32_MIN, key)  # candidates are distinct tokens
-        chosen_key = tl.where(place == j, best, chosen_key)
-        chosen = tl.where(place == j, token, chosen)
     p = _exp_difference(tl.where(finite & (chosen_key > _INT32_MIN), _signed_key_value(chosen_key), m), m) / total
     tl.store(index_ptr + row.to(tl.int64) * index_row_stride + place, chosen, mask=place < K)
     tl.store(p_ptr + row.to(tl.int64) * p_row_stride + place, tl.where(finite, p, float("nan")), mask=place < K)
