@@ -389,6 +389,20 @@ def test_topk_argument_errors(device):
         processor.forward(hidden, DraftSampling(topk=4), positions=torch.zeros(2, dtype=torch.int64, device=device))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
+def test_verify_step_benchmark_without_cuda(tmp_path, capsys):
+    import json
+
+    from dsaspec import cli
+
+    assert cli.main(["bench", "verify-step", "--rows", "1,3", "--topk", "3", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "verify_step.json").read_text())
+    assert [r["rows"] for r in payload["rows"]] == [1, 3] and {r["topk"] for r in payload["rows"]} == {3}
+    assert all(r["p_rel_error_exact"] <= 2.0**-18 for r in payload["rows"])
+    assert cli.main(["bench", "verify-step", "--topk", "9"]) == 2
+    assert "dsaspec: error: --topk 9: expected 2 to 8" in capsys.readouterr().err
+
+
 # -- LM head ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("vocab,tp,padded", [(154880, 1, 154880), (154880, 2, 154880), (154880, 8, 155136),
