@@ -1,4 +1,4 @@
-"""Vocab-shard argmax partials and their finalize (docs/argmax-exchange.md).
+"""Vocab-shard argmax and top-k partials and their finalizes (docs/argmax-exchange.md).
 
 ``argmax_partials`` runs straight after the local LM-head GEMM: a split reduction over this rank's
 valid shard columns (padding excluded by width, never by value) that writes one candidate per
@@ -6,10 +6,16 @@ valid shard columns (padding excluded by width, never by value) that writes one 
 this rank's slots of the ``[rows, TP * splits, 4]`` exchange buffer and +0.0 into every other slot,
 in one launch. One fp32 SUM all-reduce of the buffer then gives every rank every candidate exactly
 (each lane has a single non-zero contributor, an integer <= 65535). ``draft_finalize`` (one warp per
-row) picks the largest key, lowest global index on ties, and writes the draft bookkeeping.
+row) picks the largest key, lowest global index on ties, and writes the greedy token (draft
+bookkeeping optional): greedy drafts and target verify.
 
-Everything works on the logits' bits: the key is derived from integer operations only, so the
-result cannot depend on flush-to-zero, fast-math or the interpreter's float handling. The pure
+``topk_partials`` writes, per (row, split), the split's ``k <= 8`` best candidates in the same lanes and
+one fp32 lane with the split's sum of ``exp(x - max)``; ``topk_finalize`` merges every rank's candidates
+into the exact top-k of the gathered logits (largest first, lowest index among equal values) and their
+softmax probabilities (within ``TOPK_P_REL_ERROR`` of the exact softmax), without the gather.
+
+Everything that orders works on the logits' bits: the key is derived from integer operations only, so
+the tokens cannot depend on flush-to-zero, fast-math or the interpreter's float handling. The pure
 PyTorch definition is ``dsaspec.reference.argmax_exchange``.
 """
 

@@ -11,6 +11,10 @@ every rank every candidate exactly; the finalize takes the largest key, lowest g
 -0 → +0, otherwise ``bits | 0x80000000`` for non-negative and ``~bits`` for negative values. Its
 smallest real value is KEY(-inf) = 0x007FFFFF, so lane 0 of a real candidate is >= 127 and a lane 0
 of 0 marks an empty slot.
+
+The top-k exchange sends each split's ``k`` best candidates (same lanes) and its sum of
+``exp(x - max)``; its finalize takes the ``k`` best candidates of the row (largest key first, lowest
+index among equal keys: ``torch.sort(descending=True, stable=True)``) and their softmax probabilities.
 """
 
 from __future__ import annotations
