@@ -208,6 +208,8 @@ def test_argument_errors(device):
         processor.forward(torch.randn(2, 31, device=device))
     with pytest.raises(ValueError, match="max_rows must be >= 1, got 0"):
         LogitsProcessor(processor.lm_head, max_rows=0)
+    with pytest.raises(ValueError, match=r"topk_split_columns must be in \[1, TOPK_SPLIT_COLUMNS=8192\], got 8193"):
+        LogitsProcessor(processor.lm_head, topk_split_columns=8193)
 
 
 # -- target verify (target_tokens) --------------------------------------------------------------------

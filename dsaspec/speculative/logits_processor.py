@@ -155,6 +155,9 @@ class LogitsProcessor:
                  topk_split_columns: int = TOPK_SPLIT_COLUMNS):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if not 1 <= topk_split_columns <= TOPK_SPLIT_COLUMNS:
+            raise ValueError(f"topk_split_columns must be in [1, TOPK_SPLIT_COLUMNS={TOPK_SPLIT_COLUMNS}], got "
+                             f"{topk_split_columns}")
         self.lm_head = lm_head
         self.group = lm_head.group
         self.vocab_size = lm_head.vocab_size
