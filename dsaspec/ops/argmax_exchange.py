@@ -437,25 +437,25 @@ def _topk_partials_kernel(
     # (key, column) as one int64, ordered by key, then lower column first: one max per round picks both.
     ranked = tl.where(mask, _rank_pair(_signed_order_key(bits), cols), _INT64_MIN)
     part = tl.arange(0, 4)
-    first = _INT32_MIN
     # K rounds: the largest key, lowest column among equal keys, then taken out; a round that finds no
     # column (fewer than K valid columns) writes an empty candidate (zeros).
     for j in tl.static_range(K):
         top = tl.max(ranked, axis=0)
         ranked = tl.where(ranked == top, _INT64_MIN, ranked)
+        found = top > _INT64_MIN
         best = (top >> 32).to(tl.int32)
         index = shard_start + ((top & _INT32_MAX).to(tl.int32) ^ _INT32_MAX)
         packed = tl.where(part == 0, ((best >> 16) & 0xFFFF) ^ 0x8000,
                           tl.where(part == 1, best & 0xFFFF, tl.where(part == 2, index >> 16, index & 0xFFFF)))
-        tl.store(own + 4 * j + part, tl.where(top > _INT64_MIN, packed, 0).to(tl.float32))
+        tl.store(own + 4 * j + part, tl.where(found, packed, 0).to(tl.float32))
         if j == 0:
-            first = tl.where(top > _INT64_MIN, best, _INT32_MIN)
-    # Sum of exp(x - m) over the split, m = its maximum; 0 if m is NaN or ±inf (or the split is empty).
-    finite = _finite_key(first)
-    m = tl.where(finite, _signed_key_value(first), 0.0)
-    live = mask & finite
-    x = tl.where(live, bits.to(tl.float32, bitcast=True), m)
-    tl.store(own + 4 * K, tl.sum(tl.where(live, tl.exp(x - m), 0.0), axis=0))
+            # Sum of exp(x - m) over the split, m = its maximum; 0 if m is NaN or ±inf (or the split is
+            # empty). Done in the first round so the logits need not stay in registers through the others.
+            finite = found & _finite_key(best)
+            m = tl.where(finite, _signed_key_value(best), 0.0)
+            live = mask & finite
+            x = tl.where(live, bits.to(tl.float32, bitcast=True), m)
+            tl.store(own + 4 * K, tl.sum(tl.where(live, tl.exp(x - m), 0.0), axis=0))
 
 
 def topk_partials(
