@@ -303,7 +303,7 @@ def test_topk_exchange_over_real_transport(groups, transport, k, vocab):
         torch.cuda.synchronize()
         assert torch.equal(index, stable_topk_oracle(full[:, :vocab], k).cuda())
         probability_errors(topk_p, full[:, :vocab].float(), index, lse)
-    for t in (index, topk_p, lse):
+    for t in (index, topk_p.view(torch.int32), lse.view(torch.int32)):  # bits: NaN rows compare equal
         assert _same_on_all_ranks(group, t)
 
 
