@@ -519,10 +519,14 @@ def probability_errors(topk_p, logits, topk_index, lse=None):
 
 
 def check_topk_emulated(vocab, tp, shard, dtype, k, rows, device, split_columns, seed, compare_reference=True):
+    """Emulated TP top-k exchange against the stable top-k and the exact softmax; with ``compare_reference``
+    also the numpy oracle (slow at full vocab) and the reference partials / finalize. Returns the
+    probabilities' max relative errors (topk_p, lse)."""
     logits = between_nan_columns(adversarial_logits(rows, vocab, shard, tp, dtype, seed).to(device))
     full = logits[:, :vocab].float()
-    expected = stable_topk_oracle(full, k).to(device)
-    assert torch.equal(stable_topk_reference(full, k), expected)  # the reference states the same order
+    expected = stable_topk_reference(full, k)
+    if compare_reference:
+        assert torch.equal(stable_topk_oracle(full, k).to(device), expected)  # the reference states the contract
     buffers = rank_partials(logits, vocab, tp, split_columns, device, k=k)
     order = list(range(tp))
     random.Random(seed).shuffle(order)
