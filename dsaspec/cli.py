@@ -20,6 +20,7 @@ BENCHMARKS = {
     "metadata": "metadata",
     "draft-metadata": "draft_metadata",
     "draft-step": "draft_step",
+    "verify-step": "verify_step",
     "decode": "decode",
     "dsa-ops": "dsa_ops",
     "e2e": "e2e",

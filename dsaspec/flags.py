@@ -48,6 +48,13 @@ def spec_draft_argmax_exchange() -> bool:
     return _switch("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE")
 
 
+def spec_verify_argmax_exchange() -> bool:
+    """``DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE``: the greedy target-verify step takes each row's token from
+    exchanged vocab-shard argmax partials instead of gathering logits (default on). Off keeps the logits
+    gather."""
+    return _switch("DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE")
+
+
 def metadata_program_budget() -> int:
     """``DSASPEC_METADATA_BUDGET``: program budget of the bounded metadata kernels (default 2048),
     a positive integer. The grid is ``1 + requests * max(1, min(budget // requests, 256))``."""
@@ -92,6 +99,7 @@ def check_all() -> None:
     """Read every switch once, so a bad value fails before any work starts (raises UserError)."""
     bounded_replay_metadata()
     spec_draft_argmax_exchange()
+    spec_verify_argmax_exchange()
     metadata_program_budget()
     simulate_accept_len()
     triton_interpret()

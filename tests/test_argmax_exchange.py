@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from dsaspec.ops.argmax_exchange import DEFAULT_SPLIT_COLUMNS, argmax_partials, draft_finalize, exchange_layout
+from dsaspec.ops.argmax_exchange import (
+    DEFAULT_SPLIT_COLUMNS,
+    TOPK_SPLIT_COLUMNS,
+    argmax_partials,
+    draft_finalize,
+    exchange_layout,
+    topk_finalize,
+    topk_partials,
+    topk_slot_lanes,
+)
 from dsaspec.reference.argmax_exchange import (
     KEY_NAN,
     KEY_NEG_INF,
@@ -24,6 +33,9 @@ from dsaspec.reference.argmax_exchange import (
     argmax_partials_reference,
     gathered_argmax_reference,
     order_key_nan_max_zeros_equal,
+    stable_topk_reference,
+    topk_finalize_reference,
+    topk_partials_reference,
 )
 
 HAS_CUDA = torch.cuda.is_available()
@@ -53,7 +65,7 @@ def adversarial_logits(rows: int, vocab: int, shard: int, tp: int, dtype: torch.
     nan_bits = NAN_BITS_FP32 if dtype == torch.float32 else NAN_BITS_BF16
     boundaries = [r * shard for r in range(1, tp) if r * shard < vocab]
     for row in range(rows):
-        case = row % 16
+        case = row % 18
         top = logits[row, :vocab].float().max().item() + 1.0
         cols = [rnd.randrange(vocab) for _ in range(3)]
         if case == 1:  # tie inside one shard
@@ -101,6 +113,14 @@ def adversarial_logits(rows: int, vocab: int, shard: int, tp: int, dtype: torch.
         elif case == 14:  # a NaN and +inf in the same row: NaN wins
             logits[row, cols[0]] = float("inf")
             _put(logits, row, cols[1], nan_bits[2])
+        elif case == 15:  # a large range: probabilities from ~1 down to subnormal and 0
+            logits[row] = (torch.randn(tp * shard, generator=gen) * 40).to(dtype)
+        elif case == 16:  # huge finite values: differences overflow to -inf
+            logits[row, cols[0]] = 3.0e38
+            logits[row, cols[1]] = -3.0e38
+            logits[row, cols[2]] = 3.0e38
+        elif case == 17:  # one value everywhere: every column ties
+            logits[row] = 0.75
     # Padding columns must never win, whatever they hold.
     if vocab < tp * shard:
         pad = logits[:, vocab:]
@@ -143,17 +163,21 @@ def between_nan_columns(logits):
     return wide[:, POISON_PAD:POISON_PAD + cols]
 
 
-def rank_partials(logits, vocab, tp, split_columns, device):
-    """Every emulated rank's exchange buffer, each computed into a NaN-poisoned view (every slot must be
-    written, nothing around it)."""
+def rank_partials(logits, vocab, tp, split_columns, device, k=None):
+    """Every emulated rank's exchange buffer (argmax partials, or top-``k`` partials), each computed into a
+    NaN-poisoned view (every slot must be written, nothing around it)."""
     rows, padded = logits.shape
     shard = padded // tp
     splits, _ = exchange_layout(shard, split_columns)
     buffers = []
     for rank in range(tp):
-        buf, storage = poisoned((rows, tp * splits, 4), torch.float32, device, float("nan"))
-        argmax_partials(logits[:, rank * shard:(rank + 1) * shard], buf, rank=rank, tp_size=tp, vocab_size=vocab,
-                        split_columns=split_columns)
+        lanes = 4 if k is None else topk_slot_lanes(k)
+        buf, storage = poisoned((rows, tp * splits, lanes), torch.float32, device, float("nan"))
+        local = logits[:, rank * shard:(rank + 1) * shard]
+        if k is None:
+            argmax_partials(local, buf, rank=rank, tp_size=tp, vocab_size=vocab, split_columns=split_columns)
+        else:
+            topk_partials(local, buf, k=k, rank=rank, tp_size=tp, vocab_size=vocab, split_columns=split_columns)
         assert_margins_intact(storage, float("nan"), f"rank {rank} partials")
         buffers.append(buf)
     return buffers
@@ -274,6 +298,7 @@ SMALL_CASES = [
     # (vocab, tp, shard): odd sizes, edge lengths, empty shards (vocab < (tp - 1) * shard)
     (1, 2, 64), (5, 8, 64), (37, 3, 64), (63, 2, 32), (64, 2, 32), (65, 2, 64), (127, 4, 32), (128, 4, 32),
     (129, 3, 64), (200, 8, 32), (257, 4, 65), (1000, 2, 512), (1000, 8, 128), (777, 3, 259),
+    (1, 1, 64), (129, 1, 192), (300, 1, 320),
 ]
 
 
@@ -286,6 +311,7 @@ def test_emulated_small(vocab, tp, shard, dtype, device):
 @pytest.mark.parametrize("rows", [1, 2, 63, 64])
 def test_emulated_rows(rows, device):
     check_emulated(700, 2, 384, torch.bfloat16, rows=rows, device=device, split_columns=384, seed=rows)
+
 
 
 @pytest.mark.parametrize("vocab,tp,dtype", [(154880, 2, torch.bfloat16), (129280, 8, torch.float32),
@@ -431,6 +457,182 @@ def test_finalize_argument_errors(device):
         draft_finalize(tokens=tokens, topk_p=topk_p, reduced=reduced, token_map=torch.zeros(8, device=device))
 
 
+# -- top-k exchange with probability lanes ------------------------------------------------------------
+
+# The documented accuracy (docs/argmax-exchange.md) against the softmax of the gathered fp32 logits computed
+# exactly (float64): |p - p*| <= P_REL * p* + P_ABS (the absolute term covers subnormal probabilities);
+# the log-sum-exp within LSE_REL * max(1, |lse*|).
+P_REL, P_ABS, LSE_REL = 2.0**-18, 2.0**-126, 2.0**-18
+ADVERSARIAL_ROWS = 18  # one row per case of adversarial_logits
+# Under the interpreter numpy warns when a difference of ±3e38 logits overflows to -inf (exp gives 0, as on GPU).
+NUMPY_OVERFLOW = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+
+def stable_topk_oracle(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k contract written without an order key or torch.sort: per row, the NaN columns first (in
+    column order), then the others by value descending, lowest column first among equal values (-0 == +0);
+    the first ``k``. int64 ``[rows, k]``, CPU."""
+    out = []
+    for row in logits.float().cpu().numpy():
+        nan = np.flatnonzero(np.isnan(row))
+        rest = np.flatnonzero(~np.isnan(row))
+        rest = rest[np.lexsort((rest, -row[rest]))]
+        out.append(np.concatenate([nan, rest])[:k])
+    return torch.tensor(np.array(out), dtype=torch.int64)
+
+
+def finalize_topk(reduced, k):
+    """topk_finalize into [rows, k] views of wider poisoned buffers; checks nothing around them is written."""
+    rows, device = reduced.shape[0], reduced.device
+    wide_index, index_storage = poisoned((rows, k + 3), torch.int64, device, -7)
+    wide_p, p_storage = poisoned((rows, k + 3), torch.float32, device, -7.0)
+    lse, lse_storage = poisoned((rows,), torch.float32, device, -7.0)
+    topk_finalize(reduced, k=k, topk_index=wide_index[:, :k], topk_p=wide_p[:, :k], lse=lse)
+    for storage, name in ((index_storage, "topk_index"), (p_storage, "topk_p"), (lse_storage, "lse")):
+        assert_margins_intact(storage, -7, name)
+    assert (wide_index[:, k:] == -7).all() and (wide_p[:, k:] == -7).all(), "written past column k"
+    return wide_index[:, :k], wide_p[:, :k], lse
+
+
+def probability_errors(topk_p, logits, topk_index, lse=None):
+    """Asserts the NaN / ±inf rules and the documented bounds of ``topk_p`` (and ``lse``) against the exact
+    softmax (float64) of the fp32 ``logits``; returns the max relative errors of topk_p (probabilities >=
+    2**-126) and of lse (0.0 without it)."""
+    exact = torch.softmax(logits.double(), dim=-1).gather(1, topk_index)
+    fp32 = torch.softmax(logits.float(), dim=-1).gather(1, topk_index)
+    nan = exact.isnan()
+    assert torch.equal(topk_p.isnan(), nan) and torch.equal(fp32.isnan(), nan)
+    p = topk_p.double()[~nan]
+    err = (p - exact[~nan]).abs()
+    bound = P_REL * exact[~nan] + P_ABS
+    assert (err <= bound).all(), f"probability error {(err / bound).max().item():.2f}x the bound"
+    normal = exact[~nan] >= P_ABS
+    rel_p = (err[normal] / exact[~nan][normal]).max().item() if normal.any() else 0.0
+    if lse is None:
+        return rel_p, 0.0
+    exact_lse = torch.logsumexp(logits.double(), dim=-1)
+    finite = torch.isfinite(exact_lse)
+    assert torch.equal(lse[~finite].double().nan_to_num(0.5), exact_lse[~finite].nan_to_num(0.5))
+    lse_err = ((lse.double() - exact_lse).abs() / exact_lse.abs().clamp(min=1.0))[finite]
+    assert (lse_err <= LSE_REL).all(), f"lse error {lse_err.max().item()}"
+    return rel_p, lse_err.max().item() if finite.any() else 0.0
+
+
+def check_topk_emulated(vocab, tp, shard, dtype, k, rows, device, split_columns, seed, compare_reference=True):
+    """Emulated TP top-k exchange against the stable top-k and the exact softmax; with ``compare_reference``
+    also the numpy oracle (slow at full vocab) and the reference partials / finalize. Returns the
+    probabilities' max relative errors (topk_p, lse)."""
+    logits = between_nan_columns(adversarial_logits(rows, vocab, shard, tp, dtype, seed).to(device))
+    full = logits[:, :vocab].float()
+    expected = stable_topk_reference(full, k)
+    if compare_reference:
+        assert torch.equal(stable_topk_oracle(full, k).to(device), expected)  # the reference states the contract
+    buffers = rank_partials(logits, vocab, tp, split_columns, device, k=k)
+    order = list(range(tp))
+    random.Random(seed).shuffle(order)
+    reduced = emulated_all_reduce(buffers, order, foreign_fill=-0.0)
+    index, topk_p, lse = finalize_topk(reduced, k)
+    mismatch = (index != expected).any(dim=1).nonzero().flatten().tolist()
+    assert not mismatch, f"rows {mismatch[:8]}: got {index[mismatch[:8]].tolist()}, want {expected[mismatch[:8]].tolist()}"
+    errors = probability_errors(topk_p, full, index, lse)
+    if compare_reference:
+        _, split_width = exchange_layout(shard, split_columns)
+        for rank, buf in enumerate(buffers):
+            ref = topk_partials_reference(logits[:, rank * shard:(rank + 1) * shard], k=k, rank=rank, tp_size=tp,
+                                          vocab_size=vocab, split_width=split_width)
+            buf, ref = buf.cpu(), ref.cpu()
+            assert torch.equal(buf[..., :4 * k].view(torch.int32), ref[..., :4 * k].view(torch.int32)), \
+                f"rank {rank} candidates differ"
+            s, s_ref = buf[..., 4 * k].double(), ref[..., 4 * k].double()
+            assert torch.equal(s == 0, s_ref == 0) and ((s - s_ref).abs() <= P_REL * s_ref).all(), \
+                f"rank {rank} sums of exponentials differ"
+        ref_index, ref_p, ref_lse = topk_finalize_reference(reduced, k)
+        assert torch.equal(ref_index, expected)
+        probability_errors(ref_p, full, ref_index, ref_lse)
+    return errors
+
+
+TOPK_CASES = [
+    # (vocab, tp, shard, k, split_columns, dtype): TP 1/2/3/4/8, several splits, empty shards, k up to 8
+    (300, 1, 320, 8, 160, torch.bfloat16), (200, 2, 128, 4, 64, torch.float32), (257, 3, 96, 3, 96, torch.bfloat16),
+    (129, 4, 64, 2, 64, torch.float32), (37, 8, 32, 1, 32, torch.bfloat16),
+]
+
+
+@NUMPY_OVERFLOW
+@pytest.mark.parametrize("vocab,tp,shard,k,split_columns,dtype", TOPK_CASES,
+                         ids=[f"{v}-tp{t}-sh{s}-k{k}" for v, t, s, k, _, _ in TOPK_CASES])
+def test_topk_emulated_small(vocab, tp, shard, k, split_columns, dtype, device):
+    check_topk_emulated(vocab, tp, shard, dtype, k, ADVERSARIAL_ROWS, device, split_columns, seed=vocab + k)
+
+
+@NUMPY_OVERFLOW
+def test_topk_k1_candidates_are_the_argmax_candidates(device):
+    logits = adversarial_logits(ADVERSARIAL_ROWS, 250, 128, 2, torch.bfloat16, seed=11).to(device)
+    argmax = rank_partials(logits, 250, 2, 128, device)
+    top1 = rank_partials(logits, 250, 2, 128, device, k=1)
+    for a, b in zip(argmax, top1):
+        assert torch.equal(a.view(torch.int32), b[..., :4].contiguous().view(torch.int32))
+
+
+@NUMPY_OVERFLOW
+def test_topk_full_vocab_cpu_sized(device):
+    from dsaspec.speculative.lm_head import padded_vocab_size
+
+    vocab, tp = 154880, 2
+    shard = padded_vocab_size(vocab, tp) // tp
+    check_topk_emulated(vocab, tp, shard, torch.bfloat16, 4, 2, device, TOPK_SPLIT_COLUMNS, seed=1,
+                        compare_reference=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("vocab", FULL_VOCABS)
+def test_topk_full_vocab_gpu(vocab, tp, k, dtype):
+    from dsaspec.speculative.lm_head import padded_vocab_size
+
+    shard = padded_vocab_size(vocab, tp) // tp
+    worst = (0.0, 0.0)
+    for rows in (ADVERSARIAL_ROWS, 64, 256):
+        errors = check_topk_emulated(vocab, tp, shard, dtype, k, rows, "cuda", TOPK_SPLIT_COLUMNS,
+                                     seed=rows * 100 + tp, compare_reference=rows == ADVERSARIAL_ROWS)
+        worst = tuple(map(max, worst, errors))
+    print(f"\ntopk_p max relative error {worst[0]:.3g} ({worst[0] / 2**-24:.1f} ulp), lse {worst[1]:.3g}")
+
+
+def test_topk_argument_errors(device):
+    logits = torch.randn(2, 64, device=device)
+    splits, _ = exchange_layout(64, 64)
+    good = torch.empty(2, 2 * splits, topk_slot_lanes(4), device=device)
+    cases = [
+        (dict(k=0), r"k must be in \[1, min\(TOPK_MAX=8, vocab_size=100\)\], got 0"),
+        (dict(k=9), r"k must be in \[1, min\(TOPK_MAX=8, vocab_size=100\)\], got 9"),
+        (dict(k=4, vocab_size=3), r"k must be in \[1, min\(TOPK_MAX=8, vocab_size=3\)\], got 4"),
+        (dict(split_columns=TOPK_SPLIT_COLUMNS + 1), r"split_columns must be in \[1, TOPK_SPLIT_COLUMNS=8192\]"),
+        (dict(out=torch.empty(2, 2 * splits, 4, device=device)),
+         rf"out must be a contiguous fp32 tensor of shape \(2, {2 * splits}, 17\)"),
+    ]
+    for change, message in cases:
+        kwargs = dict(out=good, k=4, rank=0, tp_size=2, vocab_size=100, split_columns=64) | change
+        with pytest.raises(ValueError, match=message):
+            topk_partials(logits, kwargs.pop("out"), **kwargs)
+    reduced = torch.zeros(2, 3, 17, device=device)
+    index = torch.empty(2, 4, dtype=torch.int64, device=device)
+    p = torch.empty(2, 4, device=device)
+    with pytest.raises(ValueError, match=r"k must be in \[1, TOPK_MAX=8\], got 9"):
+        topk_finalize(reduced, k=9, topk_index=index, topk_p=p)
+    with pytest.raises(ValueError, match=r"reduced must be fp32 \[rows, slots, 13\] with dense slots"):
+        topk_finalize(reduced, k=3, topk_index=index, topk_p=p)
+    with pytest.raises(ValueError, match=r"topk_index must be torch.int64 \[2, 4\] with unit column stride"):
+        topk_finalize(reduced, k=4, topk_index=index.t().contiguous().t(), topk_p=p)
+    with pytest.raises(ValueError, match=r"topk_p must be torch.float32 \[2, 4\]"):
+        topk_finalize(reduced, k=4, topk_index=index, topk_p=p.double())
+    with pytest.raises(ValueError, match=r"lse must be a contiguous fp32 \[2\]"):
+        topk_finalize(reduced, k=4, topk_index=index, topk_p=p, lse=torch.empty(3, device=device))
+
+
 # -- CUDA graphs (one GPU, emulated ranks) -----------------------------------------------------------
 
 @pytest.mark.gpu
@@ -468,3 +670,38 @@ def test_partials_and_finalize_in_cuda_graph():
         assert torch.equal(tokens, torch.argmax(logits[:, :vocab].float(), dim=-1))
         assert torch.equal(positions_out, positions + 1)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [2, 8])
+def test_topk_partials_and_finalize_in_cuda_graph(k):
+    from dsaspec.speculative.lm_head import padded_vocab_size
+
+    vocab, tp, rows = 154880, 4, 64
+    shard = padded_vocab_size(vocab, tp) // tp
+    splits, _ = exchange_layout(shard, TOPK_SPLIT_COLUMNS)
+    logits = torch.empty(rows, tp * shard, dtype=torch.bfloat16, device="cuda")
+    buffers = torch.empty(tp, rows, tp * splits, topk_slot_lanes(k), device="cuda")
+    index = torch.empty(rows, k, dtype=torch.int64, device="cuda")
+    topk_p = torch.empty(rows, k, device="cuda")
+    lse = torch.empty(rows, device="cuda")
+
+    def step():
+        for rank in range(tp):
+            topk_partials(logits[:, rank * shard:(rank + 1) * shard], buffers[rank], k=k, rank=rank, tp_size=tp,
+                          vocab_size=vocab)
+        topk_finalize(buffers.sum(dim=0), k=k, topk_index=index, topk_p=topk_p, lse=lse)
+
+    logits.copy_(adversarial_logits(rows, vocab, shard, tp, torch.bfloat16, seed=0))
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        logits.copy_(adversarial_logits(rows, vocab, shard, tp, torch.bfloat16, seed=seed + 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        full = logits[:, :vocab].float()
+        assert torch.equal(index, stable_topk_oracle(full, k).cuda())
+        probability_errors(topk_p, full, index, lse)

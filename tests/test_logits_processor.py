@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from dsaspec.distributed.tp_group import DEFAULT_SYMM_MEM_MAX_BYTES, LOCAL, NCCL, SYMM_MEM, TPGroup
-from dsaspec.ops.argmax_exchange import exchange_layout
+from dsaspec.errors import UserError
+from dsaspec.ops.argmax_exchange import TOPK_SPLIT_COLUMNS, exchange_layout
 from dsaspec.reference.argmax_exchange import gathered_logits_reference
-from dsaspec.speculative.draft_step import greedy_draft_step
+from dsaspec.speculative.draft_step import greedy_draft_step, topk_draft_step
 from dsaspec.speculative.lm_head import VocabParallelLMHead, padded_vocab_size
 from dsaspec.speculative.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
-from test_argmax_exchange import first_max_index
+from test_argmax_exchange import first_max_index, probability_errors, stable_topk_oracle
 
 KILL_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
+VERIFY_SWITCH = "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE"
 
 
 class FactsOnlyGroup(TPGroup):
@@ -34,19 +36,21 @@ class FactsOnlyGroup(TPGroup):
 
 
 def make_processor(group, vocab=1000, hidden=32, dtype=torch.float32, opt_in=True, vocab_parallel=True, seed=0,
-                   **kwargs):
+                   max_topk=1, **kwargs):
     head = VocabParallelLMHead(vocab, hidden, group, dtype=dtype, vocab_parallel=vocab_parallel)
     weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed))
     head.load_weight(weight)
     processor = LogitsProcessor(head, **kwargs)
     if opt_in:
-        processor.enable_draft_argmax_exchange()
+        processor.enable_draft_argmax_exchange(max_topk=max_topk)
+        processor.enable_verify_argmax_exchange()
     return processor, weight.to(group.device)
 
 
 @pytest.fixture(autouse=True)
-def _kill_switch_unset(monkeypatch):
+def _switches_unset(monkeypatch):
     monkeypatch.delenv(KILL_SWITCH, raising=False)
+    monkeypatch.delenv(VERIFY_SWITCH, raising=False)
 
 
 # -- protocol (decisions) -------------------------------------------------------------------------
@@ -54,6 +58,8 @@ def _kill_switch_unset(monkeypatch):
 def test_not_opted_in_always_gathers(device):
     processor, _ = make_processor(TPGroup.single(device), opt_in=False)
     assert "did not opt in" in processor.draft_argmax_exchange_declined(GREEDY_TOPK1)
+    assert processor.verify_argmax_exchange_declined() == \
+        "the processor did not opt in (enable_verify_argmax_exchange)"
     out = processor.forward(torch.randn(3, 32, device=device), GREEDY_TOPK1)
     assert out.next_token_logits is not None and out.next_token_argmax_partials is None and out.next_token_ids is None
 
@@ -202,6 +208,201 @@ def test_argument_errors(device):
         processor.forward(torch.randn(2, 31, device=device))
     with pytest.raises(ValueError, match="max_rows must be >= 1, got 0"):
         LogitsProcessor(processor.lm_head, max_rows=0)
+    with pytest.raises(ValueError, match=r"topk_split_columns must be in \[1, TOPK_SPLIT_COLUMNS=8192\], got 8193"):
+        LogitsProcessor(processor.lm_head, topk_split_columns=8193)
+
+
+# -- target verify (target_tokens) --------------------------------------------------------------------
+
+def target_tokens_traced(processor, hidden):
+    """``target_tokens(hidden)`` with the exchange buffer poisoned: (tokens, whether the exchange wrote it)."""
+    used = processor._exchange[:hidden.shape[0] * processor._slots * 4]
+    processor._exchange.fill_(float("nan"))
+    tokens = processor.target_tokens(hidden)
+    return tokens, not used.isnan().any().item()
+
+
+@pytest.mark.parametrize("transport", [SYMM_MEM, LOCAL])
+def test_verify_exchanges_when_eligible(transport):
+    size = 1 if transport == LOCAL else 2
+    processor, _ = make_processor(FactsOnlyGroup(size, transport, rank=size - 1), max_rows=256)
+    assert processor.verify_argmax_exchange_declined() is None and processor.uses_verify_argmax_exchange()
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("not_opted_in", "the processor did not opt in (enable_verify_argmax_exchange)"),
+    ("replicated_head", "the LM head is replicated"),
+    ("softcap", "final-logit softcapping"),
+    ("dp_attention", "DP attention"),
+    ("nccl", "the all-reduce would run on NCCL"),
+    ("too_big_for_symm_mem", "the all-reduce would run on NCCL"),
+    ("switch", f"{VERIFY_SWITCH} was off when the processor was built"),
+])
+def test_verify_each_fallback_declines(case, reason, monkeypatch):
+    group = FactsOnlyGroup(2, NCCL if case == "nccl" else SYMM_MEM, rank=0,
+                           symm_mem_max_bytes=64 if case == "too_big_for_symm_mem" else DEFAULT_SYMM_MEM_MAX_BYTES)
+    kwargs = {"final_logit_softcapping": 30.0} if case == "softcap" else {}
+    kwargs.update({"dp_attention": True} if case == "dp_attention" else {})
+    if case == "switch":
+        monkeypatch.setenv(VERIFY_SWITCH, "off")
+    processor, _ = make_processor(group, vocab_parallel=case != "replicated_head", opt_in=False, **kwargs)
+    if case != "not_opted_in":
+        processor.enable_verify_argmax_exchange()
+    assert processor.verify_argmax_exchange_declined() == reason
+    assert not processor.uses_verify_argmax_exchange()
+
+
+def test_verify_and_draft_opt_ins_and_switches_are_separate(monkeypatch):
+    group = FactsOnlyGroup(2, SYMM_MEM)
+    processor, _ = make_processor(group, opt_in=False)
+    processor.enable_verify_argmax_exchange()
+    assert processor.uses_verify_argmax_exchange() and not processor.uses_draft_argmax_exchange(GREEDY_TOPK1)
+    buffer = processor._exchange
+    processor.enable_draft_argmax_exchange()
+    assert processor._exchange is buffer  # one argmax exchange buffer for both
+    monkeypatch.setenv(KILL_SWITCH, "0")
+    draft_off, _ = make_processor(group)
+    assert draft_off.uses_verify_argmax_exchange() and not draft_off.uses_draft_argmax_exchange(GREEDY_TOPK1)
+    monkeypatch.setenv(KILL_SWITCH, "1")
+    monkeypatch.setenv(VERIFY_SWITCH, "0")
+    verify_off, _ = make_processor(group)
+    assert not verify_off.uses_verify_argmax_exchange() and verify_off.uses_draft_argmax_exchange(GREEDY_TOPK1)
+
+
+def test_verify_switch_is_parsed_strictly(monkeypatch):
+    monkeypatch.setenv(VERIFY_SWITCH, "maybe")
+    with pytest.raises(UserError, match=f"{VERIFY_SWITCH}='maybe' is not a switch value"):
+        make_processor(FactsOnlyGroup(2, SYMM_MEM))
+
+
+@pytest.mark.parametrize("built_with,flipped_to", [("1", "0"), ("0", "1")])
+def test_verify_switch_is_read_once_at_construction(built_with, flipped_to, monkeypatch, device):
+    monkeypatch.setenv(VERIFY_SWITCH, built_with)
+    processor, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=1024)
+    monkeypatch.setenv(VERIFY_SWITCH, flipped_to)
+    engaged = built_with == "1"
+    hidden = torch.randn(3, 32, device=device)
+    assert processor.uses_verify_argmax_exchange() == engaged
+    assert target_tokens_traced(processor, hidden)[1] == engaged
+    rebuilt, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=1024)
+    assert target_tokens_traced(rebuilt, hidden)[1] == (not engaged)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_target_tokens_both_paths(switch, dtype, monkeypatch, device):
+    # bs x N verify rows, up to max_rows; the oracle is the first maximum of the head's own fp32 logits.
+    monkeypatch.setenv(VERIFY_SWITCH, switch)
+    processor, _ = make_processor(TPGroup.single(device), vocab=1000, hidden=64, dtype=dtype, max_rows=33,
+                                  split_columns=512)
+    first = None
+    for rows in (1, 7, 33):
+        hidden = torch.randn(rows, 64, device=device).to(dtype)
+        hidden[0] = 0  # every logit ties: the first index must win
+        tokens, exchanged = target_tokens_traced(processor, hidden)
+        assert exchanged == (switch == "1")
+        local = torch.mm(hidden, processor.lm_head.weight.t())
+        expected = first_max_index(local[:, :1000]).to(device)
+        assert expected[0] == 0
+        assert tokens.dtype == torch.int64 and tokens.shape == (rows,) and torch.equal(tokens, expected)
+        assert torch.equal(tokens, torch.argmax(processor.forward(hidden).next_token_logits, dim=-1))
+        first = tokens.data_ptr() if first is None else first
+        assert tokens.data_ptr() == first  # a view of one static buffer
+    assert processor.target_tokens(torch.randn(0, 64, device=device).to(dtype)).shape == (0,)
+
+
+def test_target_tokens_gather_path_applies_softcap(device):
+    processor, _ = make_processor(TPGroup.single(device), vocab=777, final_logit_softcapping=0.05, max_rows=8)
+    assert processor.verify_argmax_exchange_declined() == "final-logit softcapping"
+    hidden = torch.randn(8, 32, device=device) * 10
+    local = hidden @ processor.lm_head.weight.t()
+    expected = torch.argmax(gathered_logits_reference([local], 777, 0.05), dim=-1)
+    assert torch.equal(processor.target_tokens(hidden), expected)
+
+
+def test_target_tokens_argument_errors(device):
+    processor, _ = make_processor(TPGroup.single(device), max_rows=4)
+    with pytest.raises(ValueError, match="hidden_states has 5 rows, above max_rows=4"):
+        processor.target_tokens(torch.randn(5, 32, device=device))
+    with pytest.raises(ValueError, match=r"hidden_states must be \[rows, 32\], got \(2, 31\)"):
+        processor.target_tokens(torch.randn(2, 31, device=device))
+    with pytest.raises(TypeError, match="hidden_states must be torch.float32"):
+        processor.target_tokens(torch.randn(2, 32, device=device).double())
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_verify_rows_up_to_256_fit_the_one_shot_all_reduce(tp):
+    # bs 64 x N 4 verify rows at vocab 154880: the argmax buffer, and the top-4 buffer, stay on symmetric
+    # memory; top-8 at 256 rows would not, and declines.
+    processor, _ = make_processor(FactsOnlyGroup(tp, SYMM_MEM if tp > 1 else LOCAL), vocab=154880, hidden=8,
+                                  dtype=torch.bfloat16, max_rows=256, max_topk=8)
+    assert processor.exchange_nbytes <= DEFAULT_SYMM_MEM_MAX_BYTES
+    assert processor.uses_verify_argmax_exchange()
+    assert processor.uses_draft_argmax_exchange(DraftSampling(topk=4))
+    if tp > 1:
+        assert processor.draft_argmax_exchange_declined(DraftSampling(topk=8)) == "the all-reduce would run on NCCL"
+
+
+# -- top-k drafts --------------------------------------------------------------------------------------
+
+def test_topk_draft_decisions():
+    processor, _ = make_processor(FactsOnlyGroup(2, SYMM_MEM), max_topk=4)
+    for topk in (1, 2, 4):
+        assert processor.uses_draft_argmax_exchange(DraftSampling(topk=topk))
+    assert processor.draft_argmax_exchange_declined(DraftSampling(topk=5)) == \
+        "topk is 5, not in [1, max_topk=4] (enable_draft_argmax_exchange)"
+    assert processor.draft_argmax_exchange_declined(DraftSampling(topk=4, greedy=False)) == "not a greedy draft"
+    splits, _ = exchange_layout(padded_vocab_size(1000, 2) // 2, TOPK_SPLIT_COLUMNS)
+    assert processor.topk_exchange_nbytes(4) == processor._topk_exchange.numel() * 4 == 64 * 2 * splits * 17 * 4
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=rf"max_topk must be in \[1, min\(TOPK_MAX=8, vocab_size=1000\)\], got {bad}"):
+            processor.enable_draft_argmax_exchange(max_topk=bad)
+    small, _ = make_processor(FactsOnlyGroup(2, SYMM_MEM), vocab=3, opt_in=False)
+    with pytest.raises(ValueError, match=r"max_topk must be in \[1, min\(TOPK_MAX=8, vocab_size=3\)\], got 4"):
+        small.enable_draft_argmax_exchange(max_topk=4)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_topk_draft_step_both_paths(switch, monkeypatch, device):
+    monkeypatch.setenv(KILL_SWITCH, switch)
+    processor, _ = make_processor(TPGroup.single(device), vocab=1000, hidden=64, max_rows=8, max_topk=4,
+                                  topk_split_columns=512)
+    hidden = torch.randn(6, 64, device=device)
+    hidden[0] = 0  # every logit ties: the lowest indices, in order, on the exchange path
+    out = topk_draft_step(processor, hidden, 4)
+    assert out.topk_p.shape == out.topk_index.shape == (6, 4) and out.topk_index.dtype == torch.int64
+    logits = (hidden @ processor.lm_head.weight.t())[:, :1000]
+    probs = torch.softmax(logits, dim=-1)
+    if switch == "1":
+        assert out.topk_index.data_ptr() == processor.topk_outputs(6, 4)[1].data_ptr()
+        assert torch.equal(out.topk_index, stable_topk_oracle(logits, 4).to(device))
+        probability_errors(out.topk_p, logits, out.topk_index)
+    else:  # torch.topk: the same values, its own order among equal ones
+        assert torch.equal(probs.gather(1, out.topk_index), torch.topk(probs, 4, dim=-1).values)
+        assert torch.equal(out.topk_p, probs.gather(1, out.topk_index))
+
+
+def test_topk_argument_errors(device):
+    processor, _ = make_processor(TPGroup.single(device), max_rows=4, max_topk=4)
+    hidden = torch.randn(2, 32, device=device)
+    with pytest.raises(ValueError, match=r"topk must be in \[2, TOPK_MAX=8\] .a topk = 1 chain uses greedy_draft_step."):
+        topk_draft_step(processor, hidden, 1)
+    with pytest.raises(ValueError, match="positions and token_map apply to topk = 1 drafts only, got topk=4"):
+        processor.forward(hidden, DraftSampling(topk=4), positions=torch.zeros(2, dtype=torch.int64, device=device))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
+def test_verify_step_benchmark_without_cuda(tmp_path, capsys):
+    import json
+
+    from dsaspec import cli
+
+    assert cli.main(["bench", "verify-step", "--rows", "1,3", "--topk", "3", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "verify_step.json").read_text())
+    assert [r["rows"] for r in payload["rows"]] == [1, 3] and {r["topk"] for r in payload["rows"]} == {3}
+    assert all(r["p_rel_error_exact"] <= 2.0**-18 for r in payload["rows"])
+    assert cli.main(["bench", "verify-step", "--topk", "9"]) == 2
+    assert "dsaspec: error: --topk 9: expected 2 to 8" in capsys.readouterr().err
 
 
 # -- LM head ---------------------------------------------------------------------------------------
@@ -264,3 +465,47 @@ def test_draft_step_in_cuda_graph(rows, monkeypatch):
             tokens[path].append(out.tokens.clone())
     for a, b in zip(tokens["exchange"], tokens["gather"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_target_tokens_in_cuda_graph(switch, monkeypatch):
+    # Verify rows up to bs 64 x N 4 = 256, replayed with new hidden states; both paths, TP 1.
+    monkeypatch.setenv(VERIFY_SWITCH, switch)
+    vocab, hidden_size, max_rows = 154880, 256, 256
+    processor, _ = make_processor(TPGroup.single("cuda"), vocab=vocab, hidden=hidden_size, dtype=torch.bfloat16,
+                                  max_rows=max_rows)
+    assert processor.uses_verify_argmax_exchange() == (switch == "1")
+    for rows in (4, 129, 256):
+        hidden = torch.randn(rows, hidden_size, device="cuda").bfloat16()
+        processor.target_tokens(hidden)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tokens = processor.target_tokens(hidden)
+        for _ in range(3):
+            hidden.copy_(torch.randn(rows, hidden_size, device="cuda").bfloat16())
+            tokens.fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(tokens, torch.argmax(processor.forward(hidden).next_token_logits, dim=-1))
+
+
+@pytest.mark.gpu
+def test_topk_draft_step_in_cuda_graph():
+    vocab, hidden_size, rows, topk = 154880, 256, 64, 4
+    processor, _ = make_processor(TPGroup.single("cuda"), vocab=vocab, hidden=hidden_size, dtype=torch.bfloat16,
+                                  max_rows=rows, max_topk=topk)
+    hidden = torch.randn(rows, hidden_size, device="cuda").bfloat16()
+    topk_draft_step(processor, hidden, topk)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = topk_draft_step(processor, hidden, topk)
+    for _ in range(3):
+        hidden.copy_(torch.randn(rows, hidden_size, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        logits = processor.forward(hidden).next_token_logits
+        assert torch.equal(out.topk_index, stable_topk_oracle(logits, topk).cuda())
+        probability_errors(out.topk_p, logits, out.topk_index)

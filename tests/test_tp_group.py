@@ -5,9 +5,10 @@ The multigpu tests run under torchrun, one pytest process per GPU, in the same o
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         torchrun --nproc-per-node 2 -m pytest tests/test_tp_group.py -q -m multigpu -p no:cacheprovider
 
-They cover the symmetric-memory and NCCL transports, eager and CUDA-graph replay, the argmax exchange
-over both, and the LogitsProcessor both ways (exchange on symmetric memory; on NCCL the exchange is
-declined, which is asserted), each against torch.argmax of the gathered fp32 logits.
+They cover the symmetric-memory and NCCL transports, eager and CUDA-graph replay, the argmax and top-k
+exchanges over both, and the LogitsProcessor both ways for greedy drafts, target verify (``target_tokens``,
+up to 256 rows) and top-k drafts (exchange on symmetric memory; on NCCL the exchange is declined, which is
+asserted), each against torch.argmax / the stable top-k and softmax of the gathered fp32 logits.
 """
 
 import os
@@ -18,6 +19,7 @@ import torch
 from dsaspec.distributed.tp_group import LOCAL, NCCL, SYMM_MEM, TPGroup, init_tp_group
 
 KILL_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
+VERIFY_SWITCH = "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE"
 
 
 # -- TP 1 (no torch.distributed) ---------------------------------------------------------------
@@ -258,3 +260,132 @@ def test_logits_processor_both_ways(groups, transport, dtype, monkeypatch):
                 assert torch.equal(eager.positions, positions + 1)
                 assert torch.equal(eager.topk_p, torch.ones_like(eager.topk_p))
             assert _same_on_all_ranks(group, eager.tokens)
+
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
+@pytest.mark.parametrize("k", [2, 8])
+@pytest.mark.parametrize("vocab", [154880, 1001])
+def test_topk_exchange_over_real_transport(groups, transport, k, vocab):
+    from test_argmax_exchange import adversarial_logits, probability_errors, stable_topk_oracle
+
+    from dsaspec.ops.argmax_exchange import TOPK_SPLIT_COLUMNS, exchange_layout, topk_finalize, topk_slot_lanes
+    from dsaspec.speculative.lm_head import padded_vocab_size
+    from dsaspec.speculative.logits_processor import exchange_topk_partials
+
+    group = groups[transport]
+    rows = 64
+    shard = padded_vocab_size(vocab, group.size) // group.size
+    slots = group.size * exchange_layout(shard, TOPK_SPLIT_COLUMNS)[0]
+    lanes = topk_slot_lanes(k)
+    local = torch.empty(rows, shard, dtype=torch.bfloat16, device="cuda")
+    exchange = group.symmetric_empty(rows * slots * lanes).view(rows, slots, lanes)
+    reduced = torch.empty_like(exchange)
+    index = torch.empty(rows, k, dtype=torch.int64, device="cuda")
+    topk_p = torch.empty(rows, k, device="cuda")
+    lse = torch.empty(rows, device="cuda")
+
+    def step():
+        result = exchange_topk_partials(group, local, k=k, vocab_size=vocab, exchange=exchange, reduced=reduced)
+        topk_finalize(result, k=k, topk_index=index, topk_p=topk_p, lse=lse)
+
+    graph = None
+    for seed in range(4):
+        full = adversarial_logits(rows, vocab, shard, group.size, torch.bfloat16, seed=seed + vocab).cuda()
+        local.copy_(full[:, group.rank * shard:(group.rank + 1) * shard])
+        index.fill_(-1)
+        if graph is None:
+            step()
+            graph = _graph(step)
+        else:
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(index, stable_topk_oracle(full[:, :vocab], k).cuda())
+        probability_errors(topk_p, full[:, :vocab].float(), index, lse)
+    for t in (index, topk_p.view(torch.int32), lse.view(torch.int32)):  # bits: NaN rows compare equal
+        assert _same_on_all_ranks(group, t)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_target_tokens_both_ways(groups, transport, dtype, monkeypatch):
+    # Target verify over bs x N rows (up to 256): processors built with the verify switch on and off. On
+    # symmetric memory they take the exchange and the gather path; on NCCL both decline (asserted). Every
+    # path, eager and graph-replayed, gives torch.argmax of the gathered fp32 logits, on every rank.
+    from dsaspec.speculative.lm_head import VocabParallelLMHead
+    from dsaspec.speculative.logits_processor import LogitsProcessor
+
+    group = groups[transport]
+    vocab, hidden_size, max_rows = 154880, 256, 256
+    head = VocabParallelLMHead(vocab, hidden_size, group, dtype=dtype)
+    head.load_weight(torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(0)))
+    processors = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(VERIFY_SWITCH, switch)
+        processors[switch] = LogitsProcessor(head, max_rows=max_rows)
+        processors[switch].enable_verify_argmax_exchange()  # collective: same order on every rank
+    declined = {switch: p.verify_argmax_exchange_declined() for switch, p in processors.items()}
+    if transport == NCCL:
+        assert all(reason == "the all-reduce would run on NCCL" for reason in declined.values()), declined
+    else:
+        assert declined["1"] is None and VERIFY_SWITCH in declined["0"], declined
+    for rows in (4, 16, 128, 256):
+        hidden = torch.empty(rows, hidden_size, dtype=dtype, device="cuda")
+        inputs = [torch.randn(rows, hidden_size, generator=torch.Generator().manual_seed(rows * 10 + i)).to(dtype)
+                  for i in range(3)]
+        inputs[1][0] = 0  # a row where every logit ties
+        for switch, processor in processors.items():
+            hidden.copy_(inputs[0].cuda())
+            tokens = processor.target_tokens(hidden)
+            assert torch.equal(tokens, _gathered_argmax(group, head, hidden)), f"switch {switch}, rows {rows}"
+            graph = _graph(lambda: processor.target_tokens(hidden))
+            for x in inputs:
+                hidden.copy_(x.cuda())
+                tokens.fill_(-1)
+                graph.replay()
+                torch.cuda.synchronize()
+                expected = _gathered_argmax(group, head, hidden)
+                assert torch.equal(tokens, expected), f"switch {switch}, rows {rows}"
+            assert _same_on_all_ranks(group, tokens)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
+def test_topk_draft_step_both_ways(groups, transport, monkeypatch):
+    from test_argmax_exchange import probability_errors, stable_topk_oracle
+
+    from dsaspec.speculative.draft_step import topk_draft_step
+    from dsaspec.speculative.lm_head import VocabParallelLMHead
+    from dsaspec.speculative.logits_processor import DraftSampling, LogitsProcessor
+
+    group = groups[transport]
+    vocab, hidden_size, max_rows, topk = 154880, 256, 64, 4
+    head = VocabParallelLMHead(vocab, hidden_size, group, dtype=torch.bfloat16)
+    head.load_weight(torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(1)))
+    processors = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(KILL_SWITCH, switch)
+        processors[switch] = LogitsProcessor(head, max_rows=max_rows)
+        processors[switch].enable_draft_argmax_exchange(max_topk=topk)
+    exchanges = {switch: p.uses_draft_argmax_exchange(DraftSampling(topk=topk)) for switch, p in processors.items()}
+    assert exchanges == ({"1": False, "0": False} if transport == NCCL else {"1": True, "0": False})
+    for rows in (1, 16, 64):
+        hidden = torch.randn(rows, hidden_size, generator=torch.Generator().manual_seed(rows)).bfloat16().cuda()
+        logits = torch.empty(group.size, rows, head.shard_size, dtype=torch.bfloat16, device="cuda")
+        group.all_gather(torch.mm(hidden, head.weight.t()), logits)
+        full = logits.permute(1, 0, 2).reshape(rows, -1)[:, :vocab].float()
+        probs = torch.softmax(full, dim=-1)
+        for switch, processor in processors.items():
+            graph = _graph(lambda: topk_draft_step(processor, hidden, topk))
+            out = topk_draft_step(processor, hidden, topk)
+            out.topk_index.fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize()
+            if exchanges[switch]:
+                assert torch.equal(out.topk_index, stable_topk_oracle(full, topk).cuda())
+                probability_errors(out.topk_p, full, out.topk_index)
+            else:
+                assert torch.equal(probs.gather(1, out.topk_index), torch.topk(probs, topk, dim=-1).values)
+            assert _same_on_all_ranks(group, out.topk_index)

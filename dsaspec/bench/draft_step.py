@@ -18,50 +18,25 @@ time reported.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
-from tqdm import tqdm
 
+from dsaspec.bench import lm_head_tp
 from dsaspec.bench.results import bench_params, markdown_table, write_results
-from dsaspec.distributed.tp_group import TPGroup, init_distributed
-from dsaspec.errors import UserError
+from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.ops.argmax_exchange import LANES, exchange_layout
-from dsaspec.options import format_value, positive_int, positive_int_list, use_cpu_sizes
-from dsaspec.runtime.launch import relaunch
 from dsaspec.speculative.draft_step import greedy_draft_step
 from dsaspec.speculative.lm_head import VocabParallelLMHead
 from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor
 
-CPU_VOCAB, CPU_HIDDEN = 1000, 64
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=positive_int_list, default=None,
-                        help="comma-separated TP sizes; TP N needs N GPUs (default: 1,2 with >= 2 GPUs, else 1)")
-    parser.add_argument("--rows", type=positive_int_list, default=[1, 2, 4, 8, 16],
-                        help="comma-separated row counts (draft tokens per step)")
-    parser.add_argument("--vocab", type=positive_int, default=154880, help="vocabulary size of the LM head")
-    parser.add_argument("--hidden", type=positive_int, default=6144, help="hidden size of the LM head")
-    parser.add_argument("--iters", type=positive_int, default=200, help="timed graph replays per measurement")
-    parser.add_argument("--transport", choices=["auto", "symm_mem", "nccl"], default="auto",
-                        help="all-reduce transport of the TP group (nccl: the exchange declines)")
-    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
+    lm_head_tp.add_tp_arguments(parser, [1, 2, 4, 8, 16], "draft tokens per step")
 
 
 def run(args) -> int:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    tps = args.tp or ([1, 2] if gpus >= 2 else [1])
-    need = max(tps)
-    if need > max(gpus, 1):
-        raise UserError(f"--tp {format_value(tps)}: TP {need} needs {need} GPUs (one process per GPU), but "
-                        f"{gpus} {'is' if gpus == 1 else 'are'} present")
-    args.tp = tps
-    if gpus == 0:
-        return _run_interpreter(args)
-    if need > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return relaunch(["bench", "draft-step"], add_arguments, args, need)
-    return _run_worker(args)
+    return lm_head_tp.run(args, name="draft-step", add_arguments=add_arguments, interpreter=_run_interpreter,
+                          worker=_run_worker)
 
 
 class _Step:
@@ -127,88 +102,48 @@ class _Step:
 
 
 def _run_interpreter(args) -> int:
-    ignored = use_cpu_sizes(args, add_arguments, {"vocab": CPU_VOCAB, "hidden": CPU_HIDDEN},
-                            unused=("iters", "transport"))
-    print(f"No CUDA: Triton interpreter at vocab {args.vocab}, hidden {args.hidden}, TP 1, rows "
-          f"{format_value(args.rows)}; token identity is checked, no time is measured (interpreter times mean "
-          "nothing).")
-    if ignored:
-        print(ignored)
-    step = _Step(TPGroup.single("cpu"), args.vocab, args.hidden, max(args.rows))
-    rows = []
-    for r in tqdm(args.rows, desc="draft-step", unit="rows"):
-        _, hidden, positions = step.functions(r)
-        step.check_identical(hidden, positions)
-        rows.append({"tp": 1, "rows": r, "vocab": args.vocab, "hidden": args.hidden, "tokens_identical": True})
-    markdown = markdown_table([("tp", "TP"), ("rows", "rows"), ("tokens_identical", "tokens identical")], rows)
-    payload = {"method": "Triton interpreter on CPU: token identity only, no times.",
-               "params": bench_params(args), "rows": rows}
-    print(markdown)
-    print(f"results: {write_results('draft_step', payload, markdown, args.out)}")
-    return 0
+    def check(group, args):
+        step = _Step(group, args.vocab, args.hidden, max(args.rows))
+        rows = []
+        for r in args.rows:
+            _, hidden, positions = step.functions(r)
+            step.check_identical(hidden, positions)
+            rows.append({"tp": 1, "rows": r, "vocab": args.vocab, "hidden": args.hidden, "tokens_identical": True})
+        return rows
+
+    return lm_head_tp.run_interpreter(args, name="draft_step", add_arguments=add_arguments,
+                                      unused=("iters", "transport"), check=check,
+                                      columns=[("tp", "TP"), ("rows", "rows"), ("tokens_identical", "tokens identical")])
 
 
-def _max_over_ranks(group: TPGroup, values: list[float]) -> list[float]:
-    if group.size == 1:
-        return values
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=group.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.process_group)
-    return t.tolist()
+def _measure(args, step: _Step, group: TPGroup, r: int, floors) -> list[dict]:
+    fns, hidden, positions = step.functions(r)
+    step.check_identical(hidden, positions)
+    timed = lm_head_tp.time_over_ranks(group, fns, args.iters)
+    step.check_identical(hidden, positions)  # again after timing
+    us = {name: t["us"] for name, t in timed.items()}
+    weight_bytes = step.head.shard_size * step.hidden_size * 2
+    floor = weight_bytes / (floors.copy_gbps * 1e3) + us.get("allreduce", 0.0)
+    return [{
+        "tp": group.size, "rows": r, "vocab": step.head.vocab_size, "hidden": step.hidden_size,
+        "transport": group.transport, "exchange_engaged": step.exchange.uses_draft_argmax_exchange(GREEDY_TOPK1),
+        "baseline_us": us["gather"], "new_us": us["exchange"],
+        "speedup": us["gather"] / us["exchange"], "saving": 1 - us["exchange"] / us["gather"],
+        "gemm_us": us["gemm"], "allreduce_us": us.get("allreduce"),
+        "gemm_allreduce_us": us["gemm_allreduce"],
+        "new_over_gemm_allreduce": us["exchange"] / us["gemm_allreduce"],
+        "floor_us": floor, "new_over_floor": us["exchange"] / floor,
+        "weight_shard_bytes": weight_bytes,
+        "spread": {n: t["spread"] for n, t in timed.items()},
+        "graph_diff_us": {n: t["graph_diff_us"] for n, t in timed.items()},
+        "tokens_identical": True,
+    }]
 
 
 def _run_worker(args) -> int:
-    from dsaspec.bench.timing import Floors, time_in_graph, warm_up_gpu
-
-    distributed = init_distributed()
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
-    device = torch.device("cuda", torch.cuda.current_device())
-    warm_up_gpu()
-    floors = Floors.measure()
-    rows_out = []
-    for tp in args.tp:
-        # new_group is collective over the world even for ranks outside it.
-        pg = dist.new_group(list(range(tp))) if distributed and tp > 1 else None
-        if rank < tp:
-            group = TPGroup(pg, device=device, transport=args.transport) if tp > 1 else TPGroup.single(device)
-            step = _Step(group, args.vocab, args.hidden, max(args.rows))
-            points = tqdm(args.rows, desc=f"draft-step TP{tp}", unit="rows", disable=rank != 0)
-            for r in points:
-                fns, hidden, positions = step.functions(r)
-                step.check_identical(hidden, positions)
-                names = list(fns)
-                timings = {name: time_in_graph(fns[name], iters=args.iters, cold_l2=False) for name in names}
-                medians = _max_over_ranks(group, [timings[n].median_us for n in names])
-                spreads = _max_over_ranks(group, [timings[n].spread for n in names])
-                diffs = _max_over_ranks(group, [timings[n].graph_diff_us or 0.0 for n in names])
-                step.check_identical(hidden, positions)  # again after timing
-                us = dict(zip(names, medians))
-                weight_bytes = step.head.shard_size * args.hidden * 2
-                allreduce_us = us.get("allreduce", 0.0)
-                floor = weight_bytes / (floors.copy_gbps * 1e3) + allreduce_us
-                rows_out.append({
-                    "tp": tp, "rows": r, "vocab": args.vocab, "hidden": args.hidden, "transport": group.transport,
-                    "exchange_engaged": step.exchange.uses_draft_argmax_exchange(GREEDY_TOPK1),
-                    "baseline_us": us["gather"], "new_us": us["exchange"],
-                    "speedup": us["gather"] / us["exchange"], "saving": 1 - us["exchange"] / us["gather"],
-                    "gemm_us": us["gemm"], "allreduce_us": us.get("allreduce"),
-                    "gemm_allreduce_us": us["gemm_allreduce"],
-                    "new_over_gemm_allreduce": us["exchange"] / us["gemm_allreduce"],
-                    "floor_us": floor, "new_over_floor": us["exchange"] / floor,
-                    "weight_shard_bytes": weight_bytes,
-                    "spread": dict(zip(names, spreads)), "graph_diff_us": dict(zip(names, diffs)),
-                    "tokens_identical": True,
-                })
-            del step
-        if distributed:
-            dist.barrier()
-    if rank != 0:
-        return 0
-    return _report(args, rows_out, floors, world)
+    result = lm_head_tp.run_tp_sizes(args, desc="draft-step", measure=_measure,
+                                     make_step=lambda group, args: _Step(group, args.vocab, args.hidden, max(args.rows)))
+    return 0 if result is None else _report(args, *result)
 
 
 def _report(args, rows: list[dict], floors, world: int) -> int:
@@ -218,7 +153,7 @@ def _report(args, rows: list[dict], floors, world: int) -> int:
                ("allreduce_us", "all-reduce µs"), ("gemm_allreduce_us", "GEMM + all-reduce µs"),
                ("new_over_gemm_allreduce", "exchange / (GEMM + AR)"), ("floor_us", "floor µs"),
                ("new_over_floor", "exchange / floor")]
-    summary = _summary_by_rows(rows)
+    summary = lm_head_tp.summary_by_rows(rows, lambda r: f"TP{r['tp']}")
     notes = [f"Vocab {args.vocab}, hidden {args.hidden}, bf16 head; µs per draft step, max over the TP ranks. "
              f"Copy bandwidth {floors.copy_gbps:.0f} GB/s (read + write); empty kernel node {floors.empty_us:.2f} µs; "
              "floor = shard weight bytes / copy bandwidth + one all-reduce of the exchange buffer."]
@@ -237,18 +172,6 @@ def _report(args, rows: list[dict], floors, world: int) -> int:
     print(markdown)
     print(f"results: {out}")
     return 0 if all(t["met"] for t in targets) else 1
-
-
-def _summary_by_rows(rows: list[dict]) -> str:
-    """One line per TP: gather → exchange µs at every row count."""
-    counts = sorted({r["rows"] for r in rows})
-    lines = ["| rows | " + " | ".join(map(str, counts)) + " |", "|---|" + "---|" * len(counts)]
-    for tp in sorted({r["tp"] for r in rows}):
-        by_rows = {r["rows"]: r for r in rows if r["tp"] == tp}
-        cells = [f"{by_rows[c]['baseline_us']:.1f} → {by_rows[c]['new_us']:.1f}" if c in by_rows else "–"
-                 for c in counts]
-        lines.append(f"| TP{tp} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _targets(rows: list[dict]) -> list[dict]:

@@ -11,6 +11,10 @@ every rank every candidate exactly; the finalize takes the largest key, lowest g
 -0 → +0, otherwise ``bits | 0x80000000`` for non-negative and ``~bits`` for negative values. Its
 smallest real value is KEY(-inf) = 0x007FFFFF, so lane 0 of a real candidate is >= 127 and a lane 0
 of 0 marks an empty slot.
+
+The top-k exchange sends each split's ``k`` best candidates (same lanes) and its sum of
+``exp(x - max)``; its finalize takes the ``k`` best candidates of the row (largest key first, lowest
+index among equal keys: ``torch.sort(descending=True, stable=True)``) and their softmax probabilities.
 """
 
 from __future__ import annotations
@@ -146,3 +150,115 @@ def gathered_argmax_reference(shards: list[torch.Tensor], vocab_size: int) -> to
     Tensor ``[rows]`` int64.
     """
     return torch.argmax(gathered_logits_reference(shards, vocab_size), dim=-1)
+
+
+# -- top-k exchange with probability lanes ---------------------------------------------------------
+
+def _value_of_key(key: torch.Tensor) -> torch.Tensor:
+    """fp32 value of uint32 order keys (int64): the inverse of the order key (±0 → +0, NaN key → NaN)."""
+    bits = torch.where(key >= KEY_ZERO, key - KEY_ZERO, 0xFFFFFFFF - key)
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def topk_partials_reference(
+    local_logits: torch.Tensor,
+    *,
+    k: int,
+    rank: int,
+    tp_size: int,
+    vocab_size: int,
+    split_width: int,
+    foreign_fill: float = 0.0,
+) -> torch.Tensor:
+    """One rank's top-k exchange buffer: per split its ``k`` best candidates, then its sum of exponentials.
+
+    Columns and splits as in ``argmax_partials_reference``. A split's candidates are its columns sorted by
+    order key, largest first, lowest index first among equal keys (a stable sort), the first ``k`` of them
+    as 4 lanes each (zeros past the split's valid columns); lane ``4k`` is ``sum_c exp(x_c - m)`` over the
+    split's valid columns, ``m`` the first candidate's value, computed in float64 and rounded to fp32 (0 if
+    ``m`` is NaN or ±inf or the split is empty).
+
+    Returns
+    -------
+    Tensor ``[rows, tp_size * splits, 4 * k + 1]`` fp32; other ranks' slots hold ``foreign_fill``.
+    """
+    rows, shard = local_logits.shape
+    splits = -(-shard // split_width)
+    lanes = 4 * k + 1
+    out = torch.full((rows, tp_size * splits, lanes), foreign_fill, dtype=torch.float32)
+    out[:, rank * splits:(rank + 1) * splits] = 0.0
+    n_valid = max(0, min(vocab_size - rank * shard, shard))
+    values = local_logits[:, :n_valid].cpu().float()
+    keys = order_key_nan_max_zeros_equal(values)
+    for s in range(splits):
+        lo, hi = s * split_width, min((s + 1) * split_width, n_valid)
+        if lo >= hi:
+            continue
+        order = torch.sort(keys[:, lo:hi], dim=1, descending=True, stable=True).indices[:, :k]
+        best = keys[:, lo:hi].gather(1, order)
+        index = rank * shard + lo + order
+        lanes_k = torch.stack([best >> 16, best & 0xFFFF, index >> 16, index & 0xFFFF], dim=2).flatten(1)
+        slot = out[:, rank * splits + s]
+        slot[:, :lanes_k.shape[1]] = lanes_k.to(torch.float32)
+        m = _value_of_key(best[:, 0]).double()
+        finite = torch.isfinite(m)
+        total = torch.exp(values[:, lo:hi].double() - torch.where(finite, m, 0.0)[:, None]).sum(dim=1)
+        slot[:, 4 * k] = torch.where(finite, total, 0.0).to(torch.float32)
+    return out.to(local_logits.device)
+
+
+def topk_finalize_reference(reduced: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k tokens, probabilities and log-sum-exp from an all-reduced top-k exchange buffer, in float64.
+
+    Candidates are merged by order key, largest first, lowest vocab index first among equal keys;
+    ``M`` = the first one's value, ``S = sum_s exp(m_s - M) * s_s`` over the non-empty slots,
+    ``p_j = exp(x_j - M) / S``, ``lse = M + log(S)``; a row whose ``M`` is NaN or ±inf gets ``p = NaN`` and
+    ``lse = M``.
+
+    Parameters
+    ----------
+    reduced : Tensor ``[rows, slots, 4 * k + 1]`` fp32 (lanes 0..4k-1 exact integers).
+
+    Returns
+    -------
+    topk_index ``[rows, k]`` int64, topk_p ``[rows, k]`` fp32, lse ``[rows]`` fp32.
+    """
+    lanes = reduced.cpu()
+    cand = lanes[..., :4 * k].to(torch.int64).unflatten(-1, (k, 4))
+    key = torch.where(cand[..., 0] > 0, cand[..., 0] * 65536 + cand[..., 1], torch.full_like(cand[..., 0], -1))
+    index = cand[..., 2] * 65536 + cand[..., 3]
+    rows = key.shape[0]
+    key, index = key.reshape(rows, -1), index.reshape(rows, -1)
+    # Sort by (key descending, index ascending): index ascending first, then a stable sort by key.
+    by_index = torch.sort(index, dim=1, stable=True).indices
+    key, index = key.gather(1, by_index), index.gather(1, by_index)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    top_key, topk_index = key.gather(1, order), index.gather(1, order)
+    values = _value_of_key(top_key.clamp(min=0)).double()
+    m = values[:, :1]
+    finite = torch.isfinite(m)
+    safe_m = torch.where(finite, m, 0.0)
+    first = lanes[..., :2].to(torch.int64)
+    split_max = _value_of_key(first[..., 0] * 65536 + first[..., 1]).double()
+    present = first[..., 0] > 0
+    scale = torch.where(present & finite, torch.exp(split_max - safe_m), 0.0)
+    total = (scale * lanes[..., 4 * k].double()).sum(dim=1, keepdim=True)
+    p = torch.where(finite, torch.exp(values - safe_m) / total, float("nan"))
+    lse = torch.where(finite, safe_m + torch.log(total), m)[:, 0]
+    device = reduced.device
+    return topk_index.to(device), p.to(torch.float32).to(device), lse.to(torch.float32).to(device)
+
+
+def stable_topk_reference(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The exchange's top-k order on full logits: largest fp32 value first, every NaN above +inf, -0 == +0,
+    lowest index first among equal values (``torch.sort(..., descending=True, stable=True)``).
+
+    Parameters
+    ----------
+    logits : Tensor ``[rows, V]``, any float dtype (widened to fp32).
+
+    Returns
+    -------
+    Tensor ``[rows, k]`` int64.
+    """
+    return torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
