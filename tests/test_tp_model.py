@@ -228,8 +228,13 @@ def watch_draft_paths(monkeypatch, groups) -> dict:
     logits left the rank; ``gather``), and the transports of the all-reduces of symmetric buffers (the
     exchange's) over ``groups``. Installed before a worker is built: with CUDA graphs the Python runs
     at warm-up and capture, so what is counted is what the graphs hold (and the eager prefill's)."""
-    seen = {g.rank: {"exchange": 0, "gather": 0, "symmetric_all_reduce": []} for g in groups}
+    seen = {g.rank: {"exchange": 0, "gather": 0, "verify_exchange": 0, "symmetric_all_reduce": []} for g in groups}
     forward = LogitsProcessor.forward
+    target_tokens = LogitsProcessor.target_tokens
+
+    def watched_target_tokens(self, hidden_states):
+        seen[self.group.rank]["verify_exchange"] += self.uses_verify_argmax_exchange()
+        return target_tokens(self, hidden_states)
 
     def watched_forward(self, hidden_states, sampling=None, **kwargs):
         out = forward(self, hidden_states, sampling, **kwargs)
@@ -248,6 +253,7 @@ def watch_draft_paths(monkeypatch, groups) -> dict:
         monkeypatch.setattr(group, "all_reduce", watched_all_reduce)
 
     monkeypatch.setattr(LogitsProcessor, "forward", watched_forward)
+    monkeypatch.setattr(LogitsProcessor, "target_tokens", watched_target_tokens)
     for group in groups:
         watch(group)
     return seen
@@ -255,10 +261,11 @@ def watch_draft_paths(monkeypatch, groups) -> dict:
 
 def check_draft_paths(seen: dict, exchange: bool) -> None:
     """Every draft forward took the exchange (``exchange``) or the gather path, and each exchange
-    all-reduced its symmetric buffer over symmetric memory."""
+    (drafts, and the verify tokens' when that switch is on) all-reduced its symmetric buffer over
+    symmetric memory."""
     path = "exchange" if exchange else "gather"
     assert seen[path] > 0 and seen["exchange"] + seen["gather"] == seen[path], seen
-    assert seen["symmetric_all_reduce"] == [SYMM_MEM] * seen["exchange"]
+    assert seen["symmetric_all_reduce"] == [SYMM_MEM] * (seen["exchange"] + seen["verify_exchange"])
 
 
 def _engine_run(model, spec=None):

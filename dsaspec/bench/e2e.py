@@ -1,8 +1,8 @@
 """End-to-end MTP speculative decoding: tok/s/user by concurrency, baseline vs new, 1M vs 4k context.
 
-baseline = ``DSASPEC_BOUNDED_REPLAY_METADATA=0`` and ``DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE=0``
-(context-wide replay metadata, precompute + copies for the draft steps, logits gather for the
-draft tokens); new = both on (the defaults). Per model preset and configured context, one
+baseline = ``DSASPEC_BOUNDED_REPLAY_METADATA=0``, ``DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE=0`` and
+``DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE=0`` (context-wide replay metadata, precompute + copies for the
+draft steps, logits gather for the draft and verify tokens); new = all on (the defaults). Per model preset and configured context, one
 ``req_to_token`` table, the target and MTP KV pools, and two captured
 :class:`~dsaspec.runtime.spec_worker.SpecWorker` (baseline, new) over them. ``max(concurrency)``
 requests with ``--prompt-len``-token random prompts are prefilled once (eager; that prefill time
@@ -53,12 +53,12 @@ from dsaspec.runtime.model import DSAModel, num_sms
 from dsaspec.runtime.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
 
 FULL_CONTEXT = 1 << 20
-BOUNDED_SWITCH, EXCHANGE_SWITCH = KILL_SWITCHES = ("DSASPEC_BOUNDED_REPLAY_METADATA",
-                                                    "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE")
-# path -> the kill switches it is built with; "gather" (TP > 1) differs from "new" in the exchange only
-SWITCHES = {"baseline": {BOUNDED_SWITCH: False, EXCHANGE_SWITCH: False},
-            "new": {BOUNDED_SWITCH: True, EXCHANGE_SWITCH: True},
-            "gather": {BOUNDED_SWITCH: True, EXCHANGE_SWITCH: False}}
+BOUNDED_SWITCH, EXCHANGE_SWITCH, VERIFY_SWITCH = KILL_SWITCHES = (
+    "DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE")
+# path -> the kill switches it is built with; "gather" (TP > 1) differs from "new" in the draft exchange only
+SWITCHES = {"baseline": {BOUNDED_SWITCH: False, EXCHANGE_SWITCH: False, VERIFY_SWITCH: False},
+            "new": {BOUNDED_SWITCH: True, EXCHANGE_SWITCH: True, VERIFY_SWITCH: True},
+            "gather": {BOUNDED_SWITCH: True, EXCHANGE_SWITCH: False, VERIFY_SWITCH: True}}
 PATHS = ("baseline", "new")
 REAL = "real"
 NOISE = 0.99                   # new / baseline speed below this counts as slower

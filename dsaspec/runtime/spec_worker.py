@@ -484,5 +484,6 @@ def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPo
     rows = max(req_pool.max_reqs, backend.bucket_sizes[-1]) * spec.num_draft_tokens
     processor = LogitsProcessor(model.lm_head, max_rows=rows)
     processor.enable_draft_argmax_exchange()
+    processor.enable_verify_argmax_exchange()
     return SpecWorker(model, req_pool, target_kv, mtp_kv, backend, multi_step, processor, spec,
                       use_cuda_graph=use_cuda_graph).capture()
