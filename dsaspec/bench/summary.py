@@ -69,17 +69,26 @@ def summarize(folder: Path) -> str:
         keys, cols, groups = _pivot(ratio_rows, ("context_len",), "bs", lambda r: r["ratio"])
         parts.append(_table(f"TPOT with a larger context configured over TPOT with {short} configured "
                             "(context-wide / bounded)", ["context configured"], cols, keys, groups, "bs"))
-    path = folder / "e2e.json"
-    if path.exists():
+    for name, tp in (("e2e", 1), ("e2e_tp2", 2)):
+        path = folder / f"{name}.json"
+        if not path.exists():
+            continue
         rows = json.loads(path.read_text())["rows"]
         for preset in dict.fromkeys(r["preset"] for r in rows):
             mine = [r for r in rows if r["preset"] == preset]
             keys, cols, groups = _pivot(mine, ("context", "accept"), "concurrency",
                                         lambda r: f"{r['baseline_tok_s_user']:.0f} → {r['new_tok_s_user']:.0f} "
                                                   f"({r['speedup']:.2f}x)")
-            parts.append(_table(f"MTP speculative decoding end to end, `{preset}` preset, S = 3: tok/s/user, "
-                                "baseline (both kill switches off) → new", ["context configured", "accept length"],
+            parts.append(_table(f"MTP speculative decoding end to end, TP {tp}, `{preset}` preset, S = 3: tok/s/user, "
+                                "baseline (kill switches off) → new", ["context configured", "accept length"],
                                 cols, keys, groups, "concurrency"))
+    path = folder / "verify_step.json"
+    if path.exists():
+        rows = json.loads(path.read_text())["rows"]
+        keys, cols, groups = _pivot(rows, ("tp", "step"), "rows", arrow)
+        parts.append(_table("Target verify (LM head + greedy token per row) and top-4 + probabilities, vocab 154880, "
+                            "hidden 6144: logits gather → partials exchange (µs, max over ranks)", ["TP", "step"],
+                            cols, keys, groups, "rows"))
     path = folder / "dsa_ops.json"
     if path.exists():
         rows = [r for r in json.loads(path.read_text())["rows"] if r["op"] != "layer"]
