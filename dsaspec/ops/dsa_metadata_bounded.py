@@ -35,7 +35,8 @@ import triton.language as tl
 from dsaspec import flags
 from dsaspec.ops.dsa_metadata_common import (MODE_DECODE, MODE_EXTEND_VARIABLE, MODE_VERIFY, TILE,
                                              MetadataBuffers, Mode, launch_shape, load_extend,
-                                             mode_code, validate_inputs, vector_width, write_lengths)
+                                             mode_code, store_all, validate_inputs, vector_width,
+                                             write_lengths)
 
 MAX_SPLITS = 256
 MAX_DESTINATIONS = 4
@@ -87,14 +88,7 @@ def _copy_block(src, block, end, first, count, pt0, real0, pt1, real1, pt2, real
         if NUM_DEST > 3:
             _store(pt3, pt_off + cols, vals, col_mask, MASKED)
         if HAS_REAL:
-            real_off = row64 * stride_real + real_cols
-            tl.store(real0 + real_off, real_vals, mask=real_mask)
-            if NUM_DEST > 1:
-                tl.store(real1 + real_off, real_vals, mask=real_mask)
-            if NUM_DEST > 2:
-                tl.store(real2 + real_off, real_vals, mask=real_mask)
-            if NUM_DEST > 3:
-                tl.store(real3 + real_off, real_vals, mask=real_mask)
+            store_all(row64 * stride_real + real_cols, real_vals, real_mask, real0, real1, real2, real3, NUM_DEST)
 
 
 # Sizes that differ per batch bucket are not specialised: fewer compiled variants per server.

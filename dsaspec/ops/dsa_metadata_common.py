@@ -297,15 +297,16 @@ def clamped_sum(a, m, K, LOWER: tl.constexpr):
 
 
 @triton.jit
-def store_lengths(offs, vals, mask, len0, len1, len2, len3, NUM_DEST: tl.constexpr):
-    """Store one slice of 1-D outputs into the flat ``lengths`` buffer of every destination."""
-    tl.store(len0 + offs, vals, mask=mask)
+def store_all(offs, vals, mask, dst0, dst1, dst2, dst3, NUM_DEST: tl.constexpr):
+    """Store ``vals`` at ``offs`` into the same buffer (``lengths`` or a real page table) of every
+    destination set."""
+    tl.store(dst0 + offs, vals, mask=mask)
     if NUM_DEST > 1:
-        tl.store(len1 + offs, vals, mask=mask)
+        tl.store(dst1 + offs, vals, mask=mask)
     if NUM_DEST > 2:
-        tl.store(len2 + offs, vals, mask=mask)
+        tl.store(dst2 + offs, vals, mask=mask)
     if NUM_DEST > 3:
-        tl.store(len3 + offs, vals, mask=mask)
+        tl.store(dst3 + offs, vals, mask=mask)
 
 
 @triton.jit
@@ -328,9 +329,9 @@ def write_lengths(chunk, seq_lens_ptr, ext_ptr, len0, len1, len2, len3, off_cu, 
         live = s
         if MODE == MODE_VERIFY:
             live = s + N
-        store_lengths(lanes, live, lanes < B, len0, len1, len2, len3, NUM_DEST)
-        store_lengths(off_cu + 1 + lanes, tl.cumsum(live, axis=0), lanes < B, len0, len1, len2, len3, NUM_DEST)
-        store_lengths(off_cu, 0, None, len0, len1, len2, len3, NUM_DEST)
+        store_all(lanes, live, lanes < B, len0, len1, len2, len3, NUM_DEST)
+        store_all(off_cu + 1 + lanes, tl.cumsum(live, axis=0), lanes < B, len0, len1, len2, len3, NUM_DEST)
+        store_all(off_cu, 0, None, len0, len1, len2, len3, NUM_DEST)
     # Per request: rows m, offset a, total of its rows' dsa lengths, exclusive prefix of totals.
     if MODE == MODE_EXTEND_VARIABLE:
         m, starts, ends = extend_prefix(ext_ptr, B, BLOCK_B)
@@ -371,10 +372,10 @@ def write_lengths(chunk, seq_lens_ptr, ext_ptr, len0, len1, len2, len3, off_cu, 
         expanded = tl.maximum(expanded, 0)
     expanded = tl.where(has_request, expanded, 0)
     if MODE != MODE_DECODE:  # decode: seqlens_expanded is the cache_seqlens view
-        store_lengths(off_exp + rows, expanded, rows < R, len0, len1, len2, len3, NUM_DEST)
-    store_lengths(off_dsa + rows, tl.minimum(expanded, K), rows < R, len0, len1, len2, len3, NUM_DEST)
+        store_all(off_exp + rows, expanded, rows < R, len0, len1, len2, len3, NUM_DEST)
+    store_all(off_dsa + rows, tl.minimum(expanded, K), rows < R, len0, len1, len2, len3, NUM_DEST)
     cu = tl.where(b < B, tl.gather(before, lane, 0) + clamped_sum(a_row, j, K, lower), total)
-    store_lengths(off_dsacu + rows, cu, rows <= R, len0, len1, len2, len3, NUM_DEST)
+    store_all(off_dsacu + rows, cu, rows <= R, len0, len1, len2, len3, NUM_DEST)
 
 
 def launch_shape(B: int, R: int) -> tuple[int, int, int]:
