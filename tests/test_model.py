@@ -338,8 +338,8 @@ def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
     rows = [session.slots.admit(150), session.slots.admit(40)]
     for row, length in zip(rows, (150, 40)):
         session.step(row, _tokens(length, config.vocab_size, seed=row).cuda(), 0)
-    from dsaspec.runtime.model import num_sms
-    sms = num_sms(torch.device("cuda"))
+    from dsaspec.ops.indexer_schedule import indexer_programs
+    sms = indexer_programs("cuda")
     width = session.pool.width
     static = dict(
         ids=torch.zeros(batch, dtype=torch.long, device="cuda"),

@@ -9,9 +9,10 @@ import torch
 from dsa_inputs import random_indexer_inputs, random_sparse_mla_inputs, to_cpu
 from dsaspec.ops.indexer import indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
-from dsaspec.ops.sparse_mla import (MAX_SPLITS, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
-                                    SparseMLAConfig, sparse_mla_decode, sparse_mla_num_splits,
-                                    sparse_mla_workspace)
+from dsaspec.ops.sparse_mla import (FEW_ROWS_HEAD_BLOCKS, SPARSE_MLA_BASELINE_CONFIG,
+                                    SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,
+                                    SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
+                                    sparse_mla_num_splits, sparse_mla_workspace)
 from dsaspec.ops.topk import topk_slots
 from dsaspec.reference.indexer import reference_indexer_logits
 from dsaspec.reference.sparse_mla import reference_sparse_mla_decode
@@ -19,10 +20,10 @@ from dsaspec.reference.topk import reference_topk_slots
 
 CONFIGS = {
     "new": SPARSE_MLA_CONFIG,
+    "few_rows": SPARSE_MLA_FEW_ROWS_CONFIG,
     "baseline": SPARSE_MLA_BASELINE_CONFIG,
-    # the other loop form at the new tile sizes (compiler pipelining vs hand prefetch)
-    "other_loop": SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=2,
-                                  prefetch=not SPARSE_MLA_CONFIG.prefetch),
+    # half the value columns per program, no pipelining
+    "value_256": SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=1, block_dv=256),
 }
 
 
@@ -36,7 +37,7 @@ def _poison_unselected(inputs):
     return dict(inputs, kv_cache=kv_cache)
 
 
-def _run(inputs, workspace=None, config=SPARSE_MLA_CONFIG, check_values=True):
+def _run(inputs, workspace=None, config=None, check_values=True):
     q = inputs["q"]
     out = torch.full((q.shape[0], q.shape[1], 512), 7.0, dtype=torch.bfloat16, device=q.device)
     sparse_mla_decode(**inputs, out=out, workspace=workspace, config=config,
@@ -44,7 +45,7 @@ def _run(inputs, workspace=None, config=SPARSE_MLA_CONFIG, check_values=True):
     return out
 
 
-def _run_and_compare(inputs, atol, rtol, workspace=None, config=SPARSE_MLA_CONFIG):
+def _run_and_compare(inputs, atol, rtol, workspace=None, config=None):
     out = _run(inputs, workspace, config)
     expected = reference_sparse_mla_decode(**to_cpu(inputs))
     torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
@@ -157,40 +158,67 @@ def test_bad_arguments(device):
                           check_values=False)
 
 
+@pytest.mark.parametrize("config", ["new", "few_rows"])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
-def test_split_workspace(num_splits, device):
-    """Split runs (some empty: fewer blocks than splits) combine to the single-pass answer."""
+def test_split_workspace(num_splits, config, device):
+    """Split runs (some empty: fewer blocks than splits) combine to the single-pass answer; with
+    value blocks each writes its columns and one the log-sum (the NaN-filled workspace shows a
+    missing write)."""
+    config = CONFIGS[config]
     counts = [0, 1, 33, 100, 128, 64]
     inputs = random_sparse_mla_inputs(len(counts), 8, num_slots=500, k=128, valid_counts=counts,
                                       device=device, seed=num_splits)
     slots = inputs["slots"].cpu()
     slots[3, 5:40] = -1  # a hole spanning a whole split
     inputs = _poison_unselected(dict(inputs, slots=slots.to(device)))
-    workspace = sparse_mla_workspace(len(counts), 8, device, num_splits=num_splits)
+    workspace = sparse_mla_workspace(len(counts), 8, device, num_splits=num_splits, config=config)
     workspace.fill_(float("nan"))
-    split = _run_and_compare(inputs, atol=1e-3, rtol=1e-2, workspace=workspace)
-    single = _run(inputs)
+    split = _run_and_compare(inputs, atol=1e-3, rtol=1e-2, workspace=workspace, config=config)
+    single = _run(inputs, config=config)
     torch.testing.assert_close(split.float(), single.float(), atol=1e-3, rtol=1e-2)
 
 
-def test_num_splits_fill_the_gpu():
-    """Small batches split their slots so the programs about fill the SMs; large ones do not
-    split (no workspace)."""
+@pytest.mark.parametrize("config", ["new", "few_rows"])
+def test_num_splits_fill_the_gpu(config):
+    """Small batches split their slots so the programs (head blocks x value blocks per row)
+    about fill the SMs; large ones do not split (no workspace)."""
+    config = CONFIGS[config]
     for heads in (64, 128):
-        programs_per_row = -(-heads // SPARSE_MLA_CONFIG.block_h)
+        programs_per_row = -(-heads // config.block_h) * (512 // config.block_dv)
         for rows in (1, 2, 4, 16, 33, 64, 66, 67, 128, 4096):
-            splits = sparse_mla_num_splits(rows, heads, num_sms=132)
-            assert 1 <= splits <= MAX_SPLITS
+            splits = sparse_mla_num_splits(rows, heads, num_sms=132, config=config)
+            assert 1 <= splits <= config.max_splits
             assert rows * programs_per_row * splits <= max(132, rows * programs_per_row)
-            if splits < MAX_SPLITS:  # one more split would overfill the SMs
+            if splits < config.max_splits:  # one more split would overfill the SMs
                 assert rows * programs_per_row * (splits + 1) > 132
-            workspace = sparse_mla_workspace(rows, heads, "cpu", num_sms=132)
+            workspace = sparse_mla_workspace(rows, heads, "cpu", num_sms=132, config=config)
             if splits == 1:
                 assert workspace is None
             else:
                 assert workspace.shape == (rows, heads, splits, 513)
-    assert sparse_mla_num_splits(1, 64, num_sms=132) == MAX_SPLITS
     assert sparse_mla_workspace(4096, 64, "cpu", num_splits=3).shape == (4096, 64, 3, 513)
+
+
+def test_default_config_by_rows():
+    """A few head blocks with a workspace take the few-rows configuration; without one (the
+    row-invariant path) every R takes the same configuration."""
+    for heads in (64, 128):
+        for rows in range(1, 9):
+            few = rows * (heads // 64) <= FEW_ROWS_HEAD_BLOCKS
+            assert sparse_mla_config(rows, heads, split=True) == (
+                SPARSE_MLA_FEW_ROWS_CONFIG if few else SPARSE_MLA_CONFIG)
+            assert sparse_mla_config(rows, heads, split=False) == SPARSE_MLA_CONFIG
+    # the default workspace is sized for the default split configuration
+    programs = 512 // SPARSE_MLA_FEW_ROWS_CONFIG.block_dv
+    assert sparse_mla_workspace(1, 64, "cpu", num_sms=132).shape[2] == min(
+        SPARSE_MLA_FEW_ROWS_CONFIG.max_splits, 132 // programs)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="block_dv: expected 128, 256 or 512, got 64"):
+        SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, block_dv=64)
+    with pytest.raises(ValueError, match="max_splits: expected >= 1, got 0"):
+        SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, max_splits=0)
 
 
 def test_decode_chain_indexer_topk_attention(device):
@@ -259,7 +287,7 @@ def test_gpu_split_matches_single_pass(num_heads):
     """The split path (any split count) agrees with the single pass to bf16 rounding."""
     inputs = _gpu_inputs(8, num_heads, seed=3)
     single = _run(inputs)
-    for num_splits in (2, 5, MAX_SPLITS):
+    for num_splits in (2, 5, SPARSE_MLA_CONFIG.max_splits):
         workspace = sparse_mla_workspace(8, num_heads, "cuda", num_splits=num_splits)
         split = _run(inputs, workspace)
         torch.testing.assert_close(split.float(), single.float(), atol=2e-3, rtol=1e-2)
@@ -282,6 +310,20 @@ def test_gpu_row_invariant_without_workspace(num_heads):
     others[1:] = torch.flip(others[1:], dims=(0,))
     after = _run(dict(wide, slots=others))
     assert torch.equal(before[0], after[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [64, 128])
+def test_gpu_value_blocks_do_not_change_the_output(num_heads):
+    """Bitwise, without a workspace: splitting the 512 value columns over programs recomputes
+    the same scores, so every output equals the one-program-per-head-block result."""
+    inputs = _gpu_inputs(7, num_heads, seed=6)
+    whole = _run(inputs, config=SparseMLAConfig(block_h=64, block_n=32, num_warps=8,
+                                                num_stages=2, block_dv=512))
+    for block_dv in (128, 256):
+        split = _run(inputs, config=SparseMLAConfig(block_h=64, block_n=32, num_warps=8,
+                                                    num_stages=2, block_dv=block_dv))
+        assert torch.equal(split, whole), block_dv
 
 
 @pytest.mark.gpu

@@ -25,11 +25,10 @@ from dsaspec import flags
 from dsaspec.ops.dsa_metadata import context_wide_metadata
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
-from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, indexer_schedule
+from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, indexer_programs, indexer_schedule
 
 BOUNDED = "bounded"
 CONTEXT_WIDE = "context_wide"
-NUM_SMS_WITHOUT_CUDA = 132  # an H200's SM count: the schedule shape used off-GPU
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
@@ -79,8 +78,9 @@ class DSAAttnBackend:
     index_kpool, kpool_metadata_fusion : kpool geometry. Not implemented: anything but
         ``index_kpool=1`` and ``kpool_metadata_fusion=False`` raises (the metadata written here is
         not kpool-aware).
-    num_sms : SMs the indexer schedule splits the KV blocks over (default: the device's count,
-        132 off-GPU); the schedule buffers are ``[num_sms + 1, 2]``.
+    num_sms : indexer programs the schedule splits the KV blocks over (default
+        ``indexer_programs``: two per SM, 8 off-GPU); the schedule buffers are
+        ``[num_sms + 1, 2]``.
     budget : program budget of the bounded kernels (default ``DSASPEC_METADATA_BUDGET``); fixed
         here because the bounded grid depends on it and must not change between capture and replay.
     row_align : the static page tables' rows are padded to a multiple of this many columns
@@ -120,8 +120,7 @@ class DSAAttnBackend:
         if force_kernel not in (None, BOUNDED, CONTEXT_WIDE):
             raise ValueError(f"force_kernel must be None, {BOUNDED!r} or {CONTEXT_WIDE!r}, got {force_kernel!r}")
         if num_sms is None:
-            num_sms = (torch.cuda.get_device_properties(req_to_token.device).multi_processor_count
-                       if req_to_token.is_cuda else NUM_SMS_WITHOUT_CUDA)
+            num_sms = indexer_programs(req_to_token.device)
         if num_sms < 1:
             raise ValueError(f"num_sms must be >= 1, got {num_sms}")
         self.req_to_token = req_to_token

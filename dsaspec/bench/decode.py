@@ -45,7 +45,8 @@ from dsaspec.options import format_value, nonnegative_int, positive_int, positiv
 from dsaspec.runtime.config import PRESETS, get_config
 from dsaspec.runtime.graph_runner import DecodeGraphRunner
 from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
-from dsaspec.runtime.model import DSAModel, num_sms
+from dsaspec.ops.indexer_schedule import indexer_programs
+from dsaspec.runtime.model import DSAModel
 
 FULL_CONTEXT = 1 << 20
 KERNELS = (CONTEXT_WIDE, BOUNDED)            # baseline first
@@ -187,7 +188,7 @@ def _build_context(model, context_len: int, prompts: list[torch.Tensor], args, d
     context = _Context(context_len, pool, kv, rows, first_tokens)
     for kernel in KERNELS:
         backend = DSAAttnBackend(pool.req_to_token, index_topk=model.config.index_topk, page_size=PAGE_SIZE,
-                                 bucket_sizes=args.bs, num_sms=num_sms(device), budget=args.budget,
+                                 bucket_sizes=args.bs, num_sms=indexer_programs(device), budget=args.budget,
                                  force_kernel=kernel)
         context.runners[kernel] = DecodeGraphRunner(model, kv, backend).capture()
     return context

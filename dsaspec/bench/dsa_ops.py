@@ -10,13 +10,14 @@ CUPTI kernel time, median and spread).
 
 - ``indexer``: ``indexer_schedule`` + ``indexer_logits``. new: ``skip_len`` = top-k (rows with
   live <= k get no blocks), ``rows_per_group`` = rows per request (the N verify rows share each
-  key read) and ``INDEXER_CONFIG``; baseline: ``skip_len`` 0, one row per unit and
-  ``INDEXER_BASELINE_CONFIG`` (the earlier kernel).
+  key read), ``INDEXER_CONFIG`` and ``PROGRAMS_PER_SM`` programs per SM; baseline: ``skip_len`` 0, one row per unit and
+  ``INDEXER_BASELINE_CONFIG`` with one program per SM (the earlier kernel).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
   without reading logits; baseline: ``read_short_rows=True``.
-- ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: ``SPARSE_MLA_CONFIG`` with
-  the workspace ``sparse_mla_workspace`` allocates for R rows (split + combine; none when the rows
-  fill the GPU); ``new_nosplit``: the same without a workspace (the row-invariant path);
+- ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: the default configuration
+  (``sparse_mla_config``) with the workspace ``sparse_mla_workspace`` allocates for R rows (split +
+  combine; none when the rows fill the GPU); ``new_nosplit``: without a workspace (the row-invariant
+  path, ``SPARSE_MLA_CONFIG``);
   baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
@@ -47,9 +48,10 @@ from tqdm import tqdm
 from dsaspec.errors import UserError
 from dsaspec.options import choice_list, nonnegative_int, positive_int, positive_int_list
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, IndexerConfig, indexer_logits
-from dsaspec.ops.indexer_schedule import indexer_schedule
+from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
-                                    SparseMLAConfig, sparse_mla_decode, sparse_mla_workspace)
+                                    SPARSE_MLA_FEW_ROWS_CONFIG, SparseMLAConfig, sparse_mla_decode,
+                                    sparse_mla_workspace)
 from dsaspec.ops.topk import topk_slots
 from dsaspec.runtime.config import PRESETS, get_config
 
@@ -67,13 +69,13 @@ CPU_SIZES = dict(heads=16, index_heads=4, topk=64, bs=[1, 3], live_kv=[66, 200])
 # --tune: candidate configurations, timed at TUNE_POINTS.
 TUNE_SPARSE_MLA = (
     SPARSE_MLA_CONFIG,
-    SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=1, prefetch=True),
-    SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, prefetch=True),
-    SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, prefetch=False),
-    SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, prefetch=False),
-    SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=3, prefetch=False),
-    SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, prefetch=False),
-    SparseMLAConfig(block_h=32, block_n=32, num_warps=4, num_stages=1, prefetch=True),
+    SPARSE_MLA_FEW_ROWS_CONFIG,
+    SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
+    SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, max_splits=32),
+    SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
+    SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2, block_dv=256),
+    SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2, block_dv=128, max_splits=32),
+    SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=1, block_dv=128),
     SPARSE_MLA_BASELINE_CONFIG,
 )
 TUNE_INDEXER = (
@@ -84,9 +86,9 @@ TUNE_INDEXER = (
     IndexerConfig(tokens_as_m=False, num_warps=4, num_stages=1),
     INDEXER_BASELINE_CONFIG,
 )
-TUNE_PROGRAMS_PER_SM = (1, 2)  # indexer programs (schedule entries) per SM
-TUNE_POINTS = (("decode", 1, 65536), ("decode", 16, 65536), ("target_verify", 16, 65536),
-               ("decode", 64, 8192), ("decode", 1, 8192))
+TUNE_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 1, 3)  # indexer programs (schedule entries) per SM, the default first
+TUNE_POINTS = (("decode", 1, 1024), ("target_verify", 1, 65536), ("decode", 4, 8192),
+               ("decode", 16, 65536), ("target_verify", 64, 1024))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -185,7 +187,7 @@ def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs
     s = p.shapes
     skip = s.topk if new else 0
     config = config or (INDEXER_CONFIG if new else INDEXER_BASELINE_CONFIG)
-    programs = programs or s.num_sms
+    programs = programs or (PROGRAMS_PER_SM * s.num_sms if new else s.num_sms)
     groups = rows_per_group or (p.n if new else 1)
     schedule = p.buffer(f"schedule_{skip}_{programs}_{groups}", (programs + 1, 2), torch.int32)
     logits = p.buffer("logits_new" if new else "logits_baseline", (p.rows, p.live), torch.float32)
@@ -211,9 +213,9 @@ def _topk(p: _Point, new: bool, logits: str, out: str):
     return run
 
 
-def _sparse_mla(p: _Point, slots: str, out: str, config: SparseMLAConfig,
+def _sparse_mla(p: _Point, slots: str, out: str, config: SparseMLAConfig | None,
                 workspace: torch.Tensor | None):
-    """Sparse MLA over buffer ``slots`` into buffer ``out``."""
+    """Sparse MLA over buffer ``slots`` into buffer ``out`` (``config`` None: the op's default)."""
     slot_buffer = p.buffer(slots, (p.rows, p.shapes.topk), torch.int32)
     result = p.buffer(out, (p.rows, p.shapes.heads, LATENT_DIM), torch.bfloat16)
 
@@ -228,7 +230,7 @@ def _layer(p: _Point, new: bool):
     tag = "new" if new else "baseline"
     steps = (_indexer(p, new), _topk(p, new, f"logits_{tag}", f"layer_slots_{tag}"),
              _sparse_mla(p, f"layer_slots_{tag}", f"layer_out_{tag}",
-                         SPARSE_MLA_CONFIG if new else SPARSE_MLA_BASELINE_CONFIG,
+                         None if new else SPARSE_MLA_BASELINE_CONFIG,
                          p.workspace if new else None))
 
     def run(check_values: bool = False) -> None:
@@ -249,8 +251,8 @@ def _variants(p: _Point, op: str) -> dict:
                 "new": _topk(p, True, "logits_baseline", "slots_new")}
     if op == "sparse_mla":
         return {"baseline": _sparse_mla(p, "slots_new", "out_baseline", SPARSE_MLA_BASELINE_CONFIG, None),
-                "new": _sparse_mla(p, "slots_new", "out_new", SPARSE_MLA_CONFIG, p.workspace),
-                "new_nosplit": _sparse_mla(p, "slots_new", "out_nosplit", SPARSE_MLA_CONFIG, None)}
+                "new": _sparse_mla(p, "slots_new", "out_new", None, p.workspace),
+                "new_nosplit": _sparse_mla(p, "slots_new", "out_nosplit", None, None)}
     return {"baseline": _layer(p, False), "new": _layer(p, True)}
 
 
@@ -476,6 +478,7 @@ def run(args) -> int:
                "floors": dict(vars(floors), bf16_tflops=peak) if floors else None,
                "configs": {"indexer": vars(INDEXER_CONFIG), "indexer_baseline": vars(INDEXER_BASELINE_CONFIG),
                            "sparse_mla": vars(SPARSE_MLA_CONFIG),
+                           "sparse_mla_few_rows": vars(SPARSE_MLA_FEW_ROWS_CONFIG),
                            "sparse_mla_baseline": vars(SPARSE_MLA_BASELINE_CONFIG)},
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
@@ -518,7 +521,7 @@ def _tune(args) -> int:
                        _indexer(point, True, config, per_sm * shapes.num_sms, groups))
                       for config in TUNE_INDEXER for per_sm in TUNE_PROGRAMS_PER_SM
                       for groups in dict.fromkeys((point.n, 1))
-                      if (per_sm == 1 and groups == point.n) or config == INDEXER_CONFIG]
+                      if (per_sm == PROGRAMS_PER_SM and groups == point.n) or config == INDEXER_CONFIG]
         for config in TUNE_SPARSE_MLA:
             for split in (False, True):
                 workspace = sparse_mla_workspace(point.rows, shapes.heads, device, num_sms=shapes.num_sms,

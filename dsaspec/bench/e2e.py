@@ -49,7 +49,8 @@ from dsaspec.errors import UserError
 from dsaspec.options import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.runtime.config import PRESETS, get_config
 from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
-from dsaspec.runtime.model import DSAModel, num_sms
+from dsaspec.ops.indexer_schedule import indexer_programs
+from dsaspec.runtime.model import DSAModel
 from dsaspec.runtime.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
 
 FULL_CONTEXT = 1 << 20
@@ -144,7 +145,7 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
     for path in paths:
         with kill_switches(path):
             workers[path] = build_spec_worker(
-                model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency, num_sms=num_sms(device),
+                model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency, num_sms=indexer_programs(device),
                 force_kernel=BOUNDED if SWITCHES[path][BOUNDED_SWITCH] else CONTEXT_WIDE,
                 budget=None if device.type == "cuda" else 8)
     rows = [slots.admit(args.prompt_len, reserve=written - args.prompt_len) for _ in prompts]

@@ -2,10 +2,12 @@
 
 Each query row attends to its own ``k`` selected cache slots (``-1`` = no slot) with one shared
 576-wide key per slot (latent 512 + rope 64) whose first 512 values are the value. Grid
-``(R, cdiv(H, BLOCK_H), num_splits)``: a program holds a block of heads as the M dimension of its
-bf16 tensor-core dots (64: every head of a GLM-5 row, so each gathered key serves all heads),
-scans the row's slot list once for its last valid entry, then runs an online softmax (fp32) over
-blocks of ``BLOCK_N`` slots up to it, the gathers software-pipelined ahead of the dots. Without a
+``(R, cdiv(H, BLOCK_H) * 512 / BLOCK_DV, num_splits)``: a program holds a block of heads as the
+M dimension of its bf16 tensor-core dots (64: every head of a GLM-5 row, so each gathered key
+serves all heads) and ``BLOCK_DV`` of the 512 value columns (fewer accumulator registers and more
+programs; every value block recomputes the same scores), scans the row's slot list once for its
+last valid entry, then runs an online softmax (fp32) over blocks of ``BLOCK_N`` slots up to it,
+the gathers software-pipelined ahead of the dots. Without a
 workspace ``num_splits`` is 1 and a row's result depends only on that row (row-invariant). With a
 workspace (sized from ``R`` and the SM count by :func:`sparse_mla_workspace`) the slot blocks are
 split over the third grid dimension and a combine kernel merges the partial softmaxes
@@ -27,7 +29,6 @@ LATENT_DIM = 512  # value / latent width
 ROPE_DIM = 64
 QK_DIM = LATENT_DIM + ROPE_DIM
 _SCAN = 1024  # slot ids per step of the last-valid scan
-MAX_SPLITS = 16  # split-slot runs per row at most
 NUM_SMS_WITHOUT_CUDA = 132  # an H200's SM count: the split count used off-GPU
 
 
@@ -38,22 +39,37 @@ class SparseMLAConfig:
 
     block_h : heads per program, the dots' M dimension (capped at ``max(16, next_pow2(H))``).
     block_n : selected slots per online-softmax step.
-    num_warps : warps per program (8: two warpgroups share the ``[block_h, 512]`` accumulator).
-    num_stages : Triton's software-pipelining depth of the loop over slot blocks (unused with
-        ``prefetch``).
-    prefetch : gather the next block into registers while the current one is on the tensor
-        cores (hand-written double buffering) instead of relying on Triton's pipeliner.
+    num_warps : warps per program (8: two warpgroups share a ``[block_h, 512]`` accumulator).
+    num_stages : Triton's software-pipelining depth of the loop over slot blocks (2: the next
+        block's slot ids and cache rows are gathered while the current one is on the tensor
+        cores).
+    block_dv : value columns per program (512, 256 or 128): ``512 / block_dv`` programs share a
+        head block, each recomputing the scores. A row's output does not depend on it.
+    max_splits : split-slot runs per row at most (with a workspace).
     """
 
     block_h: int
     block_n: int
     num_warps: int
     num_stages: int
-    prefetch: bool = False
+    block_dv: int = 512
+    max_splits: int = 16
+
+    def __post_init__(self):
+        if self.block_dv not in (128, 256, 512):
+            raise ValueError(f"block_dv: expected 128, 256 or 512, got {self.block_dv}")
+        if self.max_splits < 1:
+            raise ValueError(f"max_splits: expected >= 1, got {self.max_splits}")
 
 
-SPARSE_MLA_CONFIG = SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=1,
-                                    prefetch=True)
+# Fastest of the --tune sweep (benchmarks/results/h200/dsa_ops_tune.md) from 16 rows up, split or
+# not, and within 1.2x of the best at one row: the row-invariant path (no workspace) always uses it.
+SPARSE_MLA_CONFIG = SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+# With a workspace and a few head blocks: a quarter of the value columns per program, 4 warps
+# (1.2-1.7x faster than SPARSE_MLA_CONFIG at one row in the sweep).
+SPARSE_MLA_FEW_ROWS_CONFIG = SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2,
+                                             block_dv=128)
+FEW_ROWS_HEAD_BLOCKS = 4  # R * cdiv(H, 64) up to which the split path takes the few-rows config
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.
 SPARSE_MLA_BASELINE_CONFIG = SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)
@@ -78,13 +94,27 @@ def _gather_rows(kv_ptr, kv_stride, slot, LATENT: tl.constexpr, ROPE: tl.constex
 
 
 @triton.jit
-def _attend_block(q_latent, q_rope, valid, kv_latent, kv_rope, running_max, denominator, acc,
-                  qk_scale_log2, UPCAST: tl.constexpr):
+def _gather_values(kv_ptr, kv_stride, slot, kv_latent, value_start, LATENT: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_DV]`` value columns ``value_start ..`` of the gathered rows: the
+    latent rows themselves when one program holds every column, else a second (cache-hot) load."""
+    if BLOCK_DV == LATENT:
+        return kv_latent
+    valid = slot >= 0
+    kv_row = kv_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * kv_stride
+    return tl.load(kv_row + value_start + tl.arange(0, BLOCK_DV)[None, :], mask=valid[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _attend_block(q_latent, q_rope, valid, kv_latent, kv_rope, kv_value, running_max,
+                  denominator, acc, qk_scale_log2, UPCAST: tl.constexpr):
     """One online-softmax step over a block of slots: returns the updated running max (log2
-    domain), denominator and unnormalised ``[BLOCK_H, LATENT]`` accumulator."""
+    domain), denominator and unnormalised ``[BLOCK_H, BLOCK_DV]`` accumulator."""
     if UPCAST:
         kv_latent = kv_latent.to(tl.float32)
         kv_rope = kv_rope.to(tl.float32)
+        kv_value = kv_value.to(tl.float32)
     scores = tl.dot(q_latent, tl.trans(kv_latent))
     scores = tl.dot(q_rope, tl.trans(kv_rope), scores)  # [BLOCK_H, BLOCK_N], fp32
     scores = tl.where(valid[None, :], scores * qk_scale_log2, float("-inf"))
@@ -92,7 +122,7 @@ def _attend_block(q_latent, q_rope, valid, kv_latent, kv_rope, running_max, deno
     rescale = tl.exp2(running_max - new_max)
     probs = tl.exp2(scores - new_max[:, None])
     denominator = denominator * rescale + tl.sum(probs, 1)
-    acc = tl.dot(probs.to(kv_latent.dtype), kv_latent, acc * rescale[:, None])
+    acc = tl.dot(probs.to(kv_value.dtype), kv_value, acc * rescale[:, None])
     return new_max, denominator, acc
 
 
@@ -101,13 +131,16 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, 
                               q_stride_row, q_stride_head, kv_stride, slots_stride,
                               out_stride_row, out_stride_head, num_heads, topk,
                               LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
-                              BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
-                              NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+                              SCAN: tl.constexpr, NUM_STAGES: tl.constexpr,
                               UPCAST: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    value_blocks: tl.constexpr = LATENT // BLOCK_DV
+    heads = tl.program_id(1) // value_blocks * BLOCK_H + tl.arange(0, BLOCK_H)
+    value_start = tl.program_id(1) % value_blocks * BLOCK_DV
     real_head = heads < num_heads
     latent = tl.arange(0, LATENT)
+    values = value_start + tl.arange(0, BLOCK_DV)
     rope = tl.arange(0, ROPE)
     row_slots = slots_ptr + row * slots_stride
 
@@ -126,7 +159,7 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, 
     # a finite start keeps exp2(running_max - new_max) NaN-free while every slot is masked
     running_max = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)
     denominator = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, LATENT), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     # split `split` of `num_splits` takes an equal run of the row's slot blocks
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -134,42 +167,28 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, 
     per_split = tl.cdiv(num_blocks, num_splits)
     first_block = split * per_split
     stop_block = tl.minimum(first_block + per_split, num_blocks)
-    if PREFETCH:
-        # register double-buffering by hand: block b + 1's cache rows and block b + 2's slot
-        # ids are in flight while block b is on the tensor cores
-        slot = _block_slots(row_slots, first_block, stop_block, topk, BLOCK_N)
-        next_slot = _block_slots(row_slots, first_block + 1, stop_block, topk, BLOCK_N)
+    for block in tl.range(first_block, stop_block, num_stages=NUM_STAGES):
+        slot = _block_slots(row_slots, block, stop_block, topk, BLOCK_N)
         kv_latent, kv_rope = _gather_rows(kv_ptr, kv_stride, slot, LATENT, ROPE)
-        for block in tl.range(first_block, stop_block, num_stages=1):  # no compiler pipelining
-            valid = slot >= 0
-            this_latent = kv_latent
-            this_rope = kv_rope
-            kv_latent, kv_rope = _gather_rows(kv_ptr, kv_stride, next_slot, LATENT, ROPE)
-            slot = next_slot
-            next_slot = _block_slots(row_slots, block + 2, stop_block, topk, BLOCK_N)
-            running_max, denominator, acc = _attend_block(
-                q_latent, q_rope, valid, this_latent, this_rope, running_max, denominator, acc,
-                qk_scale_log2, UPCAST)
-    else:
-        for block in tl.range(first_block, stop_block, num_stages=NUM_STAGES):
-            slot = _block_slots(row_slots, block, stop_block, topk, BLOCK_N)
-            kv_latent, kv_rope = _gather_rows(kv_ptr, kv_stride, slot, LATENT, ROPE)
-            running_max, denominator, acc = _attend_block(
-                q_latent, q_rope, slot >= 0, kv_latent, kv_rope, running_max, denominator, acc,
-                qk_scale_log2, UPCAST)
+        kv_value = _gather_values(kv_ptr, kv_stride, slot, kv_latent, value_start, LATENT,
+                                  BLOCK_DV)
+        running_max, denominator, acc = _attend_block(
+            q_latent, q_rope, slot >= 0, kv_latent, kv_rope, kv_value, running_max,
+            denominator, acc, qk_scale_log2, UPCAST)
     result = acc / tl.where(denominator > 0, denominator, 1.0)[:, None]
     if SPLIT:
         # workspace [R, H, num_splits, LATENT + 1]: the split's normalised output, then its
         # log2-sum-exp2 of the scaled scores (-inf when the split saw no valid slot)
         record = workspace_ptr + ((row * num_heads + heads) * num_splits + split) * (LATENT + 1)
-        tl.store(record[:, None] + latent[None, :], result, mask=real_head[:, None])
+        tl.store(record[:, None] + values[None, :], result, mask=real_head[:, None])
         seen = denominator > 0
         log_sum = tl.where(seen, running_max + tl.log2(tl.where(seen, denominator, 1.0)),
                            float("-inf"))
-        tl.store(record + LATENT, log_sum, mask=real_head)
+        # every value block computed the same scores; the first one records their log-sum
+        tl.store(record + LATENT, log_sum, mask=real_head & (value_start == 0))
     else:
         out_row = out_ptr + row * out_stride_row + heads[:, None] * out_stride_head
-        tl.store(out_row + latent[None, :], result.to(out_ptr.dtype.element_ty),
+        tl.store(out_row + values[None, :], result.to(out_ptr.dtype.element_ty),
                  mask=real_head[:, None])
 
 
@@ -197,24 +216,41 @@ def _block_h(num_heads: int, config: SparseMLAConfig) -> int:
     return min(config.block_h, max(16, triton.next_power_of_2(num_heads)))
 
 
+def sparse_mla_config(num_rows: int, num_heads: int, split: bool) -> SparseMLAConfig:
+    """The default launch configuration of ``R = num_rows`` rows: with a workspace (``split``)
+    and ``R * cdiv(H, 64) <= FEW_ROWS_HEAD_BLOCKS``, :data:`SPARSE_MLA_FEW_ROWS_CONFIG`; else
+    :data:`SPARSE_MLA_CONFIG` (always without a workspace, so a row's output there does not
+    depend on ``R``)."""
+    if split and max(num_rows, 1) * triton.cdiv(num_heads, 64) <= FEW_ROWS_HEAD_BLOCKS:
+        return SPARSE_MLA_FEW_ROWS_CONFIG
+    return SPARSE_MLA_CONFIG
+
+
+def _programs_per_row(num_heads: int, config: SparseMLAConfig) -> int:
+    return triton.cdiv(num_heads, _block_h(num_heads, config)) * (LATENT_DIM // config.block_dv)
+
+
 def sparse_mla_num_splits(num_rows: int, num_heads: int, num_sms: int,
-                          config: SparseMLAConfig = SPARSE_MLA_CONFIG) -> int:
+                          config: SparseMLAConfig | None = None) -> int:
     """Split-slot runs per row for a launch of ``R = num_rows`` rows: as many as keep one
-    program per SM, ``clamp(num_sms // (R * cdiv(H, block_h)), 1, MAX_SPLITS)``."""
-    programs = max(num_rows, 1) * triton.cdiv(num_heads, _block_h(num_heads, config))
-    return max(1, min(MAX_SPLITS, num_sms // programs))
+    program per SM, ``clamp(num_sms // (R * cdiv(H, block_h) * 512 / block_dv), 1,
+    max_splits)``; ``config`` defaults to ``sparse_mla_config(R, H, split=True)``."""
+    config = config or sparse_mla_config(num_rows, num_heads, split=True)
+    programs = max(num_rows, 1) * _programs_per_row(num_heads, config)
+    return max(1, min(config.max_splits, num_sms // programs))
 
 
 def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int | None = None,
                          num_sms: int | None = None,
-                         config: SparseMLAConfig = SPARSE_MLA_CONFIG) -> torch.Tensor | None:
+                         config: SparseMLAConfig | None = None) -> torch.Tensor | None:
     """Allocate the split-slot workspace of :func:`sparse_mla_decode` for a bucket of
     ``num_rows`` rows (once, before capture; reuse it for every replay of that bucket).
 
     ``num_splits`` defaults to :func:`sparse_mla_num_splits` with ``num_sms`` (default: the
-    device's count; 132 without CUDA); when that is 1 (``R * cdiv(H, block_h) > num_sms / 2``:
-    the rows already fill the GPU) no workspace helps and None is returned. An explicit
-    ``num_splits >= 1`` always gets a workspace.
+    device's count; 132 without CUDA) and ``config`` (default: the one ``sparse_mla_decode``
+    picks with a workspace); when that is 1 (the rows' programs already fill the GPU) no
+    workspace helps and None is returned. An explicit ``num_splits >= 1`` always gets a
+    workspace.
 
     Returns
     -------
@@ -237,7 +273,7 @@ def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int 
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                       sm_scale: float, out: torch.Tensor, *, check_values: bool = True,
                       workspace: torch.Tensor | None = None,
-                      config: SparseMLAConfig = SPARSE_MLA_CONFIG) -> torch.Tensor:
+                      config: SparseMLAConfig | None = None) -> torch.Tensor:
     """Sparse MQA attention of every query row over its selected slots, in the latent space.
 
     ``out[r, h] = sum_j p_j * kv_cache[s_j, :512]`` with ``p = softmax_j(sm_scale *
@@ -261,10 +297,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         there means: pass None), written. With it each row's slot blocks are split into
         ``num_splits`` runs handled by separate programs and a second kernel combines them: more
         parallelism when ``R * H`` is small; the result then depends on ``num_splits`` (through
-        the summation order). Without it: grid ``(R, cdiv(H, block_h))``, and a row's output is
+        the summation order). Without it: grid ``(R, cdiv(H, block_h) * 512 / block_dv)``, and
+        a row's output is
         bitwise independent of ``R`` and of the other rows (for a given ``config`` and device).
-    config : launch configuration; :data:`SPARSE_MLA_BASELINE_CONFIG` is the earlier
-        kernel (the benchmark's baseline).
+    config : launch configuration (default ``sparse_mla_config(R, H, workspace is not None)``);
+        :data:`SPARSE_MLA_BASELINE_CONFIG` is the earlier kernel (the benchmark's baseline).
 
     Returns
     -------
@@ -275,17 +312,18 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         raise ValueError(f"slots: slot {int(slots.max())} is out of range for a kv_cache of "
                          f"{kv_cache.shape[0]} slots")
     num_rows, num_heads, _ = q.shape
+    config = config or sparse_mla_config(num_rows, num_heads, split=workspace is not None)
     block_h = _block_h(num_heads, config)
     num_splits = 1 if workspace is None else workspace.shape[2]
-    grid = (num_rows, triton.cdiv(num_heads, block_h), num_splits)
+    grid = (num_rows, _programs_per_row(num_heads, config), num_splits)
     _sparse_mla_decode_kernel[grid](
         q, kv_cache, slots, out, out if workspace is None else workspace,
         sm_scale * math.log2(math.e),
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), num_heads, slots.shape[1],
         LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=block_h, BLOCK_N=config.block_n,
-        SCAN=min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1))),
-        NUM_STAGES=config.num_stages, PREFETCH=config.prefetch, UPCAST=not q.is_cuda,
+        BLOCK_DV=config.block_dv, SCAN=min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1))),
+        NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
         SPLIT=workspace is not None,
         num_warps=config.num_warps)
     if workspace is not None:

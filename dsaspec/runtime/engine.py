@@ -35,7 +35,8 @@ from dsaspec.attention.dsa_backend import DEFAULT_BUCKETS, DSAAttnBackend
 from dsaspec.runtime.graph_runner import DecodeGraphRunner
 from dsaspec.runtime.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
                                     PoolExhaustedError, ReqToTokenPool, RequestSlots)
-from dsaspec.runtime.model import DSAModel, num_sms
+from dsaspec.ops.indexer_schedule import indexer_programs
+from dsaspec.runtime.model import DSAModel
 from dsaspec.runtime.spec_worker import SpecConfig, build_spec_worker
 
 LENGTH, EOS = "length", "eos"
@@ -171,12 +172,12 @@ class Engine:
         if speculative is None:
             self.backend = DSAAttnBackend(self.req_pool.req_to_token, index_topk=self.config.index_topk,
                                           page_size=PAGE_SIZE, bucket_sizes=buckets,
-                                          num_sms=num_sms(self.device), force_kernel=force_kernel)
+                                          num_sms=indexer_programs(self.device), force_kernel=force_kernel)
             self.runner = DecodeGraphRunner(model, self.kv, self.backend, use_cuda_graph=use_cuda_graph).capture()
         else:
             self.mtp_kv = KVPool.for_model(self.config, num_slots, mtp=True, dtype=weight.dtype, device=self.device)
             self.worker = build_spec_worker(model, self.req_pool, self.kv, self.mtp_kv, speculative,
-                                            bucket_sizes=buckets, num_sms=num_sms(self.device),
+                                            bucket_sizes=buckets, num_sms=indexer_programs(self.device),
                                             force_kernel=force_kernel, use_cuda_graph=use_cuda_graph)
             self.backend = self.worker.backend
         self.stats = GenerationStats()

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsaspec.distributed.tp_group import TPGroup
+from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.runtime.config import ModelConfig, yarn_mscale
 from dsaspec.runtime.memory import KVPool
 from dsaspec.speculative.lm_head import VOCAB_PAD_MULTIPLE, VocabParallelLMHead, padded_vocab_size
@@ -56,13 +57,6 @@ def dsa_ops(use_triton: bool) -> SimpleNamespace:
                            topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode)
 
 
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (the indexer schedule's width); 8 elsewhere."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 @dataclass
 class AttentionInputs:
     """What the sparse attention of one step reads (all layers share it).
@@ -74,7 +68,7 @@ class AttentionInputs:
     seqlens : Tensor
         int32 ``[R]``: row ``r`` attends to positions ``[0, seqlens[r])`` (``seqlens_expanded``).
     schedule : Tensor or None
-        int32 ``[num_sms + 1, 2]`` indexer schedule of ``seqlens``; None: computed in the step
+        int32 ``[indexer_programs(device) + 1, 2]`` indexer schedule of ``seqlens``; None: computed in the step
         (eager only).
     index_logits : Tensor or None
         fp32 ``[R, W_out]`` scratch for the indexer logits (``W_out >= max seqlens``); None:
@@ -514,7 +508,7 @@ def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, in
     attn, ops = step.attn, step.ops
     schedule = attn.schedule
     if schedule is None:
-        sms = num_sms(device)
+        sms = indexer_programs(device)
         schedule = ops.indexer_schedule(attn.seqlens, sms,
                                         out=torch.empty(sms + 1, 2, dtype=torch.int32, device=device),
                                         skip_len=index_topk, rows_per_group=attn.rows_per_group)
