@@ -21,7 +21,7 @@ from dsaspec.ops.checks import check_tensor
 INDEXER_BLOCK_KV = 64  # KV tokens per indexer block; the schedule and the logits kernel agree on it
 _MAX_TILE = 8192  # elements of the (SMs x rows) comparison tile the schedule kernel holds at once
 # Two resident indexer programs per SM hide each other's key gathers: 0.64-0.79x the time of one
-# per SM at 8k-64k live tokens on the H200 (benchmarks/results/h200/dsa_ops_tune.md).
+# per SM at 8k-64k live tokens on the H200 (benchmarks/results/h200/dsa_ops_tune_wide.md).
 PROGRAMS_PER_SM = 2
 PROGRAMS_WITHOUT_CUDA = 8  # off-GPU (the interpreter): a small schedule
 

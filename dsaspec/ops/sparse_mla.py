@@ -62,7 +62,7 @@ class SparseMLAConfig:
             raise ValueError(f"max_splits: expected >= 1, got {self.max_splits}")
 
 
-# Fastest of the --tune sweep (benchmarks/results/h200/dsa_ops_tune.md) from 16 rows up, split or
+# Fastest of the --tune sweep (benchmarks/results/h200/dsa_ops_tune_wide.md) from 16 rows up, split or
 # not, and within 1.2x of the best at one row: the row-invariant path (no workspace) always uses it.
 SPARSE_MLA_CONFIG = SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
 # With a workspace and a few head blocks: a quarter of the value columns per program, 4 warps
