@@ -59,10 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
+        from dsaspec.runtime.launch import worker_exit_status
+
         flags.select_triton_interpreter(torch.cuda.is_available())  # before anything imports triton
         args = build_parser().parse_args(argv)
         flags.check_all()
-        return int(args.run(args) or 0)
+        return worker_exit_status(int(args.run(args) or 0))
     except UserError as err:
         print(f"dsaspec: error: {err}", file=sys.stderr)
         return 2

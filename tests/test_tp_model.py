@@ -348,6 +348,32 @@ def test_tp_generate_relaunches_itself_under_torchrun(monkeypatch, tmp_path):
     assert len(calls) == 1
 
 
+def test_rank_status_reaches_the_launcher_without_failing_torchrun(monkeypatch):
+    """A rank that finishes with status 1 (a missed target) exits 0, so torchrun succeeds and
+    prints no ChildFailedError; the launcher still returns 1. A failed torchrun passes through."""
+    import subprocess
+
+    from dsaspec.runtime import launch
+
+    rank_exits = []
+
+    def fake_torchrun(cmd, env, **_):
+        monkeypatch.setenv(launch.STATUS_DIR_ENV, env[launch.STATUS_DIR_ENV])
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        for rank, status in enumerate((0, 1)):
+            monkeypatch.setenv("RANK", str(rank))
+            rank_exits.append(launch.worker_exit_status(status))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_torchrun)
+    assert launch.torchrun(["bench", "draft-step"], 2) == 1
+    assert rank_exits == [0, 0]
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **_: subprocess.CompletedProcess(cmd, 7))
+    assert launch.torchrun(["bench", "draft-step"], 2) == 7
+    monkeypatch.delenv(launch.STATUS_DIR_ENV)
+    assert launch.worker_exit_status(1) == 1  # not started by the launcher: unchanged
+
+
 @pytest.mark.parametrize("module, argv", [
     ("dsaspec.runtime.generate_cli", ["--tp", "2", "--prompt-lens", "5,70", "--row-invariant", "--device", "cuda",
                                       "--speculative-algorithm", "nextn", "--eos-token-id", "3"]),

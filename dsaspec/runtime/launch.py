@@ -4,7 +4,10 @@ A command given ``--tp N`` (N > 1) outside torchrun checks that N GPUs are visib
 :class:`~dsaspec.errors.UserError`), then runs ``python -m torch.distributed.run --standalone
 --nproc-per-node N -m dsaspec <command> <its options>`` and returns its exit status; each process
 finds ``WORLD_SIZE`` set and does the work as one rank. NVLink multicast is disabled for the
-children (``disable_nvlink_multicast``).
+children (``disable_nvlink_multicast``). A rank that finishes with a non-zero status (a missed
+target, a token mismatch: already reported in its output) hands that status to the launching
+process through a file and exits 0 (``worker_exit_status``), so torchrun does not print a
+ChildFailedError traceback for a finished run; the launcher returns the largest rank status.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +27,7 @@ from dsaspec.errors import UserError
 from dsaspec.options import Parser, format_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+STATUS_DIR_ENV = "DSASPEC_RANK_STATUS_DIR"  # set by `torchrun` for its processes
 
 
 def visible_gpus() -> int:
@@ -79,7 +84,22 @@ def torchrun(argv: list[str], nproc: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "dsaspec", *argv]
     print("launching:", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    with tempfile.TemporaryDirectory(prefix="dsaspec-ranks-") as status_dir:
+        env[STATUS_DIR_ENV] = status_dir
+        returncode = subprocess.run(cmd, env=env).returncode
+        if returncode:
+            return returncode
+        return max((int(f.read_text()) for f in Path(status_dir).iterdir()), default=0)
+
+
+def worker_exit_status(status: int) -> int:
+    """The exit status of a finished ``dsaspec`` process: ``status``, except in a rank started by
+    :func:`torchrun`, where a non-zero ``status`` is written for the launcher and 0 returned."""
+    status_dir = os.environ.get(STATUS_DIR_ENV)
+    if not status or not status_dir or not under_torchrun():
+        return status
+    Path(status_dir, f"rank{os.environ.get('RANK', '0')}").write_text(str(status))
+    return 0
 
 
 def relaunch(command: list[str], add_arguments, args, nproc: int) -> int:
