@@ -32,7 +32,7 @@ _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take s
 # histograms summed per step, on the GPU / under the interpreter (tiny, so tests cover chunks
 # shorter than a step and several summing steps).
 _GPU_CHUNK_BLOCK, _GPU_MIN_CHUNK, _GPU_TILE = 1024, 1024, 16
-_CPU_CHUNK_BLOCK, _CPU_MIN_CHUNK, _CPU_TILE = 32, 16, 2
+_CPU_CHUNK_BLOCK, _CPU_MIN_CHUNK, _CPU_TILE = 32, 16, 4
 _ALIGN = tl.constexpr(16)  # chunk lengths are multiples of this (aligned vector loads)
 MAX_CHUNKS = 64  # chunks per row at most (each program sums the row's chunk histograms)
 PROGRAMS_PER_SM = 2  # the chunk count aims at this many programs per SM
@@ -178,8 +178,9 @@ def _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
             threshold = (threshold << 8) | digit.to(tl.uint32)
             shift = tl.full((), 24 - 8 * level, dtype=tl.uint32)
             searching = in_digit != need
+    none = tl.zeros((), dtype=tl.int32)
     return _write_selected(row_logits, row_table, row_out, row_positions, 0, live, threshold,
-                           shift, need, 0, 0, WRITE_POSITIONS, BLOCK)
+                           shift, need, none, none, WRITE_POSITIONS, BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,9 +191,11 @@ def _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
 def _chunk_range(live, chunk, num_chunks, MIN_CHUNK: tl.constexpr):
     """Positions ``[start, end)`` of ``chunk`` in a row of ``live``, and the row's number of
     non-empty chunks: ``cdiv(live, num_chunks)`` rounded up to ``MIN_CHUNK`` and ``_ALIGN``."""
-    length = tl.cdiv(tl.maximum(tl.cdiv(live, num_chunks), MIN_CHUNK), _ALIGN) * _ALIGN
+    # (plain integer arithmetic: tl.cdiv is a function call, slow under the interpreter)
+    length = tl.maximum((live + num_chunks - 1) // num_chunks, MIN_CHUNK)
+    length = (length + _ALIGN - 1) // _ALIGN * _ALIGN
     start = chunk * length
-    return start, tl.minimum(start + length, live), tl.cdiv(live, length)
+    return start, tl.minimum(start + length, live), (live + length - 1) // length
 
 
 @triton.jit
