@@ -270,12 +270,14 @@ def test_chunked_reused_workspace_no_positions(device):
 
 
 def test_workspace_size():
+    per_sm = topk_module.PROGRAMS_PER_SM
     assert topk_num_chunks(1, 132) == topk_module.MAX_CHUNKS
-    assert topk_num_chunks(64, 132) == 4
-    assert topk_num_chunks(133, 132) == 1
-    assert topk_workspace(200, "cpu", num_sms=132) is None
+    assert topk_num_chunks(64, 132) == per_sm * 132 // 64
+    assert topk_num_chunks(per_sm * 132 // 2 + 1, 132) == 1
+    assert topk_workspace(per_sm * 132, "cpu", num_sms=132) is None
     workspace = topk_workspace(3, "cpu", num_sms=8)
-    assert workspace.shape == (3, 5, TOPK_WORKSPACE_WORDS) and workspace.dtype == torch.int32
+    assert workspace.shape == (3, per_sm * 8 // 3, TOPK_WORKSPACE_WORDS)
+    assert workspace.dtype == torch.int32
     assert topk_workspace(200, "cpu", num_chunks=1).shape == (200, 1, TOPK_WORKSPACE_WORDS)
     with pytest.raises(ValueError, match="num_chunks: expected >= 1, got 0"):
         topk_workspace(2, "cpu", num_chunks=0)

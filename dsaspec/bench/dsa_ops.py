@@ -14,7 +14,7 @@ CUPTI kernel time, median and spread).
   ``INDEXER_BASELINE_CONFIG`` (the earlier kernel).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
   without reading logits, and each row is split over the chunks of the workspace
-  ``topk_workspace`` allocates for R rows (about 2 programs per SM; none when the rows fill the
+  ``topk_workspace`` allocates for R rows (about 4 programs per SM; none when the rows fill the
   GPU: one program per row); baseline: one program per row with ``read_short_rows=True``.
 - ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: ``SPARSE_MLA_CONFIG`` with
   the workspace ``sparse_mla_workspace`` allocates for R rows (split + combine; none when the rows
@@ -90,7 +90,7 @@ TUNE_INDEXER = (
     INDEXER_BASELINE_CONFIG,
 )
 TUNE_PROGRAMS_PER_SM = (1, 2)  # indexer programs (schedule entries) per SM
-TUNE_TOPK_CHUNKS = (0.5, 1, 2)  # top-k chunks per row, as multiples of topk_workspace's count
+TUNE_TOPK_CHUNKS = (0.25, 0.5, 1, 2)  # top-k chunks per row, as multiples of topk_workspace's count
 TUNE_POINTS = (("decode", 1, 65536), ("decode", 16, 65536), ("target_verify", 16, 65536),
                ("decode", 64, 8192), ("decode", 1, 8192))
 

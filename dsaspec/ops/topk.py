@@ -33,9 +33,9 @@ _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take s
 # shorter than a step and several summing steps).
 _GPU_CHUNK_BLOCK, _GPU_MIN_CHUNK, _GPU_TILE = 1024, 1024, 16
 _CPU_CHUNK_BLOCK, _CPU_MIN_CHUNK, _CPU_TILE = 32, 16, 4
-_ALIGN = tl.constexpr(16)  # chunk lengths are multiples of this (aligned vector loads)
+_ALIGN = tl.constexpr(16)  # chunk lengths are multiples of this (chunks start 64 B aligned)
 MAX_CHUNKS = 64  # chunks per row at most (each program sums the row's chunk histograms)
-PROGRAMS_PER_SM = 2  # the chunk count aims at this many programs per SM
+PROGRAMS_PER_SM = 4  # the chunk count aims at this many programs per SM (latency hiding)
 NUM_SMS_WITHOUT_CUDA = 132  # an H200's SM count: the chunk count used off-GPU
 _PASSES = 5  # histograms of digits 0..3, then the write
 # Workspace words per (row, chunk): 4 digit histograms of 256 counts, then the search state
@@ -398,8 +398,9 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     -------
     ``out``. Without a workspace: grid ``(R,)``, one launch; one program per row walks the live
     range at most five times (once, without reading logits, when ``seqlens[r] <= k``). With
-    one: five launches of grid ``(R, P)``; a row's chunks are ``cdiv(seqlens[r], P)`` long, at
-    least ``_GPU_MIN_CHUNK``, and each program walks its chunk at most five times.
+    one: five launches of grid ``(R, P)``; a row's chunks are ``cdiv(seqlens[r], P)`` long (at
+    least 1024 on the GPU, so short rows use fewer programs) and each program walks its chunk
+    at most five times.
     """
     _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace)
     if workspace is not None and read_short_rows:
