@@ -316,20 +316,22 @@ GPU_WIDTH = 1_048_586
 
 
 def _production_inputs(num_rows, longest):
-    """Rows up to ``longest`` live in a 1M-wide buffer (the first row that long, the last exactly
-    k = 2048); plenty of ties; with 3 rows or more, row 1 all equal and row 2 keys that differ
-    only in the low byte (all four digit passes)."""
+    """Rows up to ``longest`` live in a 1M-wide buffer (the first row that long; with 2 rows or
+    more the last exactly k = 2048); plenty of ties; with 4 rows or more, rows 1 and 2 ``longest``
+    long, one all equal, one with keys that differ only in the low byte (all four digits)."""
     gen = torch.Generator().manual_seed(num_rows)
     seqlens = torch.randint(0, longest + 1, (num_rows,), generator=gen)
+    if num_rows > 1:
+        seqlens[-1] = 2048
     seqlens[0] = longest
-    seqlens[-1] = 2048
-    seqlens = seqlens.tolist()
-    logits = torch.randn(num_rows, max(seqlens), generator=gen)
+    logits = torch.randn(num_rows, longest, generator=gen)
     logits[:, ::7] = torch.round(logits[:, ::7])
-    if num_rows >= 3:
+    if num_rows >= 4:
+        seqlens[1:3] = longest
         logits[1] = 0.5
-        low_bytes = torch.randint(0, 256, (logits.shape[1],), generator=gen, dtype=torch.int32)
+        low_bytes = torch.randint(0, 256, (longest,), generator=gen, dtype=torch.int32)
         logits[2] = (torch.tensor(1.5).view(torch.int32) + low_bytes).view(torch.float32)
+    seqlens = seqlens.tolist()
     wide = torch.empty(num_rows, GPU_WIDTH)
     wide[:, :logits.shape[1]] = logits
     return _inputs(wide, seqlens, width=GPU_WIDTH, num_slots=1 << 24)
@@ -344,7 +346,7 @@ def test_gpu_production_sizes(num_rows, longest):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows, longest, num_chunks", [
     (1, 65_536, None), (4, 8_192, None), (16, 65_536, None), (32, 65_536, None),
-    (64, 65_536, None), (64, 65_536, 64), (3, 1_000_000, None)])
+    (64, 65_536, None), (64, 65_536, 64), (4, 1_000_000, None)])
 def test_gpu_chunked_production_sizes(num_rows, longest, num_chunks):
     """The chunked form at real sizes: the chunk count topk_workspace picks for the device (and
     64 chunks for 64 rows)."""
