@@ -217,6 +217,24 @@ def test_triton_ops_match_torch_ops_on_a_short_sequence():
                                    atol=0.07, rtol=0.02)
 
 
+def test_attention_workspace_parts():
+    """The Triton model's per-row-count workspaces: the top-k chunks (topk_num_chunks with
+    num_sms(cpu) = 8) in every mode, the sparse-MLA split not in the row-invariant mode; the torch
+    ops get none."""
+    from dsaspec.ops.topk import TOPK_WORKSPACE_WORDS, topk_num_chunks
+
+    assert _model().attention_workspace(2) is None
+    model = DSAModel(get_config("tiny"), use_triton=True)
+    workspace = model.attention_workspace(2)
+    assert workspace.topk.shape == (2, topk_num_chunks(2, 8), TOPK_WORKSPACE_WORDS)
+    assert workspace.sparse_mla is not None
+    assert model.attention_workspace(1000).topk is None
+    row_invariant = DSAModel(get_config("tiny"), use_triton=True, row_invariant=True)
+    workspace = row_invariant.attention_workspace(3)
+    assert workspace.topk.shape == (3, topk_num_chunks(3, 8), TOPK_WORKSPACE_WORDS)
+    assert workspace.sparse_mla is None
+
+
 def test_cache_entries_hold_normed_latent_and_roped_key():
     """The MLA cache entry of a row is [kv_a_layernorm(latent) | rope(k_rope)]; position 0's RoPE
     is the identity, so its rope part equals the raw projection."""

@@ -1,11 +1,13 @@
 """topk_slots: exact against the stable-sort reference, and a top-k set by torch.topk's standard;
-rows with live <= k take every live position without reading logits."""
+rows with live <= k take every live position without reading logits. Both forms: one program per
+row (no workspace) and the chunked form (a workspace of P chunks per row, P forced)."""
 
 import pytest
 import torch
 
 from dsa_inputs import POISON_SLOT
-from dsaspec.ops.topk import topk_slots
+from dsaspec.ops import topk as topk_module
+from dsaspec.ops.topk import TOPK_WORKSPACE_WORDS, topk_num_chunks, topk_slots, topk_workspace
 from dsaspec.reference.topk import float_order_key, reference_topk_positions, reference_topk_slots
 
 
@@ -23,18 +25,31 @@ def _inputs(logits, seqlens, width, seed=0, num_slots=1000):
     return logits, torch.tensor(seqlens, dtype=torch.int32), page_table
 
 
-def _run(logits, seqlens, page_table, k, device, check_values=True, read_short_rows=False):
+def _garbage_workspace(rows, num_chunks, device):
+    """A workspace of ``num_chunks`` chunks per row holding junk: the op needs no value on entry."""
+    if num_chunks is None:
+        return None
+    workspace = topk_workspace(rows, device, num_chunks=num_chunks)
+    gen = torch.Generator().manual_seed(num_chunks)
+    workspace.copy_(torch.randint(-2**31, 2**31 - 1, workspace.shape, generator=gen,
+                                  dtype=torch.int32))
+    return workspace
+
+
+def _run(logits, seqlens, page_table, k, device, check_values=True, read_short_rows=False,
+         workspace=None):
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=device)
     positions = torch.full_like(out, -7)
     topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), k, out,
                check_values=check_values, out_positions=positions,
-               read_short_rows=read_short_rows)
+               read_short_rows=read_short_rows, workspace=workspace)
     return out.cpu(), positions.cpu()
 
 
-def _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=False):
+def _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=False, num_chunks=None):
+    workspace = _garbage_workspace(logits.shape[0], num_chunks, device)
     out, positions = _run(logits, seqlens, page_table, k, device,
-                          read_short_rows=read_short_rows)
+                          read_short_rows=read_short_rows, workspace=workspace)
     want_positions = reference_topk_positions(logits, seqlens, k)
     assert torch.equal(positions.long(), want_positions)
     assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
@@ -43,7 +58,7 @@ def _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=False):
 
 def _assert_topk_set(logits, seqlens, positions, k):
     """By torch.topk's standard, allowing any choice among values tied at the k-th."""
-    for row, length in enumerate(seqlens.tolist()):
+    for row, length in enumerate(seqlens.clamp(min=0).tolist()):
         chosen = positions[row][positions[row] >= 0].long()
         assert chosen.numel() == min(length, k)
         assert chosen.unique().numel() == chosen.numel()
@@ -69,8 +84,8 @@ def test_edge_lengths_random_logits(k, read_short_rows, device):
     _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=read_short_rows)
 
 
-@pytest.mark.parametrize("k", [64, 130])
-def test_short_rows_ignore_logits(k, device):
+@pytest.mark.parametrize("k, num_chunks", [(64, None), (130, None), (64, 3)])
+def test_short_rows_ignore_logits(k, num_chunks, device):
     """Rows with live <= k (the indexer skips them, so their logits are whatever the buffer
     held: NaN here) take every live position in order; longer rows are unaffected."""
     seqlens = [0, 1, 63, 64, 65, 129, 130, 131, 300, k]
@@ -80,7 +95,8 @@ def test_short_rows_ignore_logits(k, device):
     fresh = logits.clone()
     short = seqlens <= k
     fresh[short] = float("nan")
-    out, positions = _run(fresh, seqlens, page_table, k, device)
+    out, positions = _run(fresh, seqlens, page_table, k, device,
+                          workspace=_garbage_workspace(len(seqlens), num_chunks, device))
     assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
     for row in torch.nonzero(short).flatten().tolist():
         length = int(seqlens[row])
@@ -162,30 +178,192 @@ def test_bad_arguments(device):
                    check_values=False)
 
 
+# The chunked form. Under the interpreter a chunk is at least 16 positions (a multiple of 16) and
+# the loop step is 32, so these rows cover chunks shorter than a step, several steps per chunk,
+# empty chunks and lengths not divisible by P.
+CHUNKS = [1, 2, 3, 5]
+
+
+def _floats(bits):
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("k, num_chunks", [(40, p) for p in CHUNKS] + [(1, 3)])
+def test_chunked_edge_lengths(k, num_chunks, device):
+    seqlens = [0, 1, k - 1, k, k + 1, 17, 63, 64, 65, 129, 250, 0]
+    gen = torch.Generator().manual_seed(k + num_chunks)
+    logits, seqlens, page_table = _inputs(torch.randn(len(seqlens), 256, generator=gen), seqlens,
+                                          width=260, seed=k)
+    seqlens[-1] = -3  # counts as 0
+    _assert_topk(logits, seqlens, page_table, k, device, num_chunks=num_chunks)
+
+
+@pytest.mark.parametrize("num_chunks", CHUNKS)
+def test_chunked_ties_and_special_values(num_chunks, device):
+    """Ties spanning chunks (all equal; the k-th tie in a middle chunk after entries above it in
+    the last chunk), few distinct values, and infinities, signed zeros and NaNs of both signs."""
+    k, width = 32, 100
+    sparse_ties = torch.where(torch.arange(width) % 2 == 1, 1.0, 0.0)
+    sparse_ties[96:] = 3.0  # 4 above, then the 28th tie of 48 (position 55) is the last taken
+    few_above = torch.ones(width)
+    few_above[[90, 95, 99]] = 2.0
+    special = _floats([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000,
+                       0x3F800000, 0xBF800000] * 13)[:width]
+    gen = torch.Generator().manual_seed(num_chunks)
+    logits = torch.stack([torch.ones(width), torch.ones(width), few_above, sparse_ties,
+                          torch.randint(0, 3, (width,), generator=gen).float(), special,
+                          -special, special.flip(0)])
+    logits, seqlens, page_table = _inputs(logits, [100, 33, 100, 100, 97, 100, 100, 81],
+                                          width=width)
+    out, positions = _run(logits, seqlens, page_table, k, device,
+                          workspace=_garbage_workspace(len(seqlens), num_chunks, device))
+    # (NaNs rank by sign bit here, not as torch.topk ranks them: the reference only)
+    assert torch.equal(positions.long(), reference_topk_positions(logits, seqlens, k))
+    assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
+
+
+@pytest.mark.parametrize("num_chunks", CHUNKS)
+def test_chunked_stops_after_each_digit(num_chunks, device):
+    """k entries alone in their bin of digit 0, 1 or 2: the search stops after 1, 2 or 3 digits;
+    entries that differ only in the low byte (or not at all) need all 4. Checked through the
+    search state the passes leave in the workspace (digits found by pass 3, still searching)."""
+    k, width = 8, 100
+    special_positions = [3, 17, 30, 45, 61, 77, 88, 99]  # spread over the chunks
+
+    def row(others, special):
+        bits = torch.full((width,), others, dtype=torch.int64)
+        bits[special_positions] = special
+        return bits
+
+    gen = torch.Generator().manual_seed(num_chunks)
+    low_bytes = 0x3FC00000 + torch.randperm(256, generator=gen)[:width]
+    rows = [row(0x3FC00000, 0x40200000),  # 1.5 and 2.5: top bytes differ
+            row(0x3FC00000, 0x3FE00000),  # 1.5 and 1.75: second bytes differ
+            row(0x3FC00000, 0x3FC08000),  # third bytes differ
+            row(0x3FC00000, 0x3FC00001),  # low bytes differ
+            row(0x3FC00000, 0x3FC00000),  # all equal: ties to the lowest positions
+            low_bytes, -low_bytes]
+    logits = _floats(torch.stack(rows).tolist())
+    want_digits, want_searching = [1, 2, 3, 3, 3, 3, 3], [0, 0, 0, 1, 1, 1, 1]
+    assert torch.unique(float_order_key(logits[5]) >> 8).numel() == 1
+    logits, seqlens, page_table = _inputs(logits, [width] * len(rows), width=width)
+    workspace = _garbage_workspace(len(rows), num_chunks, device)
+    out, positions = _run(logits, seqlens, page_table, k, device, workspace=workspace)
+    assert torch.equal(positions.long(), reference_topk_positions(logits, seqlens, k))
+    assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
+    state = workspace[:, 0, topk_module._STATE.value:].cpu()
+    assert state[:, topk_module._LEVELS.value].tolist() == want_digits
+    assert state[:, topk_module._SEARCHING.value].tolist() == want_searching
+
+
+def test_chunked_reused_workspace_no_positions(device):
+    """One workspace for calls with other lengths (as in graph replays), ``out`` only."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 300, generator=gen)
+    workspace = _garbage_workspace(4, 3, device)
+    for lengths in ([300, 10, 0, 41], [0, 299, 64, 128], [1, 2, 300, 300]):
+        row_logits, seqlens, page_table = _inputs(logits, lengths, width=300)
+        out = torch.zeros(4, 32, dtype=torch.int32, device=device)
+        topk_slots(row_logits.to(device), seqlens.to(device), page_table.to(device), 32, out,
+                   workspace=workspace, check_values=False)
+        assert torch.equal(out.cpu(), reference_topk_slots(row_logits, seqlens, page_table, 32))
+
+
+def test_workspace_size():
+    per_sm = topk_module.PROGRAMS_PER_SM
+    assert topk_num_chunks(1, 132) == topk_module.MAX_CHUNKS
+    assert topk_num_chunks(64, 132) == per_sm * 132 // 64
+    assert topk_num_chunks(per_sm * 132 // 2 + 1, 132) == 1
+    assert topk_workspace(per_sm * 132, "cpu", num_sms=132) is None
+    workspace = topk_workspace(3, "cpu", num_sms=8)
+    assert workspace.shape == (3, per_sm * 8 // 3, TOPK_WORKSPACE_WORDS)
+    assert workspace.dtype == torch.int32
+    assert topk_workspace(200, "cpu", num_chunks=1).shape == (200, 1, TOPK_WORKSPACE_WORDS)
+    with pytest.raises(ValueError, match="num_chunks: expected >= 1, got 0"):
+        topk_workspace(2, "cpu", num_chunks=0)
+
+
+def test_bad_workspace(device):
+    logits = torch.zeros(2, 32, device=device)
+    seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)
+    table = torch.zeros(2, 32, dtype=torch.int32, device=device)
+    out = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    words = TOPK_WORKSPACE_WORDS
+
+    def call(workspace, **kwargs):
+        topk_slots(logits, seqlens, table, 4, out, workspace=workspace, **kwargs)
+
+    with pytest.raises(ValueError, match="workspace: expected dtype torch.int32, got torch.int64"):
+        call(torch.zeros(2, 3, words, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match=rf"workspace: expected shape \(2, '\*', {words}\), got "
+                                         rf"\(3, 3, {words}\)"):
+        call(torch.zeros(3, 3, words, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=rf"workspace: expected shape \(2, '\*', {words}\)"):
+        call(torch.zeros(2, 3, 1024, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="workspace: expected 3 dimensions"):
+        call(torch.zeros(2, 3 * words, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="workspace: expected device"):
+        call(torch.zeros(2, 3, words, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match=r"workspace: expected a contiguous \[R, P, "):
+        call(torch.zeros(3, 2, words, dtype=torch.int32, device=device).transpose(0, 1))
+    with pytest.raises(ValueError, match=r"workspace: expected a contiguous \[R, P, .*1 <= P"):
+        call(torch.zeros(2, 0, words, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="read_short_rows: only without a workspace"):
+        call(torch.zeros(2, 3, words, dtype=torch.int32, device=device), read_short_rows=True)
+
+
 GPU_WIDTH = 1_048_586
+
+
+def _production_inputs(num_rows, longest):
+    """Rows up to ``longest`` live in a 1M-wide buffer (the first row that long; with 2 rows or
+    more the last exactly k = 2048); plenty of ties; with 4 rows or more, rows 1 and 2 ``longest``
+    long, one all equal, one with keys that differ only in the low byte (all four digits)."""
+    gen = torch.Generator().manual_seed(num_rows)
+    seqlens = torch.randint(0, longest + 1, (num_rows,), generator=gen)
+    if num_rows > 1:
+        seqlens[-1] = 2048
+    seqlens[0] = longest
+    logits = torch.randn(num_rows, longest, generator=gen)
+    logits[:, ::7] = torch.round(logits[:, ::7])
+    if num_rows >= 4:
+        seqlens[1:3] = longest
+        logits[1] = 0.5
+        low_bytes = torch.randint(0, 256, (longest,), generator=gen, dtype=torch.int32)
+        logits[2] = (torch.tensor(1.5).view(torch.int32) + low_bytes).view(torch.float32)
+    seqlens = seqlens.tolist()
+    wide = torch.empty(num_rows, GPU_WIDTH)
+    wide[:, :logits.shape[1]] = logits
+    return _inputs(wide, seqlens, width=GPU_WIDTH, num_slots=1 << 24)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows, longest", [(1, 65_536), (16, 8_192), (96, 65_536)])
 def test_gpu_production_sizes(num_rows, longest):
-    device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(num_rows)
-    seqlens = torch.randint(0, longest + 1, (num_rows,), generator=gen)
-    seqlens[0] = longest
-    seqlens[-1] = 2048
-    seqlens = seqlens.tolist()
-    logits = torch.randn(num_rows, max(seqlens), generator=gen)
-    logits[:, ::7] = torch.round(logits[:, ::7])  # plenty of ties
-    wide = torch.empty(num_rows, GPU_WIDTH)
-    wide[:, :logits.shape[1]] = logits
-    wide, seqlens, page_table = _inputs(wide, seqlens, width=GPU_WIDTH, num_slots=1 << 24)
-    _assert_topk(wide, seqlens, page_table, 2048, device)
+    _assert_topk(*_production_inputs(num_rows, longest), 2048, torch.device("cuda"))
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_with_new_lengths():
+@pytest.mark.parametrize("num_rows, longest, num_chunks", [
+    (1, 65_536, None), (4, 8_192, None), (16, 65_536, None), (32, 65_536, None),
+    (64, 65_536, None), (64, 65_536, 64), (4, 1_000_000, None)])
+def test_gpu_chunked_production_sizes(num_rows, longest, num_chunks):
+    """The chunked form at real sizes: the chunk count topk_workspace picks for the device (and
+    64 chunks for 64 rows)."""
     device = torch.device("cuda")
-    num_rows, width, k = 32, 70_000, 2048
+    workspace = topk_workspace(num_rows, device, num_chunks=num_chunks)
+    assert workspace is not None
+    logits, seqlens, page_table = _production_inputs(num_rows, longest)
+    out, positions = _run(logits, seqlens, page_table, 2048, device, workspace=workspace)
+    assert torch.equal(positions.long(), reference_topk_positions(logits, seqlens, 2048))
+    assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, 2048))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows, chunked", [(32, False), (32, True), (2, True)])
+def test_gpu_cuda_graph_replay_with_new_lengths(num_rows, chunked):
+    device = torch.device("cuda")
+    width, k = 70_000, 2048
     gen = torch.Generator().manual_seed(0)
     logits, _, page_table = _inputs(torch.randn(num_rows, width, generator=gen), [width] * num_rows,
                                     width=width)
@@ -193,11 +371,13 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
     seqlens_d = torch.ones(num_rows, dtype=torch.int32, device=device)
     out = torch.zeros(num_rows, k, dtype=torch.int32, device=device)
     positions = torch.zeros_like(out)
-    topk_slots(logits_d, seqlens_d, table_d, k, out, out_positions=positions)
+    workspace = topk_workspace(num_rows, device) if chunked else None
+    assert chunked == (workspace is not None)
+    topk_slots(logits_d, seqlens_d, table_d, k, out, out_positions=positions, workspace=workspace)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         topk_slots(logits_d, seqlens_d, table_d, k, out, check_values=False,
-                   out_positions=positions)
+                   out_positions=positions, workspace=workspace)
     for high in (3, 2_048, 3_000, width):
         seqlens = torch.randint(0, high + 1, (num_rows,), generator=gen, dtype=torch.int32)
         seqlens_d.copy_(seqlens)

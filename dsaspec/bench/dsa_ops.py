@@ -13,13 +13,18 @@ CUPTI kernel time, median and spread).
   key read), ``INDEXER_CONFIG`` and ``PROGRAMS_PER_SM`` programs per SM; baseline: ``skip_len`` 0, one row per unit and
   ``INDEXER_BASELINE_CONFIG`` with one program per SM (the earlier kernel).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
-  without reading logits; baseline: ``read_short_rows=True``.
+  without reading logits, and each row is split over the chunks of the workspace
+  ``topk_workspace`` allocates for R rows (about 4 programs per SM; none when the rows fill the
+  GPU: one program per row); baseline: one program per row with ``read_short_rows=True``.
 - ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: the default configuration
   (``sparse_mla_config``) with the workspace ``sparse_mla_workspace`` allocates for R rows (split +
   combine; none when the rows fill the GPU); ``new_nosplit``: without a workspace (the row-invariant
   path, ``SPARSE_MLA_CONFIG``);
   baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
+
+``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
+and 1: one program per row).
 
 Floors (per op, what its contract needs; the layer's is the sum of its ops'): bytes at the
 measured copy bandwidth, FLOPs at the measured bf16 tensor-core peak (a large matmul), an empty
@@ -52,7 +57,7 @@ from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SparseMLAConfig, sparse_mla_decode,
                                     sparse_mla_workspace)
-from dsaspec.ops.topk import topk_slots
+from dsaspec.ops.topk import topk_num_chunks, topk_slots, topk_workspace
 from dsaspec.runtime.config import PRESETS, get_config
 
 OPS = ("indexer", "topk", "sparse_mla", "layer")
@@ -87,8 +92,9 @@ TUNE_INDEXER = (
     INDEXER_BASELINE_CONFIG,
 )
 TUNE_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 1, 3)  # indexer programs (schedule entries) per SM, the default first
+TUNE_TOPK_CHUNKS = (0.25, 0.5, 1, 2)  # top-k chunks per row, as multiples of topk_workspace's count
 TUNE_POINTS = (("decode", 1, 1024), ("target_verify", 1, 65536), ("decode", 4, 8192),
-               ("decode", 16, 65536), ("target_verify", 64, 1024))
+               ("decode", 16, 65536), ("target_verify", 64, 1024), ("decode", 1, 65536))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,7 +140,8 @@ class _Point:
     q_index: torch.Tensor
     weights: torch.Tensor
     q_mla: torch.Tensor
-    workspace: torch.Tensor | None
+    workspace: torch.Tensor | None  # sparse MLA
+    topk_workspace: torch.Tensor | None
     buffers: dict = field(default_factory=dict)
 
     @property
@@ -172,7 +179,8 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
         weights=torch.randn(rows, shapes.index_heads, generator=gen, device=device)
         * (INDEX_DIM * shapes.index_heads) ** -0.5,
         q_mla=randn(rows, shapes.heads, QK_DIM),
-        workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms))
+        workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms),
+        topk_workspace=topk_workspace(rows, device, num_sms=shapes.num_sms))
     return point
 
 
@@ -201,14 +209,21 @@ def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs
     return run
 
 
-def _topk(p: _Point, new: bool, logits: str, out: str):
-    """Top-k of buffer ``logits`` into buffer ``out``."""
+def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None):
+    """Top-k of buffer ``logits`` into buffer ``out``. new: the point's workspace (``chunks``:
+    one of that many chunks per row; 1: none, one program per row); baseline: one program per
+    row reading short rows too."""
     scores = p.buffer(logits, (p.rows, p.live), torch.float32)
     slots = p.buffer(out, (p.rows, p.shapes.topk), torch.int32)
+    workspace = None
+    if new and chunks is None:
+        workspace = p.topk_workspace
+    elif new and chunks > 1:
+        workspace = topk_workspace(p.rows, p.seqlens.device, num_chunks=chunks)
 
     def run(check_values: bool = False) -> None:
         topk_slots(scores, p.seqlens, p.page_table, p.shapes.topk, slots, check_values=check_values,
-                   read_short_rows=not new)
+                   read_short_rows=not new, workspace=workspace)
 
     return run
 
@@ -452,7 +467,8 @@ def run(args) -> int:
         _prepare(point)
         for op in args.ops:
             row = {"op": op, "mode": mode, "bs": bs, "live_kv": live, "rows": point.rows,
-                   "num_splits": None if point.workspace is None else point.workspace.shape[2]}
+                   "num_splits": None if point.workspace is None else point.workspace.shape[2],
+                   "topk_chunks": 1 if point.topk_workspace is None else point.topk_workspace.shape[1]}
             try:
                 if on_gpu:
                     row.update(_time_row(point, op, floors, peak, args.iters))
@@ -484,13 +500,14 @@ def run(args) -> int:
     if on_gpu:
         cols = [("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("rows", "rows"),
                 ("baseline_us", "baseline µs"), ("new_us", "new µs"), ("speedup", "speedup"),
-                ("new_nosplit_us", "new no-split µs"), ("num_splits", "splits"), ("floor_us", "floor µs"),
+                ("new_nosplit_us", "new no-split µs"), ("num_splits", "splits"),
+                ("topk_chunks", "top-k chunks"), ("floor_us", "floor µs"),
                 ("bytes_floor_us", "bytes floor µs"), ("flop_floor_us", "FLOP floor µs"),
                 ("achieved", "achieved"), ("spread_new", "spread new"), ("error", "error")]
         table = [dict(r, spread_new=r.get("spread", {}).get("new")) for r in rows]
     else:
         cols = [("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("rows", "rows"),
-                ("matches_baseline", "new == baseline"), ("matches_reference", "== reference"), ("error", "error")]
+                ("topk_chunks", "top-k chunks"), ("matches_baseline", "new == baseline"), ("matches_reference", "== reference"), ("error", "error")]
         table = rows
     md = markdown_table(cols, table)
     if targets:
@@ -530,6 +547,11 @@ def _tune(args) -> int:
                     continue
                 candidates.append(("sparse_mla", vars(config) | {"splits": workspace.shape[2] if split else 1},
                                    _sparse_mla(point, "slots_new", "out_tune", config, workspace)))
+        default_chunks = topk_num_chunks(point.rows, shapes.num_sms)
+        for chunks in dict.fromkeys([default_chunks] + [max(1, round(default_chunks * factor))
+                                                        for factor in TUNE_TOPK_CHUNKS] + [1]):
+            candidates.append(("topk", {"chunks": chunks},
+                               _topk(point, True, "logits_baseline", "slots_tune", chunks)))
         for op, config, fn in candidates:
             row = {"op": op, "mode": mode, "bs": bs, "live_kv": live, "config": config}
             try:

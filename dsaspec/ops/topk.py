@@ -1,11 +1,21 @@
 """Exact top-k over ragged live lengths, mapped through the page table to KV slots.
 
-One program per row. Logits become order-preserving uint32 keys; a radix select (8-bit digits,
-most significant first, one histogram pass over the live range per digit, stopping early once the
-threshold bin holds exactly the entries still needed) finds the k-th largest key; one last pass
-writes the selected positions' slots in ascending position order. Every pass reads only
+Logits become order-preserving uint32 keys; a radix select (8-bit digits, most significant
+first, one histogram pass over the live range per digit, stopping early once the threshold bin
+holds exactly the entries still needed) finds the k-th largest key; one last pass writes the
+selected positions' slots in ascending position order. Every pass reads only
 ``logits[r, :seqlens[r]]``, so the cost follows the live length. A row no longer than ``k``
-(sparse == dense) takes every live position: one pass copies its slots and reads no logit.
+(sparse == dense) takes every live position: its slots are copied and no logit is read.
+
+Two launch forms, same result bit for bit:
+
+- without a workspace, one program per row does every pass (grid ``(R,)``);
+- with a workspace (:func:`topk_workspace`, for few rows) each row's live range is split into
+  up to ``P`` chunks, one program each (grid ``(R, P)``), and every pass is a launch of its own:
+  pass ``l`` (0..3) histograms digit ``l`` of its chunk into the workspace; the next launch's
+  programs each sum their row's chunk histograms, derive the same digit, and carry the search
+  state in the workspace; the last launch turns the chunk histograms into each chunk's output
+  offset and writes its chunk's selection there (docs/dsa-kernels.md).
 """
 
 from __future__ import annotations
@@ -16,8 +26,24 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_live_width, check_tensor
 
-_GPU_BLOCK = 4096  # logits per loop step on the GPU
+_GPU_BLOCK = 4096  # logits per loop step on the GPU (one program per row)
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps
+# Chunked form: logits per loop step, the shortest chunk (a multiple of _ALIGN) and chunk
+# histograms summed per step, on the GPU / under the interpreter (tiny, so tests cover chunks
+# shorter than a step and several summing steps).
+_GPU_CHUNK_BLOCK, _GPU_MIN_CHUNK, _GPU_TILE = 1024, 1024, 16
+_CPU_CHUNK_BLOCK, _CPU_MIN_CHUNK, _CPU_TILE = 32, 16, 4
+_ALIGN = tl.constexpr(16)  # chunk lengths are multiples of this (chunks start 64 B aligned)
+MAX_CHUNKS = 64  # chunks per row at most (each program sums the row's chunk histograms)
+PROGRAMS_PER_SM = 4  # the chunk count aims at this many programs per SM (latency hiding)
+NUM_SMS_WITHOUT_CUDA = 132  # an H200's SM count: the chunk count used off-GPU
+_PASSES = 5  # histograms of digits 0..3, then the write
+# Workspace words per (row, chunk): 4 digit histograms of 256 counts, then the search state
+# (below), padded to 8 words.
+_STATE = tl.constexpr(4 * 256)
+_ABOVE, _PREFIX, _NEED, _LEVELS, _SEARCHING = (tl.constexpr(i) for i in range(5))
+TOPK_WORKSPACE_WORDS = 4 * 256 + 8
+_WORDS = tl.constexpr(TOPK_WORKSPACE_WORDS)
 
 
 @triton.jit
@@ -30,80 +56,47 @@ def _order_key(values):
 
 
 @triton.jit
-def _topk_slots_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positions_ptr,
-                       logits_stride, page_table_stride, out_stride, positions_stride, k,
-                       copy_len, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    live = tl.maximum(tl.load(seqlens_ptr + row), 0)
+def _digit_histogram(row_logits, start, end, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+    """int32 ``[256]``: counts of digit ``LEVEL`` (key bits ``31 - 8 LEVEL .. 24 - 8 LEVEL``)
+    over the positions ``[start, end)`` whose higher digits equal ``prefix``."""
     offsets = tl.arange(0, BLOCK)
-    row_logits = logits_ptr + row * logits_stride
-    row_table = page_table_ptr + row * page_table_stride
-    row_out = out_ptr + row * out_stride
-    row_positions = positions_ptr + row * positions_stride
-    if live <= copy_len:
-        # every live position is selected (copy_len <= k): copy the slots, read no logit
-        for start in range(0, live, BLOCK):
-            positions = start + offsets
-            in_row = positions < live
-            tl.store(row_out + positions, tl.load(row_table + positions, mask=in_row),
-                     mask=in_row)
-            if WRITE_POSITIONS:
-                tl.store(row_positions + positions, positions, mask=in_row)
-        written = live
-    else:
-        written = _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
-                                    WRITE_POSITIONS, BLOCK)
-    for start in range(written // BLOCK_K * BLOCK_K, k, BLOCK_K):
-        index = start + tl.arange(0, BLOCK_K)
-        empty = (index >= written) & (index < k)
-        tl.store(row_out + index, -1, mask=empty)
-        if WRITE_POSITIONS:
-            tl.store(row_positions + index, -1, mask=empty)
+    histogram = tl.zeros((256,), dtype=tl.int32)
+    for block_start in range(start, end, BLOCK):
+        positions = block_start + offsets
+        in_range = positions < end
+        keys = _order_key(tl.load(row_logits + positions, mask=in_range, other=0.0))
+        if LEVEL > 0:
+            in_range = in_range & ((keys >> (32 - 8 * LEVEL)) == prefix)
+        digits = ((keys >> (24 - 8 * LEVEL)) & 255).to(tl.int32)
+        histogram += tl.histogram(digits, 256, mask=in_range)
+    return histogram
 
 
 @triton.jit
-def _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
-                      WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
-    """Radix-select the row's top ``min(live, k)`` and write their slots (and positions) in
-    ascending position order; returns how many were written."""
-    offsets = tl.arange(0, BLOCK)
+def _choose_digit(histogram, need):
+    """The threshold digit of a histogram: the largest ``b`` with at least ``need`` entries at
+    digits ``>= b``. Returns (digit, entries at it, entries above it)."""
     bins = tl.arange(0, 256)
-    # Selection rule: (key >> shift) > threshold, or == threshold for the first `need` such
-    # positions. With live <= k the rule (shift 0, threshold 0, need k) takes every position.
-    threshold = tl.zeros((), dtype=tl.uint32)
-    shift = tl.zeros((), dtype=tl.uint32)
-    need = tl.zeros((), dtype=tl.int32) + k  # a tensor even when k is specialised to a constant
-    searching = live > k
-    for level in tl.static_range(4):
-        if searching:
-            histogram = tl.zeros((256,), dtype=tl.int32)
-            for start in range(0, live, BLOCK):
-                positions = start + offsets
-                in_row = positions < live
-                keys = _order_key(tl.load(row_logits + positions, mask=in_row, other=0.0))
-                if level > 0:
-                    in_row = in_row & ((keys >> (32 - 8 * level)) == threshold)
-                digits = ((keys >> (24 - 8 * level)) & 255).to(tl.int32)
-                histogram += tl.histogram(digits, 256, mask=in_row)
-            # at_or_above[b] = entries whose digit is >= b; the threshold digit is the largest b
-            # that still reaches `need`
-            at_or_above = tl.sum(histogram, 0) - tl.cumsum(histogram, 0) + histogram
-            digit = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
-            in_digit = tl.sum(tl.where(bins == digit, histogram, 0), 0)
-            need -= tl.sum(tl.where(bins == digit, at_or_above, 0), 0) - in_digit
-            threshold = (threshold << 8) | digit.to(tl.uint32)
-            shift = tl.full((), 24 - 8 * level, dtype=tl.uint32)
-            searching = in_digit != need
+    at_or_above = tl.sum(histogram, 0) - tl.cumsum(histogram, 0) + histogram
+    digit = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
+    in_digit = tl.sum(tl.where(bins == digit, histogram, 0), 0)
+    above = tl.sum(tl.where(bins == digit, at_or_above, 0), 0) - in_digit
+    return digit, in_digit, above
 
-    written = tl.zeros((), dtype=tl.int32)
-    ties_seen = tl.zeros((), dtype=tl.int32)
-    for start in range(0, live, BLOCK):
-        positions = start + offsets
-        in_row = positions < live
-        keys = _order_key(tl.load(row_logits + positions, mask=in_row, other=0.0)) >> shift
-        above = in_row & (keys > threshold)
-        tie = in_row & (keys == threshold)
+
+@triton.jit
+def _write_selected(row_logits, row_table, row_out, row_positions, start, end, threshold, shift,
+                    need, written, ties_seen, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
+    """Write the selected positions of ``[start, end)`` (``key >> shift`` above ``threshold``,
+    or equal to it with fewer than ``need`` such ties before, counting ``ties_seen`` earlier
+    ones) in ascending order from output index ``written``; returns the next index."""
+    offsets = tl.arange(0, BLOCK)
+    for block_start in range(start, end, BLOCK):
+        positions = block_start + offsets
+        in_range = positions < end
+        keys = _order_key(tl.load(row_logits + positions, mask=in_range, other=0.0)) >> shift
+        above = in_range & (keys > threshold)
+        tie = in_range & (keys == threshold)
         tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
         selected = above | (tie & (tie_rank < need))
         index = written + tl.cumsum(selected.to(tl.int32), 0) - 1
@@ -116,19 +109,270 @@ def _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
     return written
 
 
+@triton.jit
+def _copy_slots(row_table, row_out, row_positions, start, end, WRITE_POSITIONS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Every position of ``[start, end)`` is selected: copy its slot to the same index."""
+    for block_start in range(start, end, BLOCK):
+        positions = block_start + tl.arange(0, BLOCK)
+        in_range = positions < end
+        tl.store(row_out + positions, tl.load(row_table + positions, mask=in_range),
+                 mask=in_range)
+        if WRITE_POSITIONS:
+            tl.store(row_positions + positions, positions, mask=in_range)
+
+
+@triton.jit
+def _fill_empty(row_out, row_positions, start, end, WRITE_POSITIONS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """``-1`` at output indices ``[start, end)``."""
+    for block_start in range(start, end, BLOCK):
+        index = block_start + tl.arange(0, BLOCK)
+        empty = index < end
+        tl.store(row_out + index, -1, mask=empty)
+        if WRITE_POSITIONS:
+            tl.store(row_positions + index, -1, mask=empty)
+
+
+# ---------------------------------------------------------------------------------------------
+# one program per row
+
+
+@triton.jit
+def _topk_slots_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positions_ptr,
+                       logits_stride, page_table_stride, out_stride, positions_stride, k,
+                       copy_len, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    live = tl.maximum(tl.load(seqlens_ptr + row), 0)
+    row_logits = logits_ptr + row * logits_stride
+    row_table = page_table_ptr + row * page_table_stride
+    row_out = out_ptr + row * out_stride
+    row_positions = positions_ptr + row * positions_stride
+    if live <= copy_len:
+        # every live position is selected (copy_len <= k): copy the slots, read no logit
+        _copy_slots(row_table, row_out, row_positions, 0, live, WRITE_POSITIONS, BLOCK)
+        written = live
+    else:
+        written = _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
+                                    WRITE_POSITIONS, BLOCK)
+    _fill_empty(row_out, row_positions, written, k, WRITE_POSITIONS, BLOCK_K)
+
+
+@triton.jit
+def _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
+                      WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
+    """Radix-select the row's top ``min(live, k)`` and write their slots (and positions) in
+    ascending position order; returns how many were written."""
+    # Selection rule: (key >> shift) > threshold, or == threshold for the first `need` such
+    # positions. With live <= k the rule (shift 0, threshold 0, need k) takes every position.
+    threshold = tl.zeros((), dtype=tl.uint32)
+    shift = tl.zeros((), dtype=tl.uint32)
+    need = tl.zeros((), dtype=tl.int32) + k  # a tensor even when k is specialised to a constant
+    searching = live > k
+    for level in tl.static_range(4):
+        if searching:
+            histogram = _digit_histogram(row_logits, 0, live, threshold, level, BLOCK)
+            digit, in_digit, above = _choose_digit(histogram, need)
+            need -= above
+            threshold = (threshold << 8) | digit.to(tl.uint32)
+            shift = tl.full((), 24 - 8 * level, dtype=tl.uint32)
+            searching = in_digit != need
+    none = tl.zeros((), dtype=tl.int32)
+    return _write_selected(row_logits, row_table, row_out, row_positions, 0, live, threshold,
+                           shift, need, none, none, WRITE_POSITIONS, BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked: several programs per row, one launch per pass
+
+
+@triton.jit
+def _chunk_range(live, chunk, num_chunks, MIN_CHUNK: tl.constexpr):
+    """Positions ``[start, end)`` of ``chunk`` in a row of ``live``, and the row's number of
+    non-empty chunks: ``cdiv(live, num_chunks)`` rounded up to ``MIN_CHUNK`` and ``_ALIGN``."""
+    # (plain integer arithmetic: tl.cdiv is a function call, slow under the interpreter)
+    length = tl.maximum((live + num_chunks - 1) // num_chunks, MIN_CHUNK)
+    length = (length + _ALIGN - 1) // _ALIGN * _ALIGN
+    start = chunk * length
+    return start, tl.minimum(start + length, live), (live + length - 1) // length
+
+
+@triton.jit
+def _sum_histograms(row_workspace, level, num, TILE: tl.constexpr):
+    """The sum of the digit-``level`` histograms of chunks ``0 .. num - 1``."""
+    bins = tl.arange(0, 256)
+    total = tl.zeros((256,), dtype=tl.int32)
+    for first in range(0, num, TILE):
+        chunks = first + tl.arange(0, TILE)
+        tile = tl.load(row_workspace + chunks[:, None] * _WORDS + level * 256 + bins[None, :],
+                       mask=(chunks < num)[:, None], other=0)
+        total += tl.sum(tile, 0)
+    return total
+
+
+@triton.jit
+def _advance(row_workspace, chunk, num_active, k, LEVEL: tl.constexpr, TILE: tl.constexpr):
+    """The search state after digit ``LEVEL``: the state the previous launch stored (the
+    initial one for ``LEVEL`` 0), moved on by the row's digit-``LEVEL`` histograms if it was
+    still searching. Returns (entries of this chunk above the prefix, prefix, need, digits
+    found, still searching, whether digit ``LEVEL`` was found here)."""
+    state = row_workspace + chunk * _WORDS + _STATE
+    if LEVEL == 0:
+        above = tl.zeros((), dtype=tl.int32)
+        prefix = tl.zeros((), dtype=tl.int32)
+        need = tl.zeros((), dtype=tl.int32) + k
+        levels = tl.zeros((), dtype=tl.int32)
+        searching = need > 0  # (true: rows that search have live > k >= 1)
+    else:
+        above = tl.load(state + _ABOVE)
+        prefix = tl.load(state + _PREFIX)
+        need = tl.load(state + _NEED)
+        levels = tl.load(state + _LEVELS)
+        searching = tl.load(state + _SEARCHING) != 0
+    found = searching
+    if searching:
+        total = _sum_histograms(row_workspace, LEVEL, num_active, TILE)
+        digit, in_digit, digit_above = _choose_digit(total, need)
+        bins = tl.arange(0, 256)
+        own = tl.load(row_workspace + chunk * _WORDS + LEVEL * 256 + bins)
+        above += tl.sum(tl.where(bins > digit, own, 0), 0)
+        need -= digit_above
+        prefix = (prefix << 8) | digit
+        levels = tl.full((), LEVEL + 1, dtype=tl.int32)
+        searching = in_digit != need
+    return above, prefix, need, levels, searching, found
+
+
+@triton.jit
+def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positions_ptr,
+                            workspace_ptr, logits_stride, page_table_stride, out_stride,
+                            positions_stride, k, num_chunks, PASS: tl.constexpr,
+                            WRITE_POSITIONS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                            BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Pass ``PASS`` of the chunked form for program (row, chunk): 0..3 histogram digit
+    ``PASS`` of the chunk (after moving the search state past digit ``PASS - 1``); 4 writes."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    live = tl.maximum(tl.load(seqlens_ptr + row), 0)
+    start, end, num_active = _chunk_range(live, chunk, num_chunks, MIN_CHUNK)
+    start = tl.multiple_of(start, _ALIGN)
+    row_logits = logits_ptr + row * logits_stride
+    row_table = page_table_ptr + row * page_table_stride
+    row_out = out_ptr + row * out_stride
+    row_positions = positions_ptr + row * positions_stride
+    row_workspace = workspace_ptr + row * num_chunks * _WORDS
+    if live <= k:
+        if PASS == 4:
+            # every live position is selected: copy the chunk's slots, read no logit; the -1
+            # fill of [live, k) is split over all the row's programs
+            _copy_slots(row_table, row_out, row_positions, start, end, WRITE_POSITIONS, BLOCK)
+            fill = tl.cdiv(k, num_chunks)
+            _fill_empty(row_out, row_positions, tl.maximum(chunk * fill, live),
+                        tl.minimum(chunk * fill + fill, k), WRITE_POSITIONS, BLOCK)
+    elif chunk < num_active:
+        if PASS == 0:
+            histogram = _digit_histogram(row_logits, start, end, 0, 0, BLOCK)
+            tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
+        elif PASS < 4:
+            above, prefix, need, levels, searching, found = _advance(
+                row_workspace, chunk, num_active, k, PASS - 1, TILE)
+            if found:
+                state = row_workspace + chunk * _WORDS + _STATE
+                tl.store(state + _ABOVE, above)
+                tl.store(state + _PREFIX, prefix)
+                tl.store(state + _NEED, need)
+                tl.store(state + _LEVELS, levels)
+                tl.store(state + _SEARCHING, searching.to(tl.int32))
+            if searching:
+                histogram = _digit_histogram(row_logits, start, end,
+                                             prefix.to(tl.uint32, bitcast=True), PASS, BLOCK)
+                tl.store(row_workspace + chunk * _WORDS + PASS * 256 + tl.arange(0, 256),
+                         histogram)
+        else:
+            _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, start,
+                         end, chunk, num_active, k, WRITE_POSITIONS, BLOCK, TILE)
+
+
+@triton.jit
+def _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, start, end,
+                 chunk, num_active, k, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr,
+                 TILE: tl.constexpr):
+    """The last pass of a row that searches: its output offset from the chunks before it (the
+    entries above the final prefix, plus the ties up to ``need``), then its selection."""
+    _, prefix, need, levels, _, found = _advance(row_workspace, chunk, num_active, k, 3, TILE)
+    # chunks before this one: entries above the prefix as stored by the earlier passes (without
+    # digit 3 when that was found in this pass), then ties and the rest from the last digit
+    bins = tl.arange(0, 256)
+    digit = prefix & 255
+    before = _sum_histograms(row_workspace, levels - 1, chunk, TILE)
+    ties_before = tl.sum(tl.where(bins == digit, before, 0), 0)
+    above_before = tl.where(found, tl.sum(tl.where(bins > digit, before, 0), 0), 0)
+    for first in range(0, chunk, TILE):
+        chunks = first + tl.arange(0, TILE)
+        above_before += tl.sum(tl.load(row_workspace + chunks * _WORDS + _STATE + _ABOVE,
+                                       mask=chunks < chunk, other=0), 0)
+    _write_selected(row_logits, row_table, row_out, row_positions, start, end,
+                    prefix.to(tl.uint32, bitcast=True), (32 - 8 * levels).to(tl.uint32), need,
+                    above_before + tl.minimum(ties_before, need), ties_before, WRITE_POSITIONS,
+                    BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def topk_num_chunks(num_rows: int, num_sms: int) -> int:
+    """Chunks per row of the chunked form for ``R = num_rows`` rows: about
+    ``PROGRAMS_PER_SM`` programs per SM, ``clamp(PROGRAMS_PER_SM * num_sms // R, 1,
+    MAX_CHUNKS)``."""
+    return max(1, min(MAX_CHUNKS, PROGRAMS_PER_SM * num_sms // max(num_rows, 1)))
+
+
+def topk_workspace(num_rows: int, device, num_chunks: int | None = None,
+                   num_sms: int | None = None) -> torch.Tensor | None:
+    """Allocate the workspace of :func:`topk_slots`'s chunked form for a bucket of
+    ``num_rows`` rows (once, before capture; reuse it for every call with that many rows, one
+    call at a time: each call writes every entry it reads).
+
+    ``num_chunks`` (``P``) defaults to :func:`topk_num_chunks` with ``num_sms`` (default: the
+    device's count; 132 without CUDA); when that is 1 (the rows already fill the GPU) None is
+    returned: the one-program-per-row form. An explicit ``num_chunks >= 1`` always gets a
+    workspace.
+
+    Returns
+    -------
+    int32 ``[num_rows, P, TOPK_WORKSPACE_WORDS]`` (uninitialised; per (row, chunk): the chunk's
+    four digit histograms, 256 counts each, then the search state), or None.
+    """
+    if num_chunks is None:
+        if num_sms is None:
+            device = torch.device(device)
+            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                       if device.type == "cuda" else NUM_SMS_WITHOUT_CUDA)
+        num_chunks = topk_num_chunks(num_rows, num_sms)
+        if num_chunks == 1:
+            return None
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks: expected >= 1, got {num_chunks}")
+    return torch.empty(num_rows, num_chunks, TOPK_WORKSPACE_WORDS, dtype=torch.int32,
+                       device=device)
+
+
 def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.Tensor, k: int,
                out: torch.Tensor, *, check_values: bool = True,
-               out_positions: torch.Tensor | None = None,
-               read_short_rows: bool = False) -> torch.Tensor:
+               out_positions: torch.Tensor | None = None, read_short_rows: bool = False,
+               workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Exact per-row top-k of the live logits, mapped to KV slots.
 
     For row ``r``: ``S_r`` = the ``min(seqlens[r], k)`` positions ``t < seqlens[r]`` with the
     largest ``logits[r, t]``; ``out[r]`` = ``page_table_1[r, t]`` for ``t`` in ``S_r`` in
     ascending ``t``, then ``-1``. Ties at the k-th value go to the lowest positions, so the
-    result is deterministic. Comparison is by the fp32 bit pattern's order (``-0.0 < +0.0``;
-    NaNs with the sign bit clear rank above ``+inf``, with it set below ``-inf``). A row with
-    ``seqlens[r] <= k`` selects every live position, so its logits are never read (they may be
-    unwritten: ``indexer_schedule(..., skip_len=k)`` skips such rows).
+    result is deterministic (and the same with and without a workspace, for any chunk count).
+    Comparison is by the fp32 bit pattern's order (``-0.0 < +0.0``; NaNs with the sign bit clear
+    rank above ``+inf``, with it set below ``-inf``). A row with ``seqlens[r] <= k`` selects
+    every live position, so its logits are never read (they may be unwritten:
+    ``indexer_schedule(..., skip_len=k)`` skips such rows).
 
     Parameters
     ----------
@@ -144,28 +388,49 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     out_positions : optional int32 ``[R, k]``, written with the logical positions (``-1`` past
         the selection) in the same order as ``out``.
     read_short_rows : run rows with ``seqlens[r] <= k`` through the selection passes too, reading
-        their logits (same result; the earlier kernel, kept as the benchmark's baseline).
+        their logits (same result; the earlier kernel, kept as the benchmark's baseline). Only
+        without a workspace.
+    workspace : None, or contiguous int32 ``[R, P, TOPK_WORKSPACE_WORDS]`` from
+        :func:`topk_workspace`: split each row over ``P`` programs (written; no value needed on
+        entry).
 
     Returns
     -------
-    ``out``. Grid ``(R,)``; one program per row walks the live range at most five times (once,
-    without reading logits, when ``seqlens[r] <= k``).
+    ``out``. Without a workspace: grid ``(R,)``, one launch; one program per row walks the live
+    range at most five times (once, without reading logits, when ``seqlens[r] <= k``). With
+    one: five launches of grid ``(R, P)``; a row's chunks are ``cdiv(seqlens[r], P)`` long (at
+    least 1024 on the GPU, so short rows use fewer programs) and each program walks its chunk
+    at most five times.
     """
-    _check_inputs(logits, seqlens, page_table_1, k, out, out_positions)
+    _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace)
+    if workspace is not None and read_short_rows:
+        raise ValueError("read_short_rows: only without a workspace (the baseline form)")
     if check_values:
         check_live_width(seqlens, logits=logits, page_table_1=page_table_1)
     write_positions = out_positions is not None
     positions = out_positions if write_positions else out
-    block = _GPU_BLOCK if logits.is_cuda else _CPU_BLOCK
-    _topk_slots_kernel[(logits.shape[0],)](
-        logits, seqlens, page_table_1, out, positions,
-        logits.stride(0), page_table_1.stride(0), out.stride(0), positions.stride(0), k,
-        -1 if read_short_rows else k, WRITE_POSITIONS=write_positions, BLOCK=block,
-        BLOCK_K=min(block, triton.next_power_of_2(k)), num_warps=8 if logits.is_cuda else 4)
+    on_gpu = logits.is_cuda
+    args = (logits, seqlens, page_table_1, out, positions)
+    strides = (logits.stride(0), page_table_1.stride(0), out.stride(0), positions.stride(0))
+    if workspace is None:
+        block = _GPU_BLOCK if on_gpu else _CPU_BLOCK
+        _topk_slots_kernel[(logits.shape[0],)](
+            *args, *strides, k, -1 if read_short_rows else k, WRITE_POSITIONS=write_positions,
+            BLOCK=block, BLOCK_K=min(block, triton.next_power_of_2(k)),
+            num_warps=8 if on_gpu else 4)
+        return out
+    num_chunks = workspace.shape[1]
+    for pass_index in range(_PASSES):
+        _topk_chunk_pass_kernel[(logits.shape[0], num_chunks)](
+            *args, workspace, *strides, k, num_chunks, PASS=pass_index,
+            WRITE_POSITIONS=write_positions,
+            MIN_CHUNK=_GPU_MIN_CHUNK if on_gpu else _CPU_MIN_CHUNK,
+            BLOCK=_GPU_CHUNK_BLOCK if on_gpu else _CPU_CHUNK_BLOCK,
+            TILE=_GPU_TILE if on_gpu else _CPU_TILE, num_warps=4)
     return out
 
 
-def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions) -> None:
+def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace) -> None:
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
@@ -180,3 +445,10 @@ def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions) -> None:
     if out_positions is not None:
         check_tensor("out_positions", out_positions, dtype=torch.int32, shape=(num_rows, k),
                      device=device)
+    if workspace is not None:
+        check_tensor("workspace", workspace, dtype=torch.int32,
+                     shape=(num_rows, None, TOPK_WORKSPACE_WORDS), device=device)
+        if not workspace.is_contiguous() or not 1 <= workspace.shape[1] <= 65535:
+            raise ValueError(f"workspace: expected a contiguous [R, P, {TOPK_WORKSPACE_WORDS}] "
+                             f"tensor with 1 <= P <= 65535 (topk_workspace), got shape "
+                             f"{tuple(workspace.shape)}")

@@ -78,9 +78,9 @@ class AttentionInputs:
         (-1 fills). None: allocated in the step.
     rows_per_group : int
         The indexer's row groups (the schedule's): N for grouped target-verify rows, else 1.
-    workspace : Tensor or None
-        The sparse-MLA split workspace of these rows (``sparse_mla_workspace``), or None: one pass
-        per row (row-invariant).
+    workspace : AttentionWorkspace or None
+        The Triton ops' workspaces for these rows (``DSAModel.attention_workspace``), or None:
+        none (one top-k program and one sparse-MLA pass per row).
     """
 
     page_table_1: torch.Tensor
@@ -89,7 +89,7 @@ class AttentionInputs:
     index_logits: torch.Tensor | None = None
     topk_slots: torch.Tensor | None = None
     rows_per_group: int = 1
-    workspace: torch.Tensor | None = None
+    workspace: "AttentionWorkspace | None" = None
 
     @property
     def rows(self) -> int:
@@ -98,7 +98,8 @@ class AttentionInputs:
     @classmethod
     def from_metadata(cls, metadata, schedule: torch.Tensor, index_topk: int,
                       logits_width: int | None = None, scratch: "AttentionScratch | None" = None, *,
-                      rows_per_group: int = 1, workspace: torch.Tensor | None = None) -> "AttentionInputs":
+                      rows_per_group: int = 1,
+                      workspace: "AttentionWorkspace | None" = None) -> "AttentionInputs":
         """Inputs over a DSA backend's static buffers of one (batch, mode): ``metadata`` (a
         ``MetadataBuffers``: its ``page_table_1`` and ``seqlens_expanded``), its indexer
         ``schedule`` and that schedule's ``rows_per_group``. The scratch (``index_logits`` fp32
@@ -111,6 +112,28 @@ class AttentionInputs:
             scratch = AttentionScratch.allocate(rows, logits_width or width, index_topk, page_table.device)
         return cls(page_table_1=page_table, seqlens=metadata.seqlens_expanded, schedule=schedule,
                    rows_per_group=rows_per_group, workspace=workspace, **scratch.view(rows))
+
+
+@dataclass(frozen=True)
+class AttentionWorkspace:
+    """Workspaces of the Triton DSA ops for forwards of one row count (allocate once, before graph
+    capture; forwards that run one after another, every layer and phase, share them).
+
+    Attributes
+    ----------
+    sparse_mla : Tensor or None
+        ``sparse_mla_workspace``: split the selected slots of a row (None: one pass per row,
+        row-invariant).
+    topk : Tensor or None
+        ``topk_workspace``: split each row's top-k over several programs (None: one per row). The
+        selection is exact either way.
+    """
+
+    sparse_mla: torch.Tensor | None = None
+    topk: torch.Tensor | None = None
+
+
+NO_WORKSPACE = AttentionWorkspace()
 
 
 @dataclass
@@ -495,8 +518,9 @@ class MLAAttention(RowInvariant, nn.Module):
         q_absorbed = _bmm(q_nope.transpose(0, 1), w_uk, self.row_invariant).transpose(0, 1)  # [R, H, 512]
         q_mqa = torch.cat((q_absorbed, q_rope), dim=-1).contiguous()              # [R, H, 576]
         o_latent = torch.empty(rows, heads, cfg.kv_lora_rank, device=x.device, dtype=x.dtype)
+        workspace = step.attn.workspace or NO_WORKSPACE
         step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
-                                   check_values=step.check_values, workspace=step.attn.workspace)
+                                   check_values=step.check_values, workspace=workspace.sparse_mla)
         o = _bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), self.row_invariant).transpose(0, 1)  # [R, H, v]
         return self.group.all_reduce(self.o_proj(o.reshape(rows, heads * cfg.v_head_dim)))
 
@@ -522,7 +546,7 @@ def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, in
                        schedule, out=logits, skip_len=index_topk, rows_per_group=attn.rows_per_group,
                        check_values=step.check_values)
     ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots,
-                   check_values=step.check_values)
+                   check_values=step.check_values, workspace=(attn.workspace or NO_WORKSPACE).topk)
     return slots
 
 
@@ -781,15 +805,21 @@ class DSAModel(nn.Module):
         x = layer(x, step, kv.mla_cache[0], kv.index_k_cache[0])
         return layer.shared_head.norm(x)
 
-    def attention_workspace(self, rows: int) -> torch.Tensor | None:
-        """The sparse-MLA split workspace for steps of ``rows`` rows (allocate once, before graph
-        capture), or None: no split (the torch ops, the row-invariant mode, or rows enough to fill
-        the GPU without splitting)."""
-        if not self.use_triton or self.row_invariant:
+    def attention_workspace(self, rows: int) -> AttentionWorkspace | None:
+        """The Triton ops' workspaces for steps of ``rows`` rows (allocate once, before graph
+        capture), or None with the torch ops. The sparse-MLA split is left out in the row-invariant
+        mode (its summation order depends on the rows); either part is None where rows enough to
+        fill the GPU need no split."""
+        if not self.use_triton:
             return None
         from dsaspec.ops.sparse_mla import sparse_mla_workspace
+        from dsaspec.ops.topk import topk_workspace
 
-        return sparse_mla_workspace(rows, self.num_local_heads, self.lm_head.weight.device)
+        device = self.lm_head.weight.device
+        return AttentionWorkspace(
+            sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, self.num_local_heads, device),
+            # off-GPU (the interpreter) a small chunk count keeps the CPU runs quick
+            topk=topk_workspace(rows, device, num_sms=None if device.type == "cuda" else 2))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``; at TP > 1 the
