@@ -218,8 +218,8 @@ def test_triton_ops_match_torch_ops_on_a_short_sequence():
 
 
 def test_attention_workspace_parts():
-    """The Triton model's per-row-count workspaces: the top-k chunks (topk_num_chunks with
-    num_sms(cpu) = 8) in every mode, the sparse-MLA split not in the row-invariant mode; the torch
+    """The Triton model's per-row-count workspaces: the top-k chunks (topk_num_chunks with 8
+    SMs off-GPU) in every mode, the sparse-MLA split not in the row-invariant mode; the torch
     ops get none."""
     from dsaspec.ops.topk import TOPK_WORKSPACE_WORDS, topk_num_chunks
 

@@ -819,7 +819,7 @@ class DSAModel(nn.Module):
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, self.num_local_heads, device),
             # off-GPU (the interpreter) a small chunk count keeps the CPU runs quick
-            topk=topk_workspace(rows, device, num_sms=None if device.type == "cuda" else 2))
+            topk=topk_workspace(rows, device, num_sms=None if device.type == "cuda" else 8))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``; at TP > 1 the
