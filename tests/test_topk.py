@@ -270,10 +270,11 @@ def test_chunked_reused_workspace_no_positions(device):
 
 
 def test_workspace_size():
-    per_sm = topk_module.PROGRAMS_PER_SM
+    per_sm, fewest = topk_module.PROGRAMS_PER_SM, topk_module.MIN_CHUNKS
     assert topk_num_chunks(1, 132) == topk_module.MAX_CHUNKS
     assert topk_num_chunks(64, 132) == per_sm * 132 // 64
-    assert topk_num_chunks(per_sm * 132 // 2 + 1, 132) == 1
+    assert topk_num_chunks(per_sm * 132 // fewest, 132) == fewest
+    assert topk_num_chunks(per_sm * 132 // fewest + 1, 132) == 1  # too few chunks to pay off
     assert topk_workspace(per_sm * 132, "cpu", num_sms=132) is None
     workspace = topk_workspace(3, "cpu", num_sms=8)
     assert workspace.shape == (3, per_sm * 8 // 3, TOPK_WORKSPACE_WORDS)

@@ -65,11 +65,12 @@ class SparseMLAConfig:
 # Fastest of the --tune sweep (benchmarks/results/h200/dsa_ops_tune_wide.md) from 16 rows up, split or
 # not, and within 1.2x of the best at one row: the row-invariant path (no workspace) always uses it.
 SPARSE_MLA_CONFIG = SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
-# With a workspace and a few head blocks: a quarter of the value columns per program, 4 warps
-# (1.2-1.7x faster than SPARSE_MLA_CONFIG at one row in the sweep).
+# With a workspace and one head block: a quarter of the value columns per program on 4 warps, up
+# to 32 splits (0.75-0.79x the time of SPARSE_MLA_CONFIG at one row in the sweep; at four rows it
+# was 1.15x slower, so it stops there).
 SPARSE_MLA_FEW_ROWS_CONFIG = SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2,
-                                             block_dv=128)
-FEW_ROWS_HEAD_BLOCKS = 4  # R * cdiv(H, 64) up to which the split path takes the few-rows config
+                                             block_dv=128, max_splits=32)
+FEW_ROWS_HEAD_BLOCKS = 1  # R * cdiv(H, 64) up to which the split path takes the few-rows config
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.
 SPARSE_MLA_BASELINE_CONFIG = SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_live_width, check_tensor
 
@@ -34,8 +35,13 @@ _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take s
 _GPU_CHUNK_BLOCK, _GPU_MIN_CHUNK, _GPU_TILE = 1024, 1024, 16
 _CPU_CHUNK_BLOCK, _CPU_MIN_CHUNK, _CPU_TILE = 32, 16, 4
 _ALIGN = tl.constexpr(16)  # chunk lengths are multiples of this (chunks start 64 B aligned)
-MAX_CHUNKS = 64  # chunks per row at most (each program sums the row's chunk histograms)
-PROGRAMS_PER_SM = 4  # the chunk count aims at this many programs per SM (latency hiding)
+# Chunk count: about PROGRAMS_PER_SM programs per SM, at most MAX_CHUNKS per row, and none below
+# MIN_CHUNKS (the five launches then cost more than they save: one program per row instead).
+# From the H200 sweep (benchmarks/results/h200/dsa_ops_tune.md): 32 chunks beat 64 at one and
+# four rows of 64k, 16 beat 33 at sixteen; 2 chunks at 256 rows were 1.2x slower than one.
+MAX_CHUNKS = 32
+MIN_CHUNKS = 4
+PROGRAMS_PER_SM = 2
 NUM_SMS_WITHOUT_CUDA = 132  # an H200's SM count: the chunk count used off-GPU
 _PASSES = 5  # histograms of digits 0..3, then the write
 # Workspace words per (row, chunk): 4 digit histograms of 256 counts, then the search state
@@ -249,9 +255,15 @@ def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, po
                             workspace_ptr, logits_stride, page_table_stride, out_stride,
                             positions_stride, k, num_chunks, PASS: tl.constexpr,
                             WRITE_POSITIONS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                            BLOCK: tl.constexpr, TILE: tl.constexpr):
+                            BLOCK: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
     """Pass ``PASS`` of the chunked form for program (row, chunk): 0..3 histogram digit
-    ``PASS`` of the chunk (after moving the search state past digit ``PASS - 1``); 4 writes."""
+    ``PASS`` of the chunk (after moving the search state past digit ``PASS - 1``); 4 writes.
+    With ``PDL`` (programmatic dependent launch, on the GPU) the next pass may start launching
+    at once, and passes 1..4 wait for the previous pass before reading anything."""
+    if PDL:
+        gdc_launch_dependents()
+        if PASS > 0:
+            gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     live = tl.maximum(tl.load(seqlens_ptr + row), 0)
@@ -324,9 +336,10 @@ def _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, s
 
 def topk_num_chunks(num_rows: int, num_sms: int) -> int:
     """Chunks per row of the chunked form for ``R = num_rows`` rows: about
-    ``PROGRAMS_PER_SM`` programs per SM, ``clamp(PROGRAMS_PER_SM * num_sms // R, 1,
-    MAX_CHUNKS)``."""
-    return max(1, min(MAX_CHUNKS, PROGRAMS_PER_SM * num_sms // max(num_rows, 1)))
+    ``PROGRAMS_PER_SM`` programs per SM, ``P = min(PROGRAMS_PER_SM * num_sms // R,
+    MAX_CHUNKS)``, or 1 (one program per row) when that is below ``MIN_CHUNKS``."""
+    chunks = min(MAX_CHUNKS, PROGRAMS_PER_SM * num_sms // max(num_rows, 1))
+    return chunks if chunks >= MIN_CHUNKS else 1
 
 
 def topk_workspace(num_rows: int, device, num_chunks: int | None = None,
@@ -421,12 +434,15 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         return out
     num_chunks = workspace.shape[1]
     for pass_index in range(_PASSES):
+        # passes 1..4 launch as programmatic dependents of the previous pass on the GPU, so
+        # their launch latency overlaps it (pass 0 waits for the logits' writer as usual)
         _topk_chunk_pass_kernel[(logits.shape[0], num_chunks)](
             *args, workspace, *strides, k, num_chunks, PASS=pass_index,
             WRITE_POSITIONS=write_positions,
             MIN_CHUNK=_GPU_MIN_CHUNK if on_gpu else _CPU_MIN_CHUNK,
             BLOCK=_GPU_CHUNK_BLOCK if on_gpu else _CPU_CHUNK_BLOCK,
-            TILE=_GPU_TILE if on_gpu else _CPU_TILE, num_warps=4)
+            TILE=_GPU_TILE if on_gpu else _CPU_TILE, PDL=on_gpu, num_warps=4,
+            launch_pdl=on_gpu and pass_index > 0)
     return out
 
 
