@@ -33,7 +33,9 @@ TOPK_SPLIT_COLUMNS = 8192
 # |p - p_ref| <= TOPK_P_REL_ERROR * p_ref + TOPK_P_ABS_ERROR (the absolute term covers subnormal results).
 TOPK_P_REL_ERROR = 2.0**-18
 TOPK_P_ABS_ERROR = 2.0**-126
-_MAX_BLOCK = 2048
+# argmax_partials: columns per loop step of a 4-warp program. 1024 on 4 warps beat 2048 on 8 by
+# 0.87x at 64-256 verify rows of a TP 2 shard (benchmarks/results/h200/logs/sweep_argmax_partials.json).
+_ARGMAX_BLOCK = 1024
 _INT32_MIN = tl.constexpr(-(2**31))
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _INT64_MIN = tl.constexpr(-(2**63))
@@ -258,8 +260,8 @@ def argmax_partials(
     n_valid = max(0, min(vocab_size - rank * shard, shard))
     _argmax_partials_kernel[(rows, splits)](
         bits, out, bits.stride(0), out.stride(0), n_valid, split_width, rank * shard, rank, tp_size, splits,
-        IS_BF16=is_bf16, BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(split_width)),
-        TP_P2=triton.next_power_of_2(tp_size), num_warps=8 if split_width >= 2048 else 4,
+        IS_BF16=is_bf16, BLOCK=min(_ARGMAX_BLOCK, triton.next_power_of_2(split_width)),
+        TP_P2=triton.next_power_of_2(tp_size), num_warps=4,
     )
     return out
 
