@@ -261,4 +261,7 @@ def stable_topk_reference(logits: torch.Tensor, k: int) -> torch.Tensor:
     -------
     Tensor ``[rows, k]`` int64.
     """
-    return torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    # sorted on the CPU: CUDA's sort ranks NaNs with the sign bit set below -inf (measured on the
+    # H200), the CPU sort ranks every NaN above +inf as the contract says
+    order = torch.sort(logits.float().cpu(), dim=-1, descending=True, stable=True).indices[:, :k]
+    return order.to(logits.device)
