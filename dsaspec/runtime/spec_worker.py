@@ -44,7 +44,7 @@ from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.runtime.accept import Acceptance, greedy_accept
 from dsaspec.runtime.graph_runner import BucketGraphs, graphs_usable
 from dsaspec.runtime.memory import PAGE_SIZE, KVPool, ReqToTokenPool
-from dsaspec.runtime.model import AttentionInputs, AttentionScratch, DSAModel
+from dsaspec.runtime.model import AttentionInputs, AttentionScratch, AttentionWorkspace, DSAModel
 from dsaspec.speculative.draft_step import greedy_draft_step
 from dsaspec.speculative.logits_processor import LogitsProcessor
 
@@ -220,7 +220,7 @@ class SpecWorker:
         self._attn: dict[int, dict] = {}          # bucket -> phase -> AttentionInputs (draft: one per step)
         pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
         self.graphs = {phase: BucketGraphs(self.use_cuda_graph, pool) for phase in PHASES}
-        self._workspaces: dict[int, torch.Tensor | None] = {}
+        self._workspaces: dict[int, AttentionWorkspace | None] = {}
         self.simulate_accept_len = spec.simulate_accept_len   # may be changed between iterations
         self.rng = random.Random(spec.simulate_seed)          # the simulated draws
         self._captured = False
@@ -262,9 +262,9 @@ class SpecWorker:
         self._captured = True
         return self
 
-    def _workspace(self, rows: int) -> torch.Tensor | None:
-        """The sparse-MLA split workspace of ``rows``-row forwards, shared by every phase (they run
-        one after another)."""
+    def _workspace(self, rows: int) -> AttentionWorkspace | None:
+        """The DSA ops' workspaces (sparse-MLA split, top-k chunks) of ``rows``-row forwards,
+        shared by every phase (they run one after another)."""
         if rows not in self._workspaces:
             self._workspaces[rows] = self.model.attention_workspace(rows)
         return self._workspaces[rows]
