@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from dsaspec.errors import UserError
 from dsaspec.options import choice_list, nonnegative_int, positive_int, positive_int_list
+from dsaspec.ops.device import sm_count
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, IndexerConfig, indexer_logits
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
@@ -389,7 +390,7 @@ def _compare_with_references(p: _Point, op: str) -> None:
 def _shapes(args, on_gpu: bool) -> _Shapes:
     if on_gpu:
         config = get_config(args.preset)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        sms = sm_count("cuda")
         return _Shapes(config.num_attention_heads, config.index_n_heads, config.index_topk,
                        config.softmax_scale, sms)
     return _Shapes(CPU_SIZES["heads"], CPU_SIZES["index_heads"], CPU_SIZES["topk"],

@@ -17,23 +17,21 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.device import sm_count
 
 INDEXER_BLOCK_KV = 64  # KV tokens per indexer block; the schedule and the logits kernel agree on it
 _MAX_TILE = 8192  # elements of the (SMs x rows) comparison tile the schedule kernel holds at once
 # Two resident indexer programs per SM hide each other's key gathers: 0.64-0.79x the time of one
 # per SM at 8k-64k live tokens on the H200 (benchmarks/results/h200/dsa_ops_tune_wide.md).
 PROGRAMS_PER_SM = 2
-PROGRAMS_WITHOUT_CUDA = 8  # off-GPU (the interpreter): a small schedule
+SMS_WITHOUT_CUDA = 4  # off-GPU (the interpreter): a small schedule of 8 programs
 
 
 def indexer_programs(device: torch.device | str) -> int:
     """Schedule entries, i.e. indexer programs, for ``device``: :data:`PROGRAMS_PER_SM` times its
-    SM count on CUDA, :data:`PROGRAMS_WITHOUT_CUDA` elsewhere. Pass it as ``num_sms`` to
+    SM count (:data:`SMS_WITHOUT_CUDA` off-GPU). Pass it as ``num_sms`` to
     :func:`indexer_schedule` and size the schedule ``[programs + 1, 2]``."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return PROGRAMS_WITHOUT_CUDA
+    return PROGRAMS_PER_SM * sm_count(device, without_cuda=SMS_WITHOUT_CUDA)
 
 
 @triton.jit

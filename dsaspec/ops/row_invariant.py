@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.device import sm_count
 
 _DTYPES = (torch.bfloat16, torch.float32)
-_DEFAULT_SMS = 132  # an H200's; used off-GPU so the interpreter takes the H200's tile choices
 _PROGRAMS_PER_SM = 2
 _MIN_K_BLOCKS_PER_SPLIT = 2
 _MAX_SPLIT_K = 32
@@ -68,12 +68,6 @@ class GemmConfig:
             raise ValueError(f"config.split_k: expected 1..256, got {self.split_k}")
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_SMS
-
-
 def _k_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     """(K blocks per split, number of splits <= ``split_k``): no split is empty."""
     k_blocks = max(1, triton.cdiv(k, block_k))
@@ -88,7 +82,7 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, device: torch.device
     K blocks. SMs: the device's, 132 off-GPU."""
     tiles = max(1, batch * triton.cdiv(n, block_n))
     k_blocks = triton.cdiv(k, block_k)
-    wanted = _PROGRAMS_PER_SM * _num_sms(torch.device(device)) // tiles
+    wanted = _PROGRAMS_PER_SM * sm_count(device) // tiles
     return _k_split(k, block_k, max(1, min(wanted, k_blocks // _MIN_K_BLOCKS_PER_SPLIT, _MAX_SPLIT_K)))[1]
 
 

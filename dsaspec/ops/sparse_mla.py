@@ -24,12 +24,12 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.device import sm_count
 
 LATENT_DIM = 512  # value / latent width
 ROPE_DIM = 64
 QK_DIM = LATENT_DIM + ROPE_DIM
 _SCAN = 1024  # slot ids per step of the last-valid scan
-NUM_SMS_WITHOUT_CUDA = 132  # an H200's SM count: the split count used off-GPU
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ SPARSE_MLA_CONFIG = SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_sta
 # was 1.15x slower, so it stops there).
 SPARSE_MLA_FEW_ROWS_CONFIG = SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2,
                                              block_dv=128, max_splits=32)
-FEW_ROWS_HEAD_BLOCKS = 1  # R * cdiv(H, 64) up to which the split path takes the few-rows config
+FEW_ROWS_HEAD_BLOCKS = 1  # R * cdiv(H, block_h) up to which the split path takes the few-rows config
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.
 SPARSE_MLA_BASELINE_CONFIG = SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)
@@ -219,10 +219,11 @@ def _block_h(num_heads: int, config: SparseMLAConfig) -> int:
 
 def sparse_mla_config(num_rows: int, num_heads: int, split: bool) -> SparseMLAConfig:
     """The default launch configuration of ``R = num_rows`` rows: with a workspace (``split``)
-    and ``R * cdiv(H, 64) <= FEW_ROWS_HEAD_BLOCKS``, :data:`SPARSE_MLA_FEW_ROWS_CONFIG`; else
+    and ``R * cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``, :data:`SPARSE_MLA_FEW_ROWS_CONFIG`; else
     :data:`SPARSE_MLA_CONFIG` (always without a workspace, so a row's output there does not
     depend on ``R``)."""
-    if split and max(num_rows, 1) * triton.cdiv(num_heads, 64) <= FEW_ROWS_HEAD_BLOCKS:
+    head_blocks = triton.cdiv(num_heads, _block_h(num_heads, SPARSE_MLA_FEW_ROWS_CONFIG))
+    if split and max(num_rows, 1) * head_blocks <= FEW_ROWS_HEAD_BLOCKS:
         return SPARSE_MLA_FEW_ROWS_CONFIG
     return SPARSE_MLA_CONFIG
 
@@ -259,9 +260,7 @@ def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int 
     """
     if num_splits is None:
         if num_sms is None:
-            device = torch.device(device)
-            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                       if device.type == "cuda" else NUM_SMS_WITHOUT_CUDA)
+            num_sms = sm_count(device)
         num_splits = sparse_mla_num_splits(num_rows, num_heads, num_sms, config)
         if num_splits == 1:
             return None

@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_live_width, check_tensor
+from dsaspec.ops.device import sm_count
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU (one program per row)
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps
@@ -42,7 +43,6 @@ _ALIGN = tl.constexpr(16)  # chunk lengths are multiples of this (chunks start 6
 MAX_CHUNKS = 32
 MIN_CHUNKS = 4
 PROGRAMS_PER_SM = 2
-NUM_SMS_WITHOUT_CUDA = 132  # an H200's SM count: the chunk count used off-GPU
 _PASSES = 5  # histograms of digits 0..3, then the write
 # Workspace words per (row, chunk): 4 digit histograms of 256 counts, then the search state
 # (below), padded to 8 words.
@@ -360,9 +360,7 @@ def topk_workspace(num_rows: int, device, num_chunks: int | None = None,
     """
     if num_chunks is None:
         if num_sms is None:
-            device = torch.device(device)
-            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                       if device.type == "cuda" else NUM_SMS_WITHOUT_CUDA)
+            num_sms = sm_count(device)
         num_chunks = topk_num_chunks(num_rows, num_sms)
         if num_chunks == 1:
             return None

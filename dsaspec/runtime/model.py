@@ -812,6 +812,7 @@ class DSAModel(nn.Module):
         fill the GPU need no split."""
         if not self.use_triton:
             return None
+        from dsaspec.ops.device import sm_count
         from dsaspec.ops.sparse_mla import sparse_mla_workspace
         from dsaspec.ops.topk import topk_workspace
 
@@ -819,7 +820,7 @@ class DSAModel(nn.Module):
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, self.num_local_heads, device),
             # off-GPU (the interpreter) a small chunk count keeps the CPU runs quick
-            topk=topk_workspace(rows, device, num_sms=None if device.type == "cuda" else 8))
+            topk=topk_workspace(rows, device, num_sms=sm_count(device, without_cuda=8)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``; at TP > 1 the

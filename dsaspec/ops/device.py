@@ -1,0 +1,15 @@
+"""The device facts the op wrappers size their launches by."""
+
+from __future__ import annotations
+
+import torch
+
+H200_SMS = 132  # used off-GPU where the interpreter should take the H200's launch shapes
+
+
+def sm_count(device: torch.device | str, without_cuda: int = H200_SMS) -> int:
+    """Streaming multiprocessors of ``device`` if it is a CUDA device, else ``without_cuda``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return without_cuda
