@@ -109,9 +109,7 @@ def main() -> int:
     payload = {"method": f"bounded_metadata at live {LIVE}, 1M-token table, N = {N}; CUPTI median of {args.iters} "
                          "CUDA-graph replays with a cold L2; copy = one device-to-device memcpy of the same bytes, "
                          "timed the same way.", "params": bench_params(args), "best": best, "rows": rows}
-    out = write_results("tune_metadata", payload, md, args.out)
-    print(md)
-    print(f"results: {out}")
+    write_results("tune_metadata", payload, md, args.out)
     return 0
 
 

@@ -384,9 +384,7 @@ def run(args) -> int:
                "phase_patterns": PHASE_PATTERNS, "phase_errors": phase_errors, "kernels": {"baseline": CONTEXT_WIDE, "new": BOUNDED},
                "rows": rows}
     markdown = _markdown(rows, on_gpu, reference_context, markdown_table)
-    out = write_results("decode", payload, markdown, args.out)
-    print(markdown)
-    print(f"results: {out}")
+    write_results("decode", payload, markdown, args.out)
     failed = [r for r in rows if not r["tokens_identical"]]
     if failed:
         print(f"error: bounded and context-wide tokens differ at {[(r['context_len'], r['bs']) for r in failed]}")

@@ -188,9 +188,7 @@ def run(args) -> int:
               if cuda else "Triton interpreter on CPU: bit-identity only, no times.")
     payload = {"method": method, "params": bench_params(args),
                "floors": vars(floors) if floors else None, "targets": targets, "rows": rows}
-    out = write_results("draft_metadata", payload, markdown, args.out)
-    print(markdown)
-    print(f"results: {out}")
+    write_results("draft_metadata", payload, markdown, args.out)
     return 0 if targets is None or all(t["met"] for t in targets) else 1
 
 

@@ -517,9 +517,8 @@ def run(args) -> int:
                + markdown_table([("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"),
                                  ("target", "target"), ("value", "value"), ("met", "met")],
                                 [t for t in targets if not t["met"]] or [{"op": "(all met)"}]))
-    out = write_results("dsa_ops", payload, md, args.out)
-    print(md)
-    print(f"results: {out} ({time.monotonic() - started:.0f} s)")
+    write_results("dsa_ops", payload, md, args.out)
+    print(f"({time.monotonic() - started:.0f} s)")
     return 1 if failures else 0
 
 
@@ -569,8 +568,6 @@ def _tune(args) -> int:
         r["vs_default"] = r["us"] / default if "us" in r and default else None
     md = markdown_table([("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("config", "config"),
                          ("us", "µs"), ("vs_default", "vs default"), ("spread", "spread"), ("error", "error")], rows)
-    out = write_results("dsa_ops_tune", {"method": "new forms only, as in dsa_ops", "params": bench_params(args),
-                                         "rows": rows}, md, args.out)
-    print(md)
-    print(f"results: {out}")
+    write_results("dsa_ops_tune", {"method": "new forms only, as in dsa_ops", "params": bench_params(args),
+                                   "rows": rows}, md, args.out)
     return 0

@@ -288,9 +288,7 @@ def run(args) -> int:
                "paths": {path: SWITCHES[path] for path in paths}, "rows": rows}
     markdown = _markdown(rows, on_gpu, args, markdown_table)
     name = "e2e" if args.tp == 1 else f"e2e_tp{args.tp}"
-    out = write_results(name, payload, markdown, args.out, figure=_figure(rows, args) if on_gpu else None)
-    print(markdown)
-    print(f"results: {out}")
+    write_results(name, payload, markdown, args.out, figure=_figure(rows, args) if on_gpu else None)
     if mismatches:
         print(f"error: the paths ({', '.join(paths)}) committed different tokens at {mismatches}")
         return 1

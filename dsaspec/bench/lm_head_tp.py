@@ -64,8 +64,7 @@ def run_interpreter(args, *, name: str, add_arguments, unused: tuple[str, ...], 
     markdown = markdown_table(columns, rows)
     payload = {"method": "Triton interpreter on CPU: correctness only, no times.", "params": bench_params(args),
                "rows": rows}
-    print(markdown)
-    print(f"results: {write_results(name, payload, markdown, args.out)}")
+    write_results(name, payload, markdown, args.out)
     return 0
 
 

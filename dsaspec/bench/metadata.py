@@ -138,9 +138,7 @@ def run(args) -> int:
     if targets:
         md += "\n\n" + "\n".join(f"- {t['target']}: {t['value']} → {'met' if t['met'] else 'NOT met'}" for t in targets)
     fig = _plot(rows) if on_gpu else None
-    out = write_results("metadata", payload, md, args.out, figure=fig)
-    print(md)
-    print(f"results: {out}")
+    write_results("metadata", payload, md, args.out, figure=fig)
     return 0 if targets is None or all(t["met"] for t in targets) else 1
 
 

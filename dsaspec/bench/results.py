@@ -85,7 +85,8 @@ def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
 
 def write_results(name: str, payload: dict, markdown: str, out_dir: str | Path | None = None,
                   figure=None) -> Path:
-    """Write ``<name>.json`` (payload + machine), ``<name>.md`` and, if given, ``<name>.png``."""
+    """Write ``<name>.json`` (payload + machine), ``<name>.md`` and, if given, ``<name>.png``; print the
+    Markdown and where it went. Returns the folder."""
     out = Path(out_dir) if out_dir else RESULTS_ROOT / default_machine_dir()
     out.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "machine": machine_info(), **payload}
@@ -97,4 +98,6 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: str | Path |
     (out / f"{name}.md").write_text(head + markdown + "\n")
     if figure is not None:
         figure.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")
+    print(markdown)
+    print(f"results: {out}")
     return out

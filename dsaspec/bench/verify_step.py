@@ -230,9 +230,7 @@ def _report(args, rows: list[dict], floors, world: int) -> int:
               "and after timing.")
     payload = {"method": method, "params": bench_params(args), "floors": vars(floors), "targets": targets,
                "rows": rows}
-    out = write_results("verify_step", payload, markdown, args.out)
-    print(markdown)
-    print(f"results: {out}")
+    write_results("verify_step", payload, markdown, args.out)
     return 0 if all(t["met"] for t in targets) else 1
 
 
