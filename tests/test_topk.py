@@ -1,13 +1,15 @@
 """topk_slots: exact against the stable-sort reference, and a top-k set by torch.topk's standard;
 rows with live <= k take every live position without reading logits. Both forms: one program per
-row (no workspace) and the chunked form (a workspace of P chunks per row, P forced)."""
+row (no workspace) and the chunked form (a workspace of P chunks per row, P forced), the latter in
+five launches (everywhere) and in one cooperative launch (on the GPU)."""
 
 import pytest
 import torch
 
 from dsa_inputs import POISON_SLOT
 from dsaspec.ops import topk as topk_module
-from dsaspec.ops.topk import TOPK_WORKSPACE_WORDS, topk_num_chunks, topk_slots, topk_workspace
+from dsaspec.ops.topk import (TOPK_COUNTER_WORDS, TOPK_WORKSPACE_WORDS, topk_num_chunks, topk_slots,
+                              topk_workspace)
 from dsaspec.reference.topk import float_order_key, reference_topk_positions, reference_topk_slots
 
 
@@ -26,30 +28,36 @@ def _inputs(logits, seqlens, width, seed=0, num_slots=1000):
 
 
 def _garbage_workspace(rows, num_chunks, device):
-    """A workspace of ``num_chunks`` chunks per row holding junk: the op needs no value on entry."""
+    """A workspace of ``num_chunks`` chunks per row holding junk, but for the barrier counter
+    (zero, as topk_workspace leaves it and every call keeps it): no other value is needed."""
     if num_chunks is None:
         return None
     workspace = topk_workspace(rows, device, num_chunks=num_chunks)
     gen = torch.Generator().manual_seed(num_chunks)
     workspace.copy_(torch.randint(-2**31, 2**31 - 1, workspace.shape, generator=gen,
                                   dtype=torch.int32))
+    workspace[:, 0, TOPK_COUNTER_WORDS] = 0
     return workspace
 
 
 def _run(logits, seqlens, page_table, k, device, check_values=True, read_short_rows=False,
-         workspace=None):
+         workspace=None, single_launch=None):
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=device)
     positions = torch.full_like(out, -7)
     topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), k, out,
                check_values=check_values, out_positions=positions,
-               read_short_rows=read_short_rows, workspace=workspace)
+               read_short_rows=read_short_rows, workspace=workspace, single_launch=single_launch)
+    if workspace is not None:
+        assert not workspace[:, 0, TOPK_COUNTER_WORDS].any(), "barrier counter left non-zero"
     return out.cpu(), positions.cpu()
 
 
-def _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=False, num_chunks=None):
+def _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=False, num_chunks=None,
+                 single_launch=None):
     workspace = _garbage_workspace(logits.shape[0], num_chunks, device)
     out, positions = _run(logits, seqlens, page_table, k, device,
-                          read_short_rows=read_short_rows, workspace=workspace)
+                          read_short_rows=read_short_rows, workspace=workspace,
+                          single_launch=single_launch)
     want_positions = reference_topk_positions(logits, seqlens, k)
     assert torch.equal(positions.long(), want_positions)
     assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
@@ -311,6 +319,12 @@ def test_bad_workspace(device):
         call(torch.zeros(2, 0, words, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="read_short_rows: only without a workspace"):
         call(torch.zeros(2, 3, words, dtype=torch.int32, device=device), read_short_rows=True)
+    with pytest.raises(ValueError, match="single_launch: only with a workspace"):
+        call(None, single_launch=False)
+    # 600 programs are more than 2 per SM of any device this runs on (and the CPU has none)
+    with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device and at most 2 programs "
+                                         r"per SM, got 2 rows x 300 chunks on "):
+        call(torch.zeros(2, 300, words, dtype=torch.int32, device=device), single_launch=True)
 
 
 GPU_WIDTH = 1_048_586
@@ -345,23 +359,45 @@ def test_gpu_production_sizes(num_rows, longest):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("single_launch", [True, False])
 @pytest.mark.parametrize("num_rows, longest, num_chunks", [
     (1, 65_536, None), (4, 8_192, None), (16, 65_536, None), (32, 65_536, None),
     (64, 65_536, None), (64, 65_536, 64), (4, 1_000_000, None)])
-def test_gpu_chunked_production_sizes(num_rows, longest, num_chunks):
-    """The chunked form at real sizes: the chunk count topk_workspace picks for the device (and
-    64 chunks for 64 rows)."""
+def test_gpu_chunked_production_sizes(num_rows, longest, num_chunks, single_launch):
+    """The chunked form at real sizes, in one launch and in five: the chunk count topk_workspace
+    picks for the device (and 64 chunks for 64 rows, too many programs for one launch)."""
     device = torch.device("cuda")
     workspace = topk_workspace(num_rows, device, num_chunks=num_chunks)
     assert workspace is not None
+    if single_launch and num_chunks is not None:
+        pytest.skip("64 x 64 programs do not fit one cooperative launch")
     logits, seqlens, page_table = _production_inputs(num_rows, longest)
-    out, positions = _run(logits, seqlens, page_table, 2048, device, workspace=workspace)
+    out, positions = _run(logits, seqlens, page_table, 2048, device, workspace=workspace,
+                          single_launch=single_launch)
     assert torch.equal(positions.long(), reference_topk_positions(logits, seqlens, 2048))
     assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, 2048))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows, chunked", [(32, False), (32, True), (2, True)])
+@pytest.mark.parametrize("single_launch", [True, False])
+@pytest.mark.parametrize("num_chunks", [None, 1, 2, 3, 5])
+def test_gpu_chunked_edge_lengths(num_chunks, single_launch):
+    """Both chunked launch forms on the GPU at edge lengths around k and around the 1024-long
+    chunks (one row per length, so chunk counts 1..P occur), the counter zero after each."""
+    k = 2048
+    lengths = [0, 1, 63, 64, 65, 127, 128, 129, 1023, 1024, 1025, k - 1, k, k + 1, 3000, 4097,
+               5 * 1024 + 1, 9000]
+    gen = torch.Generator().manual_seed(len(lengths))
+    logits = torch.randn(len(lengths), 9000, generator=gen)
+    logits[::2, ::5] = 0.25  # ties
+    logits, seqlens, page_table = _inputs(logits, lengths, width=9100, num_slots=1 << 20)
+    _assert_topk(logits, seqlens, page_table, k, torch.device("cuda"),
+                 num_chunks=num_chunks or topk_num_chunks(len(lengths), 132),
+                 single_launch=single_launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows, chunked", [(32, False), (32, True), (2, True), (2, "five")])
 def test_gpu_cuda_graph_replay_with_new_lengths(num_rows, chunked):
     device = torch.device("cuda")
     width, k = 70_000, 2048
@@ -373,12 +409,15 @@ def test_gpu_cuda_graph_replay_with_new_lengths(num_rows, chunked):
     out = torch.zeros(num_rows, k, dtype=torch.int32, device=device)
     positions = torch.zeros_like(out)
     workspace = topk_workspace(num_rows, device) if chunked else None
-    assert chunked == (workspace is not None)
-    topk_slots(logits_d, seqlens_d, table_d, k, out, out_positions=positions, workspace=workspace)
+    assert bool(chunked) == (workspace is not None)
+    # chunked: one cooperative launch (the default where it fits), or "five" launches
+    single_launch = None if workspace is None else chunked is True
+    topk_slots(logits_d, seqlens_d, table_d, k, out, out_positions=positions, workspace=workspace,
+               single_launch=single_launch)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         topk_slots(logits_d, seqlens_d, table_d, k, out, check_values=False,
-                   out_positions=positions, workspace=workspace)
+                   out_positions=positions, workspace=workspace, single_launch=single_launch)
     for high in (3, 2_048, 3_000, width):
         seqlens = torch.randint(0, high + 1, (num_rows,), generator=gen, dtype=torch.int32)
         seqlens_d.copy_(seqlens)
@@ -386,3 +425,5 @@ def test_gpu_cuda_graph_replay_with_new_lengths(num_rows, chunked):
         torch.cuda.synchronize()
         assert torch.equal(positions.cpu().long(), reference_topk_positions(logits, seqlens, k))
         assert torch.equal(out.cpu(), reference_topk_slots(logits, seqlens, page_table, k))
+    if workspace is not None:
+        assert not workspace[:, 0, TOPK_COUNTER_WORDS].any()

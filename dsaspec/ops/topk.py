@@ -15,7 +15,10 @@ Two launch forms, same result bit for bit:
   pass ``l`` (0..3) histograms digit ``l`` of its chunk into the workspace; the next launch's
   programs each sum their row's chunk histograms, derive the same digit, and carry the search
   state in the workspace; the last launch turns the chunk histograms into each chunk's output
-  offset and writes its chunk's selection there (docs/dsa-kernels.md).
+  offset and writes its chunk's selection there (docs/dsa-kernels.md). On the GPU, when the
+  grid fits on the device at once, the five passes run in one cooperative launch instead: a
+  row's programs meet at a barrier (a counter in the workspace) where the launches had a
+  boundary, and a row no longer than ``k`` is copied without any barrier.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ MIN_CHUNKS = 4
 PROGRAMS_PER_SM = 2
 _PASSES = 5  # histograms of digits 0..3, then the write
 # Workspace words per (row, chunk): 4 digit histograms of 256 counts, then the search state
-# (below), padded to 8 words.
+# (below), padded to 8 words. Chunk 0's state also holds the row's barrier counter of the
+# single-launch form (zero between calls).
 _STATE = tl.constexpr(4 * 256)
-_ABOVE, _PREFIX, _NEED, _LEVELS, _SEARCHING = (tl.constexpr(i) for i in range(5))
+_ABOVE, _PREFIX, _NEED, _LEVELS, _SEARCHING, _ARRIVED = (tl.constexpr(i) for i in range(6))
+TOPK_COUNTER_WORDS = slice(4 * 256 + 5, 4 * 256 + 6)  # [row, 0, TOPK_COUNTER_WORDS]: the counter
 TOPK_WORKSPACE_WORDS = 4 * 256 + 8
 _WORDS = tl.constexpr(TOPK_WORKSPACE_WORDS)
 
@@ -211,8 +216,9 @@ def _sum_histograms(row_workspace, level, num, TILE: tl.constexpr):
     total = tl.zeros((256,), dtype=tl.int32)
     for first in range(0, num, TILE):
         chunks = first + tl.arange(0, TILE)
+        # other programs' words: read through L2 (.cg), never a stale L1 line in the single launch
         tile = tl.load(row_workspace + chunks[:, None] * _WORDS + level * 256 + bins[None, :],
-                       mask=(chunks < num)[:, None], other=0)
+                       mask=(chunks < num)[:, None], other=0, cache_modifier=".cg")
         total += tl.sum(tile, 0)
     return total
 
@@ -251,6 +257,55 @@ def _advance(row_workspace, chunk, num_active, k, LEVEL: tl.constexpr, TILE: tl.
 
 
 @triton.jit
+def _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positions_ptr, workspace_ptr,
+                 logits_stride, page_table_stride, out_stride, positions_stride, num_chunks,
+                 MIN_CHUNK: tl.constexpr):
+    """Program (row, chunk)'s live length, chunk range, the row's non-empty chunk count and row
+    pointers."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    live = tl.maximum(tl.load(seqlens_ptr + row), 0)
+    start, end, num_active = _chunk_range(live, chunk, num_chunks, MIN_CHUNK)
+    start = tl.multiple_of(start, _ALIGN)
+    return (chunk, live, start, end, num_active, logits_ptr + row * logits_stride,
+            page_table_ptr + row * page_table_stride, out_ptr + row * out_stride,
+            positions_ptr + row * positions_stride, workspace_ptr + row * num_chunks * _WORDS)
+
+
+@triton.jit
+def _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live, k,
+                WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
+    """A row with ``live <= k``: copy the chunk's slots (every live position is selected, no
+    logit is read) and this program's share of the ``-1`` fill of ``[live, k)``."""
+    _copy_slots(row_table, row_out, row_positions, start, end, WRITE_POSITIONS, BLOCK)
+    fill = tl.cdiv(k, num_chunks)
+    _fill_empty(row_out, row_positions, tl.maximum(chunk * fill, live),
+                tl.minimum(chunk * fill + fill, k), WRITE_POSITIONS, BLOCK)
+
+
+@triton.jit
+def _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k,
+                 PASS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Pass ``PASS`` (1..3) of a searching row: move the chunk's search state past digit
+    ``PASS - 1`` and store it (if the row was still searching), then histogram digit ``PASS``
+    of the chunk (if it still is). Returns (the row was searching, it still is)."""
+    above, prefix, need, levels, searching, found = _advance(row_workspace, chunk, num_active,
+                                                              k, PASS - 1, TILE)
+    if found:
+        state = row_workspace + chunk * _WORDS + _STATE
+        tl.store(state + _ABOVE, above)
+        tl.store(state + _PREFIX, prefix)
+        tl.store(state + _NEED, need)
+        tl.store(state + _LEVELS, levels)
+        tl.store(state + _SEARCHING, searching.to(tl.int32))
+    if searching:
+        histogram = _digit_histogram(row_logits, start, end, prefix.to(tl.uint32, bitcast=True),
+                                     PASS, BLOCK)
+        tl.store(row_workspace + chunk * _WORDS + PASS * 256 + tl.arange(0, 256), histogram)
+    return found, searching
+
+
+@triton.jit
 def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positions_ptr,
                             workspace_ptr, logits_stride, page_table_stride, out_stride,
                             positions_stride, k, num_chunks, PASS: tl.constexpr,
@@ -264,46 +319,79 @@ def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, po
         gdc_launch_dependents()
         if PASS > 0:
             gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    live = tl.maximum(tl.load(seqlens_ptr + row), 0)
-    start, end, num_active = _chunk_range(live, chunk, num_chunks, MIN_CHUNK)
-    start = tl.multiple_of(start, _ALIGN)
-    row_logits = logits_ptr + row * logits_stride
-    row_table = page_table_ptr + row * page_table_stride
-    row_out = out_ptr + row * out_stride
-    row_positions = positions_ptr + row * positions_stride
-    row_workspace = workspace_ptr + row * num_chunks * _WORDS
+    (chunk, live, start, end, num_active, row_logits, row_table, row_out, row_positions,
+     row_workspace) = _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
+                                   positions_ptr, workspace_ptr, logits_stride, page_table_stride,
+                                   out_stride, positions_stride, num_chunks, MIN_CHUNK)
     if live <= k:
         if PASS == 4:
-            # every live position is selected: copy the chunk's slots, read no logit; the -1
-            # fill of [live, k) is split over all the row's programs
-            _copy_slots(row_table, row_out, row_positions, start, end, WRITE_POSITIONS, BLOCK)
-            fill = tl.cdiv(k, num_chunks)
-            _fill_empty(row_out, row_positions, tl.maximum(chunk * fill, live),
-                        tl.minimum(chunk * fill + fill, k), WRITE_POSITIONS, BLOCK)
+            _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live,
+                        k, WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
         if PASS == 0:
             histogram = _digit_histogram(row_logits, start, end, 0, 0, BLOCK)
             tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
         elif PASS < 4:
-            above, prefix, need, levels, searching, found = _advance(
-                row_workspace, chunk, num_active, k, PASS - 1, TILE)
-            if found:
-                state = row_workspace + chunk * _WORDS + _STATE
-                tl.store(state + _ABOVE, above)
-                tl.store(state + _PREFIX, prefix)
-                tl.store(state + _NEED, need)
-                tl.store(state + _LEVELS, levels)
-                tl.store(state + _SEARCHING, searching.to(tl.int32))
-            if searching:
-                histogram = _digit_histogram(row_logits, start, end,
-                                             prefix.to(tl.uint32, bitcast=True), PASS, BLOCK)
-                tl.store(row_workspace + chunk * _WORDS + PASS * 256 + tl.arange(0, 256),
-                         histogram)
+            _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k, PASS,
+                         BLOCK, TILE)
         else:
             _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, start,
                          end, chunk, num_active, k, WRITE_POSITIONS, BLOCK, TILE)
+
+
+@triton.jit
+def _row_barrier(arrived, target, last):
+    """Count this program in at the row's arrival counter and wait until ``target`` programs
+    have arrived. The CTA barrier before makes every thread's stores part of the release (the
+    arrival is an acq_rel add); the one after lets no thread read on before the acquire. At the
+    ``last`` barrier of the call the last program to arrive puts the counter back to zero (a
+    release); a waiting program then sees a count below its own ticket, which also means done."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(arrived, 1, sem="acq_rel", scope="gpu") + 1
+    if ticket == target:
+        if last:
+            tl.atomic_xchg(arrived, 0, sem="release", scope="gpu")
+    else:
+        seen = ticket
+        while (seen < target) & (seen >= ticket):
+            seen = tl.atomic_add(arrived, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _topk_chunk_single_launch_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
+                                     positions_ptr, workspace_ptr, logits_stride,
+                                     page_table_stride, out_stride, positions_stride, k,
+                                     num_chunks, WRITE_POSITIONS: tl.constexpr,
+                                     MIN_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                                     TILE: tl.constexpr):
+    """The chunked form's five passes in one launch (cooperative: every program resident at
+    once). The programs of a searching row meet at a barrier after pass 0 and after every pass
+    it entered still searching, where the five-launch form has a launch boundary; the last
+    barrier leaves the row's counter at zero. A row with ``live <= k`` is copied, no barrier."""
+    (chunk, live, start, end, num_active, row_logits, row_table, row_out, row_positions,
+     row_workspace) = _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
+                                   positions_ptr, workspace_ptr, logits_stride, page_table_stride,
+                                   out_stride, positions_stride, num_chunks, MIN_CHUNK)
+    if live <= k:
+        _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live, k,
+                    WRITE_POSITIONS, BLOCK)
+    elif chunk < num_active:
+        arrived = row_workspace + _STATE + _ARRIVED
+        histogram = _digit_histogram(row_logits, start, end, 0, 0, BLOCK)
+        tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
+        barriers = tl.full((), 1, dtype=tl.int32)
+        _row_barrier(arrived, num_active, False)
+        searching = live > k  # true here; every program of the row derives the same values
+        for level in tl.static_range(1, 4):
+            if searching:
+                _, searching = _search_pass(row_logits, row_workspace, start, end, chunk,
+                                            num_active, k, level, BLOCK, TILE)
+                barriers += 1
+                # the last barrier: the search ended here, or this was the last digit
+                _row_barrier(arrived, num_active * barriers, (searching == 0) | (level == 3))
+        _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, start, end,
+                     chunk, num_active, k, WRITE_POSITIONS, BLOCK, TILE)
 
 
 @triton.jit
@@ -323,7 +411,7 @@ def _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, s
     for first in range(0, chunk, TILE):
         chunks = first + tl.arange(0, TILE)
         above_before += tl.sum(tl.load(row_workspace + chunks * _WORDS + _STATE + _ABOVE,
-                                       mask=chunks < chunk, other=0), 0)
+                                       mask=chunks < chunk, other=0, cache_modifier=".cg"), 0)
     _write_selected(row_logits, row_table, row_out, row_positions, start, end,
                     prefix.to(tl.uint32, bitcast=True), (32 - 8 * levels).to(tl.uint32), need,
                     above_before + tl.minimum(ties_before, need), ties_before, WRITE_POSITIONS,
@@ -355,8 +443,9 @@ def topk_workspace(num_rows: int, device, num_chunks: int | None = None,
 
     Returns
     -------
-    int32 ``[num_rows, P, TOPK_WORKSPACE_WORDS]`` (uninitialised; per (row, chunk): the chunk's
-    four digit histograms, 256 counts each, then the search state), or None.
+    int32 ``[num_rows, P, TOPK_WORKSPACE_WORDS]`` (zeros; per (row, chunk): the chunk's four
+    digit histograms, 256 counts each, then the search state; chunk 0's also holds the row's
+    barrier counter, ``TOPK_COUNTER_WORDS``, which must stay zero between calls), or None.
     """
     if num_chunks is None:
         if num_sms is None:
@@ -366,14 +455,15 @@ def topk_workspace(num_rows: int, device, num_chunks: int | None = None,
             return None
     if num_chunks < 1:
         raise ValueError(f"num_chunks: expected >= 1, got {num_chunks}")
-    return torch.empty(num_rows, num_chunks, TOPK_WORKSPACE_WORDS, dtype=torch.int32,
+    return torch.zeros(num_rows, num_chunks, TOPK_WORKSPACE_WORDS, dtype=torch.int32,
                        device=device)
 
 
 def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.Tensor, k: int,
                out: torch.Tensor, *, check_values: bool = True,
                out_positions: torch.Tensor | None = None, read_short_rows: bool = False,
-               workspace: torch.Tensor | None = None) -> torch.Tensor:
+               workspace: torch.Tensor | None = None,
+               single_launch: bool | None = None) -> torch.Tensor:
     """Exact per-row top-k of the live logits, mapped to KV slots.
 
     For row ``r``: ``S_r`` = the ``min(seqlens[r], k)`` positions ``t < seqlens[r]`` with the
@@ -403,19 +493,31 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         without a workspace.
     workspace : None, or contiguous int32 ``[R, P, TOPK_WORKSPACE_WORDS]`` from
         :func:`topk_workspace`: split each row over ``P`` programs (written; no value needed on
-        entry).
+        entry except the counter ``workspace[:, 0, TOPK_COUNTER_WORDS]``, which the single
+        launch needs at zero, as ``topk_workspace`` allocates it, and leaves at zero).
+    single_launch : run the chunked form as one cooperative launch (True), as five launches
+        (False), or as one where :func:`topk_single_launch_fits` (None). True needs it to fit.
 
     Returns
     -------
     ``out``. Without a workspace: grid ``(R,)``, one launch; one program per row walks the live
     range at most five times (once, without reading logits, when ``seqlens[r] <= k``). With
-    one: five launches of grid ``(R, P)``; a row's chunks are ``cdiv(seqlens[r], P)`` long (at
-    least 1024 on the GPU, so short rows use fewer programs) and each program walks its chunk
-    at most five times.
+    one: five launches of grid ``(R, P)``, or one; a row's chunks are ``cdiv(seqlens[r], P)``
+    long (at least 1024 on the GPU, so short rows use fewer programs) and each program walks its
+    chunk at most five times (once, without reading logits, when ``seqlens[r] <= k``).
     """
     _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace)
     if workspace is not None and read_short_rows:
         raise ValueError("read_short_rows: only without a workspace (the baseline form)")
+    if single_launch is not None and workspace is None:
+        raise ValueError("single_launch: only with a workspace (the chunked form)")
+    if workspace is not None:
+        fits = topk_single_launch_fits(logits.shape[0], workspace.shape[1], logits.device)
+        if single_launch and not fits:
+            raise ValueError(f"single_launch: needs a CUDA device and at most {PROGRAMS_PER_SM} "
+                             f"programs per SM, got {logits.shape[0]} rows x "
+                             f"{workspace.shape[1]} chunks on {logits.device}")
+        single_launch = fits if single_launch is None else single_launch
     if check_values:
         check_live_width(seqlens, logits=logits, page_table_1=page_table_1)
     write_positions = out_positions is not None
@@ -431,17 +533,29 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
             num_warps=8 if on_gpu else 4)
         return out
     num_chunks = workspace.shape[1]
+    chunked = dict(MIN_CHUNK=_GPU_MIN_CHUNK if on_gpu else _CPU_MIN_CHUNK,
+                   BLOCK=_GPU_CHUNK_BLOCK if on_gpu else _CPU_CHUNK_BLOCK,
+                   TILE=_GPU_TILE if on_gpu else _CPU_TILE, WRITE_POSITIONS=write_positions,
+                   num_warps=4)
+    grid = (logits.shape[0], num_chunks)
+    if single_launch:
+        _topk_chunk_single_launch_kernel[grid](*args, workspace, *strides, k, num_chunks,
+                                               launch_cooperative_grid=True, **chunked)
+        return out
     for pass_index in range(_PASSES):
         # passes 1..4 launch as programmatic dependents of the previous pass on the GPU, so
         # their launch latency overlaps it (pass 0 waits for the logits' writer as usual)
-        _topk_chunk_pass_kernel[(logits.shape[0], num_chunks)](
-            *args, workspace, *strides, k, num_chunks, PASS=pass_index,
-            WRITE_POSITIONS=write_positions,
-            MIN_CHUNK=_GPU_MIN_CHUNK if on_gpu else _CPU_MIN_CHUNK,
-            BLOCK=_GPU_CHUNK_BLOCK if on_gpu else _CPU_CHUNK_BLOCK,
-            TILE=_GPU_TILE if on_gpu else _CPU_TILE, PDL=on_gpu, num_warps=4,
-            launch_pdl=on_gpu and pass_index > 0)
+        _topk_chunk_pass_kernel[grid](*args, workspace, *strides, k, num_chunks, PASS=pass_index,
+                                      PDL=on_gpu, launch_pdl=on_gpu and pass_index > 0, **chunked)
     return out
+
+
+def topk_single_launch_fits(num_rows: int, num_chunks: int, device) -> bool:
+    """Whether the chunked form of ``num_rows`` rows of ``num_chunks`` chunks may run as one
+    cooperative launch on ``device``: a CUDA device, and at most ``PROGRAMS_PER_SM`` programs
+    per SM (so every program is resident at once; the interpreter runs them one by one)."""
+    device = torch.device(device)
+    return device.type == "cuda" and num_rows * num_chunks <= PROGRAMS_PER_SM * sm_count(device)
 
 
 def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace) -> None:
