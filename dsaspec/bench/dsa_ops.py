@@ -14,8 +14,9 @@ CUPTI kernel time, median and spread).
   ``INDEXER_BASELINE_CONFIG`` with one program per SM (the earlier kernel).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
   without reading logits, and each row is split over the chunks of the workspace
-  ``topk_workspace`` allocates for R rows (about 4 programs per SM; none when the rows fill the
-  GPU: one program per row); baseline: one program per row with ``read_short_rows=True``.
+  ``topk_workspace`` allocates for R rows (about 2 programs per SM, in one cooperative launch;
+  none when the rows fill the GPU: one program per row); baseline: one program per row with
+  ``read_short_rows=True``.
 - ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: the default configuration
   (``sparse_mla_config``) with the workspace ``sparse_mla_workspace`` allocates for R rows (split +
   combine; none when the rows fill the GPU); ``new_nosplit``: without a workspace (the row-invariant
@@ -24,11 +25,13 @@ CUPTI kernel time, median and spread).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
-and 1: one program per row).
+and 1: one program per row), each in one launch (where it fits) and in five.
 
 Floors (per op, what its contract needs; the layer's is the sum of its ops'): bytes at the
 measured copy bandwidth, FLOPs at the measured bf16 tensor-core peak (a large matmul), an empty
-kernel node; ``floor_us`` is the largest, ``achieved`` = floor_us / new_us. Bytes: indexer: for the
+kernel node; ``floor_us`` is the largest, ``achieved`` = floor_us / new_us. Next to the top-k
+(live > k) a same-bytes yardstick timed the same way: ``torch.amax`` of every logits row
+(``amax_us``, ``new_over_amax``); an exact select needs several such passes. Bytes: indexer: for the
 rows longer than k, their page-table prefixes, the index keys once per request (the N verify rows
 share them), q and weights, the logits written; top-k: rows longer than k read their logits, every
 row reads its selected page-table entries and writes k slots; sparse MLA: the distinct selected
@@ -58,7 +61,7 @@ from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SparseMLAConfig, sparse_mla_decode,
                                     sparse_mla_workspace)
-from dsaspec.ops.topk import topk_num_chunks, topk_slots, topk_workspace
+from dsaspec.ops.topk import topk_num_chunks, topk_single_launch_fits, topk_slots, topk_workspace
 from dsaspec.runtime.config import PRESETS, get_config
 
 OPS = ("indexer", "topk", "sparse_mla", "layer")
@@ -210,10 +213,11 @@ def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs
     return run
 
 
-def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None):
+def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None,
+          single_launch: bool | None = None):
     """Top-k of buffer ``logits`` into buffer ``out``. new: the point's workspace (``chunks``:
-    one of that many chunks per row; 1: none, one program per row); baseline: one program per
-    row reading short rows too."""
+    one of that many chunks per row; 1: none, one program per row; ``single_launch`` as
+    ``topk_slots`` takes it); baseline: one program per row reading short rows too."""
     scores = p.buffer(logits, (p.rows, p.live), torch.float32)
     slots = p.buffer(out, (p.rows, p.shapes.topk), torch.int32)
     workspace = None
@@ -224,7 +228,20 @@ def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None
 
     def run(check_values: bool = False) -> None:
         topk_slots(scores, p.seqlens, p.page_table, p.shapes.topk, slots, check_values=check_values,
-                   read_short_rows=not new, workspace=workspace)
+                   read_short_rows=not new, workspace=workspace,
+                   single_launch=single_launch if workspace is not None else None)
+
+    return run
+
+
+def _row_amax(p: _Point, logits: str, out: str):
+    """``torch.amax`` of every row of buffer ``logits``: one read of the logits the top-k reads
+    (the same bytes, give or take the N - 1 shorter verify rows), the yardstick of its passes."""
+    scores = p.buffer(logits, (p.rows, p.live), torch.float32)
+    result = p.buffer(out, (p.rows,), torch.float32)
+
+    def run(check_values: bool = False) -> None:
+        torch.amax(scores, dim=1, out=result)
 
     return run
 
@@ -263,8 +280,11 @@ def _variants(p: _Point, op: str) -> dict:
     if op == "indexer":
         return {"baseline": _indexer(p, False), "new": _indexer(p, True)}
     if op == "topk":
-        return {"baseline": _topk(p, False, "logits_baseline", "slots_baseline"),
-                "new": _topk(p, True, "logits_baseline", "slots_new")}
+        variants = {"baseline": _topk(p, False, "logits_baseline", "slots_baseline"),
+                    "new": _topk(p, True, "logits_baseline", "slots_new")}
+        if p.live > p.shapes.topk:
+            variants["amax"] = _row_amax(p, "logits_baseline", "amax")
+        return variants
     if op == "sparse_mla":
         return {"baseline": _sparse_mla(p, "slots_new", "out_baseline", SPARSE_MLA_BASELINE_CONFIG, None),
                 "new": _sparse_mla(p, "slots_new", "out_new", None, p.workspace),
@@ -416,6 +436,9 @@ def _time_row(p: _Point, op: str, floors, peak_tflops: float, iters: int) -> dic
     }
     if "new_nosplit" in timings:
         row["new_nosplit_us"] = timings["new_nosplit"].median_us
+    if "amax" in timings:
+        row["amax_us"] = timings["amax"].median_us
+        row["new_over_amax"] = new / row["amax_us"]
     return row
 
 
@@ -504,7 +527,8 @@ def run(args) -> int:
                 ("new_nosplit_us", "new no-split µs"), ("num_splits", "splits"),
                 ("topk_chunks", "top-k chunks"), ("floor_us", "floor µs"),
                 ("bytes_floor_us", "bytes floor µs"), ("flop_floor_us", "FLOP floor µs"),
-                ("achieved", "achieved"), ("spread_new", "spread new"), ("error", "error")]
+                ("achieved", "achieved"), ("amax_us", "same-bytes amax µs"), ("new_over_amax", "new / amax"),
+                ("spread_new", "spread new"), ("error", "error")]
         table = [dict(r, spread_new=r.get("spread", {}).get("new")) for r in rows]
     else:
         cols = [("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("rows", "rows"),
@@ -550,8 +574,11 @@ def _tune(args) -> int:
         default_chunks = topk_num_chunks(point.rows, shapes.num_sms)
         for chunks in dict.fromkeys([default_chunks] + [max(1, round(default_chunks * factor))
                                                         for factor in TUNE_TOPK_CHUNKS] + [1]):
-            candidates.append(("topk", {"chunks": chunks},
-                               _topk(point, True, "logits_baseline", "slots_tune", chunks)))
+            for single in (None,) if chunks == 1 else (True, False):
+                if single and not topk_single_launch_fits(point.rows, chunks, device):
+                    continue
+                candidates.append(("topk", {"chunks": chunks} | ({} if single is None else {"single_launch": single}),
+                                   _topk(point, True, "logits_baseline", "slots_tune", chunks, single)))
         for op, config, fn in candidates:
             row = {"op": op, "mode": mode, "bs": bs, "live_kv": live, "config": config}
             try:
