@@ -221,6 +221,25 @@ def test_bench_decode_smoke_on_cpu(tmp_path):
     assert all(r["new_us"] is None for r in payload["rows"])
 
 
+@pytest.mark.parametrize("module, phase", [
+    ("dsaspec.ops.indexer", "indexer"), ("dsaspec.ops.topk", "topk"), ("dsaspec.ops.sparse_mla", "sparse_mla"),
+    ("dsaspec.ops.indexer_schedule", "metadata"), ("dsaspec.ops.dsa_metadata", "metadata"),
+    ("dsaspec.ops.dsa_metadata_bounded", "metadata")])
+def test_bench_decode_attributes_every_dsa_kernel(module, phase):
+    """Every Triton kernel of a DSA op lands in its phase by name (a new kernel left out of
+    NAME_PHASES would be counted under some other phase)."""
+    import importlib
+
+    from triton.runtime.jit import KernelInterface  # a jitted kernel, compiled or interpreted
+
+    from dsaspec.bench import decode
+
+    kernels = [name for name, value in vars(importlib.import_module(module)).items()
+               if isinstance(value, KernelInterface) and name.endswith("_kernel")]
+    assert kernels
+    assert {name: decode._phase_by_name(name) for name in kernels} == dict.fromkeys(kernels, phase)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: `python -m pytest -q -m gpu tests/test_engine.py`
 

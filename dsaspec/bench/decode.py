@@ -59,7 +59,7 @@ PHASE_PATTERNS = {
                 "and the input prep before the graph (seq_lens = positions + 1, the out_cache_loc gather)",
     "indexer": "_indexer_logits_kernel; and the kernels of module self_attn.indexer (wq_b, wk, k_norm, "
                "weights_proj GEMMs, indexer RoPE, index-key cache write)",
-    "topk": "_topk_slots_kernel, _topk_chunk_pass_kernel",
+    "topk": "_topk_slots_kernel, _topk_chunk_pass_kernel, _topk_chunk_single_launch_kernel",
     "sparse_mla": "_sparse_mla_decode_kernel, _sparse_mla_combine_kernel",
     "attention_proj": "other kernels of module self_attn (q_a/q_b/kv_a projections, norms, RoPE, MLA "
                       "cache write, W_UK/W_UV absorption bmm, o_proj)",
@@ -72,7 +72,7 @@ PHASE_PATTERNS = {
 NAME_PHASES = (
     ("metadata", ("_bounded_kernel", "_context_wide_kernel", "_indexer_schedule_kernel")),
     ("indexer", ("_indexer_logits_kernel",)),
-    ("topk", ("_topk_slots_kernel", "_topk_chunk_pass_kernel")),
+    ("topk", ("_topk_slots_kernel", "_topk_chunk_pass_kernel", "_topk_chunk_single_launch_kernel")),
     ("sparse_mla", ("_sparse_mla_decode_kernel", "_sparse_mla_combine_kernel")),
 )
 
