@@ -2,6 +2,8 @@
 target-verify sizes: rows 64/128/256 of a TP 2 vocab shard (77440 bf16 logits per row), warm L2 (in
 the verify step the LM-head GEMM has just written the logits). Prints one line per configuration
 and writes ``sweep_argmax_partials.json`` to the folder given as the first argument (default: .).
+Next to them, timed the same way over the same logits: ``torch.amax`` and ``torch.argmax`` along
+the row (same-bytes reductions: the yardstick of what one read of the shard's logits costs).
 
     python3 scripts/sweep_argmax_partials.py $OUT
 """
@@ -57,13 +59,20 @@ def main() -> int:
                        us=timing.median_us, spread=timing.spread, argmax_ok=ok)
             results.append(row)
             print(json.dumps(row), flush=True)
+        for name, reduce in (("torch.amax", torch.amax), ("torch.argmax", torch.argmax)):
+            timing = time_in_graph(lambda reduce=reduce: reduce(logits, dim=1), iters=100, cold_l2=False,
+                                   graph_diff=False)
+            row = dict(rows=rows, reduction=name, us=timing.median_us, spread=timing.spread)
+            results.append(row)
+            print(json.dumps(row), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep_argmax_partials.json").write_text(json.dumps(results, indent=1) + "\n")
     for rows in (64, 128, 256):
-        mine = sorted((r for r in results if r["rows"] == rows), key=lambda r: r["us"])
-        default = next(r for r in mine if r["split_columns"] == ax.DEFAULT_SPLIT_COLUMNS and r["block"] == 2048
-                       and r["num_warps"] == 8)
-        print(f"rows {rows}: default {default['us']:.2f} us; best {mine[0]}")
+        mine = sorted((r for r in results if r["rows"] == rows and "block" in r), key=lambda r: r["us"])
+        default = next(r for r in mine if r["split_columns"] == ax.DEFAULT_SPLIT_COLUMNS
+                       and r["block"] == ax._ARGMAX_BLOCK and r["num_warps"] == 4)
+        same_bytes = {r["reduction"]: round(r["us"], 2) for r in results if r["rows"] == rows and "reduction" in r}
+        print(f"rows {rows}: default {default['us']:.2f} us; best {mine[0]}; same bytes {same_bytes}")
     return 0
 
 
