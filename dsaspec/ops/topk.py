@@ -67,15 +67,41 @@ def _order_key(values):
 
 
 @triton.jit
-def _digit_histogram(row_logits, start, end, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+def _first_values(row_logits, start, end, PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
+    """What a block loop carries into its first step: with ``PREFETCH`` the first block's logits
+    (loaded now), else nothing to carry (zeros, never read)."""
+    if PREFETCH:
+        positions = start + tl.arange(0, BLOCK)
+        return tl.load(row_logits + positions, mask=positions < end, other=0.0)
+    else:
+        return tl.zeros((BLOCK,), dtype=tl.float32)
+
+
+@triton.jit
+def _step_values(row_logits, positions, end, carried, PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
+    """(the logits at ``positions``, what to carry to the next step). With ``PREFETCH`` they were
+    carried in and the next block's load is issued now, before this block's work, so two blocks
+    are in flight; without, this block is loaded now."""
+    if PREFETCH:
+        ahead = positions + BLOCK
+        return carried, tl.load(row_logits + ahead, mask=ahead < end, other=0.0)
+    else:
+        return tl.load(row_logits + positions, mask=positions < end, other=0.0), carried
+
+
+@triton.jit
+def _digit_histogram(row_logits, start, end, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     """int32 ``[256]``: counts of digit ``LEVEL`` (key bits ``31 - 8 LEVEL .. 24 - 8 LEVEL``)
     over the positions ``[start, end)`` whose higher digits equal ``prefix``."""
     offsets = tl.arange(0, BLOCK)
     histogram = tl.zeros((256,), dtype=tl.int32)
+    carried = _first_values(row_logits, start, end, PREFETCH, BLOCK)
     for block_start in range(start, end, BLOCK):
         positions = block_start + offsets
         in_range = positions < end
-        keys = _order_key(tl.load(row_logits + positions, mask=in_range, other=0.0))
+        values, carried = _step_values(row_logits, positions, end, carried, PREFETCH, BLOCK)
+        keys = _order_key(values)
         if LEVEL > 0:
             in_range = in_range & ((keys >> (32 - 8 * LEVEL)) == prefix)
         digits = ((keys >> (24 - 8 * LEVEL)) & 255).to(tl.int32)
@@ -97,15 +123,18 @@ def _choose_digit(histogram, need):
 
 @triton.jit
 def _write_selected(row_logits, row_table, row_out, row_positions, start, end, threshold, shift,
-                    need, written, ties_seen, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
+                    need, written, ties_seen, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     """Write the selected positions of ``[start, end)`` (``key >> shift`` above ``threshold``,
     or equal to it with fewer than ``need`` such ties before, counting ``ties_seen`` earlier
     ones) in ascending order from output index ``written``; returns the next index."""
     offsets = tl.arange(0, BLOCK)
+    carried = _first_values(row_logits, start, end, PREFETCH, BLOCK)
     for block_start in range(start, end, BLOCK):
         positions = block_start + offsets
         in_range = positions < end
-        keys = _order_key(tl.load(row_logits + positions, mask=in_range, other=0.0)) >> shift
+        values, carried = _step_values(row_logits, positions, end, carried, PREFETCH, BLOCK)
+        keys = _order_key(values) >> shift
         above = in_range & (keys > threshold)
         tie = in_range & (keys == threshold)
         tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
@@ -183,7 +212,7 @@ def _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
     searching = live > k
     for level in tl.static_range(4):
         if searching:
-            histogram = _digit_histogram(row_logits, 0, live, threshold, level, BLOCK)
+            histogram = _digit_histogram(row_logits, 0, live, threshold, level, BLOCK, False)
             digit, in_digit, above = _choose_digit(histogram, need)
             need -= above
             threshold = (threshold << 8) | digit.to(tl.uint32)
@@ -191,7 +220,7 @@ def _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
             searching = in_digit != need
     none = tl.zeros((), dtype=tl.int32)
     return _write_selected(row_logits, row_table, row_out, row_positions, 0, live, threshold,
-                           shift, need, none, none, WRITE_POSITIONS, BLOCK)
+                           shift, need, none, none, WRITE_POSITIONS, BLOCK, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +329,7 @@ def _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k,
         tl.store(state + _SEARCHING, searching.to(tl.int32))
     if searching:
         histogram = _digit_histogram(row_logits, start, end, prefix.to(tl.uint32, bitcast=True),
-                                     PASS, BLOCK)
+                                     PASS, BLOCK, True)
         tl.store(row_workspace + chunk * _WORDS + PASS * 256 + tl.arange(0, 256), histogram)
     return found, searching
 
@@ -329,7 +358,7 @@ def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, po
                         k, WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
         if PASS == 0:
-            histogram = _digit_histogram(row_logits, start, end, 0, 0, BLOCK)
+            histogram = _digit_histogram(row_logits, start, end, 0, 0, BLOCK, True)
             tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
         elif PASS < 4:
             _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k, PASS,
@@ -378,7 +407,7 @@ def _topk_chunk_single_launch_kernel(logits_ptr, seqlens_ptr, page_table_ptr, ou
                     WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
         arrived = row_workspace + _STATE + _ARRIVED
-        histogram = _digit_histogram(row_logits, start, end, 0, 0, BLOCK)
+        histogram = _digit_histogram(row_logits, start, end, 0, 0, BLOCK, True)
         tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
         barriers = tl.full((), 1, dtype=tl.int32)
         _row_barrier(arrived, num_active, False)
@@ -415,7 +444,7 @@ def _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, s
     _write_selected(row_logits, row_table, row_out, row_positions, start, end,
                     prefix.to(tl.uint32, bitcast=True), (32 - 8 * levels).to(tl.uint32), need,
                     above_before + tl.minimum(ties_before, need), ties_before, WRITE_POSITIONS,
-                    BLOCK)
+                    BLOCK, True)
 
 
 # ---------------------------------------------------------------------------------------------
