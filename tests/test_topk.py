@@ -292,6 +292,21 @@ def test_workspace_size():
         topk_workspace(2, "cpu", num_chunks=0)
 
 
+def test_single_launch_fits_two_programs_per_sm(monkeypatch):
+    """One cooperative launch only on a CUDA device and for at most 2 programs per SM (so every
+    program of a row can wait for the others); otherwise the five launches."""
+    monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
+    per_sm = topk_module.PROGRAMS_PER_SM
+    assert topk_module.topk_single_launch_fits(8, per_sm * 132 // 8, "cuda")
+    assert topk_module.topk_single_launch_fits(per_sm * 132, 1, "cuda")
+    assert not topk_module.topk_single_launch_fits(per_sm * 132 + 1, 1, "cuda")
+    assert not topk_module.topk_single_launch_fits(2, per_sm * 66 + 1, "cuda")
+    assert not topk_module.topk_single_launch_fits(1, 2, "cpu")
+    # the default chunk count always fits
+    for rows in (1, 3, 16, 64, 66):
+        assert topk_module.topk_single_launch_fits(rows, topk_num_chunks(rows, 132), "cuda")
+
+
 def test_bad_workspace(device):
     logits = torch.zeros(2, 32, device=device)
     seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)
