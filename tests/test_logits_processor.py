@@ -405,6 +405,25 @@ def test_verify_step_benchmark_without_cuda(tmp_path, capsys):
     assert "dsaspec: error: --topk 9: expected 2 to 8" in capsys.readouterr().err
 
 
+def test_verify_step_benchmark_timed_functions(device):
+    """Every function the verify-step benchmark times runs, and the yardstick pair measures what it
+    says: the partials kernel's candidates pick torch.argmax of the local logits, the amax their max."""
+    from dsaspec.bench import verify_step
+
+    step = verify_step._Step(TPGroup.single(device), vocab=1000, hidden=64, max_rows=8, topk=3)
+    hidden = step.hidden_states(5)
+    for fn in step.functions(hidden).values():
+        fn()
+    shard = step.head.shard_size
+    local = step.local[:5 * shard].view(5, shard).float()
+    assert torch.equal(step.local_max[:5].float(), local.amax(dim=1))
+    lanes = step.partials[:5].long()
+    keys = lanes[..., 0] << 16 | lanes[..., 1]
+    index = lanes[..., 2] << 16 | lanes[..., 3]
+    picked = index.gather(1, keys.argmax(1, keepdim=True)).squeeze(1).cpu()
+    assert torch.equal(picked, first_max_index(local[:, :1000]))  # columns past the vocabulary are padding
+
+
 # -- LM head ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("vocab,tp,padded", [(154880, 1, 154880), (154880, 2, 154880), (154880, 8, 155136),

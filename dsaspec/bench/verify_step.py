@@ -13,7 +13,10 @@ replays, warm L2, max over the TP ranks):
   softmax (the max relative error is recorded, also against ``torch.softmax`` in fp32).
 
 Also timed: the local GEMM alone, one all-reduce of each exchange buffer, and GEMM + that all-reduce (the
-exchange's reference point). Floor = shard weight bytes / measured copy bandwidth + one all-reduce.
+exchange's reference point); the verify exchange's partials kernel alone (``argmax_partials`` on the
+local logits) next to ``torch.amax`` of the same logits (one read of the same bytes: the yardstick of
+what the exchange adds over GEMM + all-reduce). Floor = shard weight bytes / measured copy bandwidth +
+one all-reduce.
 
 TP > 1 needs that many GPUs: ``dsaspec bench verify-step --tp 1,2`` re-launches itself under
 ``torchrun --nproc-per-node 2``; rank 0 writes the results. Without CUDA: TP 1 at a tiny size under the
@@ -36,6 +39,7 @@ from dsaspec.ops.argmax_exchange import (
     TOPK_P_ABS_ERROR,
     TOPK_P_REL_ERROR,
     TOPK_SPLIT_COLUMNS,
+    argmax_partials,
     exchange_layout,
     topk_slot_lanes,
 )
@@ -82,6 +86,8 @@ class _Step:
         self.ar_in = group.symmetric_empty(max_rows * max(self.row_numel.values()))
         self.ar_out = torch.empty_like(self.ar_in)
         self.local = torch.empty(max_rows * shard, dtype=torch.bfloat16, device=group.device)
+        self.partials = torch.empty(max_rows, group.size * exchange_layout(shard)[0], LANES, device=group.device)
+        self.local_max = torch.empty(max_rows, dtype=torch.bfloat16, device=group.device)
 
     def engaged(self) -> dict[str, str | None]:
         """Per step, why the exchange processor gathers (None: it exchanges)."""
@@ -103,6 +109,10 @@ class _Step:
             n = rows * self.row_numel[step]
             return lambda: self.group.all_reduce(self.ar_in[:n], out=self.ar_out[:n])
 
+        def partials():
+            argmax_partials(local, self.partials[:rows], rank=self.group.rank, tp_size=self.group.size,
+                            vocab_size=self.head.vocab_size)
+
 
         fns = {
             "verify_gather": lambda: self.gather.target_tokens(hidden),
@@ -110,6 +120,8 @@ class _Step:
             "topk_gather": lambda: topk_draft_step(self.gather, hidden, self.topk),
             "topk_exchange": lambda: topk_draft_step(self.exchange, hidden, self.topk),
             "gemm": gemm,
+            "verify_partials": partials,
+            "logits_amax": lambda: torch.amax(local, dim=1, out=self.local_max[:rows]),
         }
         def then(first, second):
             return lambda: (first(), second())
@@ -191,6 +203,9 @@ def _measure(args, step: _Step, group: TPGroup, r: int, floors) -> list[dict]:
             "graph_diff_us": {n: t["graph_diff_us"] for n, t in timed.items() if n.startswith(kind) or n == "gemm"},
             "tokens_identical": True, **(errors if kind == TOPK else {}),
         })
+        if kind == VERIFY:
+            out[-1].update(partials_us=us["verify_partials"], amax_us=us["logits_amax"],
+                           partials_over_amax=us["verify_partials"] / us["logits_amax"])
     return out
 
 
@@ -207,7 +222,9 @@ def _report(args, rows: list[dict], floors, world: int) -> int:
                ("exchange_engaged", "exchange"), ("baseline_us", "gather µs"), ("new_us", "exchange µs"),
                ("speedup", "speedup"), ("gemm_us", "local GEMM µs"), ("allreduce_us", "all-reduce µs"),
                ("gemm_allreduce_us", "GEMM + all-reduce µs"), ("new_over_gemm_allreduce", "exchange / (GEMM + AR)"),
-               ("floor_us", "floor µs"), ("new_over_floor", "exchange / floor")]
+               ("partials_us", "partials µs"), ("amax_us", "same-bytes amax µs"),
+               ("partials_over_amax", "partials / amax"), ("floor_us", "floor µs"),
+               ("new_over_floor", "exchange / floor")]
     summary = lm_head_tp.summary_by_rows(rows, lambda r: f"TP{r['tp']} {r['step']}")
     worst = max((r for r in rows if "p_rel_error_exact" in r), key=lambda r: r["p_rel_error_exact"])
     notes = [f"Vocab {args.vocab}, hidden {args.hidden}, bf16 head; rows = batch size x 4 verify tokens; µs per "
@@ -244,6 +261,10 @@ def _targets(rows: list[dict]) -> list[dict]:
     for r in verify_tp2:
         out.append({"target": f"TP2 rows {r['rows']}: verify exchange within 1.05x of local GEMM + one all-reduce",
                     "value": f"{r['new_over_gemm_allreduce']:.3f}x", "met": r["new_over_gemm_allreduce"] <= 1.05})
+        if r["new_over_gemm_allreduce"] > 1.05:  # the proposed reading where the GEMM does not dominate
+            out.append({"target": f"TP2 rows {r['rows']} (proposed, docs/argmax-exchange.md): partials kernel "
+                                  "within 1.05x of a same-bytes torch.amax of the local logits",
+                        "value": f"{r['partials_over_amax']:.3f}x", "met": r["partials_over_amax"] <= 1.05})
     slower = [f"TP{r['tp']}/{r['step']}/rows {r['rows']}" for r in rows if r["new_us"] > r["baseline_us"]]
     out.append({"target": "exchange never slower than the gather path (verify and top-k, every TP and row count)",
                 "value": ", ".join(slower) or "no point slower", "met": not slower})
