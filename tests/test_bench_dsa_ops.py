@@ -1,0 +1,47 @@
+"""``dsaspec bench dsa-ops``: the CPU run checks every op's new form against its baseline and the
+plain-torch references; the targets read each row the way the issue (and the proposals) state them."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from dsaspec.bench import dsa_ops
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
+def test_cpu_run_matches_baseline_and_references(tmp_path):
+    parser = argparse.ArgumentParser()
+    dsa_ops.add_arguments(parser)
+    assert dsa_ops.run(parser.parse_args(["--out", str(tmp_path)])) == 0
+    rows = json.loads((tmp_path / "dsa_ops.json").read_text())["rows"]
+    assert {r["op"] for r in rows} == set(dsa_ops.OPS)
+    assert all(r["matches_baseline"] and r.get("matches_reference", True) for r in rows)
+    assert not any("new_us" in r or "error" in r for r in rows)
+
+
+def _row(op, bs, live, new_us, baseline_us, floor_us, amax_us=None):
+    row = {"op": op, "mode": "decode", "bs": bs, "live_kv": live, "new_us": new_us,
+           "baseline_us": baseline_us, "speedup": baseline_us / new_us, "floor_us": floor_us}
+    if amax_us is not None:
+        row.update(amax_us=amax_us, new_over_amax=new_us / amax_us)
+    return row
+
+
+def test_targets():
+    rows = [_row("topk", 1, 1024, 2.0, 5.0, 0.6),                 # small: <= 8 µs, not slower
+            _row("sparse_mla", 1, 1024, 9.0, 8.0, 0.6),           # small missed, slower beyond noise
+            _row("topk", 16, 65536, 45.0, 230.0, 1.0, amax_us=17.0),   # floor missed, proposal met
+            _row("topk", 64, 65536, 140.0, 230.0, 4.0, amax_us=19.0),  # proposal missed
+            _row("indexer", 16, 65536, 100.0, 170.0, 66.0),       # floor met; no amax row
+            {"op": "layer", "mode": "decode", "bs": 1, "live_kv": 1024}]  # no time: no target
+    got = [(t["op"], t["bs"], t["target"], t["met"]) for t in dsa_ops._targets(rows)]
+    assert got == [
+        ("topk", 1, "<= 8 µs", True), ("topk", 1, "not slower than baseline (x1.05 noise)", True),
+        ("sparse_mla", 1, "<= 8 µs", False), ("sparse_mla", 1, "not slower than baseline (x1.05 noise)", False),
+        ("topk", 16, "<= 2x floor", False), ("topk", 16, "(proposed) <= 5x same-bytes torch.amax", True),
+        ("topk", 16, "not slower than baseline (x1.05 noise)", True),
+        ("topk", 64, "<= 2x floor", False), ("topk", 64, "(proposed) <= 5x same-bytes torch.amax", False),
+        ("topk", 64, "not slower than baseline (x1.05 noise)", True),
+        ("indexer", 16, "<= 2x floor", True), ("indexer", 16, "not slower than baseline (x1.05 noise)", True)]
