@@ -25,7 +25,7 @@ CUPTI kernel time, median and spread).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
-and 1: one program per row), each in one launch (where it fits) and in five.
+``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five.
 
 Floors (per op, what its contract needs; the layer's is the sum of its ops'): bytes at the
 measured copy bandwidth, FLOPs at the measured bf16 tensor-core peak (a large matmul), an empty
@@ -100,8 +100,10 @@ TUNE_INDEXER = (
 )
 TUNE_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 1, 3)  # indexer programs (schedule entries) per SM, the default first
 TUNE_TOPK_CHUNKS = (0.25, 0.5, 1, 2)  # top-k chunks per row, as multiples of topk_workspace's count
+TUNE_TOPK_FEW_CHUNKS = (2, 4)  # also tried where the rule gives one program per row (many rows)
 TUNE_POINTS = (("decode", 1, 1024), ("target_verify", 1, 65536), ("decode", 4, 8192),
-               ("decode", 16, 65536), ("target_verify", 64, 1024), ("decode", 1, 65536))
+               ("decode", 16, 65536), ("target_verify", 64, 1024), ("decode", 1, 65536),
+               ("target_verify", 32, 65536), ("target_verify", 64, 65536))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -579,7 +581,8 @@ def _tune(args) -> int:
                                    _sparse_mla(point, "slots_new", "out_tune", config, workspace)))
         default_chunks = topk_num_chunks(point.rows, shapes.num_sms)
         for chunks in dict.fromkeys([default_chunks] + [max(1, round(default_chunks * factor))
-                                                        for factor in TUNE_TOPK_CHUNKS] + [1]):
+                                                        for factor in TUNE_TOPK_CHUNKS] + [1]
+                                    + list(TUNE_TOPK_FEW_CHUNKS)):
             for single in (None,) if chunks == 1 else (True, False):
                 if single and not topk_single_launch_fits(point.rows, chunks, device):
                     continue
