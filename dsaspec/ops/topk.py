@@ -317,7 +317,7 @@ def _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k,
                  PASS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
     """Pass ``PASS`` (1..3) of a searching row: move the chunk's search state past digit
     ``PASS - 1`` and store it (if the row was still searching), then histogram digit ``PASS``
-    of the chunk (if it still is). Returns (the row was searching, it still is)."""
+    of the chunk (if it still is). Returns whether it still is."""
     above, prefix, need, levels, searching, found = _advance(row_workspace, chunk, num_active,
                                                               k, PASS - 1, TILE)
     if found:
@@ -331,7 +331,7 @@ def _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k,
         histogram = _digit_histogram(row_logits, start, end, prefix.to(tl.uint32, bitcast=True),
                                      PASS, BLOCK, True)
         tl.store(row_workspace + chunk * _WORDS + PASS * 256 + tl.arange(0, 256), histogram)
-    return found, searching
+    return searching
 
 
 @triton.jit
@@ -414,8 +414,8 @@ def _topk_chunk_single_launch_kernel(logits_ptr, seqlens_ptr, page_table_ptr, ou
         searching = live > k  # true here; every program of the row derives the same values
         for level in tl.static_range(1, 4):
             if searching:
-                _, searching = _search_pass(row_logits, row_workspace, start, end, chunk,
-                                            num_active, k, level, BLOCK, TILE)
+                searching = _search_pass(row_logits, row_workspace, start, end, chunk,
+                                         num_active, k, level, BLOCK, TILE)
                 barriers += 1
                 # the last barrier: the search ended here, or this was the last digit
                 _row_barrier(arrived, num_active * barriers, (searching == 0) | (level == 3))
