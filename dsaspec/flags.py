@@ -55,6 +55,13 @@ def spec_verify_argmax_exchange() -> bool:
     return _switch("DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE")
 
 
+def topk_single_launch() -> bool:
+    """``DSASPEC_TOPK_SINGLE_LAUNCH``: the chunked top-k runs as one cooperative launch where it
+    fits (default on). Off keeps its five launches: for deployments that run other kernels beside it
+    on other streams, where a grid that must be resident all at once may wait for room."""
+    return _switch("DSASPEC_TOPK_SINGLE_LAUNCH")
+
+
 def metadata_program_budget() -> int:
     """``DSASPEC_METADATA_BUDGET``: program budget of the bounded metadata kernels (default 2048),
     a positive integer. The grid is ``1 + requests * max(1, min(budget // requests, 256))``."""
@@ -100,6 +107,7 @@ def check_all() -> None:
     bounded_replay_metadata()
     spec_draft_argmax_exchange()
     spec_verify_argmax_exchange()
+    topk_single_launch()
     metadata_program_budget()
     simulate_accept_len()
     triton_interpret()

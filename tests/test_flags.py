@@ -11,6 +11,7 @@ from dsaspec.errors import UserError
 SWITCHES = [("DSASPEC_BOUNDED_REPLAY_METADATA", flags.bounded_replay_metadata, True),
             ("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", flags.spec_draft_argmax_exchange, True),
             ("DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE", flags.spec_verify_argmax_exchange, True),
+            ("DSASPEC_TOPK_SINGLE_LAUNCH", flags.topk_single_launch, True),
             ("TRITON_INTERPRET", flags.triton_interpret, False)]
 
 
@@ -58,7 +59,8 @@ def test_check_all_reads_every_switch(monkeypatch):
     flags.check_all()
     for name, value in [("DSASPEC_METADATA_BUDGET", "x"), ("DSASPEC_BOUNDED_REPLAY_METADATA", "x"),
                         ("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", "x"), ("DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE", "x"),
-                        ("DSASPEC_SIMULATE_ACCEPT_LEN", "x"), ("TRITON_INTERPRET", "x")]:
+                        ("DSASPEC_TOPK_SINGLE_LAUNCH", "x"), ("DSASPEC_SIMULATE_ACCEPT_LEN", "x"),
+                        ("TRITON_INTERPRET", "x")]:
         with monkeypatch.context() as m:
             m.setenv(name, value)
             with pytest.raises(UserError, match=name):

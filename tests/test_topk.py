@@ -307,6 +307,43 @@ def test_single_launch_fits_two_programs_per_sm(monkeypatch):
         assert topk_module.topk_single_launch_fits(rows, topk_num_chunks(rows, 132), "cuda")
 
 
+@pytest.mark.parametrize("switch", ["", "0"])
+def test_chunked_launches(monkeypatch, device, switch):
+    """The kernels a chunked call really launches (Triton pre-run hooks): one cooperative launch on
+    the GPU, unless DSASPEC_TOPK_SINGLE_LAUNCH is off; five launches under the interpreter."""
+    monkeypatch.setenv("DSASPEC_TOPK_SINGLE_LAUNCH", switch)
+    seen = []
+    for kernel in (topk_module._topk_chunk_pass_kernel, topk_module._topk_chunk_single_launch_kernel):
+        monkeypatch.setattr(kernel, "pre_run_hooks",
+                            [lambda *a, _name=kernel.__name__, **kw: seen.append((_name, kw.get("PASS")))])
+    logits, seqlens, page_table = _inputs(torch.randn(2, 100), [100, 60], width=100)
+    _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2)
+    if device.type == "cuda" and switch == "":
+        assert seen == [("_topk_chunk_single_launch_kernel", None)]
+    else:
+        assert seen == [("_topk_chunk_pass_kernel", p) for p in range(5)]
+
+
+def test_single_launch_with_one_program_per_row_runs_anywhere(monkeypatch, device):
+    """The single-launch kernel itself, under the interpreter too: rows no longer than one chunk
+    (16 positions there) have one active program, so every barrier is passed by arriving, and the
+    interpreter's one-program-at-a-time order cannot wait forever. Copy rows, searching rows that
+    stop after each digit, the last barrier's reset of the counter."""
+    monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
+    seen = []
+    monkeypatch.setattr(topk_module._topk_chunk_single_launch_kernel, "pre_run_hooks",
+                        [lambda *a, **kw: seen.append("single")])
+    lengths = [0, 1, 4, 5, 6, 9, 12, 16, 16, 16]
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(len(lengths), 16, generator=gen)
+    logits[-2] = 0.5  # all ties: the search runs all four digits
+    logits[-1] = (torch.tensor(1.5).view(torch.int32) + torch.randint(0, 256, (16,), generator=gen,
+                                                                       dtype=torch.int32)).view(torch.float32)
+    logits, seqlens, page_table = _inputs(logits, lengths, width=20)
+    _assert_topk(logits, seqlens, page_table, 5, device, num_chunks=3, single_launch=True)
+    assert seen == ["single"]
+
+
 def test_bad_workspace(device):
     logits = torch.zeros(2, 32, device=device)
     seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)
