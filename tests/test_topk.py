@@ -292,18 +292,18 @@ def test_workspace_size():
         topk_workspace(2, "cpu", num_chunks=0)
 
 
-def test_single_launch_fits_two_programs_per_sm(monkeypatch):
-    """One cooperative launch only on a CUDA device and for at most 2 programs per SM (so every
-    program of a row can wait for the others); otherwise the five launches."""
+def test_single_launch_fit_rule(monkeypatch):
+    """One cooperative launch only on a CUDA device and for at most SINGLE_LAUNCH_PROGRAMS_PER_SM
+    programs per SM (so every program of a row can wait for the others); otherwise five launches."""
     monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
-    per_sm = topk_module.PROGRAMS_PER_SM
+    per_sm = topk_module.SINGLE_LAUNCH_PROGRAMS_PER_SM
     assert topk_module.topk_single_launch_fits(8, per_sm * 132 // 8, "cuda")
     assert topk_module.topk_single_launch_fits(per_sm * 132, 1, "cuda")
     assert not topk_module.topk_single_launch_fits(per_sm * 132 + 1, 1, "cuda")
     assert not topk_module.topk_single_launch_fits(2, per_sm * 66 + 1, "cuda")
     assert not topk_module.topk_single_launch_fits(1, 2, "cpu")
     # the default chunk count always fits
-    for rows in (1, 3, 16, 64, 66):
+    for rows in (1, 3, 16, 64, 66, 67, 256):
         assert topk_module.topk_single_launch_fits(rows, topk_num_chunks(rows, 132), "cuda")
 
 
@@ -373,10 +373,10 @@ def test_bad_workspace(device):
         call(torch.zeros(2, 3, words, dtype=torch.int32, device=device), read_short_rows=True)
     with pytest.raises(ValueError, match="single_launch: only with a workspace"):
         call(None, single_launch=False)
-    # 600 programs are more than 2 per SM of any device this runs on (and the CPU has none)
-    with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device and at most 2 programs "
-                                         r"per SM, got 2 rows x 300 chunks on "):
-        call(torch.zeros(2, 300, words, dtype=torch.int32, device=device), single_launch=True)
+    # 2 x 1000 programs are more than 4 per SM of any device this runs on (and the CPU has none)
+    with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device and at most 4 programs "
+                                         r"per SM, got 2 rows x 1000 chunks on "):
+        call(torch.zeros(2, 1000, words, dtype=torch.int32, device=device), single_launch=True)
 
 
 GPU_WIDTH = 1_048_586
@@ -421,13 +421,29 @@ def test_gpu_chunked_production_sizes(num_rows, longest, num_chunks, single_laun
     device = torch.device("cuda")
     workspace = topk_workspace(num_rows, device, num_chunks=num_chunks)
     assert workspace is not None
-    if single_launch and num_chunks is not None:
-        pytest.skip("64 x 64 programs do not fit one cooperative launch")
+    if single_launch and not topk_module.topk_single_launch_fits(num_rows, workspace.shape[1], device):
+        pytest.skip(f"{num_rows} x {workspace.shape[1]} programs do not fit one cooperative launch")
     logits, seqlens, page_table = _production_inputs(num_rows, longest)
     out, positions = _run(logits, seqlens, page_table, 2048, device, workspace=workspace,
                           single_launch=single_launch)
     assert torch.equal(positions.long(), reference_topk_positions(logits, seqlens, 2048))
     assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, 2048))
+
+
+@pytest.mark.gpu
+def test_gpu_single_launch_at_the_fit_limit():
+    """A single launch of SINGLE_LAUNCH_PROGRAMS_PER_SM programs per SM (every row long enough to
+    use all its chunks, so every program waits at every barrier): all resident at once, exact."""
+    device = torch.device("cuda")
+    num_rows = 8
+    num_chunks = topk_module.SINGLE_LAUNCH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(
+        device).multi_processor_count // num_rows
+    longest = num_chunks * 1024
+    gen = torch.Generator().manual_seed(num_chunks)
+    logits = torch.randn(num_rows, longest, generator=gen)
+    logits[:, ::3] = 0.25  # ties at the k-th value
+    logits, seqlens, page_table = _inputs(logits, [longest] * num_rows, width=longest, num_slots=1 << 20)
+    _assert_topk(logits, seqlens, page_table, 2048, device, num_chunks=num_chunks, single_launch=True)
 
 
 @pytest.mark.gpu

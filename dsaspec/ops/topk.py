@@ -47,6 +47,11 @@ _ALIGN = tl.constexpr(16)  # chunk lengths are multiples of this (chunks start 6
 MAX_CHUNKS = 32
 MIN_CHUNKS = 4
 PROGRAMS_PER_SM = 2
+# The single launch needs every program of the grid resident at once; the compiled single-launch
+# kernel (4 warps, 96 registers a thread and 2 KB of shared memory for sm_90 with Triton 3.6) fits
+# five per SM, so a grid of up to four per SM may run as one (a GPU test launches one that large;
+# a grid the device cannot hold makes the cooperative launch fail, it never hangs).
+SINGLE_LAUNCH_PROGRAMS_PER_SM = 4
 _PASSES = 5  # histograms of digits 0..3, then the write
 # Workspace words per (row, chunk): 4 digit histograms of 256 counts, then the search state
 # (below), padded to 8 words. Chunk 0's state also holds the row's barrier counter of the
@@ -545,8 +550,8 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     if workspace is not None:
         fits = topk_single_launch_fits(logits.shape[0], workspace.shape[1], logits.device)
         if single_launch and not fits:
-            raise ValueError(f"single_launch: needs a CUDA device and at most {PROGRAMS_PER_SM} "
-                             f"programs per SM, got {logits.shape[0]} rows x "
+            raise ValueError(f"single_launch: needs a CUDA device and at most "
+                             f"{SINGLE_LAUNCH_PROGRAMS_PER_SM} programs per SM, got {logits.shape[0]} rows x "
                              f"{workspace.shape[1]} chunks on {logits.device}")
         if single_launch is None:
             single_launch = fits and flags.topk_single_launch()
@@ -584,10 +589,12 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
 
 def topk_single_launch_fits(num_rows: int, num_chunks: int, device) -> bool:
     """Whether the chunked form of ``num_rows`` rows of ``num_chunks`` chunks may run as one
-    cooperative launch on ``device``: a CUDA device, and at most ``PROGRAMS_PER_SM`` programs
-    per SM (so every program is resident at once; the interpreter runs them one by one)."""
+    cooperative launch on ``device``: a CUDA device, and at most ``SINGLE_LAUNCH_PROGRAMS_PER_SM``
+    programs per SM (so every program is resident at once; the interpreter runs them one by one).
+    The default chunk count (:func:`topk_num_chunks`) always fits."""
     device = torch.device(device)
-    return device.type == "cuda" and num_rows * num_chunks <= PROGRAMS_PER_SM * sm_count(device)
+    return (device.type == "cuda"
+            and num_rows * num_chunks <= SINGLE_LAUNCH_PROGRAMS_PER_SM * sm_count(device))
 
 
 def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace) -> None:
