@@ -26,8 +26,7 @@ from dsaspec.bench.results import bench_params, markdown_table, write_results
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.ops.argmax_exchange import LANES, exchange_layout
 from dsaspec.speculative.draft_step import greedy_draft_step
-from dsaspec.speculative.lm_head import VocabParallelLMHead
-from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor
+from dsaspec.speculative.logits_processor import GREEDY_TOPK1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,11 +43,8 @@ class _Step:
 
     def __init__(self, group: TPGroup, vocab: int, hidden: int, max_rows: int, seed: int = 0):
         self.group = group
-        self.head = VocabParallelLMHead(vocab, hidden, group, dtype=torch.bfloat16)
-        gen = torch.Generator(device=group.device).manual_seed(seed + 1 + group.rank)
-        self.head.weight.normal_(0.0, 0.02, generator=gen)
-        self.gather = LogitsProcessor(self.head, max_rows=max_rows)
-        self.exchange = LogitsProcessor(self.head, max_rows=max_rows)
+        self.head, self.gather, self.exchange = lm_head_tp.random_head_and_processors(group, vocab, hidden,
+                                                                                      max_rows, seed)
         self.exchange.enable_draft_argmax_exchange()
         slots = group.size * exchange_layout(self.head.shard_size)[0]
         self.slots = slots

@@ -18,6 +18,8 @@ from dsaspec.bench.results import bench_params, markdown_table, write_results
 from dsaspec.distributed.tp_group import TPGroup, init_distributed
 from dsaspec.options import format_value, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.runtime.launch import check_gpus, relaunch, under_torchrun, visible_gpus
+from dsaspec.speculative.lm_head import VocabParallelLMHead
+from dsaspec.speculative.logits_processor import LogitsProcessor
 
 CPU_VOCAB, CPU_HIDDEN = 1000, 64
 
@@ -66,6 +68,17 @@ def run_interpreter(args, *, name: str, add_arguments, unused: tuple[str, ...], 
                "rows": rows}
     write_results(name, payload, markdown, args.out)
     return 0
+
+
+def random_head_and_processors(group: TPGroup, vocab: int, hidden: int, max_rows: int, seed: int = 0
+                               ) -> tuple[VocabParallelLMHead, LogitsProcessor, LogitsProcessor]:
+    """A bf16 vocab-parallel LM head with N(0, 0.02) weights (seeded per rank), and two processors over
+    it for ``max_rows`` rows: (head, gathering, exchanging). Each benchmark enables on the exchanging
+    processor the exchanges it times."""
+    head = VocabParallelLMHead(vocab, hidden, group, dtype=torch.bfloat16)
+    gen = torch.Generator(device=group.device).manual_seed(seed + 1 + group.rank)
+    head.weight.normal_(0.0, 0.02, generator=gen)
+    return head, LogitsProcessor(head, max_rows=max_rows), LogitsProcessor(head, max_rows=max_rows)
 
 
 def max_over_ranks(group: TPGroup, values: list[float]) -> list[float]:

@@ -45,8 +45,7 @@ from dsaspec.ops.argmax_exchange import (
 )
 from dsaspec.options import positive_int
 from dsaspec.speculative.draft_step import topk_draft_step
-from dsaspec.speculative.lm_head import VocabParallelLMHead
-from dsaspec.speculative.logits_processor import DraftSampling, LogitsProcessor
+from dsaspec.speculative.logits_processor import DraftSampling
 
 VERIFY, TOPK = "verify", "topk"
 
@@ -72,11 +71,8 @@ class _Step:
         self.group = group
         self.topk = topk
         self.hidden_size = hidden
-        self.head = VocabParallelLMHead(vocab, hidden, group, dtype=torch.bfloat16)
-        gen = torch.Generator(device=group.device).manual_seed(seed + 1 + group.rank)
-        self.head.weight.normal_(0.0, 0.02, generator=gen)
-        self.gather = LogitsProcessor(self.head, max_rows=max_rows)
-        self.exchange = LogitsProcessor(self.head, max_rows=max_rows)
+        self.head, self.gather, self.exchange = lm_head_tp.random_head_and_processors(group, vocab, hidden,
+                                                                                      max_rows, seed)
         self.exchange.enable_verify_argmax_exchange()
         self.exchange.enable_draft_argmax_exchange(max_topk=topk)
         shard = self.head.shard_size
