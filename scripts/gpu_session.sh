@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One lent-GPU session: runs the named steps in order, logs and results under $OUT (default ./gpu_out).
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
-# Steps: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e, e2e-quick, decode, diagnose, draft-step
+# Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
+#   e2e-quick, decode, diagnose, draft-step
+# Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -31,10 +33,20 @@ for step in "$@"; do
                       compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize_row_invariant.py \
                           > "$OUT/racecheck_row_invariant.log" 2>&1; tail -3 "$OUT/racecheck_row_invariant.log" ;;
         draft-step)   python3 -m dsaspec bench draft-step --out "$OUT" ;;
+        tp-tests)     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m pytest -q -s -m multigpu \
+                          -p no:cacheprovider tests/test_tp_model.py tests/test_tp_group.py 2>&1 | tee "$OUT/tp_tests.log" ;;
+        tp-generate)  python3 -m dsaspec generate --tp 2 --preset bench --prompt-lens 2100,9,300 --max-new-tokens 32 \
+                          --context-len 4096 --speculative-algorithm NEXTN --row-invariant --no-progress 2>&1 \
+                          | tee "$OUT/tp_generate.log" ;;
+        tp-draft-step) python3 -m dsaspec bench draft-step --tp 2 --rows 1,4,16,32 --iters 100 --out "$OUT" ;;
+        tp-verify-step) python3 -m dsaspec bench verify-step --tp 1,2 --iters 100 --out "$OUT" ;;
+        tp-e2e-quick) python3 -m dsaspec bench e2e --tp 2 --presets e2e --contexts 1048576 --concurrency 1,4,16,32 \
+                          --accept 3.0 --iterations 12 --runs 4 --out "$OUT" ;;
+        tp-e2e)       python3 -m dsaspec bench e2e --tp 2 --out "$OUT" ;;
         *) echo "unknown step $step"; status=2; continue ;;
     esac
-    rc=$?
+    rc=${PIPESTATUS[0]}  # the step's command, not the tee after it
     echo "== $step exit $rc $(date +%T)"
-    [ $rc -ne 0 ] && status=1
+    [ "$rc" -ne 0 ] && status=1
 done
 exit $status
