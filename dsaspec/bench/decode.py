@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+from triton.runtime.jit import KernelInterface  # a jitted kernel, compiled or interpreted
 
 from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
 from dsaspec.errors import UserError
@@ -45,6 +46,7 @@ from dsaspec.options import format_value, nonnegative_int, positive_int, positiv
 from dsaspec.runtime.config import PRESETS, get_config
 from dsaspec.runtime.graph_runner import DecodeGraphRunner
 from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
+from dsaspec.ops import dsa_metadata, dsa_metadata_bounded, indexer, indexer_schedule, sparse_mla, topk
 from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.runtime.model import DSAModel
 
@@ -53,14 +55,31 @@ KERNELS = (CONTEXT_WIDE, BOUNDED)            # baseline first
 MARKER = "_empty_kernel"
 TPOT_TARGET = 1.05                           # bounded TPOT at a long context / at the reference context
 
-# phase -> what lands in it: kernel-name patterns first, then the module region (marker hooks)
+# DSA-op kernels land in a phase by name: every Triton kernel of these modules (read from the modules,
+# so a new kernel cannot be missed)
+KERNEL_MODULE_PHASES = (
+    ("metadata", (dsa_metadata_bounded, dsa_metadata, indexer_schedule)),
+    ("indexer", (indexer,)),
+    ("topk", (topk,)),
+    ("sparse_mla", (sparse_mla,)),
+)
+
+
+def _kernel_names(modules) -> tuple[str, ...]:
+    return tuple(name for module in modules for name, value in vars(module).items()
+                 if isinstance(value, KernelInterface) and name.endswith("_kernel"))
+
+
+NAME_PHASES = tuple((phase, _kernel_names(modules)) for phase, modules in KERNEL_MODULE_PHASES)
+_KERNELS = dict(NAME_PHASES)
+# phase -> what lands in it: the kernels named above first, then the module region (marker hooks)
 PHASE_PATTERNS = {
-    "metadata": "kernels named _bounded_kernel, _context_wide_kernel, _indexer_schedule_kernel; "
-                "and the input prep before the graph (seq_lens = positions + 1, the out_cache_loc gather)",
-    "indexer": "_indexer_logits_kernel; and the kernels of module self_attn.indexer (wq_b, wk, k_norm, "
-               "weights_proj GEMMs, indexer RoPE, index-key cache write)",
-    "topk": "_topk_slots_kernel, _topk_chunk_pass_kernel, _topk_chunk_single_launch_kernel",
-    "sparse_mla": "_sparse_mla_decode_kernel, _sparse_mla_combine_kernel",
+    "metadata": f"kernels named {', '.join(_KERNELS['metadata'])}; and the input prep before the graph "
+                "(seq_lens = positions + 1, the out_cache_loc gather)",
+    "indexer": f"{', '.join(_KERNELS['indexer'])}; and the kernels of module self_attn.indexer (wq_b, wk, "
+               "k_norm, weights_proj GEMMs, indexer RoPE, index-key cache write)",
+    "topk": ", ".join(_KERNELS["topk"]),
+    "sparse_mla": ", ".join(_KERNELS["sparse_mla"]),
     "attention_proj": "other kernels of module self_attn (q_a/q_b/kv_a projections, norms, RoPE, MLA "
                       "cache write, W_UK/W_UV absorption bmm, o_proj)",
     "ffn": "kernels of module mlp (gate/up/down GEMMs, SiLU*mul)",
@@ -69,12 +88,6 @@ PHASE_PATTERNS = {
     "other": "everything else in the graph (RoPE cos/sin, embedding, layer norms, residual adds, final norm)",
     "feedback": "bench bookkeeping after the graph (token copied back as the next input, positions + 1)",
 }
-NAME_PHASES = (
-    ("metadata", ("_bounded_kernel", "_context_wide_kernel", "_indexer_schedule_kernel")),
-    ("indexer", ("_indexer_logits_kernel",)),
-    ("topk", ("_topk_slots_kernel", "_topk_chunk_pass_kernel", "_topk_chunk_single_launch_kernel")),
-    ("sparse_mla", ("_sparse_mla_decode_kernel", "_sparse_mla_combine_kernel")),
-)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
