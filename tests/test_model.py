@@ -13,7 +13,7 @@ from dsaspec.reference.model import reference_forward, reference_mtp_forward
 from dsaspec.runtime.config import get_config
 from dsaspec.runtime.memory import (PAGE_SIZE, SINK_SLOT, KVPool, PageAllocator, ReqToTokenPool,
                                     RequestSlots)
-from dsaspec.runtime.model import AttentionInputs, DSAModel, build_extend_inputs
+from dsaspec.runtime.model import AttentionInputs, DSAModel, build_extend_inputs, dsa_ops
 
 CONTEXT = 192
 NUM_SLOTS = 10 * PAGE_SIZE
@@ -233,6 +233,31 @@ def test_attention_workspace_parts():
     workspace = row_invariant.attention_workspace(3)
     assert workspace.topk.shape == (3, topk_num_chunks(3, 8), TOPK_WORKSPACE_WORDS)
     assert workspace.sparse_mla is None
+
+
+@pytest.mark.parametrize("switch, single_launch", [("", None), ("1", None), ("0", False)])
+def test_topk_single_launch_switch(monkeypatch, switch, single_launch):
+    """DSASPEC_TOPK_SINGLE_LAUNCH is read when the workspace is made, and reaches every top-k call
+    of a forward as its single_launch (None: one launch where it fits; off: five)."""
+    monkeypatch.setenv("DSASPEC_TOPK_SINGLE_LAUNCH", switch)
+    model = DSAModel(get_config("tiny"), use_triton=True).init_weights(0)
+    workspace = model.attention_workspace(3)
+    assert workspace.topk_single_launch is single_launch
+    monkeypatch.setenv("DSASPEC_TOPK_SINGLE_LAUNCH", "1" if switch == "0" else "0")  # read once: no effect now
+    ops = dsa_ops(True)
+    calls = []
+    real = ops.topk_slots
+    monkeypatch.setattr(ops, "topk_slots",
+                        lambda *a, **kw: calls.append(kw.get("single_launch", "unset")) or real(*a, **kw))
+    session = Session(model)
+    row = session.slots.admit(4)
+    ids = torch.as_tensor(_tokens(3, model.config.vocab_size, seed=1))
+    session.slots.extend(row, 3)
+    positions, loc, attn = build_extend_inputs(session.table, [row], [0], [3])
+    attn.workspace = workspace
+    with torch.no_grad():
+        model(ids, positions, loc, session.kv, attn)
+    assert calls == [single_launch] * model.config.num_hidden_layers
 
 
 def test_cache_entries_hold_normed_latent_and_roped_key():

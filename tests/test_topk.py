@@ -307,18 +307,17 @@ def test_single_launch_fit_rule(monkeypatch):
         assert topk_module.topk_single_launch_fits(rows, topk_num_chunks(rows, 132), "cuda")
 
 
-@pytest.mark.parametrize("switch", ["", "0"])
-def test_chunked_launches(monkeypatch, device, switch):
-    """The kernels a chunked call really launches (Triton pre-run hooks): one cooperative launch on
-    the GPU, unless DSASPEC_TOPK_SINGLE_LAUNCH is off; five launches under the interpreter."""
-    monkeypatch.setenv("DSASPEC_TOPK_SINGLE_LAUNCH", switch)
+@pytest.mark.parametrize("single_launch", [None, False])
+def test_chunked_launches(monkeypatch, device, single_launch):
+    """The kernels a chunked call really launches (Triton pre-run hooks): by default one cooperative
+    launch on the GPU, five under the interpreter; five with single_launch=False."""
     seen = []
     for kernel in (topk_module._topk_chunk_pass_kernel, topk_module._topk_chunk_single_launch_kernel):
         monkeypatch.setattr(kernel, "pre_run_hooks",
                             [lambda *a, _name=kernel.__name__, **kw: seen.append((_name, kw.get("PASS")))])
     logits, seqlens, page_table = _inputs(torch.randn(2, 100), [100, 60], width=100)
-    _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2)
-    if device.type == "cuda" and switch == "":
+    _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, single_launch=single_launch)
+    if device.type == "cuda" and single_launch is None:
         assert seen == [("_topk_chunk_single_launch_kernel", None)]
     else:
         assert seen == [("_topk_chunk_pass_kernel", p) for p in range(5)]

@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsaspec import flags
 from dsaspec.ops.checks import check_live_width, check_tensor
 from dsaspec.ops.device import sm_count
 
@@ -531,8 +530,8 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         entry except the counter ``workspace[:, 0, TOPK_COUNTER_WORDS]``, which the single
         launch needs at zero, as ``topk_workspace`` allocates it, and leaves at zero).
     single_launch : run the chunked form as one cooperative launch (True), as five launches
-        (False), or as one where :func:`topk_single_launch_fits` and the switch
-        ``DSASPEC_TOPK_SINGLE_LAUNCH`` (default on) allow it (None). True needs it to fit.
+        (False), or as one where :func:`topk_single_launch_fits` (None). True needs it to fit.
+        (The runtime passes False when ``DSASPEC_TOPK_SINGLE_LAUNCH`` is off.)
 
     Returns
     -------
@@ -553,8 +552,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
             raise ValueError(f"single_launch: needs a CUDA device and at most "
                              f"{SINGLE_LAUNCH_PROGRAMS_PER_SM} programs per SM, got {logits.shape[0]} rows x "
                              f"{workspace.shape[1]} chunks on {logits.device}")
-        if single_launch is None:
-            single_launch = fits and flags.topk_single_launch()
+        single_launch = fits if single_launch is None else single_launch
     if check_values:
         check_live_width(seqlens, logits=logits, page_table_1=page_table_1)
     write_positions = out_positions is not None

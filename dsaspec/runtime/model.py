@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsaspec import flags
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.runtime.config import ModelConfig, yarn_mscale
@@ -127,10 +128,14 @@ class AttentionWorkspace:
     topk : Tensor or None
         ``topk_workspace``: split each row's top-k over several programs (None: one per row). The
         selection is exact either way.
+    topk_single_launch : None or False
+        ``topk_slots``'s ``single_launch`` for the split form: None (one launch where it fits) or
+        False (five launches), from ``DSASPEC_TOPK_SINGLE_LAUNCH``, read when the workspace is made.
     """
 
     sparse_mla: torch.Tensor | None = None
     topk: torch.Tensor | None = None
+    topk_single_launch: bool | None = None
 
 
 NO_WORKSPACE = AttentionWorkspace()
@@ -545,8 +550,10 @@ def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, in
     ops.indexer_logits(q_index, index_weights, index_k_cache, attn.page_table_1, attn.seqlens,
                        schedule, out=logits, skip_len=index_topk, rows_per_group=attn.rows_per_group,
                        check_values=step.check_values)
+    workspace = attn.workspace or NO_WORKSPACE
     ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots,
-                   check_values=step.check_values, workspace=(attn.workspace or NO_WORKSPACE).topk)
+                   check_values=step.check_values, workspace=workspace.topk,
+                   single_launch=None if workspace.topk is None else workspace.topk_single_launch)
     return slots
 
 
@@ -820,7 +827,8 @@ class DSAModel(nn.Module):
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, self.num_local_heads, device),
             # off-GPU (the interpreter) a small chunk count keeps the CPU runs quick
-            topk=topk_workspace(rows, device, num_sms=sm_count(device, without_cuda=8)))
+            topk=topk_workspace(rows, device, num_sms=sm_count(device, without_cuda=8)),
+            topk_single_launch=None if flags.topk_single_launch() else False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``; at TP > 1 the
