@@ -77,6 +77,9 @@ for config in (SPARSE_MLA_CONFIG, SPARSE_MLA_BASELINE_CONFIG):
     sparse_mla_decode(q, cache, slots, 0.06, out, config=config)
     sparse_mla_decode(q, cache, slots, 0.06, out, config=config,
                       workspace=sparse_mla_workspace(rows, heads, dev, num_splits=5, config=config))
+# one row: the few-rows configuration, and the combine's two column blocks per head
+sparse_mla_decode(q[1:2], cache, slots[1:2], 0.06, out[1:2],
+                  workspace=sparse_mla_workspace(1, heads, dev))
 torch.cuda.synchronize()
 print("sanitize_dsa_ops: all kernels ran")
 EOF

@@ -144,12 +144,12 @@ def test_bad_arguments(device):
         bad = inputs["slots"].clone()
         bad[0, 0] = 10
         sparse_mla_decode(**dict(inputs, slots=bad), out=out)
-    with pytest.raises(ValueError, match=re.escape("workspace: expected shape (2, 4, '*', 513), "
+    with pytest.raises(ValueError, match=re.escape("workspace: expected shape (2, 4, '*', 520), "
                                                    "got (2, 4, 2, 512)")):
         sparse_mla_decode(**inputs, out=out, workspace=torch.zeros(2, 4, 2, 512, device=device))
     with pytest.raises(ValueError, match=r"workspace: expected a contiguous \[R, H, "
-                                         r"num_splits >= 1, 513\] tensor"):
-        sparse_mla_decode(**inputs, out=out, workspace=torch.zeros(2, 4, 0, 513, device=device))
+                                         r"num_splits >= 1, 520\] tensor"):
+        sparse_mla_decode(**inputs, out=out, workspace=torch.zeros(2, 4, 0, 520, device=device))
     with pytest.raises(ValueError, match="num_splits: expected >= 1, got 0"):
         sparse_mla_workspace(2, 4, device, num_splits=0)
     # check_values=False skips only the checks that read device data
@@ -159,19 +159,21 @@ def test_bad_arguments(device):
 
 
 @pytest.mark.parametrize("config", ["new", "few_rows"])
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
-def test_split_workspace(num_splits, config, device):
+@pytest.mark.parametrize("num_splits,num_heads", [(1, 8), (2, 8), (3, 8), (5, 8), (3, 48)])
+def test_split_workspace(num_splits, num_heads, config, device):
     """Split runs (some empty: fewer blocks than splits) combine to the single-pass answer; with
     value blocks each writes its columns and one the log-sum (the NaN-filled workspace shows a
-    missing write)."""
+    missing write). 6 rows x 8 heads combine in two column blocks per head, x 48 heads (R * H
+    above 256) in one."""
     config = CONFIGS[config]
     counts = [0, 1, 33, 100, 128, 64]
-    inputs = random_sparse_mla_inputs(len(counts), 8, num_slots=500, k=128, valid_counts=counts,
-                                      device=device, seed=num_splits)
+    inputs = random_sparse_mla_inputs(len(counts), num_heads, num_slots=500, k=128,
+                                      valid_counts=counts, device=device, seed=num_splits)
     slots = inputs["slots"].cpu()
     slots[3, 5:40] = -1  # a hole spanning a whole split
     inputs = _poison_unselected(dict(inputs, slots=slots.to(device)))
-    workspace = sparse_mla_workspace(len(counts), 8, device, num_splits=num_splits, config=config)
+    workspace = sparse_mla_workspace(len(counts), num_heads, device, num_splits=num_splits,
+                                     config=config)
     workspace.fill_(float("nan"))
     split = _run_and_compare(inputs, atol=1e-3, rtol=1e-2, workspace=workspace, config=config)
     single = _run(inputs, config=config)
@@ -195,8 +197,8 @@ def test_num_splits_fill_the_gpu(config):
             if splits == 1:
                 assert workspace is None
             else:
-                assert workspace.shape == (rows, heads, splits, 513)
-    assert sparse_mla_workspace(4096, 64, "cpu", num_splits=3).shape == (4096, 64, 3, 513)
+                assert workspace.shape == (rows, heads, splits, 520)
+    assert sparse_mla_workspace(4096, 64, "cpu", num_splits=3).shape == (4096, 64, 3, 520)
 
 
 def test_default_config_by_rows():
@@ -263,7 +265,8 @@ def _gpu_inputs(num_rows, num_heads, seed, k=2048, num_slots=1 << 17):
     gen = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, k + 1, (num_rows,), generator=gen)
     counts[0] = k
-    counts[-1] = 1  # a padded row
+    if num_rows > 1:
+        counts[-1] = 1  # a padded row
     return random_sparse_mla_inputs(num_rows, num_heads, num_slots=num_slots, k=k,
                                     valid_counts=counts.tolist(), device="cuda", seed=num_heads)
 
@@ -282,13 +285,15 @@ def test_gpu_production_sizes(config, num_heads, num_rows, split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [1, 4, 8])
 @pytest.mark.parametrize("num_heads", [64, 128])
-def test_gpu_split_matches_single_pass(num_heads):
-    """The split path (any split count) agrees with the single pass to bf16 rounding."""
-    inputs = _gpu_inputs(8, num_heads, seed=3)
+def test_gpu_split_matches_single_pass(num_rows, num_heads):
+    """The split path (any split count; both combine column widths: R * H up to 256 and above)
+    agrees with the single pass to bf16 rounding."""
+    inputs = _gpu_inputs(num_rows, num_heads, seed=3)
     single = _run(inputs)
     for num_splits in (2, 5, SPARSE_MLA_CONFIG.max_splits):
-        workspace = sparse_mla_workspace(8, num_heads, "cuda", num_splits=num_splits)
+        workspace = sparse_mla_workspace(num_rows, num_heads, "cuda", num_splits=num_splits)
         split = _run(inputs, workspace)
         torch.testing.assert_close(split.float(), single.float(), atol=2e-3, rtol=1e-2)
 

@@ -11,7 +11,8 @@ the gathers software-pipelined ahead of the dots. Without a
 workspace ``num_splits`` is 1 and a row's result depends only on that row (row-invariant). With a
 workspace (sized from ``R`` and the SM count by :func:`sparse_mla_workspace`) the slot blocks are
 split over the third grid dimension and a combine kernel merges the partial softmaxes
-(flash-decoding), for small ``R * H`` (docs/dsa-kernels.md).
+(flash-decoding), for small ``R * H`` (docs/dsa-kernels.md); on the GPU the combine is launched
+as a programmatic dependent of the split kernel, so its launch overlaps the split kernel's run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_tensor
 from dsaspec.ops.device import sm_count
@@ -29,7 +31,14 @@ from dsaspec.ops.device import sm_count
 LATENT_DIM = 512  # value / latent width
 ROPE_DIM = 64
 QK_DIM = LATENT_DIM + ROPE_DIM
-_SCAN = 1024  # slot ids per step of the last-valid scan
+_SCAN = 2048  # slot ids per step of the last-valid scan (one step at k = 2048)
+# A split's workspace record: its 512 normalised outputs, its log-sum (index 512), then padding to a
+# multiple of 32 bytes so that every record is aligned for vector loads and stores.
+RECORD_WIDTH = 520
+# Output columns per combine program: 256 (two programs per row and head) while R * H <= 256, for
+# more programs when rows are few; 512 above (more programs were slower there: bench sweep in
+# scripts/sweep_sparse_mla.py).
+COMBINE_FEW_HEAD_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -134,7 +143,11 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, 
                               LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                               SCAN: tl.constexpr, NUM_STAGES: tl.constexpr,
-                              UPCAST: tl.constexpr, SPLIT: tl.constexpr):
+                              UPCAST: tl.constexpr, SPLIT: tl.constexpr, RECORD: tl.constexpr,
+                              PDL: tl.constexpr):
+    if PDL:
+        # the combine kernel may launch now; it waits for this grid before reading the workspace
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     value_blocks: tl.constexpr = LATENT // BLOCK_DV
     heads = tl.program_id(1) // value_blocks * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -145,15 +158,15 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, 
     rope = tl.arange(0, ROPE)
     row_slots = slots_ptr + row * slots_stride
 
+    # the query loads go first: their latency overlaps the scan's
+    q_row = q_ptr + row * q_stride_row + heads[:, None] * q_stride_head
+    q_latent = tl.load(q_row + latent[None, :], mask=real_head[:, None], other=0.0)
+    q_rope = tl.load(q_row + LATENT + rope[None, :], mask=real_head[:, None], other=0.0)
     last_valid = -1
     for start in range(0, topk, SCAN):
         index = start + tl.arange(0, SCAN)
         slot = tl.load(row_slots + index, mask=index < topk, other=-1)
         last_valid = tl.maximum(last_valid, tl.max(tl.where(slot >= 0, index, -1), 0))
-
-    q_row = q_ptr + row * q_stride_row + heads[:, None] * q_stride_head
-    q_latent = tl.load(q_row + latent[None, :], mask=real_head[:, None], other=0.0)
-    q_rope = tl.load(q_row + LATENT + rope[None, :], mask=real_head[:, None], other=0.0)
     if UPCAST:
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
@@ -178,9 +191,9 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, 
             denominator, acc, qk_scale_log2, UPCAST)
     result = acc / tl.where(denominator > 0, denominator, 1.0)[:, None]
     if SPLIT:
-        # workspace [R, H, num_splits, LATENT + 1]: the split's normalised output, then its
+        # workspace [R, H, num_splits, RECORD]: the split's normalised output, then its
         # log2-sum-exp2 of the scaled scores (-inf when the split saw no valid slot)
-        record = workspace_ptr + ((row * num_heads + heads) * num_splits + split) * (LATENT + 1)
+        record = workspace_ptr + ((row * num_heads + heads) * num_splits + split) * RECORD
         tl.store(record[:, None] + values[None, :], result, mask=real_head[:, None])
         seen = denominator > 0
         log_sum = tl.where(seen, running_max + tl.log2(tl.where(seen, denominator, 1.0)),
@@ -195,21 +208,27 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, 
 
 @triton.jit
 def _sparse_mla_combine_kernel(workspace_ptr, out_ptr, out_stride_row, out_stride_head,
-                               num_heads, num_splits, LATENT: tl.constexpr,
-                               BLOCK_S: tl.constexpr):
+                               num_heads, num_splits, LATENT: tl.constexpr, RECORD: tl.constexpr,
+                               BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    """Program ``(r, h, c)``: output columns ``c * BLOCK_C ..`` of row ``r``, head ``h`` from the
+    splits' records, weighted by ``exp2(log_sum - max log_sum)``. With ``PDL`` (programmatic
+    dependent launch, on the GPU) it is launched while the split kernel runs and waits for it
+    here."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    columns = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     splits = tl.arange(0, BLOCK_S)
     real_split = splits < num_splits
-    latent = tl.arange(0, LATENT)
-    records = workspace_ptr + ((row * num_heads + head) * num_splits + splits) * (LATENT + 1)
+    records = workspace_ptr + ((row * num_heads + head) * num_splits + splits) * RECORD
     log_sums = tl.load(records + LATENT, mask=real_split, other=float("-inf"))
     top = tl.max(log_sums, 0)
     weights = tl.exp2(log_sums - tl.where(top == float("-inf"), 0.0, top))
-    partial = tl.load(records[:, None] + latent[None, :], mask=(weights > 0)[:, None], other=0.0)
+    partial = tl.load(records[:, None] + columns[None, :], mask=(weights > 0)[:, None], other=0.0)
     total = tl.sum(weights, 0)
     result = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * out_stride_row + head * out_stride_head + latent,
+    tl.store(out_ptr + row * out_stride_row + head * out_stride_head + columns,
              result.to(out_ptr.dtype.element_ty))
 
 
@@ -256,7 +275,8 @@ def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int 
 
     Returns
     -------
-    fp32 ``[num_rows, num_heads, num_splits, 513]``, or None.
+    fp32 ``[num_rows, num_heads, num_splits, RECORD_WIDTH]`` (a split's 512 outputs, its log-sum,
+    padding), or None.
     """
     if num_splits is None:
         if num_sms is None:
@@ -266,7 +286,7 @@ def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int 
             return None
     if num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
-    return torch.empty(num_rows, num_heads, num_splits, LATENT_DIM + 1, dtype=torch.float32,
+    return torch.empty(num_rows, num_heads, num_splits, RECORD_WIDTH, dtype=torch.float32,
                        device=device)
 
 
@@ -293,7 +313,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     check_values : also check (a host sync, so not inside CUDA graphs) that every slot is below
         ``num_slots``. Shapes, dtypes, devices and strides are always checked. With ``False``
         the caller guarantees ``slots < num_slots``.
-    workspace : optional fp32 ``[R, H, num_splits, 513]`` from :func:`sparse_mla_workspace` (None
+    workspace : optional fp32 ``[R, H, num_splits, RECORD_WIDTH]`` from :func:`sparse_mla_workspace` (None
         there means: pass None), written. With it each row's slot blocks are split into
         ``num_splits`` runs handled by separate programs and a second kernel combines them: more
         parallelism when ``R * H`` is small; the result then depends on ``num_splits`` (through
@@ -324,12 +344,14 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=block_h, BLOCK_N=config.block_n,
         BLOCK_DV=config.block_dv, SCAN=min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1))),
         NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
-        SPLIT=workspace is not None,
+        SPLIT=workspace is not None, RECORD=RECORD_WIDTH, PDL=workspace is not None and q.is_cuda,
         num_warps=config.num_warps)
     if workspace is not None:
-        _sparse_mla_combine_kernel[(num_rows, num_heads)](
+        columns = LATENT_DIM // 2 if num_rows * num_heads <= COMBINE_FEW_HEAD_ROWS else LATENT_DIM
+        _sparse_mla_combine_kernel[(num_rows, num_heads, LATENT_DIM // columns)](
             workspace, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            LATENT=LATENT_DIM, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+            LATENT=LATENT_DIM, RECORD=RECORD_WIDTH, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_C=columns, PDL=q.is_cuda, launch_pdl=q.is_cuda, num_warps=4)
     return out
 
 
@@ -343,7 +365,7 @@ def _check_inputs(q, kv_cache, slots, out, workspace) -> None:
                  device=device)
     if workspace is not None:
         check_tensor("workspace", workspace, dtype=torch.float32,
-                     shape=(num_rows, num_heads, None, LATENT_DIM + 1), device=device)
+                     shape=(num_rows, num_heads, None, RECORD_WIDTH), device=device)
         if not workspace.is_contiguous() or workspace.shape[2] < 1:
-            raise ValueError(f"workspace: expected a contiguous [R, H, num_splits >= 1, 513] "
-                             f"tensor, got shape {tuple(workspace.shape)}")
+            raise ValueError(f"workspace: expected a contiguous [R, H, num_splits >= 1, "
+                             f"{RECORD_WIDTH}] tensor, got shape {tuple(workspace.shape)}")

@@ -1,0 +1,145 @@
+"""Where sparse MLA's time goes on one GPU (GLM-5 shapes: 64 heads, 576-wide latent keys, k = 2048,
+cold L2, CUDA graphs): per point, the op's total per replay and each of its kernels (the split
+kernel and the combine) from CUPTI, for the default launch, the combine with one or two column
+blocks per head, and other split counts / configs (among them a deeper Triton pipeline, 5 stages
+of 32 slots);
+next to them an empty kernel, and a copy of the bytes the point must gather (its bytes floor).
+
+Points: decode and 4-row verify at bs 1 with 1k live tokens (valid slots first, then -1, as the
+top-k writes them for short rows), and decode bs 16 / 64 and verify bs 32 at 64k (2048 random
+slots). Writes ``sweep_sparse_mla.json`` into the folder given as the first argument.
+
+    python3 scripts/sweep_sparse_mla.py $OUT           # timings
+    python3 scripts/sweep_sparse_mla.py --eager POINT  # run one point's default op 5 times (for ncu)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsaspec.bench.timing import L2Flusher, copy_time_us, device_events, empty_kernel_us, warm_up_gpu  # noqa: E402
+from dsaspec.ops import sparse_mla  # noqa: E402
+from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,  # noqa: E402
+                                    SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
+                                    sparse_mla_workspace)
+
+HEADS, K, NUM_SLOTS = 64, 2048, 1 << 20
+DEFAULT_FEW_HEAD_ROWS = sparse_mla.COMBINE_FEW_HEAD_ROWS
+POINTS = {"decode_bs1_1k": (1, 1024), "verify_bs1_1k": (4, 1024), "decode_bs16_64k": (16, 65536),
+          "decode_bs64_64k": (64, 65536), "verify_bs32_64k": (128, 65536)}
+
+
+def _inputs(rows: int, live: int, gen) -> dict:
+    device = torch.device("cuda")
+    if live <= K:
+        slots = torch.full((rows, K), -1, dtype=torch.int32, device=device)
+        slots[:, :live] = torch.randperm(NUM_SLOTS, device=device, generator=gen)[:live].int()
+    else:
+        slots = torch.stack([torch.randperm(NUM_SLOTS, device=device, generator=gen)[:K] for _ in range(rows)]).int()
+    return dict(q=torch.randn(rows, HEADS, QK_DIM, device=device, generator=gen).bfloat16(),
+                kv=torch.randn(NUM_SLOTS, QK_DIM, device=device, generator=gen).bfloat16(),
+                slots=slots, out=torch.empty(rows, HEADS, 512, device=device, dtype=torch.bfloat16),
+                valid=min(live, K) * rows)
+
+
+def _per_kernel(fn, iters: int = 100) -> dict:
+    """Median total span per replay and median duration of each kernel (CUPTI), cold L2."""
+    flusher = L2Flusher()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        flusher()
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = device_events(prof)
+    flush_name = events[0][0]
+    spans, kernels, current = [], {}, []
+    for name, start, end in events + [(flush_name, 0, 0)]:
+        if name == flush_name:
+            if current:
+                spans.append((max(e for _, _, e in current) - min(s for _, s, _ in current)) / 1e3)
+            current = []
+            continue
+        current.append((name, start, end))
+        kernels.setdefault(name.split("(")[0][:60], []).append((end - start) / 1e3)
+    return dict(total_us=statistics.median(spans),
+                kernels_us={name: statistics.median(d) for name, d in kernels.items()})
+
+
+def _variants(rows: int) -> dict:
+    """name -> (config, splits (None: the default workspace), combine's COMBINE_FEW_HEAD_ROWS)."""
+    default = sparse_mla_config(rows, HEADS, split=True)
+    out = {"default": (default, None, None),
+           "default_combine_512_columns": (default, None, 0),
+           "default_combine_256_columns": (default, None, 1 << 30)}
+    for splits in (4, 8, 16, 32):
+        out[f"few_rows_splits{splits}"] = (SPARSE_MLA_FEW_ROWS_CONFIG, splits, None)
+        out[f"config_splits{splits}"] = (SPARSE_MLA_CONFIG, splits, None)
+    out["dv256_n32_w4_splits16"] = (SparseMLAConfig(64, 32, 4, 2, block_dv=256), 16, None)
+    out["n32_w8_stages5_splits8"] = (SparseMLAConfig(64, 32, 8, 5), 8, None)
+    out["nosplit"] = (SPARSE_MLA_CONFIG, 1, None)
+    out["nosplit_n32_w8_stages5"] = (SparseMLAConfig(64, 32, 8, 5), 1, None)
+    return out
+
+
+def _run(x: dict, config: SparseMLAConfig, splits: int | None):
+    rows = x["q"].shape[0]
+    if splits is None:
+        workspace = sparse_mla_workspace(rows, HEADS, x["q"].device)
+    else:
+        workspace = None if splits == 1 else sparse_mla_workspace(rows, HEADS, x["q"].device, num_splits=splits)
+
+    def fn():
+        sparse_mla_decode(x["q"], x["kv"], x["slots"], QK_DIM ** -0.5, x["out"], check_values=False,
+                          workspace=workspace, config=config)
+    return fn, (1 if workspace is None else workspace.shape[2])
+
+
+def main() -> int:
+    if sys.argv[1] == "--eager":
+        rows, live = POINTS[sys.argv[2]]
+        x = _inputs(rows, live, torch.Generator(device="cuda").manual_seed(0))
+        fn, _ = _run(x, sparse_mla_config(rows, HEADS, split=True), None)
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        return 0
+    out_dir = Path(sys.argv[1])
+    warm_up_gpu()
+    results = [dict(part="empty_kernel", us=empty_kernel_us())]
+    for point, (rows, live) in POINTS.items():
+        x = _inputs(rows, live, torch.Generator(device="cuda").manual_seed(0))
+        gathered = x["valid"] * QK_DIM * 2 + x["q"].numel() * 2 + x["out"].numel() * 2
+        results.append(dict(part="copy_floor", point=point, bytes=gathered, us=copy_time_us(gathered)))
+        print(json.dumps(results[-1]), flush=True)
+        for name, (config, splits, few_head_rows) in _variants(rows).items():
+            fn, used = _run(x, config, splits)
+            if few_head_rows is not None:
+                sparse_mla.COMBINE_FEW_HEAD_ROWS = few_head_rows
+            row = dict(part="variant", point=point, variant=name, splits=used, config=vars(config)) | _per_kernel(fn)
+            sparse_mla.COMBINE_FEW_HEAD_ROWS = DEFAULT_FEW_HEAD_ROWS
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    (out_dir / "sweep_sparse_mla.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
