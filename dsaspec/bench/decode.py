@@ -20,8 +20,11 @@ contexts).
 Per-phase breakdown: a second runner per configuration is captured with an empty marker kernel
 launched at module boundaries (forward hooks), so the graph's kernels can be attributed to the
 module that launched them; DSA kernels are attributed by name (``PHASE_PATTERNS``). Phase time =
-sum of the CUPTI kernel durations (torch.profiler) of one step, median over ``--profile-steps``
-steps; the marker kernels themselves are excluded.
+the GPU time its kernels add in one step (CUPTI, torch.profiler), median over ``--profile-steps``
+steps: each kernel counts from the later of its start and the end of every earlier kernel, so a
+kernel that starts early and waits (a programmatic dependent launch, e.g. sparse MLA's combine)
+counts only the time after its predecessor; the phases of a step add up to its GPU busy time
+(``kernel sum``). The marker kernels themselves are excluded.
 
 Without CUDA: the ``tiny`` preset in fp32 with the torch reference ops (the metadata kernels run under the
 Triton interpreter), small contexts, a few steps; only token identity is checked, no time is
@@ -166,19 +169,23 @@ def _phase_by_name(name: str) -> str | None:
 
 
 def attribute_phases(events, sequence: list[str], steps: int) -> list[dict]:
-    """Per-step phase durations (µs) from CUPTI events ``(name, start_ns, end_ns)`` sorted by start:
+    """Per-step phase times (µs) from CUPTI events ``(name, start_ns, end_ns)`` sorted by start:
     marker ``k`` opens region ``sequence[k % len(sequence)]`` of step ``k // len(sequence)``; a
-    kernel goes to its name's phase, else to its region's. Raises if the markers do not match."""
+    kernel goes to its name's phase, else to its region's, with the part of its interval after
+    the end of every earlier kernel (time it adds; none when it lies within earlier ones).
+    Raises if the markers do not match."""
     per_step = [defaultdict(float) for _ in range(steps)]
-    seen, region, step = 0, None, 0
+    seen, region, step, busy_until = 0, None, 0, None
     for name, start, end in events:
         if MARKER in name:
             region, step = sequence[seen % len(sequence)], seen // len(sequence)
             seen += 1
             continue
+        added = end - start if busy_until is None else max(0, end - max(start, busy_until))
+        busy_until = end if busy_until is None else max(busy_until, end)
         if region is None or step >= steps:
             continue
-        per_step[step][_phase_by_name(name) or region] += (end - start) / 1e3
+        per_step[step][_phase_by_name(name) or region] += added / 1e3
     if seen != steps * len(sequence):
         raise RuntimeError(f"phase markers: expected {steps * len(sequence)} in the profile, found {seen}")
     return [dict(s) for s in per_step]
