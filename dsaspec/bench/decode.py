@@ -24,7 +24,7 @@ the GPU time its kernels add in one step (CUPTI, torch.profiler), median over ``
 steps: each kernel counts from the later of its start and the end of every earlier kernel, so a
 kernel that starts early and waits (a programmatic dependent launch, e.g. sparse MLA's combine)
 counts only the time after its predecessor; the phases of a step add up to its GPU busy time
-(``kernel sum``). The marker kernels themselves are excluded.
+(``kernel_sum_us``, column "GPU busy"). The marker kernels themselves are excluded.
 
 Without CUDA: the ``tiny`` preset in fp32 with the torch reference ops (the metadata kernels run under the
 Triton interpreter), small contexts, a few steps; only token identity is checked, no time is
@@ -464,7 +464,7 @@ def _markdown(rows, on_gpu, reference_context, markdown_table) -> str:
                                "tpot_us": r[f"{side}_us"]})
     phase_table = markdown_table([("context_len", "context"), ("bs", "bs"), ("kernel", "metadata")]
                                  + [(p, f"{p} µs") for p in PHASE_PATTERNS]
-                                 + [("kernel_sum_us", "kernel sum µs"), ("tpot_us", "TPOT µs")], phase_rows)
+                                 + [("kernel_sum_us", "GPU busy µs"), ("tpot_us", "TPOT µs")], phase_rows)
     patterns = "\n".join(f"- **{phase}**: {text}" for phase, text in PHASE_PATTERNS.items())
     return (f"## TPOT (median step, CUDA events)\n\n{tpot}\n\n## Cost follows live work: TPOT over the "
             f"{reference_context}-token context (target: bounded <= {TPOT_TARGET:.2f})\n\n{target}\n\n"
