@@ -5,7 +5,7 @@ and writes ``sweep_argmax_partials.json`` to the folder given as the first argum
 Next to them, timed the same way over the same logits: ``torch.amax`` and ``torch.argmax`` along
 the row (same-bytes reductions: the yardstick of what one read of the shard's logits costs).
 
-    python3 scripts/sweep_argmax_partials.py $OUT
+    python3 scripts/sweep_argmax_partials.py $OUT [--quick]   # --quick: the default and two other shapes
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ TP = 2
 
 
 def main() -> int:
-    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    args = [a for a in sys.argv[1:] if a != "--quick"]
+    out_dir = Path(args[0] if args else ".")
+    shapes = list(itertools.product((4096, 8192, 16384, 38720), (1024, 2048, 4096), (4, 8, 16)))
+    if "--quick" in sys.argv:  # the default shape and the two best of the full sweep at 256 rows
+        shapes = [(ax.DEFAULT_SPLIT_COLUMNS, ax._ARGMAX_BLOCK, 4), (38720, 2048, 8), (16384, 1024, 4)]
     warm_up_gpu()
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
@@ -36,8 +40,7 @@ def main() -> int:
         logits = torch.randn(rows, SHARD, device="cuda", generator=gen).bfloat16()
         bits = logits.view(torch.int16)
         want = None
-        for split_columns, block, warps in itertools.product((4096, 8192, 16384, 38720), (1024, 2048, 4096),
-                                                              (4, 8, 16)):
+        for split_columns, block, warps in shapes:
             splits, width = ax.exchange_layout(SHARD, split_columns)
             if block > triton.next_power_of_2(width):
                 continue
