@@ -354,3 +354,15 @@ def test_gpu_cuda_graph_replay_with_new_slots(split):
         expected = reference_sparse_mla_decode(inputs["q"].cpu(), inputs["kv_cache"].cpu(),
                                                fresh["slots"], inputs["sm_scale"])
         torch.testing.assert_close(out.float().cpu(), expected, atol=GPU_ATOL, rtol=1e-2)
+
+
+@pytest.mark.parametrize("capability,expected", [((8, 0), False), ((8, 9), False), ((9, 0), True),
+                                                 ((10, 0), True)])
+def test_programmatic_dependent_launch_only_from_hopper(capability, expected, monkeypatch):
+    """The combine (and the five-launch top-k) use PDL only on compute capability 9.0 and newer:
+    ``griddepcontrol`` does not exist before Hopper. Never off the GPU."""
+    from dsaspec.ops.device import supports_pdl
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert supports_pdl("cuda:0") is expected
+    assert supports_pdl("cpu") is False

@@ -13,3 +13,10 @@ def sm_count(device: torch.device | str, without_cuda: int = H200_SMS) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return without_cuda
+
+
+def supports_pdl(device: torch.device | str) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch (``griddepcontrol``,
+    Triton's ``launch_pdl``): a CUDA device of compute capability 9.0 (Hopper) or newer."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

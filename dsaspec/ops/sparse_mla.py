@@ -7,12 +7,13 @@ M dimension of its bf16 tensor-core dots (64: every head of a GLM-5 row, so each
 serves all heads) and ``BLOCK_DV`` of the 512 value columns (fewer accumulator registers and more
 programs; every value block recomputes the same scores), scans the row's slot list once for its
 last valid entry, then runs an online softmax (fp32) over blocks of ``BLOCK_N`` slots up to it,
-the gathers software-pipelined ahead of the dots. Without a
+the gathers software-pipelined by Triton (how far they overlap the dots: docs/dsa-kernels.md). Without a
 workspace ``num_splits`` is 1 and a row's result depends only on that row (row-invariant). With a
 workspace (sized from ``R`` and the SM count by :func:`sparse_mla_workspace`) the slot blocks are
 split over the third grid dimension and a combine kernel merges the partial softmaxes
-(flash-decoding), for small ``R * H`` (docs/dsa-kernels.md); on the GPU the combine is launched
-as a programmatic dependent of the split kernel, so its launch overlaps the split kernel's run.
+(flash-decoding), for small ``R * H`` (docs/dsa-kernels.md); on Hopper and newer the combine is
+launched as a programmatic dependent of the split kernel, so its launch overlaps the split
+kernel's run.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_tensor
-from dsaspec.ops.device import sm_count
+from dsaspec.ops.device import sm_count, supports_pdl
 
 LATENT_DIM = 512  # value / latent width
 ROPE_DIM = 64
@@ -212,7 +213,7 @@ def _sparse_mla_combine_kernel(workspace_ptr, out_ptr, out_stride_row, out_strid
                                BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     """Program ``(r, h, c)``: output columns ``c * BLOCK_C ..`` of row ``r``, head ``h`` from the
     splits' records, weighted by ``exp2(log_sum - max log_sum)``. With ``PDL`` (programmatic
-    dependent launch, on the GPU) it is launched while the split kernel runs and waits for it
+    dependent launch, Hopper and newer) it is launched while the split kernel runs and waits for it
     here."""
     if PDL:
         gdc_wait()
@@ -313,8 +314,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     check_values : also check (a host sync, so not inside CUDA graphs) that every slot is below
         ``num_slots``. Shapes, dtypes, devices and strides are always checked. With ``False``
         the caller guarantees ``slots < num_slots``.
-    workspace : optional fp32 ``[R, H, num_splits, RECORD_WIDTH]`` from :func:`sparse_mla_workspace` (None
-        there means: pass None), written. With it each row's slot blocks are split into
+    workspace : optional fp32 ``[R, H, num_splits, RECORD_WIDTH]`` from
+        :func:`sparse_mla_workspace` (None there means: pass None), written. With it each row's slot blocks are split into
         ``num_splits`` runs handled by separate programs and a second kernel combines them: more
         parallelism when ``R * H`` is small; the result then depends on ``num_splits`` (through
         the summation order). Without it: grid ``(R, cdiv(H, block_h) * 512 / block_dv)``, and
@@ -335,6 +336,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     config = config or sparse_mla_config(num_rows, num_heads, split=workspace is not None)
     block_h = _block_h(num_heads, config)
     num_splits = 1 if workspace is None else workspace.shape[2]
+    pdl = workspace is not None and supports_pdl(q.device)
     grid = (num_rows, _programs_per_row(num_heads, config), num_splits)
     _sparse_mla_decode_kernel[grid](
         q, kv_cache, slots, out, out if workspace is None else workspace,
@@ -344,14 +346,14 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=block_h, BLOCK_N=config.block_n,
         BLOCK_DV=config.block_dv, SCAN=min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1))),
         NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
-        SPLIT=workspace is not None, RECORD=RECORD_WIDTH, PDL=workspace is not None and q.is_cuda,
+        SPLIT=workspace is not None, RECORD=RECORD_WIDTH, PDL=pdl,
         num_warps=config.num_warps)
     if workspace is not None:
         columns = LATENT_DIM // 2 if num_rows * num_heads <= COMBINE_FEW_HEAD_ROWS else LATENT_DIM
         _sparse_mla_combine_kernel[(num_rows, num_heads, LATENT_DIM // columns)](
             workspace, out, out.stride(0), out.stride(1), num_heads, num_splits,
             LATENT=LATENT_DIM, RECORD=RECORD_WIDTH, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_C=columns, PDL=q.is_cuda, launch_pdl=q.is_cuda, num_warps=4)
+            BLOCK_C=columns, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
 
 

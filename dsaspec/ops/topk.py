@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_live_width, check_tensor
-from dsaspec.ops.device import sm_count
+from dsaspec.ops.device import sm_count, supports_pdl
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU (one program per row)
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps
@@ -347,7 +347,7 @@ def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, po
                             BLOCK: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
     """Pass ``PASS`` of the chunked form for program (row, chunk): 0..3 histogram digit
     ``PASS`` of the chunk (after moving the search state past digit ``PASS - 1``); 4 writes.
-    With ``PDL`` (programmatic dependent launch, on the GPU) the next pass may start launching
+    With ``PDL`` (programmatic dependent launch, Hopper and newer) the next pass may start launching
     at once, and passes 1..4 wait for the previous pass before reading anything."""
     if PDL:
         gdc_launch_dependents()
@@ -577,11 +577,12 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         _topk_chunk_single_launch_kernel[grid](*args, workspace, *strides, k, num_chunks,
                                                launch_cooperative_grid=True, **chunked)
         return out
+    pdl = supports_pdl(logits.device)
     for pass_index in range(_PASSES):
-        # passes 1..4 launch as programmatic dependents of the previous pass on the GPU, so
-        # their launch latency overlaps it (pass 0 waits for the logits' writer as usual)
+        # passes 1..4 launch as programmatic dependents of the previous pass on Hopper and newer,
+        # so their launch latency overlaps it (pass 0 waits for the logits' writer as usual)
         _topk_chunk_pass_kernel[grid](*args, workspace, *strides, k, num_chunks, PASS=pass_index,
-                                      PDL=on_gpu, launch_pdl=on_gpu and pass_index > 0, **chunked)
+                                      PDL=pdl, launch_pdl=pdl and pass_index > 0, **chunked)
     return out
 
 
