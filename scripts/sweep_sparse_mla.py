@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsaspec.bench.timing import L2Flusher, copy_time_us, device_events, empty_kernel_us, warm_up_gpu  # noqa: E402
+from dsaspec.bench.timing import copy_time_us, empty_kernel_us, replay_events, warm_up_gpu  # noqa: E402
 from dsaspec.ops import sparse_mla  # noqa: E402
 from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,  # noqa: E402
                                     SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
@@ -51,34 +51,12 @@ def _inputs(rows: int, live: int, gen) -> dict:
 
 def _per_kernel(fn, iters: int = 100) -> dict:
     """Median total span per replay and median duration of each kernel (CUPTI), cold L2."""
-    flusher = L2Flusher()
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        flusher()
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            graph.replay()
-        torch.cuda.synchronize()
-    events = device_events(prof)
-    flush_name = events[0][0]
-    spans, kernels, current = [], {}, []
-    for name, start, end in events + [(flush_name, 0, 0)]:
-        if name == flush_name:
-            if current:
-                spans.append((max(e for _, _, e in current) - min(s for _, s, _ in current)) / 1e3)
-            current = []
-            continue
-        current.append((name, start, end))
-        kernels.setdefault(name.split("(")[0][:60], []).append((end - start) / 1e3)
+    replays, _, _ = replay_events(fn, iters=iters, warmup=3)
+    kernels = {}
+    for replay in replays:
+        for name, start, end in replay:
+            kernels.setdefault(name.split("(")[0][:60], []).append((end - start) / 1e3)
+    spans = [(max(e for _, _, e in r) - min(s for _, s, _ in r)) / 1e3 for r in replays]
     return dict(total_us=statistics.median(spans),
                 kernels_us={name: statistics.median(d) for name, d in kernels.items()})
 

@@ -99,15 +99,12 @@ def device_events(prof) -> list[tuple[str, int, int]]:
     return out
 
 
-def time_in_graph(
-    fn: Callable[[], None],
-    *,
-    iters: int = 200,
-    warmup: int = 5,
-    cold_l2: bool = True,
-    graph_diff: bool = True,
-) -> Timing:
-    """Time ``fn``'s device work per CUDA-graph replay, from CUPTI (see module docstring).
+def replay_events(fn: Callable[[], None], *, iters: int, warmup: int = 5,
+                  cold_l2: bool = True) -> tuple[list[list[tuple[str, int, int]]], L2Flusher | None,
+                                                  torch.cuda.Stream]:
+    """The CUPTI device activities ``(name, start_ns, end_ns)`` of ``fn`` in each of ``iters``
+    replays of a CUDA graph holding ``[L2 flush (with cold_l2), fn]``, the flush excluded; also
+    the flusher and the capture stream (for the graph-difference cross-check).
 
     ``fn`` must be capturable (no host syncs, no allocation that changes per call). It is run
     ``warmup`` times eagerly first so Triton compiles outside the capture.
@@ -134,39 +131,48 @@ def time_in_graph(
         for _ in range(iters):
             graph.replay()
         torch.cuda.synchronize()
-    events = device_events(prof)
-    flush_name = None
-    if flusher is not None:
-        # The flush is the first activity of each replay; its name identifies it.
-        flush_name = events[0][0]
-    samples: list[float] = []
-    current: list[tuple[int, int]] = []
+    return split_replays(device_events(prof), iters, flushed=flusher is not None), flusher, stream
 
-    def close() -> None:
-        if current:
-            samples.append((max(e for _, e in current) - min(s for s, _ in current)) / 1e3)
-            current.clear()
 
-    if flusher is not None:
-        for name, s, e in events:
-            if name == flush_name:
-                close()
+def split_replays(events: list[tuple[str, int, int]], iters: int, *,
+                  flushed: bool) -> list[list[tuple[str, int, int]]]:
+    """Cut the device activities of ``iters`` graph replays (sorted by start) into one list per
+    replay: at each flush (the first activity of a replay, named like the very first one), which
+    is dropped, when ``flushed``; else into ``iters`` equal runs. Raises when the count does not
+    come out as ``iters``."""
+    if flushed:
+        flush_name = events[0][0] if events else None
+        replays: list[list[tuple[str, int, int]]] = []
+        for event in events:
+            if event[0] == flush_name:
+                replays.append([])
             else:
-                current.append((s, e))
-        close()
+                replays[-1].append(event)
+        replays = [r for r in replays if r]
     else:
         per = len(events) // iters
         if per * iters != len(events):
             raise RuntimeError(f"{len(events)} device activities for {iters} replays: not a multiple")
-        for i in range(iters):
-            chunk = events[i * per : (i + 1) * per]
-            samples.append((chunk[-1][2] - chunk[0][1]) / 1e3)
-    if len(samples) != iters:
-        raise RuntimeError(f"expected {iters} timed replays, CUPTI gave {len(samples)}")
+        replays = [events[i * per:(i + 1) * per] for i in range(iters)]
+    if len(replays) != iters:
+        raise RuntimeError(f"expected {iters} timed replays, CUPTI gave {len(replays)}")
+    return replays
 
-    diff = None
-    if graph_diff:
-        diff = _graph_difference_us(fn, flusher, stream)
+
+def time_in_graph(
+    fn: Callable[[], None],
+    *,
+    iters: int = 200,
+    warmup: int = 5,
+    cold_l2: bool = True,
+    graph_diff: bool = True,
+) -> Timing:
+    """Time ``fn``'s device work per CUDA-graph replay, from CUPTI (see module docstring): the span
+    from the start of its first device activity to the end of its last, per replay
+    (:func:`replay_events`)."""
+    replays, flusher, stream = replay_events(fn, iters=iters, warmup=warmup, cold_l2=cold_l2)
+    samples = [(max(e for _, _, e in r) - min(s for _, s, _ in r)) / 1e3 for r in replays]
+    diff = _graph_difference_us(fn, flusher, stream) if graph_diff else None
     return Timing(samples, diff)
 
 
