@@ -51,7 +51,7 @@ def _inputs(rows: int, live: int, gen) -> dict:
 
 def _per_kernel(fn, iters: int = 100) -> dict:
     """Median total span per replay and median duration of each kernel (CUPTI), cold L2."""
-    replays, _, _ = replay_events(fn, iters=iters, warmup=3)
+    replays = replay_events(fn, iters=iters, warmup=3)
     kernels = {}
     for replay in replays:
         for name, start, end in replay:

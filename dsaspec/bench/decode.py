@@ -175,14 +175,14 @@ def attribute_phases(events, sequence: list[str], steps: int) -> list[dict]:
     the end of every earlier kernel (time it adds; none when it lies within earlier ones).
     Raises if the markers do not match."""
     per_step = [defaultdict(float) for _ in range(steps)]
-    seen, region, step, busy_until = 0, None, 0, None
+    seen, region, step, busy_until = 0, None, 0, float("-inf")
     for name, start, end in events:
         if MARKER in name:
             region, step = sequence[seen % len(sequence)], seen // len(sequence)
             seen += 1
             continue
-        added = end - start if busy_until is None else max(0, end - max(start, busy_until))
-        busy_until = end if busy_until is None else max(busy_until, end)
+        added = max(0, end - max(start, busy_until))
+        busy_until = max(busy_until, end)
         if region is None or step >= steps:
             continue
         per_step[step][_phase_by_name(name) or region] += added / 1e3

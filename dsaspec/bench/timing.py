@@ -100,11 +100,9 @@ def device_events(prof) -> list[tuple[str, int, int]]:
 
 
 def replay_events(fn: Callable[[], None], *, iters: int, warmup: int = 5,
-                  cold_l2: bool = True) -> tuple[list[list[tuple[str, int, int]]], L2Flusher | None,
-                                                  torch.cuda.Stream]:
+                  cold_l2: bool = True) -> list[list[tuple[str, int, int]]]:
     """The CUPTI device activities ``(name, start_ns, end_ns)`` of ``fn`` in each of ``iters``
-    replays of a CUDA graph holding ``[L2 flush (with cold_l2), fn]``, the flush excluded; also
-    the flusher and the capture stream (for the graph-difference cross-check).
+    replays of a CUDA graph holding ``[L2 flush (with cold_l2), fn]``, the flush excluded.
 
     ``fn`` must be capturable (no host syncs, no allocation that changes per call). It is run
     ``warmup`` times eagerly first so Triton compiles outside the capture.
@@ -131,7 +129,7 @@ def replay_events(fn: Callable[[], None], *, iters: int, warmup: int = 5,
         for _ in range(iters):
             graph.replay()
         torch.cuda.synchronize()
-    return split_replays(device_events(prof), iters, flushed=flusher is not None), flusher, stream
+    return split_replays(device_events(prof), iters, flushed=flusher is not None)
 
 
 def split_replays(events: list[tuple[str, int, int]], iters: int, *,
@@ -170,13 +168,17 @@ def time_in_graph(
     """Time ``fn``'s device work per CUDA-graph replay, from CUPTI (see module docstring): the span
     from the start of its first device activity to the end of its last, per replay
     (:func:`replay_events`)."""
-    replays, flusher, stream = replay_events(fn, iters=iters, warmup=warmup, cold_l2=cold_l2)
+    replays = replay_events(fn, iters=iters, warmup=warmup, cold_l2=cold_l2)
     samples = [(max(e for _, _, e in r) - min(s for _, s, _ in r)) / 1e3 for r in replays]
-    diff = _graph_difference_us(fn, flusher, stream) if graph_diff else None
+    diff = _graph_difference_us(fn, cold_l2) if graph_diff else None
     return Timing(samples, diff)
 
 
-def _graph_difference_us(fn, flusher, stream, copies: int = 50, reps: int = 10) -> float:
+def _graph_difference_us(fn, cold_l2: bool, copies: int = 50, reps: int = 10) -> float:
+    flusher = L2Flusher() if cold_l2 else None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
     def with_fn() -> None:
         if flusher is not None:
             flusher()
