@@ -10,6 +10,7 @@ the row (same-bytes reductions: the yardstick of what one read of the shard's lo
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -28,10 +29,13 @@ TP = 2
 
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if a != "--quick"]
-    out_dir = Path(args[0] if args else ".")
+    parser = argparse.ArgumentParser(description="Launch shapes of the argmax-partials kernel at verify sizes.")
+    parser.add_argument("out", nargs="?", type=Path, default=Path("."), help="folder for sweep_argmax_partials.json")
+    parser.add_argument("--quick", action="store_true", help="only the default shape and two others")
+    args = parser.parse_args()
+    out_dir = args.out
     shapes = list(itertools.product((4096, 8192, 16384, 38720), (1024, 2048, 4096), (4, 8, 16)))
-    if "--quick" in sys.argv:  # the default shape and the two best of the full sweep at 256 rows
+    if args.quick:  # the default shape and the two best of the full sweep at 256 rows
         shapes = [(ax.DEFAULT_SPLIT_COLUMNS, ax._ARGMAX_BLOCK, 4), (38720, 2048, 8), (16384, 1024, 4)]
     warm_up_gpu()
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -15,6 +15,7 @@ slots). Writes ``sweep_sparse_mla.json`` into the folder given as the first argu
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -91,15 +92,19 @@ def _run(x: dict, config: SparseMLAConfig, splits: int | None):
 
 
 def main() -> int:
-    if sys.argv[1] == "--eager":
-        rows, live = POINTS[sys.argv[2]]
+    parser = argparse.ArgumentParser(description="Where sparse MLA's time goes (per kernel, CUPTI).")
+    parser.add_argument("out", nargs="?", type=Path, default=Path("."), help="folder for sweep_sparse_mla.json")
+    parser.add_argument("--eager", choices=sorted(POINTS), help="only run this point's default op 5 times (for ncu)")
+    args = parser.parse_args()
+    if args.eager:
+        rows, live = POINTS[args.eager]
         x = _inputs(rows, live, torch.Generator(device="cuda").manual_seed(0))
         fn, _ = _run(x, sparse_mla_config(rows, HEADS, split=True), None)
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
         return 0
-    out_dir = Path(sys.argv[1])
+    out_dir = args.out
     warm_up_gpu()
     results = [dict(part="empty_kernel", us=empty_kernel_us())]
     for point, (rows, live) in POINTS.items():

@@ -13,6 +13,7 @@ Writes ``sweep_topk.json`` into the folder given as the first argument (default:
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -42,7 +43,9 @@ def _random_bit_logits(rows: int, gen, device) -> torch.Tensor:
 
 
 def main() -> int:
-    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    parser = argparse.ArgumentParser(description="Top-k at long rows: key spread and launch shapes.")
+    parser.add_argument("out", nargs="?", type=Path, default=Path("."), help="folder for sweep_topk.json")
+    out_dir = parser.parse_args().out
     warm_up_gpu()
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
