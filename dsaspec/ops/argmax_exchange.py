@@ -108,6 +108,18 @@ def _widened_bits(raw, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _values(row_ptr, cols, hi, IS_BF16: tl.constexpr, MASKED: tl.constexpr):
+    """fp32 values of the logits bits at ``cols`` (exactly widened); with ``MASKED``, ``-inf`` at
+    ``cols >= hi`` (set after the load: Triton 3.6 fills masked bf16 lanes of a vector load from a
+    negative constant sign-extended to 32 bits, which turns every second lane into a NaN)."""
+    if MASKED:
+        bits = _widened_bits(tl.load(row_ptr + cols, mask=cols < hi, other=0), IS_BF16)
+        return tl.where(cols < hi, bits.to(tl.float32, bitcast=True), float("-inf"))
+    else:
+        return _widened_bits(tl.load(row_ptr + cols), IS_BF16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _signed_order_key(bits):
     """Signed form (``key ^ 0x80000000``, int32) of the uint32 order key of fp32 bits: monotone in the
     value, -0 == +0, every NaN on top (0x7FFFFFFF)."""
@@ -186,25 +198,49 @@ def _argmax_partials_kernel(
     BLOCK: tl.constexpr,
     TP_P2: tl.constexpr,
 ):
+    """Program (row, split): the split's candidate, the first column of its largest order key.
+    The scan compares the exactly widened fp32 values (no flush to zero in comparisons) per lane, keeping the
+    first of equal values, so ±0 tie as the key merges them; NaN never compares greater, so a
+    NaN-propagating max watches for NaNs, and only a split that holds one is scanned again for its
+    first NaN (NaN is the largest key). The lanes' winners are then ranked by order key."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     lo = split * split_width
     hi = tl.minimum(lo + split_width, n_valid)
     row_ptr = logits_bits_ptr + row.to(tl.int64) * logits_row_stride
     offs = tl.arange(0, BLOCK)
-    best_key = tl.full([BLOCK], _INT32_MIN, tl.int32)
-    best_col = tl.zeros([BLOCK], tl.int32)
-    for start in range(lo, hi, BLOCK):
-        cols = start + offs
-        mask = cols < hi
-        bits = _widened_bits(tl.load(row_ptr + cols, mask=mask, other=0), IS_BF16)
-        key = tl.where(mask, _signed_order_key(bits), _INT32_MIN)
-        # Strict '>' keeps the earlier column of a lane on equal keys.
-        take = key > best_key
-        best_key = tl.where(take, key, best_key)
-        best_col = tl.where(take, cols, best_col)
-    top = tl.max(best_key, axis=0)
-    col = tl.min(tl.where(best_key == top, best_col, 2147483647), axis=0)
+    # each lane starts from its first column (-inf where the split has none), so that a lane of
+    # -inf values keeps its first -inf column
+    best = _values(row_ptr, lo + offs, hi, IS_BF16, True)
+    best_start = tl.full([BLOCK], 0, tl.int32) + lo  # a lane's best column is best_start + its offset
+    nan_probe = best
+    # whole blocks unmasked, then the partial last block (at most one) masked
+    full_hi = lo + (hi - lo) // BLOCK * BLOCK
+    for start in range(lo + BLOCK, full_hi, BLOCK):
+        value = _values(row_ptr, start + offs, hi, IS_BF16, False)
+        take = value > best  # strict: the earlier column of a lane wins ties
+        best = tl.where(take, value, best)
+        best_start = tl.where(take, start, best_start)
+        nan_probe = tl.maximum(nan_probe, value, propagate_nan=tl.PropagateNan.ALL)
+    for start in range(tl.maximum(full_hi, lo + BLOCK), hi, BLOCK):
+        value = _values(row_ptr, start + offs, hi, IS_BF16, True)
+        take = value > best
+        best = tl.where(take, value, best)
+        best_start = tl.where(take, start, best_start)
+        nan_probe = tl.maximum(nan_probe, value, propagate_nan=tl.PropagateNan.ALL)
+    best_col = best_start + offs
+    if tl.max((nan_probe != nan_probe).to(tl.int32), axis=0) > 0:
+        first_nan = tl.full([BLOCK], 2147483647, tl.int32)
+        for start in range(lo, hi, BLOCK):
+            cols = start + offs
+            value = _values(row_ptr, cols, hi, IS_BF16, True)
+            first_nan = tl.minimum(first_nan, tl.where(value != value, cols, 2147483647))
+        top = _INT32_MAX
+        col = tl.min(first_nan, axis=0)
+    else:
+        best_key = tl.where(best_col < hi, _signed_order_key(best.to(tl.int32, bitcast=True)), _INT32_MIN)
+        top = tl.max(best_key, axis=0)
+        col = tl.min(tl.where(best_key == top, best_col, 2147483647), axis=0)
     index = shard_start + col
     # Real keys are > INT32_MIN (KEY(-inf) signed is 0x807FFFFF); an empty split keeps the sentinel.
     found = top > _INT32_MIN
