@@ -48,7 +48,7 @@ import torch
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG, sparse_mla_decode, sparse_mla_workspace
-from dsaspec.ops.topk import topk_slots, topk_workspace
+from dsaspec.ops.topk import topk_candidates, topk_slots, topk_workspace
 
 dev, k, heads, width, num_slots = torch.device("cuda"), 2048, 64, 9000, 20000
 seqlens = torch.tensor([1, 2048, 2049, 9000, 100, 4097], dtype=torch.int32, device=dev)
@@ -70,6 +70,14 @@ topk_slots(logits, seqlens, table, k, slots, read_short_rows=True)
 for chunks in (None, 7):  # the chunked form: the default chunk count, and an odd one
     topk_slots(logits, seqlens, table, k, slots, out_positions=positions,
                workspace=topk_workspace(rows, dev, num_chunks=chunks))
+# one program per row with candidate lists: listed, too few listed (the sample misleads), too many
+long = torch.randn(3, 20000, device=dev)
+long[1, ::32] += 100.0
+long[2] = 0.5
+long_slots = torch.zeros(3, k, dtype=torch.int32, device=dev)
+topk_slots(long, torch.tensor([20000, 19999, 20000], dtype=torch.int32, device=dev),
+           torch.randint(0, num_slots, (3, 20000), dtype=torch.int32, device=dev), k, long_slots,
+           out_positions=torch.zeros_like(long_slots), candidates=topk_candidates(3, k, dev))
 q = torch.randn(rows, heads, 576, device=dev).bfloat16()
 cache = torch.randn(num_slots, 576, device=dev).bfloat16()
 out = torch.zeros(rows, heads, 512, dtype=torch.bfloat16, device=dev)

@@ -8,8 +8,9 @@ import torch
 
 from dsa_inputs import POISON_SLOT
 from dsaspec.ops import topk as topk_module
-from dsaspec.ops.topk import (TOPK_COUNTER_WORDS, TOPK_WORKSPACE_WORDS, topk_num_chunks, topk_slots,
-                              topk_workspace)
+from dsaspec.ops.topk import (TOPK_COUNTER_WORDS, TOPK_WORKSPACE_WORDS, topk_candidates,
+                              topk_candidates_width, topk_num_chunks, topk_sampled_min_live,
+                              topk_slots, topk_workspace)
 from dsaspec.reference.topk import float_order_key, reference_topk_positions, reference_topk_slots
 
 
@@ -41,27 +42,29 @@ def _garbage_workspace(rows, num_chunks, device):
 
 
 def _run(logits, seqlens, page_table, k, device, check_values=True, read_short_rows=False,
-         workspace=None, single_launch=None):
+         workspace=None, single_launch=None, candidates=None):
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=device)
     positions = torch.full_like(out, -7)
     topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), k, out,
                check_values=check_values, out_positions=positions,
-               read_short_rows=read_short_rows, workspace=workspace, single_launch=single_launch)
+               read_short_rows=read_short_rows, workspace=workspace, single_launch=single_launch,
+               candidates=candidates)
     if workspace is not None:
         assert not workspace[:, 0, TOPK_COUNTER_WORDS].any(), "barrier counter left non-zero"
     return out.cpu(), positions.cpu()
 
 
 def _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=False, num_chunks=None,
-                 single_launch=None):
+                 single_launch=None, candidates=None):
     workspace = _garbage_workspace(logits.shape[0], num_chunks, device)
     out, positions = _run(logits, seqlens, page_table, k, device,
                           read_short_rows=read_short_rows, workspace=workspace,
-                          single_launch=single_launch)
+                          single_launch=single_launch, candidates=candidates)
     want_positions = reference_topk_positions(logits, seqlens, k)
     assert torch.equal(positions.long(), want_positions)
     assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
     _assert_topk_set(logits, seqlens, positions, k)
+    return positions
 
 
 def _assert_topk_set(logits, seqlens, positions, k):
@@ -184,6 +187,116 @@ def test_bad_arguments(device):
     with pytest.raises(ValueError, match="logits: expected dtype torch.float32"):
         topk_slots(torch.zeros(2, 32, device=device).half(), seqlens, table, 4, out,
                    check_values=False)
+
+
+# One program per row with candidate lists (the sampled form): rows of at least
+# topk_sampled_min_live(k) positions select from the positions at or above a sample's bound; the
+# list may hold any junk on entry. Under the interpreter the sample is every 4th position.
+JUNK = -5
+
+
+def _junk_candidates(rows, k, device):
+    candidates = topk_candidates(rows, k, device)
+    candidates.fill_(JUNK)
+    return candidates
+
+
+def _listed(candidates, row):
+    """The entries a call wrote to ``row``'s list (the junk left is never a position)."""
+    entries = candidates[row].cpu()
+    return entries[entries != JUNK]
+
+
+@pytest.mark.parametrize("k", [1, 16, 64])
+def test_sampled_edge_lengths(k, device):
+    """Rows around the sampled form's shortest length and much longer, next to rows that copy or
+    take the whole-row passes: exact, lists written only for the long rows, each list ascending
+    and holding the row's whole selection."""
+    shortest = topk_sampled_min_live(k, device)
+    lengths = [0, 1, k, k + 1, shortest - 1, shortest, shortest + 1, 2 * shortest + 3]
+    gen = torch.Generator().manual_seed(k)
+    logits = torch.randn(len(lengths), max(lengths), generator=gen)
+    logits[:, ::9] = torch.round(logits[:, ::9])  # ties
+    logits, seqlens, page_table = _inputs(logits, lengths, width=max(lengths) + 7)
+    candidates = _junk_candidates(len(lengths), k, device)
+    positions = _assert_topk(logits, seqlens, page_table, k, device, candidates=candidates)
+    for row, length in enumerate(lengths):
+        listed = _listed(candidates, row)
+        if length < shortest:
+            assert listed.numel() == 0, f"row {row} ({length} live) wrote a candidate list"
+            continue
+        chosen = positions[row][positions[row] >= 0]
+        assert k <= listed.numel() <= candidates.shape[1]
+        assert bool((listed[1:] > listed[:-1]).all()) and 0 <= listed.min() and listed.max() < length
+        assert bool(torch.isin(chosen, listed).all()), f"row {row}: a selected position is not listed"
+
+
+def test_sampled_falls_back_when_the_sample_misleads(device):
+    """Every sampled position holds a larger logit than any other: the bound then admits fewer
+    than k positions (the sample's own top ranks), so the row takes the whole-row passes; and a
+    row of equal logits lists more than the capacity: the same. Both exact."""
+    k = 64
+    stride = topk_module._sample_stride(device)
+    length = topk_sampled_min_live(k, device) + 3
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, length, generator=gen)
+    logits[0, ::stride] += 100.0
+    logits[1] = 0.75
+    logits, seqlens, page_table = _inputs(logits, [length, length], width=length)
+    candidates = _junk_candidates(2, k, device)
+    _assert_topk(logits, seqlens, page_table, k, device, candidates=candidates)
+    assert 0 < _listed(candidates, 0).numel() < k
+    assert _listed(candidates, 1).numel() == candidates.shape[1]  # filled up: more than capacity
+
+
+def test_sampled_special_values(device):
+    """NaNs of both signs, infinities, -0.0 / +0.0 and denormals in long rows: the same order as
+    the whole-row passes (by bit pattern)."""
+    k = 16
+    length = topk_sampled_min_live(k, device) * 2
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, length, generator=gen)
+    specials = _floats([0x7FC00000, 0xFFC00000, 0x7F800000, 0xFF800000, 0x80000000, 0x00000000,
+                        0x00000001, 0x80000001])
+    for row in range(3):
+        where = torch.randint(0, length, (40,), generator=gen)
+        logits[row, where] = specials[torch.randint(0, len(specials), (40,), generator=gen)]
+    logits[2].abs_()  # positives only: the specials then sit at the top
+    logits, seqlens, page_table = _inputs(logits, [length, length - 1, length], width=length)
+    out, positions = _run(logits, seqlens, page_table, k, device,
+                          candidates=_junk_candidates(3, k, device))
+    assert torch.equal(positions.long(), reference_topk_positions(logits, seqlens, k))
+    assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
+
+
+def test_candidates_size_and_bad_candidates(device):
+    assert topk_candidates(3, 16, device).shape == (3, topk_candidates_width(16, device))
+    # more rows than SMs: none (the whole-row passes), unless the SMs are that many
+    assert topk_candidates(9, 16, device, num_sms=8) is None
+    assert topk_candidates(9, 16, device, num_sms=9).shape == (9, topk_candidates_width(16, device))
+    assert topk_candidates_width(2048, "cuda") == 2 * (96 + topk_module.SAMPLE_MARGIN) * 32
+    assert topk_sampled_min_live(2048, "cuda") == 2 * topk_candidates_width(2048, "cuda")
+    logits = torch.zeros(2, 32, device=device)
+    seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)
+    table = torch.zeros(2, 32, dtype=torch.int32, device=device)
+    out = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    good = topk_candidates(2, 4, device)
+    with pytest.raises(ValueError, match="candidates: only for the one-program form"):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good,
+                   workspace=topk_workspace(2, device, num_chunks=2))
+    with pytest.raises(ValueError, match="candidates: only for the one-program form"):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good, read_short_rows=True)
+    with pytest.raises(ValueError, match=r"candidates: expected at least k = 4 columns "
+                                         r"\(topk_candidates\), got shape \(2, 3\)"):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good[:, :3])
+    with pytest.raises(ValueError, match="candidates: the last dimension must be contiguous"):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good.t().contiguous().t())
+    with pytest.raises(ValueError, match="candidates: expected dtype torch.int32, got torch.int64"):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good.long())
+    with pytest.raises(ValueError, match=r"candidates: expected shape \(2, '\*'\), got \(1, "):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good[:1])
+    with pytest.raises(ValueError, match="k: expected >= 1, got 0"):
+        topk_candidates(2, 0, device)
 
 
 # The chunked form. Under the interpreter a chunk is at least 16 positions (a multiple of 16) and
@@ -404,9 +517,37 @@ def _production_inputs(num_rows, longest):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("num_rows, longest", [(1, 65_536), (16, 8_192), (96, 65_536)])
-def test_gpu_production_sizes(num_rows, longest):
-    _assert_topk(*_production_inputs(num_rows, longest), 2048, torch.device("cuda"))
+def test_gpu_production_sizes(num_rows, longest, sampled):
+    """One program per row, with candidate lists (``sampled``) or the whole-row passes."""
+    device = torch.device("cuda")
+    _assert_topk(*_production_inputs(num_rows, longest), 2048, device,
+                 candidates=_junk_candidates(num_rows, 2048, device) if sampled else None)
+
+
+@pytest.mark.gpu
+def test_gpu_sampled_lists_and_fallbacks():
+    """k = 2048 on the GPU (every 32nd position sampled): rows just at and below the sampled
+    form's shortest length, one whose sample misleads (too few candidates), one of equal logits
+    (too many) and one of random logits much longer: exact, and the lists hold what they should."""
+    device, k = torch.device("cuda"), 2048
+    shortest = topk_sampled_min_live(k, device)
+    lengths = [shortest - 1, shortest, shortest + 5, shortest + 5, 200_003]
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(lengths), max(lengths), generator=gen)
+    logits[2, ::topk_module._sample_stride(device)] += 100.0
+    logits[3] = -2.5
+    logits, seqlens, page_table = _inputs(logits, lengths, width=max(lengths), num_slots=1 << 20)
+    candidates = _junk_candidates(len(lengths), k, device)
+    positions = _assert_topk(logits, seqlens, page_table, k, device, candidates=candidates)
+    assert _listed(candidates, 0).numel() == 0
+    assert 0 < _listed(candidates, 2).numel() < k
+    assert _listed(candidates, 3).numel() == candidates.shape[1]
+    for row in (1, 4):
+        listed = _listed(candidates, row)
+        assert k <= listed.numel() < candidates.shape[1]
+        assert bool(torch.isin(positions[row], listed).all())
 
 
 @pytest.mark.gpu
@@ -464,7 +605,8 @@ def test_gpu_chunked_edge_lengths(num_chunks, single_launch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows, chunked", [(32, False), (32, True), (2, True), (2, "five")])
+@pytest.mark.parametrize("num_rows, chunked", [(32, False), (32, "sampled"), (32, True), (2, True),
+                                               (2, "five")])
 def test_gpu_cuda_graph_replay_with_new_lengths(num_rows, chunked):
     device = torch.device("cuda")
     width, k = 70_000, 2048
@@ -475,17 +617,20 @@ def test_gpu_cuda_graph_replay_with_new_lengths(num_rows, chunked):
     seqlens_d = torch.ones(num_rows, dtype=torch.int32, device=device)
     out = torch.zeros(num_rows, k, dtype=torch.int32, device=device)
     positions = torch.zeros_like(out)
-    workspace = topk_workspace(num_rows, device) if chunked else None
-    assert bool(chunked) == (workspace is not None)
-    # chunked: one cooperative launch (the default where it fits), or "five" launches
+    # one program per row (False, or "sampled": with candidate lists), or chunked: one
+    # cooperative launch (True, the default where it fits) or "five" launches
+    workspace = topk_workspace(num_rows, device) if chunked in (True, "five") else None
+    assert (chunked in (True, "five")) == (workspace is not None)
+    candidates = topk_candidates(num_rows, k, device) if chunked == "sampled" else None
     single_launch = None if workspace is None else chunked is True
     topk_slots(logits_d, seqlens_d, table_d, k, out, out_positions=positions, workspace=workspace,
-               single_launch=single_launch)
+               single_launch=single_launch, candidates=candidates)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         topk_slots(logits_d, seqlens_d, table_d, k, out, check_values=False,
-                   out_positions=positions, workspace=workspace, single_launch=single_launch)
-    for high in (3, 2_048, 3_000, width):
+                   out_positions=positions, workspace=workspace, single_launch=single_launch,
+                   candidates=candidates)
+    for high in (3, 2_048, 3_000, 20_000, width):
         seqlens = torch.randint(0, high + 1, (num_rows,), generator=gen, dtype=torch.int32)
         seqlens_d.copy_(seqlens)
         graph.replay()

@@ -15,7 +15,8 @@ CUPTI kernel time, median and spread).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
   without reading logits, and each row is split over the chunks of the workspace
   ``topk_workspace`` allocates for R rows (about 2 programs per SM, in one cooperative launch;
-  none when the rows fill the GPU: one program per row); baseline: one program per row with
+  none when the rows fill the GPU: one program per row, which then selects a long row's top-k from
+  the candidate lists of ``topk_candidates``, up to one row per SM); baseline: one program per row with
   ``read_short_rows=True``.
 - ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: the default configuration
   (``sparse_mla_config``) with the workspace ``sparse_mla_workspace`` allocates for R rows (split +
@@ -25,7 +26,8 @@ CUPTI kernel time, median and spread).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
-``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five.
+``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five,
+and one program per row with and without candidate lists (``sampled``).
 
 Floors (per op, what its contract needs; the layer's is the sum of its ops'): bytes at the
 measured copy bandwidth, FLOPs at the measured bf16 tensor-core peak (a large matmul), an empty
@@ -61,7 +63,8 @@ from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SparseMLAConfig, sparse_mla_decode,
                                     sparse_mla_workspace)
-from dsaspec.ops.topk import topk_num_chunks, topk_single_launch_fits, topk_slots, topk_workspace
+from dsaspec.ops.topk import (topk_candidates, topk_num_chunks, topk_single_launch_fits, topk_slots,
+                              topk_workspace)
 from dsaspec.runtime.config import PRESETS, get_config
 
 OPS = ("indexer", "topk", "sparse_mla", "layer")
@@ -103,7 +106,8 @@ TUNE_TOPK_CHUNKS = (0.25, 0.5, 1, 2)  # top-k chunks per row, as multiples of to
 TUNE_TOPK_FEW_CHUNKS = (2, 4)  # also tried where the rule gives one program per row (many rows)
 TUNE_POINTS = (("decode", 1, 1024), ("target_verify", 1, 65536), ("decode", 4, 8192),
                ("decode", 16, 65536), ("target_verify", 64, 1024), ("decode", 1, 65536),
-               ("target_verify", 32, 65536), ("target_verify", 64, 65536))
+               ("target_verify", 32, 65536), ("target_verify", 64, 65536), ("decode", 32, 65536),
+               ("decode", 64, 65536), ("target_verify", 16, 8192))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,8 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model preset giving heads, index heads and top-k")
     p.add_argument("--iters", type=positive_int, default=100, help="timed graph replays per measurement")
     p.add_argument("--tune", action="store_true",
-                   help="instead: time the candidate kernel configurations (TUNE_* in this module) at "
-                        "fixed points; writes dsa_ops_tune.{json,md} (needs CUDA; default: off)")
+                   help="instead: time the candidate kernel configurations (TUNE_* in this module) of "
+                        "--ops at the fixed points TUNE_POINTS within --modes, --bs and --live-kv; "
+                        "writes dsa_ops_tune.{json,md} (needs CUDA; default: off)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random inputs")
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
@@ -219,10 +224,12 @@ def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs
 
 
 def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None,
-          single_launch: bool | None = None):
+          single_launch: bool | None = None, sampled: bool | None = None):
     """Top-k of buffer ``logits`` into buffer ``out``. new: the point's workspace (``chunks``:
     one of that many chunks per row; 1: none, one program per row; ``single_launch`` as
-    ``topk_slots`` takes it); baseline: one program per row reading short rows too."""
+    ``topk_slots`` takes it); with one program per row, candidate lists where
+    ``topk_candidates`` allocates them (``sampled`` True: always, False: never); baseline: one
+    program per row reading short rows too."""
     scores = p.buffer(logits, (p.rows, p.live), torch.float32)
     slots = p.buffer(out, (p.rows, p.shapes.topk), torch.int32)
     workspace = None
@@ -230,11 +237,16 @@ def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None
         workspace = p.topk_workspace
     elif new and chunks > 1:
         workspace = topk_workspace(p.rows, p.seqlens.device, num_chunks=chunks)
+    candidates = None
+    if new and workspace is None and sampled is not False:
+        candidates = topk_candidates(p.rows, p.shapes.topk, p.seqlens.device,
+                                     num_sms=p.rows if sampled else p.shapes.num_sms)
 
     def run(check_values: bool = False) -> None:
         topk_slots(scores, p.seqlens, p.page_table, p.shapes.topk, slots, check_values=check_values,
                    read_short_rows=not new, workspace=workspace,
-                   single_launch=single_launch if workspace is not None else None)
+                   single_launch=single_launch if workspace is not None else None,
+                   candidates=candidates)
 
     return run
 
@@ -563,7 +575,11 @@ def _tune(args) -> int:
     shapes = _shapes(args, True)
     device = torch.device("cuda")
     rows = []
-    for mode, bs, live in tqdm(TUNE_POINTS, desc="dsa-ops tune", unit="point"):
+    points = [(mode, bs, live) for mode, bs, live in TUNE_POINTS
+              if mode in args.modes and bs in args.bs and live in args.live_kv]
+    if not points:
+        raise UserError("--tune: no tune point (TUNE_POINTS) is within --modes, --bs and --live-kv")
+    for mode, bs, live in tqdm(points, desc="dsa-ops tune", unit="point"):
         point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed)
         _prepare(point)
         candidates = [("indexer", vars(config) | {"programs_per_sm": per_sm, "rows_per_group": groups},
@@ -581,14 +597,20 @@ def _tune(args) -> int:
                                    _sparse_mla(point, "slots_new", "out_tune", config, workspace)))
         default_chunks = topk_num_chunks(point.rows, shapes.num_sms)
         for chunks in dict.fromkeys([default_chunks] + [max(1, round(default_chunks * factor))
-                                                        for factor in TUNE_TOPK_CHUNKS] + [1]
+                                                        for factor in TUNE_TOPK_CHUNKS]
                                     + list(TUNE_TOPK_FEW_CHUNKS)):
-            for single in (None,) if chunks == 1 else (True, False):
+            for single in (True, False) if chunks > 1 else ():
                 if single and not topk_single_launch_fits(point.rows, chunks, device):
                     continue
-                candidates.append(("topk", {"chunks": chunks} | ({} if single is None else {"single_launch": single}),
+                candidates.append(("topk", {"chunks": chunks, "single_launch": single},
                                    _topk(point, True, "logits_baseline", "slots_tune", chunks, single)))
+        # one program per row, with and without candidate lists (the default, topk_candidates's, first)
+        for sampled in (True, False) if point.rows <= shapes.num_sms else (False, True):
+            candidates.append(("topk", {"chunks": 1, "sampled": sampled},
+                               _topk(point, True, "logits_baseline", "slots_tune", 1, sampled=sampled)))
         for op, config, fn in candidates:
+            if op not in args.ops:
+                continue
             row = {"op": op, "mode": mode, "bs": bs, "live_kv": live, "config": config}
             try:
                 timing = time_in_graph(fn, iters=args.iters, cold_l2=True, graph_diff=False)

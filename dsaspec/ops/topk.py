@@ -33,6 +33,13 @@ from dsaspec.ops.device import sm_count, supports_pdl
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU (one program per row)
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps
+# Sampled form of the one-program form (with a candidate list, ``topk_candidates``): the sample is
+# every SAMPLE_STRIDE-th position; its rank ``ceil(1.5 k / stride) + SAMPLE_MARGIN`` makes the
+# candidates about 1.5 k + 16 strides on rows in random order (the count of a rank-r sample bound
+# is about r * stride, relative spread 1 / sqrt(r): below k or above capacity is > 4 sigma at
+# k = 2048); capacity is twice that, and rows shorter than four times that take the whole-row form.
+_GPU_SAMPLE_STRIDE, _CPU_SAMPLE_STRIDE = 32, 4
+SAMPLE_MARGIN = 16
 # Chunked form: logits per loop step, the shortest chunk (a multiple of _ALIGN) and chunk
 # histograms summed per step, on the GPU / under the interpreter (tiny, so tests cover chunks
 # shorter than a step and several summing steps).
@@ -95,21 +102,42 @@ def _step_values(row_logits, positions, end, carried, PREFETCH: tl.constexpr, BL
 
 
 @triton.jit
-def _digit_histogram(row_logits, start, end, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr,
-                     PREFETCH: tl.constexpr):
-    """int32 ``[256]``: counts of digit ``LEVEL`` (key bits ``31 - 8 LEVEL .. 24 - 8 LEVEL``)
-    over the positions ``[start, end)`` whose higher digits equal ``prefix``."""
+def _source_values(row_logits, row_candidates, indices, end, carried, stride,
+                   PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
+    """(positions, logits, what to carry) of source ``indices`` (``< end``). The source is
+    ``stride``: 1 the row itself, more every ``stride``-th position of it (the sample), 0 the
+    positions listed at ``row_candidates[indices]`` (written by this program: read through L2).
+    A runtime value, so one compiled loop serves every source (the kernel's code stays small).
+    ``PREFETCH`` reads the row itself (``stride`` 1)."""
+    if PREFETCH:
+        values, carried = _step_values(row_logits, indices, end, carried, PREFETCH, BLOCK)
+        return indices, values, carried
+    else:
+        in_range = indices < end
+        listed = tl.load(row_candidates + indices, mask=in_range & (stride == 0), other=0,
+                         cache_modifier=".cg")
+        positions = tl.where(stride == 0, listed, indices * stride)
+        return positions, tl.load(row_logits + positions, mask=in_range, other=0.0), carried
+
+
+@triton.jit
+def _digit_histogram(row_logits, row_candidates, start, end, prefix, level, stride,
+                     BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """int32 ``[256]``: counts of digit ``level`` (0..3: key bits ``31 - 8 level .. 24 - 8
+    level``) over the source indices ``[start, end)`` (``stride``: see ``_source_values``) whose
+    higher digits equal ``prefix``."""
     offsets = tl.arange(0, BLOCK)
     histogram = tl.zeros((256,), dtype=tl.int32)
     carried = _first_values(row_logits, start, end, PREFETCH, BLOCK)
     for block_start in range(start, end, BLOCK):
-        positions = block_start + offsets
-        in_range = positions < end
-        values, carried = _step_values(row_logits, positions, end, carried, PREFETCH, BLOCK)
+        indices = block_start + offsets
+        _, values, carried = _source_values(row_logits, row_candidates, indices, end, carried,
+                                            stride, PREFETCH, BLOCK)
         keys = _order_key(values)
-        if LEVEL > 0:
-            in_range = in_range & ((keys >> (32 - 8 * LEVEL)) == prefix)
-        digits = ((keys >> (24 - 8 * LEVEL)) & 255).to(tl.int32)
+        # the digits above this one (none at level 0: shifted out in two steps, each below 32)
+        higher = (keys >> (31 - 8 * level)) >> 1
+        in_range = (indices < end) & (higher == prefix)
+        digits = ((keys >> (24 - 8 * level)) & 255).to(tl.int32)
         histogram += tl.histogram(digits, 256, mask=in_range)
     return histogram
 
@@ -127,18 +155,21 @@ def _choose_digit(histogram, need):
 
 
 @triton.jit
-def _write_selected(row_logits, row_table, row_out, row_positions, start, end, threshold, shift,
-                    need, written, ties_seen, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr,
-                    PREFETCH: tl.constexpr):
-    """Write the selected positions of ``[start, end)`` (``key >> shift`` above ``threshold``,
-    or equal to it with fewer than ``need`` such ties before, counting ``ties_seen`` earlier
-    ones) in ascending order from output index ``written``; returns the next index."""
+def _write_selected(row_logits, row_candidates, row_table, row_out, row_positions, start, end,
+                    stride, threshold, shift, need, written, ties_seen,
+                    WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """Write the selected positions of source indices ``[start, end)`` (``stride``: see
+    ``_source_values``; ``key >> shift`` above
+    ``threshold``, or equal to it with fewer than ``need`` such ties before, counting
+    ``ties_seen`` earlier ones) in the source's order (ascending positions) from output index
+    ``written``; returns the next index."""
     offsets = tl.arange(0, BLOCK)
     carried = _first_values(row_logits, start, end, PREFETCH, BLOCK)
     for block_start in range(start, end, BLOCK):
-        positions = block_start + offsets
-        in_range = positions < end
-        values, carried = _step_values(row_logits, positions, end, carried, PREFETCH, BLOCK)
+        indices = block_start + offsets
+        in_range = indices < end
+        positions, values, carried = _source_values(row_logits, row_candidates, indices, end,
+                                                    carried, stride, PREFETCH, BLOCK)
         keys = _order_key(values) >> shift
         above = in_range & (keys > threshold)
         tie = in_range & (keys == threshold)
@@ -185,47 +216,110 @@ def _fill_empty(row_out, row_positions, start, end, WRITE_POSITIONS: tl.constexp
 
 @triton.jit
 def _topk_slots_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positions_ptr,
-                       logits_stride, page_table_stride, out_stride, positions_stride, k,
-                       copy_len, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       candidates_ptr, logits_stride, page_table_stride, out_stride,
+                       positions_stride, candidates_stride, k, copy_len, capacity, sample_rank,
+                       sample_stride, sampled_min_live, WRITE_POSITIONS: tl.constexpr,
+                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, SAMPLED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     live = tl.maximum(tl.load(seqlens_ptr + row), 0)
     row_logits = logits_ptr + row * logits_stride
     row_table = page_table_ptr + row * page_table_stride
     row_out = out_ptr + row * out_stride
     row_positions = positions_ptr + row * positions_stride
+    row_candidates = candidates_ptr + row * candidates_stride
     if live <= copy_len:
         # every live position is selected (copy_len <= k): copy the slots, read no logit
         _copy_slots(row_table, row_out, row_positions, 0, live, WRITE_POSITIONS, BLOCK)
         written = live
     else:
-        written = _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
-                                    WRITE_POSITIONS, BLOCK)
+        written = tl.full((), -1, dtype=tl.int32)
+        if SAMPLED:
+            if live >= sampled_min_live:
+                written = _select_from_candidates(row_logits, row_candidates, row_table, row_out,
+                                                  row_positions, live, k, capacity, sample_rank,
+                                                  sample_stride, WRITE_POSITIONS, BLOCK)
+        if written < 0:
+            # the whole row (source stride 1, a constant here: contiguous, vectorised loads)
+            written = _select_and_write(row_logits, row_candidates, row_table, row_out,
+                                        row_positions, live, k, 1, WRITE_POSITIONS, BLOCK)
     _fill_empty(row_out, row_positions, written, k, WRITE_POSITIONS, BLOCK_K)
 
 
 @triton.jit
-def _select_and_write(row_logits, row_table, row_out, row_positions, live, k,
-                      WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
-    """Radix-select the row's top ``min(live, k)`` and write their slots (and positions) in
-    ascending position order; returns how many were written."""
-    # Selection rule: (key >> shift) > threshold, or == threshold for the first `need` such
-    # positions. With live <= k the rule (shift 0, threshold 0, need k) takes every position.
+def _select_and_write(row_logits, row_candidates, row_table, row_out, row_positions, end, k,
+                      stride, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
+    """Radix-select the top ``min(end, k)`` of source indices ``[0, end)`` (``stride``: see
+    ``_source_values``) and write their slots (and positions) in ascending position order;
+    returns how many were written."""
+    threshold, shift, need = _radix_threshold(row_logits, row_candidates, end, k, stride, BLOCK)
+    none = tl.zeros((), dtype=tl.int32)
+    return _write_selected(row_logits, row_candidates, row_table, row_out, row_positions, 0, end,
+                           stride, threshold, shift, need, none, none, WRITE_POSITIONS, BLOCK,
+                           False)
+
+
+@triton.jit
+def _select_from_candidates(row_logits, row_candidates, row_table, row_out, row_positions, live,
+                            k, capacity, sample_rank, sample_stride,
+                            WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
+    """The sampled form of a long row: list its candidates (``_list_candidates``) and select its
+    top ``k`` from them; returns how many were written, or -1 when the list holds fewer than
+    ``k`` or more than ``capacity`` positions (the caller then selects from the whole row)."""
+    count = _list_candidates(row_logits, row_candidates, live, capacity, sample_rank,
+                             sample_stride, BLOCK)
+    written = tl.full((), -1, dtype=tl.int32)
+    if (count >= k) & (count <= capacity):
+        tl.debug_barrier()  # the list's stores, before any thread of the program reads it
+        written = _select_and_write(row_logits, row_candidates, row_table, row_out,
+                                    row_positions, count, k, 0, WRITE_POSITIONS, BLOCK)
+    return written
+
+
+@triton.jit
+def _radix_threshold(row_logits, row_candidates, end, k, stride, BLOCK: tl.constexpr):
+    """Radix-select the ``min(end, k)``-th largest key of source indices ``[0, end)`` (``stride``:
+    see ``_source_values``): returns (threshold, shift, need) such that the source's top ``k`` are
+    the keys with ``key >> shift > threshold``, then the first ``need`` with ``key >> shift ==
+    threshold`` (with ``end <= k``: shift 0, threshold 0, need k, which takes every index). The
+    digit loop is a runtime loop, so its histogram is compiled once."""
     threshold = tl.zeros((), dtype=tl.uint32)
     shift = tl.zeros((), dtype=tl.uint32)
     need = tl.zeros((), dtype=tl.int32) + k  # a tensor even when k is specialised to a constant
-    searching = live > k
-    for level in tl.static_range(4):
+    searching = end > k
+    for level in range(4):
         if searching:
-            histogram = _digit_histogram(row_logits, 0, live, threshold, level, BLOCK, False)
+            histogram = _digit_histogram(row_logits, row_candidates, 0, end, threshold, level,
+                                         stride, BLOCK, False)
             digit, in_digit, above = _choose_digit(histogram, need)
             need -= above
             threshold = (threshold << 8) | digit.to(tl.uint32)
-            shift = tl.full((), 24 - 8 * level, dtype=tl.uint32)
+            shift = tl.zeros((), dtype=tl.uint32) + (24 - 8 * level)
             searching = in_digit != need
-    none = tl.zeros((), dtype=tl.int32)
-    return _write_selected(row_logits, row_table, row_out, row_positions, 0, live, threshold,
-                           shift, need, none, none, WRITE_POSITIONS, BLOCK, False)
+    return threshold, shift, need
+
+
+@triton.jit
+def _list_candidates(row_logits, row_candidates, live, capacity, sample_rank, sample_stride,
+                     BLOCK: tl.constexpr):
+    """The sampled form's candidate list: the ``sample_rank``-th largest key of every
+    ``sample_stride``-th position bounds it (its radix bin), and every position ``t < live`` whose
+    key reaches that bin is listed in ascending order at ``row_candidates[0 : min(count,
+    capacity)]``; returns ``count`` (all of them). The set is closed upwards in key order, so when
+    it holds at least ``k`` positions it holds the row's whole top ``k`` and every tie of the
+    ``k``-th key: selecting from it is exact."""
+    sample_end = (live + sample_stride - 1) // sample_stride
+    threshold, shift, _ = _radix_threshold(row_logits, row_candidates, sample_end, sample_rank,
+                                           sample_stride, BLOCK)
+    offsets = tl.arange(0, BLOCK)
+    count = tl.zeros((), dtype=tl.int32)
+    for block_start in range(0, live, BLOCK):
+        positions = block_start + offsets
+        values = tl.load(row_logits + positions, mask=positions < live, other=0.0)
+        keep = (positions < live) & ((_order_key(values) >> shift) >= threshold)
+        index = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(row_candidates + index, positions, mask=keep & (index < capacity))
+        count += tl.sum(keep.to(tl.int32), 0)
+    return count
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,8 +427,8 @@ def _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k,
         tl.store(state + _LEVELS, levels)
         tl.store(state + _SEARCHING, searching.to(tl.int32))
     if searching:
-        histogram = _digit_histogram(row_logits, start, end, prefix.to(tl.uint32, bitcast=True),
-                                     PASS, BLOCK, True)
+        histogram = _digit_histogram(row_logits, row_logits, start, end,
+                                     prefix.to(tl.uint32, bitcast=True), PASS, 1, BLOCK, True)
         tl.store(row_workspace + chunk * _WORDS + PASS * 256 + tl.arange(0, 256), histogram)
     return searching
 
@@ -363,7 +457,7 @@ def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, po
                         k, WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
         if PASS == 0:
-            histogram = _digit_histogram(row_logits, start, end, 0, 0, BLOCK, True)
+            histogram = _digit_histogram(row_logits, row_logits, start, end, 0, 0, 1, BLOCK, True)
             tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
         elif PASS < 4:
             _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k, PASS,
@@ -412,7 +506,7 @@ def _topk_chunk_single_launch_kernel(logits_ptr, seqlens_ptr, page_table_ptr, ou
                     WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
         arrived = row_workspace + _STATE + _ARRIVED
-        histogram = _digit_histogram(row_logits, start, end, 0, 0, BLOCK, True)
+        histogram = _digit_histogram(row_logits, row_logits, start, end, 0, 0, 1, BLOCK, True)
         tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
         barriers = tl.full((), 1, dtype=tl.int32)
         _row_barrier(arrived, num_active, False)
@@ -446,7 +540,7 @@ def _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, s
         chunks = first + tl.arange(0, TILE)
         above_before += tl.sum(tl.load(row_workspace + chunks * _WORDS + _STATE + _ABOVE,
                                        mask=chunks < chunk, other=0, cache_modifier=".cg"), 0)
-    _write_selected(row_logits, row_table, row_out, row_positions, start, end,
+    _write_selected(row_logits, row_logits, row_table, row_out, row_positions, start, end, 1,
                     prefix.to(tl.uint32, bitcast=True), (32 - 8 * levels).to(tl.uint32), need,
                     above_before + tl.minimum(ties_before, need), ties_before, WRITE_POSITIONS,
                     BLOCK, True)
@@ -497,7 +591,8 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
                out: torch.Tensor, *, check_values: bool = True,
                out_positions: torch.Tensor | None = None, read_short_rows: bool = False,
                workspace: torch.Tensor | None = None,
-               single_launch: bool | None = None) -> torch.Tensor:
+               single_launch: bool | None = None,
+               candidates: torch.Tensor | None = None) -> torch.Tensor:
     """Exact per-row top-k of the live logits, mapped to KV slots.
 
     For row ``r``: ``S_r`` = the ``min(seqlens[r], k)`` positions ``t < seqlens[r]`` with the
@@ -532,16 +627,26 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     single_launch : run the chunked form as one cooperative launch (True), as five launches
         (False), or as one where :func:`topk_single_launch_fits` (None). True needs it to fit.
         (The runtime passes False when ``DSASPEC_TOPK_SINGLE_LAUNCH`` is off.)
+    candidates : None, or int32 ``[R, C]`` (last dim contiguous) from :func:`topk_candidates`, ``C >= k``,
+        only without a workspace (the one-program form): rows at least
+        :func:`topk_sampled_min_live` long select from a candidate list written there (a
+        sample of every ``stride``-th logit bounds it; the row's full read happens once, to list
+        the candidates); a row whose list would hold fewer than ``k`` or more than ``C``
+        positions falls back to the whole-row passes. Same result bit for bit.
 
     Returns
     -------
     ``out``. Without a workspace: grid ``(R,)``, one launch; one program per row walks the live
-    range at most five times (once, without reading logits, when ``seqlens[r] <= k``). With
+    range at most five times (once, without reading logits, when ``seqlens[r] <= k``); with
+    candidates, a long row's live range once, plus passes over its sample and its candidates. With
     one: five launches of grid ``(R, P)``, or one; a row's chunks are ``cdiv(seqlens[r], P)``
     long (at least 1024 on the GPU, so short rows use fewer programs) and each program walks its
     chunk at most five times (once, without reading logits, when ``seqlens[r] <= k``).
     """
-    _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace)
+    _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace, candidates)
+    if candidates is not None and (workspace is not None or read_short_rows):
+        raise ValueError("candidates: only for the one-program form (no workspace, no "
+                         "read_short_rows)")
     if workspace is not None and read_short_rows:
         raise ValueError("read_short_rows: only without a workspace (the baseline form)")
     if single_launch is not None and workspace is None:
@@ -562,9 +667,14 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     strides = (logits.stride(0), page_table_1.stride(0), out.stride(0), positions.stride(0))
     if workspace is None:
         block = _GPU_BLOCK if on_gpu else _CPU_BLOCK
+        stride = _sample_stride(logits.device) if candidates is not None else 0
+        listed = candidates if candidates is not None else out  # (never read without candidates)
         _topk_slots_kernel[(logits.shape[0],)](
-            *args, *strides, k, -1 if read_short_rows else k, WRITE_POSITIONS=write_positions,
-            BLOCK=block, BLOCK_K=min(block, triton.next_power_of_2(k)),
+            *args, listed, *strides, listed.stride(0), k, -1 if read_short_rows else k,
+            listed.shape[1], topk_sample_rank(k, stride) if stride else 0, stride,
+            topk_sampled_min_live(k, logits.device) if stride else 0,
+            WRITE_POSITIONS=write_positions, BLOCK=block,
+            BLOCK_K=min(block, triton.next_power_of_2(k)), SAMPLED=candidates is not None,
             num_warps=8 if on_gpu else 4)
         return out
     num_chunks = workspace.shape[1]
@@ -586,6 +696,52 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     return out
 
 
+def _sample_stride(device) -> int:
+    return _GPU_SAMPLE_STRIDE if torch.device(device).type == "cuda" else _CPU_SAMPLE_STRIDE
+
+
+def topk_sample_rank(k: int, stride: int) -> int:
+    """Rank of the sample key that bounds the candidates: ``ceil(1.5 k / stride) + SAMPLE_MARGIN``
+    (about ``1.5 k + SAMPLE_MARGIN * stride`` candidates on a row in random order)."""
+    return -(-3 * k // (2 * stride)) + SAMPLE_MARGIN
+
+
+def topk_candidates_width(k: int, device) -> int:
+    """Candidate list capacity per row for ``k`` on ``device``: twice the expected candidates,
+    ``2 * topk_sample_rank(k, stride) * stride`` (stride 32 on CUDA, 4 under the interpreter)."""
+    stride = _sample_stride(device)
+    return 2 * topk_sample_rank(k, stride) * stride
+
+
+def topk_sampled_min_live(k: int, device) -> int:
+    """Shortest row that takes the sampled form: twice the capacity (candidates then expected to
+    be at most a quarter of the row; shorter rows take the whole-row passes)."""
+    return 2 * topk_candidates_width(k, device)
+
+
+def topk_candidates(num_rows: int, k: int, device, num_sms: int | None = None,
+                    ) -> torch.Tensor | None:
+    """Allocate the candidate lists of :func:`topk_slots`'s one-program form (``candidates``) for a
+    bucket of ``num_rows`` rows and this ``k`` (once, before capture; calls with that many rows
+    may reuse it, one at a time), or None where the whole-row passes measured faster: more rows
+    than ``num_sms`` (default: the device's count; 132 without CUDA). On the H200 (one program
+    per SM), at 128 rows the lists took 64k-long rows from 235 to 115 µs and 8k-long ones from 32
+    to 32; at 256 rows (two waves of programs) 64k from 352 to 190 µs but 8k from 47 to 58 (cause
+    not found; ``benchmarks/results/h200/logs/dsa_ops_topk_candidates_every_row_count.md``).
+
+    Returns
+    -------
+    int32 ``[num_rows, topk_candidates_width(k, device)]`` (uninitialised: each call writes the
+    entries it reads), or None.
+    """
+    if k < 1:
+        raise ValueError(f"k: expected >= 1, got {k}")
+    if num_rows > (sm_count(device) if num_sms is None else num_sms):
+        return None
+    return torch.empty(num_rows, topk_candidates_width(k, device), dtype=torch.int32,
+                       device=device)
+
+
 def topk_single_launch_fits(num_rows: int, num_chunks: int, device) -> bool:
     """Whether the chunked form of ``num_rows`` rows of ``num_chunks`` chunks may run as one
     cooperative launch on ``device``: a CUDA device, and at most ``SINGLE_LAUNCH_PROGRAMS_PER_SM``
@@ -596,7 +752,8 @@ def topk_single_launch_fits(num_rows: int, num_chunks: int, device) -> bool:
             and num_rows * num_chunks <= SINGLE_LAUNCH_PROGRAMS_PER_SM * sm_count(device))
 
 
-def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace) -> None:
+def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace,
+                 candidates) -> None:
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
@@ -618,3 +775,9 @@ def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspac
             raise ValueError(f"workspace: expected a contiguous [R, P, {TOPK_WORKSPACE_WORDS}] "
                              f"tensor with 1 <= P <= 65535 (topk_workspace), got shape "
                              f"{tuple(workspace.shape)}")
+    if candidates is not None:
+        check_tensor("candidates", candidates, dtype=torch.int32, shape=(num_rows, None),
+                     device=device)
+        if candidates.shape[1] < k:
+            raise ValueError(f"candidates: expected at least k = {k} columns (topk_candidates), "
+                             f"got shape {tuple(candidates.shape)}")

@@ -131,11 +131,15 @@ class AttentionWorkspace:
     topk_single_launch : None or False
         ``topk_slots``'s ``single_launch`` for the split form: None (one launch where it fits) or
         False (five launches), from ``DSASPEC_TOPK_SINGLE_LAUNCH``, read when the workspace is made.
+    topk_candidates : Tensor or None
+        ``topk_candidates``: with one top-k program per row, long rows select from candidate lists
+        bounded by a sample (None: the whole-row passes). The selection is exact either way.
     """
 
     sparse_mla: torch.Tensor | None = None
     topk: torch.Tensor | None = None
     topk_single_launch: bool | None = None
+    topk_candidates: torch.Tensor | None = None
 
 
 NO_WORKSPACE = AttentionWorkspace()
@@ -553,7 +557,8 @@ def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, in
     workspace = attn.workspace or NO_WORKSPACE
     ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots,
                    check_values=step.check_values, workspace=workspace.topk,
-                   single_launch=None if workspace.topk is None else workspace.topk_single_launch)
+                   single_launch=None if workspace.topk is None else workspace.topk_single_launch,
+                   candidates=workspace.topk_candidates)
     return slots
 
 
@@ -821,14 +826,19 @@ class DSAModel(nn.Module):
             return None
         from dsaspec.ops.device import sm_count
         from dsaspec.ops.sparse_mla import sparse_mla_workspace
-        from dsaspec.ops.topk import topk_workspace
+        from dsaspec.ops.topk import topk_candidates, topk_workspace
 
         device = self.lm_head.weight.device
+        # off-GPU (the interpreter) a small chunk count keeps the CPU runs quick
+        num_sms = sm_count(device, without_cuda=8)
+        topk = topk_workspace(rows, device, num_sms=num_sms)
+        candidates = None
+        if topk is None:
+            candidates = topk_candidates(rows, self.config.index_topk, device, num_sms=num_sms)
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, self.num_local_heads, device),
-            # off-GPU (the interpreter) a small chunk count keeps the CPU runs quick
-            topk=topk_workspace(rows, device, num_sms=sm_count(device, without_cuda=8)),
-            topk_single_launch=None if flags.topk_single_launch() else False)
+            topk=topk, topk_single_launch=None if flags.topk_single_launch() else False,
+            topk_candidates=candidates)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``; at TP > 1 the
