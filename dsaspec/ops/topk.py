@@ -9,7 +9,10 @@ selected positions' slots in ascending position order. Every pass reads only
 
 Two launch forms, same result bit for bit:
 
-- without a workspace, one program per row does every pass (grid ``(R,)``);
+- without a workspace, one program per row does every pass (grid ``(R,)``); with candidate
+  lists (:func:`topk_candidates`, where the rows fill the GPU) a long row's passes run over a
+  list instead: a sample of every 32nd logit bounds it, one read of the row writes it, and a row
+  whose list would hold fewer than ``k`` or too many positions takes the whole-row passes;
 - with a workspace (:func:`topk_workspace`, for few rows) each row's live range is split into
   up to ``P`` chunks, one program each (grid ``(R, P)``), and every pass is a launch of its own:
   pass ``l`` (0..3) histograms digit ``l`` of its chunk into the workspace; the next launch's
@@ -109,8 +112,9 @@ def _source_values(row_logits, row_candidates, indices, end, carried, stride,
     """(positions, logits, what to carry) of source ``indices`` (``< end``). The source is
     ``stride``: 1 the row itself, more every ``stride``-th position of it (the sample), 0 the
     positions listed at ``row_candidates[indices]`` (written by this program: read through L2).
-    A runtime value, so one compiled loop serves every source (the kernel's code stays small).
-    ``PREFETCH`` reads the row itself (``stride`` 1)."""
+    A runtime value, so the sample's stride needs no compile-time variant; where a caller passes
+    a constant the per-element selection folds away. ``PREFETCH`` reads the row itself
+    (``stride`` 1)."""
     if PREFETCH:
         values, carried = _step_values(row_logits, indices, end, carried, PREFETCH, BLOCK)
         return indices, values, carried
@@ -161,10 +165,9 @@ def _write_selected(row_logits, row_candidates, row_table, row_out, row_position
                     stride, threshold, shift, need, written, ties_seen,
                     WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     """Write the selected positions of source indices ``[start, end)`` (``stride``: see
-    ``_source_values``; ``key >> shift`` above
-    ``threshold``, or equal to it with fewer than ``need`` such ties before, counting
-    ``ties_seen`` earlier ones) in the source's order (ascending positions) from output index
-    ``written``; returns the next index."""
+    ``_source_values``): ``key >> shift`` above ``threshold``, or equal to it with fewer than
+    ``need`` such ties before, counting ``ties_seen`` earlier ones; in the source's order
+    (ascending positions) from output index ``written``. Returns the next index."""
     offsets = tl.arange(0, BLOCK)
     carried = _first_values(row_logits, start, end, PREFETCH, BLOCK)
     for block_start in range(start, end, BLOCK):
@@ -289,7 +292,7 @@ def _radix_threshold(row_logits, row_candidates, end, k, stride, BLOCK: tl.const
     see ``_source_values``): returns (threshold, shift, need) such that the source's top ``k`` are
     the keys with ``key >> shift > threshold``, then the first ``need`` with ``key >> shift ==
     threshold`` (with ``end <= k``: shift 0, threshold 0, need k, which takes every index). The
-    digit loop is a runtime loop, so its histogram is compiled once."""
+    digit loop is a runtime loop, so each call site compiles one histogram loop, not four."""
     threshold = tl.zeros((), dtype=tl.uint32)
     shift = tl.zeros((), dtype=tl.uint32)
     need = tl.zeros((), dtype=tl.int32) + k  # a tensor even when k is specialised to a constant
