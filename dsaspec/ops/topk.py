@@ -739,8 +739,12 @@ def topk_candidates(num_rows: int, k: int, device, num_sms: int | None = None,
     may reuse it, one at a time), or None where the whole-row passes measured faster: more rows
     than ``num_sms`` (default: the device's count; 132 without CUDA). On the H200 (one program
     per SM), at 128 rows the lists took 64k-long rows from 235 to 115 µs and 8k-long ones from 32
-    to 32; at 256 rows (two waves of programs) 64k from 352 to 190 µs but 8k from 47 to 58 (cause
-    not found; ``benchmarks/results/h200/logs/dsa_ops_topk_candidates_every_row_count.md``).
+    to 32; at 256 rows 64k from 352 to 190 µs but 8k from 47 to 58: with lists the kernel takes
+    152 registers a thread, one program per SM, so 256 rows run in two waves where the kernel
+    without them (118 registers) runs two programs per SM in one (ncu:
+    ``benchmarks/results/h200/logs/ncu_topk_256_rows_8k_lists.txt``; capped at 128 registers
+    the lists ran 256 rows of 8k in 48 µs and of 64k in 178, ``topk_lists_maxnreg_128.json``:
+    branch ``topk-lists-capped``, not yet in main).
 
     Returns
     -------
