@@ -183,6 +183,16 @@ def _exp_difference(a, b):
 
 
 @triton.jit
+def _scan_step(value, start, best, best_start, nan_probe):
+    """One block of the lane scan: each lane keeps the larger of its best and ``value`` (strict
+    ``>``: the earlier column wins ties; NaN never wins here), the block ``start`` it came from,
+    and a NaN-propagating max of everything seen."""
+    take = value > best
+    return (tl.where(take, value, best), tl.where(take, start, best_start),
+            tl.maximum(nan_probe, value, propagate_nan=tl.PropagateNan.ALL))
+
+
+@triton.jit
 def _argmax_partials_kernel(
     logits_bits_ptr,  # [rows, Sh] int16 (bf16 bits) or int32 (fp32 bits)
     out_ptr,  # [rows, TP * splits, 4] fp32
@@ -217,17 +227,11 @@ def _argmax_partials_kernel(
     # whole blocks unmasked, then the partial last block (at most one) masked
     full_hi = lo + (hi - lo) // BLOCK * BLOCK
     for start in range(lo + BLOCK, full_hi, BLOCK):
-        value = _values(row_ptr, start + offs, hi, IS_BF16, False)
-        take = value > best  # strict: the earlier column of a lane wins ties
-        best = tl.where(take, value, best)
-        best_start = tl.where(take, start, best_start)
-        nan_probe = tl.maximum(nan_probe, value, propagate_nan=tl.PropagateNan.ALL)
+        best, best_start, nan_probe = _scan_step(_values(row_ptr, start + offs, hi, IS_BF16, False),
+                                                 start, best, best_start, nan_probe)
     for start in range(tl.maximum(full_hi, lo + BLOCK), hi, BLOCK):
-        value = _values(row_ptr, start + offs, hi, IS_BF16, True)
-        take = value > best
-        best = tl.where(take, value, best)
-        best_start = tl.where(take, start, best_start)
-        nan_probe = tl.maximum(nan_probe, value, propagate_nan=tl.PropagateNan.ALL)
+        best, best_start, nan_probe = _scan_step(_values(row_ptr, start + offs, hi, IS_BF16, True),
+                                                 start, best, best_start, nan_probe)
     best_col = best_start + offs
     if tl.max((nan_probe != nan_probe).to(tl.int32), axis=0) > 0:
         first_nan = tl.full([BLOCK], 2147483647, tl.int32)

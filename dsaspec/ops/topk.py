@@ -678,12 +678,15 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     strides = (logits.stride(0), page_table_1.stride(0), out.stride(0), positions.stride(0))
     if workspace is None:
         block = _GPU_BLOCK if on_gpu else _CPU_BLOCK
-        stride = _sample_stride(logits.device) if candidates is not None else 0
-        listed = candidates if candidates is not None else out  # (never read without candidates)
+        # (without candidates the list pointer is never read and the sampling values unused)
+        listed, stride, rank, min_live = out, 0, 0, 0
+        if candidates is not None:
+            stride = _sample_stride(logits.device)
+            listed, rank, min_live = (candidates, topk_sample_rank(k, stride),
+                                      topk_sampled_min_live(k, logits.device))
         _topk_slots_kernel[(logits.shape[0],)](
             *args, listed, *strides, listed.stride(0), k, -1 if read_short_rows else k,
-            listed.shape[1], topk_sample_rank(k, stride) if stride else 0, stride,
-            topk_sampled_min_live(k, logits.device) if stride else 0,
+            listed.shape[1], rank, stride, min_live,
             WRITE_POSITIONS=write_positions, BLOCK=block,
             BLOCK_K=min(block, triton.next_power_of_2(k)), SAMPLED=candidates is not None,
             LIST_BLOCK=_GPU_LIST_BLOCK if on_gpu else _CPU_LIST_BLOCK,
@@ -736,15 +739,9 @@ def topk_candidates(num_rows: int, k: int, device, num_sms: int | None = None,
                     ) -> torch.Tensor | None:
     """Allocate the candidate lists of :func:`topk_slots`'s one-program form (``candidates``) for a
     bucket of ``num_rows`` rows and this ``k`` (once, before capture; calls with that many rows
-    may reuse it, one at a time), or None where the whole-row passes measured faster: more rows
-    than ``num_sms`` (default: the device's count; 132 without CUDA). On the H200 (one program
-    per SM), at 128 rows the lists took 64k-long rows from 235 to 115 µs and 8k-long ones from 32
-    to 32; at 256 rows 64k from 352 to 190 µs but 8k from 47 to 58: with lists the kernel takes
-    152 registers a thread, one program per SM, so 256 rows run in two waves where the kernel
-    without them (118 registers) runs two programs per SM in one (ncu:
-    ``benchmarks/results/h200/logs/ncu_topk_256_rows_8k_lists.txt``; capped at 128 registers
-    the lists ran 256 rows of 8k in 48 µs and of 64k in 178, ``topk_lists_maxnreg_128.json``:
-    branch ``topk-lists-capped``, not yet in main).
+    may reuse it, one at a time), or None for more rows than ``num_sms`` (default: the device's
+    count; 132 without CUDA): there the lists' 152 registers a thread leave one program per SM
+    and two waves, and 256 rows of 8k measured slower with them (docs/dsa-kernels.md).
 
     Returns
     -------
