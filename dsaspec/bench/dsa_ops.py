@@ -16,7 +16,7 @@ CUPTI kernel time, median and spread).
   without reading logits, and each row is split over the chunks of the workspace
   ``topk_workspace`` allocates for R rows (about 2 programs per SM, in one cooperative launch;
   none when the rows fill the GPU: one program per row, which then selects a long row's top-k from
-  the candidate lists of ``topk_candidates``, up to one row per SM); baseline: one program per row with
+  the candidate lists of ``topk_candidates``); baseline: one program per row with
   ``read_short_rows=True``.
 - ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: the default configuration
   (``sparse_mla_config``) with the workspace ``sparse_mla_workspace`` allocates for R rows (split +
@@ -224,12 +224,11 @@ def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs
 
 
 def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None,
-          single_launch: bool | None = None, sampled: bool | None = None):
+          single_launch: bool | None = None, sampled: bool = True):
     """Top-k of buffer ``logits`` into buffer ``out``. new: the point's workspace (``chunks``:
     one of that many chunks per row; 1: none, one program per row; ``single_launch`` as
-    ``topk_slots`` takes it); with one program per row, candidate lists where
-    ``topk_candidates`` allocates them (``sampled`` True: always, False: never); baseline: one
-    program per row reading short rows too."""
+    ``topk_slots`` takes it); one program per row takes candidate lists (``topk_candidates``)
+    unless ``sampled`` is False; baseline: one program per row reading short rows too."""
     scores = p.buffer(logits, (p.rows, p.live), torch.float32)
     slots = p.buffer(out, (p.rows, p.shapes.topk), torch.int32)
     workspace = None
@@ -238,9 +237,8 @@ def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None
     elif new and chunks > 1:
         workspace = topk_workspace(p.rows, p.seqlens.device, num_chunks=chunks)
     candidates = None
-    if new and workspace is None and sampled is not False:
-        candidates = topk_candidates(p.rows, p.shapes.topk, p.seqlens.device,
-                                     num_sms=p.rows if sampled else p.shapes.num_sms)
+    if new and workspace is None and sampled:
+        candidates = topk_candidates(p.rows, p.shapes.topk, p.seqlens.device)
 
     def run(check_values: bool = False) -> None:
         topk_slots(scores, p.seqlens, p.page_table, p.shapes.topk, slots, check_values=check_values,
@@ -604,8 +602,7 @@ def _tune(args) -> int:
                     continue
                 candidates.append(("topk", {"chunks": chunks, "single_launch": single},
                                    _topk(point, True, "logits_baseline", "slots_tune", chunks, single)))
-        # one program per row, with and without candidate lists (the default, topk_candidates's, first)
-        for sampled in (True, False) if point.rows <= shapes.num_sms else (False, True):
+        for sampled in (True, False):  # one program per row, with candidate lists (the default) and without
             candidates.append(("topk", {"chunks": 1, "sampled": sampled},
                                _topk(point, True, "logits_baseline", "slots_tune", 1, sampled=sampled)))
         for op, config, fn in candidates:

@@ -10,7 +10,7 @@ selected positions' slots in ascending position order. Every pass reads only
 Two launch forms, same result bit for bit:
 
 - without a workspace, one program per row does every pass (grid ``(R,)``); with candidate
-  lists (:func:`topk_candidates`, where the rows fill the GPU) a long row's passes run over a
+  lists (:func:`topk_candidates`, for rows that fill the GPU) a long row's passes run over a
   list instead: a sample of every 32nd logit bounds it, one read of the row writes it, and a row
   whose list would hold fewer than ``k`` or too many positions takes the whole-row passes;
 - with a workspace (:func:`topk_workspace`, for few rows) each row's live range is split into
@@ -44,6 +44,12 @@ _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take s
 # form.
 _GPU_SAMPLE_STRIDE, _CPU_SAMPLE_STRIDE = 32, 4
 _GPU_LIST_BLOCK, _CPU_LIST_BLOCK = 2048, 32  # step of the passes over the sample and the list
+# With lists the kernel takes 152 registers a thread (8 warps): one program per SM, so more rows
+# than SMs ran in two waves where the kernel without lists (118) runs two programs per SM in one
+# (ncu, H200: 256 rows of 8k 58 against 47 µs). Capped at 128 it runs two per SM (48 µs; 256 rows
+# of 64k 178 against 192 uncapped), but spills: up to one row per SM it stays uncapped (128 rows
+# of 64k: 104 against 114 capped). benchmarks/results/h200/logs/topk_lists_maxnreg_128.json
+_LISTS_CAPPED_REGISTERS = 128
 SAMPLE_MARGIN = 16
 # Chunked form: logits per loop step, the shortest chunk (a multiple of _ALIGN) and chunk
 # histograms summed per step, on the GPU / under the interpreter (tiny, so tests cover chunks
@@ -684,13 +690,15 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
             stride = _sample_stride(logits.device)
             listed, rank, min_live = (candidates, topk_sample_rank(k, stride),
                                       topk_sampled_min_live(k, logits.device))
+        # more rows than SMs: two programs per SM, so at most 128 registers a thread
+        capped = on_gpu and candidates is not None and logits.shape[0] > sm_count(logits.device)
         _topk_slots_kernel[(logits.shape[0],)](
             *args, listed, *strides, listed.stride(0), k, -1 if read_short_rows else k,
             listed.shape[1], rank, stride, min_live,
             WRITE_POSITIONS=write_positions, BLOCK=block,
             BLOCK_K=min(block, triton.next_power_of_2(k)), SAMPLED=candidates is not None,
             LIST_BLOCK=_GPU_LIST_BLOCK if on_gpu else _CPU_LIST_BLOCK,
-            num_warps=8 if on_gpu else 4)
+            num_warps=8 if on_gpu else 4, **({"maxnreg": _LISTS_CAPPED_REGISTERS} if capped else {}))
         return out
     num_chunks = workspace.shape[1]
     chunked = dict(MIN_CHUNK=_GPU_MIN_CHUNK if on_gpu else _CPU_MIN_CHUNK,
@@ -735,23 +743,18 @@ def topk_sampled_min_live(k: int, device) -> int:
     return 2 * topk_candidates_width(k, device)
 
 
-def topk_candidates(num_rows: int, k: int, device, num_sms: int | None = None,
-                    ) -> torch.Tensor | None:
+def topk_candidates(num_rows: int, k: int, device) -> torch.Tensor:
     """Allocate the candidate lists of :func:`topk_slots`'s one-program form (``candidates``) for a
     bucket of ``num_rows`` rows and this ``k`` (once, before capture; calls with that many rows
-    may reuse it, one at a time), or None for more rows than ``num_sms`` (default: the device's
-    count; 132 without CUDA): there the lists' 152 registers a thread leave one program per SM
-    and two waves, and 256 rows of 8k measured slower with them (docs/dsa-kernels.md).
+    may reuse it, one at a time).
 
     Returns
     -------
     int32 ``[num_rows, topk_candidates_width(k, device)]`` (uninitialised: each call writes the
-    entries it reads), or None.
+    entries it reads).
     """
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
-    if num_rows > (sm_count(device) if num_sms is None else num_sms):
-        return None
     return torch.empty(num_rows, topk_candidates_width(k, device), dtype=torch.int32,
                        device=device)
 

@@ -832,9 +832,7 @@ class DSAModel(nn.Module):
         # off-GPU (the interpreter) a small chunk count keeps the CPU runs quick
         num_sms = sm_count(device, without_cuda=8)
         topk = topk_workspace(rows, device, num_sms=num_sms)
-        candidates = None
-        if topk is None:
-            candidates = topk_candidates(rows, self.config.index_topk, device, num_sms=num_sms)
+        candidates = None if topk is not None else topk_candidates(rows, self.config.index_topk, device)
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, self.num_local_heads, device),
             topk=topk, topk_single_launch=None if flags.topk_single_launch() else False,
