@@ -63,6 +63,12 @@ logits = torch.zeros(rows, width, device=dev)
 for skip, config in ((k, INDEXER_CONFIG), (0, INDEXER_BASELINE_CONFIG)):
     indexer_schedule(seqlens, sms, schedule, skip_len=skip)
     indexer_logits(q_index, weights, index_k, table, seqlens, schedule, logits, skip_len=skip, config=config)
+# row groups (target verify): two groups of 3 rows read their first row's page table; a group of
+# 3 leaves a padding member in the dot's columns
+group_lens = torch.tensor([100, 101, 102, 8998, 8999, 9000], dtype=torch.int32, device=dev)
+indexer_schedule(group_lens, sms, schedule, rows_per_group=3)
+indexer_logits(q_index, weights, index_k, table, group_lens, schedule, torch.zeros_like(logits),
+               rows_per_group=3, check_values=False)
 slots = torch.zeros(rows, k, dtype=torch.int32, device=dev)
 positions = torch.zeros_like(slots)
 topk_slots(logits, seqlens, table, k, slots, out_positions=positions)

@@ -79,14 +79,15 @@ def test_skipped_rows_never_read(device):
 
 
 @pytest.mark.parametrize("skip_len", [0, 64])
-@pytest.mark.parametrize("rows_per_group", [2, 4])
-def test_row_groups(rows_per_group, skip_len, device):
+@pytest.mark.parametrize("rows_per_group,num_heads", [(2, 8), (4, 8), (3, 5), (4, 3)])
+def test_row_groups(rows_per_group, num_heads, skip_len, device):
     """Groups of rows sharing a page table (target verify): one key read per group, every row's
     logits exact up to its own length, -inf to its own block edge, nothing else written; the
-    other members' page-table tails are poisoned, so only the first row's table is read."""
+    other members' page-table tails are poisoned, so only the first row's table is read. Odd
+    group sizes and head counts leave padding members and heads in the dot's columns."""
     lengths = [0, 1, 63, 64, 65, 127, 128, 129, 130, 2, 64, 200, 197, 198, 199, 200]
     seqlens = lengths[:len(lengths) // rows_per_group * rows_per_group]
-    inputs = random_indexer_inputs(seqlens, 8, width=210, num_slots=300, device=device,
+    inputs = random_indexer_inputs(seqlens, num_heads, width=210, num_slots=300, device=device,
                                    seed=rows_per_group + skip_len, rows_per_group=rows_per_group)
     for num_sms in (1, 3):
         out = _launch(inputs, num_sms, out_width=256, skip_len=skip_len,

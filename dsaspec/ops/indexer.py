@@ -68,20 +68,23 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seql
                            q_stride_row, q_stride_head, weights_stride_row, k_cache_stride,
                            page_table_stride, out_stride, num_units, num_heads, out_width,
                            skip_len, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_C: tl.constexpr, BLOCK_KV: tl.constexpr,
+                           GROUP_P2: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_KV: tl.constexpr,
                            TOKENS_AS_M: tl.constexpr, NUM_STAGES: tl.constexpr,
                            UPCAST: tl.constexpr):
     # A unit is GROUP consecutive rows sharing one page table (one row when GROUP == 1); its
-    # GROUP * num_heads (member, head) pairs are the columns of one dot per key block.
+    # (member, head) pairs are the columns of one dot per key block, column member * HEADS_P2 +
+    # head (padding columns have zero queries and weights).
+    BLOCK_C: tl.constexpr = GROUP_P2 * HEADS_P2
     sm = tl.program_id(0)
     unit = tl.load(schedule_ptr + sm * 2)
     block = tl.load(schedule_ptr + sm * 2 + 1)
     end_unit = tl.load(schedule_ptr + sm * 2 + 2)
     end_block = tl.load(schedule_ptr + sm * 2 + 3)
     cols = tl.arange(0, BLOCK_C)
-    member = cols // num_heads
-    head = cols % num_heads
-    real_col = member < GROUP
+    member = cols // HEADS_P2
+    head = cols % HEADS_P2
+    real_col = (member < GROUP) & (head < num_heads)
+    members = tl.arange(0, GROUP_P2)
     dims = tl.arange(0, HEAD_DIM)
     tokens = tl.arange(0, BLOCK_KV)
     while (unit < num_units) & ((unit < end_unit) | ((unit == end_unit) & (block < end_block))):
@@ -101,6 +104,10 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seql
             q = q.to(tl.float32)
         head_weights = tl.load(weights_ptr + col_rows * weights_stride_row + head, mask=real_col,
                                other=0.0)
+        if TOKENS_AS_M and GROUP > 1:
+            # each member's length as a [1, GROUP_P2] row (0 for skipped and padding members)
+            member_len = tl.load(seqlens_ptr + first_row + members, mask=members < GROUP, other=0)
+            member_len = tl.where(member_len > skip_len, member_len, 0)[None, :]
         for kv_block in tl.range(block, stop, num_stages=NUM_STAGES):
             positions = kv_block * BLOCK_KV + tokens
             live = positions < unit_len
@@ -116,17 +123,26 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seql
             else:
                 scores = tl.dot(q, tl.trans(keys))  # [BLOCK_C, BLOCK_KV]
                 weighted = tl.maximum(scores, 0.0) * head_weights[:, None]
-            for g in tl.static_range(GROUP):
-                if GROUP == 1:
-                    length = unit_len
-                else:
-                    length = tl.load(seqlens_ptr + first_row + g)
-                    length = tl.where(length > skip_len, length, 0)
-                logits = _head_sum(weighted, member == g, TOKENS_AS_M, GROUP == 1)
-                logits = tl.where(positions < length, logits, float("-inf"))
-                edge = tl.cdiv(length, BLOCK_KV) * BLOCK_KV
-                tl.store(out_ptr + (first_row + g) * out_stride + positions, logits,
-                         mask=(positions < edge) & (positions < out_width))
+            if TOKENS_AS_M and GROUP > 1:
+                # every member's head sum at once: [BLOCK_KV, GROUP_P2], one 2-D store
+                logits = tl.sum(tl.reshape(weighted, (BLOCK_KV, GROUP_P2, HEADS_P2)), axis=2)
+                at = positions[:, None]
+                logits = tl.where(at < member_len, logits, float("-inf"))
+                edge = tl.cdiv(member_len, BLOCK_KV) * BLOCK_KV
+                tl.store(out_ptr + (first_row + members)[None, :] * out_stride + at, logits,
+                         mask=(at < edge) & (at < out_width))
+            else:
+                for g in tl.static_range(GROUP):
+                    if GROUP == 1:
+                        length = unit_len
+                    else:
+                        length = tl.load(seqlens_ptr + first_row + g)
+                        length = tl.where(length > skip_len, length, 0)
+                    logits = _head_sum(weighted, member == g, TOKENS_AS_M, GROUP == 1)
+                    logits = tl.where(positions < length, logits, float("-inf"))
+                    edge = tl.cdiv(length, BLOCK_KV) * BLOCK_KV
+                    tl.store(out_ptr + (first_row + g) * out_stride + positions, logits,
+                             mask=(positions < edge) & (positions < out_width))
         unit += 1
         block = 0
 
@@ -185,13 +201,15 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     if check_values:
         check_live_width(seqlens, page_table_1=page_table_1, out=out)
         _check_groups(page_table_1, seqlens, schedule, rows_per_group, skip_len)
-    block_c = max(16, triton.next_power_of_2(rows_per_group * num_heads))
+    group_p2 = triton.next_power_of_2(rows_per_group)
+    heads_p2 = max(triton.next_power_of_2(num_heads), 16 // group_p2)  # a dot needs N >= 16
     num_programs = schedule.shape[0] - 1
     _indexer_logits_kernel[(num_programs,)](
         q, weights, k_cache, page_table_1, seqlens, schedule, out,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), page_table_1.stride(0),
         out.stride(0), num_rows // rows_per_group, num_heads, out.shape[1], skip_len,
-        GROUP=rows_per_group, HEAD_DIM=head_dim, BLOCK_C=block_c, BLOCK_KV=INDEXER_BLOCK_KV,
+        GROUP=rows_per_group, HEAD_DIM=head_dim, GROUP_P2=group_p2, HEADS_P2=heads_p2,
+        BLOCK_KV=INDEXER_BLOCK_KV,
         TOKENS_AS_M=config.tokens_as_m, NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
         num_warps=config.num_warps)
     return out
