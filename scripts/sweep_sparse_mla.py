@@ -2,14 +2,17 @@
 cold L2, CUDA graphs): per point, the op's total per replay and each of its kernels (the split
 kernel and the combine) from CUPTI, for the default launch, the combine with one or two column
 blocks per head, and other split counts / configs (among them a deeper Triton pipeline, 5 stages
-of 32 slots);
-next to them an empty kernel, and a copy of the bytes the point must gather (its bytes floor).
+of 32 slots); next to them an empty kernel, and a copy of the bytes the point must gather (its
+bytes floor). ``--grid`` instead times a grid of tile shapes (heads per program, value columns,
+warps, slots per block) at the points of one or four rows, each at the split count that fills
+the SMs and at half of it.
 
 Points: decode and 4-row verify at bs 1 with 1k live tokens (valid slots first, then -1, as the
-top-k writes them for short rows), and decode bs 16 / 64 and verify bs 32 at 64k (2048 random
-slots). Writes ``sweep_sparse_mla.json`` into the folder given as the first argument.
+top-k writes them for short rows), and decode bs 1 / 16 / 64 and verify bs 32 at 64k (2048
+random slots). Writes ``sweep_sparse_mla.json`` into the folder given as the first argument.
 
     python3 scripts/sweep_sparse_mla.py $OUT           # timings
+    python3 scripts/sweep_sparse_mla.py --grid $OUT    # tile shapes at 1-4 rows
     python3 scripts/sweep_sparse_mla.py --eager POINT  # run one point's default op 5 times (for ncu)
 """
 
@@ -32,8 +35,8 @@ from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_RO
                                     sparse_mla_workspace)
 
 HEADS, K, NUM_SLOTS = 64, 2048, 1 << 20
-DEFAULT_FEW_HEAD_ROWS = sparse_mla.COMBINE_FEW_HEAD_ROWS
-POINTS = {"decode_bs1_1k": (1, 1024), "verify_bs1_1k": (4, 1024), "decode_bs16_64k": (16, 65536),
+POINTS = {"decode_bs1_1k": (1, 1024), "verify_bs1_1k": (4, 1024), "decode_bs1_64k": (1, 65536),
+          "decode_bs16_64k": (16, 65536),
           "decode_bs64_64k": (64, 65536), "verify_bs32_64k": (128, 65536)}
 
 
@@ -63,18 +66,39 @@ def _per_kernel(fn, iters: int = 100) -> dict:
 
 
 def _variants(rows: int) -> dict:
-    """name -> (config, splits (None: the default workspace), combine's COMBINE_FEW_HEAD_ROWS)."""
+    """name -> (config, splits (None: the default workspace), module settings for the run, e.g.
+    ``COMBINE_FEW_HEAD_ROWS`` (the combine's column rule))."""
     default = sparse_mla_config(rows, HEADS, split=True)
-    out = {"default": (default, None, None),
-           "default_combine_512_columns": (default, None, 0),
-           "default_combine_256_columns": (default, None, 1 << 30)}
+    out = {"default": (default, None, {}),
+           "default_combine_512_columns": (default, None, {"COMBINE_FEW_HEAD_ROWS": 0}),
+           "default_combine_256_columns": (default, None, {"COMBINE_FEW_HEAD_ROWS": 1 << 30})}
     for splits in (4, 8, 16, 32):
-        out[f"few_rows_splits{splits}"] = (SPARSE_MLA_FEW_ROWS_CONFIG, splits, None)
-        out[f"config_splits{splits}"] = (SPARSE_MLA_CONFIG, splits, None)
-    out["dv256_n32_w4_splits16"] = (SparseMLAConfig(64, 32, 4, 2, block_dv=256), 16, None)
-    out["n32_w8_stages5_splits8"] = (SparseMLAConfig(64, 32, 8, 5), 8, None)
-    out["nosplit"] = (SPARSE_MLA_CONFIG, 1, None)
-    out["nosplit_n32_w8_stages5"] = (SparseMLAConfig(64, 32, 8, 5), 1, None)
+        out[f"few_rows_splits{splits}"] = (SPARSE_MLA_FEW_ROWS_CONFIG, splits, {})
+        out[f"config_splits{splits}"] = (SPARSE_MLA_CONFIG, splits, {})
+    out["dv256_n32_w4_splits16"] = (SparseMLAConfig(64, 32, 4, 2, block_dv=256), 16, {})
+    out["n32_w8_stages5_splits8"] = (SparseMLAConfig(64, 32, 8, 5), 8, {})
+    out["nosplit"] = (SPARSE_MLA_CONFIG, 1, {})
+    out["nosplit_n32_w8_stages5"] = (SparseMLAConfig(64, 32, 8, 5), 1, {})
+    return out
+
+
+GRID_POINTS = ("decode_bs1_1k", "verify_bs1_1k", "decode_bs1_64k")
+
+
+def _grid_variants(rows: int) -> dict:
+    """Tile shapes for few rows (block_h, block_dv, num_warps, block_n), each at the split count
+    that keeps one program per SM and at half of it."""
+    shapes = ([(16, dv, 4, n) for dv in (256, 512) for n in (32, 64)]
+              + [(16, 512, 2, 32), (16, 512, 8, 32), (16, 512, 4, 16)]
+              + [(32, dv, w, 32) for dv in (128, 256, 512) for w in (4, 8)]
+              + [(64, dv, 4, n) for dv in (128, 256) for n in (16, 32)])
+    out = {}
+    for block_h, block_dv, warps, block_n in shapes:
+        config = SparseMLAConfig(block_h, block_n, warps, 2, block_dv=block_dv, max_splits=64)
+        programs = rows * (HEADS // block_h) * (512 // block_dv)
+        fill = max(1, min(64, 132 // programs))
+        for splits in sorted({fill, max(1, fill // 2)}):
+            out[f"h{block_h}_dv{block_dv}_w{warps}_n{block_n}_splits{splits}"] = (config, splits, {})
     return out
 
 
@@ -95,6 +119,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="Where sparse MLA's time goes (per kernel, CUPTI).")
     parser.add_argument("out", nargs="?", type=Path, default=Path("."), help="folder for sweep_sparse_mla.json")
     parser.add_argument("--eager", choices=sorted(POINTS), help="only run this point's default op 5 times (for ncu)")
+    parser.add_argument("--grid", action="store_true", help="time tile shapes at 1-4 rows instead (sweep_sparse_mla_grid.json)")
     args = parser.parse_args()
     if args.eager:
         rows, live = POINTS[args.eager]
@@ -107,20 +132,28 @@ def main() -> int:
     out_dir = args.out
     warm_up_gpu()
     results = [dict(part="empty_kernel", us=empty_kernel_us())]
-    for point, (rows, live) in POINTS.items():
+    points = {name: POINTS[name] for name in GRID_POINTS} if args.grid else POINTS
+    for point, (rows, live) in points.items():
         x = _inputs(rows, live, torch.Generator(device="cuda").manual_seed(0))
         gathered = x["valid"] * QK_DIM * 2 + x["q"].numel() * 2 + x["out"].numel() * 2
         results.append(dict(part="copy_floor", point=point, bytes=gathered, us=copy_time_us(gathered)))
         print(json.dumps(results[-1]), flush=True)
-        for name, (config, splits, few_head_rows) in _variants(rows).items():
-            fn, used = _run(x, config, splits)
-            if few_head_rows is not None:
-                sparse_mla.COMBINE_FEW_HEAD_ROWS = few_head_rows
-            row = dict(part="variant", point=point, variant=name, splits=used, config=vars(config)) | _per_kernel(fn)
-            sparse_mla.COMBINE_FEW_HEAD_ROWS = DEFAULT_FEW_HEAD_ROWS
+        for name, (config, splits, settings) in (_grid_variants if args.grid else _variants)(rows).items():
+            defaults = {key: getattr(sparse_mla, key) for key in settings}
+            for key, value in settings.items():
+                setattr(sparse_mla, key, value)
+            try:
+                fn, used = _run(x, config, splits)
+                row = dict(part="variant", point=point, variant=name, splits=used,
+                           config=vars(config), settings=settings) | _per_kernel(fn)
+            except Exception as error:  # e.g. a tile shape that does not fit in shared memory
+                row = dict(part="variant", point=point, variant=name, error=repr(error)[:200])
+            for key, value in defaults.items():
+                setattr(sparse_mla, key, value)
             results.append(row)
             print(json.dumps(row), flush=True)
-    (out_dir / "sweep_sparse_mla.json").write_text(json.dumps(results, indent=1))
+    name = "sweep_sparse_mla_grid.json" if args.grid else "sweep_sparse_mla.json"
+    (out_dir / name).write_text(json.dumps(results, indent=1))
     return 0
 
 

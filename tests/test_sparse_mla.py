@@ -206,12 +206,13 @@ def test_default_config_by_rows():
     row-invariant path) every R takes the same configuration."""
     for heads in (64, 128):
         for rows in range(1, 9):
-            few = rows * (heads // 64) <= FEW_ROWS_HEAD_BLOCKS
+            few = rows * -(-heads // SPARSE_MLA_FEW_ROWS_CONFIG.block_h) <= FEW_ROWS_HEAD_BLOCKS
+            assert few == (rows == 1 and heads <= 64)  # one row of up to 64 heads
             assert sparse_mla_config(rows, heads, split=True) == (
                 SPARSE_MLA_FEW_ROWS_CONFIG if few else SPARSE_MLA_CONFIG)
             assert sparse_mla_config(rows, heads, split=False) == SPARSE_MLA_CONFIG
     # the default workspace is sized for the default split configuration
-    programs = 512 // SPARSE_MLA_FEW_ROWS_CONFIG.block_dv
+    programs = 64 // SPARSE_MLA_FEW_ROWS_CONFIG.block_h * (512 // SPARSE_MLA_FEW_ROWS_CONFIG.block_dv)
     assert sparse_mla_workspace(1, 64, "cpu", num_sms=132).shape[2] == min(
         SPARSE_MLA_FEW_ROWS_CONFIG.max_splits, 132 // programs)
 
