@@ -4,8 +4,8 @@ kernel and the combine) from CUPTI, for the default launch, the combine with one
 blocks per head, and other split counts / configs (among them a deeper Triton pipeline, 5 stages
 of 32 slots); next to them an empty kernel, and a copy of the bytes the point must gather (its
 bytes floor). ``--grid`` instead times a grid of tile shapes (heads per program, value columns,
-warps, slots per block) at the points of one or four rows, each at the split count that fills
-the SMs and at half of it.
+warps, slots per block), by default at the points of one or four rows, each at the split count
+that fills the SMs and at half of it. ``--points`` picks the points.
 
 Points: decode and 4-row verify at bs 1 with 1k live tokens (valid slots first, then -1, as the
 top-k writes them for short rows), and decode bs 1 / 16 / 64 and verify bs 32 at 64k (2048
@@ -13,6 +13,7 @@ random slots). Writes ``sweep_sparse_mla.json`` into the folder given as the fir
 
     python3 scripts/sweep_sparse_mla.py $OUT           # timings
     python3 scripts/sweep_sparse_mla.py --grid $OUT    # tile shapes at 1-4 rows
+    python3 scripts/sweep_sparse_mla.py --grid --points decode_bs16_64k $OUT
     python3 scripts/sweep_sparse_mla.py --eager POINT  # run one point's default op 5 times (for ncu)
 """
 
@@ -91,7 +92,8 @@ def _grid_variants(rows: int) -> dict:
     shapes = ([(16, dv, 4, n) for dv in (256, 512) for n in (32, 64)]
               + [(16, 512, 2, 32), (16, 512, 8, 32), (16, 512, 4, 16)]
               + [(32, dv, w, 32) for dv in (128, 256, 512) for w in (4, 8)]
-              + [(64, dv, 4, n) for dv in (128, 256) for n in (16, 32)])
+              + [(64, dv, 4, n) for dv in (128, 256) for n in (16, 32)]
+              + [(64, 512, 8, 64)])  # SPARSE_MLA_CONFIG's tiles
     out = {}
     for block_h, block_dv, warps, block_n in shapes:
         config = SparseMLAConfig(block_h, block_n, warps, 2, block_dv=block_dv, max_splits=64)
@@ -119,8 +121,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="Where sparse MLA's time goes (per kernel, CUPTI).")
     parser.add_argument("out", nargs="?", type=Path, default=Path("."), help="folder for sweep_sparse_mla.json")
     parser.add_argument("--eager", choices=sorted(POINTS), help="only run this point's default op 5 times (for ncu)")
-    parser.add_argument("--grid", action="store_true", help="time tile shapes at 1-4 rows instead (sweep_sparse_mla_grid.json)")
+    parser.add_argument("--grid", action="store_true", help="time tile shapes instead (sweep_sparse_mla_grid.json)")
+    parser.add_argument("--points", type=lambda text: text.split(","), default=None,
+                        help=f"comma-separated points of {sorted(POINTS)} (default: all; with --grid {','.join(GRID_POINTS)})")
     args = parser.parse_args()
+    names = args.points or (GRID_POINTS if args.grid else list(POINTS))
+    unknown = sorted(set(names) - set(POINTS))
+    if unknown:
+        parser.error(f"--points: unknown {unknown}; expected some of {sorted(POINTS)}")
+    points = {name: POINTS[name] for name in names}
     if args.eager:
         rows, live = POINTS[args.eager]
         x = _inputs(rows, live, torch.Generator(device="cuda").manual_seed(0))
@@ -132,7 +141,6 @@ def main() -> int:
     out_dir = args.out
     warm_up_gpu()
     results = [dict(part="empty_kernel", us=empty_kernel_us())]
-    points = {name: POINTS[name] for name in GRID_POINTS} if args.grid else POINTS
     for point, (rows, live) in points.items():
         x = _inputs(rows, live, torch.Generator(device="cuda").manual_seed(0))
         gathered = x["valid"] * QK_DIM * 2 + x["q"].numel() * 2 + x["out"].numel() * 2
