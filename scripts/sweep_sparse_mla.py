@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsaspec.bench.timing import copy_time_us, empty_kernel_us, replay_events, warm_up_gpu  # noqa: E402
 from dsaspec.ops import sparse_mla  # noqa: E402
+from dsaspec.ops.device import sm_count  # noqa: E402
 from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,  # noqa: E402
                                     SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
                                     sparse_mla_workspace)
@@ -98,7 +99,7 @@ def _grid_variants(rows: int) -> dict:
     for block_h, block_dv, warps, block_n in shapes:
         config = SparseMLAConfig(block_h, block_n, warps, 2, block_dv=block_dv, max_splits=64)
         programs = rows * (HEADS // block_h) * (512 // block_dv)
-        fill = max(1, min(64, 132 // programs))
+        fill = max(1, min(64, sm_count("cuda") // programs))
         for splits in sorted({fill, max(1, fill // 2)}):
             out[f"h{block_h}_dv{block_dv}_w{warps}_n{block_n}_splits{splits}"] = (config, splits, {})
     return out

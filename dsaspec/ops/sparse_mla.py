@@ -77,8 +77,9 @@ class SparseMLAConfig:
 SPARSE_MLA_CONFIG = SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
 # With a workspace and one row of up to 64 heads: 16 heads and every value column per program on
 # 4 warps, as many splits as fill the SMs (33 on the H200; grid sweep of tile shapes in
-# logs/sweep_sparse_mla_grid.json: 9.8 against 11.1 us for 64 heads x 128 columns at one row of
-# 1k live tokens, 12.4 against 13.4 at 64k; at four rows it was not faster than SPARSE_MLA_CONFIG).
+# benchmarks/results/h200/logs/sweep_sparse_mla_grid.json: 9.8 against 11.1 us for 64 heads x 128
+# columns at one row of 1k live tokens, 12.4 against 13.4 at 64k; at four rows it was not faster
+# than SPARSE_MLA_CONFIG).
 SPARSE_MLA_FEW_ROWS_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2,
                                              block_dv=512, max_splits=64)
 FEW_ROWS_HEAD_BLOCKS = 4  # R * cdiv(H, block_h) up to which the split path takes the few-rows config
