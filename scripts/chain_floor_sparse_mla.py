@@ -1,0 +1,147 @@
+"""What the one-row sparse MLA split path costs without its math (GLM-5 shapes: 64 heads, 576-wide
+keys, k = 2048, cold L2, CUDA graphs): a skeleton split kernel with the default few-rows launch
+(grid ``(1, heads / block_h, splits)``, the same warps) that loads what a split program loads, in
+the same order and with the same dependences (its heads' queries, the row's slot ids for the
+last-valid scan, its block's ids, the gathered cache rows) and writes a record of the same size,
+then the real combine kernel as a programmatic dependent launch. No dots, no softmax: its time
+is what this split + combine decomposition costs in memory steps and launches alone, the bound
+for any kernel pair of this shape at the point. Next to it: the real op, an empty kernel and a
+copy of the point's bytes. Writes ``chain_floor_sparse_mla.json`` into the folder given.
+
+    python3 scripts/chain_floor_sparse_mla.py $OUT    # on a GPU
+    python3 scripts/chain_floor_sparse_mla.py         # without one: run both kernels once (interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # Triton's interpreter, which must be chosen before its import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsaspec.bench.timing import copy_time_us, empty_kernel_us, replay_events, warm_up_gpu  # noqa: E402
+from dsaspec.ops import sparse_mla  # noqa: E402
+from dsaspec.ops.device import supports_pdl  # noqa: E402
+from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, RECORD_WIDTH, ROPE_DIM,  # noqa: E402
+                                    sparse_mla_config, sparse_mla_decode, sparse_mla_workspace)
+
+HEADS, K = 64, 2048
+POINTS = {"decode_bs1_1k": 1024, "decode_bs1_64k": 65536}
+
+
+@triton.jit
+def _skeleton_split_kernel(q_ptr, kv_ptr, slots_ptr, workspace_ptr, q_stride_head, kv_stride,
+                           num_heads, topk, LATENT: tl.constexpr, ROPE: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
+                           RECORD: tl.constexpr, PDL: tl.constexpr):
+    """Row 0, heads ``pid(1) * BLOCK_H ..``, split ``pid(2)``: the split program's loads and its
+    record store; the record holds column sums of the gathered rows plus each head's query sum
+    (a value that needs every load), the log-sum 0."""
+    if PDL:
+        gdc_launch_dependents()
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    latent = tl.arange(0, LATENT)
+    q_row = q_ptr + heads[:, None] * q_stride_head
+    q_latent = tl.load(q_row + latent[None, :])
+    q_rope = tl.load(q_row + LATENT + tl.arange(0, ROPE)[None, :])
+    index = tl.arange(0, SCAN)
+    ids = tl.load(slots_ptr + index, mask=index < topk, other=-1)
+    last_valid = tl.max(tl.where(ids >= 0, index, -1), 0)
+    split = tl.program_id(2)
+    num_blocks = tl.cdiv(last_valid + 1, BLOCK_N)
+    block = split * tl.cdiv(num_blocks, tl.num_programs(2))
+    position = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot = tl.load(slots_ptr + position, mask=(position < topk) & (block < num_blocks), other=-1)
+    valid = slot >= 0
+    kv_row = kv_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * kv_stride
+    kv_latent = tl.load(kv_row + latent[None, :], mask=valid[:, None], other=0.0)
+    kv_rope = tl.load(kv_row + LATENT + tl.arange(0, ROPE)[None, :], mask=valid[:, None],
+                      other=0.0)
+    per_head = tl.sum(q_latent.to(tl.float32), 1) + tl.sum(q_rope.to(tl.float32), 1)
+    columns = tl.sum(kv_latent.to(tl.float32), 0) + tl.sum(tl.sum(kv_rope.to(tl.float32), 0), 0)
+    record = workspace_ptr + (heads * tl.num_programs(2) + split) * RECORD
+    tl.store(record[:, None] + latent[None, :], per_head[:, None] + columns[None, :])
+    tl.store(record + LATENT, tl.zeros((BLOCK_H,), dtype=tl.float32))
+
+
+def _inputs(live: int, device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(live)
+    num_slots = 1 << 20
+    slots = torch.full((1, K), -1, dtype=torch.int32, device=device)
+    count = min(live, K)
+    slots[0, :count] = torch.randperm(num_slots, device=device, generator=gen)[:count].int()
+    return dict(q=torch.randn(1, HEADS, QK_DIM, device=device, generator=gen).bfloat16(),
+                kv=torch.randn(num_slots, QK_DIM, device=device, generator=gen).bfloat16(),
+                slots=slots, out=torch.empty(1, HEADS, LATENT_DIM, device=device,
+                                             dtype=torch.bfloat16), count=count)
+
+
+def _skeleton(x: dict, workspace: torch.Tensor):
+    """The skeleton split kernel, then the real combine, launched as the op launches them."""
+    config = sparse_mla_config(1, HEADS, split=True)
+    num_splits = workspace.shape[2]
+    pdl = supports_pdl(x["q"].device)
+    columns = LATENT_DIM // 2 if HEADS <= sparse_mla.COMBINE_FEW_HEAD_ROWS else LATENT_DIM
+
+    def run():
+        _skeleton_split_kernel[(1, HEADS // config.block_h, num_splits)](
+            x["q"], x["kv"], x["slots"], workspace, x["q"].stride(1), x["kv"].stride(0), HEADS, K,
+            LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+            SCAN=K, RECORD=RECORD_WIDTH, PDL=pdl, num_warps=config.num_warps)
+        sparse_mla._sparse_mla_combine_kernel[(1, HEADS, LATENT_DIM // columns)](
+            workspace, x["out"], x["out"].stride(0), x["out"].stride(1), HEADS, num_splits,
+            LATENT=LATENT_DIM, RECORD=RECORD_WIDTH, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_C=columns, PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return run
+
+
+def _total_us(fn, iters: int = 100) -> float:
+    replays = replay_events(fn, iters=iters, warmup=3)
+    return statistics.median((max(e for _, _, e in r) - min(s for _, s, _ in r)) / 1e3
+                             for r in replays)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="The one-row sparse MLA split path without its math.")
+    parser.add_argument("out", nargs="?", type=Path, default=Path("."),
+                        help="folder for chain_floor_sparse_mla.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        x = _inputs(64, "cpu")
+        _skeleton(x, sparse_mla_workspace(1, HEADS, "cpu"))()
+        print("chain_floor_sparse_mla: both kernels ran under the interpreter (no timing without CUDA)")
+        return 0
+    warm_up_gpu()
+    results = [dict(part="empty_kernel", us=empty_kernel_us())]
+    for point, live in POINTS.items():
+        x = _inputs(live, torch.device("cuda"))
+        workspace = sparse_mla_workspace(1, HEADS, x["q"].device)
+
+        def real():
+            sparse_mla_decode(x["q"], x["kv"], x["slots"], QK_DIM ** -0.5, x["out"],
+                              check_values=False, workspace=workspace)
+        moved = x["count"] * QK_DIM * 2 + x["q"].numel() * 2 + x["out"].numel() * 2
+        row = dict(part="point", point=point, splits=workspace.shape[2], bytes=moved,
+                   copy_us=copy_time_us(moved), skeleton_us=_total_us(_skeleton(x, workspace)),
+                   op_us=_total_us(real))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    (args.out / "chain_floor_sparse_mla.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
