@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsaspec.bench.timing import copy_time_us, empty_kernel_us, replay_events, warm_up_gpu  # noqa: E402
+from dsaspec.bench.timing import copy_time_us, empty_kernel_us, time_in_graph, warm_up_gpu  # noqa: E402
 from dsaspec.ops import sparse_mla  # noqa: E402
 from dsaspec.ops.device import supports_pdl  # noqa: E402
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, RECORD_WIDTH, ROPE_DIM,  # noqa: E402
@@ -92,26 +91,19 @@ def _inputs(live: int, device) -> dict:
 def _skeleton(x: dict, workspace: torch.Tensor):
     """The skeleton split kernel, then the real combine, launched as the op launches them."""
     config = sparse_mla_config(1, HEADS, split=True)
-    num_splits = workspace.shape[2]
     pdl = supports_pdl(x["q"].device)
-    columns = LATENT_DIM // 2 if HEADS <= sparse_mla.COMBINE_FEW_HEAD_ROWS else LATENT_DIM
 
     def run():
-        _skeleton_split_kernel[(1, HEADS // config.block_h, num_splits)](
+        _skeleton_split_kernel[(1, HEADS // config.block_h, workspace.shape[2])](
             x["q"], x["kv"], x["slots"], workspace, x["q"].stride(1), x["kv"].stride(0), HEADS, K,
             LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
             SCAN=K, RECORD=RECORD_WIDTH, PDL=pdl, num_warps=config.num_warps)
-        sparse_mla._sparse_mla_combine_kernel[(1, HEADS, LATENT_DIM // columns)](
-            workspace, x["out"], x["out"].stride(0), x["out"].stride(1), HEADS, num_splits,
-            LATENT=LATENT_DIM, RECORD=RECORD_WIDTH, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_C=columns, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        sparse_mla._combine(workspace, x["out"], pdl)
     return run
 
 
-def _total_us(fn, iters: int = 100) -> float:
-    replays = replay_events(fn, iters=iters, warmup=3)
-    return statistics.median((max(e for _, _, e in r) - min(s for _, s, _ in r)) / 1e3
-                             for r in replays)
+def _total_us(fn) -> float:
+    return time_in_graph(fn, iters=100, graph_diff=False).median_us
 
 
 def main() -> int:

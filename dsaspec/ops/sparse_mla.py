@@ -351,12 +351,19 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         SPLIT=workspace is not None, RECORD=RECORD_WIDTH, PDL=pdl,
         num_warps=config.num_warps)
     if workspace is not None:
-        columns = LATENT_DIM // 2 if num_rows * num_heads <= COMBINE_FEW_HEAD_ROWS else LATENT_DIM
-        _sparse_mla_combine_kernel[(num_rows, num_heads, LATENT_DIM // columns)](
-            workspace, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            LATENT=LATENT_DIM, RECORD=RECORD_WIDTH, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_C=columns, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        _combine(workspace, out, pdl)
     return out
+
+
+def _combine(workspace: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
+    """Launch the combine of ``workspace``'s split records into ``out`` (as a programmatic
+    dependent of the split kernel launched just before it, with ``pdl``)."""
+    num_rows, num_heads, num_splits, _ = workspace.shape
+    columns = LATENT_DIM // 2 if num_rows * num_heads <= COMBINE_FEW_HEAD_ROWS else LATENT_DIM
+    _sparse_mla_combine_kernel[(num_rows, num_heads, LATENT_DIM // columns)](
+        workspace, out, out.stride(0), out.stride(1), num_heads, num_splits,
+        LATENT=LATENT_DIM, RECORD=RECORD_WIDTH, BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_C=columns, PDL=pdl, launch_pdl=pdl, num_warps=4)
 
 
 def _check_inputs(q, kv_cache, slots, out, workspace) -> None:

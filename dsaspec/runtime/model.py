@@ -129,8 +129,9 @@ class AttentionWorkspace:
         ``topk_workspace``: split each row's top-k over several programs (None: one per row). The
         selection is exact either way.
     topk_single_launch : None or False
-        ``topk_slots``'s ``single_launch`` for the split form: None (one launch where it fits) or
-        False (five launches), from ``DSASPEC_TOPK_SINGLE_LAUNCH``, read when the workspace is made.
+        ``topk_slots``'s ``single_launch``: with ``topk``, None (one launch where it fits) or False
+        (five launches), from ``DSASPEC_TOPK_SINGLE_LAUNCH``, read when the workspace is made;
+        None without it.
     topk_candidates : Tensor or None
         ``topk_candidates``: with one top-k program per row, long rows select from candidate lists
         bounded by a sample (None: the whole-row passes). The selection is exact either way.
@@ -557,7 +558,7 @@ def _select_slots(q_index, index_weights, index_k_cache, step: _ForwardState, in
     workspace = attn.workspace or NO_WORKSPACE
     ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots,
                    check_values=step.check_values, workspace=workspace.topk,
-                   single_launch=None if workspace.topk is None else workspace.topk_single_launch,
+                   single_launch=workspace.topk_single_launch,
                    candidates=workspace.topk_candidates)
     return slots
 
@@ -835,7 +836,7 @@ class DSAModel(nn.Module):
         candidates = None if topk is not None else topk_candidates(rows, self.config.index_topk, device)
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, self.num_local_heads, device),
-            topk=topk, topk_single_launch=None if flags.topk_single_launch() else False,
+            topk=topk, topk_single_launch=None if topk is None or flags.topk_single_launch() else False,
             topk_candidates=candidates)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
