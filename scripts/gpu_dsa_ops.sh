@@ -84,6 +84,13 @@ long_slots = torch.zeros(3, k, dtype=torch.int32, device=dev)
 topk_slots(long, torch.tensor([20000, 19999, 20000], dtype=torch.int32, device=dev),
            torch.randint(0, num_slots, (3, 20000), dtype=torch.int32, device=dev), k, long_slots,
            out_positions=torch.zeros_like(long_slots), candidates=topk_candidates(3, k, dev))
+# the chunked form with lists per chunk (two kernels, and six launches): the same three rows in 3
+# chunks, long enough for lists (topk_sampled_min_live(k, dev, num_chunks=3) = 18432)
+for single in (True, False):
+    topk_slots(long, torch.tensor([20000, 19999, 20000], dtype=torch.int32, device=dev),
+               torch.randint(0, num_slots, (3, 20000), dtype=torch.int32, device=dev), k, long_slots,
+               out_positions=torch.zeros_like(long_slots), workspace=topk_workspace(3, dev, num_chunks=3),
+               single_launch=single, candidates=topk_candidates(3, k, dev, num_chunks=3))
 q = torch.randn(rows, heads, 576, device=dev).bfloat16()
 cache = torch.randn(num_slots, 576, device=dev).bfloat16()
 out = torch.zeros(rows, heads, 512, dtype=torch.bfloat16, device=dev)

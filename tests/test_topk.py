@@ -195,15 +195,17 @@ def test_bad_arguments(device):
 JUNK = -5
 
 
-def _junk_candidates(rows, k, device):
-    candidates = topk_candidates(rows, k, device)
+def _junk_candidates(rows, k, device, num_chunks=1):
+    candidates = topk_candidates(rows, k, device, num_chunks=num_chunks)
     candidates.fill_(JUNK)
     return candidates
 
 
-def _listed(candidates, row):
-    """The entries a call wrote to ``row``'s list (the junk left is never a position)."""
-    entries = candidates[row].cpu()
+def _listed(candidates, row, num_chunks=1, chunk=0):
+    """The entries a call wrote to ``row``'s list (of ``chunk``'s region with ``num_chunks``
+    regions per row; the junk left is never a position)."""
+    region = candidates.shape[1] // num_chunks
+    entries = candidates[row, chunk * region:(chunk + 1) * region].cpu()
     return entries[entries != JUNK]
 
 
@@ -240,7 +242,8 @@ def test_sampled_falls_back_when_the_sample_misleads(device):
     length = topk_sampled_min_live(k, device) + 3
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, length, generator=gen)
-    logits[0, ::stride] += 100.0
+    # distinct integers far above the rest: the bound's bin (16 bits) holds one sampled key
+    logits[0, ::stride] = 100.0 + torch.arange(logits[0, ::stride].numel()).float()
     logits[1] = 0.75
     logits, seqlens, page_table = _inputs(logits, [length, length], width=length)
     candidates = _junk_candidates(2, k, device)
@@ -273,15 +276,23 @@ def test_candidates_size_and_bad_candidates(device):
     assert topk_candidates(3, 16, device).shape == (3, topk_candidates_width(16, device))
     assert topk_candidates_width(2048, "cuda") == 2 * (96 + topk_module.SAMPLE_MARGIN) * 32
     assert topk_sampled_min_live(2048, "cuda") == 2 * topk_candidates_width(2048, "cuda")
+    assert topk_sampled_min_live(2048, "cuda", num_chunks=2) == 2 * topk_candidates_width(2048, "cuda")
+    assert topk_sampled_min_live(2048, "cuda", num_chunks=8) == 8 * 6144  # chunks of >= 6144
     logits = torch.zeros(2, 32, device=device)
     seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)
     table = torch.zeros(2, 32, dtype=torch.int32, device=device)
     out = torch.zeros(2, 4, dtype=torch.int32, device=device)
     good = topk_candidates(2, 4, device)
-    with pytest.raises(ValueError, match="candidates: only for the one-program form"):
-        topk_slots(logits, seqlens, table, 4, out, candidates=good,
-                   workspace=topk_workspace(2, device, num_chunks=2))
-    with pytest.raises(ValueError, match="candidates: only for the one-program form"):
+    assert topk_candidates(2, 4, device, num_chunks=3).shape == (2, 3 * good.shape[1])
+    most = topk_module.TOPK_LISTS_MAX_CHUNKS
+    assert topk_candidates(2, 4, device, num_chunks=most).shape == (2, most * good.shape[1])
+    assert topk_candidates(2, 4, device, num_chunks=most + 1) is None  # few rows: no lists
+    with pytest.raises(ValueError, match=r"candidates: expected at least k = 4 columns per chunk, "
+                                         r"12 for 3 chunks \(topk_candidates\(\.\.\., "
+                                         r"num_chunks=3\)\), got shape \(2, 11\)"):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good[:, :11],
+                   workspace=topk_workspace(2, device, num_chunks=3))
+    with pytest.raises(ValueError, match="candidates: not with read_short_rows"):
         topk_slots(logits, seqlens, table, 4, out, candidates=good, read_short_rows=True)
     with pytest.raises(ValueError, match=r"candidates: expected at least k = 4 columns "
                                          r"\(topk_candidates\), got shape \(2, 3\)"):
@@ -294,6 +305,8 @@ def test_candidates_size_and_bad_candidates(device):
         topk_slots(logits, seqlens, table, 4, out, candidates=good[:1])
     with pytest.raises(ValueError, match="k: expected >= 1, got 0"):
         topk_candidates(2, 0, device)
+    with pytest.raises(ValueError, match="num_chunks: expected >= 1, got 0"):
+        topk_candidates(2, 4, device, num_chunks=0)
 
 
 # The chunked form. Under the interpreter a chunk is at least 16 positions (a multiple of 16) and
@@ -387,6 +400,81 @@ def test_chunked_reused_workspace_no_positions(device):
         assert torch.equal(out.cpu(), reference_topk_slots(row_logits, seqlens, page_table, 32))
 
 
+def _chunk_bounds(length, num_chunks):
+    """The chunks' position ranges of a row (as the kernels cut it under the interpreter: chunks
+    of cdiv(length, P) rounded up to 16, at least 16)."""
+    size = max(-(-length // num_chunks), 16)
+    size = -(-size // 16) * 16
+    return [(start, min(start + size, length)) for start in range(0, length, size)]
+
+
+@pytest.mark.parametrize("single_launch", [False, True])
+@pytest.mark.parametrize("k, num_chunks", [(16, 1), (16, 3), (40, 5), (1, 2), (16, 8)])
+def test_chunked_sampled_lists(monkeypatch, k, num_chunks, single_launch, device):
+    """The chunked form with candidate lists: rows around the sampled form's shortest length for
+    this chunk count (at 8 chunks set by the shortest chunk that lists) and longer, next to rows
+    that copy or take the chunk passes over their range; exact, and each chunk's region holds its
+    own positions that reached the bound, ascending, among them the chunk's share of the
+    selection. The single launch runs under the interpreter too with one chunk per row (its
+    barriers then pass on arrival)."""
+    if single_launch and device.type != "cuda":
+        if num_chunks > 1:
+            pytest.skip("under the interpreter the single launch needs one program per row")
+        monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
+    shortest = topk_sampled_min_live(k, device, num_chunks)
+    if num_chunks == 8 and device.type != "cuda":
+        assert shortest > topk_sampled_min_live(k, device)  # the chunk length rule decides here
+    lengths = [0, k, k + 1, shortest - 1, shortest, shortest + 1, 3 * shortest + 5]
+    gen = torch.Generator().manual_seed(k + num_chunks)
+    logits = torch.randn(len(lengths), max(lengths), generator=gen)
+    logits[:, ::7] = torch.round(logits[:, ::7])  # ties
+    logits, seqlens, page_table = _inputs(logits, lengths, width=max(lengths) + 3)
+    candidates = _junk_candidates(len(lengths), k, device, num_chunks)
+    positions = _assert_topk(logits, seqlens, page_table, k, device, num_chunks=num_chunks,
+                             single_launch=single_launch or None, candidates=candidates)
+    for row, length in enumerate(lengths):
+        chosen = positions[row][positions[row] >= 0]
+        listed = [_listed(candidates, row, num_chunks, chunk) for chunk in range(num_chunks)]
+        if length < shortest:
+            assert sum(entries.numel() for entries in listed) == 0, f"row {row} listed"
+            continue
+        assert sum(entries.numel() for entries in listed) >= k
+        for chunk, (start, end) in enumerate(_chunk_bounds(length, num_chunks)):
+            entries = listed[chunk]
+            assert bool((entries[1:] > entries[:-1]).all())
+            assert bool(((entries >= start) & (entries < end)).all())
+            mine = chosen[(chosen >= start) & (chosen < end)]
+            assert bool(torch.isin(mine, entries).all()), f"row {row} chunk {chunk}"
+
+
+@pytest.mark.parametrize("num_chunks, single_launch", [(2, None), (3, None), (1, True)])
+def test_chunked_sampled_falls_back(monkeypatch, num_chunks, single_launch, device):
+    """Lists that cannot serve: every sampled position larger than the rest (fewer than k
+    listed in all), equal logits (a chunk lists more than its region holds), and equal logits in
+    the second half only (one chunk overflows, the first lists little): the chunk passes over the
+    ranges then run, exact. In the single launch the lists kernel runs them (under the
+    interpreter with one chunk a row)."""
+    if single_launch:
+        monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
+    k = 32
+    stride = topk_module._sample_stride(device)
+    length = topk_sampled_min_live(k, device, num_chunks) * 2
+    gen = torch.Generator().manual_seed(num_chunks)
+    logits = torch.randn(3, length, generator=gen)
+    # distinct integers far above the rest: the bound's bin (16 bits) holds one sampled key
+    logits[0, ::stride] = 100.0 + torch.arange(logits[0, ::stride].numel()).float()
+    logits[1] = 0.75
+    logits[2, length // 2:] = 9.0
+    logits, seqlens, page_table = _inputs(logits, [length] * 3, width=length)
+    candidates = _junk_candidates(3, k, device, num_chunks)
+    _assert_topk(logits, seqlens, page_table, k, device, num_chunks=num_chunks,
+                 candidates=candidates, single_launch=single_launch)
+    region = candidates.shape[1] // num_chunks
+    assert 0 < sum(_listed(candidates, 0, num_chunks, c).numel() for c in range(num_chunks)) < k
+    assert _listed(candidates, 1, num_chunks, 0).numel() == region  # filled up: overflowed
+    assert _listed(candidates, 2, num_chunks, num_chunks - 1).numel() == region
+
+
 def test_workspace_size():
     per_sm, fewest = topk_module.PROGRAMS_PER_SM, topk_module.MIN_CHUNKS
     assert topk_num_chunks(1, 132) == topk_module.MAX_CHUNKS
@@ -417,20 +505,27 @@ def test_single_launch_fit_rule(monkeypatch):
         assert topk_module.topk_single_launch_fits(rows, topk_num_chunks(rows, 132), "cuda")
 
 
+@pytest.mark.parametrize("with_lists", [False, True])
 @pytest.mark.parametrize("single_launch", [None, False])
-def test_chunked_launches(monkeypatch, device, single_launch):
+def test_chunked_launches(monkeypatch, device, single_launch, with_lists):
     """The kernels a chunked call really launches (Triton pre-run hooks): by default one cooperative
-    launch on the GPU, five under the interpreter; five with single_launch=False."""
+    launch on the GPU (with candidate lists: it, then the lists kernel), five under the
+    interpreter and with single_launch=False (with lists: the list pass first)."""
     seen = []
-    for kernel in (topk_module._topk_chunk_pass_kernel, topk_module._topk_chunk_single_launch_kernel):
+    for kernel in (topk_module._topk_chunk_pass_kernel, topk_module._topk_chunk_single_launch_kernel,
+                   topk_module._topk_chunk_lists_kernel):
         monkeypatch.setattr(kernel, "pre_run_hooks",
                             [lambda *a, _name=kernel.__name__, **kw: seen.append((_name, kw.get("PASS")))])
     logits, seqlens, page_table = _inputs(torch.randn(2, 100), [100, 60], width=100)
-    _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, single_launch=single_launch)
+    candidates = topk_candidates(2, 8, device, num_chunks=2) if with_lists else None
+    _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, single_launch=single_launch,
+                 candidates=candidates)
     if device.type == "cuda" and single_launch is None:
-        assert seen == [("_topk_chunk_single_launch_kernel", None)]
+        assert seen == [("_topk_chunk_single_launch_kernel", None)] + (
+            [("_topk_chunk_lists_kernel", None)] if with_lists else [])
     else:
-        assert seen == [("_topk_chunk_pass_kernel", p) for p in range(5)]
+        passes = ([int(topk_module._LIST_PASS)] if with_lists else []) + list(range(5))
+        assert seen == [("_topk_chunk_pass_kernel", p) for p in passes]
 
 
 def test_single_launch_with_one_program_per_row_runs_anywhere(monkeypatch, device):
@@ -534,7 +629,8 @@ def test_gpu_sampled_lists_and_fallbacks():
     lengths = [shortest - 1, shortest, shortest + 5, shortest + 5, 200_003]
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(len(lengths), max(lengths), generator=gen)
-    logits[2, ::topk_module._sample_stride(device)] += 100.0
+    sampled = logits[2, ::topk_module._sample_stride(device)]
+    logits[2, ::topk_module._sample_stride(device)] = 100.0 + torch.arange(sampled.numel()).float()
     logits[3] = -2.5
     logits, seqlens, page_table = _inputs(logits, lengths, width=max(lengths), num_slots=1 << 20)
     candidates = _junk_candidates(len(lengths), k, device)
@@ -549,21 +645,28 @@ def test_gpu_sampled_lists_and_fallbacks():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("single_launch", [True, False])
 @pytest.mark.parametrize("num_rows, longest, num_chunks", [
     (1, 65_536, None), (4, 8_192, None), (16, 65_536, None), (32, 65_536, None),
     (64, 65_536, None), (64, 65_536, 64), (4, 1_000_000, None)])
-def test_gpu_chunked_production_sizes(num_rows, longest, num_chunks, single_launch):
-    """The chunked form at real sizes, in one launch and in five: the chunk count topk_workspace
-    picks for the device (and 64 chunks for 64 rows, too many programs for one launch)."""
+def test_gpu_chunked_production_sizes(num_rows, longest, num_chunks, single_launch, sampled):
+    """The chunked form at real sizes, in one launch and in five, with candidate lists per chunk
+    (``sampled``; rows of equal logits overflow them and fall back) or without: the chunk count
+    topk_workspace picks for the device (and 64 chunks for 64 rows, too many programs for one
+    launch)."""
     device = torch.device("cuda")
     workspace = topk_workspace(num_rows, device, num_chunks=num_chunks)
     assert workspace is not None
     if single_launch and not topk_module.topk_single_launch_fits(num_rows, workspace.shape[1], device):
         pytest.skip(f"{num_rows} x {workspace.shape[1]} programs do not fit one cooperative launch")
+    if sampled and workspace.shape[1] > topk_module.TOPK_LISTS_MAX_CHUNKS:
+        pytest.skip(f"no candidate lists for {workspace.shape[1]} chunks a row")
+    candidates = (_junk_candidates(num_rows, 2048, device, workspace.shape[1]) if sampled
+                  else None)
     logits, seqlens, page_table = _production_inputs(num_rows, longest)
     out, positions = _run(logits, seqlens, page_table, 2048, device, workspace=workspace,
-                          single_launch=single_launch)
+                          single_launch=single_launch, candidates=candidates)
     assert torch.equal(positions.long(), reference_topk_positions(logits, seqlens, 2048))
     assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, 2048))
 
@@ -604,7 +707,7 @@ def test_gpu_chunked_edge_lengths(num_chunks, single_launch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows, chunked", [(32, False), (32, "sampled"), (32, True), (2, True),
-                                               (2, "five")])
+                                               (2, "five"), (33, "lists"), (64, "five_lists")])
 def test_gpu_cuda_graph_replay_with_new_lengths(num_rows, chunked):
     device = torch.device("cuda")
     width, k = 70_000, 2048
@@ -616,11 +719,17 @@ def test_gpu_cuda_graph_replay_with_new_lengths(num_rows, chunked):
     out = torch.zeros(num_rows, k, dtype=torch.int32, device=device)
     positions = torch.zeros_like(out)
     # one program per row (False, or "sampled": with candidate lists), or chunked: one
-    # cooperative launch (True, the default where it fits) or "five" launches
-    workspace = topk_workspace(num_rows, device) if chunked in (True, "five") else None
-    assert (chunked in (True, "five")) == (workspace is not None)
-    candidates = topk_candidates(num_rows, k, device) if chunked == "sampled" else None
-    single_launch = None if workspace is None else chunked is True
+    # cooperative launch (True, the default where it fits; "lists": with candidate lists) or
+    # "five" launches ("five_lists": six, the lists first)
+    chunked_forms = (True, "five", "lists", "five_lists")
+    workspace = topk_workspace(num_rows, device) if chunked in chunked_forms else None
+    assert (chunked in chunked_forms) == (workspace is not None)
+    candidates = None
+    if chunked in ("sampled", "lists", "five_lists"):
+        candidates = topk_candidates(num_rows, k, device,
+                                     num_chunks=1 if workspace is None else workspace.shape[1])
+        assert candidates is not None
+    single_launch = None if workspace is None else chunked in (True, "lists")
     topk_slots(logits_d, seqlens_d, table_d, k, out, out_positions=positions, workspace=workspace,
                single_launch=single_launch, candidates=candidates)
     graph = torch.cuda.CUDAGraph()

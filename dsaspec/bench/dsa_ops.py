@@ -15,8 +15,8 @@ CUPTI kernel time, median and spread).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
   without reading logits, and each row is split over the chunks of the workspace
   ``topk_workspace`` allocates for R rows (about 2 programs per SM, in one cooperative launch;
-  none when the rows fill the GPU: one program per row, which then selects a long row's top-k from
-  the candidate lists of ``topk_candidates``); baseline: one program per row with
+  none when the rows fill the GPU: one program per row), a long row's top-k selected from the
+  candidate lists of ``topk_candidates``; baseline: one program per row with
   ``read_short_rows=True``.
 - ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: the default configuration
   (``sparse_mla_config``) with the workspace ``sparse_mla_workspace`` allocates for R rows (split +
@@ -27,7 +27,7 @@ CUPTI kernel time, median and spread).
 
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
 ``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five,
-and one program per row with and without candidate lists (``sampled``).
+each with and without candidate lists (``sampled``).
 
 Floors (per op, what its contract needs; the layer's is the sum of its ops'): bytes at the
 measured copy bandwidth, FLOPs at the measured bf16 tensor-core peak (a large matmul), an empty
@@ -63,8 +63,8 @@ from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SparseMLAConfig, sparse_mla_decode,
                                     sparse_mla_workspace)
-from dsaspec.ops.topk import (topk_candidates, topk_num_chunks, topk_single_launch_fits, topk_slots,
-                              topk_workspace)
+from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_chunks,
+                              topk_single_launch_fits, topk_slots, topk_workspace)
 from dsaspec.runtime.config import PRESETS, get_config
 
 OPS = ("indexer", "topk", "sparse_mla", "layer")
@@ -227,8 +227,8 @@ def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None
           single_launch: bool | None = None, sampled: bool = True):
     """Top-k of buffer ``logits`` into buffer ``out``. new: the point's workspace (``chunks``:
     one of that many chunks per row; 1: none, one program per row; ``single_launch`` as
-    ``topk_slots`` takes it); one program per row takes candidate lists (``topk_candidates``)
-    unless ``sampled`` is False; baseline: one program per row reading short rows too."""
+    ``topk_slots`` takes it) with candidate lists (``topk_candidates``) unless ``sampled`` is
+    False; baseline: one program per row reading short rows too."""
     scores = p.buffer(logits, (p.rows, p.live), torch.float32)
     slots = p.buffer(out, (p.rows, p.shapes.topk), torch.int32)
     workspace = None
@@ -237,8 +237,9 @@ def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None
     elif new and chunks > 1:
         workspace = topk_workspace(p.rows, p.seqlens.device, num_chunks=chunks)
     candidates = None
-    if new and workspace is None and sampled:
-        candidates = topk_candidates(p.rows, p.shapes.topk, p.seqlens.device)
+    if new and sampled:
+        candidates = topk_candidates(p.rows, p.shapes.topk, p.seqlens.device,
+                                     num_chunks=1 if workspace is None else workspace.shape[1])
 
     def run(check_values: bool = False) -> None:
         topk_slots(scores, p.seqlens, p.page_table, p.shapes.topk, slots, check_values=check_values,
@@ -596,15 +597,15 @@ def _tune(args) -> int:
         default_chunks = topk_num_chunks(point.rows, shapes.num_sms)
         for chunks in dict.fromkeys([default_chunks] + [max(1, round(default_chunks * factor))
                                                         for factor in TUNE_TOPK_CHUNKS]
-                                    + list(TUNE_TOPK_FEW_CHUNKS)):
-            for single in (True, False) if chunks > 1 else ():
+                                    + list(TUNE_TOPK_FEW_CHUNKS) + [1]):
+            for single in (True, False) if chunks > 1 else (None,):
                 if single and not topk_single_launch_fits(point.rows, chunks, device):
                     continue
-                candidates.append(("topk", {"chunks": chunks, "single_launch": single},
-                                   _topk(point, True, "logits_baseline", "slots_tune", chunks, single)))
-        for sampled in (True, False):  # one program per row, with candidate lists (the default) and without
-            candidates.append(("topk", {"chunks": 1, "sampled": sampled},
-                               _topk(point, True, "logits_baseline", "slots_tune", 1, sampled=sampled)))
+                # with candidate lists (the default, where topk_candidates gives them) and without
+                for sampled in (True, False) if chunks <= TOPK_LISTS_MAX_CHUNKS else (False,):
+                    candidates.append(("topk", {"chunks": chunks, "single_launch": single, "sampled": sampled},
+                                       _topk(point, True, "logits_baseline", "slots_tune", chunks, single,
+                                             sampled=sampled)))
         for op, config, fn in candidates:
             if op not in args.ops:
                 continue

@@ -21,7 +21,12 @@ Two launch forms, same result bit for bit:
   offset and writes its chunk's selection there (docs/dsa-kernels.md). On the GPU, when the
   grid fits on the device at once, the five passes run in one cooperative launch instead: a
   row's programs meet at a barrier (a counter in the workspace) where the launches had a
-  boundary, and a row no longer than ``k`` is copied without any barrier.
+  boundary, and a row no longer than ``k`` is copied without any barrier. With candidate lists
+  (:func:`topk_candidates`, for rows whose chunks are long) each chunk of a long row lists its
+  own candidates against the row's sample bound first and the chunk passes run over the lists:
+  in the launched form the list pass is a launch of its own, in the single launch a second
+  cooperative kernel takes the sampled rows (list, barrier, passes) after the range kernel has
+  done the others.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ _GPU_LIST_BLOCK, _CPU_LIST_BLOCK = 2048, 32  # step of the passes over the sampl
 # of 64k: 104 against 114 capped). benchmarks/results/h200/logs/topk_lists_maxnreg_128.json
 _LISTS_CAPPED_REGISTERS = 128
 SAMPLE_MARGIN = 16
+# The sample bound is the radix bin of the top 16 bits of the sample's rank-r key (2 digits, not
+# 4: half the passes over the sample). The bin holds about 2^-7 of a key's magnitude, so it admits
+# a few dozen more candidates than the key itself on rows of normal logits; the list stays closed
+# upwards, so the selection stays exact.
+_SAMPLE_LEVELS = tl.constexpr(2)
 # Chunked form: logits per loop step, the shortest chunk (a multiple of _ALIGN) and chunk
 # histograms summed per step, on the GPU / under the interpreter (tiny, so tests cover chunks
 # shorter than a step and several summing steps).
@@ -70,11 +80,24 @@ PROGRAMS_PER_SM = 2
 # a grid the device cannot hold makes the cooperative launch fail, it never hangs).
 SINGLE_LAUNCH_PROGRAMS_PER_SM = 4
 _PASSES = 5  # histograms of digits 0..3, then the write
+_LIST_PASS = tl.constexpr(5)  # the launched form's first pass with candidate lists
+# Candidate lists in the chunked form only up to this many chunks a row (33 rows and more on the
+# H200): with more, every chunk's derivation of the sample bound costs more than its shorter range
+# saves (1-16 rows of 64k were slower with lists: benchmarks/results/h200/logs/
+# topk_chunk_lists_variants.json).
+TOPK_LISTS_MAX_CHUNKS = 8
+# ... and in rows whose chunks are at least this long (on the GPU / under the interpreter): with
+# shorter chunks the list pass costs more than the shorter passes save (H200, chunks of 4096: 32
+# rows of 32k 50.3 against 45.9 µs without lists, 64 rows of 16k 50.0 against 44.2; of 6144: 64
+# rows of 24k 54.0 against 59.6, 32 rows of 48k 55.7 against 61.8;
+# benchmarks/results/h200/logs/topk_chunk_lists_live.json, "lists_min0" against "none").
+_GPU_LISTS_MIN_CHUNK, _CPU_LISTS_MIN_CHUNK = 6144, 64
 # Workspace words per (row, chunk): 4 digit histograms of 256 counts, then the search state
 # (below), padded to 8 words. Chunk 0's state also holds the row's barrier counter of the
 # single-launch form (zero between calls).
 _STATE = tl.constexpr(4 * 256)
-_ABOVE, _PREFIX, _NEED, _LEVELS, _SEARCHING, _ARRIVED = (tl.constexpr(i) for i in range(6))
+_ABOVE, _PREFIX, _NEED, _LEVELS, _SEARCHING, _ARRIVED, _LISTED = (tl.constexpr(i)
+                                                                   for i in range(7))
 TOPK_COUNTER_WORDS = slice(4 * 256 + 5, 4 * 256 + 6)  # [row, 0, TOPK_COUNTER_WORDS]: the counter
 TOPK_WORKSPACE_WORDS = 4 * 256 + 8
 _WORDS = tl.constexpr(TOPK_WORKSPACE_WORDS)
@@ -173,7 +196,8 @@ def _write_selected(row_logits, row_candidates, row_table, row_out, row_position
     """Write the selected positions of source indices ``[start, end)`` (``stride``: see
     ``_source_values``): ``key >> shift`` above ``threshold``, or equal to it with fewer than
     ``need`` such ties before, counting ``ties_seen`` earlier ones; in the source's order
-    (ascending positions) from output index ``written``. Returns the next index."""
+    (ascending positions) from output index ``written``. Returns the next index and the ties
+    seen."""
     offsets = tl.arange(0, BLOCK)
     carried = _first_values(row_logits, start, end, PREFETCH, BLOCK)
     for block_start in range(start, end, BLOCK):
@@ -193,7 +217,7 @@ def _write_selected(row_logits, row_candidates, row_table, row_out, row_position
             tl.store(row_positions + index, positions, mask=selected)
         written += tl.sum(selected.to(tl.int32), 0)
         ties_seen += tl.sum(tie.to(tl.int32), 0)
-    return written
+    return written, ties_seen
 
 
 @triton.jit
@@ -267,9 +291,10 @@ def _select_and_write(row_logits, row_candidates, row_table, row_out, row_positi
     returns how many were written."""
     threshold, shift, need = _radix_threshold(row_logits, row_candidates, end, k, stride, BLOCK)
     none = tl.zeros((), dtype=tl.int32)
-    return _write_selected(row_logits, row_candidates, row_table, row_out, row_positions, 0, end,
-                           stride, threshold, shift, need, none, none, WRITE_POSITIONS, BLOCK,
-                           False)
+    written, _ = _write_selected(row_logits, row_candidates, row_table, row_out, row_positions, 0,
+                                 end, stride, threshold, shift, need, none, none,
+                                 WRITE_POSITIONS, BLOCK, False)
+    return written
 
 
 @triton.jit
@@ -293,17 +318,20 @@ def _select_from_candidates(row_logits, row_candidates, row_table, row_out, row_
 
 
 @triton.jit
-def _radix_threshold(row_logits, row_candidates, end, k, stride, BLOCK: tl.constexpr):
+def _radix_threshold(row_logits, row_candidates, end, k, stride, BLOCK: tl.constexpr,
+                     LEVELS: tl.constexpr = 4):
     """Radix-select the ``min(end, k)``-th largest key of source indices ``[0, end)`` (``stride``:
     see ``_source_values``): returns (threshold, shift, need) such that the source's top ``k`` are
     the keys with ``key >> shift > threshold``, then the first ``need`` with ``key >> shift ==
-    threshold`` (with ``end <= k``: shift 0, threshold 0, need k, which takes every index). The
-    digit loop is a runtime loop, so each call site compiles one histogram loop, not four."""
+    threshold`` (with ``end <= k``: shift 0, threshold 0, need k, which takes every index). With
+    ``LEVELS`` below 4 the search stops after that many digits: the threshold is then the top
+    ``8 * LEVELS`` bits of that key (a bin, as the candidate bound needs). The digit loop is a
+    runtime loop, so each call site compiles one histogram loop, not four."""
     threshold = tl.zeros((), dtype=tl.uint32)
     shift = tl.zeros((), dtype=tl.uint32)
     need = tl.zeros((), dtype=tl.int32) + k  # a tensor even when k is specialised to a constant
     searching = end > k
-    for level in range(4):
+    for level in range(LEVELS):
         if searching:
             histogram = _digit_histogram(row_logits, row_candidates, 0, end, threshold, level,
                                          stride, BLOCK, False)
@@ -324,17 +352,37 @@ def _list_candidates(row_logits, row_candidates, live, capacity, sample_rank, sa
     capacity)]``; returns ``count`` (all of them). The set is closed upwards in key order, so when
     it holds at least ``k`` positions it holds the row's whole top ``k`` and every tie of the
     ``k``-th key: selecting from it is exact."""
+    threshold, shift = _sample_bound(row_logits, row_candidates, live, sample_rank,
+                                     sample_stride, LIST_BLOCK)
+    return _list_range(row_logits, row_candidates, 0, live, capacity, threshold, shift, BLOCK)
+
+
+@triton.jit
+def _sample_bound(row_logits, row_candidates, live, sample_rank, sample_stride,
+                  LIST_BLOCK: tl.constexpr):
+    """(threshold, shift): the radix bin of the ``sample_rank``-th largest key of every
+    ``sample_stride``-th position ``< live``; a key reaches it when ``key >> shift >=
+    threshold``."""
     sample_end = (live + sample_stride - 1) // sample_stride
     threshold, shift, _ = _radix_threshold(row_logits, row_candidates, sample_end, sample_rank,
-                                           sample_stride, LIST_BLOCK)
+                                           sample_stride, LIST_BLOCK, _SAMPLE_LEVELS)
+    return threshold, shift
+
+
+@triton.jit
+def _list_range(row_logits, out_list, start, end, capacity, threshold, shift,
+                BLOCK: tl.constexpr):
+    """List every position of ``[start, end)`` whose key reaches the bound (``key >> shift >=
+    threshold``), in ascending order, at ``out_list[0 : min(count, capacity)]``; returns
+    ``count`` (all of them)."""
     offsets = tl.arange(0, BLOCK)
     count = tl.zeros((), dtype=tl.int32)
-    for block_start in range(0, live, BLOCK):
+    for block_start in range(start, end, BLOCK):
         positions = block_start + offsets
-        values = tl.load(row_logits + positions, mask=positions < live, other=0.0)
-        keep = (positions < live) & ((_order_key(values) >> shift) >= threshold)
+        values = tl.load(row_logits + positions, mask=positions < end, other=0.0)
+        keep = (positions < end) & ((_order_key(values) >> shift) >= threshold)
         index = count + tl.cumsum(keep.to(tl.int32), 0) - 1
-        tl.store(row_candidates + index, positions, mask=keep & (index < capacity))
+        tl.store(out_list + index, positions, mask=keep & (index < capacity))
         count += tl.sum(keep.to(tl.int32), 0)
     return count
 
@@ -429,11 +477,14 @@ def _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks
 
 
 @triton.jit
-def _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k,
-                 PASS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+def _search_pass(row_logits, source, row_workspace, start, end, stride, chunk, num_active, k,
+                 PASS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr,
+                 TILE: tl.constexpr):
     """Pass ``PASS`` (1..3) of a searching row: move the chunk's search state past digit
     ``PASS - 1`` and store it (if the row was still searching), then histogram digit ``PASS``
-    of the chunk (if it still is). Returns whether it still is."""
+    of the chunk's source indices ``[start, end)`` (its range, or its candidate list: ``stride``
+    and ``PREFETCH`` as ``_source_values`` takes them) if it still is. Returns whether it still
+    is."""
     above, prefix, need, levels, searching, found = _advance(row_workspace, chunk, num_active,
                                                               k, PASS - 1, TILE)
     if found:
@@ -444,25 +495,80 @@ def _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k,
         tl.store(state + _LEVELS, levels)
         tl.store(state + _SEARCHING, searching.to(tl.int32))
     if searching:
-        histogram = _digit_histogram(row_logits, row_logits, start, end,
-                                     prefix.to(tl.uint32, bitcast=True), PASS, 1, BLOCK, True)
+        histogram = _digit_histogram(row_logits, source, start, end,
+                                     prefix.to(tl.uint32, bitcast=True), PASS, stride, BLOCK,
+                                     PREFETCH)
         tl.store(row_workspace + chunk * _WORDS + PASS * 256 + tl.arange(0, 256), histogram)
     return searching
 
 
 @triton.jit
+def _chunk_pass(row_logits, source, row_table, row_out, row_positions, row_workspace, start, end,
+                stride, chunk, num_active, k, PASS: tl.constexpr, WRITE_POSITIONS: tl.constexpr,
+                PREFETCH: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Pass ``PASS`` of a searching row's chunk over its source indices ``[start, end)``
+    (``stride``, ``PREFETCH``: as ``_search_pass``): 0 histograms digit 0, 1..3 move the search
+    state on and histogram the next digit, 4 writes."""
+    if PASS == 0:
+        histogram = _digit_histogram(row_logits, source, start, end, 0, 0, stride, BLOCK,
+                                     PREFETCH)
+        tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
+    elif PASS < 4:
+        _search_pass(row_logits, source, row_workspace, start, end, stride, chunk, num_active, k,
+                     PASS, PREFETCH, BLOCK, TILE)
+    else:
+        _write_chunk(row_logits, source, row_table, row_out, row_positions, row_workspace, start,
+                     end, stride, chunk, num_active, k, WRITE_POSITIONS, PREFETCH, BLOCK, TILE)
+
+
+@triton.jit
+def _list_chunk(row_logits, row_candidates, own_list, row_workspace, chunk, live, start, end,
+                region, sample_rank, sample_stride, BLOCK: tl.constexpr,
+                LIST_BLOCK: tl.constexpr):
+    """A sampled row's chunk lists its candidates: the row's sample bound (every program of the
+    row derives the same one), then the chunk's positions that reach it, ascending, at
+    ``own_list`` (``region`` entries at most); the count (all of them) goes to the chunk's
+    state."""
+    threshold, shift = _sample_bound(row_logits, row_candidates, live, sample_rank,
+                                     sample_stride, LIST_BLOCK)
+    count = _list_range(row_logits, own_list, start, end, region, threshold, shift, BLOCK)
+    tl.store(row_workspace + chunk * _WORDS + _STATE + _LISTED, count)
+
+
+@triton.jit
+def _row_listed(row_workspace, num_active, k, region, TILE: tl.constexpr):
+    """Whether a sampled row selects from its chunks' lists: together they hold at least ``k``
+    positions (else the sample misled: the bound admits too few) and none overflowed its
+    ``region``. Every program of the row reads the same counts, so all decide alike."""
+    total = tl.zeros((), dtype=tl.int32)
+    largest = tl.zeros((), dtype=tl.int32)
+    for first in range(0, num_active, TILE):
+        chunks = first + tl.arange(0, TILE)
+        counts = tl.load(row_workspace + chunks * _WORDS + _STATE + _LISTED,
+                         mask=chunks < num_active, other=0, cache_modifier=".cg")
+        total += tl.sum(counts, 0)
+        largest = tl.maximum(largest, tl.max(counts, 0))
+    return (total >= k) & (largest <= region)
+
+
+@triton.jit
 def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positions_ptr,
-                            workspace_ptr, logits_stride, page_table_stride, out_stride,
-                            positions_stride, k, num_chunks, PASS: tl.constexpr,
-                            WRITE_POSITIONS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                            BLOCK: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
-    """Pass ``PASS`` of the chunked form for program (row, chunk): 0..3 histogram digit
-    ``PASS`` of the chunk (after moving the search state past digit ``PASS - 1``); 4 writes.
-    With ``PDL`` (programmatic dependent launch, Hopper and newer) the next pass may start launching
-    at once, and passes 1..4 wait for the previous pass before reading anything."""
+                            workspace_ptr, candidates_ptr, logits_stride, page_table_stride,
+                            out_stride, positions_stride, candidates_stride, k, num_chunks,
+                            region, sample_rank, sample_stride, sampled_min_live,
+                            PASS: tl.constexpr, WRITE_POSITIONS: tl.constexpr,
+                            MIN_CHUNK: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                            SAMPLED: tl.constexpr, LIST_BLOCK: tl.constexpr,
+                            PDL: tl.constexpr, WAIT: tl.constexpr):
+    """Pass ``PASS`` of the chunked form for program (row, chunk): ``_LIST_PASS`` (first, with
+    ``SAMPLED``) lists a long row's candidates per chunk; 0..3 histogram digit ``PASS`` of the
+    chunk's range, or of its list where the row selects from lists (after moving the search
+    state past digit ``PASS - 1``); 4 writes. With ``PDL`` (programmatic dependent launch,
+    Hopper and newer) the next pass may start launching at once, and with ``WAIT`` this pass
+    waits for the previous one before reading anything."""
     if PDL:
         gdc_launch_dependents()
-        if PASS > 0:
+        if WAIT:
             gdc_wait()
     (chunk, live, start, end, num_active, row_logits, row_table, row_out, row_positions,
      row_workspace) = _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
@@ -473,15 +579,26 @@ def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, po
             _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live,
                         k, WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
-        if PASS == 0:
-            histogram = _digit_histogram(row_logits, row_logits, start, end, 0, 0, 1, BLOCK, True)
-            tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
-        elif PASS < 4:
-            _search_pass(row_logits, row_workspace, start, end, chunk, num_active, k, PASS,
-                         BLOCK, TILE)
+        row_candidates = candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
+        own_list = row_candidates + chunk * region
+        sampled = SAMPLED & (live >= sampled_min_live)
+        if PASS == _LIST_PASS:
+            if sampled:
+                _list_chunk(row_logits, row_candidates, own_list, row_workspace, chunk, live,
+                            start, end, region, sample_rank, sample_stride, BLOCK, LIST_BLOCK)
         else:
-            _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, start,
-                         end, chunk, num_active, k, WRITE_POSITIONS, BLOCK, TILE)
+            listed = sampled
+            if sampled:
+                listed = _row_listed(row_workspace, num_active, k, region, TILE)
+            if listed:
+                listed_count = tl.load(row_workspace + chunk * _WORDS + _STATE + _LISTED)
+                _chunk_pass(row_logits, own_list, row_table, row_out, row_positions,
+                            row_workspace, 0, listed_count, 0, chunk, num_active, k, PASS,
+                            WRITE_POSITIONS, False, BLOCK, TILE)
+            else:
+                _chunk_pass(row_logits, row_logits, row_table, row_out, row_positions,
+                            row_workspace, start, end, 1, chunk, num_active, k, PASS,
+                            WRITE_POSITIONS, True, BLOCK, TILE)
 
 
 @triton.jit
@@ -505,15 +622,19 @@ def _row_barrier(arrived, target, last):
 
 @triton.jit
 def _topk_chunk_single_launch_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
-                                     positions_ptr, workspace_ptr, logits_stride,
-                                     page_table_stride, out_stride, positions_stride, k,
-                                     num_chunks, WRITE_POSITIONS: tl.constexpr,
-                                     MIN_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                                     TILE: tl.constexpr):
-    """The chunked form's five passes in one launch (cooperative: every program resident at
-    once). The programs of a searching row meet at a barrier after pass 0 and after every pass
-    it entered still searching, where the five-launch form has a launch boundary; the last
-    barrier leaves the row's counter at zero. A row with ``live <= k`` is copied, no barrier."""
+                                     positions_ptr, workspace_ptr, candidates_ptr, logits_stride,
+                                     page_table_stride, out_stride, positions_stride,
+                                     candidates_stride, k, num_chunks, region, sample_rank,
+                                     sample_stride, sampled_min_live,
+                                     WRITE_POSITIONS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                                     BLOCK: tl.constexpr, TILE: tl.constexpr,
+                                     SAMPLED: tl.constexpr, LIST_BLOCK: tl.constexpr):
+    """The chunked form's passes over the chunk ranges in one launch (cooperative: every
+    program resident at once). The programs of a searching row meet at a barrier after pass 0
+    and after every pass it entered still searching, where the launched form has a launch
+    boundary; the last barrier leaves the row's counter at zero. A row with ``live <= k`` is
+    copied, no barrier. With ``SAMPLED`` a row of at least ``sampled_min_live`` is left to
+    ``_topk_chunk_lists_kernel``, launched next."""
     (chunk, live, start, end, num_active, row_logits, row_table, row_out, row_positions,
      row_workspace) = _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
                                    positions_ptr, workspace_ptr, logits_stride, page_table_stride,
@@ -521,30 +642,82 @@ def _topk_chunk_single_launch_kernel(logits_ptr, seqlens_ptr, page_table_ptr, ou
     if live <= k:
         _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live, k,
                     WRITE_POSITIONS, BLOCK)
-    elif chunk < num_active:
-        arrived = row_workspace + _STATE + _ARRIVED
-        histogram = _digit_histogram(row_logits, row_logits, start, end, 0, 0, 1, BLOCK, True)
-        tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
-        barriers = tl.full((), 1, dtype=tl.int32)
-        _row_barrier(arrived, num_active, False)
-        searching = live > k  # true here; every program of the row derives the same values
-        for level in tl.static_range(1, 4):
-            if searching:
-                searching = _search_pass(row_logits, row_workspace, start, end, chunk,
-                                         num_active, k, level, BLOCK, TILE)
-                barriers += 1
-                # the last barrier: the search ended here, or this was the last digit
-                _row_barrier(arrived, num_active * barriers, (searching == 0) | (level == 3))
-        _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, start, end,
-                     chunk, num_active, k, WRITE_POSITIONS, BLOCK, TILE)
+    elif (chunk < num_active) & ((not SAMPLED) | (live < sampled_min_live)):
+        _single_launch_passes(row_logits, row_logits, row_table, row_out, row_positions,
+                              row_workspace, start, end, 1, chunk, num_active, k, 0,
+                              WRITE_POSITIONS, True, BLOCK, TILE)
 
 
 @triton.jit
-def _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, start, end,
-                 chunk, num_active, k, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr,
-                 TILE: tl.constexpr):
+def _topk_chunk_lists_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positions_ptr,
+                             workspace_ptr, candidates_ptr, logits_stride, page_table_stride,
+                             out_stride, positions_stride, candidates_stride, k, num_chunks,
+                             region, sample_rank, sample_stride, sampled_min_live,
+                             WRITE_POSITIONS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                             BLOCK: tl.constexpr, TILE: tl.constexpr, SAMPLED: tl.constexpr,
+                             LIST_BLOCK: tl.constexpr):
+    """The single launch's sampled rows (cooperative, launched after
+    ``_topk_chunk_single_launch_kernel``, which leaves them alone): each chunk lists its
+    candidates, the row's programs meet, and the passes run over the lists where they serve,
+    else over the chunk ranges (without their prefetch: the rare fallback shares the list
+    passes' code, so this kernel holds one copy of the passes). Every other program returns at
+    once. (Not a programmatic dependent launch: launched beside the range passes' programs, this
+    grid's were placed unevenly, 89.0 against 75.9 µs at 64 rows of 64k on the H200; it would
+    save about 0.8 µs where no row is sampled.)"""
+    (chunk, live, start, end, num_active, row_logits, row_table, row_out, row_positions,
+     row_workspace) = _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
+                                   positions_ptr, workspace_ptr, logits_stride, page_table_stride,
+                                   out_stride, positions_stride, num_chunks, MIN_CHUNK)
+    if (live > k) & (chunk < num_active) & (live >= sampled_min_live):
+        row_candidates = candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
+        own_list = row_candidates + chunk * region
+        _list_chunk(row_logits, row_candidates, own_list, row_workspace, chunk, live, start, end,
+                    region, sample_rank, sample_stride, BLOCK, LIST_BLOCK)
+        _row_barrier(row_workspace + _STATE + _ARRIVED, num_active, False)
+        # the list (source indices [0, count), stride 0), or the chunk's range (stride 1)
+        first, last, stride = start, end, tl.full((), 1, tl.int32)
+        if _row_listed(row_workspace, num_active, k, region, TILE):
+            first, stride = tl.zeros_like(start), tl.zeros_like(stride)
+            last = tl.load(row_workspace + chunk * _WORDS + _STATE + _LISTED,
+                           cache_modifier=".cg")
+        _single_launch_passes(row_logits, own_list, row_table, row_out, row_positions,
+                              row_workspace, first, last, stride, chunk, num_active, k, 1,
+                              WRITE_POSITIONS, False, BLOCK, TILE)
+
+
+@triton.jit
+def _single_launch_passes(row_logits, source, row_table, row_out, row_positions, row_workspace,
+                          start, end, stride, chunk, num_active, k, barriers,
+                          WRITE_POSITIONS: tl.constexpr, PREFETCH: tl.constexpr,
+                          BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """A searching row's passes over the chunk's source indices ``[start, end)`` (``stride``,
+    ``PREFETCH``: as ``_search_pass``), meeting at the row's pass counter, which ``barriers``
+    earlier meetings of this launch left at ``barriers * num_active`` (zero again after the last
+    barrier)."""
+    arrived = row_workspace + _STATE + _ARRIVED
+    _chunk_pass(row_logits, source, row_table, row_out, row_positions, row_workspace, start, end,
+                stride, chunk, num_active, k, 0, WRITE_POSITIONS, PREFETCH, BLOCK, TILE)
+    barriers = tl.zeros((), dtype=tl.int32) + barriers + 1
+    _row_barrier(arrived, num_active * barriers, False)
+    searching = num_active > 0  # true here; every program of the row derives the same values
+    for level in tl.static_range(1, 4):
+        if searching:
+            searching = _search_pass(row_logits, source, row_workspace, start, end, stride, chunk,
+                                     num_active, k, level, PREFETCH, BLOCK, TILE)
+            barriers += 1
+            # the last barrier: the search ended here, or this was the last digit
+            _row_barrier(arrived, num_active * barriers, (searching == 0) | (level == 3))
+    _write_chunk(row_logits, source, row_table, row_out, row_positions, row_workspace, start, end,
+                 stride, chunk, num_active, k, WRITE_POSITIONS, PREFETCH, BLOCK, TILE)
+
+
+@triton.jit
+def _write_chunk(row_logits, source, row_table, row_out, row_positions, row_workspace, start,
+                 end, stride, chunk, num_active, k, WRITE_POSITIONS: tl.constexpr,
+                 PREFETCH: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
     """The last pass of a row that searches: its output offset from the chunks before it (the
-    entries above the final prefix, plus the ties up to ``need``), then its selection."""
+    entries above the final prefix, plus the ties up to ``need``), then the selection among its
+    source indices ``[start, end)`` (``stride``, ``PREFETCH``: as ``_search_pass``)."""
     _, prefix, need, levels, _, found = _advance(row_workspace, chunk, num_active, k, 3, TILE)
     # chunks before this one: entries above the prefix as stored by the earlier passes (without
     # digit 3 when that was found in this pass), then ties and the rest from the last digit
@@ -557,10 +730,10 @@ def _write_chunk(row_logits, row_table, row_out, row_positions, row_workspace, s
         chunks = first + tl.arange(0, TILE)
         above_before += tl.sum(tl.load(row_workspace + chunks * _WORDS + _STATE + _ABOVE,
                                        mask=chunks < chunk, other=0, cache_modifier=".cg"), 0)
-    _write_selected(row_logits, row_logits, row_table, row_out, row_positions, start, end, 1,
+    _write_selected(row_logits, source, row_table, row_out, row_positions, start, end, stride,
                     prefix.to(tl.uint32, bitcast=True), (32 - 8 * levels).to(tl.uint32), need,
                     above_before + tl.minimum(ties_before, need), ties_before, WRITE_POSITIONS,
-                    BLOCK, True)
+                    BLOCK, PREFETCH)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,26 +817,37 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     single_launch : run the chunked form as one cooperative launch (True), as five launches
         (False), or as one where :func:`topk_single_launch_fits` (None). True needs it to fit.
         (The runtime passes False when ``DSASPEC_TOPK_SINGLE_LAUNCH`` is off.)
-    candidates : None, or int32 ``[R, C]`` (last dim contiguous) from :func:`topk_candidates`, ``C >= k``,
-        only without a workspace (the one-program form): rows at least
-        :func:`topk_sampled_min_live` long select from a candidate list written there (a
-        sample of every ``stride``-th logit bounds it; the row's full read happens once, to list
-        the candidates); a row whose list would hold fewer than ``k`` or more than ``C``
-        positions falls back to the whole-row passes. Same result bit for bit.
+    candidates : None, or int32 ``[R, C]`` (last dim contiguous) from :func:`topk_candidates`
+        (with a workspace of ``P`` chunks: ``num_chunks=P``), ``C >= P * k``; not with
+        ``read_short_rows``. Rows at least :func:`topk_sampled_min_live` long (with
+        ``num_chunks=P``) select from candidate lists written there: a sample of every
+        ``stride``-th logit bounds them, the row's full read happens once, to list the candidates
+        (with a workspace each chunk lists
+        its own positions in its own ``C / P`` entries, and the chunk passes run over the
+        lists). A row whose lists hold fewer than ``k`` positions in all, or more than ``C /
+        P`` in one, falls back to the passes over the whole row (chunks). Same result bit for
+        bit.
 
     Returns
     -------
     ``out``. Without a workspace: grid ``(R,)``, one launch; one program per row walks the live
     range at most five times (once, without reading logits, when ``seqlens[r] <= k``); with
     candidates, a long row's live range once, plus passes over its sample and its candidates. With
-    one: five launches of grid ``(R, P)``, or one; a row's chunks are ``cdiv(seqlens[r], P)``
-    long (at least 1024 on the GPU, so short rows use fewer programs) and each program walks its
-    chunk at most five times (once, without reading logits, when ``seqlens[r] <= k``).
+    one: five launches of grid ``(R, P)`` (six with candidates: the list pass first), or one (two
+    with candidates: the range kernel, then the sampled rows' kernel); a row's chunks are
+    ``cdiv(seqlens[r], P)`` long (at least 1024 on the GPU, so short rows use fewer programs) and
+    each program walks its chunk at most five times (once, without reading logits, when
+    ``seqlens[r] <= k``; a sampled row's chunk once, then its list).
     """
     _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace, candidates)
-    if candidates is not None and (workspace is not None or read_short_rows):
-        raise ValueError("candidates: only for the one-program form (no workspace, no "
-                         "read_short_rows)")
+    if candidates is not None and read_short_rows:
+        raise ValueError("candidates: not with read_short_rows (the baseline form)")
+    if candidates is not None and workspace is not None and (
+            candidates.shape[1] < workspace.shape[1] * k):
+        raise ValueError(f"candidates: expected at least k = {k} columns per chunk, "
+                         f"{workspace.shape[1] * k} for {workspace.shape[1]} chunks "
+                         f"(topk_candidates(..., num_chunks={workspace.shape[1]})), got shape "
+                         f"{tuple(candidates.shape)}")
     if workspace is not None and read_short_rows:
         raise ValueError("read_short_rows: only without a workspace (the baseline form)")
     if single_launch is not None and workspace is None:
@@ -682,40 +866,50 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     on_gpu = logits.is_cuda
     args = (logits, seqlens, page_table_1, out, positions)
     strides = (logits.stride(0), page_table_1.stride(0), out.stride(0), positions.stride(0))
+    # (without candidates the list pointer is never read and the sampling values unused)
+    listed, stride, rank, min_live = out, 0, 0, 0
+    if candidates is not None:
+        stride = _sample_stride(logits.device)
+        listed, rank, min_live = (candidates, topk_sample_rank(k, stride),
+                                  topk_sampled_min_live(k, logits.device,
+                                                        1 if workspace is None else workspace.shape[1]))
+    sampled = dict(SAMPLED=candidates is not None,
+                   LIST_BLOCK=_GPU_LIST_BLOCK if on_gpu else _CPU_LIST_BLOCK)
     if workspace is None:
         block = _GPU_BLOCK if on_gpu else _CPU_BLOCK
-        # (without candidates the list pointer is never read and the sampling values unused)
-        listed, stride, rank, min_live = out, 0, 0, 0
-        if candidates is not None:
-            stride = _sample_stride(logits.device)
-            listed, rank, min_live = (candidates, topk_sample_rank(k, stride),
-                                      topk_sampled_min_live(k, logits.device))
         # more rows than SMs: two programs per SM, so at most 128 registers a thread
         capped = on_gpu and candidates is not None and logits.shape[0] > sm_count(logits.device)
         _topk_slots_kernel[(logits.shape[0],)](
             *args, listed, *strides, listed.stride(0), k, -1 if read_short_rows else k,
             listed.shape[1], rank, stride, min_live,
             WRITE_POSITIONS=write_positions, BLOCK=block,
-            BLOCK_K=min(block, triton.next_power_of_2(k)), SAMPLED=candidates is not None,
-            LIST_BLOCK=_GPU_LIST_BLOCK if on_gpu else _CPU_LIST_BLOCK,
+            BLOCK_K=min(block, triton.next_power_of_2(k)), **sampled,
             num_warps=8 if on_gpu else 4, **({"maxnreg": _LISTS_CAPPED_REGISTERS} if capped else {}))
         return out
     num_chunks = workspace.shape[1]
     chunked = dict(MIN_CHUNK=_GPU_MIN_CHUNK if on_gpu else _CPU_MIN_CHUNK,
                    BLOCK=_GPU_CHUNK_BLOCK if on_gpu else _CPU_CHUNK_BLOCK,
                    TILE=_GPU_TILE if on_gpu else _CPU_TILE, WRITE_POSITIONS=write_positions,
-                   num_warps=4)
+                   num_warps=4, **sampled)
     grid = (logits.shape[0], num_chunks)
+    # each chunk of a sampled row lists its candidates in its own region of the row's list
+    region = listed.shape[1] // num_chunks
+    launch_args = (*args, workspace, listed, *strides, listed.stride(0), k, num_chunks, region,
+                   rank, stride, min_live)
     if single_launch:
-        _topk_chunk_single_launch_kernel[grid](*args, workspace, *strides, k, num_chunks,
-                                               launch_cooperative_grid=True, **chunked)
+        # with lists: the range passes of the rows not sampled, then the sampled rows
+        _topk_chunk_single_launch_kernel[grid](*launch_args, launch_cooperative_grid=True,
+                                               **chunked)
+        if candidates is not None:
+            _topk_chunk_lists_kernel[grid](*launch_args, launch_cooperative_grid=True, **chunked)
         return out
     pdl = supports_pdl(logits.device)
-    for pass_index in range(_PASSES):
-        # passes 1..4 launch as programmatic dependents of the previous pass on Hopper and newer,
-        # so their launch latency overlaps it (pass 0 waits for the logits' writer as usual)
-        _topk_chunk_pass_kernel[grid](*args, workspace, *strides, k, num_chunks, PASS=pass_index,
-                                      PDL=pdl, launch_pdl=pdl and pass_index > 0, **chunked)
+    passes = ([int(_LIST_PASS)] if candidates is not None else []) + list(range(_PASSES))
+    for order, pass_index in enumerate(passes):
+        # later passes launch as programmatic dependents of the previous one on Hopper and newer,
+        # so their launch latency overlaps it (the first waits for the logits' writer as usual)
+        _topk_chunk_pass_kernel[grid](*launch_args, PASS=pass_index, PDL=pdl, WAIT=order > 0,
+                                      launch_pdl=pdl and order > 0, **chunked)
     return out
 
 
@@ -736,27 +930,37 @@ def topk_candidates_width(k: int, device) -> int:
     return 2 * topk_sample_rank(k, stride) * stride
 
 
-def topk_sampled_min_live(k: int, device) -> int:
-    """Shortest row that takes the sampled form: twice the capacity (candidates then expected to
-    be at most a quarter of the row; shorter rows take the whole-row passes, which were faster
-    on the H200 at 8k with k = 2048: 26.0 against 35.4 µs at 4 rows)."""
-    return 2 * topk_candidates_width(k, device)
+def topk_sampled_min_live(k: int, device, num_chunks: int = 1) -> int:
+    """Shortest row that takes the sampled form with ``num_chunks`` chunks a row (1: the
+    one-program form): twice the capacity (candidates then expected to be at most a quarter of the
+    row; shorter rows take the whole-row passes, which were faster on the H200 at 8k with k =
+    2048: 26.0 against 35.4 µs at 4 rows), and with chunks, chunks of at least 6144 positions
+    (64 under the interpreter)."""
+    min_chunk = _GPU_LISTS_MIN_CHUNK if torch.device(device).type == "cuda" else _CPU_LISTS_MIN_CHUNK
+    return max(2 * topk_candidates_width(k, device), min_chunk * num_chunks if num_chunks > 1 else 0)
 
 
-def topk_candidates(num_rows: int, k: int, device) -> torch.Tensor:
-    """Allocate the candidate lists of :func:`topk_slots`'s one-program form (``candidates``) for a
-    bucket of ``num_rows`` rows and this ``k`` (once, before capture; calls with that many rows
-    may reuse it, one at a time).
+def topk_candidates(num_rows: int, k: int, device,
+                    num_chunks: int = 1) -> torch.Tensor | None:
+    """Allocate the candidate lists of :func:`topk_slots` (``candidates``) for a bucket of
+    ``num_rows`` rows, this ``k`` and ``num_chunks`` (the workspace's chunks per row; 1: the
+    one-program form), once, before capture; calls with that many rows may reuse it, one at a
+    time. None above :data:`TOPK_LISTS_MAX_CHUNKS` chunks (few rows: there the lists cost more
+    than they save).
 
     Returns
     -------
-    int32 ``[num_rows, topk_candidates_width(k, device)]`` (uninitialised: each call writes the
-    entries it reads).
+    int32 ``[num_rows, num_chunks * topk_candidates_width(k, device)]`` (uninitialised: each
+    call writes the entries it reads): a list of that width per chunk; or None.
     """
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
-    return torch.empty(num_rows, topk_candidates_width(k, device), dtype=torch.int32,
-                       device=device)
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks: expected >= 1, got {num_chunks}")
+    if num_chunks > TOPK_LISTS_MAX_CHUNKS:
+        return None
+    return torch.empty(num_rows, num_chunks * topk_candidates_width(k, device),
+                       dtype=torch.int32, device=device)
 
 
 def topk_single_launch_fits(num_rows: int, num_chunks: int, device) -> bool:

@@ -133,8 +133,9 @@ class AttentionWorkspace:
         (five launches), from ``DSASPEC_TOPK_SINGLE_LAUNCH``, read when the workspace is made;
         None without it.
     topk_candidates : Tensor or None
-        ``topk_candidates``: with one top-k program per row, long rows select from candidate lists
-        bounded by a sample (None: the whole-row passes). The selection is exact either way.
+        ``topk_candidates`` for ``topk``'s chunks (one program per row without it): long rows
+        select from candidate lists bounded by a sample (None: the passes over the whole row).
+        The selection is exact either way.
     """
 
     sparse_mla: torch.Tensor | None = None
@@ -833,7 +834,8 @@ class DSAModel(nn.Module):
         # off-GPU (the interpreter) a small chunk count keeps the CPU runs quick
         num_sms = sm_count(device, without_cuda=8)
         topk = topk_workspace(rows, device, num_sms=num_sms)
-        candidates = None if topk is not None else topk_candidates(rows, self.config.index_topk, device)
+        candidates = topk_candidates(rows, self.config.index_topk, device,
+                                     num_chunks=1 if topk is None else topk.shape[1])
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, self.num_local_heads, device),
             topk=topk, topk_single_launch=None if topk is None or flags.topk_single_launch() else False,
