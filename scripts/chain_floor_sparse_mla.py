@@ -131,6 +131,7 @@ def main() -> int:
                    op_us=_total_us(real))
         results.append(row)
         print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "chain_floor_sparse_mla.json").write_text(json.dumps(results, indent=1))
     return 0
 

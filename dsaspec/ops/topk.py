@@ -196,8 +196,7 @@ def _write_selected(row_logits, row_candidates, row_table, row_out, row_position
     """Write the selected positions of source indices ``[start, end)`` (``stride``: see
     ``_source_values``): ``key >> shift`` above ``threshold``, or equal to it with fewer than
     ``need`` such ties before, counting ``ties_seen`` earlier ones; in the source's order
-    (ascending positions) from output index ``written``. Returns the next index and the ties
-    seen."""
+    (ascending positions) from output index ``written``. Returns the next index."""
     offsets = tl.arange(0, BLOCK)
     carried = _first_values(row_logits, start, end, PREFETCH, BLOCK)
     for block_start in range(start, end, BLOCK):
@@ -217,7 +216,7 @@ def _write_selected(row_logits, row_candidates, row_table, row_out, row_position
             tl.store(row_positions + index, positions, mask=selected)
         written += tl.sum(selected.to(tl.int32), 0)
         ties_seen += tl.sum(tie.to(tl.int32), 0)
-    return written, ties_seen
+    return written
 
 
 @triton.jit
@@ -291,10 +290,9 @@ def _select_and_write(row_logits, row_candidates, row_table, row_out, row_positi
     returns how many were written."""
     threshold, shift, need = _radix_threshold(row_logits, row_candidates, end, k, stride, BLOCK)
     none = tl.zeros((), dtype=tl.int32)
-    written, _ = _write_selected(row_logits, row_candidates, row_table, row_out, row_positions, 0,
-                                 end, stride, threshold, shift, need, none, none,
-                                 WRITE_POSITIONS, BLOCK, False)
-    return written
+    return _write_selected(row_logits, row_candidates, row_table, row_out, row_positions, 0, end,
+                           stride, threshold, shift, need, none, none, WRITE_POSITIONS, BLOCK,
+                           False)
 
 
 @triton.jit
