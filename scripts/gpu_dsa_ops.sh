@@ -84,8 +84,8 @@ long_slots = torch.zeros(3, k, dtype=torch.int32, device=dev)
 topk_slots(long, torch.tensor([20000, 19999, 20000], dtype=torch.int32, device=dev),
            torch.randint(0, num_slots, (3, 20000), dtype=torch.int32, device=dev), k, long_slots,
            out_positions=torch.zeros_like(long_slots), candidates=topk_candidates(3, k, dev))
-# the chunked form with lists per chunk (two kernels, and six launches): the same three rows in 3
-# chunks, long enough for lists (topk_sampled_min_live(k, dev, num_chunks=3) = 18432)
+# the chunked form with lists per chunk (one kernel, and six launches): the same three rows in 3
+# chunks, long enough for lists (topk_sampled_min_live(k, dev, num_chunks=3) = 14336)
 for single in (True, False):
     topk_slots(long, torch.tensor([20000, 19999, 20000], dtype=torch.int32, device=dev),
                torch.randint(0, num_slots, (3, 20000), dtype=torch.int32, device=dev), k, long_slots,

@@ -277,7 +277,7 @@ def test_candidates_size_and_bad_candidates(device):
     assert topk_candidates_width(2048, "cuda") == 2 * (96 + topk_module.SAMPLE_MARGIN) * 32
     assert topk_sampled_min_live(2048, "cuda") == 2 * topk_candidates_width(2048, "cuda")
     assert topk_sampled_min_live(2048, "cuda", num_chunks=2) == 2 * topk_candidates_width(2048, "cuda")
-    assert topk_sampled_min_live(2048, "cuda", num_chunks=8) == 8 * 6144  # chunks of >= 6144
+    assert topk_sampled_min_live(2048, "cuda", num_chunks=8) == 8 * 2048  # chunks of >= 2048
     logits = torch.zeros(2, 32, device=device)
     seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)
     table = torch.zeros(2, 32, dtype=torch.int32, device=device)
@@ -509,8 +509,8 @@ def test_single_launch_fit_rule(monkeypatch):
 @pytest.mark.parametrize("single_launch", [None, False])
 def test_chunked_launches(monkeypatch, device, single_launch, with_lists):
     """The kernels a chunked call really launches (Triton pre-run hooks): by default one cooperative
-    launch on the GPU (with candidate lists: it, then the lists kernel), five under the
-    interpreter and with single_launch=False (with lists: the list pass first)."""
+    launch on the GPU (with candidate lists: of the lists kernel, which takes every row), five
+    under the interpreter and with single_launch=False (with lists: the list pass first)."""
     seen = []
     for kernel in (topk_module._topk_chunk_pass_kernel, topk_module._topk_chunk_single_launch_kernel,
                    topk_module._topk_chunk_lists_kernel):
@@ -521,8 +521,8 @@ def test_chunked_launches(monkeypatch, device, single_launch, with_lists):
     _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, single_launch=single_launch,
                  candidates=candidates)
     if device.type == "cuda" and single_launch is None:
-        assert seen == [("_topk_chunk_single_launch_kernel", None)] + (
-            [("_topk_chunk_lists_kernel", None)] if with_lists else [])
+        kernel = "_topk_chunk_lists_kernel" if with_lists else "_topk_chunk_single_launch_kernel"
+        assert seen == [(kernel, None)]
     else:
         passes = ([int(topk_module._LIST_PASS)] if with_lists else []) + list(range(5))
         assert seen == [("_topk_chunk_pass_kernel", p) for p in passes]
@@ -672,19 +672,37 @@ def test_gpu_chunked_production_sizes(num_rows, longest, num_chunks, single_laun
 
 
 @pytest.mark.gpu
-def test_gpu_single_launch_at_the_fit_limit():
+@pytest.mark.parametrize("with_lists", [False, True])
+def test_gpu_single_launch_at_the_fit_limit(with_lists):
     """A single launch of SINGLE_LAUNCH_PROGRAMS_PER_SM programs per SM (every row long enough to
-    use all its chunks, so every program waits at every barrier): all resident at once, exact."""
-    device = torch.device("cuda")
-    num_rows = 8
-    num_chunks = topk_module.SINGLE_LAUNCH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(
-        device).multi_processor_count // num_rows
-    longest = num_chunks * 1024
+    use all its chunks, so every program waits at every barrier; with candidate lists, of the
+    lists kernel at its register cap, every row long enough to list): all resident at once,
+    exact, and the listing rows' lists hold their selection."""
+    device, k = torch.device("cuda"), 2048
+    programs = topk_module.SINGLE_LAUNCH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(
+        device).multi_processor_count
+    if with_lists:
+        num_chunks = topk_module.TOPK_LISTS_MAX_CHUNKS
+        num_rows = programs // num_chunks
+        longest = topk_sampled_min_live(k, device, num_chunks) + 100
+    else:
+        num_rows = 8
+        num_chunks = programs // num_rows
+        longest = num_chunks * 1024
     gen = torch.Generator().manual_seed(num_chunks)
     logits = torch.randn(num_rows, longest, generator=gen)
-    logits[:, ::3] = 0.25  # ties at the k-th value
-    logits, seqlens, page_table = _inputs(logits, [longest] * num_rows, width=longest, num_slots=1 << 20)
-    _assert_topk(logits, seqlens, page_table, 2048, device, num_chunks=num_chunks, single_launch=True)
+    if not with_lists:
+        logits[:, ::3] = 0.25  # ties at the k-th value
+    logits, seqlens, page_table = _inputs(logits, [longest] * num_rows, width=longest,
+                                          num_slots=1 << 22)
+    candidates = _junk_candidates(num_rows, k, device, num_chunks) if with_lists else None
+    positions = _assert_topk(logits, seqlens, page_table, k, device, num_chunks=num_chunks,
+                             single_launch=True, candidates=candidates)
+    if with_lists:
+        for row in range(num_rows):
+            listed = torch.cat([_listed(candidates, row, num_chunks, chunk)
+                                for chunk in range(num_chunks)])
+            assert bool(torch.isin(positions[row].cpu(), listed).all()), f"row {row}"
 
 
 @pytest.mark.gpu

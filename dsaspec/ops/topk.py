@@ -24,9 +24,9 @@ Two launch forms, same result bit for bit:
   boundary, and a row no longer than ``k`` is copied without any barrier. With candidate lists
   (:func:`topk_candidates`, for rows whose chunks are long) each chunk of a long row lists its
   own candidates against the row's sample bound first and the chunk passes run over the lists:
-  in the launched form the list pass is a launch of its own, in the single launch a second
-  cooperative kernel takes the sampled rows (list, barrier, passes) after the range kernel has
-  done the others.
+  in the launched form the list pass is a launch of its own; the single launch is then one
+  cooperative kernel that takes every row (copy, passes over the range, or list, barrier and
+  passes over the lists).
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ MAX_CHUNKS = 32
 MIN_CHUNKS = 4
 PROGRAMS_PER_SM = 2
 # The single launch needs every program of the grid resident at once; the compiled single-launch
-# kernel (4 warps, 96 registers a thread and 2 KB of shared memory for sm_90 with Triton 3.6) fits
-# five per SM, so a grid of up to four per SM may run as one (a GPU test launches one that large;
-# a grid the device cannot hold makes the cooperative launch fail, it never hangs).
+# kernels (4 warps, 2 KB of shared memory for sm_90 with Triton 3.6; 96 registers a thread, the
+# one with lists capped at 128) fit five and four per SM, so a grid of up to four per SM may run as
+# one (a GPU test launches one that large; a grid the device cannot hold makes the cooperative
+# launch fail, it never hangs).
 SINGLE_LAUNCH_PROGRAMS_PER_SM = 4
 _PASSES = 5  # histograms of digits 0..3, then the write
 _LIST_PASS = tl.constexpr(5)  # the launched form's first pass with candidate lists
@@ -86,12 +87,12 @@ _LIST_PASS = tl.constexpr(5)  # the launched form's first pass with candidate li
 # saves (1-16 rows of 64k were slower with lists: benchmarks/results/h200/logs/
 # topk_chunk_lists_variants.json).
 TOPK_LISTS_MAX_CHUNKS = 8
-# ... and in rows whose chunks are at least this long (on the GPU / under the interpreter): with
-# shorter chunks the list pass costs more than the shorter passes save (H200, chunks of 4096: 32
-# rows of 32k 50.3 against 45.9 µs without lists, 64 rows of 16k 50.0 against 44.2; of 6144: 64
-# rows of 24k 54.0 against 59.6, 32 rows of 48k 55.7 against 61.8;
-# benchmarks/results/h200/logs/topk_chunk_lists_live.json, "lists_min0" against "none").
-_GPU_LISTS_MIN_CHUNK, _CPU_LISTS_MIN_CHUNK = 6144, 64
+# ... and in rows whose chunks are at least this long (on the GPU / under the interpreter): in
+# shorter ones the list pass costs more than the shorter passes save (H200, one kernel for every
+# row, against no lists: 33 rows of 16k in 8 chunks of 2048, 34.4 against 33.6 µs, in chunks of
+# 1024 37.7; 64 rows of 14.4k in 4 chunks 41.3 against 48.5, 40 rows of 32k in 6 chunks 46.1
+# against 66.8; benchmarks/results/h200/logs/topk_one_kernel_min_chunk.json).
+_GPU_LISTS_MIN_CHUNK, _CPU_LISTS_MIN_CHUNK = 2048, 64
 # Workspace words per (row, chunk): 4 digit histograms of 256 counts, then the search state
 # (below), padded to 8 words. Chunk 0's state also holds the row's barrier counter of the
 # single-launch form (zero between calls).
@@ -113,46 +114,49 @@ def _order_key(values):
 
 
 @triton.jit
-def _first_values(row_logits, start, end, PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
-    """What a block loop carries into its first step: with ``PREFETCH`` the first block's logits
-    (loaded now), else nothing to carry (zeros, never read)."""
+def _source_positions(row_candidates, indices, end, stride):
+    """The row positions of source ``indices`` (``< end``). The source is ``stride``: 1 the row
+    itself, more every ``stride``-th position of it (the sample), 0 the positions listed at
+    ``row_candidates[indices]`` (written by this program or its row's: read through L2). A
+    runtime value, so one compiled loop serves every source; where a caller passes the constant
+    1 the selection folds away."""
+    positions = indices
+    if stride != 1:
+        listed = tl.load(row_candidates + indices, mask=(indices < end) & (stride == 0), other=0,
+                         cache_modifier=".cg")
+        positions = tl.where(stride == 0, listed, indices * stride)
+    return positions
+
+
+@triton.jit
+def _first_values(row_logits, row_candidates, start, end, stride, PREFETCH: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """What a block loop over source indices ``[start, end)`` carries into its first step: with
+    ``PREFETCH`` the first block's logits (loaded now), else nothing to carry (zeros, never
+    read)."""
     if PREFETCH:
-        positions = start + tl.arange(0, BLOCK)
-        return tl.load(row_logits + positions, mask=positions < end, other=0.0)
+        indices = start + tl.arange(0, BLOCK)
+        positions = _source_positions(row_candidates, indices, end, stride)
+        return tl.load(row_logits + positions, mask=indices < end, other=0.0)
     else:
         return tl.zeros((BLOCK,), dtype=tl.float32)
 
 
 @triton.jit
-def _step_values(row_logits, positions, end, carried, PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
-    """(the logits at ``positions``, what to carry to the next step). With ``PREFETCH`` they were
-    carried in and the next block's load is issued now, before this block's work, so two blocks
-    are in flight; without, this block is loaded now."""
-    if PREFETCH:
-        ahead = positions + BLOCK
-        return carried, tl.load(row_logits + ahead, mask=ahead < end, other=0.0)
-    else:
-        return tl.load(row_logits + positions, mask=positions < end, other=0.0), carried
-
-
-@triton.jit
 def _source_values(row_logits, row_candidates, indices, end, carried, stride,
                    PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
-    """(positions, logits, what to carry) of source ``indices`` (``< end``). The source is
-    ``stride``: 1 the row itself, more every ``stride``-th position of it (the sample), 0 the
-    positions listed at ``row_candidates[indices]`` (written by this program: read through L2).
-    A runtime value, so the sample's stride needs no compile-time variant; where a caller passes
-    a constant the per-element selection folds away. ``PREFETCH`` reads the row itself
-    (``stride`` 1)."""
+    """(positions, logits, what to carry) of source ``indices`` (``< end``; ``stride``: see
+    ``_source_positions``). With ``PREFETCH`` the logits were carried in and the next block's
+    loads are issued now, before this block's work, so two blocks are in flight; without, this
+    block is loaded now."""
+    positions = _source_positions(row_candidates, indices, end, stride)
     if PREFETCH:
-        values, carried = _step_values(row_logits, indices, end, carried, PREFETCH, BLOCK)
-        return indices, values, carried
+        ahead = indices + BLOCK
+        ahead_positions = _source_positions(row_candidates, ahead, end, stride)
+        return positions, carried, tl.load(row_logits + ahead_positions, mask=ahead < end,
+                                           other=0.0)
     else:
-        in_range = indices < end
-        listed = tl.load(row_candidates + indices, mask=in_range & (stride == 0), other=0,
-                         cache_modifier=".cg")
-        positions = tl.where(stride == 0, listed, indices * stride)
-        return positions, tl.load(row_logits + positions, mask=in_range, other=0.0), carried
+        return positions, tl.load(row_logits + positions, mask=indices < end, other=0.0), carried
 
 
 @triton.jit
@@ -163,7 +167,7 @@ def _digit_histogram(row_logits, row_candidates, start, end, prefix, level, stri
     higher digits equal ``prefix``."""
     offsets = tl.arange(0, BLOCK)
     histogram = tl.zeros((256,), dtype=tl.int32)
-    carried = _first_values(row_logits, start, end, PREFETCH, BLOCK)
+    carried = _first_values(row_logits, row_candidates, start, end, stride, PREFETCH, BLOCK)
     for block_start in range(start, end, BLOCK):
         indices = block_start + offsets
         _, values, carried = _source_values(row_logits, row_candidates, indices, end, carried,
@@ -198,7 +202,7 @@ def _write_selected(row_logits, row_candidates, row_table, row_out, row_position
     ``need`` such ties before, counting ``ties_seen`` earlier ones; in the source's order
     (ascending positions) from output index ``written``. Returns the next index."""
     offsets = tl.arange(0, BLOCK)
-    carried = _first_values(row_logits, start, end, PREFETCH, BLOCK)
+    carried = _first_values(row_logits, row_candidates, start, end, stride, PREFETCH, BLOCK)
     for block_start in range(start, end, BLOCK):
         indices = block_start + offsets
         in_range = indices < end
@@ -620,19 +624,16 @@ def _row_barrier(arrived, target, last):
 
 @triton.jit
 def _topk_chunk_single_launch_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
-                                     positions_ptr, workspace_ptr, candidates_ptr, logits_stride,
-                                     page_table_stride, out_stride, positions_stride,
-                                     candidates_stride, k, num_chunks, region, sample_rank,
-                                     sample_stride, sampled_min_live,
-                                     WRITE_POSITIONS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                                     BLOCK: tl.constexpr, TILE: tl.constexpr,
-                                     SAMPLED: tl.constexpr, LIST_BLOCK: tl.constexpr):
+                                     positions_ptr, workspace_ptr, logits_stride,
+                                     page_table_stride, out_stride, positions_stride, k,
+                                     num_chunks, WRITE_POSITIONS: tl.constexpr,
+                                     MIN_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                                     TILE: tl.constexpr):
     """The chunked form's passes over the chunk ranges in one launch (cooperative: every
-    program resident at once). The programs of a searching row meet at a barrier after pass 0
-    and after every pass it entered still searching, where the launched form has a launch
-    boundary; the last barrier leaves the row's counter at zero. A row with ``live <= k`` is
-    copied, no barrier. With ``SAMPLED`` a row of at least ``sampled_min_live`` is left to
-    ``_topk_chunk_lists_kernel``, launched next."""
+    program resident at once), without candidate lists. The programs of a searching row meet at
+    a barrier after pass 0 and after every pass it entered still searching, where the launched
+    form has a launch boundary; the last barrier leaves the row's counter at zero. A row with
+    ``live <= k`` is copied, no barrier."""
     (chunk, live, start, end, num_active, row_logits, row_table, row_out, row_positions,
      row_workspace) = _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
                                    positions_ptr, workspace_ptr, logits_stride, page_table_stride,
@@ -640,7 +641,7 @@ def _topk_chunk_single_launch_kernel(logits_ptr, seqlens_ptr, page_table_ptr, ou
     if live <= k:
         _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live, k,
                     WRITE_POSITIONS, BLOCK)
-    elif (chunk < num_active) & ((not SAMPLED) | (live < sampled_min_live)):
+    elif chunk < num_active:
         _single_launch_passes(row_logits, row_logits, row_table, row_out, row_positions,
                               row_workspace, start, end, 1, chunk, num_active, k, 0,
                               WRITE_POSITIONS, True, BLOCK, TILE)
@@ -652,35 +653,40 @@ def _topk_chunk_lists_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, p
                              out_stride, positions_stride, candidates_stride, k, num_chunks,
                              region, sample_rank, sample_stride, sampled_min_live,
                              WRITE_POSITIONS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                             BLOCK: tl.constexpr, TILE: tl.constexpr, SAMPLED: tl.constexpr,
-                             LIST_BLOCK: tl.constexpr):
-    """The single launch's sampled rows (cooperative, launched after
-    ``_topk_chunk_single_launch_kernel``, which leaves them alone): each chunk lists its
-    candidates, the row's programs meet, and the passes run over the lists where they serve,
-    else over the chunk ranges (without their prefetch: the rare fallback shares the list
-    passes' code, so this kernel holds one copy of the passes). Every other program returns at
-    once. (Not a programmatic dependent launch: launched beside the range passes' programs, this
-    grid's were placed unevenly, 89.0 against 75.9 µs at 64 rows of 64k on the H200; it would
-    save about 0.8 µs where no row is sampled.)"""
+                             BLOCK: tl.constexpr, TILE: tl.constexpr, LIST_BLOCK: tl.constexpr):
+    """The single launch with candidate lists (cooperative): a row with ``live <= k`` is
+    copied; a row of at least ``sampled_min_live`` lists each chunk's candidates first and its
+    programs meet, then the passes run over the lists where they serve; every other searching
+    row, and a sampled row whose lists cannot serve, runs them over the chunk ranges. One copy
+    of the passes serves both sources (a runtime stride, no prefetch: the range kernel's
+    prefetching passes compiled beside them made the kernel 1.5x slower on short rows), and one
+    launch serves every row: two kernels, one for the sampled rows after one for the others,
+    cost 2-27 µs more on the H200 (``docs/dsa-kernels.md``)."""
     (chunk, live, start, end, num_active, row_logits, row_table, row_out, row_positions,
      row_workspace) = _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
                                    positions_ptr, workspace_ptr, logits_stride, page_table_stride,
                                    out_stride, positions_stride, num_chunks, MIN_CHUNK)
-    if (live > k) & (chunk < num_active) & (live >= sampled_min_live):
+    if live <= k:
+        _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live, k,
+                    WRITE_POSITIONS, BLOCK)
+    elif chunk < num_active:
         row_candidates = candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
         own_list = row_candidates + chunk * region
-        _list_chunk(row_logits, row_candidates, own_list, row_workspace, chunk, live, start, end,
-                    region, sample_rank, sample_stride, BLOCK, LIST_BLOCK)
-        _row_barrier(row_workspace + _STATE + _ARRIVED, num_active, False)
-        # the list (source indices [0, count), stride 0), or the chunk's range (stride 1)
+        # the chunk's range (source indices [start, end), stride 1), or its list (stride 0)
         first, last, stride = start, end, tl.full((), 1, tl.int32)
-        if _row_listed(row_workspace, num_active, k, region, TILE):
-            first, stride = tl.zeros_like(start), tl.zeros_like(stride)
-            last = tl.load(row_workspace + chunk * _WORDS + _STATE + _LISTED,
-                           cache_modifier=".cg")
+        barriers = tl.zeros((), dtype=tl.int32)
+        if live >= sampled_min_live:
+            _list_chunk(row_logits, row_candidates, own_list, row_workspace, chunk, live, start,
+                        end, region, sample_rank, sample_stride, BLOCK, LIST_BLOCK)
+            _row_barrier(row_workspace + _STATE + _ARRIVED, num_active, False)
+            barriers += 1
+            if _row_listed(row_workspace, num_active, k, region, TILE):
+                first, stride = tl.zeros_like(start), tl.zeros_like(stride)
+                last = tl.load(row_workspace + chunk * _WORDS + _STATE + _LISTED,
+                               cache_modifier=".cg")
         _single_launch_passes(row_logits, own_list, row_table, row_out, row_positions,
-                              row_workspace, first, last, stride, chunk, num_active, k, 1,
-                              WRITE_POSITIONS, False, BLOCK, TILE)
+                              row_workspace, tl.multiple_of(first, _ALIGN), last, stride, chunk,
+                              num_active, k, barriers, WRITE_POSITIONS, False, BLOCK, TILE)
 
 
 @triton.jit
@@ -831,8 +837,8 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     ``out``. Without a workspace: grid ``(R,)``, one launch; one program per row walks the live
     range at most five times (once, without reading logits, when ``seqlens[r] <= k``); with
     candidates, a long row's live range once, plus passes over its sample and its candidates. With
-    one: five launches of grid ``(R, P)`` (six with candidates: the list pass first), or one (two
-    with candidates: the range kernel, then the sampled rows' kernel); a row's chunks are
+    one: five launches of grid ``(R, P)`` (six with candidates: the list pass first), or one (with
+    candidates, of the kernel that also lists); a row's chunks are
     ``cdiv(seqlens[r], P)`` long (at least 1024 on the GPU, so short rows use fewer programs) and
     each program walks its chunk at most five times (once, without reading logits, when
     ``seqlens[r] <= k``; a sampled row's chunk once, then its list).
@@ -888,26 +894,30 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     chunked = dict(MIN_CHUNK=_GPU_MIN_CHUNK if on_gpu else _CPU_MIN_CHUNK,
                    BLOCK=_GPU_CHUNK_BLOCK if on_gpu else _CPU_CHUNK_BLOCK,
                    TILE=_GPU_TILE if on_gpu else _CPU_TILE, WRITE_POSITIONS=write_positions,
-                   num_warps=4, **sampled)
+                   num_warps=4)
     grid = (logits.shape[0], num_chunks)
     # each chunk of a sampled row lists its candidates in its own region of the row's list
     region = listed.shape[1] // num_chunks
-    launch_args = (*args, workspace, listed, *strides, listed.stride(0), k, num_chunks, region,
-                   rank, stride, min_live)
+    list_args = (listed, *strides, listed.stride(0), k, num_chunks, region, rank, stride, min_live)
     if single_launch:
-        # with lists: the range passes of the rows not sampled, then the sampled rows
-        _topk_chunk_single_launch_kernel[grid](*launch_args, launch_cooperative_grid=True,
-                                               **chunked)
-        if candidates is not None:
-            _topk_chunk_lists_kernel[grid](*launch_args, launch_cooperative_grid=True, **chunked)
+        if candidates is None:
+            _topk_chunk_single_launch_kernel[grid](*args, workspace, *strides, k, num_chunks,
+                                                   launch_cooperative_grid=True, **chunked)
+        else:
+            # capped so that SINGLE_LAUNCH_PROGRAMS_PER_SM fit (155 uncapped: three per SM)
+            _topk_chunk_lists_kernel[grid](*args, workspace, *list_args,
+                                           LIST_BLOCK=sampled["LIST_BLOCK"],
+                                           launch_cooperative_grid=True, **chunked,
+                                           **({"maxnreg": _LISTS_CAPPED_REGISTERS} if on_gpu else {}))
         return out
     pdl = supports_pdl(logits.device)
     passes = ([int(_LIST_PASS)] if candidates is not None else []) + list(range(_PASSES))
     for order, pass_index in enumerate(passes):
         # later passes launch as programmatic dependents of the previous one on Hopper and newer,
         # so their launch latency overlaps it (the first waits for the logits' writer as usual)
-        _topk_chunk_pass_kernel[grid](*launch_args, PASS=pass_index, PDL=pdl, WAIT=order > 0,
-                                      launch_pdl=pdl and order > 0, **chunked)
+        _topk_chunk_pass_kernel[grid](*args, workspace, *list_args, PASS=pass_index, PDL=pdl,
+                                      WAIT=order > 0, launch_pdl=pdl and order > 0, **sampled,
+                                      **chunked)
     return out
 
 
@@ -932,7 +942,7 @@ def topk_sampled_min_live(k: int, device, num_chunks: int = 1) -> int:
     """Shortest row that takes the sampled form with ``num_chunks`` chunks a row (1: the
     one-program form): twice the capacity (candidates then expected to be at most a quarter of the
     row; shorter rows take the whole-row passes, which were faster on the H200 at 8k with k =
-    2048: 26.0 against 35.4 µs at 4 rows), and with chunks, chunks of at least 6144 positions
+    2048: 26.0 against 35.4 µs at 4 rows), and with chunks, chunks of at least 2048 positions
     (64 under the interpreter)."""
     min_chunk = _GPU_LISTS_MIN_CHUNK if torch.device(device).type == "cuda" else _CPU_LISTS_MIN_CHUNK
     return max(2 * topk_candidates_width(k, device), min_chunk * num_chunks if num_chunks > 1 else 0)
