@@ -658,10 +658,10 @@ def _topk_chunk_lists_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, p
     copied; a row of at least ``sampled_min_live`` lists each chunk's candidates first and its
     programs meet, then the passes run over the lists where they serve; every other searching
     row, and a sampled row whose lists cannot serve, runs them over the chunk ranges. One copy
-    of the passes serves both sources (a runtime stride, no prefetch: the range kernel's
-    prefetching passes compiled beside them made the kernel 1.5x slower on short rows), and one
-    launch serves every row: two kernels, one for the sampled rows after one for the others,
-    cost 2-27 µs more on the H200 (``docs/dsa-kernels.md``)."""
+    of the passes serves both sources (a runtime stride, no prefetch: with the range kernel's
+    prefetching passes compiled beside them the listing rows ran 12-24% slower on the H200), and
+    one launch serves every row: two kernels, one for the sampled rows after one for the others,
+    cost 1.5-28 µs more (``docs/dsa-kernels.md``)."""
     (chunk, live, start, end, num_active, row_logits, row_table, row_out, row_positions,
      row_workspace) = _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
                                    positions_ptr, workspace_ptr, logits_stride, page_table_stride,
@@ -905,10 +905,10 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
                                                    launch_cooperative_grid=True, **chunked)
         else:
             # capped so that SINGLE_LAUNCH_PROGRAMS_PER_SM fit (155 uncapped: three per SM)
+            cap = {"maxnreg": _LISTS_CAPPED_REGISTERS} if on_gpu else {}
             _topk_chunk_lists_kernel[grid](*args, workspace, *list_args,
                                            LIST_BLOCK=sampled["LIST_BLOCK"],
-                                           launch_cooperative_grid=True, **chunked,
-                                           **({"maxnreg": _LISTS_CAPPED_REGISTERS} if on_gpu else {}))
+                                           launch_cooperative_grid=True, **chunked, **cap)
         return out
     pdl = supports_pdl(logits.device)
     passes = ([int(_LIST_PASS)] if candidates is not None else []) + list(range(_PASSES))
