@@ -36,6 +36,7 @@ import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from dsaspec.bench.results import RESULTS_ROOT, machine_info, markdown_table  # noqa: E402
@@ -66,10 +67,14 @@ PTXAS = {
 
 
 @contextlib.contextmanager
-def compile_instead_of_launch(kernel, record: dict):
-    """While active, a launch of ``kernel`` compiles it for :data:`TARGET` (as the JIT would
-    specialize these arguments) and stores the result in ``record`` instead of running it."""
+def compile_instead_of_launch(kernel, record: dict, keep_compiled: bool = False):
+    """While active, a launch of ``kernel`` (a Triton or a Gluon kernel) compiles it for
+    :data:`TARGET` (as the JIT would specialize these arguments) and stores the result in
+    ``record`` instead of running it (with ``knobs.nvidia.dump_ptxas_log`` set, registers and
+    spills from the ptxas log; with ``keep_compiled``, the compiled kernel under
+    ``"compiled"``)."""
     backend = make_backend(TARGET)
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
 
     def run(*args, grid, warmup, **kwargs):
@@ -80,7 +85,7 @@ def compile_instead_of_launch(kernel, record: dict):
         log = io.StringIO()
         start = time.perf_counter()
         with contextlib.redirect_stdout(log):
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+            compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET,
                                       options=options.__dict__)
         record["compile_s"] = time.perf_counter() - start
         for key, pattern in PTXAS.items():
@@ -89,6 +94,8 @@ def compile_instead_of_launch(kernel, record: dict):
         ptx = compiled.asm["ptx"]
         record["ptx_lines"] = ptx.count("\n")
         record["grid"] = grid[0]
+        if keep_compiled:
+            record["compiled"] = compiled
 
     kernel.run = run
     try:
