@@ -24,6 +24,7 @@ Gluon kernels do not run under Triton's interpreter.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import re
@@ -112,6 +113,8 @@ def _probe_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, num_blocks, ROW: gl.constex
 
 
 def main() -> int:
+    argparse.ArgumentParser(description="Compile a warp-specialized gather -> wgmma pipeline in "
+                                        "Gluon for sm_90 (no GPU needed).").parse_args()
     knobs.nvidia.dump_ptxas_log = True
     heads, block_n = 64, 64
     record: dict = {}

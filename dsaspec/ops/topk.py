@@ -80,6 +80,10 @@ PROGRAMS_PER_SM = 2
 # one (a GPU test launches one that large; a grid the device cannot hold makes the cooperative
 # launch fail, it never hangs).
 SINGLE_LAUNCH_PROGRAMS_PER_SM = 4
+_CHUNK_WARPS = 4  # warps of a chunked-form program
+# ... which holds for the kernel with lists (155 registers uncapped: three per SM) when each of its
+# programs gets at most a quarter of an SM's 64K registers: 128
+_SINGLE_LAUNCH_MAX_REGISTERS = 65536 // (SINGLE_LAUNCH_PROGRAMS_PER_SM * _CHUNK_WARPS * 32)
 _PASSES = 5  # histograms of digits 0..3, then the write
 _LIST_PASS = tl.constexpr(5)  # the launched form's first pass with candidate lists
 # Candidate lists in the chunked form only up to this many chunks a row (33 rows and more on the
@@ -894,7 +898,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     chunked = dict(MIN_CHUNK=_GPU_MIN_CHUNK if on_gpu else _CPU_MIN_CHUNK,
                    BLOCK=_GPU_CHUNK_BLOCK if on_gpu else _CPU_CHUNK_BLOCK,
                    TILE=_GPU_TILE if on_gpu else _CPU_TILE, WRITE_POSITIONS=write_positions,
-                   num_warps=4)
+                   num_warps=_CHUNK_WARPS)
     grid = (logits.shape[0], num_chunks)
     # each chunk of a sampled row lists its candidates in its own region of the row's list
     region = listed.shape[1] // num_chunks
@@ -904,8 +908,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
             _topk_chunk_single_launch_kernel[grid](*args, workspace, *strides, k, num_chunks,
                                                    launch_cooperative_grid=True, **chunked)
         else:
-            # capped so that SINGLE_LAUNCH_PROGRAMS_PER_SM fit (155 uncapped: three per SM)
-            cap = {"maxnreg": _LISTS_CAPPED_REGISTERS} if on_gpu else {}
+            cap = {"maxnreg": _SINGLE_LAUNCH_MAX_REGISTERS} if on_gpu else {}
             _topk_chunk_lists_kernel[grid](*args, workspace, *list_args,
                                            LIST_BLOCK=sampled["LIST_BLOCK"],
                                            launch_cooperative_grid=True, **chunked, **cap)
