@@ -62,6 +62,14 @@ def topk_single_launch() -> bool:
     return _switch("DSASPEC_TOPK_SINGLE_LAUNCH")
 
 
+def sparse_mla_gluon() -> bool:
+    """``DSASPEC_SPARSE_MLA_GLUON``: the runtime's sparse MLA takes the warp-specialized Gluon
+    kernel where it runs (compute capability 9.x, heads a multiple of 64) and is faster, per
+    ``sparse_mla_config`` (default on). Off keeps the Triton kernel everywhere: its summation
+    order, for comparing tokens against it. Read when the model is built."""
+    return _switch("DSASPEC_SPARSE_MLA_GLUON")
+
+
 def metadata_program_budget() -> int:
     """``DSASPEC_METADATA_BUDGET``: program budget of the bounded metadata kernels (default 2048),
     a positive integer. The grid is ``1 + requests * max(1, min(budget // requests, 256))``."""
@@ -108,6 +116,7 @@ def check_all() -> None:
     spec_draft_argmax_exchange()
     spec_verify_argmax_exchange()
     topk_single_launch()
+    sparse_mla_gluon()
     metadata_program_budget()
     simulate_accept_len()
     triton_interpret()

@@ -12,6 +12,7 @@ SWITCHES = [("DSASPEC_BOUNDED_REPLAY_METADATA", flags.bounded_replay_metadata, T
             ("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", flags.spec_draft_argmax_exchange, True),
             ("DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE", flags.spec_verify_argmax_exchange, True),
             ("DSASPEC_TOPK_SINGLE_LAUNCH", flags.topk_single_launch, True),
+            ("DSASPEC_SPARSE_MLA_GLUON", flags.sparse_mla_gluon, True),
             ("TRITON_INTERPRET", flags.triton_interpret, False)]
 
 
@@ -59,7 +60,8 @@ def test_check_all_reads_every_switch(monkeypatch):
     flags.check_all()
     for name, value in [("DSASPEC_METADATA_BUDGET", "x"), ("DSASPEC_BOUNDED_REPLAY_METADATA", "x"),
                         ("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", "x"), ("DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE", "x"),
-                        ("DSASPEC_TOPK_SINGLE_LAUNCH", "x"), ("DSASPEC_SIMULATE_ACCEPT_LEN", "x"),
+                        ("DSASPEC_TOPK_SINGLE_LAUNCH", "x"), ("DSASPEC_SPARSE_MLA_GLUON", "x"),
+                        ("DSASPEC_SIMULATE_ACCEPT_LEN", "x"),
                         ("TRITON_INTERPRET", "x")]:
         with monkeypatch.context() as m:
             m.setenv(name, value)

@@ -244,7 +244,7 @@ def test_topk_single_launch_switch(monkeypatch, switch, single_launch):
     workspace = model.attention_workspace(3)
     assert workspace.topk_single_launch is single_launch
     monkeypatch.setenv("DSASPEC_TOPK_SINGLE_LAUNCH", "1" if switch == "0" else "0")  # read once: no effect now
-    ops = dsa_ops(True)
+    ops = dsa_ops(True, model.sparse_mla_gluon)
     calls = []
     real = ops.topk_slots
     monkeypatch.setattr(ops, "topk_slots",
@@ -258,6 +258,34 @@ def test_topk_single_launch_switch(monkeypatch, switch, single_launch):
     with torch.no_grad():
         model(ids, positions, loc, session.kv, attn)
     assert calls == [single_launch] * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("switch", ["", "0"])
+def test_sparse_mla_gluon_switch(monkeypatch, switch):
+    """DSASPEC_SPARSE_MLA_GLUON is read when the model is built. Off, every sparse MLA call of a
+    forward passes the Triton kernel's default configuration for its rows; on (default), the call
+    leaves the choice to sparse_mla_decode (no config: the Gluon kernel where it runs)."""
+    import dsaspec.ops.sparse_mla as sparse_mla_module
+
+    monkeypatch.setenv("DSASPEC_SPARSE_MLA_GLUON", switch)
+    model = DSAModel(get_config("tiny"), use_triton=True).init_weights(0)
+    monkeypatch.setenv("DSASPEC_SPARSE_MLA_GLUON", "1" if switch == "0" else "0")  # read once
+    calls = []
+    real = sparse_mla_module.sparse_mla_decode
+    monkeypatch.setattr(sparse_mla_module, "sparse_mla_decode",
+                        lambda *a, **kw: calls.append(kw.get("config", "unset")) or real(*a, **kw))
+    dsa_ops.cache_clear()  # the ops namespace binds the recorder when the forward builds it
+    session = Session(model)
+    row = session.slots.admit(4)
+    ids = torch.as_tensor(_tokens(3, model.config.vocab_size, seed=1))
+    session.slots.extend(row, 3)
+    positions, loc, attn = build_extend_inputs(session.table, [row], [0], [3])
+    with torch.no_grad():
+        model(ids, positions, loc, session.kv, attn)
+    dsa_ops.cache_clear()
+    expected = ("unset" if switch == "" else
+                sparse_mla_module.sparse_mla_config(3, model.num_local_heads, split=False))
+    assert calls == [expected] * model.config.num_hidden_layers
 
 
 def test_cache_entries_hold_normed_latent_and_roped_key():

@@ -9,8 +9,9 @@ import torch
 from dsa_inputs import random_indexer_inputs, random_sparse_mla_inputs, to_cpu
 from dsaspec.ops.indexer import indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
-from dsaspec.ops.sparse_mla import (FEW_ROWS_HEAD_BLOCKS, SPARSE_MLA_BASELINE_CONFIG,
-                                    SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,
+from dsaspec.ops.sparse_mla import (FEW_ROWS_HEAD_BLOCKS, GLUON_MIN_SPLIT_HEAD_BLOCKS,
+                                    SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
+                                    SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
                                     SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
                                     sparse_mla_num_splits, sparse_mla_workspace)
 from dsaspec.ops.topk import topk_slots
@@ -180,11 +181,11 @@ def test_split_workspace(num_splits, num_heads, config, device):
     torch.testing.assert_close(split.float(), single.float(), atol=1e-3, rtol=1e-2)
 
 
-@pytest.mark.parametrize("config", ["new", "few_rows"])
+@pytest.mark.parametrize("config", ["new", "few_rows", "gluon"])
 def test_num_splits_fill_the_gpu(config):
     """Small batches split their slots so the programs (head blocks x value blocks per row)
     about fill the SMs; large ones do not split (no workspace)."""
-    config = CONFIGS[config]
+    config = CONFIGS.get(config, SPARSE_MLA_GLUON_CONFIG)
     for heads in (64, 128):
         programs_per_row = -(-heads // config.block_h) * (512 // config.block_dv)
         for rows in (1, 2, 4, 16, 33, 64, 66, 67, 128, 4096):
@@ -217,11 +218,36 @@ def test_default_config_by_rows():
         SPARSE_MLA_FEW_ROWS_CONFIG.max_splits, 132 // programs)
 
 
+@pytest.mark.parametrize("capability,gluon", [((9, 0), True), ((8, 0), False), ((10, 0), False)])
+def test_default_config_where_gluon_runs(capability, gluon, monkeypatch):
+    """On compute capability 9.x with heads a multiple of 64, the single pass takes the Gluon
+    kernel at every R (so a row's output still does not depend on R) and the split path from
+    GLUON_MIN_SPLIT_HEAD_BLOCKS programs; elsewhere, and on the CPU, the Triton configurations."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    for heads in (32, 48, 64, 128):
+        for rows in range(1, 9):
+            triton_split = sparse_mla_config(rows, heads, split=True)
+            runs = gluon and heads % 64 == 0
+            split_gluon = runs and rows * heads // 64 >= GLUON_MIN_SPLIT_HEAD_BLOCKS
+            assert sparse_mla_config(rows, heads, split=False, device="cuda:0") == (
+                SPARSE_MLA_GLUON_CONFIG if runs else SPARSE_MLA_CONFIG)
+            assert sparse_mla_config(rows, heads, split=True, device="cuda:0") == (
+                SPARSE_MLA_GLUON_CONFIG if split_gluon else triton_split)
+            assert sparse_mla_config(rows, heads, split=True, device="cpu") == triton_split
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="block_dv: expected 128, 256 or 512, got 64"):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, block_dv=64)
     with pytest.raises(ValueError, match="max_splits: expected >= 1, got 0"):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, max_splits=0)
+    with pytest.raises(ValueError, match="kernel: expected 'triton' or 'gluon', got 'cuda'"):
+        SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, kernel="cuda")
+    with pytest.raises(ValueError, match=re.escape("kernel: the Gluon kernel's tiles (block_h, "
+                                                   "block_n, num_warps, num_stages, block_dv) "
+                                                   "are (64, 64, 8, 2, 512), got (64, 32, 8, 2, "
+                                                   "512)")):
+        SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, kernel="gluon")
 
 
 def test_decode_chain_indexer_topk_attention(device):

@@ -49,7 +49,8 @@ from dsaspec.options import format_value, nonnegative_int, positive_int, positiv
 from dsaspec.runtime.config import PRESETS, get_config
 from dsaspec.runtime.graph_runner import DecodeGraphRunner
 from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
-from dsaspec.ops import dsa_metadata, dsa_metadata_bounded, indexer, indexer_schedule, sparse_mla, topk
+from dsaspec.ops import (dsa_metadata, dsa_metadata_bounded, indexer, indexer_schedule, sparse_mla,
+                         sparse_mla_gluon, topk)
 from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.runtime.model import DSAModel
 
@@ -58,13 +59,13 @@ KERNELS = (CONTEXT_WIDE, BOUNDED)            # baseline first
 MARKER = "_empty_kernel"
 TPOT_TARGET = 1.05                           # bounded TPOT at a long context / at the reference context
 
-# DSA-op kernels land in a phase by name: every Triton kernel of these modules (read from the modules,
+# DSA-op kernels land in a phase by name: every Triton and Gluon kernel of these modules (read from the modules,
 # so a new kernel cannot be missed)
 KERNEL_MODULE_PHASES = (
     ("metadata", (dsa_metadata_bounded, dsa_metadata, indexer_schedule)),
     ("indexer", (indexer,)),
     ("topk", (topk,)),
-    ("sparse_mla", (sparse_mla,)),
+    ("sparse_mla", (sparse_mla, sparse_mla_gluon)),
 )
 
 

@@ -14,6 +14,12 @@ split over the third grid dimension and a combine kernel merges the partial soft
 (flash-decoding), for small ``R * H`` (docs/dsa-kernels.md); on Hopper and newer the combine is
 launched as a programmatic dependent of the split kernel, so its launch overlaps the split
 kernel's run.
+
+On Hopper (compute capability 9.x) with a head count that is a multiple of 64, the default
+configuration is :data:`SPARSE_MLA_GLUON_CONFIG` for the single pass at every row count and for
+the split path from :data:`GLUON_MIN_SPLIT_HEAD_BLOCKS` programs without splits: the
+warp-specialized Gluon kernel of :mod:`dsaspec.ops.sparse_mla_gluon` (same contract, same split
+records and combine; its own summation order).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_tensor
 from dsaspec.ops.device import sm_count, supports_pdl
+from dsaspec.ops.sparse_mla_gluon import launch_sparse_mla_gluon, sparse_mla_gluon_supported
 
 LATENT_DIM = 512  # value / latent width
 ROPE_DIM = 64
@@ -56,6 +63,9 @@ class SparseMLAConfig:
     block_dv : value columns per program (512, 256 or 128): ``512 / block_dv`` programs share a
         head block, each recomputing the scores. A row's output does not depend on it.
     max_splits : split-slot runs per row at most (with a workspace).
+    kernel : ``"triton"`` (any device, the interpreter included) or ``"gluon"`` (the
+        warp-specialized kernel of :mod:`dsaspec.ops.sparse_mla_gluon`: compute capability 9.x,
+        heads a multiple of 64, and only its own tiles, those of :data:`SPARSE_MLA_GLUON_CONFIG`).
     """
 
     block_h: int
@@ -64,12 +74,20 @@ class SparseMLAConfig:
     num_stages: int
     block_dv: int = 512
     max_splits: int = 16
+    kernel: str = "triton"
 
     def __post_init__(self):
         if self.block_dv not in (128, 256, 512):
             raise ValueError(f"block_dv: expected 128, 256 or 512, got {self.block_dv}")
         if self.max_splits < 1:
             raise ValueError(f"max_splits: expected >= 1, got {self.max_splits}")
+        if self.kernel not in ("triton", "gluon"):
+            raise ValueError(f"kernel: expected 'triton' or 'gluon', got {self.kernel!r}")
+        gluon_tiles = (64, 64, 8, 2, 512)
+        tiles = (self.block_h, self.block_n, self.num_warps, self.num_stages, self.block_dv)
+        if self.kernel == "gluon" and tiles != gluon_tiles:
+            raise ValueError(f"kernel: the Gluon kernel's tiles (block_h, block_n, num_warps, "
+                             f"num_stages, block_dv) are {gluon_tiles}, got {tiles}")
 
 
 # Fastest of the --tune sweep (benchmarks/results/h200/dsa_ops_tune_wide.md) from 16 rows up, split or
@@ -83,6 +101,13 @@ SPARSE_MLA_CONFIG = SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_sta
 SPARSE_MLA_FEW_ROWS_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2,
                                              block_dv=512, max_splits=64)
 FEW_ROWS_HEAD_BLOCKS = 4  # R * cdiv(H, block_h) up to which the split path takes the few-rows config
+# The Gluon kernel (dsaspec.ops.sparse_mla_gluon): 64 heads per program against blocks of 64 slots,
+# one program per SM (224 KiB of shared memory), 8 attend warps beside 4 gather warps.
+SPARSE_MLA_GLUON_CONFIG = SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
+                                          kernel="gluon")
+# Programs without splits (rows x 64-head blocks) from which the split path takes the Gluon kernel;
+# below it the Triton few-rows config is faster (benchmarks/results/h200/logs/sweep_sparse_mla_gluon.json).
+GLUON_MIN_SPLIT_HEAD_BLOCKS = 2
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.
 SPARSE_MLA_BASELINE_CONFIG = SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)
@@ -239,13 +264,22 @@ def _block_h(num_heads: int, config: SparseMLAConfig) -> int:
     return min(config.block_h, max(16, triton.next_power_of_2(num_heads)))
 
 
-def sparse_mla_config(num_rows: int, num_heads: int, split: bool) -> SparseMLAConfig:
-    """The default launch configuration of ``R = num_rows`` rows: with a workspace (``split``)
-    and ``R * cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``, :data:`SPARSE_MLA_FEW_ROWS_CONFIG`; else
-    :data:`SPARSE_MLA_CONFIG` (always without a workspace, so a row's output there does not
-    depend on ``R``)."""
+def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
+                      device: torch.device | str | None = None) -> SparseMLAConfig:
+    """The default launch configuration of ``R = num_rows`` rows on ``device``.
+
+    Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` a multiple of 64):
+    :data:`SPARSE_MLA_GLUON_CONFIG` without a workspace, and with one (``split``) from
+    ``R * H / 64 >= GLUON_MIN_SPLIT_HEAD_BLOCKS``. Elsewhere (and with ``device`` None): with a
+    workspace and ``R * cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``,
+    :data:`SPARSE_MLA_FEW_ROWS_CONFIG`, else :data:`SPARSE_MLA_CONFIG`. Without a workspace the
+    choice never depends on ``R``, so a row's output there does not depend on ``R``."""
+    rows = max(num_rows, 1)
+    if device is not None and sparse_mla_gluon_supported(device, num_heads):
+        if not split or rows * num_heads // 64 >= GLUON_MIN_SPLIT_HEAD_BLOCKS:
+            return SPARSE_MLA_GLUON_CONFIG
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads, SPARSE_MLA_FEW_ROWS_CONFIG))
-    if split and max(num_rows, 1) * head_blocks <= FEW_ROWS_HEAD_BLOCKS:
+    if split and rows * head_blocks <= FEW_ROWS_HEAD_BLOCKS:
         return SPARSE_MLA_FEW_ROWS_CONFIG
     return SPARSE_MLA_CONFIG
 
@@ -272,7 +306,7 @@ def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int 
 
     ``num_splits`` defaults to :func:`sparse_mla_num_splits` with ``num_sms`` (default: the
     device's count; 132 without CUDA) and ``config`` (default: the one ``sparse_mla_decode``
-    picks with a workspace); when that is 1 (the rows' programs already fill the GPU) no
+    picks on ``device`` with a workspace); when that is 1 (the rows' programs already fill the GPU) no
     workspace helps and None is returned. An explicit ``num_splits >= 1`` always gets a
     workspace.
 
@@ -284,6 +318,7 @@ def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int 
     if num_splits is None:
         if num_sms is None:
             num_sms = sm_count(device)
+        config = config or sparse_mla_config(num_rows, num_heads, split=True, device=device)
         num_splits = sparse_mla_num_splits(num_rows, num_heads, num_sms, config)
         if num_splits == 1:
             return None
@@ -323,8 +358,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         the summation order). Without it: grid ``(R, cdiv(H, block_h) * 512 / block_dv)``, and
         a row's output is
         bitwise independent of ``R`` and of the other rows (for a given ``config`` and device).
-    config : launch configuration (default ``sparse_mla_config(R, H, workspace is not None)``);
-        :data:`SPARSE_MLA_BASELINE_CONFIG` is the earlier kernel (the benchmark's baseline).
+    config : launch configuration (default ``sparse_mla_config(R, H, workspace is not None,
+        q.device)``); :data:`SPARSE_MLA_BASELINE_CONFIG` is the earlier kernel (the benchmark's
+        baseline).
 
     Returns
     -------
@@ -335,18 +371,28 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         raise ValueError(f"slots: slot {int(slots.max())} is out of range for a kv_cache of "
                          f"{kv_cache.shape[0]} slots")
     num_rows, num_heads, _ = q.shape
-    config = config or sparse_mla_config(num_rows, num_heads, split=workspace is not None)
-    block_h = _block_h(num_heads, config)
+    config = config or sparse_mla_config(num_rows, num_heads, workspace is not None, q.device)
+    scan = min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1)))
+    qk_scale_log2 = sm_scale * math.log2(math.e)
+    if config.kernel == "gluon":
+        if not sparse_mla_gluon_supported(q.device, num_heads):
+            raise ValueError(f"config: the Gluon kernel needs a CUDA device of compute "
+                             f"capability 9.x and a head count that is a multiple of 64, got "
+                             f"{q.device} and {num_heads} heads")
+        launch_sparse_mla_gluon(q, kv_cache, slots, out, workspace, qk_scale_log2, scan=scan,
+                                record_width=RECORD_WIDTH)
+        if workspace is not None:
+            _combine(workspace, out, pdl=False)
+        return out
     num_splits = 1 if workspace is None else workspace.shape[2]
     pdl = workspace is not None and supports_pdl(q.device)
     grid = (num_rows, _programs_per_row(num_heads, config), num_splits)
     _sparse_mla_decode_kernel[grid](
-        q, kv_cache, slots, out, out if workspace is None else workspace,
-        sm_scale * math.log2(math.e),
+        q, kv_cache, slots, out, out if workspace is None else workspace, qk_scale_log2,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), num_heads, slots.shape[1],
-        LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=block_h, BLOCK_N=config.block_n,
-        BLOCK_DV=config.block_dv, SCAN=min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1))),
+        LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=_block_h(num_heads, config),
+        BLOCK_N=config.block_n, BLOCK_DV=config.block_dv, SCAN=scan,
         NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
         SPLIT=workspace is not None, RECORD=RECORD_WIDTH, PDL=pdl,
         num_warps=config.num_warps)

@@ -41,21 +41,33 @@ from dsaspec.speculative.lm_head import VOCAB_PAD_MULTIPLE, VocabParallelLMHead,
 # ops
 
 
-@functools.lru_cache(maxsize=2)
-def dsa_ops(use_triton: bool) -> SimpleNamespace:
+@functools.lru_cache(maxsize=3)
+def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
     """The four DSA ops (``indexer_schedule``, ``indexer_logits``, ``topk_slots``,
     ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check_values``):
-    the Triton kernels when ``use_triton``, else the runtime's plain-torch versions
-    (:mod:`dsaspec.runtime.torch_ops`; eager only: they read lengths on the host)."""
+    the Triton kernels when ``use_triton`` (sparse MLA's Gluon kernel where its default
+    configuration takes it, unless ``sparse_mla_gluon`` is off), else the runtime's plain-torch
+    versions (:mod:`dsaspec.runtime.torch_ops`; eager only: they read lengths on the host)."""
     if use_triton:
         from dsaspec.ops.indexer import indexer_logits
         from dsaspec.ops.indexer_schedule import indexer_schedule
         from dsaspec.ops.sparse_mla import sparse_mla_decode
         from dsaspec.ops.topk import topk_slots
+        if not sparse_mla_gluon:
+            sparse_mla_decode = _sparse_mla_decode_triton_only
     else:
         from dsaspec.runtime.torch_ops import indexer_logits, indexer_schedule, sparse_mla_decode, topk_slots
     return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
                            topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode)
+
+
+def _sparse_mla_decode_triton_only(q, kv_cache, slots, sm_scale, out, *, workspace=None, **kwargs):
+    """``sparse_mla_decode`` with the Triton kernel's default configuration for these rows."""
+    from dsaspec.ops.sparse_mla import sparse_mla_config, sparse_mla_decode
+
+    config = sparse_mla_config(q.shape[0], q.shape[1], split=workspace is not None)
+    return sparse_mla_decode(q, kv_cache, slots, sm_scale, out, workspace=workspace, config=config,
+                             **kwargs)
 
 
 @dataclass
@@ -672,6 +684,7 @@ class DSAModel(nn.Module):
         self.group = tp_group
         self.use_triton = use_triton
         self.row_invariant = row_invariant
+        self.sparse_mla_gluon = flags.sparse_mla_gluon()
         self.model = DSABackbone(config, tp_group, device, dtype)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp_group, dtype)
         self.rotary = Rotary(config, device)
@@ -739,7 +752,7 @@ class DSAModel(nn.Module):
     def _state(self, positions, out_cache_loc, attn: AttentionInputs, check_values: bool,
                seed_slots: torch.Tensor | None = None) -> _ForwardState:
         cos, sin = self.rotary(positions)
-        return _ForwardState(cos, sin, out_cache_loc, attn, dsa_ops(self.use_triton), check_values,
+        return _ForwardState(cos, sin, out_cache_loc, attn, dsa_ops(self.use_triton, self.sparse_mla_gluon), check_values,
                              selected=seed_slots, seeded=seed_slots is not None)
 
     def _check(self, input_ids, positions, out_cache_loc, attn: AttentionInputs, kv: KVPool, layers: int):
@@ -827,7 +840,7 @@ class DSAModel(nn.Module):
         if not self.use_triton:
             return None
         from dsaspec.ops.device import sm_count
-        from dsaspec.ops.sparse_mla import sparse_mla_workspace
+        from dsaspec.ops.sparse_mla import sparse_mla_config, sparse_mla_workspace
         from dsaspec.ops.topk import topk_candidates, topk_workspace
 
         device = self.lm_head.weight.device
@@ -836,8 +849,13 @@ class DSAModel(nn.Module):
         topk = topk_workspace(rows, device, num_sms=num_sms)
         candidates = topk_candidates(rows, self.config.index_topk, device,
                                      num_chunks=1 if topk is None else topk.shape[1])
+        heads = self.num_local_heads
+        # sized for the configuration sparse_mla_decode takes (DSASPEC_SPARSE_MLA_GLUON)
+        mla_config = sparse_mla_config(rows, heads, split=True,
+                                       device=device if self.sparse_mla_gluon else None)
         return AttentionWorkspace(
-            sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, self.num_local_heads, device),
+            sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, heads, device,
+                                                                            config=mla_config),
             topk=topk, topk_single_launch=None if topk is None or flags.topk_single_launch() else False,
             topk_candidates=candidates)
 

@@ -1,0 +1,231 @@
+"""Sparse MLA decode for Hopper as a warp-specialized Gluon kernel: the many-rows path.
+
+Same math and contract as :func:`dsaspec.ops.sparse_mla.sparse_mla_decode` (each query row
+attends to its own selected cache slots, ``-1`` = none, in the 576-wide latent space), written in
+Triton's Gluon dialect so that the gathers and the tensor-core dots run on separate warps
+(docs/dsa-kernels.md, "Gathers and the dots"). A program takes one row, 64 of its heads and one
+split of its slot blocks:
+
+- the gather partition (4 warps) copies the ``BLOCK_N`` selected cache rows of each block with
+  ``cp.async`` into a ring of ``STAGES`` shared-memory slots (latent and rope apart); a slot's
+  arrival is signalled on its ``full`` mbarrier by one copy-completion arrive per gather thread;
+  an invalid slot's row is zero-filled, never read;
+- the attend partition (8 warps, two warpgroups, each owning half of the score columns and half
+  of the 512 value columns) waits for a slot, runs the QK dot of the 64 heads against it as wgmma
+  (latent, then rope), the online softmax (fp32, log2 domain), stores the probabilities as bf16
+  to shared memory, runs the PV wgmma into a ``[64, 512]`` fp32 accumulator and frees the slot on
+  its ``empty`` mbarrier.
+
+Without a workspace a row's output depends only on that row. With one, each row's slot blocks are
+split into ``num_splits`` runs and :func:`dsaspec.ops.sparse_mla` 's combine kernel merges the
+split records (same record layout as the Triton kernel). The summation order differs from the
+Triton kernel's, so the two agree to bf16 rounding, not bitwise.
+
+Gluon kernels do not run under Triton's interpreter and wgmma exists only on compute capability
+9.x: off Hopper the Triton kernel is the path.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+
+HEADS_PER_PROGRAM = 64  # the wgmma M dimension of one warpgroup
+BLOCK_N = 64  # selected slots per ring slot and softmax step
+STAGES = 2  # ring slots: 2 x 64 x 576 x 2 B = 144 KiB, with the queries and probabilities 224 KiB
+ATTEND_WARPS = 8
+GATHER_WARPS = 4
+# Registers per gather thread after the partitions' setmaxnreg split; the attend warps get the rest
+# of the SM's 64K (the launch bound is 65536 / (12 warps x 32) = 168 for every warp before it).
+GATHER_REGISTERS = 88
+
+
+@gluon.jit
+def _gather_partition(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, latent_ring,
+                      rope_ring, full, empty, LATENT: gl.constexpr, ROPE: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Block ``first_block + i``'s cache rows into ring slot ``i % STAGES`` once it is free."""
+    # 16-byte copies: a warp covers half a latent row, or four rope rows
+    latent_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    latent_columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, latent_layout))
+    rope_columns = LATENT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
+    for block in range(first_block, stop_block):
+        i = block - first_block
+        stage = i % STAGES
+        # the slot ids load while the slot may still be in use
+        index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, latent_layout))
+        slot = gl.load(row_slots + index, mask=index < topk, other=-1)
+        rope_index = block * BLOCK_N + gl.arange(0, BLOCK_N,
+                                                 layout=gl.SliceLayout(1, rope_layout))
+        rope_slot = gl.load(row_slots + rope_index, mask=rope_index < topk, other=-1)
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        row = kv_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * kv_stride
+        async_copy.async_copy_global_to_shared(
+            latent_ring.index(stage), row[:, None] + latent_columns[None, :],
+            mask=(slot >= 0)[:, None])
+        rope_row = kv_ptr + gl.where(rope_slot >= 0, rope_slot, 0).to(gl.int64) * kv_stride
+        async_copy.async_copy_global_to_shared(
+            rope_ring.index(stage), rope_row[:, None] + rope_columns[None, :],
+            mask=(rope_slot >= 0)[:, None])
+        async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
+
+
+@gluon.jit
+def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
+                      row_slots, topk, first_block, stop_block, qk_scale_log2, out_ptr,
+                      out_stride_head, record_ptr, record_stride_head, SPLIT: gl.constexpr,
+                      LATENT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """The online softmax over the blocks as their slots fill; writes the program's heads."""
+    # two warpgroups: each holds half of the score columns and half of the value columns
+    score_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
+    out_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, LATENT // 2, 16])
+    # a finite start keeps exp2(running_max - new_max) NaN-free while every slot is masked
+    running_max = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, score_layout))
+    denominator = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, score_layout))
+    acc = gl.zeros([BLOCK_H, LATENT], gl.float32, layout=out_layout)
+    for block in range(first_block, stop_block):
+        i = block - first_block
+        stage = i % STAGES
+        index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, score_layout))
+        valid = gl.load(row_slots + index, mask=index < topk, other=-1) >= 0
+        mbarrier.wait(full.index(stage), (i // STAGES) & 1)
+        fence_async_shared()  # the cp.async writes, before the wgmma reads them
+        scores = warpgroup_mma(q_latent, latent_ring.index(stage).permute((1, 0)),
+                               gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=score_layout),
+                               is_async=True)
+        scores = warpgroup_mma(q_rope, rope_ring.index(stage).permute((1, 0)), scores,
+                               is_async=True)
+        scores = warpgroup_mma_wait(0, deps=[scores])
+        scores = gl.where(valid[None, :], scores * qk_scale_log2, float("-inf"))
+        new_max = gl.maximum(running_max, gl.max(scores, 1))
+        rescale = gl.exp2(running_max - new_max)
+        probs = gl.exp2(scores - new_max[:, None])
+        denominator = denominator * rescale + gl.sum(probs, 1)
+        running_max = new_max
+        acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, out_layout))[:, None]
+        probs_smem.store(probs.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()  # each warpgroup's PV dot reads the other's probabilities too
+        acc = warpgroup_mma(probs_smem, latent_ring.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()  # both warpgroups are done with the slot and the probabilities
+        mbarrier.arrive(empty.index(stage), count=1)
+    seen = denominator > 0
+    result = acc / gl.convert_layout(gl.where(seen, denominator, 1.0),
+                                     gl.SliceLayout(1, out_layout))[:, None]
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, out_layout))
+    columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, out_layout))
+    if SPLIT:
+        # the split's normalised output, then its log2-sum-exp2 (-inf when it saw no valid slot)
+        records = record_ptr + heads.to(gl.int64) * record_stride_head
+        gl.store(records[:, None] + columns[None, :], result)
+        log_sum = gl.where(seen, running_max + gl.log2(gl.where(seen, denominator, 1.0)),
+                           float("-inf"))
+        sum_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, score_layout))
+        gl.store(record_ptr + sum_heads.to(gl.int64) * record_stride_head + LATENT, log_sum)
+    else:
+        rows = out_ptr + heads.to(gl.int64) * out_stride_head
+        gl.store(rows[:, None] + columns[None, :], result.to(gl.bfloat16))
+
+
+@gluon.jit
+def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, qk_scale_log2,
+                             q_stride_row, q_stride_head, kv_stride, slots_stride,
+                             out_stride_row, out_stride_head, num_heads, topk,
+                             LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
+                             SPLIT: gl.constexpr, RECORD: gl.constexpr,
+                             GATHER_WARPS: gl.constexpr, GATHER_REGISTERS: gl.constexpr):
+    """Program ``(row, head block, split)``: queries to shared memory, the split's block range
+    from the row's last valid slot, then the gather and attend partitions."""
+    row = gl.program_id(0).to(gl.int64)
+    head_start = gl.program_id(1) * BLOCK_H
+    split = gl.program_id(2)
+    num_splits = gl.num_programs(2)
+    row_slots = slots_ptr + row * slots_stride
+
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    heads = head_start + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    q_rows = q_ptr + row * q_stride_row + heads.to(gl.int64)[:, None] * q_stride_head
+    latent = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
+    rope = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
+    swizzled: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                  rank=2)
+    q_latent = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LATENT], swizzled,
+                                         gl.load(q_rows + latent[None, :]))
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], swizzled,
+                                       gl.load(q_rows + LATENT + rope[None, :]))
+    latent_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, LATENT], swizzled)
+    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE], swizzled)
+    probs_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], swizzled)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for stage in gl.static_range(STAGES):
+        # one copy-completion arrive per gather thread; one arrive of the attend partition
+        mbarrier.init(full.index(stage), count=GATHER_WARPS * 32)
+        mbarrier.init(empty.index(stage), count=1)
+
+    scan_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    last_valid = -1
+    for start in range(0, topk, SCAN):
+        index = start + gl.arange(0, SCAN, layout=scan_layout)
+        slot = gl.load(row_slots + index, mask=index < topk, other=-1)
+        last_valid = gl.maximum(last_valid, gl.max(gl.where(slot >= 0, index, -1), 0))
+    # split `split` of `num_splits` takes an equal run of the row's slot blocks
+    num_blocks = gl.cdiv(last_valid + 1, BLOCK_N)
+    per_split = gl.cdiv(num_blocks, num_splits)
+    first_block = gl.minimum(split * per_split, num_blocks)
+    stop_block = gl.minimum(first_block + per_split, num_blocks)
+    fence_async_shared()  # the query stores and barrier inits, before the async proxy uses them
+    gl.thread_barrier()
+
+    out_row = out_ptr + row * out_stride_row + head_start.to(gl.int64) * out_stride_head
+    record = workspace_ptr + ((row * num_heads + head_start) * num_splits + split) * RECORD
+    gl.warp_specialize(
+        [(_attend_partition, (q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
+                              row_slots, topk, first_block, stop_block, qk_scale_log2, out_row,
+                              out_stride_head, record, num_splits * RECORD, SPLIT, LATENT,
+                              BLOCK_H, BLOCK_N, STAGES)),
+         (_gather_partition, (kv_ptr, kv_stride, row_slots, topk, first_block, stop_block,
+                              latent_ring, rope_ring, full, empty, LATENT, ROPE, BLOCK_N,
+                              STAGES))],
+        [GATHER_WARPS], [GATHER_REGISTERS])
+
+
+def sparse_mla_gluon_supported(device: torch.device | str, num_heads: int) -> bool:
+    """Whether the Gluon kernel runs on ``device`` for ``num_heads`` heads: a CUDA device of compute
+    capability 9.x (wgmma) and a head count that is a multiple of 64."""
+    device = torch.device(device)
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and num_heads % HEADS_PER_PROGRAM == 0)
+
+
+def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                            out: torch.Tensor, workspace: torch.Tensor | None,
+                            qk_scale_log2: float, *, scan: int, record_width: int) -> None:
+    """Launch the kernel over grid ``(R, H / 64, num_splits)``: with ``workspace`` (fp32 ``[R, H,
+    num_splits, record_width]``) it writes each split's normalised ``[512]`` output and its
+    log2-sum-exp2 at index 512 of the split's record, without it the bf16 ``out`` directly.
+    ``qk_scale_log2`` is the softmax scale times ``log2(e)``; ``scan`` the slot ids per step of
+    the last-valid scan (a power of two). The caller has checked the arguments
+    (:func:`dsaspec.ops.sparse_mla.sparse_mla_decode`)."""
+    num_rows, num_heads, _ = q.shape
+    num_splits = 1 if workspace is None else workspace.shape[2]
+    grid = (num_rows, num_heads // HEADS_PER_PROGRAM, num_splits)
+    _sparse_mla_gluon_kernel[grid](
+        q, kv_cache, slots, out, out if workspace is None else workspace, qk_scale_log2,
+        q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
+        out.stride(1), num_heads, slots.shape[1],
+        LATENT=out.shape[2], ROPE=q.shape[2] - out.shape[2], BLOCK_H=HEADS_PER_PROGRAM,
+        BLOCK_N=BLOCK_N, STAGES=STAGES, SCAN=scan, SPLIT=workspace is not None,
+        RECORD=record_width, GATHER_WARPS=GATHER_WARPS, GATHER_REGISTERS=GATHER_REGISTERS,
+        num_warps=ATTEND_WARPS)
