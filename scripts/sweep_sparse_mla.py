@@ -1,8 +1,9 @@
 """Where sparse MLA's time goes on one GPU (GLM-5 shapes: 64 heads, 576-wide latent keys, k = 2048,
 cold L2, CUDA graphs): per point, the op's total per replay and each of its kernels (the split
-kernel and the combine) from CUPTI, for the default launch, the combine with one or two column
-blocks per head, and other split counts / configs (among them a deeper Triton pipeline, 5 stages
-of 32 slots); next to them an empty kernel, and a copy of the bytes the point must gather (its
+kernel and the combine) from CUPTI, for the default launch (the Gluon kernel from two rows on a
+Hopper GPU), the Triton kernel's default, the combine with one or two column blocks per head, and
+other split counts / configs (among them a deeper Triton pipeline, 5 stages of 32 slots, and the
+Gluon kernel at 1, 2, 4 and its default splits); next to them an empty kernel, and a copy of the bytes the point must gather (its
 bytes floor). ``--grid`` instead times a grid of tile shapes (heads per program, value columns,
 warps, slots per block), by default at the points of one or four rows, each at the split count
 that fills the SMs and at half of it. ``--points`` picks the points.
@@ -33,8 +34,8 @@ from dsaspec.bench.timing import copy_time_us, empty_kernel_us, replay_events, w
 from dsaspec.ops import sparse_mla  # noqa: E402
 from dsaspec.ops.device import sm_count  # noqa: E402
 from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,  # noqa: E402
-                                    SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
-                                    sparse_mla_workspace)
+                                    SPARSE_MLA_GLUON_CONFIG, SparseMLAConfig, sparse_mla_config,
+                                    sparse_mla_decode, sparse_mla_workspace)
 
 HEADS, K, NUM_SLOTS = 64, 2048, 1 << 20
 POINTS = {"decode_bs1_1k": (1, 1024), "verify_bs1_1k": (4, 1024), "decode_bs1_64k": (1, 65536),
@@ -70,8 +71,9 @@ def _per_kernel(fn, iters: int = 100) -> dict:
 def _variants(rows: int) -> dict:
     """name -> (config, splits (None: the default workspace), module settings for the run, e.g.
     ``COMBINE_FEW_HEAD_ROWS`` (the combine's column rule))."""
-    default = sparse_mla_config(rows, HEADS, split=True)
+    default = sparse_mla_config(rows, HEADS, split=True, device="cuda")
     out = {"default": (default, None, {}),
+           "triton_default": (sparse_mla_config(rows, HEADS, split=True), None, {}),
            "default_combine_512_columns": (default, None, {"COMBINE_FEW_HEAD_ROWS": 0}),
            "default_combine_256_columns": (default, None, {"COMBINE_FEW_HEAD_ROWS": 1 << 30})}
     for splits in (4, 8, 16, 32):
@@ -79,6 +81,9 @@ def _variants(rows: int) -> dict:
         out[f"config_splits{splits}"] = (SPARSE_MLA_CONFIG, splits, {})
     out["dv256_n32_w4_splits16"] = (SparseMLAConfig(64, 32, 4, 2, block_dv=256), 16, {})
     out["n32_w8_stages5_splits8"] = (SparseMLAConfig(64, 32, 8, 5), 8, {})
+    for splits in (1, 2, 4):
+        out[f"gluon_splits{splits}"] = (SPARSE_MLA_GLUON_CONFIG, splits, {})
+    out["gluon_default_splits"] = (SPARSE_MLA_GLUON_CONFIG, None, {})
     out["nosplit"] = (SPARSE_MLA_CONFIG, 1, {})
     out["nosplit_n32_w8_stages5"] = (SparseMLAConfig(64, 32, 8, 5), 1, {})
     return out
@@ -108,7 +113,7 @@ def _grid_variants(rows: int) -> dict:
 def _run(x: dict, config: SparseMLAConfig, splits: int | None):
     rows = x["q"].shape[0]
     if splits is None:
-        workspace = sparse_mla_workspace(rows, HEADS, x["q"].device)
+        workspace = sparse_mla_workspace(rows, HEADS, x["q"].device, config=config)
     else:
         workspace = None if splits == 1 else sparse_mla_workspace(rows, HEADS, x["q"].device, num_splits=splits)
 
@@ -134,7 +139,7 @@ def main() -> int:
     if args.eager:
         rows, live = POINTS[args.eager]
         x = _inputs(rows, live, torch.Generator(device="cuda").manual_seed(0))
-        fn, _ = _run(x, sparse_mla_config(rows, HEADS, split=True), None)
+        fn, _ = _run(x, sparse_mla_config(rows, HEADS, split=True, device="cuda"), None)
         for _ in range(5):
             fn()
         torch.cuda.synchronize()

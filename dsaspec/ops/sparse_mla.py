@@ -106,7 +106,9 @@ FEW_ROWS_HEAD_BLOCKS = 4  # R * cdiv(H, block_h) up to which the split path take
 SPARSE_MLA_GLUON_CONFIG = SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
                                           kernel="gluon")
 # Programs without splits (rows x 64-head blocks) from which the split path takes the Gluon kernel;
-# below it the Triton few-rows config is faster (benchmarks/results/h200/logs/sweep_sparse_mla_gluon.json).
+# at one (one row of 64 heads) the Triton few-rows config is faster: 9.8 against 14.5 us at 1k live,
+# 12.3 against 17.4 at 64k; from two rows on the Gluon kernel
+# (benchmarks/results/h200/logs/sweep_sparse_mla_gluon_rows.json).
 GLUON_MIN_SPLIT_HEAD_BLOCKS = 2
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.

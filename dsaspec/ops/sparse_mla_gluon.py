@@ -6,15 +6,22 @@ Triton's Gluon dialect so that the gathers and the tensor-core dots run on separ
 (docs/dsa-kernels.md, "Gathers and the dots"). A program takes one row, 64 of its heads and one
 split of its slot blocks:
 
-- the gather partition (4 warps) copies the ``BLOCK_N`` selected cache rows of each block with
-  ``cp.async`` into a ring of ``STAGES`` shared-memory slots (latent and rope apart); a slot's
-  arrival is signalled on its ``full`` mbarrier by one copy-completion arrive per gather thread;
-  an invalid slot's row is zero-filled, never read;
+- the gather partition (4 warps) finds the split's blocks (a scan of the row's slot ids up to its
+  last valid one) and copies the ``BLOCK_N`` selected cache rows of each block with ``cp.async``
+  into a ring of ``STAGES`` shared-memory slots (latent and rope apart); a slot's arrival is
+  signalled on its ``full`` mbarrier by one copy-completion arrive per gather thread; an invalid
+  slot's row is zero-filled, never read;
 - the attend partition (8 warps, two warpgroups, each owning half of the score columns and half
-  of the 512 value columns) waits for a slot, runs the QK dot of the 64 heads against it as wgmma
-  (latent, then rope), the online softmax (fp32, log2 domain), stores the probabilities as bf16
-  to shared memory, runs the PV wgmma into a ``[64, 512]`` fp32 accumulator and frees the slot on
-  its ``empty`` mbarrier.
+  of the 512 value columns) stores the queries into shared memory while the first gathers fly,
+  then per block waits for its slot, runs the QK dot of the 64 heads against it as wgmma (latent,
+  then rope), the online softmax (fp32, log2 domain), stores the probabilities as bf16 to shared
+  memory, runs the PV wgmma into a ``[64, 512]`` fp32 accumulator and frees the slot on its
+  ``empty`` mbarrier.
+
+The attend partition bounds it: with every gather zero-filled (no cache read) a program takes as
+long as with real gathers (``benchmarks/results/h200/logs/sweep_sparse_mla_gluon_splits.json``,
+about 2.7 µs per block of 64 slots); starting the next block's QK dot before the PV dot drains
+was 2-4% slower (``sweep_sparse_mla_gluon_variants.json``). docs/dsa-kernels.md has the numbers.
 
 Without a workspace a row's output depends only on that row. With one, each row's slot blocks are
 split into ``num_splits`` runs and :func:`dsaspec.ops.sparse_mla` 's combine kernel merges the
@@ -46,13 +53,31 @@ GATHER_REGISTERS = 88
 
 
 @gluon.jit
-def _gather_partition(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, latent_ring,
-                      rope_ring, full, empty, LATENT: gl.constexpr, ROPE: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _split_blocks(row_slots, topk, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
+                  WARPS: gl.constexpr):
+    """The program's run of the row's slot blocks ``[first, stop)``: the blocks up to the row's last
+    valid slot, split ``gl.num_programs(2)`` ways in equal runs."""
+    scan_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    last_valid = -1
+    for start in range(0, topk, SCAN):
+        index = start + gl.arange(0, SCAN, layout=scan_layout)
+        slot = gl.load(row_slots + index, mask=index < topk, other=-1)
+        last_valid = gl.maximum(last_valid, gl.max(gl.where(slot >= 0, index, -1), 0))
+    num_blocks = gl.cdiv(last_valid + 1, BLOCK_N)
+    per_split = gl.cdiv(num_blocks, gl.num_programs(2))
+    first_block = gl.minimum(gl.program_id(2) * per_split, num_blocks)
+    return first_block, gl.minimum(first_block + per_split, num_blocks)
+
+
+@gluon.jit
+def _gather_partition(kv_ptr, kv_stride, row_slots, topk, latent_ring, rope_ring, full, empty,
+                      LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr):
     """Block ``first_block + i``'s cache rows into ring slot ``i % STAGES`` once it is free."""
+    first_block, stop_block = _split_blocks(row_slots, topk, BLOCK_N, SCAN, WARPS)
     # 16-byte copies: a warp covers half a latent row, or four rope rows
-    latent_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    latent_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     latent_columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, latent_layout))
     rope_columns = LATENT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
     for block in range(first_block, stop_block):
@@ -77,12 +102,30 @@ def _gather_partition(kv_ptr, kv_stride, row_slots, topk, first_block, stop_bloc
 
 
 @gluon.jit
-def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
-                      row_slots, topk, first_block, stop_block, qk_scale_log2, out_ptr,
-                      out_stride_head, record_ptr, record_stride_head, SPLIT: gl.constexpr,
-                      LATENT: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr):
-    """The online softmax over the blocks as their slots fill; writes the program's heads."""
+def _store_queries(q_ptr, q_stride_head, q_latent, q_rope, LATENT: gl.constexpr,
+                   ROPE: gl.constexpr, BLOCK_H: gl.constexpr, WARPS: gl.constexpr):
+    """The program's ``[BLOCK_H, 576]`` queries (``q_ptr``: its first head) into shared memory."""
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    q_rows = q_ptr + heads.to(gl.int64)[:, None] * q_stride_head
+    latent = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
+    rope = LATENT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
+    q_latent.store(gl.load(q_rows + latent[None, :]))
+    q_rope.store(gl.load(q_rows + rope[None, :]))
+
+
+@gluon.jit
+def _attend_partition(q_ptr, q_stride_head, q_latent, q_rope, latent_ring, rope_ring, probs_smem,
+                      full, empty, row_slots, topk, qk_scale_log2, out_ptr, out_stride_head,
+                      record_ptr, record_stride_head, SPLIT: gl.constexpr, LATENT: gl.constexpr,
+                      ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr):
+    """The queries into shared memory (while the first gathers fly), then the online softmax over
+    the blocks as their slots fill; writes the program's heads."""
+    _store_queries(q_ptr, q_stride_head, q_latent, q_rope, LATENT, ROPE, BLOCK_H, WARPS)
+    fence_async_shared()  # the query stores, before the wgmma reads them
+    gl.thread_barrier()
+    first_block, stop_block = _split_blocks(row_slots, topk, BLOCK_N, SCAN, WARPS)
     # two warpgroups: each holds half of the score columns and half of the value columns
     score_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
@@ -145,25 +188,19 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
                              SPLIT: gl.constexpr, RECORD: gl.constexpr,
                              GATHER_WARPS: gl.constexpr, GATHER_REGISTERS: gl.constexpr):
-    """Program ``(row, head block, split)``: queries to shared memory, the split's block range
-    from the row's last valid slot, then the gather and attend partitions."""
+    """Program ``(row, head block, split)``: shared memory and its barriers, then the gather and
+    attend partitions (each finds the split's blocks itself, so the gathers start at once)."""
     row = gl.program_id(0).to(gl.int64)
     head_start = gl.program_id(1) * BLOCK_H
     split = gl.program_id(2)
     num_splits = gl.num_programs(2)
     row_slots = slots_ptr + row * slots_stride
+    q_head = q_ptr + row * q_stride_row + head_start.to(gl.int64) * q_stride_head
 
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-    heads = head_start + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-    q_rows = q_ptr + row * q_stride_row + heads.to(gl.int64)[:, None] * q_stride_head
-    latent = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
-    rope = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
     swizzled: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                   rank=2)
-    q_latent = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LATENT], swizzled,
-                                         gl.load(q_rows + latent[None, :]))
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], swizzled,
-                                       gl.load(q_rows + LATENT + rope[None, :]))
+    q_latent = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, LATENT], swizzled)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], swizzled)
     latent_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, LATENT], swizzled)
     rope_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE], swizzled)
     probs_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], swizzled)
@@ -173,31 +210,18 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
         # one copy-completion arrive per gather thread; one arrive of the attend partition
         mbarrier.init(full.index(stage), count=GATHER_WARPS * 32)
         mbarrier.init(empty.index(stage), count=1)
-
-    scan_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    last_valid = -1
-    for start in range(0, topk, SCAN):
-        index = start + gl.arange(0, SCAN, layout=scan_layout)
-        slot = gl.load(row_slots + index, mask=index < topk, other=-1)
-        last_valid = gl.maximum(last_valid, gl.max(gl.where(slot >= 0, index, -1), 0))
-    # split `split` of `num_splits` takes an equal run of the row's slot blocks
-    num_blocks = gl.cdiv(last_valid + 1, BLOCK_N)
-    per_split = gl.cdiv(num_blocks, num_splits)
-    first_block = gl.minimum(split * per_split, num_blocks)
-    stop_block = gl.minimum(first_block + per_split, num_blocks)
-    fence_async_shared()  # the query stores and barrier inits, before the async proxy uses them
+    fence_async_shared()  # the barrier inits, before the copy-completion arrives use them
     gl.thread_barrier()
 
     out_row = out_ptr + row * out_stride_row + head_start.to(gl.int64) * out_stride_head
     record = workspace_ptr + ((row * num_heads + head_start) * num_splits + split) * RECORD
     gl.warp_specialize(
-        [(_attend_partition, (q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
-                              row_slots, topk, first_block, stop_block, qk_scale_log2, out_row,
-                              out_stride_head, record, num_splits * RECORD, SPLIT, LATENT,
-                              BLOCK_H, BLOCK_N, STAGES)),
-         (_gather_partition, (kv_ptr, kv_stride, row_slots, topk, first_block, stop_block,
-                              latent_ring, rope_ring, full, empty, LATENT, ROPE, BLOCK_N,
-                              STAGES))],
+        [(_attend_partition, (q_head, q_stride_head, q_latent, q_rope, latent_ring, rope_ring,
+                              probs_smem, full, empty, row_slots, topk, qk_scale_log2, out_row,
+                              out_stride_head, record, num_splits * RECORD, SPLIT, LATENT, ROPE,
+                              BLOCK_H, BLOCK_N, STAGES, SCAN, gl.num_warps())),
+         (_gather_partition, (kv_ptr, kv_stride, row_slots, topk, latent_ring, rope_ring, full,
+                              empty, LATENT, ROPE, BLOCK_N, STAGES, SCAN, GATHER_WARPS))],
         [GATHER_WARPS], [GATHER_REGISTERS])
 
 
