@@ -13,7 +13,6 @@ margin there (recomputed by an eager prefill, as in ``diagnose_spec_identity.py`
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -23,8 +22,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from diagnose_spec_identity import _margin  # noqa: E402
+from diagnose_spec_identity import first_differences, write_report  # noqa: E402
 from test_spec_engine import _gpu_engine, _gpu_model, _gpu_prompts, _tokens  # noqa: E402
+
+from dsaspec.errors import UserError  # noqa: E402
+from dsaspec.options import Parser, positive_int  # noqa: E402
+
+MAX_BATCH = 32  # the engine's largest graph bucket in the engine tests' setup
 
 
 def _generate(gluon: bool, requests, batch: int, max_new: int):
@@ -37,34 +41,29 @@ def _generate(gluon: bool, requests, batch: int, max_new: int):
 
 @torch.no_grad()
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32, help="requests (at most 32, the largest graph bucket)")
-    parser.add_argument("--max-new", type=int, default=64, help="generated tokens per request")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=positive_int, default=MAX_BATCH,
+                        help=f"requests (at most {MAX_BATCH}, the largest graph bucket)")
+    parser.add_argument("--max-new", type=positive_int, default=64, help="generated tokens per request")
     parser.add_argument("--out", default=None, help="write the report (Markdown) here too")
-    args = parser.parse_args()
-    if not 1 <= args.batch <= 32:
-        parser.error(f"--batch: expected 1..32, got {args.batch}")
-    if not torch.cuda.is_available():
-        print("compare_sparse_mla_tokens: error: needs a CUDA device", file=sys.stderr)
+    try:
+        args = parser.parse_args()
+        if args.batch > MAX_BATCH:
+            raise UserError(f"--batch: expected at most {MAX_BATCH}, got {args.batch}")
+        if not torch.cuda.is_available():
+            raise UserError("needs a CUDA device")
+    except UserError as err:
+        print(f"compare_sparse_mla_tokens: error: {err}", file=sys.stderr)
         return 2
     requests = _gpu_prompts(args.batch, "bench")
     triton_model, want = _generate(False, requests, args.batch, args.max_new)
     _, got = _generate(True, requests, args.batch, args.max_new)
-    differing = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    lines = ["# Greedy tokens: sparse MLA Gluon kernel vs Triton kernel", "",
-             f"bench preset, bf16, plain greedy decode through the engine (CUDA graphs), {args.batch} "
-             f"requests (prompt lengths {sorted(set(map(len, requests)))}), {args.max_new} new tokens each.",
-             "", f"{len(differing)} of {args.batch} requests differ.", ""]
-    for i in differing:
-        position = next(j for j, (a, b) in enumerate(zip(got[i], want[i])) if a != b)
-        margin = _margin(triton_model, requests[i], want[i], position)
-        lines.append(f"- request {i} (prompt {len(requests[i])}): first difference at generated token "
-                     f"{position} (Triton {want[i][position]}, Gluon {got[i][position]}); Triton top-2 "
-                     f"logit margin there {margin:.4f}")
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report + "\n")
+    differing = first_differences(triton_model, requests, want, got, ("Triton", "Gluon"))
+    write_report(["# Greedy tokens: sparse MLA Gluon kernel vs Triton kernel", "",
+                  f"bench preset, bf16, plain greedy decode through the engine (CUDA graphs), "
+                  f"{args.batch} requests (prompt lengths {sorted(set(map(len, requests)))}), "
+                  f"{args.max_new} new tokens each.", "",
+                  f"{len(differing)} of {args.batch} requests differ.", ""] + differing, args.out)
     return 0
 
 

@@ -41,6 +41,30 @@ def _margin(model, prompt, tokens, position) -> float:
     return float(top[0] - top[1])
 
 
+def first_differences(model, requests, want, got, names: tuple[str, str]) -> list[str]:
+    """One Markdown line per request whose tokens differ: the first differing generated token, the
+    two runs' tokens there (``names``: the runs of ``want`` and ``got``) and the top-2 logit margin
+    of ``want``'s run there (``model`` must be the model that produced ``want``)."""
+    lines = []
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a == b:
+            continue
+        position = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        margin = _margin(model, requests[i], a, position)
+        lines.append(f"- request {i} (prompt {len(requests[i])}): first difference at generated token "
+                     f"{position} ({names[0]} {a[position]}, {names[1]} {b[position]}); {names[0]} "
+                     f"top-2 logit margin there {margin:.4f}")
+    return lines
+
+
+def write_report(lines: list[str], out: str | None) -> None:
+    """Print the report and, with ``out``, write it there too."""
+    report = "\n".join(lines)
+    print(report)
+    if out:
+        Path(out).write_text(report + "\n")
+
+
 def _row_dependence(model, rows_decode: int, rows_verify: int) -> list[tuple[str, bool]]:
     """(op, row 0 identical at M = rows_decode and M = rows_verify) for the step's op shapes."""
     torch.manual_seed(0)
@@ -84,15 +108,10 @@ def main() -> int:
         want = _tokens(plain, requests, args.max_new)
         got = _tokens(spec, requests, args.max_new)
         mode = "row-invariant" if invariant else "default (cuBLAS, torch norms)"
-        differing = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        differing = first_differences(model, requests, want, got, ("plain", "speculative"))
         lines.append(f"## {mode}: {len(differing)} of {args.batch} requests differ "
                      f"(mean accept length {spec.stats.mean_accept_len:.2f})")
-        for i in differing:
-            position = next(j for j, (a, b) in enumerate(zip(got[i], want[i])) if a != b)
-            margin = _margin(model, requests[i], want[i], position)
-            lines.append(f"- request {i}: first difference at generated token {position} "
-                         f"(plain {want[i][position]}, speculative {got[i][position]}); plain top-2 logit margin "
-                         f"there {margin:.4f}")
+        lines += differing
         if not invariant:
             lines += ["", f"Row 0 of an op at M = {args.batch} (decode) vs M = {args.batch * 4} (verify):", ""]
             lines += [f"- {name}: {'identical' if same else 'DIFFERS'}" for name, same in
@@ -100,10 +119,7 @@ def main() -> int:
         lines.append("")
         del model, plain, spec
         torch.cuda.empty_cache()
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report + "\n")
+    write_report(lines, args.out)
     return 0
 
 

@@ -1,7 +1,8 @@
 """sparse_mla_decode with the Gluon kernel (SPARSE_MLA_GLUON_CONFIG, Hopper only) against the
 fp32 reference: edge valid counts around its 64-slot blocks, holes and repeats, a poisoned cache,
-padded rows, production sizes with and without splits, row invariance (bitwise) and CUDA-graph
-replay; the default workspace and configuration on Hopper; off Hopper, a clear error."""
+padded rows, production sizes with and without splits, row invariance (bitwise); the default
+workspace and configuration on Hopper; off Hopper, a clear error. (CUDA-graph replay with new
+slots: test_sparse_mla.py, for both kernels.)"""
 
 import pytest
 import torch
@@ -149,30 +150,3 @@ def test_gpu_row_invariant_without_workspace():
     others = inputs["slots"].clone()
     others[1:] = torch.flip(others[1:], dims=(0,))
     assert torch.equal(_run(dict(inputs, slots=others))[0], together[0])
-
-
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize("split", [False, True])
-def test_gpu_cuda_graph_replay_with_new_slots(split):
-    num_rows, num_heads, k, num_slots = 24, 64, 2048, 1 << 18
-    inputs = random_sparse_mla_inputs(num_rows, num_heads, num_slots, k, [0] * num_rows, "cuda")
-    out = torch.zeros(num_rows, num_heads, 512, dtype=torch.bfloat16, device="cuda")
-    workspace = (sparse_mla_workspace(num_rows, num_heads, "cuda", num_splits=4)
-                 if split else None)
-    kwargs = dict(out=out, workspace=workspace, config=SPARSE_MLA_GLUON_CONFIG)
-    sparse_mla_decode(**inputs, **kwargs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sparse_mla_decode(**inputs, **kwargs, check_values=False)
-    gen = torch.Generator().manual_seed(0)
-    for high in (1, 100, k):
-        counts = torch.randint(0, high + 1, (num_rows,), generator=gen).tolist()
-        fresh = random_sparse_mla_inputs(num_rows, num_heads, num_slots, k, counts, "cpu",
-                                         seed=high)
-        inputs["slots"].copy_(fresh["slots"])
-        graph.replay()
-        torch.cuda.synchronize()
-        expected = reference_sparse_mla_decode(inputs["q"].cpu(), inputs["kv_cache"].cpu(),
-                                               fresh["slots"], inputs["sm_scale"])
-        torch.testing.assert_close(out.float().cpu(), expected, atol=GPU_ATOL, rtol=1e-2)

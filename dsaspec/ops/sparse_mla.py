@@ -308,8 +308,8 @@ def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int 
 
     ``num_splits`` defaults to :func:`sparse_mla_num_splits` with ``num_sms`` (default: the
     device's count; 132 without CUDA) and ``config`` (default: the one ``sparse_mla_decode``
-    picks on ``device`` with a workspace); when that is 1 (the rows' programs already fill the GPU) no
-    workspace helps and None is returned. An explicit ``num_splits >= 1`` always gets a
+    picks on ``device`` with a workspace); when that is 1 (the rows' programs already fill the
+    GPU) no workspace helps and None is returned. An explicit ``num_splits >= 1`` always gets a
     workspace.
 
     Returns

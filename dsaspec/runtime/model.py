@@ -752,7 +752,8 @@ class DSAModel(nn.Module):
     def _state(self, positions, out_cache_loc, attn: AttentionInputs, check_values: bool,
                seed_slots: torch.Tensor | None = None) -> _ForwardState:
         cos, sin = self.rotary(positions)
-        return _ForwardState(cos, sin, out_cache_loc, attn, dsa_ops(self.use_triton, self.sparse_mla_gluon), check_values,
+        ops = dsa_ops(self.use_triton, self.sparse_mla_gluon)
+        return _ForwardState(cos, sin, out_cache_loc, attn, ops, check_values,
                              selected=seed_slots, seeded=seed_slots is not None)
 
     def _check(self, input_ids, positions, out_cache_loc, attn: AttentionInputs, kv: KVPool, layers: int):
