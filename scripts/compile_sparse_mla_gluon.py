@@ -1,0 +1,93 @@
+"""Compile the Gluon sparse MLA kernel for sm_90 without a GPU and check what makes it the kernel
+it is meant to be: no register spills, shared memory within the H100/H200 limit, and in the SASS
+the gathers (``LDGSTS``: ``cp.async``), the tensor-core dots (``HGMMA``: wgmma), the
+copy-completion mbarrier arrive (``ARRIVES.LDGSTSBAR``) and the register split between the
+partitions (``USETMAXREG``).
+
+Both forms (single pass and split records) go through the real host launch
+(``launch_sparse_mla_gluon``) on small CPU tensors; the launch is intercepted and compiled for
+``GPUTarget("cuda", 90, 32)`` with the wheel's ptxas, as Triton's JIT would specialize it. Runs on
+a CPU-only machine (the CPU tests run it in a subprocess); exits 1 when a check fails.
+
+    python3 scripts/compile_sparse_mla_gluon.py
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compile_metadata import compile_instead_of_launch  # noqa: E402  (sets the compile-only env)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+
+from dsaspec.errors import UserError  # noqa: E402
+from dsaspec.ops import sparse_mla_gluon  # noqa: E402
+from dsaspec.ops.sparse_mla import LATENT_DIM, QK_DIM, RECORD_WIDTH  # noqa: E402
+from dsaspec.options import Parser  # noqa: E402
+
+REQUIRED = ("LDGSTS", "HGMMA", "ARRIVES.LDGSTSBAR", "USETMAXREG")
+MAX_SHARED_BYTES = 232448  # dynamic shared memory per block on compute capability 9.0 (227 KiB)
+
+
+def compile_form(split: bool) -> dict:
+    """Registers, spills, shared memory, warps and the counts of :data:`REQUIRED` in the SASS of
+    one form (``split``: with a 3-split workspace) of the kernel."""
+    rows, heads, splits = 4, 64, 3
+    q = torch.zeros(rows, heads, QK_DIM, dtype=torch.bfloat16)
+    out = torch.zeros(rows, heads, LATENT_DIM, dtype=torch.bfloat16)
+    workspace = torch.zeros(rows, heads, splits, RECORD_WIDTH) if split else None
+    record: dict = {}
+    with compile_instead_of_launch(sparse_mla_gluon._sparse_mla_gluon_kernel, record,
+                                   keep_compiled=True):
+        sparse_mla_gluon.launch_sparse_mla_gluon(
+            q, torch.zeros(4096, QK_DIM, dtype=torch.bfloat16), torch.zeros(rows, 2048, dtype=torch.int32),
+            out, workspace, 0.1, scan=2048, record_width=RECORD_WIDTH)
+    compiled = record["compiled"]
+    cubin = Path(os.environ["TRITON_CACHE_DIR"]) / f"sparse_mla_gluon_{int(split)}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    found = collections.Counter(re.findall(r"\b(?:LDGSTS|HGMMA|ARRIVES\.LDGSTSBAR|USETMAXREG)\b", sass))
+    return dict(regs=record["regs"], spill_stores=record["spill_stores"] or 0,
+                shared=compiled.metadata.shared, warps=compiled.metadata.num_warps,
+                sass={name: found[name] for name in REQUIRED})
+
+
+def main() -> int:
+    parser = Parser(description=__doc__.splitlines()[0])
+    try:
+        parser.parse_args()
+    except UserError as err:
+        print(f"compile_sparse_mla_gluon: error: {err}", file=sys.stderr)
+        return 2
+    knobs.nvidia.dump_ptxas_log = True
+    failures = []
+    for split in (False, True):
+        form = "split" if split else "single pass"
+        result = compile_form(split)
+        print(f"{form}: {result['regs']} registers, {result['spill_stores']} B spilled, "
+              f"{result['shared']} B shared memory, {result['warps']} warps; SASS {result['sass']}")
+        if result["spill_stores"]:
+            failures.append(f"{form}: spills {result['spill_stores']} B")
+        if result["shared"] > MAX_SHARED_BYTES:
+            failures.append(f"{form}: {result['shared']} B of shared memory > {MAX_SHARED_BYTES}")
+        failures += [f"{form}: no {name} in the SASS" for name in REQUIRED if not result["sass"][name]]
+    for failure in failures:
+        print(f"compile_sparse_mla_gluon: {failure}")
+    if not failures:
+        print("compile_sparse_mla_gluon: both forms compile for sm_90 as designed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
