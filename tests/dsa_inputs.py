@@ -51,6 +51,29 @@ def random_sparse_mla_inputs(num_rows: int, num_heads: int, num_slots: int, k: i
     )
 
 
+def poison_unselected(inputs: dict) -> dict:
+    """The same ``sparse_mla_decode`` inputs with NaN in every cache row no slot points at:
+    reading one would poison the output."""
+    kv_cache = inputs["kv_cache"].clone()
+    selected = torch.zeros(kv_cache.shape[0], dtype=torch.bool, device=kv_cache.device)
+    selected[inputs["slots"][inputs["slots"] >= 0].long()] = True
+    kv_cache[~selected] = float("nan")
+    return dict(inputs, kv_cache=kv_cache)
+
+
+def production_sparse_mla_inputs(num_rows: int, num_heads: int, seed: int, k: int = 2048,
+                                 num_slots: int = 1 << 17) -> dict:
+    """CUDA ``sparse_mla_decode`` inputs of production width: random valid counts in ``[0, k]``,
+    the first row full, the last (when ``num_rows > 1``) a one-slot padding row."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, k + 1, (num_rows,), generator=gen)
+    counts[0] = k
+    if num_rows > 1:
+        counts[-1] = 1
+    return random_sparse_mla_inputs(num_rows, num_heads, num_slots=num_slots, k=k,
+                                    valid_counts=counts.tolist(), device="cuda", seed=num_heads)
+
+
 def to_cpu(inputs: dict) -> dict:
     """The same inputs with every tensor on the CPU (for the references)."""
     return {name: value.cpu() if torch.is_tensor(value) else value

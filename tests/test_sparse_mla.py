@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from dsa_inputs import random_indexer_inputs, random_sparse_mla_inputs, to_cpu
+from dsa_inputs import (poison_unselected, production_sparse_mla_inputs,
+                        random_indexer_inputs, random_sparse_mla_inputs, to_cpu)
 from dsaspec.ops.indexer import indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import (FEW_ROWS_HEAD_BLOCKS, GLUON_MIN_SPLIT_HEAD_BLOCKS,
@@ -26,16 +27,6 @@ CONFIGS = {
     # half the value columns per program, no pipelining
     "value_256": SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=1, block_dv=256),
 }
-
-
-def _poison_unselected(inputs):
-    """NaN in every cache row no slot points at: reading one would poison the output."""
-    kv_cache = inputs["kv_cache"].clone()
-    selected = torch.zeros(kv_cache.shape[0], dtype=torch.bool, device=kv_cache.device)
-    chosen = inputs["slots"][inputs["slots"] >= 0].long()
-    selected[chosen] = True
-    kv_cache[~selected] = float("nan")
-    return dict(inputs, kv_cache=kv_cache)
 
 
 def _run(inputs, workspace=None, config=None, check_values=True):
@@ -61,7 +52,7 @@ EDGE_COUNTS = [0, 1, 31, 32, 33, 63, 64]
 def test_edge_valid_counts(config, num_heads, device):
     inputs = random_sparse_mla_inputs(len(EDGE_COUNTS), num_heads, num_slots=200, k=64,
                                       valid_counts=EDGE_COUNTS, device=device, seed=num_heads)
-    _run_and_compare(_poison_unselected(inputs), atol=1e-3, rtol=1e-2, config=CONFIGS[config])
+    _run_and_compare(poison_unselected(inputs), atol=1e-3, rtol=1e-2, config=CONFIGS[config])
 
 
 def test_holes_and_repeats(device):
@@ -75,7 +66,7 @@ def test_holes_and_repeats(device):
     slots[2, -1] = 3  # only the very last entry valid
     slots[2, :-1] = -1
     inputs["slots"] = slots.to(device)
-    _run_and_compare(_poison_unselected(inputs), atol=1e-3, rtol=1e-2)
+    _run_and_compare(poison_unselected(inputs), atol=1e-3, rtol=1e-2)
 
 
 def test_padded_rows(device):
@@ -86,7 +77,7 @@ def test_padded_rows(device):
     slots = inputs["slots"].cpu()
     slots[1, 0] = 0
     slots[3, 0] = 0
-    inputs = _poison_unselected(dict(inputs, slots=slots.to(device)))
+    inputs = poison_unselected(dict(inputs, slots=slots.to(device)))
     out = _run_and_compare(inputs, atol=1e-3, rtol=1e-2)
     dummy_value = inputs["kv_cache"][0, :512].float()  # softmax over one slot: its value exactly
     for row in (1, 3):
@@ -172,7 +163,7 @@ def test_split_workspace(num_splits, num_heads, config, device):
                                       valid_counts=counts, device=device, seed=num_splits)
     slots = inputs["slots"].cpu()
     slots[3, 5:40] = -1  # a hole spanning a whole split
-    inputs = _poison_unselected(dict(inputs, slots=slots.to(device)))
+    inputs = poison_unselected(dict(inputs, slots=slots.to(device)))
     workspace = sparse_mla_workspace(len(counts), num_heads, device, num_splits=num_splits,
                                      config=config)
     workspace.fill_(float("nan"))
@@ -288,23 +279,13 @@ def test_decode_chain_indexer_topk_attention(device):
 GPU_ATOL = 3e-3
 
 
-def _gpu_inputs(num_rows, num_heads, seed, k=2048, num_slots=1 << 17):
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, k + 1, (num_rows,), generator=gen)
-    counts[0] = k
-    if num_rows > 1:
-        counts[-1] = 1  # a padded row
-    return random_sparse_mla_inputs(num_rows, num_heads, num_slots=num_slots, k=k,
-                                    valid_counts=counts.tolist(), device="cuda", seed=num_heads)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_heads", [64, 128])
 @pytest.mark.parametrize("num_rows", [1, 16, 96])
 def test_gpu_production_sizes(config, num_heads, num_rows, split):
-    inputs = _gpu_inputs(num_rows, num_heads, seed=num_rows)
+    inputs = production_sparse_mla_inputs(num_rows, num_heads, seed=num_rows)
     workspace = (sparse_mla_workspace(num_rows, num_heads, "cuda", num_splits=max(
         2, sparse_mla_num_splits(num_rows, num_heads, 132))) if split else None)
     _run_and_compare(inputs, atol=GPU_ATOL, rtol=1e-2, workspace=workspace,
@@ -317,7 +298,7 @@ def test_gpu_production_sizes(config, num_heads, num_rows, split):
 def test_gpu_split_matches_single_pass(num_rows, num_heads):
     """The split path (any split count; both combine column widths: R * H up to 256 and above)
     agrees with the single pass to bf16 rounding."""
-    inputs = _gpu_inputs(num_rows, num_heads, seed=3)
+    inputs = production_sparse_mla_inputs(num_rows, num_heads, seed=3)
     single = _run(inputs)
     for num_splits in (2, 5, SPARSE_MLA_CONFIG.max_splits):
         workspace = sparse_mla_workspace(num_rows, num_heads, "cuda", num_splits=num_splits)
@@ -330,13 +311,13 @@ def test_gpu_split_matches_single_pass(num_rows, num_heads):
 def test_gpu_row_invariant_without_workspace(num_heads):
     """Bitwise: each of 5 rows computed alone (R = 1) equals the row computed in R = 5, and a
     row's output inside R = 96 does not change when the other rows' slots change."""
-    inputs = _gpu_inputs(5, num_heads, seed=4)
+    inputs = production_sparse_mla_inputs(5, num_heads, seed=4)
     together = _run(inputs)
     for row in range(5):
         alone = _run(dict(inputs, q=inputs["q"][row:row + 1].clone(),
                           slots=inputs["slots"][row:row + 1].clone()))
         assert torch.equal(alone[0], together[row]), row
-    wide = _gpu_inputs(96, num_heads, seed=5)
+    wide = production_sparse_mla_inputs(96, num_heads, seed=5)
     before = _run(wide)
     others = wide["slots"].clone()
     others[1:] = torch.flip(others[1:], dims=(0,))
@@ -349,7 +330,7 @@ def test_gpu_row_invariant_without_workspace(num_heads):
 def test_gpu_value_blocks_do_not_change_the_output(num_heads):
     """Bitwise, without a workspace: splitting the 512 value columns over programs recomputes
     the same scores, so every output equals the one-program-per-head-block result."""
-    inputs = _gpu_inputs(7, num_heads, seed=6)
+    inputs = production_sparse_mla_inputs(7, num_heads, seed=6)
     whole = _run(inputs, config=SparseMLAConfig(block_h=64, block_n=32, num_warps=8,
                                                 num_stages=2, block_dv=512))
     for block_dv in (128, 256):

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsa_inputs import random_sparse_mla_inputs, to_cpu
+from dsa_inputs import (poison_unselected, production_sparse_mla_inputs,
+                        random_sparse_mla_inputs, to_cpu)
 from dsaspec.ops.sparse_mla import (SPARSE_MLA_GLUON_CONFIG, sparse_mla_config,
                                     sparse_mla_decode, sparse_mla_num_splits,
                                     sparse_mla_workspace)
@@ -22,15 +23,6 @@ from dsaspec.reference.sparse_mla import reference_sparse_mla_decode
 # output: the Triton kernel measured up to 2.1e-3 absolute error on an H200 at k = 2048.
 GPU_ATOL = 3e-3
 EDGE_COUNTS = [0, 1, 63, 64, 65, 127, 128, 129, 200, 256]
-
-
-def _poison_unselected(inputs):
-    """NaN in every cache row no slot points at: reading one would poison the output."""
-    kv_cache = inputs["kv_cache"].clone()
-    selected = torch.zeros(kv_cache.shape[0], dtype=torch.bool, device=kv_cache.device)
-    selected[inputs["slots"][inputs["slots"] >= 0].long()] = True
-    kv_cache[~selected] = float("nan")
-    return dict(inputs, kv_cache=kv_cache)
 
 
 def _run(inputs, workspace=None):
@@ -88,7 +80,7 @@ def test_gpu_edge_counts_and_poisoned_cache(num_heads, num_splits):
     if num_splits is not None:
         workspace = sparse_mla_workspace(len(EDGE_COUNTS), num_heads, "cuda",
                                          num_splits=num_splits).fill_(float("nan"))
-    _compare(_poison_unselected(inputs), workspace)
+    _compare(poison_unselected(inputs), workspace)
 
 
 @pytest.mark.gpu
@@ -106,20 +98,10 @@ def test_gpu_holes_repeats_and_padded_rows():
     slots[2, :-1] = -1
     slots[3] = -1
     slots[3, 0] = 0
-    inputs = _poison_unselected(dict(inputs, slots=slots.to("cuda")))
+    inputs = poison_unselected(dict(inputs, slots=slots.to("cuda")))
     out = _compare(inputs)
     torch.testing.assert_close(out[3].float(), inputs["kv_cache"][0, :512].float().expand(64, 512),
                                atol=0, rtol=0)
-
-
-def _gpu_inputs(num_rows, num_heads, seed, k=2048, num_slots=1 << 17):
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, k + 1, (num_rows,), generator=gen)
-    counts[0] = k
-    if num_rows > 1:
-        counts[-1] = 1
-    return random_sparse_mla_inputs(num_rows, num_heads, num_slots=num_slots, k=k,
-                                    valid_counts=counts.tolist(), device="cuda", seed=num_heads)
 
 
 @pytest.mark.gpu
@@ -128,7 +110,7 @@ def _gpu_inputs(num_rows, num_heads, seed, k=2048, num_slots=1 << 17):
 @pytest.mark.parametrize("num_heads", [64, 128])
 @pytest.mark.parametrize("num_rows", [1, 16, 96])
 def test_gpu_production_sizes(num_rows, num_heads, split):
-    inputs = _gpu_inputs(num_rows, num_heads, seed=num_rows)
+    inputs = production_sparse_mla_inputs(num_rows, num_heads, seed=num_rows)
     workspace = (sparse_mla_workspace(num_rows, num_heads, "cuda", num_splits=max(
         2, sparse_mla_num_splits(num_rows, num_heads, 132, SPARSE_MLA_GLUON_CONFIG)))
         if split else None)
@@ -145,7 +127,7 @@ def test_gpu_default_is_gluon_with_its_workspace():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     workspace = sparse_mla_workspace(16, 64, "cuda")
     assert workspace.shape[2] == min(SPARSE_MLA_GLUON_CONFIG.max_splits, sms // 16)
-    inputs = _gpu_inputs(16, 64, seed=9)
+    inputs = production_sparse_mla_inputs(16, 64, seed=9)
     out = torch.empty(16, 64, 512, dtype=torch.bfloat16, device="cuda")
     sparse_mla_decode(**inputs, out=out, workspace=workspace)
     torch.testing.assert_close(out.float().cpu(), reference_sparse_mla_decode(**to_cpu(inputs)),
@@ -157,7 +139,7 @@ def test_gpu_default_is_gluon_with_its_workspace():
 def test_gpu_row_invariant_without_workspace():
     """Bitwise: a row computed alone equals the row computed among others, and a row's output
     does not change when the other rows' slots change."""
-    inputs = _gpu_inputs(5, 64, seed=4)
+    inputs = production_sparse_mla_inputs(5, 64, seed=4)
     together = _run(inputs)
     for row in range(5):
         alone = _run(dict(inputs, q=inputs["q"][row:row + 1].clone(),

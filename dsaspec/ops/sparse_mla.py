@@ -34,6 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_tensor
 from dsaspec.ops.device import sm_count, supports_pdl
+from dsaspec.ops import sparse_mla_gluon
 from dsaspec.ops.sparse_mla_gluon import launch_sparse_mla_gluon, sparse_mla_gluon_supported
 
 LATENT_DIM = 512  # value / latent width
@@ -47,6 +48,12 @@ RECORD_WIDTH = 520
 # more programs when rows are few; 512 above (more programs were slower there: bench sweep in
 # scripts/sweep_sparse_mla.py).
 COMBINE_FEW_HEAD_ROWS = 256
+
+
+def _gluon_tiles() -> tuple[int, int, int, int, int]:
+    """The Gluon kernel's fixed tiles as ``(block_h, block_n, num_warps, num_stages, block_dv)``."""
+    return (sparse_mla_gluon.HEADS_PER_PROGRAM, sparse_mla_gluon.BLOCK_N,
+            sparse_mla_gluon.ATTEND_WARPS, sparse_mla_gluon.STAGES, LATENT_DIM)
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ class SparseMLAConfig:
             raise ValueError(f"max_splits: expected >= 1, got {self.max_splits}")
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel: expected 'triton' or 'gluon', got {self.kernel!r}")
-        gluon_tiles = (64, 64, 8, 2, 512)
+        gluon_tiles = _gluon_tiles()
         tiles = (self.block_h, self.block_n, self.num_warps, self.num_stages, self.block_dv)
         if self.kernel == "gluon" and tiles != gluon_tiles:
             raise ValueError(f"kernel: the Gluon kernel's tiles (block_h, block_n, num_warps, "
@@ -103,8 +110,7 @@ SPARSE_MLA_FEW_ROWS_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4
 FEW_ROWS_HEAD_BLOCKS = 4  # R * cdiv(H, block_h) up to which the split path takes the few-rows config
 # The Gluon kernel (dsaspec.ops.sparse_mla_gluon): 64 heads per program against blocks of 64 slots,
 # one program per SM (224 KiB of shared memory), 8 attend warps beside 4 gather warps.
-SPARSE_MLA_GLUON_CONFIG = SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
-                                          kernel="gluon")
+SPARSE_MLA_GLUON_CONFIG = SparseMLAConfig(*_gluon_tiles(), kernel="gluon")
 # Programs without splits (rows x 64-head blocks) from which the split path takes the Gluon kernel;
 # at one (one row of 64 heads) the Triton few-rows config is faster: 9.8 against 14.5 us at 1k live,
 # 12.3 against 17.4 at 64k; from two rows on the Gluon kernel
@@ -278,7 +284,8 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
     choice never depends on ``R``, so a row's output there does not depend on ``R``."""
     rows = max(num_rows, 1)
     if device is not None and sparse_mla_gluon_supported(device, num_heads):
-        if not split or rows * num_heads // 64 >= GLUON_MIN_SPLIT_HEAD_BLOCKS:
+        head_blocks = num_heads // sparse_mla_gluon.HEADS_PER_PROGRAM
+        if not split or rows * head_blocks >= GLUON_MIN_SPLIT_HEAD_BLOCKS:
             return SPARSE_MLA_GLUON_CONFIG
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads, SPARSE_MLA_FEW_ROWS_CONFIG))
     if split and rows * head_blocks <= FEW_ROWS_HEAD_BLOCKS:
