@@ -4,7 +4,8 @@ the gathers (``LDGSTS``: ``cp.async``), the tensor-core dots (``HGMMA``: wgmma),
 copy-completion mbarrier arrive (``ARRIVES.LDGSTSBAR``) and the register split between the
 partitions (``USETMAXREG``).
 
-Both forms (single pass and split records) go through the real host launch
+Both forms (single pass and split records), and the split form with the phase stamps
+(``trace``), go through the real host launch
 (``launch_sparse_mla_gluon``) on small CPU tensors; the launch is intercepted and compiled for
 ``GPUTarget("cuda", 90, 32)`` with the wheel's ptxas, as Triton's JIT would specialize it. Runs on
 a CPU-only machine (the CPU tests run it in a subprocess); exits 1 when a check fails.
@@ -38,9 +39,10 @@ REQUIRED = ("LDGSTS", "HGMMA", "ARRIVES.LDGSTSBAR", "USETMAXREG")
 MAX_SHARED_BYTES = 232448  # dynamic shared memory per block on compute capability 9.0 (227 KiB)
 
 
-def compile_form(split: bool) -> dict:
+def compile_form(split: bool, traced: bool = False) -> dict:
     """Registers, spills, shared memory, warps and the counts of :data:`REQUIRED` in the SASS of
-    one form (``split``: with a 3-split workspace) of the kernel."""
+    one form (``split``: with a 3-split workspace; ``traced``: with the phase stamps) of the
+    kernel."""
     rows, heads, splits = 4, 64, 3
     q = torch.zeros(rows, heads, QK_DIM, dtype=torch.bfloat16)
     out = torch.zeros(rows, heads, LATENT_DIM, dtype=torch.bfloat16)
@@ -50,9 +52,11 @@ def compile_form(split: bool) -> dict:
                                    keep_compiled=True):
         sparse_mla_gluon.launch_sparse_mla_gluon(
             q, torch.zeros(4096, QK_DIM, dtype=torch.bfloat16), torch.zeros(rows, 2048, dtype=torch.int32),
-            out, workspace, 0.1, scan=2048, record_width=RECORD_WIDTH)
+            out, workspace, 0.1, scan=2048, record_width=RECORD_WIDTH,
+            trace=torch.zeros(rows * splits, 2 * len(sparse_mla_gluon.TRACE_STAMPS),
+                              dtype=torch.int64) if traced else None)
     compiled = record["compiled"]
-    cubin = Path(os.environ["TRITON_CACHE_DIR"]) / f"sparse_mla_gluon_{int(split)}.cubin"
+    cubin = Path(os.environ["TRITON_CACHE_DIR"]) / f"sparse_mla_gluon_{int(split)}{int(traced)}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
@@ -72,9 +76,9 @@ def main() -> int:
         return 2
     knobs.nvidia.dump_ptxas_log = True
     failures = []
-    for split in (False, True):
-        form = "split" if split else "single pass"
-        result = compile_form(split)
+    for split, traced in ((False, False), (True, False), (True, True)):
+        form = ("split" if split else "single pass") + (" with stamps" if traced else "")
+        result = compile_form(split, traced)
         print(f"{form}: {result['regs']} registers, {result['spill_stores']} B spilled, "
               f"{result['shared']} B shared memory, {result['warps']} warps; SASS {result['sass']}")
         if result["spill_stores"]:
@@ -85,7 +89,7 @@ def main() -> int:
     for failure in failures:
         print(f"compile_sparse_mla_gluon: {failure}")
     if not failures:
-        print("compile_sparse_mla_gluon: both forms compile for sm_90 as designed")
+        print("compile_sparse_mla_gluon: every form compiles for sm_90 as designed")
     return 1 if failures else 0
 
 

@@ -47,7 +47,8 @@ import torch
 
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
-from dsaspec.ops.sparse_mla import SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG, sparse_mla_decode, sparse_mla_workspace
+from dsaspec.ops.sparse_mla import SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG, SPARSE_MLA_GLUON_CONFIG, sparse_mla_decode, sparse_mla_workspace
+from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import topk_candidates, topk_slots, topk_workspace
 
 dev, k, heads, width, num_slots = torch.device("cuda"), 2048, 64, 9000, 20000
@@ -94,7 +95,10 @@ for single in (True, False):
 q = torch.randn(rows, heads, 576, device=dev).bfloat16()
 cache = torch.randn(num_slots, 576, device=dev).bfloat16()
 out = torch.zeros(rows, heads, 512, dtype=torch.bfloat16, device=dev)
-for config in (SPARSE_MLA_CONFIG, SPARSE_MLA_BASELINE_CONFIG):
+sparse_mla_configs = [SPARSE_MLA_CONFIG, SPARSE_MLA_BASELINE_CONFIG]
+if sparse_mla_gluon_supported(dev, heads):  # the Gluon kernel (Hopper)
+    sparse_mla_configs.append(SPARSE_MLA_GLUON_CONFIG)
+for config in sparse_mla_configs:
     sparse_mla_decode(q, cache, slots, 0.06, out, config=config)
     sparse_mla_decode(q, cache, slots, 0.06, out, config=config,
                       workspace=sparse_mla_workspace(rows, heads, dev, num_splits=5, config=config))

@@ -6,15 +6,20 @@ other split counts / configs (among them a deeper Triton pipeline, 5 stages of 3
 Gluon kernel at 1, 2, 4 and its default splits); next to them an empty kernel, and a copy of the bytes the point must gather (its
 bytes floor). ``--grid`` instead times a grid of tile shapes (heads per program, value columns,
 warps, slots per block), by default at the points of one or four rows, each at the split count
-that fills the SMs and at half of it. ``--points`` picks the points.
+that fills the SMs and at half of it. ``--timeline`` instead times the Gluon kernel's phases inside
+its programs (its ``trace`` stamps: SM clock, cold L2, the last of 5 launches; medians over the
+programs) next to the op's per-kernel times, at the points where the default op runs it.
+``--points`` picks the points.
 
 Points: decode and 4-row verify at bs 1 with 1k live tokens (valid slots first, then -1, as the
-top-k writes them for short rows), and decode bs 1 / 16 / 64 and verify bs 32 at 64k (2048
-random slots). Writes ``sweep_sparse_mla.json`` into the folder given as the first argument.
+top-k writes them for short rows), decode bs 1 / 16 / 32 / 64 and verify bs 32 at 64k (2048
+random slots), and decode bs 16 without a valid slot (``--timeline`` only, by default). Writes
+``sweep_sparse_mla.json`` (``_grid``, ``_timeline``) into the folder given as the first argument.
 
     python3 scripts/sweep_sparse_mla.py $OUT           # timings
     python3 scripts/sweep_sparse_mla.py --grid $OUT    # tile shapes at 1-4 rows
     python3 scripts/sweep_sparse_mla.py --grid --points decode_bs16_64k $OUT
+    python3 scripts/sweep_sparse_mla.py --timeline $OUT   # the Gluon kernel's phases
     python3 scripts/sweep_sparse_mla.py --eager POINT  # run one point's default op 5 times (for ncu)
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -30,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsaspec.bench.timing import copy_time_us, empty_kernel_us, replay_events, warm_up_gpu  # noqa: E402
-from dsaspec.ops import sparse_mla  # noqa: E402
+from dsaspec.bench.timing import L2Flusher, copy_time_us, empty_kernel_us, replay_events, warm_up_gpu  # noqa: E402
+from dsaspec.ops import sparse_mla, sparse_mla_gluon  # noqa: E402
 from dsaspec.ops.device import sm_count  # noqa: E402
 from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,  # noqa: E402
                                     SPARSE_MLA_GLUON_CONFIG, SparseMLAConfig, sparse_mla_config,
@@ -39,8 +45,15 @@ from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_RO
 
 HEADS, K, NUM_SLOTS = 64, 2048, 1 << 20
 POINTS = {"decode_bs1_1k": (1, 1024), "verify_bs1_1k": (4, 1024), "decode_bs1_64k": (1, 65536),
-          "decode_bs16_64k": (16, 65536),
-          "decode_bs64_64k": (64, 65536), "verify_bs32_64k": (128, 65536)}
+          "decode_bs16_64k": (16, 65536), "decode_bs32_64k": (32, 65536),
+          "decode_bs64_64k": (64, 65536), "verify_bs32_64k": (128, 65536),
+          "decode_bs16_no_valid_slot": (16, 0)}
+SWEEP_POINTS = [name for name in POINTS if name != "decode_bs16_no_valid_slot"]
+TIMELINE_POINTS = ("verify_bs1_1k", "decode_bs16_64k", "decode_bs32_64k", "decode_bs64_64k",
+                   "verify_bs32_64k", "decode_bs16_no_valid_slot")
+# (name, first stamp, last stamp) of sparse_mla_gluon.TRACE_STAMPS
+PHASES = (("attend_scan", 1, 2), ("gather_scan", 0, 6), ("gather_first_copies", 0, 7),
+          ("first_block_in_smem", 0, 3), ("blocks", 3, 4), ("store", 4, 5), ("program", 0, 5))
 
 
 def _inputs(rows: int, live: int, gen) -> dict:
@@ -123,18 +136,70 @@ def _run(x: dict, config: SparseMLAConfig, splits: int | None):
     return fn, (1 if workspace is None else workspace.shape[2])
 
 
+def _timeline(x: dict) -> dict:
+    """The default op's per-kernel times, and the Gluon kernel's phases (µs, median / max over
+    the programs that reached both stamps) in the last of 5 cold-L2 launches."""
+    rows = x["q"].shape[0]
+    workspace = sparse_mla_workspace(rows, HEADS, x["q"].device)
+    fn, splits = _run(x, sparse_mla_config(rows, HEADS, workspace is not None, "cuda"), None)
+    programs = rows * (HEADS // sparse_mla_gluon.HEADS_PER_PROGRAM) * splits
+    trace = torch.zeros(programs, 2 * len(sparse_mla_gluon.TRACE_STAMPS), dtype=torch.int64,
+                        device="cuda")
+    flusher = L2Flusher()
+    for _ in range(5):
+        trace.zero_()
+        flusher()
+        sparse_mla_gluon.launch_sparse_mla_gluon(
+            x["q"], x["kv"], x["slots"], x["out"], workspace, QK_DIM ** -0.5 * math.log2(math.e),
+            scan=K, record_width=sparse_mla.RECORD_WIDTH, trace=trace)
+    torch.cuda.synchronize()
+    stamps = trace.view(programs, -1, 2).double()
+    clock, timer = stamps[..., 0], stamps[..., 1]
+    ghz = ((clock[:, 5] - clock[:, 0]) / (timer[:, 5] - timer[:, 0]).clamp(min=1)).median().item()
+    phases = {}
+    for name, first, last in PHASES:
+        reached = (clock[:, first] != 0) & (clock[:, last] != 0)
+        if reached.any():
+            us = (clock[reached, last] - clock[reached, first]) / ghz / 1e3
+            phases[name] = dict(median_us=us.median().item(), max_us=us.max().item())
+    return dict(splits=splits, programs=programs, sm_ghz=ghz,
+                last_program_end_us=(timer[:, 5].max() - timer[:, 0].min()).item() / 1e3,
+                phases=phases) | _per_kernel(fn)
+
+
+def _timeline_markdown(results: list[dict]) -> str:
+    lines = ["| point | splits | op µs | " + " | ".join(f"{name} µs" for name, _, _ in PHASES)
+             + " |", "|---" * (3 + len(PHASES)) + "|"]
+    for row in results:
+        cells = [f"{row['phases'][name]['median_us']:.2f}" if name in row["phases"] else "–"
+                 for name, _, _ in PHASES]
+        lines.append(f"| {row['point']} | {row['splits']} | {row['total_us']:.2f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Where sparse MLA's time goes (per kernel, CUPTI).")
     parser.add_argument("out", nargs="?", type=Path, default=Path("."), help="folder for sweep_sparse_mla.json")
     parser.add_argument("--eager", choices=sorted(POINTS), help="only run this point's default op 5 times (for ncu)")
     parser.add_argument("--grid", action="store_true", help="time tile shapes instead (sweep_sparse_mla_grid.json)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="time the Gluon kernel's phases instead (sweep_sparse_mla_timeline.json, .md)")
     parser.add_argument("--points", type=lambda text: text.split(","), default=None,
-                        help=f"comma-separated points of {sorted(POINTS)} (default: all; with --grid {','.join(GRID_POINTS)})")
+                        help=f"comma-separated points of {sorted(POINTS)} (default: {','.join(SWEEP_POINTS)}; "
+                             f"with --grid {','.join(GRID_POINTS)}; with --timeline {','.join(TIMELINE_POINTS)})")
     args = parser.parse_args()
-    names = args.points or (GRID_POINTS if args.grid else list(POINTS))
+    if args.grid and args.timeline:
+        parser.error("--grid and --timeline: expected at most one of them")
+    names = args.points or (GRID_POINTS if args.grid else TIMELINE_POINTS if args.timeline else SWEEP_POINTS)
     unknown = sorted(set(names) - set(POINTS))
     if unknown:
         parser.error(f"--points: unknown {unknown}; expected some of {sorted(POINTS)}")
+    if args.timeline:
+        off_gluon = [name for name in names if sparse_mla_config(
+            POINTS[name][0], HEADS, split=True, device="cuda").kernel != "gluon"]
+        if off_gluon:
+            parser.error(f"--points: the default op does not run the Gluon kernel at {off_gluon}")
     points = {name: POINTS[name] for name in names}
     if args.eager:
         rows, live = POINTS[args.eager]
@@ -146,6 +211,17 @@ def main() -> int:
         return 0
     out_dir = args.out
     warm_up_gpu()
+    if args.timeline:
+        timeline = []
+        for point in names:
+            rows, live = POINTS[point]
+            x = _inputs(rows, live, torch.Generator(device="cuda").manual_seed(0))
+            timeline.append(dict(point=point, rows=rows, live=live) | _timeline(x))
+            print(json.dumps(timeline[-1]), flush=True)
+        (out_dir / "sweep_sparse_mla_timeline.json").write_text(json.dumps(timeline, indent=1))
+        (out_dir / "sweep_sparse_mla_timeline.md").write_text(_timeline_markdown(timeline))
+        print(_timeline_markdown(timeline))
+        return 0
     results = [dict(part="empty_kernel", us=empty_kernel_us())]
     for point, (rows, live) in points.items():
         x = _inputs(rows, live, torch.Generator(device="cuda").manual_seed(0))

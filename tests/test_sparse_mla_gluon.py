@@ -1,10 +1,12 @@
 """sparse_mla_decode with the Gluon kernel (SPARSE_MLA_GLUON_CONFIG, Hopper only) against the
 fp32 reference: edge valid counts around its 64-slot blocks, holes and repeats, a poisoned cache,
 padded rows, production sizes with and without splits, row invariance (bitwise); the default
-workspace and configuration on Hopper; off Hopper, a clear error; on any machine, the sm_90
-compile (no spills, shared memory within the limit, the pipeline's instructions in the SASS).
+workspace and configuration on Hopper; the phase stamps (ordered, outputs unchanged); off Hopper,
+a clear error; on any machine, the sm_90 compile (no spills, shared memory within the limit, the
+pipeline's instructions in the SASS) and the stamps' argument check.
 (CUDA-graph replay with new slots: test_sparse_mla.py, for both kernels.)"""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,8 @@ import torch
 
 from dsa_inputs import (poison_unselected, production_sparse_mla_inputs,
                         random_sparse_mla_inputs, to_cpu)
-from dsaspec.ops.sparse_mla import (SPARSE_MLA_GLUON_CONFIG, sparse_mla_config,
+from dsaspec.ops import sparse_mla_gluon
+from dsaspec.ops.sparse_mla import (RECORD_WIDTH, SPARSE_MLA_GLUON_CONFIG, sparse_mla_config,
                                     sparse_mla_decode, sparse_mla_num_splits,
                                     sparse_mla_workspace)
 from dsaspec.reference.sparse_mla import reference_sparse_mla_decode
@@ -52,14 +55,29 @@ def test_refuses_what_it_cannot_run(device):
 
 
 def test_compiles_for_sm90_as_designed():
-    """Without a GPU: both forms compile for sm_90 with no spills, within the shared-memory limit,
+    """Without a GPU: every form (single pass, split, split with stamps) compiles for sm_90 with
+    no spills, within the shared-memory limit,
     with cp.async gathers, wgmma, copy-completion arrives and the register split in the SASS
     (scripts/compile_sparse_mla_gluon.py, in a subprocess: it compiles instead of interpreting)."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "compile_sparse_mla_gluon.py"
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "both forms compile for sm_90 as designed" in proc.stdout
+    assert "every form compiles for sm_90 as designed" in proc.stdout
+
+
+def test_trace_argument_is_checked():
+    """A stamp buffer of the wrong shape or dtype is refused by name before any launch."""
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    args = (q, torch.zeros(16, 576, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.int32),
+            torch.zeros(2, 64, 512, dtype=torch.bfloat16), None, 0.1)
+    stamps = 2 * len(sparse_mla_gluon.TRACE_STAMPS)
+    with pytest.raises(ValueError, match=r"trace: expected shape \(2, 16\), got \(3, 16\)"):
+        sparse_mla_gluon.launch_sparse_mla_gluon(*args, scan=64, record_width=RECORD_WIDTH,
+                                                 trace=torch.zeros(3, stamps, dtype=torch.int64))
+    with pytest.raises(ValueError, match="trace: expected dtype torch.int64"):
+        sparse_mla_gluon.launch_sparse_mla_gluon(*args, scan=64, record_width=RECORD_WIDTH,
+                                                 trace=torch.zeros(2, stamps, dtype=torch.int32))
 
 
 needs_hopper = pytest.mark.skipif(
@@ -148,3 +166,36 @@ def test_gpu_row_invariant_without_workspace():
     others = inputs["slots"].clone()
     others[1:] = torch.flip(others[1:], dims=(0,))
     assert torch.equal(_run(dict(inputs, slots=others))[0], together[0])
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_stamps_are_ordered_and_change_nothing():
+    """With ``trace`` each program's stamps follow its phases (SM clock: start, then the attend
+    partition's scan, first block, blocks done, stored; the gather partition's scan before its
+    first copies, and those before the first block is in shared memory), a program without blocks
+    leaves the block stamps 0, and the split records are the untraced kernel's, bitwise."""
+    counts, splits = [2048, 700, 0, 64], 3
+    inputs = random_sparse_mla_inputs(4, 64, num_slots=5000, k=2048, valid_counts=counts,
+                                      device="cuda", seed=3)
+    workspace = sparse_mla_workspace(4, 64, "cuda", num_splits=splits)
+    out = torch.empty(4, 64, 512, dtype=torch.bfloat16, device="cuda")
+    sparse_mla_decode(**inputs, out=out, workspace=workspace, config=SPARSE_MLA_GLUON_CONFIG)
+    untraced = workspace.clone()
+    trace = torch.zeros(4 * splits, 2 * len(sparse_mla_gluon.TRACE_STAMPS), dtype=torch.int64,
+                        device="cuda")
+    sparse_mla_gluon.launch_sparse_mla_gluon(
+        inputs["q"], inputs["kv_cache"], inputs["slots"], out, workspace,
+        inputs["sm_scale"] * math.log2(math.e), scan=2048, record_width=RECORD_WIDTH, trace=trace)
+    assert torch.equal(workspace, untraced)
+    clock = trace.view(4, splits, -1, 2)[..., 0].cpu()
+    for row, count in enumerate(counts):
+        blocks = -(-count // 64)
+        per_split = -(-blocks // splits)
+        for split in range(splits):
+            start, attend, scanned, first, done, stored, gather_scanned, issued = clock[row, split]
+            assert start <= attend <= scanned <= done <= stored and start <= gather_scanned
+            if split * per_split < blocks:
+                assert scanned <= first <= done and gather_scanned <= issued <= first, (row, split)
+            else:
+                assert first == 0 and issued == 0, (row, split)

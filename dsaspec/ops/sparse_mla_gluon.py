@@ -6,22 +6,26 @@ Triton's Gluon dialect so that the gathers and the tensor-core dots run on separ
 (docs/dsa-kernels.md, "Gathers and the dots"). A program takes one row, 64 of its heads and one
 split of its slot blocks:
 
-- the gather partition (4 warps) finds the split's blocks (a scan of the row's slot ids up to its
-  last valid one) and copies the ``BLOCK_N`` selected cache rows of each block with ``cp.async``
-  into a ring of ``STAGES`` shared-memory slots (latent and rope apart); a slot's arrival is
-  signalled on its ``full`` mbarrier by one copy-completion arrive per gather thread; an invalid
-  slot's row is zero-filled, never read;
+- the gather partition (4 warps) copies the program's queries into shared memory with
+  ``cp.async`` while it finds the split's blocks (a scan of the row's slot ids up to its last
+  valid one), then copies the ``BLOCK_N`` selected cache rows of each block into a ring of
+  ``STAGES`` shared-memory slots (latent and rope apart); a slot's arrival is signalled on its
+  ``full`` mbarrier by one copy-completion arrive per gather thread (the first block's also
+  covers the queries); an invalid slot's row is zero-filled, never read;
 - the attend partition (8 warps, two warpgroups, each owning half of the score columns and half
-  of the 512 value columns) stores the queries into shared memory while the first gathers fly,
-  then per block waits for its slot, runs the QK dot of the 64 heads against it as wgmma (latent,
-  then rope), the online softmax (fp32, log2 domain), stores the probabilities as bf16 to shared
-  memory, runs the PV wgmma into a ``[64, 512]`` fp32 accumulator and frees the slot on its
-  ``empty`` mbarrier.
+  of the 512 value columns) per block waits for its slot, runs the QK dot of the 64 heads against
+  it as wgmma (latent, then rope), the online softmax (fp32, log2 domain), stores the
+  probabilities as bf16 to shared memory, runs the PV wgmma into a ``[64, 512]`` fp32
+  accumulator and frees the slot on its ``empty`` mbarrier; the single pass's bf16 output leaves
+  through the idle ring so that each warp stores whole rows.
 
-The attend partition bounds it: with every gather zero-filled (no cache read) a program takes as
-long as with real gathers (``benchmarks/results/h200/logs/sweep_sparse_mla_gluon_splits.json``,
-about 2.7 µs per block of 64 slots); starting the next block's QK dot before the PV dot drains
-was 2-4% slower (``sweep_sparse_mla_gluon_variants.json``). docs/dsa-kernels.md has the numbers.
+Where the time goes (``benchmarks/results/h200/logs/sweep_sparse_mla_timeline.md``, the phase
+stamps of ``trace``): from 16 rows of 64k on, the blocks stream at about the copy bandwidth
+(2.4-2.6 µs a block of 64 slots on each of 128 SMs); a split program adds about 2.5 µs before its
+first copies (the scan), its fp32 record's store (4-5 µs at 16-64 rows, bound by DRAM writes)
+and the combine kernel (about 4 µs). With one program (1 row) the attend partition bounds it:
+zero-filled gathers take as long as real ones (``sweep_sparse_mla_gluon_splits.json``).
+docs/dsa-kernels.md has the numbers.
 
 Without a workspace a row's output depends only on that row. With one, each row's slot blocks are
 split into ``num_splits`` runs and :func:`dsaspec.ops.sparse_mla` 's combine kernel merges the
@@ -41,6 +45,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
+from dsaspec.ops.checks import check_tensor
+
 
 HEADS_PER_PROGRAM = 64  # the wgmma M dimension of one warpgroup
 BLOCK_N = 64  # selected slots per ring slot and softmax step
@@ -52,16 +58,44 @@ GATHER_WARPS = 4
 GATHER_REGISTERS = 88
 
 
+# What the ``trace`` of :func:`launch_sparse_mla_gluon` holds per program, in this order: the SM
+# clock (``%clock64``) and the global timer (``%globaltimer``, ns) at each of these points.
+TRACE_STAMPS = ("program start", "attend partition start", "attend partition's scan done",
+                "first block in shared memory", "blocks done", "result stored",
+                "gather partition's scan done", "first block's copies issued")
+
+
 @gluon.jit
-def _split_blocks(row_slots, topk, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
-                  WARPS: gl.constexpr):
-    """The program's run of the row's slot blocks ``[first, stop)``: the blocks up to the row's last
-    valid slot, split ``gl.num_programs(2)`` ways in equal runs."""
+def _stamp(trace_ptr, index: gl.constexpr, TRACE: gl.constexpr):
+    """With ``TRACE``: the SM clock and the global timer into the program's stamp ``index``
+    (:data:`TRACE_STAMPS`); without it, nothing."""
+    if TRACE:
+        clock = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
+                                          is_pure=False, pack=1)
+        timer = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                          is_pure=False, pack=1)
+        gl.store(trace_ptr + 2 * index, clock)
+        gl.store(trace_ptr + 2 * index + 1, timer)
+
+
+@gluon.jit
+def _slot_ids(row_slots, topk, start, SCAN: gl.constexpr, WARPS: gl.constexpr):
+    """Positions ``start .. start + SCAN`` of the row's slot list and their slot ids (-1 past
+    ``topk``)."""
     scan_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    last_valid = -1
-    for start in range(0, topk, SCAN):
-        index = start + gl.arange(0, SCAN, layout=scan_layout)
-        slot = gl.load(row_slots + index, mask=index < topk, other=-1)
+    index = start + gl.arange(0, SCAN, layout=scan_layout)
+    return index, gl.load(row_slots + index, mask=index < topk, other=-1)
+
+
+@gluon.jit
+def _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N: gl.constexpr,
+                  SCAN: gl.constexpr, WARPS: gl.constexpr):
+    """The program's run of the row's slot blocks ``[first, stop)``: the blocks up to the row's last
+    valid slot, split ``gl.num_programs(2)`` ways in equal runs. ``first_index, first_ids``: the
+    scan's first step (:func:`_slot_ids` at 0), loaded by the caller."""
+    last_valid = gl.max(gl.where(first_ids >= 0, first_index, -1), 0)
+    for start in range(SCAN, topk, SCAN):
+        index, slot = _slot_ids(row_slots, topk, start, SCAN, WARPS)
         last_valid = gl.maximum(last_valid, gl.max(gl.where(slot >= 0, index, -1), 0))
     num_blocks = gl.cdiv(last_valid + 1, BLOCK_N)
     per_split = gl.cdiv(num_blocks, gl.num_programs(2))
@@ -70,16 +104,30 @@ def _split_blocks(row_slots, topk, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
 
 
 @gluon.jit
-def _gather_partition(kv_ptr, kv_stride, row_slots, topk, latent_ring, rope_ring, full, empty,
-                      LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr):
-    """Block ``first_block + i``'s cache rows into ring slot ``i % STAGES`` once it is free."""
-    first_block, stop_block = _split_blocks(row_slots, topk, BLOCK_N, SCAN, WARPS)
+def _gather_partition(q_ptr, q_stride_head, q_latent, q_rope, kv_ptr, kv_stride, row_slots, topk,
+                      latent_ring, rope_ring, full, empty, trace_ptr, LATENT: gl.constexpr,
+                      ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr,
+                      TRACE: gl.constexpr):
+    """The queries into shared memory, then block ``first_block + i``'s cache rows into ring slot
+    ``i % STAGES`` once it is free."""
     # 16-byte copies: a warp covers half a latent row, or four rope rows
     latent_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     latent_columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, latent_layout))
     rope_columns = LATENT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
+    # the scan's first slot ids, then the queries: both fly at once; the first block's
+    # copy-completion arrives (issued after the query copies by the same threads) cover them too
+    first_index, first_ids = _slot_ids(row_slots, topk, 0, SCAN, WARPS)
+    q_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, latent_layout)).to(gl.int64)
+    async_copy.async_copy_global_to_shared(
+        q_latent, q_ptr + q_heads[:, None] * q_stride_head + latent_columns[None, :])
+    q_rope_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rope_layout)).to(gl.int64)
+    async_copy.async_copy_global_to_shared(
+        q_rope, q_ptr + q_rope_heads[:, None] * q_stride_head + rope_columns[None, :])
+    first_block, stop_block = _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N,
+                                            SCAN, WARPS)
+    _stamp(trace_ptr, 6, TRACE)
     for block in range(first_block, stop_block):
         i = block - first_block
         stage = i % STAGES
@@ -99,33 +147,28 @@ def _gather_partition(kv_ptr, kv_stride, row_slots, topk, latent_ring, rope_ring
             rope_ring.index(stage), rope_row[:, None] + rope_columns[None, :],
             mask=(rope_slot >= 0)[:, None])
         async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
+        if TRACE:
+            if i == 0:
+                _stamp(trace_ptr, 7, TRACE)
+    # no cp.async in flight at exit (the queries' copies, when the split has no block)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
 
 
 @gluon.jit
-def _store_queries(q_ptr, q_stride_head, q_latent, q_rope, LATENT: gl.constexpr,
-                   ROPE: gl.constexpr, BLOCK_H: gl.constexpr, WARPS: gl.constexpr):
-    """The program's ``[BLOCK_H, 576]`` queries (``q_ptr``: its first head) into shared memory."""
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-    q_rows = q_ptr + heads.to(gl.int64)[:, None] * q_stride_head
-    latent = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
-    rope = LATENT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
-    q_latent.store(gl.load(q_rows + latent[None, :]))
-    q_rope.store(gl.load(q_rows + rope[None, :]))
-
-
-@gluon.jit
-def _attend_partition(q_ptr, q_stride_head, q_latent, q_rope, latent_ring, rope_ring, probs_smem,
-                      full, empty, row_slots, topk, qk_scale_log2, out_ptr, out_stride_head,
-                      record_ptr, record_stride_head, SPLIT: gl.constexpr, LATENT: gl.constexpr,
+def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
+                      row_slots, topk, qk_scale_log2, out_ptr, out_stride_head, record_ptr,
+                      record_stride_head, trace_ptr, SPLIT: gl.constexpr, LATENT: gl.constexpr,
                       ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr):
-    """The queries into shared memory (while the first gathers fly), then the online softmax over
-    the blocks as their slots fill; writes the program's heads."""
-    _store_queries(q_ptr, q_stride_head, q_latent, q_rope, LATENT, ROPE, BLOCK_H, WARPS)
-    fence_async_shared()  # the query stores, before the wgmma reads them
-    gl.thread_barrier()
-    first_block, stop_block = _split_blocks(row_slots, topk, BLOCK_N, SCAN, WARPS)
+                      STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr,
+                      TRACE: gl.constexpr):
+    """The online softmax over the split's blocks as their slots fill (the queries arrive with
+    the first); writes the program's heads."""
+    _stamp(trace_ptr, 1, TRACE)
+    first_index, first_ids = _slot_ids(row_slots, topk, 0, SCAN, WARPS)
+    first_block, stop_block = _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N,
+                                            SCAN, WARPS)
+    _stamp(trace_ptr, 2, TRACE)
     # two warpgroups: each holds half of the score columns and half of the value columns
     score_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
@@ -141,6 +184,9 @@ def _attend_partition(q_ptr, q_stride_head, q_latent, q_rope, latent_ring, rope_
         index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, score_layout))
         valid = gl.load(row_slots + index, mask=index < topk, other=-1) >= 0
         mbarrier.wait(full.index(stage), (i // STAGES) & 1)
+        if TRACE:
+            if i == 0:
+                _stamp(trace_ptr, 3, TRACE)
         fence_async_shared()  # the cp.async writes, before the wgmma reads them
         scores = warpgroup_mma(q_latent, latent_ring.index(stage).permute((1, 0)),
                                gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=score_layout),
@@ -162,13 +208,16 @@ def _attend_partition(q_ptr, q_stride_head, q_latent, q_rope, latent_ring, rope_
         acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()  # both warpgroups are done with the slot and the probabilities
         mbarrier.arrive(empty.index(stage), count=1)
+    _stamp(trace_ptr, 4, TRACE)
     seen = denominator > 0
     result = acc / gl.convert_layout(gl.where(seen, denominator, 1.0),
                                      gl.SliceLayout(1, out_layout))[:, None]
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, out_layout))
-    columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, out_layout))
     if SPLIT:
-        # the split's normalised output, then its log2-sum-exp2 (-inf when it saw no valid slot)
+        # the split's normalised output, then its log2-sum-exp2 (-inf when it saw no valid slot);
+        # written from the wgmma layout (staged through shared memory it was slower: the records'
+        # DRAM writes bound this store)
+        heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, out_layout))
+        columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, out_layout))
         records = record_ptr + heads.to(gl.int64) * record_stride_head
         gl.store(records[:, None] + columns[None, :], result)
         log_sum = gl.where(seen, running_max + gl.log2(gl.where(seen, denominator, 1.0)),
@@ -176,18 +225,28 @@ def _attend_partition(q_ptr, q_stride_head, q_latent, q_rope, latent_ring, rope_
         sum_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, score_layout))
         gl.store(record_ptr + sum_heads.to(gl.int64) * record_stride_head + LATENT, log_sum)
     else:
+        # through ring slot 0 (idle now: every issued block was consumed), so that a warp stores
+        # 512 contiguous bytes at a time instead of the wgmma layout's 8-row pieces of 4 bytes
+        staging = latent_ring.index(0)
+        staging.store(result.to(gl.bfloat16))
+        gl.thread_barrier()
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+        heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows_layout))
+        columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, rows_layout))
         rows = out_ptr + heads.to(gl.int64) * out_stride_head
-        gl.store(rows[:, None] + columns[None, :], result.to(gl.bfloat16))
+        gl.store(rows[:, None] + columns[None, :], staging.load(rows_layout))
+    _stamp(trace_ptr, 5, TRACE)
 
 
 @gluon.jit
 def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, qk_scale_log2,
                              q_stride_row, q_stride_head, kv_stride, slots_stride,
-                             out_stride_row, out_stride_head, num_heads, topk,
+                             out_stride_row, out_stride_head, num_heads, topk, trace_ptr,
                              LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
                              SPLIT: gl.constexpr, RECORD: gl.constexpr,
-                             GATHER_WARPS: gl.constexpr, GATHER_REGISTERS: gl.constexpr):
+                             GATHER_WARPS: gl.constexpr, GATHER_REGISTERS: gl.constexpr,
+                             TRACE: gl.constexpr, STAMPS: gl.constexpr):
     """Program ``(row, head block, split)``: shared memory and its barriers, then the gather and
     attend partitions (each finds the split's blocks itself, so the gathers start at once)."""
     row = gl.program_id(0).to(gl.int64)
@@ -195,6 +254,8 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
     split = gl.program_id(2)
     num_splits = gl.num_programs(2)
     row_slots = slots_ptr + row * slots_stride
+    trace_ptr += ((row * gl.num_programs(1) + gl.program_id(1)) * num_splits + split) * 2 * STAMPS
+    _stamp(trace_ptr, 0, TRACE)
     q_head = q_ptr + row * q_stride_row + head_start.to(gl.int64) * q_stride_head
 
     swizzled: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
@@ -216,12 +277,13 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
     out_row = out_ptr + row * out_stride_row + head_start.to(gl.int64) * out_stride_head
     record = workspace_ptr + ((row * num_heads + head_start) * num_splits + split) * RECORD
     gl.warp_specialize(
-        [(_attend_partition, (q_head, q_stride_head, q_latent, q_rope, latent_ring, rope_ring,
-                              probs_smem, full, empty, row_slots, topk, qk_scale_log2, out_row,
-                              out_stride_head, record, num_splits * RECORD, SPLIT, LATENT, ROPE,
-                              BLOCK_H, BLOCK_N, STAGES, SCAN, gl.num_warps())),
-         (_gather_partition, (kv_ptr, kv_stride, row_slots, topk, latent_ring, rope_ring, full,
-                              empty, LATENT, ROPE, BLOCK_N, STAGES, SCAN, GATHER_WARPS))],
+        [(_attend_partition, (q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
+                              row_slots, topk, qk_scale_log2, out_row, out_stride_head, record,
+                              num_splits * RECORD, trace_ptr, SPLIT, LATENT, ROPE, BLOCK_H, BLOCK_N,
+                              STAGES, SCAN, gl.num_warps(), TRACE)),
+         (_gather_partition, (q_head, q_stride_head, q_latent, q_rope, kv_ptr, kv_stride,
+                              row_slots, topk, latent_ring, rope_ring, full, empty, trace_ptr,
+                              LATENT, ROPE, BLOCK_H, BLOCK_N, STAGES, SCAN, GATHER_WARPS, TRACE))],
         [GATHER_WARPS], [GATHER_REGISTERS])
 
 
@@ -235,21 +297,30 @@ def sparse_mla_gluon_supported(device: torch.device | str, num_heads: int) -> bo
 
 def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                             out: torch.Tensor, workspace: torch.Tensor | None,
-                            qk_scale_log2: float, *, scan: int, record_width: int) -> None:
+                            qk_scale_log2: float, *, scan: int, record_width: int,
+                            trace: torch.Tensor | None = None) -> None:
     """Launch the kernel over grid ``(R, H / 64, num_splits)``: with ``workspace`` (fp32 ``[R, H,
     num_splits, record_width]``) it writes each split's normalised ``[512]`` output and its
     log2-sum-exp2 at index 512 of the split's record, without it the bf16 ``out`` directly.
     ``qk_scale_log2`` is the softmax scale times ``log2(e)``; ``scan`` the slot ids per step of
-    the last-valid scan (a power of two). The caller has checked the arguments
+    the last-valid scan (a power of two). ``trace`` (int64 ``[programs, 2 * len(TRACE_STAMPS)]``,
+    programs in grid order, zeroed by the caller) switches on the phase stamps, for diagnosis
+    (``scripts/sweep_sparse_mla.py --timeline``); it compiles a separate kernel, and a program
+    that skips a point leaves its stamp 0. The caller has checked the arguments
     (:func:`dsaspec.ops.sparse_mla.sparse_mla_decode`)."""
     num_rows, num_heads, _ = q.shape
     num_splits = 1 if workspace is None else workspace.shape[2]
     grid = (num_rows, num_heads // HEADS_PER_PROGRAM, num_splits)
+    if trace is not None:
+        check_tensor("trace", trace, dtype=torch.int64,
+                     shape=(grid[0] * grid[1] * grid[2], 2 * len(TRACE_STAMPS)), device=q.device)
+        if not trace.is_contiguous():
+            raise ValueError("trace: expected a contiguous tensor")
     _sparse_mla_gluon_kernel[grid](
         q, kv_cache, slots, out, out if workspace is None else workspace, qk_scale_log2,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
-        out.stride(1), num_heads, slots.shape[1],
+        out.stride(1), num_heads, slots.shape[1], out if trace is None else trace,
         LATENT=out.shape[2], ROPE=q.shape[2] - out.shape[2], BLOCK_H=HEADS_PER_PROGRAM,
         BLOCK_N=BLOCK_N, STAGES=STAGES, SCAN=scan, SPLIT=workspace is not None,
         RECORD=record_width, GATHER_WARPS=GATHER_WARPS, GATHER_REGISTERS=GATHER_REGISTERS,
-        num_warps=ATTEND_WARPS)
+        TRACE=trace is not None, STAMPS=len(TRACE_STAMPS), num_warps=ATTEND_WARPS)
