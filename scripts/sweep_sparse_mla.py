@@ -25,7 +25,6 @@ random slots), and decode bs 16 without a valid slot (``--timeline`` only, by de
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -37,7 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsaspec.bench.timing import L2Flusher, copy_time_us, empty_kernel_us, replay_events, warm_up_gpu  # noqa: E402
+from dsaspec.errors import UserError  # noqa: E402
 from dsaspec.ops import sparse_mla, sparse_mla_gluon  # noqa: E402
+from dsaspec.options import Parser  # noqa: E402
 from dsaspec.ops.device import sm_count  # noqa: E402
 from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,  # noqa: E402
                                     SPARSE_MLA_GLUON_CONFIG, SparseMLAConfig, sparse_mla_config,
@@ -51,9 +52,17 @@ POINTS = {"decode_bs1_1k": (1, 1024), "verify_bs1_1k": (4, 1024), "decode_bs1_64
 SWEEP_POINTS = [name for name in POINTS if name != "decode_bs16_no_valid_slot"]
 TIMELINE_POINTS = ("verify_bs1_1k", "decode_bs16_64k", "decode_bs32_64k", "decode_bs64_64k",
                    "verify_bs32_64k", "decode_bs16_no_valid_slot")
-# (name, first stamp, last stamp) of sparse_mla_gluon.TRACE_STAMPS
-PHASES = (("attend_scan", 1, 2), ("gather_scan", 0, 6), ("gather_first_copies", 0, 7),
-          ("first_block_in_smem", 0, 3), ("blocks", 3, 4), ("store", 4, 5), ("program", 0, 5))
+# (name, from stamp, to stamp), stamps named as in sparse_mla_gluon.TRACE_STAMPS
+PHASES = tuple((name, sparse_mla_gluon.TRACE_STAMPS.index(first),
+                sparse_mla_gluon.TRACE_STAMPS.index(last)) for name, first, last in (
+    ("attend_scan", "attend partition start", "attend partition's scan done"),
+    ("gather_scan", "program start", "gather partition's scan done"),
+    ("gather_first_copies", "program start", "first block's copies issued"),
+    ("first_block_in_smem", "program start", "first block in shared memory"),
+    ("blocks", "first block in shared memory", "blocks done"),
+    ("store", "blocks done", "result stored"),
+    ("program", "program start", "result stored")))
+START, END = (sparse_mla_gluon.TRACE_STAMPS.index(name) for name in ("program start", "result stored"))
 
 
 def _inputs(rows: int, live: int, gen) -> dict:
@@ -155,7 +164,8 @@ def _timeline(x: dict) -> dict:
     torch.cuda.synchronize()
     stamps = trace.view(programs, -1, 2).double()
     clock, timer = stamps[..., 0], stamps[..., 1]
-    ghz = ((clock[:, 5] - clock[:, 0]) / (timer[:, 5] - timer[:, 0]).clamp(min=1)).median().item()
+    ghz = ((clock[:, END] - clock[:, START])
+           / (timer[:, END] - timer[:, START]).clamp(min=1)).median().item()
     phases = {}
     for name, first, last in PHASES:
         reached = (clock[:, first] != 0) & (clock[:, last] != 0)
@@ -163,7 +173,7 @@ def _timeline(x: dict) -> dict:
             us = (clock[reached, last] - clock[reached, first]) / ghz / 1e3
             phases[name] = dict(median_us=us.median().item(), max_us=us.max().item())
     return dict(splits=splits, programs=programs, sm_ghz=ghz,
-                last_program_end_us=(timer[:, 5].max() - timer[:, 0].min()).item() / 1e3,
+                last_program_end_us=(timer[:, END].max() - timer[:, START].min()).item() / 1e3,
                 phases=phases) | _per_kernel(fn)
 
 
@@ -179,7 +189,17 @@ def _timeline_markdown(results: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="Where sparse MLA's time goes (per kernel, CUPTI).")
+    try:
+        args = _parse_args()
+    except UserError as err:
+        print(f"sweep_sparse_mla: error: {err}", file=sys.stderr)
+        return 2
+    return _sweep(args)
+
+
+def _parse_args():
+    """The options, checked (a ``UserError`` names the one that is wrong)."""
+    parser = Parser(description="Where sparse MLA's time goes (per kernel, CUPTI).")
     parser.add_argument("out", nargs="?", type=Path, default=Path("."), help="folder for sweep_sparse_mla.json")
     parser.add_argument("--eager", choices=sorted(POINTS), help="only run this point's default op 5 times (for ncu)")
     parser.add_argument("--grid", action="store_true", help="time tile shapes instead (sweep_sparse_mla_grid.json)")
@@ -195,11 +215,19 @@ def main() -> int:
     unknown = sorted(set(names) - set(POINTS))
     if unknown:
         parser.error(f"--points: unknown {unknown}; expected some of {sorted(POINTS)}")
+    if not torch.cuda.is_available():
+        raise UserError("needs a CUDA device")
     if args.timeline:
         off_gluon = [name for name in names if sparse_mla_config(
             POINTS[name][0], HEADS, split=True, device="cuda").kernel != "gluon"]
         if off_gluon:
             parser.error(f"--points: the default op does not run the Gluon kernel at {off_gluon}")
+    args.names = names
+    return args
+
+
+def _sweep(args) -> int:
+    names = args.names
     points = {name: POINTS[name] for name in names}
     if args.eager:
         rows, live = POINTS[args.eager]

@@ -147,9 +147,8 @@ def _gather_partition(q_ptr, q_stride_head, q_latent, q_rope, kv_ptr, kv_stride,
             rope_ring.index(stage), rope_row[:, None] + rope_columns[None, :],
             mask=(rope_slot >= 0)[:, None])
         async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
-        if TRACE:
-            if i == 0:
-                _stamp(trace_ptr, 7, TRACE)
+        if i == 0:
+            _stamp(trace_ptr, 7, TRACE)
     # no cp.async in flight at exit (the queries' copies, when the split has no block)
     async_copy.commit_group()
     async_copy.wait_group(0)
@@ -184,9 +183,8 @@ def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full
         index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, score_layout))
         valid = gl.load(row_slots + index, mask=index < topk, other=-1) >= 0
         mbarrier.wait(full.index(stage), (i // STAGES) & 1)
-        if TRACE:
-            if i == 0:
-                _stamp(trace_ptr, 3, TRACE)
+        if i == 0:
+            _stamp(trace_ptr, 3, TRACE)
         fence_async_shared()  # the cp.async writes, before the wgmma reads them
         scores = warpgroup_mma(q_latent, latent_ring.index(stage).permute((1, 0)),
                                gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=score_layout),
