@@ -201,12 +201,19 @@ def _junk_candidates(rows, k, device, num_chunks=1):
     return candidates
 
 
-def _listed(candidates, row, num_chunks=1, chunk=0):
-    """The entries a call wrote to ``row``'s list (of ``chunk``'s region with ``num_chunks``
-    regions per row; the junk left is never a position)."""
+def _listed(candidates, row, num_chunks=1, chunk=0, logits=None):
+    """The positions a call wrote to ``row``'s list (the first half of ``chunk``'s region with
+    ``num_chunks`` regions per row; the junk left is never a position). With ``logits``, also
+    checks that the second half holds their logits, bit for bit, beside them."""
     region = candidates.shape[1] // num_chunks
+    capacity = region // 2
     entries = candidates[row, chunk * region:(chunk + 1) * region].cpu()
-    return entries[entries != JUNK]
+    positions = entries[:capacity]
+    written = positions != JUNK
+    if logits is not None:
+        want = logits[row].cpu()[positions[written].long()].view(torch.int32)
+        assert torch.equal(entries[capacity:][written], want), f"row {row}: listed logits differ"
+    return positions[written]
 
 
 @pytest.mark.parametrize("k", [1, 16, 64])
@@ -223,12 +230,12 @@ def test_sampled_edge_lengths(k, device):
     candidates = _junk_candidates(len(lengths), k, device)
     positions = _assert_topk(logits, seqlens, page_table, k, device, candidates=candidates)
     for row, length in enumerate(lengths):
-        listed = _listed(candidates, row)
+        listed = _listed(candidates, row, logits=logits)
         if length < shortest:
             assert listed.numel() == 0, f"row {row} ({length} live) wrote a candidate list"
             continue
         chosen = positions[row][positions[row] >= 0]
-        assert k <= listed.numel() <= candidates.shape[1]
+        assert k <= listed.numel() <= candidates.shape[1] // 2
         assert bool((listed[1:] > listed[:-1]).all()) and 0 <= listed.min() and listed.max() < length
         assert bool(torch.isin(chosen, listed).all()), f"row {row}: a selected position is not listed"
 
@@ -249,7 +256,7 @@ def test_sampled_falls_back_when_the_sample_misleads(device):
     candidates = _junk_candidates(2, k, device)
     _assert_topk(logits, seqlens, page_table, k, device, candidates=candidates)
     assert 0 < _listed(candidates, 0).numel() < k
-    assert _listed(candidates, 1).numel() == candidates.shape[1]  # filled up: more than capacity
+    assert _listed(candidates, 1).numel() == candidates.shape[1] // 2  # filled up: over capacity
 
 
 def test_sampled_special_values(device):
@@ -274,9 +281,11 @@ def test_sampled_special_values(device):
 
 def test_candidates_size_and_bad_candidates(device):
     assert topk_candidates(3, 16, device).shape == (3, topk_candidates_width(16, device))
-    assert topk_candidates_width(2048, "cuda") == 2 * (96 + topk_module.SAMPLE_MARGIN) * 32
-    assert topk_sampled_min_live(2048, "cuda") == 2 * topk_candidates_width(2048, "cuda")
-    assert topk_sampled_min_live(2048, "cuda", num_chunks=2) == 2 * topk_candidates_width(2048, "cuda")
+    capacity = 2 * (96 + topk_module.SAMPLE_MARGIN) * 32
+    assert topk_module.topk_list_capacity(2048, "cuda") == capacity
+    assert topk_candidates_width(2048, "cuda") == 2 * capacity  # positions, then their logits
+    assert topk_sampled_min_live(2048, "cuda") == 2 * capacity
+    assert topk_sampled_min_live(2048, "cuda", num_chunks=2) == 2 * capacity
     assert topk_sampled_min_live(2048, "cuda", num_chunks=8) == 8 * 2048  # chunks of >= 2048
     logits = torch.zeros(2, 32, device=device)
     seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)
@@ -287,16 +296,18 @@ def test_candidates_size_and_bad_candidates(device):
     most = topk_module.TOPK_LISTS_MAX_CHUNKS
     assert topk_candidates(2, 4, device, num_chunks=most).shape == (2, most * good.shape[1])
     assert topk_candidates(2, 4, device, num_chunks=most + 1) is None  # few rows: no lists
-    with pytest.raises(ValueError, match=r"candidates: expected at least k = 4 columns per chunk, "
-                                         r"12 for 3 chunks \(topk_candidates\(\.\.\., "
-                                         r"num_chunks=3\)\), got shape \(2, 11\)"):
-        topk_slots(logits, seqlens, table, 4, out, candidates=good[:, :11],
+    with pytest.raises(ValueError, match=r"candidates: expected at least 2 k = 8 columns per chunk "
+                                         r"\(k positions and their logits\), 24 for 3 chunks "
+                                         r"\(topk_candidates\(\.\.\., num_chunks=3\)\), got "
+                                         r"shape \(2, 23\)"):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good[:, :23],
                    workspace=topk_workspace(2, device, num_chunks=3))
     with pytest.raises(ValueError, match="candidates: not with read_short_rows"):
         topk_slots(logits, seqlens, table, 4, out, candidates=good, read_short_rows=True)
-    with pytest.raises(ValueError, match=r"candidates: expected at least k = 4 columns "
-                                         r"\(topk_candidates\), got shape \(2, 3\)"):
-        topk_slots(logits, seqlens, table, 4, out, candidates=good[:, :3])
+    with pytest.raises(ValueError, match=r"candidates: expected at least 2 k = 8 columns \(k "
+                                         r"positions and their logits; topk_candidates\), got "
+                                         r"shape \(2, 7\)"):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good[:, :7])
     with pytest.raises(ValueError, match="candidates: the last dimension must be contiguous"):
         topk_slots(logits, seqlens, table, 4, out, candidates=good.t().contiguous().t())
     with pytest.raises(ValueError, match="candidates: expected dtype torch.int32, got torch.int64"):
@@ -434,7 +445,8 @@ def test_chunked_sampled_lists(monkeypatch, k, num_chunks, single_launch, device
                              single_launch=single_launch or None, candidates=candidates)
     for row, length in enumerate(lengths):
         chosen = positions[row][positions[row] >= 0]
-        listed = [_listed(candidates, row, num_chunks, chunk) for chunk in range(num_chunks)]
+        listed = [_listed(candidates, row, num_chunks, chunk, logits)
+                  for chunk in range(num_chunks)]
         if length < shortest:
             assert sum(entries.numel() for entries in listed) == 0, f"row {row} listed"
             continue
@@ -469,10 +481,10 @@ def test_chunked_sampled_falls_back(monkeypatch, num_chunks, single_launch, devi
     candidates = _junk_candidates(3, k, device, num_chunks)
     _assert_topk(logits, seqlens, page_table, k, device, num_chunks=num_chunks,
                  candidates=candidates, single_launch=single_launch)
-    region = candidates.shape[1] // num_chunks
+    capacity = candidates.shape[1] // num_chunks // 2
     assert 0 < sum(_listed(candidates, 0, num_chunks, c).numel() for c in range(num_chunks)) < k
-    assert _listed(candidates, 1, num_chunks, 0).numel() == region  # filled up: overflowed
-    assert _listed(candidates, 2, num_chunks, num_chunks - 1).numel() == region
+    assert _listed(candidates, 1, num_chunks, 0).numel() == capacity  # filled up: overflowed
+    assert _listed(candidates, 2, num_chunks, num_chunks - 1).numel() == capacity
 
 
 def test_workspace_size():
@@ -482,6 +494,10 @@ def test_workspace_size():
     assert topk_num_chunks(per_sm * 132 // fewest, 132) == fewest
     assert topk_num_chunks(per_sm * 132 // fewest + 1, 132) == 1  # too few chunks to pay off
     assert topk_workspace(per_sm * 132, "cpu", num_sms=132) is None
+    # from num_sms // TOPK_LISTS_MAX_CHUNKS rows on, chunk counts that take candidate lists
+    most = topk_module.TOPK_LISTS_MAX_CHUNKS
+    assert topk_num_chunks(132 // most - 1, 132) == per_sm * 132 // (132 // most - 1) > most
+    assert topk_num_chunks(132 // most, 132) == most
     workspace = topk_workspace(3, "cpu", num_sms=8)
     assert workspace.shape == (3, per_sm * 8 // 3, TOPK_WORKSPACE_WORDS)
     assert workspace.dtype == torch.int32
@@ -637,10 +653,10 @@ def test_gpu_sampled_lists_and_fallbacks():
     positions = _assert_topk(logits, seqlens, page_table, k, device, candidates=candidates)
     assert _listed(candidates, 0).numel() == 0
     assert 0 < _listed(candidates, 2).numel() < k
-    assert _listed(candidates, 3).numel() == candidates.shape[1]
+    assert _listed(candidates, 3).numel() == candidates.shape[1] // 2
     for row in (1, 4):
-        listed = _listed(candidates, row)
-        assert k <= listed.numel() < candidates.shape[1]
+        listed = _listed(candidates, row, logits=logits)
+        assert k <= listed.numel() < candidates.shape[1] // 2
         assert bool(torch.isin(positions[row], listed).all())
 
 
@@ -700,7 +716,7 @@ def test_gpu_single_launch_at_the_fit_limit(with_lists):
                              single_launch=True, candidates=candidates)
     if with_lists:
         for row in range(num_rows):
-            listed = torch.cat([_listed(candidates, row, num_chunks, chunk)
+            listed = torch.cat([_listed(candidates, row, num_chunks, chunk, logits)
                                 for chunk in range(num_chunks)])
             assert bool(torch.isin(positions[row].cpu(), listed).all()), f"row {row}"
 

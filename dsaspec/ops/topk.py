@@ -11,7 +11,8 @@ Two launch forms, same result bit for bit:
 
 - without a workspace, one program per row does every pass (grid ``(R,)``); with candidate
   lists (:func:`topk_candidates`, for rows that fill the GPU) a long row's passes run over a
-  list instead: a sample of every 32nd logit bounds it, one read of the row writes it, and a row
+  list instead: a sample of every 32nd logit bounds it, one read of the row writes it (the
+  positions and copies of their logits, so the passes over the list read in order), and a row
   whose list would hold fewer than ``k`` or too many positions takes the whole-row passes;
 - with a workspace (:func:`topk_workspace`, for few rows) each row's live range is split into
   up to ``P`` chunks, one program each (grid ``(R, P)``), and every pass is a launch of its own:
@@ -61,6 +62,7 @@ SAMPLE_MARGIN = 16
 # a few dozen more candidates than the key itself on rows of normal logits; the list stays closed
 # upwards, so the selection stays exact.
 _SAMPLE_LEVELS = tl.constexpr(2)
+_VECTOR = tl.constexpr(4)  # neighbouring logits a thread takes in the list and write passes
 # Chunked form: logits per loop step, the shortest chunk (a multiple of _ALIGN) and chunk
 # histograms summed per step, on the GPU / under the interpreter (tiny, so tests cover chunks
 # shorter than a step and several summing steps).
@@ -86,10 +88,12 @@ _CHUNK_WARPS = 4  # warps of a chunked-form program
 _SINGLE_LAUNCH_MAX_REGISTERS = 65536 // (SINGLE_LAUNCH_PROGRAMS_PER_SM * _CHUNK_WARPS * 32)
 _PASSES = 5  # histograms of digits 0..3, then the write
 _LIST_PASS = tl.constexpr(5)  # the launched form's first pass with candidate lists
-# Candidate lists in the chunked form only up to this many chunks a row (33 rows and more on the
-# H200): with more, every chunk's derivation of the sample bound costs more than its shorter range
-# saves (1-16 rows of 64k were slower with lists: benchmarks/results/h200/logs/
-# topk_chunk_lists_variants.json).
+# Candidate lists in the chunked form only up to this many chunks a row: with more, every chunk's
+# derivation of the sample bound costs more than its shorter range saves. From 16 rows on (H200:
+# num_sms // 8) a row takes no more chunks than this, so long rows take lists: 16 rows of 64k in 8
+# chunks with lists 35.4 µs against 16 chunks without 42.7; with fewer rows the 32 chunks without
+# lists are faster (4 rows: 24.8 against 31.1 in 8 chunks with lists;
+# benchmarks/results/h200/logs/topk_chunks_lists_few_rows.json).
 TOPK_LISTS_MAX_CHUNKS = 8
 # ... and in rows whose chunks are at least this long (on the GPU / under the interpreter): in
 # shorter ones the list pass costs more than the shorter passes save (H200, one kernel for every
@@ -118,64 +122,96 @@ def _order_key(values):
 
 
 @triton.jit
-def _source_positions(row_candidates, indices, end, stride):
-    """The row positions of source ``indices`` (``< end``). The source is ``stride``: 1 the row
-    itself, more every ``stride``-th position of it (the sample), 0 the positions listed at
-    ``row_candidates[indices]`` (written by this program or its row's: read through L2). A
-    runtime value, so one compiled loop serves every source; where a caller passes the constant
-    1 the selection folds away."""
+def _vector_offsets(BLOCK: tl.constexpr):
+    """int32 ``[BLOCK // 4, 4]``: ``0 .. BLOCK - 1`` in row-major order. Triton gives each thread
+    whole rows of four neighbours (one 16-byte load), so a block's ranks (``_block_ranks``) need
+    one scan over ``BLOCK // 4`` row counts; a scan over all ``BLOCK`` entries took 2.4x the
+    instructions (sm_90 SASS of the list pass: 552 against 1320, 5 barriers against 11)."""
+    return tl.arange(0, BLOCK // _VECTOR)[:, None] * _VECTOR + tl.arange(0, _VECTOR)[None, :]
+
+
+@triton.jit
+def _block_ranks(flags):
+    """For 0/1 int32 ``flags`` ``[N, V]`` taken in row-major order: (int32 ``[N, V]``, the set
+    flags before each entry; the number set in all)."""
+    per_row = tl.sum(flags, 1)
+    rows_before = tl.cumsum(per_row, 0) - per_row
+    return rows_before[:, None] + tl.cumsum(flags, 1) - flags, tl.sum(per_row, 0)
+
+
+@triton.jit
+def _list_logits(out_list, capacity):
+    """The fp32 logits half of a candidate list: ``capacity`` positions at ``out_list``, then
+    their logits (the int32 buffer's next ``capacity`` words)."""
+    return (out_list + capacity).to(tl.pointer_type(tl.float32), bitcast=True)
+
+
+@triton.jit
+def _logit_index(indices, stride):
+    """Where source index ``indices`` finds its logit: ``indices * stride`` in a sample of the row
+    (``stride > 1``), else ``indices`` (the row itself, 1, or a list's own copies, 0). A runtime
+    value, so one compiled loop serves every source; where a caller passes the constant 1 the
+    arithmetic folds away."""
+    index = indices
+    if stride != 1:
+        index = indices * tl.maximum(stride, 1)
+    return index
+
+
+@triton.jit
+def _source_positions(source_positions, indices, wanted, stride):
+    """The row positions of source ``indices``: the list's (``stride`` 0; loaded where
+    ``wanted``, through L2: written by this program or its row's), else ``indices * stride``."""
     positions = indices
     if stride != 1:
-        listed = tl.load(row_candidates + indices, mask=(indices < end) & (stride == 0), other=0,
+        listed = tl.load(source_positions + indices, mask=wanted & (stride == 0), other=0,
                          cache_modifier=".cg")
         positions = tl.where(stride == 0, listed, indices * stride)
     return positions
 
 
 @triton.jit
-def _first_values(row_logits, row_candidates, start, end, stride, PREFETCH: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """What a block loop over source indices ``[start, end)`` carries into its first step: with
-    ``PREFETCH`` the first block's logits (loaded now), else nothing to carry (zeros, never
-    read)."""
+def _first_values(source_logits, offsets, start, end, stride, PREFETCH: tl.constexpr):
+    """What a block loop over source indices ``[start, end)`` (``start + offsets`` a step)
+    carries into its first step: with ``PREFETCH`` the first block's logits (loaded now), else
+    nothing to carry (zeros, never read)."""
     if PREFETCH:
-        indices = start + tl.arange(0, BLOCK)
-        positions = _source_positions(row_candidates, indices, end, stride)
-        return tl.load(row_logits + positions, mask=indices < end, other=0.0)
+        indices = start + offsets
+        return tl.load(source_logits + _logit_index(indices, stride), mask=indices < end,
+                       other=0.0)
     else:
-        return tl.zeros((BLOCK,), dtype=tl.float32)
+        return tl.zeros(offsets.shape, dtype=tl.float32)
 
 
 @triton.jit
-def _source_values(row_logits, row_candidates, indices, end, carried, stride,
-                   PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
-    """(positions, logits, what to carry) of source ``indices`` (``< end``; ``stride``: see
-    ``_source_positions``). With ``PREFETCH`` the logits were carried in and the next block's
-    loads are issued now, before this block's work, so two blocks are in flight; without, this
-    block is loaded now."""
-    positions = _source_positions(row_candidates, indices, end, stride)
+def _source_values(source_logits, indices, end, carried, stride, PREFETCH: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """(logits of source ``indices`` (``< end``; ``stride``: see ``_logit_index``), what to
+    carry). With ``PREFETCH`` the logits were carried in and the next block's loads are issued
+    now, before this block's work, so two blocks are in flight; without, this block is loaded
+    now."""
     if PREFETCH:
         ahead = indices + BLOCK
-        ahead_positions = _source_positions(row_candidates, ahead, end, stride)
-        return positions, carried, tl.load(row_logits + ahead_positions, mask=ahead < end,
-                                           other=0.0)
+        return carried, tl.load(source_logits + _logit_index(ahead, stride), mask=ahead < end,
+                                other=0.0)
     else:
-        return positions, tl.load(row_logits + positions, mask=indices < end, other=0.0), carried
+        return tl.load(source_logits + _logit_index(indices, stride), mask=indices < end,
+                       other=0.0), carried
 
 
 @triton.jit
-def _digit_histogram(row_logits, row_candidates, start, end, prefix, level, stride,
-                     BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+def _digit_histogram(source_logits, start, end, prefix, level, stride, BLOCK: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     """int32 ``[256]``: counts of digit ``level`` (0..3: key bits ``31 - 8 level .. 24 - 8
-    level``) over the source indices ``[start, end)`` (``stride``: see ``_source_values``) whose
-    higher digits equal ``prefix``."""
+    level``) over the source indices ``[start, end)`` (logits at ``source_logits``, ``stride``:
+    see ``_logit_index``) whose higher digits equal ``prefix``."""
     offsets = tl.arange(0, BLOCK)
     histogram = tl.zeros((256,), dtype=tl.int32)
-    carried = _first_values(row_logits, row_candidates, start, end, stride, PREFETCH, BLOCK)
+    carried = _first_values(source_logits, offsets, start, end, stride, PREFETCH)
     for block_start in range(start, end, BLOCK):
         indices = block_start + offsets
-        _, values, carried = _source_values(row_logits, row_candidates, indices, end, carried,
-                                            stride, PREFETCH, BLOCK)
+        values, carried = _source_values(source_logits, indices, end, carried, stride, PREFETCH,
+                                         BLOCK)
         keys = _order_key(values)
         # the digits above this one (none at level 0: shifted out in two steps, each below 32)
         higher = (keys >> (31 - 8 * level)) >> 1
@@ -198,32 +234,35 @@ def _choose_digit(histogram, need):
 
 
 @triton.jit
-def _write_selected(row_logits, row_candidates, row_table, row_out, row_positions, start, end,
-                    stride, threshold, shift, need, written, ties_seen,
+def _write_selected(source_logits, source_positions, row_table, row_out, row_positions, start,
+                    end, stride, threshold, shift, need, written, ties_seen,
                     WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
-    """Write the selected positions of source indices ``[start, end)`` (``stride``: see
-    ``_source_values``): ``key >> shift`` above ``threshold``, or equal to it with fewer than
+    """Write the selected positions of source indices ``[start, end)`` (logits at
+    ``source_logits``, positions at ``source_positions`` for a list; ``stride``: see
+    ``_logit_index``): ``key >> shift`` above ``threshold``, or equal to it with fewer than
     ``need`` such ties before, counting ``ties_seen`` earlier ones; in the source's order
     (ascending positions) from output index ``written``. Returns the next index."""
-    offsets = tl.arange(0, BLOCK)
-    carried = _first_values(row_logits, row_candidates, start, end, stride, PREFETCH, BLOCK)
+    offsets = _vector_offsets(BLOCK)
+    carried = _first_values(source_logits, offsets, start, end, stride, PREFETCH)
     for block_start in range(start, end, BLOCK):
         indices = block_start + offsets
         in_range = indices < end
-        positions, values, carried = _source_values(row_logits, row_candidates, indices, end,
-                                                    carried, stride, PREFETCH, BLOCK)
+        values, carried = _source_values(source_logits, indices, end, carried, stride, PREFETCH,
+                                         BLOCK)
         keys = _order_key(values) >> shift
         above = in_range & (keys > threshold)
         tie = in_range & (keys == threshold)
-        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), 0) - 1
-        selected = above | (tie & (tie_rank < need))
-        index = written + tl.cumsum(selected.to(tl.int32), 0) - 1
+        ties_before, ties = _block_ranks(tie.to(tl.int32))
+        selected = above | (tie & (ties_seen + ties_before < need))
+        selected_before, count = _block_ranks(selected.to(tl.int32))
+        index = written + selected_before
+        positions = _source_positions(source_positions, indices, selected, stride)
         slots = tl.load(row_table + positions, mask=selected, other=-1)
         tl.store(row_out + index, slots, mask=selected)
         if WRITE_POSITIONS:
             tl.store(row_positions + index, positions, mask=selected)
-        written += tl.sum(selected.to(tl.int32), 0)
-        ties_seen += tl.sum(tie.to(tl.int32), 0)
+        written += count
+        ties_seen += ties
     return written
 
 
@@ -291,16 +330,16 @@ def _topk_slots_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positio
 
 
 @triton.jit
-def _select_and_write(row_logits, row_candidates, row_table, row_out, row_positions, end, k,
-                      stride, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
-    """Radix-select the top ``min(end, k)`` of source indices ``[0, end)`` (``stride``: see
-    ``_source_values``) and write their slots (and positions) in ascending position order;
-    returns how many were written."""
-    threshold, shift, need = _radix_threshold(row_logits, row_candidates, end, k, stride, BLOCK)
+def _select_and_write(source_logits, source_positions, row_table, row_out, row_positions, end,
+                      k, stride, WRITE_POSITIONS: tl.constexpr, BLOCK: tl.constexpr):
+    """Radix-select the top ``min(end, k)`` of source indices ``[0, end)`` (``source_logits``,
+    ``source_positions``, ``stride``: see ``_write_selected``) and write their slots (and
+    positions) in ascending position order; returns how many were written."""
+    threshold, shift, need = _radix_threshold(source_logits, end, k, stride, BLOCK)
     none = tl.zeros((), dtype=tl.int32)
-    return _write_selected(row_logits, row_candidates, row_table, row_out, row_positions, 0, end,
-                           stride, threshold, shift, need, none, none, WRITE_POSITIONS, BLOCK,
-                           False)
+    return _write_selected(source_logits, source_positions, row_table, row_out, row_positions, 0,
+                           end, stride, threshold, shift, need, none, none, WRITE_POSITIONS,
+                           BLOCK, False)
 
 
 @triton.jit
@@ -318,29 +357,31 @@ def _select_from_candidates(row_logits, row_candidates, row_table, row_out, row_
     written = tl.full((), -1, dtype=tl.int32)
     if (count >= k) & (count <= capacity):
         tl.debug_barrier()  # the list's stores, before any thread of the program reads it
-        written = _select_and_write(row_logits, row_candidates, row_table, row_out,
-                                    row_positions, count, k, 0, WRITE_POSITIONS, LIST_BLOCK)
+        written = _select_and_write(_list_logits(row_candidates, capacity), row_candidates,
+                                    row_table, row_out, row_positions, count, k, 0,
+                                    WRITE_POSITIONS, LIST_BLOCK)
     return written
 
 
 @triton.jit
-def _radix_threshold(row_logits, row_candidates, end, k, stride, BLOCK: tl.constexpr,
+def _radix_threshold(source_logits, end, k, stride, BLOCK: tl.constexpr,
                      LEVELS: tl.constexpr = 4):
-    """Radix-select the ``min(end, k)``-th largest key of source indices ``[0, end)`` (``stride``:
-    see ``_source_values``): returns (threshold, shift, need) such that the source's top ``k`` are
-    the keys with ``key >> shift > threshold``, then the first ``need`` with ``key >> shift ==
-    threshold`` (with ``end <= k``: shift 0, threshold 0, need k, which takes every index). With
-    ``LEVELS`` below 4 the search stops after that many digits: the threshold is then the top
-    ``8 * LEVELS`` bits of that key (a bin, as the candidate bound needs). The digit loop is a
-    runtime loop, so each call site compiles one histogram loop, not four."""
+    """Radix-select the ``min(end, k)``-th largest key of source indices ``[0, end)`` (logits at
+    ``source_logits``, ``stride``: see ``_logit_index``): returns (threshold, shift, need) such
+    that the source's top ``k`` are the keys with ``key >> shift > threshold``, then the first
+    ``need`` with ``key >> shift == threshold`` (with ``end <= k``: shift 0, threshold 0, need k,
+    which takes every index). With ``LEVELS`` below 4 the search stops after that many digits:
+    the threshold is then the top ``8 * LEVELS`` bits of that key (a bin, as the candidate bound
+    needs). The digit loop is a runtime loop, so each call site compiles one histogram loop, not
+    four."""
     threshold = tl.zeros((), dtype=tl.uint32)
     shift = tl.zeros((), dtype=tl.uint32)
     need = tl.zeros((), dtype=tl.int32) + k  # a tensor even when k is specialised to a constant
     searching = end > k
     for level in range(LEVELS):
         if searching:
-            histogram = _digit_histogram(row_logits, row_candidates, 0, end, threshold, level,
-                                         stride, BLOCK, False)
+            histogram = _digit_histogram(source_logits, 0, end, threshold, level, stride, BLOCK,
+                                         False)
             digit, in_digit, above = _choose_digit(histogram, need)
             need -= above
             threshold = (threshold << 8) | digit.to(tl.uint32)
@@ -354,24 +395,22 @@ def _list_candidates(row_logits, row_candidates, live, capacity, sample_rank, sa
                      BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr):
     """The sampled form's candidate list: the ``sample_rank``-th largest key of every
     ``sample_stride``-th position bounds it (its radix bin), and every position ``t < live`` whose
-    key reaches that bin is listed in ascending order at ``row_candidates[0 : min(count,
-    capacity)]``; returns ``count`` (all of them). The set is closed upwards in key order, so when
-    it holds at least ``k`` positions it holds the row's whole top ``k`` and every tie of the
-    ``k``-th key: selecting from it is exact."""
-    threshold, shift = _sample_bound(row_logits, row_candidates, live, sample_rank,
-                                     sample_stride, LIST_BLOCK)
+    key reaches that bin is listed in ascending order (``_list_range``: at most ``capacity``);
+    returns ``count`` (all of them). The set is closed upwards in key order, so when it holds at
+    least ``k`` positions it holds the row's whole top ``k`` and every tie of the ``k``-th key:
+    selecting from it is exact."""
+    threshold, shift = _sample_bound(row_logits, live, sample_rank, sample_stride, LIST_BLOCK)
     return _list_range(row_logits, row_candidates, 0, live, capacity, threshold, shift, BLOCK)
 
 
 @triton.jit
-def _sample_bound(row_logits, row_candidates, live, sample_rank, sample_stride,
-                  LIST_BLOCK: tl.constexpr):
+def _sample_bound(row_logits, live, sample_rank, sample_stride, LIST_BLOCK: tl.constexpr):
     """(threshold, shift): the radix bin of the ``sample_rank``-th largest key of every
     ``sample_stride``-th position ``< live``; a key reaches it when ``key >> shift >=
     threshold``."""
     sample_end = (live + sample_stride - 1) // sample_stride
-    threshold, shift, _ = _radix_threshold(row_logits, row_candidates, sample_end, sample_rank,
-                                           sample_stride, LIST_BLOCK, _SAMPLE_LEVELS)
+    threshold, shift, _ = _radix_threshold(row_logits, sample_end, sample_rank, sample_stride,
+                                           LIST_BLOCK, _SAMPLE_LEVELS)
     return threshold, shift
 
 
@@ -379,17 +418,25 @@ def _sample_bound(row_logits, row_candidates, live, sample_rank, sample_stride,
 def _list_range(row_logits, out_list, start, end, capacity, threshold, shift,
                 BLOCK: tl.constexpr):
     """List every position of ``[start, end)`` whose key reaches the bound (``key >> shift >=
-    threshold``), in ascending order, at ``out_list[0 : min(count, capacity)]``; returns
-    ``count`` (all of them)."""
-    offsets = tl.arange(0, BLOCK)
+    threshold``), in ascending order: positions at ``out_list[0 : min(count, capacity)]``, their
+    logits beside them (``_list_logits``), so the passes over the list read both in order instead
+    of gathering logits from the row; returns ``count`` (all of them). The only full read of a
+    long row, so two blocks are in flight."""
+    offsets = _vector_offsets(BLOCK)
+    list_logits = _list_logits(out_list, capacity)
     count = tl.zeros((), dtype=tl.int32)
+    ahead = tl.load(row_logits + start + offsets, mask=start + offsets < end, other=0.0)
     for block_start in range(start, end, BLOCK):
         positions = block_start + offsets
-        values = tl.load(row_logits + positions, mask=positions < end, other=0.0)
+        values = ahead
+        ahead = tl.load(row_logits + positions + BLOCK, mask=positions + BLOCK < end, other=0.0)
         keep = (positions < end) & ((_order_key(values) >> shift) >= threshold)
-        index = count + tl.cumsum(keep.to(tl.int32), 0) - 1
-        tl.store(out_list + index, positions, mask=keep & (index < capacity))
-        count += tl.sum(keep.to(tl.int32), 0)
+        before, kept = _block_ranks(keep.to(tl.int32))
+        index = count + before
+        stored = keep & (index < capacity)
+        tl.store(out_list + index, positions, mask=stored)
+        tl.store(list_logits + index, values, mask=stored)
+        count += kept
     return count
 
 
@@ -483,14 +530,14 @@ def _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks
 
 
 @triton.jit
-def _search_pass(row_logits, source, row_workspace, start, end, stride, chunk, num_active, k,
+def _search_pass(source_logits, row_workspace, start, end, stride, chunk, num_active, k,
                  PASS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr,
                  TILE: tl.constexpr):
     """Pass ``PASS`` (1..3) of a searching row: move the chunk's search state past digit
     ``PASS - 1`` and store it (if the row was still searching), then histogram digit ``PASS``
-    of the chunk's source indices ``[start, end)`` (its range, or its candidate list: ``stride``
-    and ``PREFETCH`` as ``_source_values`` takes them) if it still is. Returns whether it still
-    is."""
+    of the chunk's source indices ``[start, end)`` (its range, or its candidate list: logits at
+    ``source_logits``, ``stride`` and ``PREFETCH`` as ``_source_values`` takes them) if it still
+    is. Returns whether it still is."""
     above, prefix, need, levels, searching, found = _advance(row_workspace, chunk, num_active,
                                                               k, PASS - 1, TILE)
     if found:
@@ -501,7 +548,7 @@ def _search_pass(row_logits, source, row_workspace, start, end, stride, chunk, n
         tl.store(state + _LEVELS, levels)
         tl.store(state + _SEARCHING, searching.to(tl.int32))
     if searching:
-        histogram = _digit_histogram(row_logits, source, start, end,
+        histogram = _digit_histogram(source_logits, start, end,
                                      prefix.to(tl.uint32, bitcast=True), PASS, stride, BLOCK,
                                      PREFETCH)
         tl.store(row_workspace + chunk * _WORDS + PASS * 256 + tl.arange(0, 256), histogram)
@@ -509,43 +556,42 @@ def _search_pass(row_logits, source, row_workspace, start, end, stride, chunk, n
 
 
 @triton.jit
-def _chunk_pass(row_logits, source, row_table, row_out, row_positions, row_workspace, start, end,
-                stride, chunk, num_active, k, PASS: tl.constexpr, WRITE_POSITIONS: tl.constexpr,
-                PREFETCH: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+def _chunk_pass(source_logits, source_positions, row_table, row_out, row_positions,
+                row_workspace, start, end, stride, chunk, num_active, k, PASS: tl.constexpr,
+                WRITE_POSITIONS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr,
+                TILE: tl.constexpr):
     """Pass ``PASS`` of a searching row's chunk over its source indices ``[start, end)``
-    (``stride``, ``PREFETCH``: as ``_search_pass``): 0 histograms digit 0, 1..3 move the search
-    state on and histogram the next digit, 4 writes."""
+    (``source_logits``, ``source_positions``, ``stride``, ``PREFETCH``: as ``_write_chunk``): 0
+    histograms digit 0, 1..3 move the search state on and histogram the next digit, 4 writes."""
     if PASS == 0:
-        histogram = _digit_histogram(row_logits, source, start, end, 0, 0, stride, BLOCK,
-                                     PREFETCH)
+        histogram = _digit_histogram(source_logits, start, end, 0, 0, stride, BLOCK, PREFETCH)
         tl.store(row_workspace + chunk * _WORDS + tl.arange(0, 256), histogram)
     elif PASS < 4:
-        _search_pass(row_logits, source, row_workspace, start, end, stride, chunk, num_active, k,
+        _search_pass(source_logits, row_workspace, start, end, stride, chunk, num_active, k,
                      PASS, PREFETCH, BLOCK, TILE)
     else:
-        _write_chunk(row_logits, source, row_table, row_out, row_positions, row_workspace, start,
-                     end, stride, chunk, num_active, k, WRITE_POSITIONS, PREFETCH, BLOCK, TILE)
+        _write_chunk(source_logits, source_positions, row_table, row_out, row_positions,
+                     row_workspace, start, end, stride, chunk, num_active, k, WRITE_POSITIONS,
+                     PREFETCH, BLOCK, TILE)
 
 
 @triton.jit
-def _list_chunk(row_logits, row_candidates, own_list, row_workspace, chunk, live, start, end,
-                region, sample_rank, sample_stride, BLOCK: tl.constexpr,
-                LIST_BLOCK: tl.constexpr):
+def _list_chunk(row_logits, own_list, row_workspace, chunk, live, start, end, capacity,
+                sample_rank, sample_stride, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr):
     """A sampled row's chunk lists its candidates: the row's sample bound (every program of the
-    row derives the same one), then the chunk's positions that reach it, ascending, at
-    ``own_list`` (``region`` entries at most); the count (all of them) goes to the chunk's
-    state."""
-    threshold, shift = _sample_bound(row_logits, row_candidates, live, sample_rank,
-                                     sample_stride, LIST_BLOCK)
-    count = _list_range(row_logits, own_list, start, end, region, threshold, shift, BLOCK)
+    row derives the same one), then the chunk's positions that reach it, ascending, with their
+    logits, at ``own_list`` (``capacity`` entries at most, ``_list_range``); the count (all of
+    them) goes to the chunk's state."""
+    threshold, shift = _sample_bound(row_logits, live, sample_rank, sample_stride, LIST_BLOCK)
+    count = _list_range(row_logits, own_list, start, end, capacity, threshold, shift, BLOCK)
     tl.store(row_workspace + chunk * _WORDS + _STATE + _LISTED, count)
 
 
 @triton.jit
-def _row_listed(row_workspace, num_active, k, region, TILE: tl.constexpr):
+def _row_listed(row_workspace, num_active, k, capacity, TILE: tl.constexpr):
     """Whether a sampled row selects from its chunks' lists: together they hold at least ``k``
     positions (else the sample misled: the bound admits too few) and none overflowed its
-    ``region``. Every program of the row reads the same counts, so all decide alike."""
+    ``capacity``. Every program of the row reads the same counts, so all decide alike."""
     total = tl.zeros((), dtype=tl.int32)
     largest = tl.zeros((), dtype=tl.int32)
     for first in range(0, num_active, TILE):
@@ -554,7 +600,7 @@ def _row_listed(row_workspace, num_active, k, region, TILE: tl.constexpr):
                          mask=chunks < num_active, other=0, cache_modifier=".cg")
         total += tl.sum(counts, 0)
         largest = tl.maximum(largest, tl.max(counts, 0))
-    return (total >= k) & (largest <= region)
+    return (total >= k) & (largest <= capacity)
 
 
 @triton.jit
@@ -585,24 +631,25 @@ def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, po
             _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live,
                         k, WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
-        row_candidates = candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
-        own_list = row_candidates + chunk * region
+        own_list = (candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
+                    + chunk * region)
+        capacity = region // 2  # positions, then their logits
         sampled = SAMPLED & (live >= sampled_min_live)
         if PASS == _LIST_PASS:
             if sampled:
-                _list_chunk(row_logits, row_candidates, own_list, row_workspace, chunk, live,
-                            start, end, region, sample_rank, sample_stride, BLOCK, LIST_BLOCK)
+                _list_chunk(row_logits, own_list, row_workspace, chunk, live, start, end,
+                            capacity, sample_rank, sample_stride, BLOCK, LIST_BLOCK)
         else:
             listed = sampled
             if sampled:
-                listed = _row_listed(row_workspace, num_active, k, region, TILE)
+                listed = _row_listed(row_workspace, num_active, k, capacity, TILE)
             if listed:
                 listed_count = tl.load(row_workspace + chunk * _WORDS + _STATE + _LISTED)
-                _chunk_pass(row_logits, own_list, row_table, row_out, row_positions,
-                            row_workspace, 0, listed_count, 0, chunk, num_active, k, PASS,
-                            WRITE_POSITIONS, False, BLOCK, TILE)
+                _chunk_pass(_list_logits(own_list, capacity), own_list, row_table, row_out,
+                            row_positions, row_workspace, 0, listed_count, 0, chunk, num_active,
+                            k, PASS, WRITE_POSITIONS, False, BLOCK, TILE)
             else:
-                _chunk_pass(row_logits, row_logits, row_table, row_out, row_positions,
+                _chunk_pass(row_logits, own_list, row_table, row_out, row_positions,
                             row_workspace, start, end, 1, chunk, num_active, k, PASS,
                             WRITE_POSITIONS, True, BLOCK, TILE)
 
@@ -674,58 +721,66 @@ def _topk_chunk_lists_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, p
         _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live, k,
                     WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
-        row_candidates = candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
-        own_list = row_candidates + chunk * region
-        # the chunk's range (source indices [start, end), stride 1), or its list (stride 0)
-        first, last, stride = start, end, tl.full((), 1, tl.int32)
+        own_list = (candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
+                    + chunk * region)
+        capacity = region // 2  # positions, then their logits
+        # the chunk's range (source indices [start, end) of the row's logits, stride 1), or its
+        # list (stride 0, the list's own copies of the logits)
+        first, last, stride, source_logits = start, end, tl.full((), 1, tl.int32), row_logits
         barriers = tl.zeros((), dtype=tl.int32)
         if live >= sampled_min_live:
-            _list_chunk(row_logits, row_candidates, own_list, row_workspace, chunk, live, start,
-                        end, region, sample_rank, sample_stride, BLOCK, LIST_BLOCK)
+            _list_chunk(row_logits, own_list, row_workspace, chunk, live, start, end, capacity,
+                        sample_rank, sample_stride, BLOCK, LIST_BLOCK)
             _row_barrier(row_workspace + _STATE + _ARRIVED, num_active, False)
             barriers += 1
-            if _row_listed(row_workspace, num_active, k, region, TILE):
+            if _row_listed(row_workspace, num_active, k, capacity, TILE):
                 first, stride = tl.zeros_like(start), tl.zeros_like(stride)
                 last = tl.load(row_workspace + chunk * _WORDS + _STATE + _LISTED,
                                cache_modifier=".cg")
-        _single_launch_passes(row_logits, own_list, row_table, row_out, row_positions,
+                source_logits = _list_logits(own_list, capacity)
+        _single_launch_passes(source_logits, own_list, row_table, row_out, row_positions,
                               row_workspace, tl.multiple_of(first, _ALIGN), last, stride, chunk,
                               num_active, k, barriers, WRITE_POSITIONS, False, BLOCK, TILE)
 
 
 @triton.jit
-def _single_launch_passes(row_logits, source, row_table, row_out, row_positions, row_workspace,
-                          start, end, stride, chunk, num_active, k, barriers,
+def _single_launch_passes(source_logits, source_positions, row_table, row_out, row_positions,
+                          row_workspace, start, end, stride, chunk, num_active, k, barriers,
                           WRITE_POSITIONS: tl.constexpr, PREFETCH: tl.constexpr,
                           BLOCK: tl.constexpr, TILE: tl.constexpr):
-    """A searching row's passes over the chunk's source indices ``[start, end)`` (``stride``,
-    ``PREFETCH``: as ``_search_pass``), meeting at the row's pass counter, which ``barriers``
+    """A searching row's passes over the chunk's source indices ``[start, end)``
+    (``source_logits``, ``source_positions``, ``stride``, ``PREFETCH``: as ``_write_chunk``),
+    meeting at the row's pass counter, which ``barriers``
     earlier meetings of this launch left at ``barriers * num_active`` (zero again after the last
     barrier)."""
     arrived = row_workspace + _STATE + _ARRIVED
-    _chunk_pass(row_logits, source, row_table, row_out, row_positions, row_workspace, start, end,
-                stride, chunk, num_active, k, 0, WRITE_POSITIONS, PREFETCH, BLOCK, TILE)
+    _chunk_pass(source_logits, source_positions, row_table, row_out, row_positions,
+                row_workspace, start, end, stride, chunk, num_active, k, 0, WRITE_POSITIONS,
+                PREFETCH, BLOCK, TILE)
     barriers = tl.zeros((), dtype=tl.int32) + barriers + 1
     _row_barrier(arrived, num_active * barriers, False)
     searching = num_active > 0  # true here; every program of the row derives the same values
     for level in tl.static_range(1, 4):
         if searching:
-            searching = _search_pass(row_logits, source, row_workspace, start, end, stride, chunk,
+            searching = _search_pass(source_logits, row_workspace, start, end, stride, chunk,
                                      num_active, k, level, PREFETCH, BLOCK, TILE)
             barriers += 1
             # the last barrier: the search ended here, or this was the last digit
             _row_barrier(arrived, num_active * barriers, (searching == 0) | (level == 3))
-    _write_chunk(row_logits, source, row_table, row_out, row_positions, row_workspace, start, end,
-                 stride, chunk, num_active, k, WRITE_POSITIONS, PREFETCH, BLOCK, TILE)
+    _write_chunk(source_logits, source_positions, row_table, row_out, row_positions,
+                 row_workspace, start, end, stride, chunk, num_active, k, WRITE_POSITIONS,
+                 PREFETCH, BLOCK, TILE)
 
 
 @triton.jit
-def _write_chunk(row_logits, source, row_table, row_out, row_positions, row_workspace, start,
-                 end, stride, chunk, num_active, k, WRITE_POSITIONS: tl.constexpr,
-                 PREFETCH: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+def _write_chunk(source_logits, source_positions, row_table, row_out, row_positions,
+                 row_workspace, start, end, stride, chunk, num_active, k,
+                 WRITE_POSITIONS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr,
+                 TILE: tl.constexpr):
     """The last pass of a row that searches: its output offset from the chunks before it (the
     entries above the final prefix, plus the ties up to ``need``), then the selection among its
-    source indices ``[start, end)`` (``stride``, ``PREFETCH``: as ``_search_pass``)."""
+    source indices ``[start, end)`` (the chunk's range: the row's logits, stride 1; or its list:
+    the list's logits and positions, stride 0; ``PREFETCH`` as ``_source_values`` takes it)."""
     _, prefix, need, levels, _, found = _advance(row_workspace, chunk, num_active, k, 3, TILE)
     # chunks before this one: entries above the prefix as stored by the earlier passes (without
     # digit 3 when that was found in this pass), then ties and the rest from the last digit
@@ -738,8 +793,8 @@ def _write_chunk(row_logits, source, row_table, row_out, row_positions, row_work
         chunks = first + tl.arange(0, TILE)
         above_before += tl.sum(tl.load(row_workspace + chunks * _WORDS + _STATE + _ABOVE,
                                        mask=chunks < chunk, other=0, cache_modifier=".cg"), 0)
-    _write_selected(row_logits, source, row_table, row_out, row_positions, start, end, stride,
-                    prefix.to(tl.uint32, bitcast=True), (32 - 8 * levels).to(tl.uint32), need,
+    _write_selected(source_logits, source_positions, row_table, row_out, row_positions, start,
+                    end, stride, prefix.to(tl.uint32, bitcast=True), (32 - 8 * levels).to(tl.uint32), need,
                     above_before + tl.minimum(ties_before, need), ties_before, WRITE_POSITIONS,
                     BLOCK, PREFETCH)
 
@@ -751,8 +806,13 @@ def _write_chunk(row_logits, source, row_table, row_out, row_positions, row_work
 def topk_num_chunks(num_rows: int, num_sms: int) -> int:
     """Chunks per row of the chunked form for ``R = num_rows`` rows: about
     ``PROGRAMS_PER_SM`` programs per SM, ``P = min(PROGRAMS_PER_SM * num_sms // R,
-    MAX_CHUNKS)``, or 1 (one program per row) when that is below ``MIN_CHUNKS``."""
-    chunks = min(MAX_CHUNKS, PROGRAMS_PER_SM * num_sms // max(num_rows, 1))
+    MAX_CHUNKS)``, at most ``TOPK_LISTS_MAX_CHUNKS`` once ``R >= num_sms //
+    TOPK_LISTS_MAX_CHUNKS`` (rows enough to fill the GPU in chunks that take candidate lists), or
+    1 (one program per row) when that is below ``MIN_CHUNKS``."""
+    num_rows = max(num_rows, 1)
+    chunks = min(MAX_CHUNKS, PROGRAMS_PER_SM * num_sms // num_rows)
+    if num_rows >= num_sms // TOPK_LISTS_MAX_CHUNKS:
+        chunks = min(chunks, TOPK_LISTS_MAX_CHUNKS)
     return chunks if chunks >= MIN_CHUNKS else 1
 
 
@@ -826,15 +886,14 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         (False), or as one where :func:`topk_single_launch_fits` (None). True needs it to fit.
         (The runtime passes False when ``DSASPEC_TOPK_SINGLE_LAUNCH`` is off.)
     candidates : None, or int32 ``[R, C]`` (last dim contiguous) from :func:`topk_candidates`
-        (with a workspace of ``P`` chunks: ``num_chunks=P``), ``C >= P * k``; not with
+        (with a workspace of ``P`` chunks: ``num_chunks=P``), ``C >= 2 P k``; not with
         ``read_short_rows``. Rows at least :func:`topk_sampled_min_live` long (with
         ``num_chunks=P``) select from candidate lists written there: a sample of every
         ``stride``-th logit bounds them, the row's full read happens once, to list the candidates
-        (with a workspace each chunk lists
-        its own positions in its own ``C / P`` entries, and the chunk passes run over the
-        lists). A row whose lists hold fewer than ``k`` positions in all, or more than ``C /
-        P`` in one, falls back to the passes over the whole row (chunks). Same result bit for
-        bit.
+        (positions, then copies of their logits; with a workspace each chunk lists its own in its
+        own ``C / P`` entries, and the chunk passes run over the lists). A row whose lists hold
+        fewer than ``k`` positions in all, or more than ``C / (2 P)`` in one, falls back to the
+        passes over the whole row (chunks). Same result bit for bit.
 
     Returns
     -------
@@ -851,9 +910,10 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     if candidates is not None and read_short_rows:
         raise ValueError("candidates: not with read_short_rows (the baseline form)")
     if candidates is not None and workspace is not None and (
-            candidates.shape[1] < workspace.shape[1] * k):
-        raise ValueError(f"candidates: expected at least k = {k} columns per chunk, "
-                         f"{workspace.shape[1] * k} for {workspace.shape[1]} chunks "
+            candidates.shape[1] < workspace.shape[1] * 2 * k):
+        raise ValueError(f"candidates: expected at least 2 k = {2 * k} columns per chunk (k "
+                         f"positions and their logits), {workspace.shape[1] * 2 * k} for "
+                         f"{workspace.shape[1]} chunks "
                          f"(topk_candidates(..., num_chunks={workspace.shape[1]})), got shape "
                          f"{tuple(candidates.shape)}")
     if workspace is not None and read_short_rows:
@@ -889,7 +949,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         capped = on_gpu and candidates is not None and logits.shape[0] > sm_count(logits.device)
         _topk_slots_kernel[(logits.shape[0],)](
             *args, listed, *strides, listed.stride(0), k, -1 if read_short_rows else k,
-            listed.shape[1], rank, stride, min_live,
+            listed.shape[1] // 2, rank, stride, min_live,
             WRITE_POSITIONS=write_positions, BLOCK=block,
             BLOCK_K=min(block, triton.next_power_of_2(k)), **sampled,
             num_warps=8 if on_gpu else 4, **({"maxnreg": _LISTS_CAPPED_REGISTERS} if capped else {}))
@@ -900,7 +960,8 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
                    TILE=_GPU_TILE if on_gpu else _CPU_TILE, WRITE_POSITIONS=write_positions,
                    num_warps=_CHUNK_WARPS)
     grid = (logits.shape[0], num_chunks)
-    # each chunk of a sampled row lists its candidates in its own region of the row's list
+    # each chunk of a sampled row lists its candidates (positions, then their logits) in its own
+    # region of the row's list
     region = listed.shape[1] // num_chunks
     list_args = (listed, *strides, listed.stride(0), k, num_chunks, region, rank, stride, min_live)
     if single_launch:
@@ -934,11 +995,17 @@ def topk_sample_rank(k: int, stride: int) -> int:
     return -(-3 * k // (2 * stride)) + SAMPLE_MARGIN
 
 
-def topk_candidates_width(k: int, device) -> int:
-    """Candidate list capacity per row for ``k`` on ``device``: twice the expected candidates,
+def topk_list_capacity(k: int, device) -> int:
+    """Positions a candidate list holds for ``k`` on ``device``: twice the expected candidates,
     ``2 * topk_sample_rank(k, stride) * stride`` (stride 32 on CUDA, 4 under the interpreter)."""
     stride = _sample_stride(device)
     return 2 * topk_sample_rank(k, stride) * stride
+
+
+def topk_candidates_width(k: int, device) -> int:
+    """int32 entries of one candidate list: :func:`topk_list_capacity` positions, then as many
+    fp32 logits (their copies, so the passes over the list read them in order)."""
+    return 2 * topk_list_capacity(k, device)
 
 
 def topk_sampled_min_live(k: int, device, num_chunks: int = 1) -> int:
@@ -948,7 +1015,7 @@ def topk_sampled_min_live(k: int, device, num_chunks: int = 1) -> int:
     2048: 26.0 against 35.4 µs at 4 rows), and with chunks, chunks of at least 2048 positions
     (64 under the interpreter)."""
     min_chunk = _GPU_LISTS_MIN_CHUNK if torch.device(device).type == "cuda" else _CPU_LISTS_MIN_CHUNK
-    return max(2 * topk_candidates_width(k, device), min_chunk * num_chunks if num_chunks > 1 else 0)
+    return max(2 * topk_list_capacity(k, device), min_chunk * num_chunks if num_chunks > 1 else 0)
 
 
 def topk_candidates(num_rows: int, k: int, device,
@@ -1010,6 +1077,7 @@ def _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspac
     if candidates is not None:
         check_tensor("candidates", candidates, dtype=torch.int32, shape=(num_rows, None),
                      device=device)
-        if candidates.shape[1] < k:
-            raise ValueError(f"candidates: expected at least k = {k} columns (topk_candidates), "
-                             f"got shape {tuple(candidates.shape)}")
+        if candidates.shape[1] < 2 * k:
+            raise ValueError(f"candidates: expected at least 2 k = {2 * k} columns (k positions "
+                             f"and their logits; topk_candidates), got shape "
+                             f"{tuple(candidates.shape)}")
