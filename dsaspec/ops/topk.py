@@ -69,16 +69,17 @@ _VECTOR = tl.constexpr(4)  # neighbouring logits a thread takes in the list and 
 _GPU_CHUNK_BLOCK, _GPU_MIN_CHUNK, _GPU_TILE = 1024, 1024, 16
 _CPU_CHUNK_BLOCK, _CPU_MIN_CHUNK, _CPU_TILE = 32, 16, 4
 _ALIGN = tl.constexpr(16)  # chunk lengths are multiples of this (chunks start 64 B aligned)
-# Chunk count: about PROGRAMS_PER_SM programs per SM, at most MAX_CHUNKS per row, and none below
-# MIN_CHUNKS (the five launches then cost more than they save: one program per row instead).
-# From the H200 sweep (benchmarks/results/h200/dsa_ops_tune.md): 32 chunks beat 64 at one and
-# four rows of 64k, 16 beat 33 at sixteen; 2 chunks at 256 rows were 1.2x slower than one.
+# Chunk count: about PROGRAMS_PER_SM programs per SM, at most MAX_CHUNKS per row (at most
+# TOPK_LISTS_MAX_CHUNKS from num_sms // TOPK_LISTS_MAX_CHUNKS rows on), and none below MIN_CHUNKS
+# (the five launches then cost more than they save: one program per row instead). From the H200
+# sweep (benchmarks/results/h200/dsa_ops_tune.md): 32 chunks beat 64 at one and four rows of 64k;
+# 2 chunks at 256 rows were 1.2x slower than one.
 MAX_CHUNKS = 32
 MIN_CHUNKS = 4
 PROGRAMS_PER_SM = 2
 # The single launch needs every program of the grid resident at once; the compiled single-launch
-# kernels (4 warps, 2 KB of shared memory for sm_90 with Triton 3.6; 96 registers a thread, the
-# one with lists capped at 128) fit five and four per SM, so a grid of up to four per SM may run as
+# kernels (4 warps, 2 KB of shared memory for sm_90 with Triton 3.6; 118 registers a thread, the
+# one with lists capped at 128) fit four per SM each, so a grid of up to four per SM may run as
 # one (a GPU test launches one that large; a grid the device cannot hold makes the cooperative
 # launch fail, it never hangs).
 SINGLE_LAUNCH_PROGRAMS_PER_SM = 4
