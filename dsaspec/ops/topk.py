@@ -577,6 +577,15 @@ def _chunk_pass(source_logits, source_positions, row_table, row_out, row_positio
 
 
 @triton.jit
+def _chunk_list(candidates_ptr, candidates_stride, chunk, region):
+    """Program (row, chunk)'s candidate list, its ``region`` entries of the row's, and how many
+    positions it holds: half of them (then their logits, ``_list_logits``)."""
+    own_list = (candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
+                + chunk * region)
+    return own_list, region // 2
+
+
+@triton.jit
 def _list_chunk(row_logits, own_list, row_workspace, chunk, live, start, end, capacity,
                 sample_rank, sample_stride, BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr):
     """A sampled row's chunk lists its candidates: the row's sample bound (every program of the
@@ -632,9 +641,7 @@ def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, po
             _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live,
                         k, WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
-        own_list = (candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
-                    + chunk * region)
-        capacity = region // 2  # positions, then their logits
+        own_list, capacity = _chunk_list(candidates_ptr, candidates_stride, chunk, region)
         sampled = SAMPLED & (live >= sampled_min_live)
         if PASS == _LIST_PASS:
             if sampled:
@@ -722,9 +729,7 @@ def _topk_chunk_lists_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, p
         _copy_chunk(row_table, row_out, row_positions, start, end, chunk, num_chunks, live, k,
                     WRITE_POSITIONS, BLOCK)
     elif chunk < num_active:
-        own_list = (candidates_ptr + tl.program_id(0).to(tl.int64) * candidates_stride
-                    + chunk * region)
-        capacity = region // 2  # positions, then their logits
+        own_list, capacity = _chunk_list(candidates_ptr, candidates_stride, chunk, region)
         # the chunk's range (source indices [start, end) of the row's logits, stride 1), or its
         # list (stride 0, the list's own copies of the logits)
         first, last, stride, source_logits = start, end, tl.full((), 1, tl.int32), row_logits
@@ -950,7 +955,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         capped = on_gpu and candidates is not None and logits.shape[0] > sm_count(logits.device)
         _topk_slots_kernel[(logits.shape[0],)](
             *args, listed, *strides, listed.stride(0), k, -1 if read_short_rows else k,
-            listed.shape[1] // 2, rank, stride, min_live,
+            listed.shape[1] // 2, rank, stride, min_live,  # positions, then their logits
             WRITE_POSITIONS=write_positions, BLOCK=block,
             BLOCK_K=min(block, triton.next_power_of_2(k)), **sampled,
             num_warps=8 if on_gpu else 4, **({"maxnreg": _LISTS_CAPPED_REGISTERS} if capped else {}))
