@@ -1,3 +1,3 @@
-from dsaspec.cli import main
+from dsaspec.commands.cli import main
 
 raise SystemExit(main())

@@ -97,7 +97,7 @@ def bench_bmm(floors, iters: int) -> list[dict]:
 
 
 def _torch_rms_norm(x, w, eps):
-    """The runtime's RMSNorm expression (dsaspec.runtime.model.RMSNorm)."""
+    """The runtime's RMSNorm expression (dsaspec.layers.norm.RMSNorm)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
 

@@ -26,7 +26,7 @@ from diagnose_spec_identity import first_differences, write_report  # noqa: E402
 from test_spec_engine import _gpu_engine, _gpu_model, _gpu_prompts, _tokens  # noqa: E402
 
 from dsaspec.errors import UserError  # noqa: E402
-from dsaspec.options import Parser, positive_int  # noqa: E402
+from dsaspec.cli_parsing import Parser, positive_int  # noqa: E402
 
 MAX_BATCH = 32  # the engine's largest graph bucket in the engine tests' setup
 

@@ -33,7 +33,7 @@ from triton import knobs  # noqa: E402
 from dsaspec.errors import UserError  # noqa: E402
 from dsaspec.ops import sparse_mla_gluon  # noqa: E402
 from dsaspec.ops.sparse_mla import LATENT_DIM, QK_DIM, RECORD_WIDTH  # noqa: E402
-from dsaspec.options import Parser  # noqa: E402
+from dsaspec.cli_parsing import Parser  # noqa: E402
 
 REQUIRED = ("LDGSTS", "HGMMA", "ARRIVES.LDGSTSBAR", "USETMAXREG")
 MAX_SHARED_BYTES = 232448  # dynamic shared memory per block on compute capability 9.0 (227 KiB)

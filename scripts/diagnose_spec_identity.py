@@ -24,12 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_spec_engine import _gpu_engine, _gpu_model, _gpu_prompts, _tokens  # noqa: E402
 
-from dsaspec.runtime.spec_worker import SpecConfig  # noqa: E402
+from dsaspec.speculative.spec_worker import SpecConfig  # noqa: E402
 
 
 def _margin(model, prompt, tokens, position) -> float:
     """Top-2 logit margin of the plain run where it produced ``tokens[position]``."""
-    from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
+    from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 
     sequence = prompt + tokens[:position]
     pool = ReqToTokenPool(1, len(sequence) + 8, device="cuda")

@@ -1,10 +1,10 @@
-"""Greedy chain acceptance (runtime/accept.py) against the chain-walking reference."""
+"""Greedy chain acceptance (speculative/accept.py) against the chain-walking reference."""
 
 import pytest
 import torch
 
 from dsaspec.reference.accept import reference_greedy_accept
-from dsaspec.runtime.accept import Acceptance, greedy_accept
+from dsaspec.speculative.accept import Acceptance, greedy_accept
 
 
 def _check(drafts, targets, forced=0, out=None):

@@ -317,7 +317,7 @@ def test_emulated_rows(rows, device):
 @pytest.mark.parametrize("vocab,tp,dtype", [(154880, 2, torch.bfloat16), (129280, 8, torch.float32),
                                             (151936, 4, torch.bfloat16)])
 def test_emulated_full_vocab_cpu_sized(vocab, tp, dtype, device):
-    from dsaspec.speculative.lm_head import padded_vocab_size
+    from dsaspec.layers.vocab_parallel import padded_vocab_size
 
     shard = padded_vocab_size(vocab, tp) // tp
     check_emulated(vocab, tp, shard, dtype, rows=2, device=device, split_columns=DEFAULT_SPLIT_COLUMNS,
@@ -329,7 +329,7 @@ def test_emulated_full_vocab_cpu_sized(vocab, tp, dtype, device):
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])
 @pytest.mark.parametrize("vocab", FULL_VOCABS)
 def test_emulated_full_vocab_gpu(vocab, tp, dtype):
-    from dsaspec.speculative.lm_head import padded_vocab_size
+    from dsaspec.layers.vocab_parallel import padded_vocab_size
 
     shard = padded_vocab_size(vocab, tp) // tp
     for rows in (1, 7, 64):
@@ -340,7 +340,7 @@ def test_emulated_full_vocab_gpu(vocab, tp, dtype):
 @pytest.mark.gpu
 def test_random_bf16_rows_have_ties_and_match():
     # Realistic bf16 logits: a few percent of rows have a tied maximum; all must match torch.argmax.
-    from dsaspec.speculative.lm_head import padded_vocab_size
+    from dsaspec.layers.vocab_parallel import padded_vocab_size
 
     vocab, tp = 154880, 2
     shard = padded_vocab_size(vocab, tp) // tp
@@ -577,7 +577,7 @@ def test_topk_k1_candidates_are_the_argmax_candidates(device):
 
 @NUMPY_OVERFLOW
 def test_topk_full_vocab_cpu_sized(device):
-    from dsaspec.speculative.lm_head import padded_vocab_size
+    from dsaspec.layers.vocab_parallel import padded_vocab_size
 
     vocab, tp = 154880, 2
     shard = padded_vocab_size(vocab, tp) // tp
@@ -591,7 +591,7 @@ def test_topk_full_vocab_cpu_sized(device):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("vocab", FULL_VOCABS)
 def test_topk_full_vocab_gpu(vocab, tp, k, dtype):
-    from dsaspec.speculative.lm_head import padded_vocab_size
+    from dsaspec.layers.vocab_parallel import padded_vocab_size
 
     shard = padded_vocab_size(vocab, tp) // tp
     worst = (0.0, 0.0)
@@ -638,7 +638,7 @@ def test_topk_argument_errors(device):
 @pytest.mark.gpu
 def test_partials_and_finalize_in_cuda_graph():
     vocab, tp, rows = 129280, 8, 16
-    from dsaspec.speculative.lm_head import padded_vocab_size
+    from dsaspec.layers.vocab_parallel import padded_vocab_size
 
     shard = padded_vocab_size(vocab, tp) // tp
     splits, _ = exchange_layout(shard)
@@ -675,7 +675,7 @@ def test_partials_and_finalize_in_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [2, 8])
 def test_topk_partials_and_finalize_in_cuda_graph(k):
-    from dsaspec.speculative.lm_head import padded_vocab_size
+    from dsaspec.layers.vocab_parallel import padded_vocab_size
 
     vocab, tp, rows = 154880, 4, 64
     shard = padded_vocab_size(vocab, tp) // tp

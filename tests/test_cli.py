@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsaspec import cli
+from dsaspec.commands import cli
 from dsaspec.errors import UserError
-from dsaspec.options import (Parser, check_at_most, choice_list, format_value, nonnegative_int,
+from dsaspec.cli_parsing import (Parser, check_at_most, choice_list, format_value, nonnegative_int,
                              positive_int, positive_int_list, use_cpu_sizes)
-from dsaspec.runtime import generate_cli
-from dsaspec.runtime.config import get_config
-from dsaspec.runtime.loader import CONFIG_FILE, SINGLE_FILE, save_checkpoint
-from dsaspec.runtime.model import DSAModel
+from dsaspec.commands import generate
+from dsaspec.configs.model_config import get_config
+from dsaspec.models.loader import CONFIG_FILE, SINGLE_FILE, save_checkpoint
+from dsaspec.models.dsa_model import DSAModel
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -72,7 +72,7 @@ def test_generate_device_cuda_without_cuda(capsys):
 
 
 def test_generate_refuses_a_model_that_does_not_fit(capsys, monkeypatch):
-    monkeypatch.setattr(generate_cli, "available_bytes", lambda device: (2 * 10**9, "this machine has"))
+    monkeypatch.setattr(generate, "available_bytes", lambda device: (2 * 10**9, "this machine has"))
     line = assert_one_line_error(capsys, ["generate", "--preset", "glm5"], "--preset glm5 needs at least",
                                  "weights in bf16", "has 2.0 GB available")
     # The figure is the parameter bytes of the real model (about 33.6B parameters in bf16).
@@ -82,7 +82,7 @@ def test_generate_refuses_a_model_that_does_not_fit(capsys, monkeypatch):
 
 def test_required_bytes_counts_parameters_and_caches():
     config = get_config("tiny")
-    need = generate_cli.required_bytes(config, torch.float32, max_batch=2, context_len=100, num_slots=192)
+    need = generate.required_bytes(config, torch.float32, max_batch=2, context_len=100, num_slots=192)
     model = DSAModel(config, dtype=torch.float32)
     assert need["weights"] == sum(p.numel() for p in model.parameters()) * 4
     layers = config.num_hidden_layers
@@ -189,7 +189,7 @@ def test_internal_errors_keep_their_traceback(monkeypatch):
     def broken(args):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(generate_cli, "run", broken)
+    monkeypatch.setattr(generate, "run", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["generate"])
 

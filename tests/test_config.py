@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from dsaspec.runtime.config import PRESETS, ModelConfig, get_config
-from dsaspec.runtime.memory import KVPool
-from dsaspec.runtime.model import DSAModel
+from dsaspec.configs.model_config import PRESETS, ModelConfig, get_config
+from dsaspec.memory import KVPool
+from dsaspec.models.dsa_model import DSAModel
 
 # The released config.json files (zai-org/GLM-5, deepseek-ai/DeepSeek-V3.2), MoE and token fields
 # kept: the presets must be what they say, and the fields this runtime does not model are ignored.

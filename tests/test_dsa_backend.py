@@ -7,7 +7,7 @@ under the interpreter; the gpu-marked tests add CUDA-graph replay and a 1M-token
 import pytest
 import torch
 
-from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend, select_kernel
+from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend, select_kernel
 from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
 from dsaspec.reference.indexer_schedule import reference_indexer_schedule
@@ -88,7 +88,7 @@ def test_backend_selection_cuda(monkeypatch, flag):
 def test_kpool_is_rejected_until_implemented():
     """The metadata here is not kpool-aware (dsa = min(L, K)): asking for kpool raises, in the
     step backends of the multi-step backend too."""
-    from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
+    from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
 
     table = make_table(2, 64, "cpu")
     with pytest.raises(ValueError, match="^index_kpool=2: kpool-aware metadata is not implemented"):

@@ -13,12 +13,13 @@ import json
 import pytest
 import torch
 
-from dsaspec.runtime.config import get_config
-from dsaspec.runtime.engine import Engine, GenerationResult
-from dsaspec.runtime.graph_runner import DecodeGraphRunner
-from dsaspec.runtime.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
+from dsaspec.configs.model_config import get_config
+from dsaspec.engine.engine import Engine, GenerationResult
+from dsaspec.executor.graph_runner import DecodeGraphRunner
+from dsaspec.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
                                     PoolExhaustedError, ReqToTokenPool, RequestSlots)
-from dsaspec.runtime.model import DSAModel, build_extend_inputs
+from dsaspec.layers.attention.inputs import build_extend_inputs
+from dsaspec.models.dsa_model import DSAModel
 
 CONTEXT = 256
 PROMPT_LENS = (5, 70, 33)           # 70 > top-k 64: sparse selection during decode
@@ -197,13 +198,13 @@ def test_graph_runner_refuses_bad_batches(fp32_model):
 
 
 def test_generate_command_runs_on_cpu(capsys):
-    from dsaspec.runtime import generate_cli
+    from dsaspec.commands import generate
 
     parser = argparse.ArgumentParser()
-    generate_cli.add_arguments(parser)
+    generate.add_arguments(parser)
     args = parser.parse_args(["--prompt-lens", "3,70", "--max-new-tokens", "3", "--context-len", "128",
                               "--no-progress", "--dtype", "fp32"])
-    assert generate_cli.run(args) == 0
+    assert generate.run(args) == 0
     out = capsys.readouterr().out
     assert "request 1: prompt 70 tokens, 3 generated (length)" in out
     assert "ids: [" in out and "median step" in out

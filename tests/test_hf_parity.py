@@ -3,7 +3,7 @@
 num_hidden_layers``).
 
 Tiny random fp32 models of both are built with transformers, written with ``save_pretrained``
-(safetensors + HF ``config.json``), read back with ``dsaspec.runtime.loader.load_checkpoint`` and run
+(safetensors + HF ``config.json``), read back with ``dsaspec.models.loader.load_checkpoint`` and run
 through the runtime's eager prefill (plain-torch ops). The prompt is longer than ``index_topk``, so the
 indexer's selection decides what later rows attend to; 32 indexer heads make an exact tie of the
 summed ReLU scores (which ``torch.topk`` breaks arbitrarily) negligible. DeepSeek-V3.2 runs YaRN with
@@ -20,10 +20,10 @@ import math
 import pytest
 import torch
 
-from dsaspec.runtime.config import ModelConfig, get_config
-from dsaspec.runtime.loader import load_checkpoint, save_checkpoint
-from dsaspec.runtime.memory import KVPool, PageAllocator, ReqToTokenPool, RequestSlots
-from dsaspec.runtime.model import DSAModel
+from dsaspec.configs.model_config import ModelConfig, get_config
+from dsaspec.models.loader import load_checkpoint, save_checkpoint
+from dsaspec.memory import KVPool, PageAllocator, ReqToTokenPool, RequestSlots
+from dsaspec.models.dsa_model import DSAModel
 
 # 5.11 added DeepseekV32ForCausalLM; before 5.13 GlmMoeDsa's indexer applied half-split RoPE (GLM-5's is
 # interleaved: its config.json says indexer_rope_interleave: true).

@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsaspec.runtime.config import get_config
-from dsaspec.runtime.loader import (INDEX_FILE, SINGLE_FILE, load_checkpoint, load_config,
+from dsaspec.configs.model_config import get_config
+from dsaspec.models.loader import (INDEX_FILE, SINGLE_FILE, load_checkpoint, load_config,
                                     load_weights, save_checkpoint)
-from dsaspec.runtime.model import DSAModel
+from dsaspec.models.dsa_model import DSAModel
 
 
 def _model(seed=0, dtype=torch.bfloat16, **overrides):
@@ -114,7 +114,7 @@ def test_index_share_checkpoint_has_no_indexer_weights_for_shared_layers(tmp_pat
 
 
 def test_indexer_types_from_frequency_and_offset():
-    from dsaspec.runtime.config import ModelConfig
+    from dsaspec.configs.model_config import ModelConfig
 
     hf = get_config("tiny", num_hidden_layers=8).to_hf_dict()
     hf.update(index_topk_freq=4, index_skip_topk_offset=3)

@@ -13,8 +13,8 @@ from dsaspec.errors import UserError
 from dsaspec.ops.argmax_exchange import TOPK_SPLIT_COLUMNS, exchange_layout
 from dsaspec.reference.argmax_exchange import gathered_logits_reference
 from dsaspec.speculative.draft_step import greedy_draft_step, topk_draft_step
-from dsaspec.speculative.lm_head import VocabParallelLMHead, padded_vocab_size
-from dsaspec.speculative.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
+from dsaspec.layers.vocab_parallel import VocabParallelLMHead, padded_vocab_size
+from dsaspec.layers.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
 from test_argmax_exchange import first_max_index, probability_errors, stable_topk_oracle
 
 KILL_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
@@ -395,7 +395,7 @@ def test_topk_argument_errors(device):
 def test_verify_step_benchmark_without_cuda(tmp_path, capsys):
     import json
 
-    from dsaspec import cli
+    from dsaspec.commands import cli
 
     assert cli.main(["bench", "verify-step", "--rows", "1,3", "--topk", "3", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "verify_step.json").read_text())

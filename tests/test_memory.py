@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dsaspec.runtime.config import get_config
-from dsaspec.runtime.memory import (PAGE_SIZE, SINK_SLOT, ContextLengthError, KVPool, PageAllocator,
+from dsaspec.configs.model_config import get_config
+from dsaspec.memory import (PAGE_SIZE, SINK_SLOT, ContextLengthError, KVPool, PageAllocator,
                                     PoolExhaustedError, ReqToTokenPool, RequestSlots)
 
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from dsaspec.reference.model import reference_forward, reference_mtp_forward
-from dsaspec.runtime.config import get_config
-from dsaspec.runtime.memory import (PAGE_SIZE, SINK_SLOT, KVPool, PageAllocator, ReqToTokenPool,
+from dsaspec.configs.model_config import get_config
+from dsaspec.memory import (PAGE_SIZE, SINK_SLOT, KVPool, PageAllocator, ReqToTokenPool,
                                     RequestSlots)
-from dsaspec.runtime.model import AttentionInputs, DSAModel, build_extend_inputs, dsa_ops
+from dsaspec.layers.attention.dsa_ops import dsa_ops
+from dsaspec.layers.attention.inputs import AttentionInputs, build_extend_inputs
+from dsaspec.models.dsa_model import DSAModel
 
 CONTEXT = 192
 NUM_SLOTS = 10 * PAGE_SIZE

@@ -7,9 +7,9 @@ launch runs under the interpreter; the gpu-marked tests use a 1M-token table and
 import pytest
 import torch
 
-from dsaspec.attention import dsa_backend
-from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
-from dsaspec.attention.multi_step import (ONE_LAUNCH, PER_STEP, PRECOMPUTE_AND_COPY,
+from dsaspec.layers.attention import backend as dsa_backend
+from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
+from dsaspec.layers.attention.multi_step import (ONE_LAUNCH, PER_STEP, PRECOMPUTE_AND_COPY,
                                           DSAMultiStepDraftBackend, steps_running_indexer)
 from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata

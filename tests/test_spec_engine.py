@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/spec_worker.py through the Engine) against plain greedy decoding.
+"""Speculative decoding (speculative/spec_worker.py through the Engine) against plain greedy decoding.
 
 Every emitted token of a greedy chain is a target argmax, so speculative output must equal the
 plain engine's output token for token whatever the drafts are; the drafts decide only how many
@@ -16,11 +16,12 @@ import types
 import pytest
 import torch
 
-from dsaspec.runtime.config import get_config
-from dsaspec.runtime.engine import Engine
-from dsaspec.runtime.memory import PAGE_SIZE, ContextLengthError
-from dsaspec.runtime.model import DSAModel, RowInvariant
-from dsaspec.runtime.spec_worker import SpecConfig
+from dsaspec.configs.model_config import get_config
+from dsaspec.engine.engine import Engine
+from dsaspec.memory import PAGE_SIZE, ContextLengthError
+from dsaspec.layers.row_invariant import RowInvariant
+from dsaspec.models.dsa_model import DSAModel
+from dsaspec.speculative.spec_worker import SpecConfig
 
 CONTEXT = 192
 PROMPT_LENS = (5, 70, 62)           # 70 > top-k 64 (sparse rows); 62: verify blocks cross a page
@@ -258,7 +259,7 @@ def test_argmax_exchange_switch_keeps_tokens_and_acceptance(guessing_model, prom
     for switch in ("1", "0"):
         monkeypatch.setenv("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", switch)
         engine = _engine(guessing_model, SpecConfig(num_steps=3))
-        from dsaspec.speculative.logits_processor import GREEDY_TOPK1
+        from dsaspec.layers.logits_processor import GREEDY_TOPK1
         assert engine.worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (switch == "1")
         outputs[switch] = (_tokens(engine, prompts, MAX_NEW), engine.stats.accept_lens)
     assert outputs["1"] == outputs["0"]
@@ -370,8 +371,8 @@ def test_gpu_speculative_equals_plain_row_invariant(preset, batch, max_new):
 def test_gpu_kill_switches_keep_tokens_and_acceptance(monkeypatch):
     """Bounded metadata + one-launch draft metadata + argmax exchange against context-wide +
     precompute-and-copy + logits gather: identical tokens and accept lengths."""
-    from dsaspec.attention.multi_step import ONE_LAUNCH, PRECOMPUTE_AND_COPY
-    from dsaspec.speculative.logits_processor import GREEDY_TOPK1
+    from dsaspec.layers.attention.multi_step import ONE_LAUNCH, PRECOMPUTE_AND_COPY
+    from dsaspec.layers.logits_processor import GREEDY_TOPK1
 
     model = _gpu_model("bench", row_invariant=False)
     requests = _gpu_prompts(6, "bench", seed=12)
@@ -405,7 +406,7 @@ def test_gpu_graph_and_eager_phases_agree():
 
 
 def test_generate_command_speculative(capsys, monkeypatch):
-    from dsaspec import cli
+    from dsaspec.commands import cli
 
     args = ["generate", "--prompt-lens", "5,70", "--max-new-tokens", "6", "--context-len", "128", "--dtype", "fp32",
             "--no-progress", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"]
@@ -427,7 +428,7 @@ def test_generate_command_speculative(capsys, monkeypatch):
     (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm: invalid choice"),
 ])
 def test_generate_speculative_option_errors(capsys, argv, message):
-    from dsaspec import cli
+    from dsaspec.commands import cli
 
     assert cli.main(["generate", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -438,7 +439,7 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
     """Without CUDA the end-to-end bench runs tiny sizes, checks baseline == new tokens, reports no times."""
     import json
 
-    from dsaspec import cli
+    from dsaspec.commands import cli
 
     assert cli.main(["bench", "e2e", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "e2e.json").read_text())

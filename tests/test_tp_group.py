@@ -165,8 +165,8 @@ def test_exchange_over_real_transport(groups, transport, vocab):
     from test_argmax_exchange import adversarial_logits
 
     from dsaspec.ops.argmax_exchange import draft_finalize, exchange_layout
-    from dsaspec.speculative.lm_head import padded_vocab_size
-    from dsaspec.speculative.logits_processor import exchange_argmax_partials
+    from dsaspec.layers.vocab_parallel import padded_vocab_size
+    from dsaspec.layers.logits_processor import exchange_argmax_partials
 
     group = groups[transport]
     rows = 64
@@ -217,8 +217,8 @@ def test_logits_processor_both_ways(groups, transport, dtype, monkeypatch):
     # the exchange and the gather path; on NCCL both decline the exchange (asserted) and gather. Every
     # path, eager and graph-replayed, must give torch.argmax of the gathered fp32 logits.
     from dsaspec.speculative.draft_step import greedy_draft_step
-    from dsaspec.speculative.lm_head import VocabParallelLMHead
-    from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor
+    from dsaspec.layers.vocab_parallel import VocabParallelLMHead
+    from dsaspec.layers.logits_processor import GREEDY_TOPK1, LogitsProcessor
 
     group = groups[transport]
     vocab, hidden_size, max_rows = 154880, 256, 64
@@ -271,8 +271,8 @@ def test_topk_exchange_over_real_transport(groups, transport, k, vocab):
     from test_argmax_exchange import adversarial_logits, probability_errors, stable_topk_oracle
 
     from dsaspec.ops.argmax_exchange import TOPK_SPLIT_COLUMNS, exchange_layout, topk_finalize, topk_slot_lanes
-    from dsaspec.speculative.lm_head import padded_vocab_size
-    from dsaspec.speculative.logits_processor import exchange_topk_partials
+    from dsaspec.layers.vocab_parallel import padded_vocab_size
+    from dsaspec.layers.logits_processor import exchange_topk_partials
 
     group = groups[transport]
     rows = 64
@@ -314,8 +314,8 @@ def test_target_tokens_both_ways(groups, transport, dtype, monkeypatch):
     # Target verify over bs x N rows (up to 256): processors built with the verify switch on and off. On
     # symmetric memory they take the exchange and the gather path; on NCCL both decline (asserted). Every
     # path, eager and graph-replayed, gives torch.argmax of the gathered fp32 logits, on every rank.
-    from dsaspec.speculative.lm_head import VocabParallelLMHead
-    from dsaspec.speculative.logits_processor import LogitsProcessor
+    from dsaspec.layers.vocab_parallel import VocabParallelLMHead
+    from dsaspec.layers.logits_processor import LogitsProcessor
 
     group = groups[transport]
     vocab, hidden_size, max_rows = 154880, 256, 256
@@ -357,8 +357,8 @@ def test_topk_draft_step_both_ways(groups, transport, monkeypatch):
     from test_argmax_exchange import probability_errors, stable_topk_oracle
 
     from dsaspec.speculative.draft_step import topk_draft_step
-    from dsaspec.speculative.lm_head import VocabParallelLMHead
-    from dsaspec.speculative.logits_processor import DraftSampling, LogitsProcessor
+    from dsaspec.layers.vocab_parallel import VocabParallelLMHead
+    from dsaspec.layers.logits_processor import DraftSampling, LogitsProcessor
 
     group = groups[transport]
     vocab, hidden_size, max_rows, topk = 154880, 256, 64, 4

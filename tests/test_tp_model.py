@@ -23,13 +23,14 @@ import pytest
 import torch
 
 from dsaspec.distributed.tp_group import SYMM_MEM
-from dsaspec.runtime.config import get_config
-from dsaspec.runtime.engine import Engine
-from dsaspec.runtime.loader import load_weights, save_checkpoint
-from dsaspec.runtime.memory import KVPool, PageAllocator, ReqToTokenPool, RequestSlots
-from dsaspec.runtime.model import DSAModel, build_extend_inputs
-from dsaspec.runtime.spec_worker import SpecConfig
-from dsaspec.speculative.logits_processor import GREEDY_TOPK1, LogitsProcessor
+from dsaspec.configs.model_config import get_config
+from dsaspec.engine.engine import Engine
+from dsaspec.models.loader import load_weights, save_checkpoint
+from dsaspec.memory import KVPool, PageAllocator, ReqToTokenPool, RequestSlots
+from dsaspec.layers.attention.inputs import build_extend_inputs
+from dsaspec.models.dsa_model import DSAModel
+from dsaspec.speculative.spec_worker import SpecConfig
+from dsaspec.layers.logits_processor import GREEDY_TOPK1, LogitsProcessor
 from fake_tp import fake_groups, run_ranks
 from test_spec_engine import predictable
 
@@ -173,7 +174,7 @@ def test_each_rank_loads_its_slices_of_one_checkpoint(tmp_path, monkeypatch):
     config = get_config("tiny")
     save_checkpoint(DSAModel(config, dtype=torch.float32).init_weights(3), tmp_path, max_shard_bytes=1 << 20)
     groups, expected = _tp_models(config, 2, seed=3)
-    from dsaspec.runtime import loader
+    from dsaspec.models import loader
 
     whole_reads = []
     safe_open = loader.safe_open
@@ -309,7 +310,7 @@ def test_tp2_engine_speculative_equals_plain_and_tp1(guessing_tp1, monkeypatch):
 
 @pytest.mark.parametrize("argv", [["generate", "--tp", "2"], ["bench", "e2e", "--tp", "2"]])
 def test_tp_needs_as_many_gpus(capsys, argv):
-    from dsaspec import cli
+    from dsaspec.commands import cli
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has two GPUs")
@@ -319,7 +320,7 @@ def test_tp_needs_as_many_gpus(capsys, argv):
 
 
 def test_tp_under_torchrun_needs_a_matching_world(capsys, monkeypatch):
-    from dsaspec import cli
+    from dsaspec.commands import cli
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli.main(["generate", "--no-progress"]) == 2
@@ -331,8 +332,8 @@ def test_tp_generate_relaunches_itself_under_torchrun(monkeypatch, tmp_path):
     torchrun processes with the same options, in the caller's directory, this checkout importable."""
     import subprocess
 
-    from dsaspec import cli
-    from dsaspec.runtime import launch
+    from dsaspec.commands import cli
+    from dsaspec.distributed import launch
 
     calls = []
     monkeypatch.setattr(launch, "visible_gpus", lambda: 2)
@@ -353,7 +354,7 @@ def test_rank_status_reaches_the_launcher_without_failing_torchrun(monkeypatch):
     prints no ChildFailedError; the launcher still returns 1. A failed torchrun passes through."""
     import subprocess
 
-    from dsaspec.runtime import launch
+    from dsaspec.distributed import launch
 
     rank_exits = []
 
@@ -375,7 +376,7 @@ def test_rank_status_reaches_the_launcher_without_failing_torchrun(monkeypatch):
 
 
 @pytest.mark.parametrize("module, argv", [
-    ("dsaspec.runtime.generate_cli", ["--tp", "2", "--prompt-lens", "5,70", "--row-invariant", "--device", "cuda",
+    ("dsaspec.commands.generate", ["--tp", "2", "--prompt-lens", "5,70", "--row-invariant", "--device", "cuda",
                                       "--speculative-algorithm", "nextn", "--eos-token-id", "3"]),
     ("dsaspec.bench.e2e", ["--tp", "2", "--presets", "bench", "--accept", "2.5,real", "--contexts", "4096"]),
 ])
@@ -383,8 +384,8 @@ def test_relaunch_command_line_parses_back(module, argv):
     """What a command re-launches itself with under torchrun parses to the same options."""
     import importlib
 
-    from dsaspec.options import Parser
-    from dsaspec.runtime.launch import command_line
+    from dsaspec.cli_parsing import Parser
+    from dsaspec.distributed.launch import command_line
 
     add_arguments = importlib.import_module(module).add_arguments
     parser = Parser()

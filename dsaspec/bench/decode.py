@@ -5,7 +5,7 @@ seeded random weights, bf16, Triton ops. For every configured context (default 1
 one ``req_to_token`` table and a KV pool sized for the live tokens only; ``max(bs)`` requests are
 prefilled once with a ``--live``-token random prompt (eager, chunked). Every configuration
 {context-wide, bounded metadata} x {context} has its own backend and a
-:class:`~dsaspec.runtime.graph_runner.DecodeGraphRunner` with one CUDA graph per batch size.
+:class:`~dsaspec.executor.graph_runner.DecodeGraphRunner` with one CUDA graph per batch size.
 
 A decode step is what an engine runs: input prep and the backend's metadata replay (eager, right
 before the graph), the graph replay (model forward + LM head + greedy argmax), then the greedy
@@ -43,16 +43,16 @@ import torch
 from tqdm import tqdm
 from triton.runtime.jit import KernelInterface  # a jitted kernel, compiled or interpreted
 
-from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
+from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
 from dsaspec.errors import UserError
-from dsaspec.options import format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
-from dsaspec.runtime.config import PRESETS, get_config
-from dsaspec.runtime.graph_runner import DecodeGraphRunner
-from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
+from dsaspec.cli_parsing import format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.configs.model_config import PRESETS, get_config
+from dsaspec.executor.graph_runner import DecodeGraphRunner
+from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.ops import (dsa_metadata, dsa_metadata_bounded, indexer, indexer_schedule, sparse_mla,
                          sparse_mla_gluon, topk)
 from dsaspec.ops.indexer_schedule import indexer_programs
-from dsaspec.runtime.model import DSAModel
+from dsaspec.models.dsa_model import DSAModel
 
 FULL_CONTEXT = 1 << 20
 KERNELS = (CONTEXT_WIDE, BOUNDED)            # baseline first

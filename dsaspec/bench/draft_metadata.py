@@ -24,14 +24,14 @@ import argparse
 import torch
 from tqdm import tqdm
 
-from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE
-from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
+from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE
+from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
 from dsaspec.bench.metadata import DEFAULT_BS, sublinear_target
 from dsaspec.bench.results import bench_params, markdown_table, write_results
 from dsaspec.bench.timing import COLD_L2_METHOD
 from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
-from dsaspec.options import check_at_most, format_value, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.cli_parsing import check_at_most, format_value, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.reference.dsa_metadata import assert_contract_equal
 
 INDEX_TOPK = 2048

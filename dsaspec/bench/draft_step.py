@@ -26,7 +26,7 @@ from dsaspec.bench.results import bench_params, markdown_table, write_results
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.ops.argmax_exchange import LANES, exchange_layout
 from dsaspec.speculative.draft_step import greedy_draft_step
-from dsaspec.speculative.logits_processor import GREEDY_TOPK1
+from dsaspec.layers.logits_processor import GREEDY_TOPK1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -56,7 +56,7 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.errors import UserError
-from dsaspec.options import choice_list, nonnegative_int, positive_int, positive_int_list
+from dsaspec.cli_parsing import choice_list, nonnegative_int, positive_int, positive_int_list
 from dsaspec.ops.device import sm_count
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, IndexerConfig, indexer_logits
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
@@ -65,7 +65,7 @@ from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONF
                                     sparse_mla_workspace)
 from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_chunks,
                               topk_single_launch_fits, topk_slots, topk_workspace)
-from dsaspec.runtime.config import PRESETS, get_config
+from dsaspec.configs.model_config import PRESETS, get_config
 
 OPS = ("indexer", "topk", "sparse_mla", "layer")
 MODES = ("decode", "target_verify")

@@ -4,7 +4,7 @@ baseline = ``DSASPEC_BOUNDED_REPLAY_METADATA=0``, ``DSASPEC_SPEC_DRAFT_ARGMAX_EX
 ``DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE=0`` (context-wide replay metadata, precompute + copies for the
 draft steps, logits gather for the draft and verify tokens); new = all on (the defaults). Per model preset and configured context, one
 ``req_to_token`` table, the target and MTP KV pools, and two captured
-:class:`~dsaspec.runtime.spec_worker.SpecWorker` (baseline, new) over them. ``max(concurrency)``
+:class:`~dsaspec.speculative.spec_worker.SpecWorker` (baseline, new) over them. ``max(concurrency)``
 requests with ``--prompt-len``-token random prompts are prefilled once (eager; that prefill time
 per request is the TTFT reported); every run restores that state and runs ``--iterations``
 speculative iterations (S = ``--num-steps``) of the first ``concurrency`` requests, exactly as the
@@ -44,14 +44,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dsaspec.attention.dsa_backend import BOUNDED, CONTEXT_WIDE
+from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE
 from dsaspec.errors import UserError
-from dsaspec.options import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
-from dsaspec.runtime.config import PRESETS, get_config
-from dsaspec.runtime.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
+from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.configs.model_config import PRESETS, get_config
+from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.ops.indexer_schedule import indexer_programs
-from dsaspec.runtime.model import DSAModel
-from dsaspec.runtime.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
+from dsaspec.models.dsa_model import DSAModel
+from dsaspec.speculative.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
 
 FULL_CONTEXT = 1 << 20
 BOUNDED_SWITCH, EXCHANGE_SWITCH, VERIFY_SWITCH = KILL_SWITCHES = (
@@ -207,7 +207,7 @@ def _apply_cpu_sizes(args) -> None:
 
 def run(args) -> int:
     from dsaspec.bench.results import bench_params, markdown_table, write_results
-    from dsaspec.runtime.launch import check_gpus, check_world, relaunch, under_torchrun
+    from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
 
     if args.tp > 1:
         check_gpus(args.tp)

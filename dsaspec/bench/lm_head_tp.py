@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 from dsaspec.bench.results import bench_params, markdown_table, write_results
 from dsaspec.distributed.tp_group import TPGroup, init_distributed
-from dsaspec.options import format_value, positive_int, positive_int_list, use_cpu_sizes
-from dsaspec.runtime.launch import check_gpus, relaunch, under_torchrun, visible_gpus
-from dsaspec.speculative.lm_head import VocabParallelLMHead
-from dsaspec.speculative.logits_processor import LogitsProcessor
+from dsaspec.cli_parsing import format_value, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.distributed.launch import check_gpus, relaunch, under_torchrun, visible_gpus
+from dsaspec.layers.vocab_parallel import VocabParallelLMHead
+from dsaspec.layers.logits_processor import LogitsProcessor
 
 CPU_VOCAB, CPU_HIDDEN = 1000, 64
 

@@ -25,7 +25,7 @@ from dsaspec.bench.timing import COLD_L2_METHOD
 from dsaspec.ops.dsa_metadata import context_wide_metadata
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
-from dsaspec.options import check_at_most, choice_list, format_value, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.cli_parsing import check_at_most, choice_list, format_value, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.reference.dsa_metadata import assert_contract_equal
 
 OPS = {"decode": Mode.DECODE, "target_verify": Mode.TARGET_VERIFY, "draft_extend": Mode.DRAFT_EXTEND}

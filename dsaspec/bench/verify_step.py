@@ -43,9 +43,9 @@ from dsaspec.ops.argmax_exchange import (
     exchange_layout,
     topk_slot_lanes,
 )
-from dsaspec.options import positive_int
+from dsaspec.cli_parsing import positive_int
 from dsaspec.speculative.draft_step import topk_draft_step
-from dsaspec.speculative.logits_processor import DraftSampling
+from dsaspec.layers.logits_processor import DraftSampling
 
 VERIFY, TOPK = "verify", "topk"
 

@@ -1,11 +1,11 @@
 """Reference forward of the DSA model: masked-dense attention, plain torch, fp32 math.
 
 Takes whole token sequences (positions ``0..T-1``, no cache, no paging) and the parameters of a
-:class:`dsaspec.runtime.model.DSAModel`. Attention is the MHA form (``k = [W_UK latent | roped
+:class:`dsaspec.models.dsa_model.DSAModel`. Attention is the MHA form (``k = [W_UK latent | roped
 key]``, ``v = W_UV latent``, per head) over all preceding tokens, masked to the indexer's top-k:
 score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s)), s <= t; row t keeps every s while t + 1 <= K,
 else the K largest (ties: lowest position). It shares no code with the runtime (it only reads
-the model's parameters and config), so it imports nothing from ``dsaspec.runtime``.
+the model's parameters and config), so it imports nothing from the rest of the package.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 
 
 @dataclass

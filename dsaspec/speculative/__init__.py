@@ -1,1 +1,1 @@
-"""Speculative-decoding components: vocab-parallel LM head, LogitsProcessor, greedy draft step."""
+"""Speculative decoding (MTP / EAGLE chain): the worker that runs one iteration from CUDA graphs, greedy acceptance, and the draft step."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaspec.ops.argmax_exchange import TOPK_MAX, draft_finalize
-from dsaspec.speculative.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
+from dsaspec.layers.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
 
 
 @dataclass

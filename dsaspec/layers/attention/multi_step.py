@@ -1,7 +1,7 @@
 """MTP draft decode: ``S - 1`` step backends with identical decode metadata, written in one launch.
 
 The draft chain of ``num_steps`` S runs ``S - 1`` forwards, each with its own
-:class:`~dsaspec.attention.dsa_backend.DSAAttnBackend` ("step backend"). DSA gives every step the
+:class:`~dsaspec.layers.attention.backend.DSAAttnBackend` ("step backend"). DSA gives every step the
 same DECODE metadata, computed from the same committed ``seq_lens`` (no per-step offset). Per
 captured batch bucket the multi-step backend picks one of three ways to write it (:meth:`path`):
 
@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from dsaspec import flags
-from dsaspec.attention.dsa_backend import BOUNDED, DEFAULT_BUCKETS, DSAAttnBackend, check_index_tensor
+from dsaspec.layers.attention.backend import BOUNDED, DEFAULT_BUCKETS, DSAAttnBackend, check_index_tensor
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
 

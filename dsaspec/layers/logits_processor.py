@@ -32,7 +32,7 @@ from dsaspec.ops.argmax_exchange import (
     topk_partials,
     topk_slot_lanes,
 )
-from dsaspec.speculative.lm_head import VocabParallelLMHead
+from dsaspec.layers.vocab_parallel import VocabParallelLMHead
 
 
 @dataclass(frozen=True)

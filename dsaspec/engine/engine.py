@@ -3,9 +3,9 @@ plain or speculative (MTP, EAGLE chain).
 
 :class:`Engine` owns the memory of one model (``ReqToTokenPool``, ``PageAllocator``, the target
 ``KVPool``, and with speculation the MTP layer's ``KVPool``), a
-:class:`~dsaspec.attention.dsa_backend.DSAAttnBackend` and either a
-:class:`~dsaspec.runtime.graph_runner.DecodeGraphRunner` (plain greedy decoding) or a
-:class:`~dsaspec.runtime.spec_worker.SpecWorker` (speculative decoding), captured for the batch
+:class:`~dsaspec.layers.attention.backend.DSAAttnBackend` and either a
+:class:`~dsaspec.executor.graph_runner.DecodeGraphRunner` (plain greedy decoding) or a
+:class:`~dsaspec.speculative.spec_worker.SpecWorker` (speculative decoding), captured for the batch
 buckets. The scheduler loop of :meth:`Engine.generate`:
 
 1. admit waiting requests while a request row is free and the KV pool has the pages of the whole
@@ -31,13 +31,13 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from dsaspec.attention.dsa_backend import DEFAULT_BUCKETS, DSAAttnBackend
-from dsaspec.runtime.graph_runner import DecodeGraphRunner
-from dsaspec.runtime.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
+from dsaspec.layers.attention.backend import DEFAULT_BUCKETS, DSAAttnBackend
+from dsaspec.executor.graph_runner import DecodeGraphRunner
+from dsaspec.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
                                     PoolExhaustedError, ReqToTokenPool, RequestSlots)
 from dsaspec.ops.indexer_schedule import indexer_programs
-from dsaspec.runtime.model import DSAModel
-from dsaspec.runtime.spec_worker import SpecConfig, build_spec_worker
+from dsaspec.models.dsa_model import DSAModel
+from dsaspec.speculative.spec_worker import SpecConfig, build_spec_worker
 
 LENGTH, EOS = "length", "eos"
 

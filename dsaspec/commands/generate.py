@@ -19,7 +19,7 @@ import torch
 
 from dsaspec import flags
 from dsaspec.errors import UserError
-from dsaspec.options import nonnegative_int, option_name, positive_int, positive_int_list
+from dsaspec.cli_parsing import nonnegative_int, option_name, positive_int, positive_int_list
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SPEC_ALGORITHMS = ("NEXTN", "EAGLE")        # both: the MTP layer drafts a chain (EAGLE topk 1)
@@ -39,7 +39,7 @@ def device_arg(text: str) -> torch.device:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``dsaspec generate``."""
-    from dsaspec.runtime.config import PRESETS
+    from dsaspec.configs.model_config import PRESETS
 
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (random weights)")
     p.add_argument("--checkpoint", default=None,
@@ -102,8 +102,8 @@ def required_bytes(config, dtype: torch.dtype, *, max_batch: int, context_len: i
     shard at TP ``tp``, in ``dtype``), ``kv`` (the MLA and indexer-key caches over ``num_slots``,
     with ``mtp`` the MTP layer's too; replicated over TP), ``table`` (req_to_token) and their
     ``total``. Activations and workspaces come on top."""
-    from dsaspec.runtime.memory import KVPool, ReqToTokenPool
-    from dsaspec.runtime.model import DSAModel
+    from dsaspec.memory import KVPool, ReqToTokenPool
+    from dsaspec.models.dsa_model import DSAModel
 
     meta = torch.device("meta")
     model = DSAModel(config, dtype=dtype, tp_group=_Layout(tp)) if tp > 1 else DSAModel(config, device=meta, dtype=dtype)
@@ -144,7 +144,7 @@ def check_fits(source: str, need: dict, device: torch.device, dtype_name: str) -
 def speculative_config(args, config):
     """The SpecConfig the options ask for (None without --speculative-algorithm); UserError for
     options that cannot be honoured."""
-    from dsaspec.runtime.spec_worker import SpecConfig
+    from dsaspec.speculative.spec_worker import SpecConfig
 
     given = [name for name in SPEC_OPTIONS if getattr(args, name) is not None]
     if args.speculative_algorithm is None:
@@ -168,7 +168,7 @@ def check_requests(args, config, page_size: int, draft_tokens: int = 1) -> int:
     if args.eos_token_id is not None and args.eos_token_id >= config.vocab_size:
         raise UserError(f"--eos-token-id {args.eos_token_id} is outside the model's vocabulary "
                         f"[0, {config.vocab_size})")
-    from dsaspec.runtime.engine import Engine
+    from dsaspec.engine.engine import Engine
 
     positions = max(args.prompt_lens) + args.max_new_tokens - 1  # KV positions of the longest request
     if positions > args.context_len:
@@ -188,12 +188,12 @@ def check_requests(args, config, page_size: int, draft_tokens: int = 1) -> int:
 def run(args) -> int:
     """Check the options, build the model and the engine, generate, print ids and timings.
     Returns 0; raises UserError for bad options, checkpoints or a model that does not fit."""
-    from dsaspec.runtime.config import get_config
-    from dsaspec.runtime.engine import Engine
-    from dsaspec.runtime.loader import load_config, load_weights
-    from dsaspec.runtime.launch import check_gpus, check_world, relaunch, under_torchrun
-    from dsaspec.runtime.memory import PAGE_SIZE
-    from dsaspec.runtime.model import DSAModel
+    from dsaspec.configs.model_config import get_config
+    from dsaspec.engine.engine import Engine
+    from dsaspec.models.loader import load_config, load_weights
+    from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
+    from dsaspec.memory import PAGE_SIZE
+    from dsaspec.models.dsa_model import DSAModel
 
     if args.tp > 1:
         check_gpus(args.tp)

@@ -21,8 +21,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dsaspec.errors import UserError
-from dsaspec.runtime.config import ModelConfig
-from dsaspec.runtime.model import DSAModel
+from dsaspec.configs.model_config import ModelConfig
+from dsaspec.models.dsa_model import DSAModel
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

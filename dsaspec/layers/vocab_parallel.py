@@ -1,10 +1,15 @@
-"""The LM head: vocab-parallel (each rank holds a contiguous slice of the padded vocab) or replicated."""
+"""The vocab-parallel embedding and LM head: each rank holds a contiguous slice of the padded vocab
+(replicated at TP 1)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from dsaspec.distributed.tp_group import TPGroup
+from dsaspec.layers.linear import Shard
+from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
 
 VOCAB_PAD_MULTIPLE = 64
 
@@ -89,3 +94,50 @@ class VocabParallelLMHead(torch.nn.Module):
         if hidden_states.dtype != self.weight.dtype:
             raise TypeError(f"hidden_states must be {self.weight.dtype} (the head's dtype), got {hidden_states.dtype}")
         return torch.mm(hidden_states, self.weight.t(), out=out)
+
+
+def vocab_pad_multiple(group: TPGroup) -> int:
+    """The vocab is padded to a multiple of ``64 * TP`` at TP > 1 and not at all at TP 1 (the
+    checkpoint's shape, and TP 1 GEMMs of the vocab's own width)."""
+    return VOCAB_PAD_MULTIPLE if group.size > 1 else 1
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding (``embed_tokens.weight``), its rows split over ``group`` as the LM head
+    splits the vocab: rank ``r`` holds rows ``[r * Sh, (r + 1) * Sh)`` of the padded table. Each
+    rank looks up the ids it holds (zeros for the others) and one all-reduce sums the ranks: every
+    output row has one non-zero contributor, so the sum is exact. At TP 1: a plain lookup."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, device=None, dtype=None):
+        super().__init__()
+        self.group = group
+        self.rows = padded_vocab_size(vocab_size, group.size, vocab_pad_multiple(group)) // group.size
+        self.start = group.rank * self.rows
+        self.shard = Shard(0, self.start, max(0, min(vocab_size - self.start, self.rows)), vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size, device=device, dtype=dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` int ``[R]`` -> ``[R, hidden]`` (one all-reduce at TP > 1)."""
+        if self.group.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        held = (local >= 0) & (local < self.rows)
+        out = F.embedding(torch.where(held, local, 0), self.weight)
+        out.masked_fill_(~held[:, None], 0)
+        return self.group.all_reduce(out)
+
+
+class LMHead(RowInvariant, VocabParallelLMHead):
+    """The LM head (``lm_head.weight``): a :class:`VocabParallelLMHead` over the model's TP group
+    (the speculative runtime's LogitsProcessor runs over it), with the row-invariant GEMM when the
+    model runs row-invariant. The vocab is padded only at TP > 1 (``vocab_pad_multiple``)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, dtype):
+        super().__init__(vocab_size, hidden_size, group, dtype=dtype, pad_multiple=vocab_pad_multiple(group))
+        self.shard = Shard(0, self.shard_start, self.valid_columns, vocab_size)
+
+    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Local logits ``[rows, Sh]`` (``hidden_states @ weight^T``, into ``out`` if given)."""
+        if self.row_invariant:
+            return row_invariant_ops().linear(hidden_states, self.weight, out=out)
+        return super().forward(hidden_states, out)

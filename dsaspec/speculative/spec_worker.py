@@ -14,7 +14,7 @@ One iteration of a batch, with ``S`` draft steps and ``N = S + 1`` verified toke
                IndexShare seed instead of the MTP indexer when the model shares it) and drafts
                d_{i+2} through the LogitsProcessor's greedy draft path
     verify     the target over N rows per request [bonus, d_1 .. d_S] at positions L .. L + S
-               (graph V), the target's argmax per row, greedy acceptance (runtime/accept.py),
+               (graph V), the target's argmax per row, greedy acceptance (speculative/accept.py),
                L <- L + A and the new bonus written back to the stores
     extend     the MTP layer over the same N rows with the committed tokens and the verify
                hidden states (graph E); the row of position L + A - 1 gives the next d_1, its
@@ -38,15 +38,16 @@ from dataclasses import dataclass
 import torch
 
 from dsaspec import flags
-from dsaspec.attention.dsa_backend import DSAAttnBackend
-from dsaspec.attention.multi_step import DSAMultiStepDraftBackend
+from dsaspec.layers.attention.backend import DSAAttnBackend
+from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
 from dsaspec.ops.dsa_metadata_common import Mode
-from dsaspec.runtime.accept import Acceptance, greedy_accept
-from dsaspec.runtime.graph_runner import BucketGraphs, graphs_usable
-from dsaspec.runtime.memory import PAGE_SIZE, KVPool, ReqToTokenPool
-from dsaspec.runtime.model import AttentionInputs, AttentionScratch, AttentionWorkspace, DSAModel
+from dsaspec.speculative.accept import Acceptance, greedy_accept
+from dsaspec.executor.graph_runner import BucketGraphs, graphs_usable
+from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
+from dsaspec.layers.attention.inputs import AttentionInputs, AttentionScratch, AttentionWorkspace
+from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.draft_step import greedy_draft_step
-from dsaspec.speculative.logits_processor import LogitsProcessor
+from dsaspec.layers.logits_processor import LogitsProcessor
 
 PHASES = ("metadata", "draft", "verify", "extend")
 

@@ -1,14 +1,14 @@
 """CUDA graphs per batch bucket, and the greedy decode step built on them.
 
 :class:`BucketGraphs` is the capture / replay machinery every phase of the runtime uses (decode
-here, target verify, draft decode and draft extend in :mod:`dsaspec.runtime.spec_worker`): one
+here, target verify, draft decode and draft extend in :mod:`dsaspec.speculative.spec_worker`): one
 graph per batch bucket over a phase's static buffers, warmed up on a side stream (Triton compiles
 there) and captured into one memory pool shared by every phase; without graphs the same body runs
 eagerly over the same buffers.
 
 One :class:`DecodeGraphRunner` serves one model, one target KV pool and one
-:class:`~dsaspec.attention.dsa_backend.DSAAttnBackend`. For every batch bucket of the backend it
-owns the :class:`~dsaspec.runtime.model.AttentionInputs` over the backend's static decode buffers
+:class:`~dsaspec.layers.attention.backend.DSAAttnBackend`. For every batch bucket of the backend it
+owns the :class:`~dsaspec.layers.attention.inputs.AttentionInputs` over the backend's static decode buffers
 and, on CUDA, a graph of ``model forward -> LM head -> argmax`` captured over static buffers. A
 decode step of ``bs`` requests pads the batch to the smallest bucket holding it:
 
@@ -29,10 +29,11 @@ import torch
 
 from typing import Callable
 
-from dsaspec.attention.dsa_backend import DSAAttnBackend
+from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.ops.dsa_metadata_common import Mode
-from dsaspec.runtime.memory import KVPool
-from dsaspec.runtime.model import AttentionInputs, DSAModel
+from dsaspec.memory import KVPool
+from dsaspec.layers.attention.inputs import AttentionInputs
+from dsaspec.models.dsa_model import DSAModel
 
 _IDS, _POSITIONS, _ROWS = range(3)
 

@@ -13,7 +13,7 @@ import sys
 
 from dsaspec import flags
 from dsaspec.errors import UserError
-from dsaspec.options import Parser
+from dsaspec.cli_parsing import Parser
 
 # name on the command line -> module under dsaspec.bench
 BENCHMARKS = {
@@ -30,7 +30,7 @@ BENCHMARKS = {
 def build_parser() -> Parser:
     """The ``dsaspec`` parser with every subcommand. Import it only after
     :func:`dsaspec.flags.select_triton_interpreter` (the subcommands import triton)."""
-    from dsaspec.runtime import generate_cli
+    from dsaspec.commands import generate
 
     parser = Parser(prog="dsaspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,9 +47,9 @@ def build_parser() -> Parser:
                        help="results folder of every benchmark (default: benchmarks/results/<machine>)")
     p_all.set_defaults(run=lambda args: _run_all(modules, args))
 
-    p = sub.add_parser("generate", help="greedy generation with the dsaspec runtime", description=generate_cli.__doc__)
-    generate_cli.add_arguments(p)
-    p.set_defaults(run=generate_cli.run)
+    p = sub.add_parser("generate", help="greedy generation with the dsaspec runtime", description=generate.__doc__)
+    generate.add_arguments(p)
+    p.set_defaults(run=generate.run)
     return parser
 
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from dsaspec.runtime.launch import worker_exit_status
+        from dsaspec.distributed.launch import worker_exit_status
 
         flags.select_triton_interpreter(torch.cuda.is_available())  # before anything imports triton
         args = build_parser().parse_args(argv)

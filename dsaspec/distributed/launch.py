@@ -24,7 +24,7 @@ import torch
 
 from dsaspec.distributed.tp_group import disable_nvlink_multicast
 from dsaspec.errors import UserError
-from dsaspec.options import Parser, format_value
+from dsaspec.cli_parsing import Parser, format_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STATUS_DIR_ENV = "DSASPEC_RANK_STATUS_DIR"  # set by `torchrun` for its processes

@@ -1,0 +1,1 @@
+"""The ``dsaspec`` command line: the entry point and ``dsaspec generate``."""

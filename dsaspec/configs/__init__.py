@@ -1,0 +1,1 @@
+"""Configuration: the model config (HF ``config.json`` fields and presets) and the runtime options."""

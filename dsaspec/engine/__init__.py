@@ -1,0 +1,1 @@
+"""The engine: the scheduler over one decode worker (continuous batching at iteration boundaries)."""

@@ -1,0 +1,36 @@
+"""Which implementation of the four DSA ops a model runs: the Triton kernels or plain torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+
+@functools.lru_cache(maxsize=3)
+def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
+    """The four DSA ops (``indexer_schedule``, ``indexer_logits``, ``topk_slots``,
+    ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check_values``):
+    the Triton kernels when ``use_triton`` (sparse MLA's Gluon kernel where its default
+    configuration takes it, unless ``sparse_mla_gluon`` is off), else the runtime's plain-torch
+    versions (:mod:`dsaspec.layers.attention.torch_ops`; eager only: they read lengths on the host)."""
+    if use_triton:
+        from dsaspec.ops.indexer import indexer_logits
+        from dsaspec.ops.indexer_schedule import indexer_schedule
+        from dsaspec.ops.sparse_mla import sparse_mla_decode
+        from dsaspec.ops.topk import topk_slots
+        if not sparse_mla_gluon:
+            sparse_mla_decode = _sparse_mla_decode_triton_only
+    else:
+        from dsaspec.layers.attention.torch_ops import indexer_logits, indexer_schedule, sparse_mla_decode, topk_slots
+    return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
+                           topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode)
+
+
+def _sparse_mla_decode_triton_only(q, kv_cache, slots, sm_scale, out, *, workspace=None, **kwargs):
+    """``sparse_mla_decode`` with the Triton kernel's default configuration for these rows."""
+    from dsaspec.ops.sparse_mla import sparse_mla_config, sparse_mla_decode
+
+    config = sparse_mla_config(q.shape[0], q.shape[1], split=workspace is not None)
+    return sparse_mla_decode(q, kv_cache, slots, sm_scale, out, workspace=workspace, config=config,
+                             **kwargs)

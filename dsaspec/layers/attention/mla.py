@@ -1,0 +1,166 @@
+"""Multi-head latent attention with DeepSeek Sparse Attention: the lightning indexer's projections,
+the indexer -> top-k slot selection, and the absorbed (MQA) sparse attention over the 576-wide cache.
+
+Per layer, a row's MLA cache entry ``[latent 512 | roped key 64]`` and indexer key are written at
+its slot *before* attention, then the attention reads ``page_table_1[r, :seqlens[r]]``:
+
+    indexer_logits -> topk_slots -> sparse_mla_decode
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsaspec.configs.model_config import ModelConfig
+from dsaspec.distributed.tp_group import TPGroup
+from dsaspec.layers.attention.inputs import NO_WORKSPACE, AttentionInputs
+from dsaspec.layers.linear import COLUMN, ROW, bmm, make_linear
+from dsaspec.layers.norm import LayerNorm, RMSNorm
+from dsaspec.layers.rotary import apply_rope, apply_rope_first
+from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
+from dsaspec.ops.indexer_schedule import indexer_programs
+
+
+@dataclass
+class ForwardState:
+    """What every layer of one forward reads: RoPE cos/sin fp32 ``[R, rope/2]``, the rows' KV
+    slots, the attention inputs, the ops, whether the ops run their value checks (host syncs),
+    and ``selected``: the KV slots int32 ``[R, k]`` the last indexer chose (a shared-indexer
+    layer attends to them). ``seeded``: ``selected`` was given up front (IndexShare draft steps)
+    and no indexer runs."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    out_cache_loc: torch.Tensor
+    attn: AttentionInputs
+    ops: SimpleNamespace
+    check_values: bool
+    selected: torch.Tensor | None = None
+    seeded: bool = False
+
+
+class Indexer(RowInvariant, nn.Module):
+    """The lightning indexer's projections: ``wq_b`` (q latent -> heads x 128), ``wk`` + LayerNorm
+    ``k_norm`` (hidden -> 128, one key per token), ``weights_proj`` (hidden -> one weight per head)."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.wq_b = make_linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, device, dtype)
+        self.wk = make_linear(config.hidden_size, config.index_head_dim, device, dtype)
+        self.k_norm = LayerNorm(config.index_head_dim, config.attn_norm_eps, device, dtype)
+        self.weights_proj = make_linear(config.hidden_size, config.index_n_heads, device, dtype)
+
+    def forward(self, x, q_latent, step: ForwardState, index_k_cache):
+        """Write each row's key into ``index_k_cache[out_cache_loc]``; return the query
+        ``[R, index_n_heads, 128]`` (model dtype) and head weights fp32 ``[R, index_n_heads]``
+        (``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``)."""
+        cfg = self.config
+        rows = x.shape[0]
+        rope, interleaved = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
+        q = self.wq_b(q_latent).view(rows, cfg.index_n_heads, cfg.index_head_dim)
+        q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
+        k = apply_rope_first(self.k_norm(self.wk(x)), rope, step.cos, step.sin, interleaved)
+        index_k_cache.index_copy_(0, step.out_cache_loc, k)
+        if self.row_invariant:
+            weights = row_invariant_ops().linear(x.float(), self.weights_proj.weight.float())
+        else:
+            weights = F.linear(x.float(), self.weights_proj.weight.float())
+        weights = weights * cfg.index_weight_scale
+        return q, weights
+
+
+class MLAAttention(RowInvariant, nn.Module):
+    """Multi-head latent attention with DSA, run in the absorbed (MQA) form over the 576-wide cache.
+    Layer ``layer`` owns an indexer unless the config makes it a shared-indexer layer.
+
+    Over a TP group of size ``T`` the rank holds ``H / T`` consecutive attention heads:
+    ``q_b_proj`` and ``kv_b_proj`` are split by heads (column parallel; the HF layouts keep a head's
+    rows together), ``o_proj`` by its input features (row parallel) and its partial outputs are
+    summed by one all-reduce. ``q_a_proj``, ``kv_a_proj_with_mqa``, their norms and the indexer
+    are replicated: every rank writes the same cache entries and selects the same top-k."""
+
+    def __init__(self, config: ModelConfig, layer: int, group: TPGroup, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.group = group
+        heads = config.num_attention_heads
+        self.num_heads = heads // group.size
+        tp = dict(group=group)
+        self.q_a_proj = make_linear(config.hidden_size, config.q_lora_rank, device, dtype)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.attn_norm_eps, device, dtype)
+        self.q_b_proj = make_linear(config.q_lora_rank, heads * config.qk_head_dim, device, dtype, split=COLUMN, **tp)
+        self.kv_a_proj_with_mqa = make_linear(config.hidden_size, config.kv_cache_dim, device, dtype)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.attn_norm_eps, device, dtype)
+        self.kv_b_proj = make_linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
+                                 device, dtype, split=COLUMN, **tp)
+        self.o_proj = make_linear(heads * config.v_head_dim, config.hidden_size, device, dtype, split=ROW, **tp)
+        self.indexer = Indexer(config, device, dtype) if config.has_indexer(layer) else None
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of ``kv_b_proj.weight``: ``W_UK [H, qk_nope, 512]`` and ``W_UV [H, v, 512]`` (this
+        rank's ``H / TP`` heads)."""
+        cfg = self.config
+        per_head = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                              cfg.kv_lora_rank)
+        return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim:]
+
+    def forward(self, x, step: ForwardState, mla_cache, index_k_cache) -> torch.Tensor:
+        """``x`` ``[R, hidden]`` (normed) -> ``[R, hidden]`` (summed over the TP group); writes the
+        rows' entries of ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` at
+        ``out_cache_loc`` and ``attn.topk_slots`` (if given)."""
+        cfg = self.config
+        rows, heads = x.shape[0], self.num_heads
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(rows, heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = apply_rope(q_rope, step.cos, step.sin, cfg.rope_interleave)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rope(k_rope, step.cos, step.sin, cfg.rope_interleave)
+        mla_cache.index_copy_(0, step.out_cache_loc, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1))
+        if self.indexer is not None and not step.seeded:
+            q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache)
+            step.selected = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)
+
+        w_uk, w_uv = self.absorbed_weights()
+        q_absorbed = bmm(q_nope.transpose(0, 1), w_uk, self.row_invariant).transpose(0, 1)  # [R, H, 512]
+        q_mqa = torch.cat((q_absorbed, q_rope), dim=-1).contiguous()              # [R, H, 576]
+        o_latent = torch.empty(rows, heads, cfg.kv_lora_rank, device=x.device, dtype=x.dtype)
+        workspace = step.attn.workspace or NO_WORKSPACE
+        step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
+                                   check_values=step.check_values, workspace=workspace.sparse_mla)
+        o = bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), self.row_invariant).transpose(0, 1)  # [R, H, v]
+        return self.group.all_reduce(self.o_proj(o.reshape(rows, heads * cfg.v_head_dim)))
+
+
+def _select_slots(q_index, index_weights, index_k_cache, step: ForwardState, index_topk):
+    """Indexer logits over each row's live positions, then the top-k as slots: int32 ``[R, k]``.
+    Rows of at most ``index_topk`` live positions take them all: the indexer skips them."""
+    rows, device = q_index.shape[0], q_index.device
+    attn, ops = step.attn, step.ops
+    schedule = attn.schedule
+    if schedule is None:
+        sms = indexer_programs(device)
+        schedule = ops.indexer_schedule(attn.seqlens, sms,
+                                        out=torch.empty(sms + 1, 2, dtype=torch.int32, device=device),
+                                        skip_len=index_topk, rows_per_group=attn.rows_per_group)
+    logits = attn.index_logits
+    if logits is None:
+        logits = torch.empty(rows, attn.page_table_1.shape[1], dtype=torch.float32, device=device)
+    slots = attn.topk_slots
+    if slots is None:
+        slots = torch.empty(rows, index_topk, dtype=torch.int32, device=device)
+    ops.indexer_logits(q_index, index_weights, index_k_cache, attn.page_table_1, attn.seqlens,
+                       schedule, out=logits, skip_len=index_topk, rows_per_group=attn.rows_per_group,
+                       check_values=step.check_values)
+    workspace = attn.workspace or NO_WORKSPACE
+    ops.topk_slots(logits, attn.seqlens, attn.page_table_1, index_topk, out=slots,
+                   check_values=step.check_values, workspace=workspace.topk,
+                   single_launch=workspace.topk_single_launch,
+                   candidates=workspace.topk_candidates)
+    return slots

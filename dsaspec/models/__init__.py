@@ -1,0 +1,1 @@
+"""Models: the DSA decoder with its MTP layer, and the safetensors checkpoint loader."""
