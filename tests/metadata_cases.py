@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
+from dsaspec.reference.dsa_metadata import assert_written_equal, written_masks
 
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129]
 READ_POISON = -111       # around the req_to_token table: must never reach an output
@@ -97,3 +98,16 @@ def make_batch(mode: Mode, batch: int, width: int, pool: int, n: int, device, se
         ext = torch.randint(0, n + 1, (batch,), generator=g)
         ext = torch.minimum(ext, seq_lens.long()).to(dtype)
     return idx.to(device), seq_lens.to(device), (ext.to(device) if ext is not None else None)
+
+
+def assert_writes_exactly(got: MetadataBuffers, want, mode: Mode, seq_lens: torch.Tensor, n: int = 1,
+                          ext: torch.Tensor | None = None) -> None:
+    """``got`` (poisoned buffers after one kernel call) equals ``want`` on every cell of the written
+    region (the reference's ``written_masks``: the tile-rounded live prefix of each row) and still
+    holds :data:`WRITE_POISON` on every page-table cell past it."""
+    assert_written_equal(got, want, mode, seq_lens, n, ext)
+    pt_mask, real_mask = written_masks(mode, seq_lens, got.width, got.page_size, n, ext)
+    assert (got.page_table_1[~pt_mask] == WRITE_POISON).all(), "page_table_1 written past the tile-rounded live prefix"
+    if real_mask is not None:
+        assert (got.real_page_table[~real_mask] == WRITE_POISON).all(), \
+            "real_page_table written past the tile-rounded live prefix"

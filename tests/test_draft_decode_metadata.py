@@ -5,9 +5,10 @@ import dataclasses
 import pytest
 import torch
 
+from dsaspec.ops import draft_decode_metadata as ddm
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.draft_decode_metadata import copy_metadata, draft_decode_metadata, precompute_and_copy
-from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
+from dsaspec.reference.dsa_metadata import assert_written_equal, reference_metadata
 from metadata_cases import make_batch, make_table
 
 W = 333
@@ -32,11 +33,31 @@ def test_one_launch_matches_precompute_and_copy(device, steps, page_size):
     draft_decode_metadata(table, idx, seq_lens, launched, index_topk=64, page_size=page_size, budget=12)
     ref = reference_metadata(Mode.DECODE, table, idx, seq_lens, index_topk=64, page_size=page_size)
     for got, want in zip(launched, copied):
-        assert_contract_equal(got, want, Mode.DECODE, seq_lens)
-        assert_contract_equal(got, ref, Mode.DECODE, seq_lens)
+        assert_written_equal(got, want, Mode.DECODE, seq_lens)
+        assert_written_equal(got, ref, Mode.DECODE, seq_lens)
     for out in copied:  # the baseline copies every column, the scratch's full width
         for got, want in zip(out.tensors(), scratch.tensors()):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("steps,want", [(1, [1]), (2, [1, 1]), (3, [3]), (4, [3, 1]), (5, [3, 1, 1])])
+def test_precompute_and_copy_copies_like_sglang(device, steps, want):
+    """The copies after the scratch write (SGLang's multi-step precompute): with three or more step
+    backends one 3-destination copy then one copy per further backend, with fewer one copy each."""
+    table = make_table(8, W, device)
+    idx, seq_lens, _ = make_batch(Mode.DECODE, 6, W, 8, 1, device)
+    seen = []
+
+    def hook(*args, **kwargs):
+        seen.append(kwargs["NUM_DEST"])
+
+    ddm._copy_kernel.pre_run_hooks.append(hook)
+    try:
+        precompute_and_copy(table, idx, seq_lens, _buffers(1, device)[0], _buffers(steps, device),
+                            index_topk=64, page_size=64)
+    finally:
+        ddm._copy_kernel.pre_run_hooks.remove(hook)
+    assert seen == want
 
 
 def test_copy_metadata_rejects_bad_destinations(device):

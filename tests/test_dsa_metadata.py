@@ -1,7 +1,8 @@
 """Replay metadata against the plain-torch oracle (dsaspec/reference/dsa_metadata.py): the
-context-wide kernel exactly over the full width; both kernels' 1-D outputs at large batches and
-row counts; what both kernels do with unchecked bad values (``check_values=False``): nothing
-outside the inputs is read and nothing outside the outputs is written; argument errors."""
+context-wide kernel exactly on the written region (the tile-rounded live prefix of each row; every
+cell past it keeps its poison); both kernels' 1-D outputs at large batches and row counts; what
+both kernels do with unchecked bad values (``check_values=False``): nothing outside the inputs is
+read and nothing outside the outputs is written; argument errors."""
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from dsaspec.ops.dsa_metadata import context_wide_metadata
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.reference.dsa_metadata import ONE_D_OUTPUTS, assert_contract_equal, reference_metadata
-from metadata_cases import READ_POISON, WRITE_POISON, make_batch, make_table, poisoned_buffers, poisoned_table
+from metadata_cases import (READ_POISON, WRITE_POISON, assert_writes_exactly, make_batch, make_table,
+                            poisoned_buffers, poisoned_table)
 
 CASES = [
     (Mode.DECODE, 1, False),
@@ -45,12 +47,29 @@ def test_context_wide_matches_reference(device, mode, n, variable, page_size, wi
                              num_draft_tokens=n, extend_seq_lens=ext)
     out, arenas = poisoned_buffers(mode, batch, width, page_size, device, num_draft_tokens=n, rows=ref.rows)
     run("context_wide", mode, table, idx, seq_lens, out, n=n, ext=ext, page_size=page_size)
-    assert_one_d_equal(out, ref)
-    assert torch.equal(out.page_table_1, ref.page_table_1)  # every column, not only the live prefix
-    if page_size > 1:
-        assert torch.equal(out.real_page_table, ref.real_page_table)
-    else:
-        assert out.real_page_table is None
+    assert_writes_exactly(out, ref, mode, seq_lens, n, ext)
+    assert (out.real_page_table is None) == (page_size == 1)
+    assert all(a.outside_untouched() for a in arenas)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mode,n,variable", CASES)
+def test_tile_rounded_live_prefix_at_tile_edges(device, kernel, mode, n, variable):
+    """Live lengths (``s + N`` for target verify) on and around the 128-column tile edges: a
+    program whose tile starts at the live length writes nothing, one that starts below it writes
+    its whole tile."""
+    width = 400
+    extra = n if mode is Mode.TARGET_VERIFY else 0
+    lives = [0, 1, 127, 128, 129, 255, 256, 257, width]
+    lengths = [max(live - extra, 0) for live in lives]
+    table = poisoned_table(5, width, device, seed=11)
+    idx, seq_lens, ext = make_batch(mode, len(lengths), width, 5, n, device, seed=12, lengths=lengths,
+                                    variable=variable)
+    ref = reference_metadata(mode, table, idx, seq_lens, index_topk=64, page_size=64, num_draft_tokens=n,
+                             extend_seq_lens=ext)
+    out, arenas = poisoned_buffers(mode, len(lengths), width, 64, device, num_draft_tokens=n, rows=ref.rows)
+    run(kernel, mode, table, idx, seq_lens, out, n=n, ext=ext, budget=7)
+    assert_writes_exactly(out, ref, mode, seq_lens, n, ext)
     assert all(a.outside_untouched() for a in arenas)
 
 

@@ -1,10 +1,11 @@
 """MTP draft-decode metadata: precompute + copies (baseline) vs one bounded launch, per step-backend count.
 
-For each point (step backends, live KV, bs) on a 1M-token table: the baseline fills a ``[bs, W]``
-scratch with the context-wide decode kernel and copies it whole into every step backend (one
-3-destination copy, then one copy per further backend); the new path writes every step backend's
-buffers in one bounded launch (per four backends); the shared variant writes the one buffer set
-all step backends alias. All three are checked bit-identical on the contract region, then timed
+For each point (step backends, live KV, bs) on a 1M-token table: the baseline (SGLang's multi-step
+precompute) writes a ``[bs, W]`` scratch with the context-wide decode kernel and copies the whole
+scratch into every step backend (one 3-destination copy, then one copy per further backend; one
+copy each below three backends); the new path writes every step backend's buffers in one bounded
+launch (per four backends); the shared variant writes the one buffer set all step backends alias.
+All three are checked bit-identical on every cell the kernels write, then timed
 inside CUDA graphs (CUPTI, cold L2, median of ``--iters`` replays). The ``replay`` columns time the
 whole multi-step backend replay: baseline = precompute + copies + every step's indexer-schedule
 refresh (what engines do); new = one launch, draft steps seeded (IndexShare), no refresh.
@@ -32,7 +33,7 @@ from dsaspec.bench.timing import COLD_L2_METHOD
 from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.cli_parsing import check_at_most, format_value, positive_int, positive_int_list, use_cpu_sizes
-from dsaspec.reference.dsa_metadata import assert_contract_equal
+from dsaspec.reference.dsa_metadata import assert_written_equal
 
 INDEX_TOPK = 2048
 PAGE_SIZE = 64
@@ -89,12 +90,12 @@ class _Point:
                               page_size=PAGE_SIZE, budget=self.budget, check_values=False)
 
     def check_identical(self) -> None:
-        """Every path bit-identical to the baseline on the contract region (raises otherwise)."""
+        """Every path bit-identical to the baseline on every written cell (raises otherwise)."""
         self.baseline()
         self.one_launch()
         self.shared_write()
         for new, base in zip(self.new_outs + [self.shared], self.base_outs + [self.base_outs[0]]):
-            assert_contract_equal(new, base, Mode.DECODE, self.seq_lens)
+            assert_written_equal(new, base, Mode.DECODE, self.seq_lens)
 
     def backends(self) -> tuple[DSAMultiStepDraftBackend, DSAMultiStepDraftBackend]:
         """(baseline, new) multi-step backends of this point, captured at ``bs``."""
@@ -157,7 +158,7 @@ def run(args) -> int:
                 row[f"{name}_us"] = timing.median_us
                 row["spread"][name] = timing.spread
             for out in replay():
-                assert_contract_equal(out, point.base_outs[0], Mode.DECODE, point.seq_lens)
+                assert_written_equal(out, point.base_outs[0], Mode.DECODE, point.seq_lens)
         if cuda:
             row["replay_speedup"] = row["replay_baseline_us"] / row["replay_new_us"]
         point.check_identical()  # again after timing

@@ -2,9 +2,10 @@
 
 Two ways to produce it (docs/metadata-kernels.md):
 
-- :func:`precompute_and_copy` — what engines do today: the context-wide decode kernel writes a
-  full-width scratch set, then one multi-destination copy kernel copies all of it into the first
-  three step backends and one copy per remaining backend copies it into each of the others.
+- :func:`precompute_and_copy` — what engines do today (SGLang's multi-step precompute): the
+  context-wide decode kernel writes a ``[B, W]`` scratch set, then copies move the whole scratch
+  into the step backends: with three or more backends one 3-destination copy for the first three
+  and one copy per further backend, with fewer one copy per backend.
 - :func:`draft_decode_metadata` — the replacement: the live-bounded kernel writes every step
   backend's buffers straight from ``req_to_token``, one launch per four backends, no scratch.
 """
@@ -81,10 +82,13 @@ def precompute_and_copy(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
                         outs: Sequence[MetadataBuffers], *, index_topk: int, page_size: int,
                         check_values: bool = True) -> None:
     """Baseline: context-wide DECODE metadata into ``scratch`` (``[B, W]`` + real table), then copy
-    it whole into ``outs``: one 3-destination copy, then one copy per remaining buffer set.
+    it whole into ``outs``: with three or more sets one 3-destination copy, then one copy per
+    remaining set; with one or two sets, one copy each.
 
     ``scratch`` is preallocated by the caller (engines allocate it per replay; a captured graph
-    cannot). Writes every buffer of ``scratch`` and of each ``outs[i]`` over the full width.
+    cannot). Writes the 1-D outputs and the tile-rounded live prefix of ``scratch`` (see
+    :func:`~dsaspec.ops.dsa_metadata.context_wide_metadata`), then every buffer of each ``outs[i]``
+    over the full width (the scratch's contents past the prefix included).
     ``check_values``: the host-synced precondition checks of
     :func:`~dsaspec.ops.dsa_metadata.context_wide_metadata` (what happens without them is stated there).
     """
@@ -92,8 +96,10 @@ def precompute_and_copy(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
         raise ValueError("outs: at least one step backend buffer set is required")
     context_wide_metadata(Mode.DECODE, req_to_token, req_pool_indices, seq_lens, scratch,
                           index_topk=index_topk, page_size=page_size, check_values=check_values)
-    copy_metadata(scratch, outs[:MAX_COPY_DESTINATIONS])
-    for out in outs[MAX_COPY_DESTINATIONS:]:
+    first = MAX_COPY_DESTINATIONS if len(outs) >= MAX_COPY_DESTINATIONS else 0
+    if first:
+        copy_metadata(scratch, outs[:first])
+    for out in outs[first:]:
         copy_metadata(scratch, [out])
 
 

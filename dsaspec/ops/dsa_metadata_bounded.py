@@ -33,10 +33,9 @@ import triton
 import triton.language as tl
 
 from dsaspec import flags
-from dsaspec.ops.dsa_metadata_common import (MODE_DECODE, MODE_EXTEND_VARIABLE, MODE_VERIFY, TILE,
-                                             MetadataBuffers, Mode, launch_shape, load_extend,
-                                             mode_code, store_all, validate_inputs, vector_width,
-                                             write_lengths)
+from dsaspec.ops.dsa_metadata_common import (MODE_VERIFY, TILE, MetadataBuffers, Mode, launch_shape,
+                                             mode_code, request_rows, store_all, validate_inputs,
+                                             vector_width, write_lengths)
 
 MAX_SPLITS = 256
 MAX_DESTINATIONS = 4
@@ -112,16 +111,7 @@ def _bounded_kernel(req_to_token_ptr, stride_pool, req_pool_ptr, seq_lens_ptr, e
         live = tl.load(seq_lens_ptr + b).to(tl.int32)
         if MODE == MODE_VERIFY:
             live = live + N
-        if MODE == MODE_DECODE:
-            first = b
-            count = 1
-        elif MODE == MODE_EXTEND_VARIABLE:
-            first = tl.sum(load_extend(ext_ptr, tl.arange(0, BLOCK_B), b), axis=0)
-            # Rows past R (sum(extend_seq_lens) > rows, a violated precondition) are dropped.
-            count = tl.minimum(tl.maximum(tl.load(ext_ptr + b).to(tl.int32), 0), tl.maximum(R - first, 0))
-        else:
-            first = b * N
-            count = N
+        first, count = request_rows(ext_ptr, b, R, N, MODE, BLOCK_B)
         pool = tl.load(req_pool_ptr + b).to(tl.int64)
         src = req_to_token_ptr + tl.multiple_of(pool * stride_pool, SRC_VEC)
         end = tl.minimum(tl.cdiv(live, TILE_W) * TILE_W, W)  # tile-rounded live prefix

@@ -283,6 +283,24 @@ def extend_owner(ends, rows, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def request_rows(ext_ptr, b, R, N, MODE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(first metadata row, row count) of request ``b``: decode ``(b, 1)``; target verify and the
+    static draft extend ``(b * N, N)``; the variable draft extend ``(sum(ext[:b]), ext[b])`` with
+    negative lengths counted as 0 and rows past ``R`` (``sum(ext) > R``, a violated precondition)
+    dropped."""
+    if MODE == MODE_DECODE:
+        first = b
+        count = 1
+    elif MODE == MODE_EXTEND_VARIABLE:
+        first = tl.sum(load_extend(ext_ptr, tl.arange(0, BLOCK_B), b), axis=0)
+        count = tl.minimum(tl.maximum(tl.load(ext_ptr + b).to(tl.int32), 0), tl.maximum(R - first, 0))
+    else:
+        first = b * N
+        count = N
+    return first, count
+
+
+@triton.jit
 def clamped_sum(a, m, K, LOWER: tl.constexpr):
     """``sum_{j < m} min(a + j, K)``, or with ``LOWER`` ``sum_{j < m} min(max(a + j, 0), K)``, in
     closed form with int32 wrap-around (the same bits as a running int32 sum); ``m >= 0``."""

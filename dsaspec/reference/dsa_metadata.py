@@ -12,7 +12,9 @@ For ``B`` requests with committed lengths ``s``, pool rows ``r`` and ``N`` draft
 - ``page_table_1[row, c] = T[r[b], c]`` and ``real_page_table[row, c] = T[r[b], c*P] // P``.
 
 Consumers read ``page_table_1[row, :live)`` and ``real_page_table[row, :cdiv(live, P))`` only:
-that and the five 1-D outputs are the contract region.
+that and the five 1-D outputs are the contract region. Both kernels write the five 1-D outputs and
+the tile-rounded live prefix ``page_table_1[row, :min(roundup(live, 128), W))`` with the real-table
+columns ``c`` of those tiles (``c * P`` inside it), and nothing else: the written region.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 DECODE, TARGET_VERIFY, DRAFT_EXTEND = "decode", "target_verify", "draft_extend"
+TILE = 128  # the kernels write page-table rows in tiles of this many columns
 ONE_D_OUTPUTS = ("cache_seqlens", "cu_seqlens_k", "seqlens_expanded", "dsa_cache_seqlens", "dsa_cu_seqlens_k")
 
 
@@ -103,31 +106,43 @@ def reference_metadata(mode, req_to_token: torch.Tensor, req_pool_indices: torch
                              dsa_cu_seqlens_k=i32(_with_leading_zero(dsa)), page_table_1=table, real_page_table=real)
 
 
+def _row_masks(bounds: torch.Tensor, width: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Masks of ``page_table_1[row, :bounds[row])`` and of the real-table columns ``c`` with
+    ``c * P < bounds[row]``."""
+    cols = torch.arange(width, device=bounds.device)
+    pt_mask = cols[None, :] < bounds[:, None]
+    if page_size == 1:
+        return pt_mask, None
+    real_cols = torch.arange(-(-width // page_size), device=bounds.device)
+    return pt_mask, real_cols[None, :] * page_size < bounds[:, None]
+
+
 def contract_masks(mode, seq_lens: torch.Tensor, width: int, page_size: int, num_draft_tokens: int = 1,
                    extend_seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Boolean masks of the contract region: ``page_table_1[row, :live)`` and
     ``real_page_table[row, :cdiv(live, P))`` for every metadata row."""
     owner, _ = expanded_lengths(mode, seq_lens, num_draft_tokens, extend_seq_lens)
-    live = live_lengths(mode, seq_lens, num_draft_tokens)[owner]
-    cols = torch.arange(width, device=seq_lens.device)
-    pt_mask = cols[None, :] < live[:, None]
-    if page_size == 1:
-        return pt_mask, None
-    real_cols = torch.arange(-(-width // page_size), device=seq_lens.device)
-    return pt_mask, real_cols[None, :] < (-(-live // page_size))[:, None]
+    return _row_masks(live_lengths(mode, seq_lens, num_draft_tokens)[owner], width, page_size)
 
 
-def assert_contract_equal(got, want, mode, seq_lens: torch.Tensor, num_draft_tokens: int = 1,
-                          extend_seq_lens: torch.Tensor | None = None) -> None:
-    """Assert bit-identity on the contract region: the five 1-D outputs (values and int32 dtype)
-    and the live page-table prefixes. ``got`` and ``want``: anything with the attributes of
-    :class:`ReferenceMetadata` (kernel output buffers or the reference)."""
+def written_masks(mode, seq_lens: torch.Tensor, width: int, page_size: int, num_draft_tokens: int = 1,
+                  extend_seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Boolean masks of the page-table cells the kernels write: ``page_table_1[row, :e)`` and the
+    real-table columns ``c`` with ``c * P < e``, ``e = min(roundup(live, 128), width)`` (0 for
+    ``live <= 0``)."""
+    owner, _ = expanded_lengths(mode, seq_lens, num_draft_tokens, extend_seq_lens)
+    live = live_lengths(mode, seq_lens, num_draft_tokens)[owner].clamp(min=0)
+    return _row_masks(torch.clamp(-(-live // TILE) * TILE, max=width), width, page_size)
+
+
+def _assert_one_d_equal(got, want) -> None:
     for name in ONE_D_OUTPUTS:
         a, b = getattr(got, name), getattr(want, name)
         if a.dtype != torch.int32 or b.dtype != torch.int32 or not torch.equal(a.cpu(), b.cpu()):
             raise AssertionError(f"{name} differs:\n got  {a.dtype} {a.tolist()}\n want {b.dtype} {b.tolist()}")
-    pt_mask, real_mask = contract_masks(mode, seq_lens, got.page_table_1.shape[1], got.page_size,
-                                        num_draft_tokens, extend_seq_lens)
+
+
+def _assert_tables_equal(got, want, pt_mask: torch.Tensor, real_mask: torch.Tensor | None, region: str) -> None:
     checks = [("page_table_1", got.page_table_1, want.page_table_1, pt_mask)]
     if real_mask is not None:
         checks.append(("real_page_table", got.real_page_table, want.real_page_table, real_mask))
@@ -136,8 +151,30 @@ def assert_contract_equal(got, want, mode, seq_lens: torch.Tensor, num_draft_tok
             raise AssertionError(f"{name} has {a.shape[0]} / {b.shape[0]} rows, the contract {mask.shape[0]}")
         cols = min(a.shape[1], b.shape[1])
         if mask[:, cols:].any():
-            raise AssertionError(f"{name} is narrower ({cols} columns) than the live prefix")
+            raise AssertionError(f"{name} is narrower ({cols} columns) than the {region}")
         diff = (a[:, :cols] != b[:, :cols]) & mask[:, :cols]
         if diff.any():
             r, c = diff.nonzero()[0].tolist()
             raise AssertionError(f"{name}[{r}, {c}] = {int(a[r, c])}, want {int(b[r, c])}")
+
+
+def assert_contract_equal(got, want, mode, seq_lens: torch.Tensor, num_draft_tokens: int = 1,
+                          extend_seq_lens: torch.Tensor | None = None) -> None:
+    """Assert bit-identity on the contract region: the five 1-D outputs (values and int32 dtype)
+    and the live page-table prefixes. ``got`` and ``want``: anything with the attributes of
+    :class:`ReferenceMetadata` (kernel output buffers or the reference)."""
+    _assert_one_d_equal(got, want)
+    masks = contract_masks(mode, seq_lens, got.page_table_1.shape[1], got.page_size, num_draft_tokens,
+                           extend_seq_lens)
+    _assert_tables_equal(got, want, *masks, "live prefix")
+
+
+def assert_written_equal(got, want, mode, seq_lens: torch.Tensor, num_draft_tokens: int = 1,
+                         extend_seq_lens: torch.Tensor | None = None) -> None:
+    """Assert bit-identity on the written region (:func:`written_masks`, a superset of the
+    contract region): the five 1-D outputs and every page-table cell the kernels write, for
+    buffers as wide as ``req_to_token``. Arguments as :func:`assert_contract_equal`."""
+    _assert_one_d_equal(got, want)
+    masks = written_masks(mode, seq_lens, got.page_table_1.shape[1], got.page_size, num_draft_tokens,
+                          extend_seq_lens)
+    _assert_tables_equal(got, want, *masks, "written region")

@@ -10,8 +10,9 @@ captured batch bucket the multi-step backend picks one of three ways to write it
   scratch. Needs every step backend on the bounded kernels and matching tables (same
   ``req_to_token``, W, P, index_topk, buffer shapes and dtypes).
 - ``precompute_and_copy`` (what engines do today, and what the kill switch restores): the
-  context-wide decode kernel fills a full-width ``[bs, W]`` scratch, which is then copied whole into
-  every step backend (one multi-destination copy for the first three, one copy per further one).
+  context-wide decode kernel writes a ``[bs, W]`` scratch, which is then copied whole into every
+  step backend (one 3-destination copy for the first three, one copy per further one; one copy
+  each below three).
 - ``per_step``: the tables do not match, so no single write can serve them (or the baseline's
   whole-buffer copy cannot, because the page-table rows are padded): every step backend writes its
   own metadata with its own kernel.
