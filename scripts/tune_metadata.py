@@ -1,4 +1,4 @@
-"""Sweep the bounded metadata kernel's knobs at live 64k (issue 13 §3: reach the same-bytes copy)
+"""Sweep the bounded metadata kernel's knobs at live 64k (target: the same-bytes copy, docs/benchmarking.md)
 on a 1M-token table, for decode / target verify / draft extend and the 4-step MTP draft-decode
 metadata (one launch, four destinations), at bs 4 and 16:
 
