@@ -124,7 +124,7 @@ def _e2e(payload: dict) -> list[str]:
 def _dsa_ops(payload: dict, ops: Callable[[str], bool], title: str) -> list[str]:
     rows = [r for r in payload["rows"] if ops(r["op"])]
     keys, cols, groups = _pivot(rows, ("op", "mode", "live_kv"), "bs", arrow)
-    return [_table(f"{title}, {payload['params']['preset']} shapes: previous kernels → new (µs)",
+    return [_table(f"{title}, {payload['params']['preset']} shapes: baseline kernels → new (µs)",
                    ["op", "mode", "live KV"], cols, keys, groups, "bs")]
 
 
