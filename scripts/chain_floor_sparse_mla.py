@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -30,8 +29,6 @@ if not torch.cuda.is_available():  # Triton's interpreter, which must be chosen 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsaspec.bench.timing import copy_time_us, empty_kernel_us, time_in_graph, warm_up_gpu  # noqa: E402
 from dsaspec.ops import sparse_mla  # noqa: E402

@@ -17,33 +17,22 @@ on a GPU machine it compiles for sm_90 just the same.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
-import os
-import re
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret (set before triton is imported)
-os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsaspec-compile-")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dsaspec.testing.offline_compile import (compile_instead_of_launch, compile_only_environment,
+                                             fresh_cache_dir, sm90_target)
+
+compile_only_environment()  # before triton is imported
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton import knobs  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from dsaspec.bench.results import RESULTS_ROOT, machine_info, markdown_table  # noqa: E402
 from dsaspec.ops import dsa_metadata, dsa_metadata_bounded  # noqa: E402
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 N = 8  # draft tokens: rows up to 256 x 8
 DEFAULT_BS = [1, 2, 3, 4, 8, 16, 32, 64, 100, 128, 255, 256]
 CASES = [  # (kernel label, mode, variable extend, destinations)
@@ -58,50 +47,6 @@ CASES = [  # (kernel label, mode, variable extend, destinations)
     ("context_wide", Mode.DRAFT_EXTEND, False, 1),
     ("context_wide", Mode.DRAFT_EXTEND, True, 1),
 ]
-PTXAS = {
-    "regs": re.compile(r"Used (\d+) registers"),
-    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
-    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
-    "stack_bytes": re.compile(r"(\d+) bytes stack frame"),
-}
-
-
-@contextlib.contextmanager
-def compile_instead_of_launch(kernel, record: dict, keep_compiled: bool = False):
-    """While active, a launch of ``kernel`` (a Triton or a Gluon kernel) compiles it for
-    :data:`TARGET` (as the JIT would specialize these arguments) and stores the result in
-    ``record`` instead of running it (with ``knobs.nvidia.dump_ptxas_log`` set, registers and
-    spills from the ptxas log; with ``keep_compiled``, the compiled kernel under
-    ``"compiled"``)."""
-    backend = make_backend(TARGET)
-    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-
-    def run(*args, grid, warmup, **kwargs):
-        kwargs.update(debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
-        bound_args, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization,
-                                                                  options)
-        log = io.StringIO()
-        start = time.perf_counter()
-        with contextlib.redirect_stdout(log):
-            compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET,
-                                      options=options.__dict__)
-        record["compile_s"] = time.perf_counter() - start
-        for key, pattern in PTXAS.items():
-            found = pattern.findall(log.getvalue())
-            record[key] = int(found[-1]) if found else None
-        ptx = compiled.asm["ptx"]
-        record["ptx_lines"] = ptx.count("\n")
-        record["grid"] = grid[0]
-        if keep_compiled:
-            record["compiled"] = compiled
-
-    kernel.run = run
-    try:
-        yield
-    finally:
-        del kernel.run
 
 
 def compile_case(label: str, mode: Mode, variable: bool, dests: int, bs: int) -> dict:
@@ -131,7 +76,7 @@ def main() -> int:
     args = p.parse_args()
     knobs.nvidia.dump_ptxas_log = True
     compile_case(*CASES[0], 2)  # warm-up: the first compile also loads the compiler
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsaspec-compile-")
+    fresh_cache_dir()
     rows = []
     for label, mode, variable, dests in CASES:
         for bs in args.bs:
@@ -141,7 +86,7 @@ def main() -> int:
                   f"{row['compile_s']:6.2f} s, {row['regs']} regs, spill {row['spill_stores']} B", flush=True)
     info = machine_info()
     ptxas = knobs.nvidia.ptxas.version
-    method = (f"triton.compile for sm_90 ({TARGET}), ptxas {ptxas} from the Triton wheel, cold cache per "
+    method = (f"triton.compile for sm_90 ({sm90_target()}), ptxas {ptxas} from the Triton wheel, cold cache per "
               f"compile, arguments specialized by Triton's own binder from the real host wrapper's launch; "
               f"N = {N} rows per request (verify / draft extend), budget 2048, page size 64, W = 1024 + 4 + N "
               f"(the row alignment of 2^20 + 4 + N). Registers and spills from the ptxas log.")

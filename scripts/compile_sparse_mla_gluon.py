@@ -16,15 +16,14 @@ a CPU-only machine (the CPU tests run it in a subprocess); exits 1 when a check 
 from __future__ import annotations
 
 import collections
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dsaspec.testing.offline_compile import compile_instead_of_launch, compile_only_environment
 
-from compile_metadata import compile_instead_of_launch  # noqa: E402  (sets the compile-only env)
+CACHE_DIR = compile_only_environment()  # before triton is imported
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -56,7 +55,7 @@ def compile_form(split: bool, traced: bool = False) -> dict:
             trace=torch.zeros(rows * splits, 2 * len(sparse_mla_gluon.TRACE_STAMPS),
                               dtype=torch.int64) if traced else None)
     compiled = record["compiled"]
-    cubin = Path(os.environ["TRITON_CACHE_DIR"]) / f"sparse_mla_gluon_{int(split)}{int(traced)}.cubin"
+    cubin = CACHE_DIR / f"sparse_mla_gluon_{int(split)}{int(traced)}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,

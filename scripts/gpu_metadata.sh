@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of the replay-metadata kernels (issue 13), one step per argument (default: all):
+# GPU checks of the replay-metadata kernels, one step per argument (default: all):
 #
 #   tests     gpu-marked tests of the metadata / backend test modules        (~3-5 min)
 #   bench     dsaspec bench metadata (bs 1..256 x live 1k/64k x 3 modes)     (~3-4 min)

@@ -6,15 +6,11 @@ Compute (H200); the knobs of scripts/tune_metadata.py select the variant:
 """
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsaspec.ops.dsa_metadata_bounded import BLOCK_COLS, NUM_WARPS, bounded_metadata  # noqa: E402
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode  # noqa: E402
+from dsaspec.ops.dsa_metadata_bounded import BLOCK_COLS, NUM_WARPS, bounded_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.TARGET_VERIFY.value)

@@ -19,10 +19,8 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsaspec.bench.timing import time_in_graph, warm_up_gpu  # noqa: E402
-from dsaspec.ops import argmax_exchange as ax  # noqa: E402
+from dsaspec.bench.timing import time_in_graph, warm_up_gpu
+from dsaspec.ops import argmax_exchange as ax
 
 SHARD = 154880 // 2
 TP = 2

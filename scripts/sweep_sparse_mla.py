@@ -33,14 +33,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsaspec.bench.timing import L2Flusher, copy_time_us, empty_kernel_us, replay_events, warm_up_gpu  # noqa: E402
-from dsaspec.errors import UserError  # noqa: E402
-from dsaspec.ops import sparse_mla, sparse_mla_gluon  # noqa: E402
-from dsaspec.cli_parsing import Parser  # noqa: E402
-from dsaspec.ops.device import sm_count  # noqa: E402
-from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,  # noqa: E402
+from dsaspec.bench.timing import L2Flusher, copy_time_us, empty_kernel_us, replay_events, warm_up_gpu
+from dsaspec.errors import UserError
+from dsaspec.ops import sparse_mla, sparse_mla_gluon
+from dsaspec.cli_parsing import Parser
+from dsaspec.ops.device import sm_count
+from dsaspec.ops.sparse_mla import (QK_DIM, SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG,
                                     SPARSE_MLA_GLUON_CONFIG, SparseMLAConfig, sparse_mla_config,
                                     sparse_mla_decode, sparse_mla_workspace)
 

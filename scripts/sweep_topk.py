@@ -21,11 +21,9 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsaspec.bench.timing import time_in_graph, warm_up_gpu  # noqa: E402
-from dsaspec.ops import topk as topk_module  # noqa: E402
-from dsaspec.ops.topk import topk_slots, topk_workspace  # noqa: E402
+from dsaspec.bench.timing import time_in_graph, warm_up_gpu
+from dsaspec.ops import topk as topk_module
+from dsaspec.ops.topk import topk_slots, topk_workspace
 
 K, LIVE = 2048, 65536
 SHAPES = ((4096, 8), (4096, 4), (2048, 8), (2048, 4), (1024, 4), (1024, 2))  # (loop step, warps)

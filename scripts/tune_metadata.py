@@ -1,4 +1,4 @@
-"""Sweep the bounded metadata kernel's knobs at live 64k (issue 13 §3: reach the same-bytes copy)
+"""Sweep the bounded metadata kernel's knobs at live 64k (target: the same-bytes copy, docs/benchmarking.md)
 on a 1M-token table, for decode / target verify / draft extend and the 4-step MTP draft-decode
 metadata (one launch, four destinations), at bs 4 and 16:
 
@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dsaspec.bench.draft_metadata import floor_bytes  # noqa: E402
-from dsaspec.bench.metadata import bytes_moved  # noqa: E402
-from dsaspec.bench.results import bench_params, markdown_table, write_results  # noqa: E402
-from dsaspec.bench.timing import copy_time_us, time_in_graph, warm_up_gpu  # noqa: E402
-from dsaspec.ops.dsa_metadata_bounded import BLOCK_COLS, NUM_WARPS, bounded_metadata  # noqa: E402
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode  # noqa: E402
+from dsaspec.bench.draft_metadata import floor_bytes
+from dsaspec.bench.metadata import bytes_moved
+from dsaspec.bench.results import bench_params, markdown_table, write_results
+from dsaspec.bench.timing import copy_time_us, time_in_graph, warm_up_gpu
+from dsaspec.ops.dsa_metadata_bounded import BLOCK_COLS, NUM_WARPS, bounded_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 
 LIVE = 65536
 N = 5                       # verify / draft-extend rows per request (as in `bench metadata`)

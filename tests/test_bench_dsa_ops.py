@@ -1,5 +1,5 @@
 """``dsaspec bench dsa-ops``: the CPU run checks every op's new form against its baseline and the
-plain-torch references; the targets read each row the way the issue (and the proposals) state them."""
+plain-torch references; the targets read each row the way docs/benchmarking.md ("Targets") states them."""
 
 import argparse
 import json

@@ -7,6 +7,7 @@ pipeline's instructions in the SASS) and the stamps' argument check.
 (CUDA-graph replay with new slots: test_sparse_mla.py, for both kernels.)"""
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,9 +60,10 @@ def test_compiles_for_sm90_as_designed():
     no spills, within the shared-memory limit,
     with cp.async gathers, wgmma, copy-completion arrives and the register split in the SASS
     (scripts/compile_sparse_mla_gluon.py, in a subprocess: it compiles instead of interpreting)."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "compile_sparse_mla_gluon.py"
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=600)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "compile_sparse_mla_gluon.py")],
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "every form compiles for sm_90 as designed" in proc.stdout
 

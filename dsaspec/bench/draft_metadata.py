@@ -194,7 +194,7 @@ def run(args) -> int:
 
 
 def _targets(rows: list[dict]) -> list[dict]:
-    """The issues' targets, evaluated on this run."""
+    """The targets of docs/benchmarking.md ("Targets", draft-metadata), evaluated on this run."""
     out = []
     for steps in sorted({r["step_backends"] for r in rows}):
         target = sublinear_target([r for r in rows if r["step_backends"] == steps and r["live_kv"] == 1024],

@@ -169,7 +169,7 @@ def _report(args, rows: list[dict], floors, world: int) -> int:
 
 
 def _targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets, evaluated on this run."""
+    """The targets of docs/benchmarking.md ("Targets", draft-step), evaluated on this run."""
     out = []
     for r in (r for r in rows if r["tp"] == 2):
         out.append({"target": f"TP2 rows {r['rows']}: exchange within 1.05x of local GEMM + one all-reduce",

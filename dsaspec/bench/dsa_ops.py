@@ -72,7 +72,7 @@ MODES = ("decode", "target_verify")
 PAGE = 64
 INDEX_DIM = 128
 NUM_SMS_WITHOUT_CUDA = 8
-# Targets of the issue: bs 1 at 1k live within this many µs per op and layer; bs >= 16 at 64k
+# Targets (docs/benchmarking.md, "Targets"): bs 1 at 1k live within this many µs per op; bs >= 16 at 64k
 # live within this factor of the floor; never slower than the baseline (beyond timing noise).
 SMALL_TARGET_US, FLOOR_FACTOR, NOISE = 8.0, 2.0, 1.05
 # Proposed for the top-k in place of FLOOR_FACTOR x its bytes floor (docs/dsa-kernels.md): an exact select
@@ -459,7 +459,8 @@ def _time_row(p: _Point, op: str, floors, peak_tflops: float, iters: int) -> dic
 
 
 def _targets(rows: list[dict]) -> list[dict]:
-    """Each row checked against the issue's targets that apply to it, and the top-k's proposed one."""
+    """Each row checked against the targets of docs/benchmarking.md ("Targets") that apply to it,
+    the top-k's proposed one included."""
     out = []
     for r in rows:
         if "new_us" not in r:

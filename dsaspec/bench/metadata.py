@@ -159,7 +159,7 @@ def sublinear_target(rows: list[dict], key: str, label: str) -> dict | None:
 
 
 def _targets(rows: list[dict]) -> list[dict]:
-    """Issue 13's targets, evaluated on this run: never slower than the baseline; at live 1k the
+    """The targets of docs/benchmarking.md ("Targets", metadata), evaluated on this run: never slower than the baseline; at live 1k the
     bounded time grows sub-linearly with bs (between consecutive measured batch sizes the time
     ratio stays below the bs ratio); within 1.1x of the same-bytes copy at live 64k, bs 4 and 16."""
     slower = [f"{r['op']}/{r['live_kv']}/{r['bs']}" for r in rows if r["new_us"] > r["baseline_us"]]

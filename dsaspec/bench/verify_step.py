@@ -248,7 +248,7 @@ def _report(args, rows: list[dict], floors, world: int) -> int:
 
 
 def _targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets, evaluated on this run."""
+    """The targets of docs/benchmarking.md ("Targets", verify-step), evaluated on this run."""
     out = []
     verify_tp2 = [r for r in rows if r["tp"] == 2 and r["step"] == "verify"]
     for r in (r for r in verify_tp2 if r["rows"] == 128):

@@ -1,0 +1,93 @@
+"""Compile Triton and Gluon kernels for sm_90 on any machine, GPU or not: a kernel's launch is
+intercepted and compiled offline as Triton's JIT would specialize it, with the wheel's ptxas.
+
+Call :func:`compile_only_environment` before anything imports triton (the interpreter choice is
+read when a kernel is defined), then wrap the real host launch in :func:`compile_instead_of_launch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# ptxas log fields recorded per compile
+PTXAS = {
+    "regs": re.compile(r"Used (\d+) registers"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "stack_bytes": re.compile(r"(\d+) bytes stack frame"),
+}
+
+
+def compile_only_environment() -> Path:
+    """Set ``TRITON_INTERPRET=0`` (compile, never interpret) and a fresh empty ``TRITON_CACHE_DIR``
+    (every compile cold); returns that folder. Raises RuntimeError once triton is imported, when
+    the interpreter setting could no longer take effect."""
+    if "triton" in sys.modules:
+        raise RuntimeError("compile_only_environment() must run before triton is imported")
+    os.environ["TRITON_INTERPRET"] = "0"
+    return fresh_cache_dir()
+
+
+def fresh_cache_dir() -> Path:
+    """Point ``TRITON_CACHE_DIR`` at a new empty folder (the next compiles are cold); returns it."""
+    folder = Path(tempfile.mkdtemp(prefix="dsaspec-compile-"))
+    os.environ["TRITON_CACHE_DIR"] = str(folder)
+    return folder
+
+
+def sm90_target():
+    """Triton's ``GPUTarget`` of compute capability 9.0 (H100 / H200), warp size 32."""
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", 90, 32)
+
+
+@contextlib.contextmanager
+def compile_instead_of_launch(kernel, record: dict, keep_compiled: bool = False):
+    """While active, a launch of ``kernel`` (a Triton or a Gluon kernel) compiles it for
+    :func:`sm90_target` (as the JIT would specialize these arguments) instead of running it, and
+    writes into ``record``: ``compile_s``, the :data:`PTXAS` fields (None unless
+    ``triton.knobs.nvidia.dump_ptxas_log`` is set), ``ptx_lines``, ``grid`` (its first dimension)
+    and, with ``keep_compiled``, the compiled kernel under ``"compiled"``."""
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    from triton.runtime.jit import create_function_from_signature
+
+    target = sm90_target()
+    backend = make_backend(target)
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+
+    def run(*args, grid, warmup, **kwargs):
+        kwargs.update(debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization,
+                                                                  options)
+        log = io.StringIO()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)
+        record["compile_s"] = time.perf_counter() - start
+        for key, pattern in PTXAS.items():
+            found = pattern.findall(log.getvalue())
+            record[key] = int(found[-1]) if found else None
+        record["ptx_lines"] = compiled.asm["ptx"].count("\n")
+        record["grid"] = grid[0]
+        if keep_compiled:
+            record["compiled"] = compiled
+
+    kernel.run = run
+    try:
+        yield
+    finally:
+        del kernel.run
