@@ -7,9 +7,11 @@ import torch
 
 
 def check_tensor(name: str, tensor, *, dtype: torch.dtype, shape: tuple | None = None,
-                 device: torch.device | None = None, ndim: int | None = None) -> None:
+                 device: torch.device | None = None, ndim: int | None = None,
+                 contiguous_last: bool = True) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``tensor`` has the expected dtype, shape
-    (entries ``None`` match anything), device and a contiguous last dimension."""
+    (entries ``None`` match anything), device and (with ``contiguous_last``) a contiguous last
+    dimension; a ``TypeError`` unless it is a tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != dtype:
@@ -24,7 +26,7 @@ def check_tensor(name: str, tensor, *, dtype: torch.dtype, shape: tuple | None =
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")
     if device is not None and tensor.device != device:
         raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
-    if tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+    if contiguous_last and tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
         raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), "
                          f"got strides {tensor.stride()}")
 
