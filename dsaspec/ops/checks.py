@@ -1,9 +1,19 @@
-"""Argument checks shared by the op wrappers: host-side only (shape, dtype, device, strides),
-except :func:`check_live_width`, which reads the lengths on the host and so stays out of graphs."""
+"""Argument checks shared by the op wrappers and the runtime's allocators: host-side only (counts,
+shape, dtype, device, strides), except :func:`check_live_width`, which reads the lengths on the
+host and so stays out of graphs."""
 
 from __future__ import annotations
 
 import torch
+
+
+def check_count(name: str, value, minimum: int = 1) -> None:
+    """Raise a ``TypeError`` naming ``name`` unless ``value`` is an int (not a bool), a
+    ``ValueError`` unless it is at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
 
 
 def check_tensor(name: str, tensor, *, dtype: torch.dtype, shape: tuple | None = None,
