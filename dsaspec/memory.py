@@ -13,11 +13,16 @@ Layout:
   (their own layers) over the same slot ids.
 - ``RequestSlots``: admission, growth and release of a request's row and pages. Every failure is
   checked before any state changes, so a refused request never corrupts the table.
+
+Every size argument of the constructors must be an int >= 1 (else a ``TypeError`` /
+``ValueError`` naming it).
 """
 
 from __future__ import annotations
 
 import torch
+
+from dsaspec.ops.checks import check_count
 
 PAGE_SIZE = 64
 SINK_SLOT = 0
@@ -52,8 +57,7 @@ class ReqToTokenPool:
                  device: torch.device | str = "cpu"):
         for name, value in (("max_reqs", max_reqs), ("context_len", context_len),
                             ("num_draft_tokens", num_draft_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ReqToTokenPool: {name} must be a positive int, got {value!r}")
+            check_count(f"ReqToTokenPool {name}", value)
         self.max_reqs = max_reqs
         self.context_len = context_len
         self.num_draft_tokens = num_draft_tokens
@@ -97,8 +101,8 @@ class PageAllocator:
     """
 
     def __init__(self, num_slots: int, page_size: int = PAGE_SIZE):
-        if page_size < 1:
-            raise ValueError(f"PageAllocator: page_size must be >= 1, got {page_size}")
+        check_count("PageAllocator page_size", page_size)
+        check_count("PageAllocator num_slots", num_slots)
         if num_slots % page_size or num_slots < 2 * page_size:
             raise ValueError(f"PageAllocator: num_slots must be a multiple of page_size={page_size} "
                              f"and at least 2 pages (page 0 is the sink), got {num_slots}")
@@ -148,8 +152,9 @@ class KVPool:
     def __init__(self, num_layers: int, num_slots: int, kv_cache_dim: int = 576,
                  index_head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu"):
-        if num_layers < 1 or num_slots < 1:
-            raise ValueError(f"KVPool: num_layers and num_slots must be >= 1, got {num_layers}, {num_slots}")
+        for name, value in (("num_layers", num_layers), ("num_slots", num_slots),
+                            ("kv_cache_dim", kv_cache_dim), ("index_head_dim", index_head_dim)):
+            check_count(f"KVPool {name}", value)
         self.num_layers = num_layers
         self.num_slots = num_slots
         self._mla = torch.zeros(num_layers, num_slots, kv_cache_dim, dtype=dtype, device=device)
@@ -190,10 +195,11 @@ class RequestSlots:
     def admit(self, prompt_len: int, reserve: int = 0) -> int:
         """Take a row with slots for ``prompt_len + reserve`` positions; returns the row.
 
-        Raises ``ContextLengthError`` if ``prompt_len`` exceeds ``context_len`` and
-        ``PoolExhaustedError`` if no row or too few pages are free."""
-        if prompt_len < 1:
-            raise ValueError(f"admit: prompt_len must be >= 1, got {prompt_len}")
+        Raises ``ContextLengthError`` if ``prompt_len`` exceeds ``context_len``,
+        ``PoolExhaustedError`` if no row or too few pages are free, ``TypeError`` / ``ValueError``
+        unless ``prompt_len >= 1`` and ``reserve >= 0`` are ints."""
+        check_count("admit prompt_len", prompt_len)
+        check_count("admit reserve", reserve, minimum=0)
         if prompt_len > self.req_pool.context_len:
             raise ContextLengthError(f"prompt of {prompt_len} tokens exceeds context_len="
                                      f"{self.req_pool.context_len}")

@@ -64,10 +64,45 @@ def test_writes_static_buffers(device):
     assert got.accept_len.data_ptr() == out.accept_len.data_ptr()
     assert out.accept_len.tolist() == [3, 1, 2] + [-7] * 5             # rows past B untouched
     assert out.committed[3:].eq(-7).all() and out.bonus.tolist()[:3] == [3, 4, 8]
+    # the speculative worker's layout: accept_len and committed are column views of one buffer
+    outputs = torch.full((8, 4), -7, device=device)
+    strided = Acceptance(outputs[:, 0], outputs[:, 1:], torch.full((8,), -7, device=device))
+    _check(drafts, targets, None, out=strided)
+    assert outputs[:3].tolist() == [[3, 1, 2, 3], [1, 4, 0, 0], [2, 7, 8, 0]]
 
 
-def test_bad_shapes():
-    with pytest.raises(ValueError, match=r"target_tokens must be \[2, 3\]"):
-        greedy_accept(torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="must be 2-D"):
-        greedy_accept(torch.zeros(2, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+def test_bad_arguments_are_refused_before_any_write():
+    """Each argument's dtype, shape and device is checked up front: the error names it and an
+    ``out`` too small for the batch raises before any of its buffers is written."""
+    long = dict(dtype=torch.int64)
+    drafts, targets = torch.zeros(3, 2, **long), torch.zeros(3, 3, **long)
+    cases = [
+        (dict(drafts=torch.zeros(3, **long)), r"drafts: expected 2 dimensions, got shape \(3,\)"),
+        (dict(drafts=drafts.int()), "drafts: expected dtype torch.int64, got torch.int32"),
+        (dict(drafts=drafts.tolist()), "drafts: expected a torch.Tensor, got list"),
+        (dict(target_tokens=targets[:, :2]), r"target_tokens: expected shape \(3, 3\) \(one more column"),
+        (dict(target_tokens=targets.float()), "target_tokens: expected dtype torch.int64, got torch.float32"),
+        (dict(target_tokens=targets.to("meta")), "target_tokens: expected device cpu, got meta"),
+        (dict(forced_accept_len=torch.ones(2, **long)), r"forced_accept_len: expected shape \(1,\)"),
+        (dict(forced_accept_len=torch.ones(1, dtype=torch.int32)), "forced_accept_len: expected dtype torch.int64"),
+    ]
+    for change, message in cases:
+        arguments = dict(drafts=drafts, target_tokens=targets, forced_accept_len=None) | change
+        with pytest.raises((ValueError, TypeError), match=message):
+            greedy_accept(arguments.pop("drafts"), arguments.pop("target_tokens"), **arguments)
+
+    def out(rows=(8, 8, 8), width=3, dtype=torch.int64):
+        return Acceptance(torch.full((rows[0],), -7, dtype=dtype), torch.full((rows[1], width), -7, dtype=dtype),
+                          torch.full((rows[2],), -7, dtype=dtype))
+
+    for buffers, message in [
+        (out(rows=(8, 2, 8)), r"out.committed: expected at least 3 rows \(one per request\), got shape \(2, 3\)"),
+        (out(rows=(8, 8, 2)), r"out.bonus: expected at least 3 rows"),
+        (out(rows=(2, 8, 8)), r"out.accept_len: expected at least 3 rows"),
+        (out(width=4), r"out.committed: expected shape \('\*', 3\), got \(8, 4\)"),
+        (out(dtype=torch.int32), "out.accept_len: expected dtype torch.int64, got torch.int32"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            greedy_accept(drafts, targets, out=buffers)
+        for tensor in (buffers.accept_len, buffers.committed, buffers.bonus):
+            assert tensor.eq(-7).all()

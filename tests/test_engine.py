@@ -1,6 +1,7 @@
 """The Engine (continuous batching, bucket padding, graph runner) against one-request-at-a-time
 greedy decoding through the model's own step path, metadata kernels against each other, bad
-inputs, the ``dsaspec generate`` command and the ``dsaspec bench decode`` smoke run.
+inputs and requests that can never fit, the ``dsaspec generate`` command and the ``dsaspec bench
+decode`` smoke run.
 
 CPU: fp32 tiny model with the torch reference ops (the metadata kernels run under the Triton
 interpreter), plus one short bf16 run through the Triton ops. GPU (``-m gpu``): graph vs eager
@@ -10,14 +11,14 @@ decode, bounded vs context-wide metadata, and a 1M-token context against a 4k on
 import argparse
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from dsaspec.configs.model_config import get_config
 from dsaspec.engine.engine import Engine, GenerationResult
 from dsaspec.executor.graph_runner import DecodeGraphRunner
-from dsaspec.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
-                                    PoolExhaustedError, ReqToTokenPool, RequestSlots)
+from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.layers.attention.inputs import build_extend_inputs
 from dsaspec.models.dsa_model import DSAModel
 
@@ -152,7 +153,7 @@ def test_eos_stops_a_request_and_single_prompt_form(fp32_model, prompts, expecte
     assert one.token_ids == expected[0][:1] and one.tpot_s is None and engine.stats.decode_steps == 0
 
 
-def test_bad_inputs_are_refused_before_any_work(fp32_model):
+def test_malformed_calls_raise_before_any_work(fp32_model):
     engine = _engine(fp32_model, context_len=100, max_batch=2, bucket_sizes=(1, 2), num_slots=3 * PAGE_SIZE)
     with pytest.raises(ValueError, match="prompt_token_ids is empty"):
         engine.generate([], 4)
@@ -164,23 +165,86 @@ def test_bad_inputs_are_refused_before_any_work(fp32_model):
         engine.generate([[1, 2], [3]], [2, -1])
     with pytest.raises(ValueError, match="max_new_tokens has 1 entries for 2 prompts"):
         engine.generate([[1, 2], [3]], [2])
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1 or a list of one per prompt"):
+        engine.generate([1, 2], 2.0)
     with pytest.raises(ValueError, match=r"token id\(s\) \[1031\] outside the vocabulary \[0, 1031\)"):
         engine.generate([1, 1031], 2)
     with pytest.raises(ValueError, match="eos_token_id must be in"):
         engine.generate([1, 2], 2, eos_token_id=-1)
     with pytest.raises(ValueError, match="must be 1-D"):
         engine.generate(torch.zeros(2, 2, dtype=torch.long), 2)
-    with pytest.raises(ContextLengthError, match="101 prompt tokens .* more than context_len=100"):
-        engine.generate([[1], [1] * 101], 1)
-    with pytest.raises(ContextLengthError, match="95 prompt tokens \\+ max_new_tokens=10 need 104 positions"):
-        engine.generate([1] * 95, 10)
-    small = _engine(fp32_model, context_len=100, max_batch=2, bucket_sizes=(1,), num_slots=2 * PAGE_SIZE)
-    with pytest.raises(PoolExhaustedError, match="need 2 KV pages .* the pool has 1 .*num_slots=128"):
-        small.generate([[1, 2], [1] * 70], 2)
-    assert _all_rows_free(engine) and _all_rows_free(small)
+    assert _all_rows_free(engine)
     assert engine.generate([1, 2, 3], 2).token_ids == sequential_greedy(fp32_model, [1, 2, 3], 2)
     with pytest.raises(ValueError, match="max_batch must be a positive int"):
         _engine(fp32_model, max_batch=0)
+
+
+def test_token_ids_must_be_integers(fp32_model):
+    """Python ints, numpy integers, 0-d integer tensors and 1-D tensors of any integer dtype are
+    token ids; floats (never truncated), bools and other types raise, naming the prompt and the
+    value."""
+    engine = _engine(fp32_model, context_len=64, max_batch=2, bucket_sizes=(1, 2))
+    want = sequential_greedy(fp32_model, [1, 2, 3], 2)
+    scalars = [[np.int64(1), np.int32(2), np.uint8(3)],
+               [torch.tensor(1), torch.tensor(2, dtype=torch.int32), torch.tensor(3, dtype=torch.uint8)]]
+    tensors = [torch.tensor([1, 2, 3], dtype=dtype) for dtype in (torch.int16, torch.int32, torch.uint8)]
+    for prompt in scalars + tensors:
+        assert engine.generate(prompt, 2).token_ids == want
+    assert [r.token_ids for r in engine.generate(scalars + tensors, 2)] == [want] * 5
+    assert engine.generate([1, 2, 3], 2, eos_token_id=torch.tensor(want[0])).finish_reason == "eos"
+    for prompt, error, message in [
+        ([1.7, 2.2], TypeError, r"prompt 0, token 0: expected an integer token id, got 1.7 \(float\)"),
+        ([[1, 2], [3, 2.0]], TypeError, r"prompt 1, token 1: expected an integer token id, got 2.0 "),
+        ([1, True], TypeError, r"prompt 0, token 1: expected an integer token id, got True \(bool\)"),
+        ([np.float32(1.5)], TypeError, r"prompt 0, token 0: .*1\.5\)? \(float32\)"),
+        ([torch.tensor(1), torch.tensor(2.0)], TypeError, r"prompt 0, token 1: .* got tensor\(2\.\) "),
+        (torch.tensor([1.0, 2.0]), TypeError,
+         "prompt 0: a prompt tensor must have an integer dtype, got torch.float32"),
+        ([[1], torch.tensor([True])], TypeError,
+         "prompt 1: a prompt tensor must have an integer dtype, got torch.bool"),
+        ([[1], torch.zeros(2, 2, dtype=torch.long)], ValueError,
+         r"prompt 1: a prompt tensor must be 1-D, got shape \(2, 2\)"),
+        ([[1, 2], 3], TypeError,
+         r"prompt 1: expected a sequence of token ids or a 1-D integer tensor, got 3 \(int\)"),
+        (["ab"], TypeError, r"prompt 0, token 0: expected an integer token id, got 'ab' \(str\)"),
+    ]:
+        with pytest.raises(error, match=message):
+            engine.generate(prompt, 2)
+    with pytest.raises(TypeError, match=r"eos_token_id: expected an integer token id, got 2.5 \(float\)"):
+        engine.generate([1, 2], 2, eos_token_id=2.5)
+    assert _all_rows_free(engine)
+
+
+def test_requests_that_can_never_fit_are_refused_and_the_others_run(fp32_model, prompts, expected, capsys):
+    """A request beyond the context or needing more KV pages than the pool has gets a "refused"
+    result saying why (no tokens, no work); the others in the call run as they would alone, and
+    ``dsaspec generate`` prints one line for each refused request."""
+    from dsaspec.commands import generate
+
+    engine = _engine(fp32_model, context_len=100, max_batch=2, bucket_sizes=(1, 2), num_slots=2 * PAGE_SIZE)
+    results = engine.generate([prompts[0], [1] * 101, prompts[1], prompts[2], [1] * 95], [6, 1, 4, 8, 10])
+    assert [r.finish_reason for r in results] == ["length", "refused", "refused", "length", "refused"]
+    assert results[0].token_ids == expected[0] and results[3].token_ids == expected[2]
+    assert results[1].error == ("101 prompt tokens + max_new_tokens=1 need 101 positions, more than "
+                                "context_len=100")
+    assert results[2].error == ("73 positions need 2 KV pages of 64 slots, the pool has 1 (num_slots=128); "
+                                "raise num_slots")
+    assert results[4].error.startswith("95 prompt tokens + max_new_tokens=10 need 104 positions")
+    for refused in (results[1], results[2], results[4]):
+        assert refused.token_ids == [] and refused.ttft_s is None and refused.tpot_s is None
+    assert [r.prompt_len for r in results] == [5, 101, 70, 33, 95]
+    assert results[0].error is None and results[3].error is None
+    assert engine.stats.prefill_tokens == 5 + 33
+    assert _all_rows_free(engine)
+    generate._print_results(results, engine.stats, None)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == f"request 1: prompt 101 tokens, refused: {results[1].error}"
+    assert lines[3] == f"request 2: prompt 70 tokens, refused: {results[2].error}"
+    assert lines[0].startswith("request 0: prompt 5 tokens, 6 generated (length)")
+    assert sum("refused" in line for line in lines) == 3
+    single = engine.generate([1] * 101, 1)
+    assert isinstance(single, GenerationResult) and single.finish_reason == "refused"
+    assert engine.stats.decode_steps == 0 and engine.stats.prefill_tokens == 0
 
 
 def test_graph_runner_refuses_bad_batches(fp32_model):

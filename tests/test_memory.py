@@ -104,8 +104,38 @@ def test_allocator_rejects_bad_frees_and_sizes():
             allocator.free(bad)
     with pytest.raises(ValueError, match="multiple of page_size"):
         PageAllocator(100)
-    with pytest.raises(ValueError, match="max_reqs must be a positive int"):
+    with pytest.raises(ValueError, match="ReqToTokenPool max_reqs: expected >= 1, got 0"):
         ReqToTokenPool(0, 100)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: ReqToTokenPool(2, 100.0), TypeError, r"ReqToTokenPool context_len: expected an int, got 100.0"),
+    (lambda: ReqToTokenPool(2, 100, num_draft_tokens=-1), ValueError, "num_draft_tokens: expected >= 1, got -1"),
+    (lambda: PageAllocator(-128), ValueError, "PageAllocator num_slots: expected >= 1, got -128"),
+    (lambda: PageAllocator(128.0), TypeError, r"PageAllocator num_slots: expected an int, got 128.0 \(float\)"),
+    (lambda: PageAllocator(128, page_size=64.0), TypeError, "PageAllocator page_size: expected an int"),
+    (lambda: PageAllocator(128, page_size=0), ValueError, "PageAllocator page_size: expected >= 1, got 0"),
+    (lambda: KVPool(1, 128.0), TypeError, "KVPool num_slots: expected an int, got 128.0"),
+    (lambda: KVPool(-1, 128), ValueError, "KVPool num_layers: expected >= 1, got -1"),
+    (lambda: KVPool(1, 128, kv_cache_dim=-576), ValueError, "KVPool kv_cache_dim: expected >= 1, got -576"),
+    (lambda: KVPool(1, 128, index_head_dim=0), ValueError, "KVPool index_head_dim: expected >= 1, got 0"),
+])
+def test_pools_refuse_bad_sizes(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_admission_refuses_a_negative_reservation():
+    """A negative ``reserve`` would give a prompt fewer pages than its own tokens need."""
+    pool = ReqToTokenPool(2, 200)
+    slots = RequestSlots(pool, PageAllocator(4 * PAGE_SIZE))
+    with pytest.raises(ValueError, match="admit reserve: expected >= 0, got -90"):
+        slots.admit(100, reserve=-90)
+    with pytest.raises(TypeError, match="admit prompt_len: expected an int, got 5.0"):
+        slots.admit(5.0)
+    assert pool.num_free == 2 and slots.allocator.num_free_pages == 3
+    row = slots.admit(100, reserve=0)
+    assert slots.allocated_len(row) == 2 * PAGE_SIZE
 
 
 def test_kv_pool_shapes_per_layer():

@@ -193,6 +193,20 @@ def test_num_splits_fill_the_gpu(config):
     assert sparse_mla_workspace(4096, 64, "cpu", num_splits=3).shape == (4096, 64, 3, 520)
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(num_rows=-1, num_splits=2), ValueError, "num_rows: expected >= 1, got -1"),
+    (dict(num_rows=2.0, num_splits=2), TypeError, r"num_rows: expected an int, got 2.0 \(float\)"),
+    (dict(num_heads=0), ValueError, "num_heads: expected >= 1, got 0"),
+    (dict(num_heads=-64, num_splits=2), ValueError, "num_heads: expected >= 1, got -64"),
+    (dict(num_sms=-8), ValueError, "num_sms: expected >= 1, got -8"),
+    (dict(num_splits=1.5), TypeError, "num_splits: expected an int, got 1.5"),
+])
+def test_workspace_refuses_bad_sizes(kwargs, error, message):
+    arguments = dict(num_rows=2, num_heads=64, device="cpu") | kwargs
+    with pytest.raises(error, match=message):
+        sparse_mla_workspace(**arguments)
+
+
 def test_default_config_by_rows():
     """A few head blocks with a workspace take the few-rows configuration; without one (the
     row-invariant path) every R takes the same configuration."""

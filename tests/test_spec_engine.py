@@ -18,7 +18,7 @@ import torch
 
 from dsaspec.configs.model_config import get_config
 from dsaspec.engine.engine import Engine
-from dsaspec.memory import PAGE_SIZE, ContextLengthError
+from dsaspec.memory import PAGE_SIZE
 from dsaspec.layers.row_invariant import RowInvariant
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import SpecConfig
@@ -217,7 +217,7 @@ def test_page_boundaries_eos_and_eager_batches(guessing_model):
 
 def test_context_end(guessing_model):
     """A request that fills the context exactly runs (its last verify block writes past it, inside
-    the table's headroom); one more token is refused up front."""
+    the table's headroom); one more token is refused (its result says why)."""
     spec = SpecConfig(num_steps=3)
     context = 80
     prompt = _prompts((72,), 1031, seed=9)[0]
@@ -225,8 +225,9 @@ def test_context_end(guessing_model):
     engine = _engine(guessing_model, spec, context_len=context)
     assert engine.req_pool.width == context + 4 + spec.num_draft_tokens
     assert _tokens(engine, [prompt], [9]) == expected
-    with pytest.raises(ContextLengthError, match="need 81 positions, more than context_len=80"):
-        engine.generate(prompt, 10)
+    refused = engine.generate(prompt, 10)
+    assert refused.finish_reason == "refused" and refused.token_ids == []
+    assert "need 81 positions, more than context_len=80" in refused.error
 
 
 def test_simulated_accept_length(random_model, prompts, monkeypatch):

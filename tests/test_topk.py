@@ -506,6 +506,23 @@ def test_workspace_size():
         topk_workspace(2, "cpu", num_chunks=0)
 
 
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: topk_workspace(-1, "cpu", num_sms=8), ValueError, "num_rows: expected >= 1, got -1"),
+    (lambda: topk_workspace(0, "cpu", num_chunks=2), ValueError, "num_rows: expected >= 1, got 0"),
+    (lambda: topk_workspace(2.0, "cpu", num_chunks=2), TypeError, r"num_rows: expected an int, got 2.0 \(float\)"),
+    (lambda: topk_workspace(2, "cpu", num_sms=0), ValueError, "num_sms: expected >= 1, got 0"),
+    (lambda: topk_workspace(2, "cpu", num_chunks=2.5), TypeError, "num_chunks: expected an int, got 2.5"),
+    (lambda: topk_candidates(-2, 4, "cpu"), ValueError, "num_rows: expected >= 1, got -2"),
+    (lambda: topk_candidates(2, 4.0, "cpu"), TypeError, "k: expected an int, got 4.0"),
+    (lambda: topk_candidates(2, 4, "cpu", num_chunks=True), TypeError, "num_chunks: expected an int, got True"),
+])
+def test_allocators_refuse_bad_sizes(call, error, message):
+    """Negative, zero or non-int sizes name the argument instead of a torch error (or, for zero
+    rows or zero SMs, an unusable workspace)."""
+    with pytest.raises(error, match=message):
+        call()
+
+
 def test_single_launch_fit_rule(monkeypatch):
     """One cooperative launch only on a CUDA device and for at most SINGLE_LAUNCH_PROGRAMS_PER_SM
     programs per SM (so every program of a row can wait for the others); otherwise five launches."""

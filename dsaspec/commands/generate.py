@@ -271,8 +271,12 @@ def _print_setup(args, source, device, use_triton, engine, spec, group) -> None:
 
 
 def _print_results(results, stats, spec) -> None:
-    """Each request's ids and times, the decode steps and the mean accept length."""
+    """Each request's ids and times (or why it was refused), the decode steps and the mean accept
+    length."""
     for i, result in enumerate(results):
+        if result.error is not None:
+            print(f"request {i}: prompt {result.prompt_len} tokens, refused: {result.error}")
+            continue
         tpot = "n/a" if result.tpot_s is None else f"{1e3 * result.tpot_s:.2f} ms"
         print(f"request {i}: prompt {result.prompt_len} tokens, {len(result.token_ids)} generated "
               f"({result.finish_reason}), TTFT {1e3 * result.ttft_s:.1f} ms, TPOT {tpot}")

@@ -17,11 +17,13 @@ buckets. The scheduler loop of :meth:`Engine.generate`:
    would (``max_new_tokens`` reached, or ``eos_token_id`` generated); release its row and pages.
 
 A request that could never fit (too long for the context, more pages than the pool has) is
-refused before anything runs; one that does not fit *now* waits for running requests to finish.
+refused up front (its result says why) and the others run; one that does not fit *now* waits for
+running requests to finish.
 """
 
 from __future__ import annotations
 
+import numbers
 import statistics
 import time
 from collections import deque
@@ -33,13 +35,13 @@ from tqdm import tqdm
 
 from dsaspec.layers.attention.backend import DEFAULT_BUCKETS, DSAAttnBackend
 from dsaspec.executor.graph_runner import DecodeGraphRunner
-from dsaspec.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
-                                    PoolExhaustedError, ReqToTokenPool, RequestSlots)
+from dsaspec.memory import (PAGE_SIZE, KVPool, PageAllocator, PoolExhaustedError, ReqToTokenPool,
+                            RequestSlots)
 from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import SpecConfig, build_spec_worker
 
-LENGTH, EOS = "length", "eos"
+LENGTH, EOS, REFUSED = "length", "eos", "refused"
 
 
 @dataclass
@@ -49,18 +51,23 @@ class GenerationResult:
     Attributes
     ----------
     token_ids : the generated tokens (prompt excluded; ends with ``eos_token_id`` when that
-        stopped it).
+        stopped it); empty when refused.
     prompt_len : tokens in the prompt.
-    finish_reason : ``"length"`` (``max_new_tokens`` reached) or ``"eos"``.
-    ttft_s : seconds from the start of ``generate`` to the first token (waiting + prefill).
-    tpot_s : mean seconds between consecutive generated tokens; None with a single token.
+    finish_reason : ``"length"`` (``max_new_tokens`` reached), ``"eos"``, or ``"refused"`` (the
+        request can never fit the engine: prompt + new tokens beyond ``context_len``, or more KV
+        pages than the pool has; it did not run).
+    ttft_s : seconds from the start of ``generate`` to the first token (waiting + prefill); None
+        when refused.
+    tpot_s : mean seconds between consecutive generated tokens; None with fewer than two.
+    error : why the request was refused (one line); None otherwise.
     """
 
     token_ids: list[int]
     prompt_len: int
     finish_reason: str
-    ttft_s: float
+    ttft_s: float | None
     tpot_s: float | None
+    error: str | None = None
 
 
 @dataclass
@@ -109,6 +116,7 @@ class _Request:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     finish_reason: str | None = None
+    error: str | None = None
 
     @property
     def next_position(self) -> int:
@@ -212,7 +220,9 @@ class Engine:
 
         Parameters
         ----------
-        prompt_token_ids : a prompt (sequence of ints or 1-D int tensor) or a list of prompts.
+        prompt_token_ids : a prompt (a sequence of token ids, or a 1-D tensor of an integer
+            dtype) or a list of prompts. A token id is a Python int, a numpy integer or a 0-d
+            integer tensor.
         max_new_tokens : int for every request, or one int per prompt; each >= 1.
         eos_token_id : stop a request after it generates this token (kept in its output).
         progress : override the engine's progress bar setting.
@@ -220,42 +230,52 @@ class Engine:
         Returns
         -------
         A :class:`GenerationResult` for a single prompt, a list of them (prompt order) for a list.
-        ``self.stats`` holds the call's :class:`GenerationStats`. Raises ``ValueError`` (empty
-        prompt, token outside the vocabulary, ``max_new_tokens < 1``), ``ContextLengthError``
-        (prompt + new tokens beyond ``context_len``) or ``PoolExhaustedError`` (a request needs
-        more KV pages than the pool has) before any work.
+        ``self.stats`` holds the call's :class:`GenerationStats`. A request that can never fit
+        (prompt + new tokens beyond ``context_len``, or more KV pages than the pool has) does not
+        run: its result is ``"refused"`` with the reason in ``error``; the others run. A malformed
+        call raises before any work: ``TypeError`` (a token id or ``eos_token_id`` that is not an
+        integer, e.g. a float or bool; a prompt that is not a sequence or a tensor; a float or bool
+        prompt tensor), ``ValueError`` (no prompts, an empty prompt, a token outside the
+        vocabulary, a prompt tensor not 1-D, ``max_new_tokens`` not an int >= 1 or not one per
+        prompt).
         """
         single = _is_single_prompt(prompt_token_ids)
         prompts = [prompt_token_ids] if single else list(prompt_token_ids)
-        requests = self._validate(prompts, max_new_tokens, eos_token_id)
+        requests, eos_token_id = self._validate(prompts, max_new_tokens, eos_token_id)
+        runnable = [r for r in requests if r.error is None]
         self.stats = GenerationStats()
         show = self.progress if progress is None else progress
-        total = sum(r.max_new_tokens for r in requests)
+        total = sum(r.max_new_tokens for r in runnable)
         with tqdm(total=total, desc="generate", unit="tok", disable=not show, leave=False) as bar:
-            self._schedule(requests, eos_token_id, bar, time.perf_counter())
-        results = [GenerationResult(r.tokens, len(r.prompt), r.finish_reason, r.first_token_at,
-                                    (r.last_token_at - r.first_token_at) / (len(r.tokens) - 1)
-                                    if len(r.tokens) > 1 else None) for r in requests]
+            self._schedule(runnable, eos_token_id, bar, time.perf_counter())
+        results = [_result(r) for r in requests]
         return results[0] if single else results
 
     # ---- validation -------------------------------------------------------------------------
-    def _validate(self, prompts, max_new_tokens, eos_token_id) -> list[_Request]:
+    def _validate(self, prompts, max_new_tokens, eos_token_id) -> tuple[list[_Request], int | None]:
+        """The requests (those that can never fit carry their ``error``) and ``eos_token_id`` as
+        an int; raises on a malformed call."""
         if not prompts:
             raise ValueError("prompt_token_ids is empty: expected a prompt (list of token ids) or a "
                              "non-empty list of prompts")
         if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
             limits = [max_new_tokens] * len(prompts)
-        else:
+        elif isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
             limits = list(max_new_tokens)
             if len(limits) != len(prompts):
                 raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts")
+        else:
+            raise ValueError(f"max_new_tokens must be an int >= 1 or a list of one per prompt, "
+                             f"got {max_new_tokens!r}")
         vocab = self.config.vocab_size
-        if eos_token_id is not None and not 0 <= int(eos_token_id) < vocab:
-            raise ValueError(f"eos_token_id must be in [0, {vocab}), got {eos_token_id}")
+        if eos_token_id is not None:
+            eos_token_id = _token_id(eos_token_id, "eos_token_id")
+            if not 0 <= eos_token_id < vocab:
+                raise ValueError(f"eos_token_id must be in [0, {vocab}), got {eos_token_id}")
         usable_pages = self.allocator.num_pages - 1
         requests = []
         for i, (prompt, limit) in enumerate(zip(prompts, limits)):
-            tokens = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+            tokens = _token_ids(prompt, i)
             if not tokens:
                 raise ValueError(f"prompt {i} is empty: a request needs at least one prompt token")
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -263,18 +283,18 @@ class Engine:
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token id(s) {bad[:4]} outside the vocabulary [0, {vocab})")
+            request = _Request(i, tokens, limit)
             positions = len(tokens) + limit - 1           # positions of the request's tokens' KV
-            if positions > self.context_len:
-                raise ContextLengthError(
-                    f"prompt {i}: {len(tokens)} prompt tokens + max_new_tokens={limit} need "
-                    f"{positions} positions, more than context_len={self.context_len}")
             pages = -(-(positions + self.extra_positions()) // PAGE_SIZE)
-            if pages > usable_pages:
-                raise PoolExhaustedError(
-                    f"prompt {i}: {positions} positions need {pages} KV pages of {PAGE_SIZE} slots, "
-                    f"the pool has {usable_pages} (num_slots={self.allocator.num_slots}); raise num_slots")
-            requests.append(_Request(i, tokens, limit))
-        return requests
+            if positions > self.context_len:
+                request.error = (f"{len(tokens)} prompt tokens + max_new_tokens={limit} need {positions} "
+                                 f"positions, more than context_len={self.context_len}")
+            elif pages > usable_pages:
+                request.error = (f"{positions} positions need {pages} KV pages of {PAGE_SIZE} slots, the "
+                                 f"pool has {usable_pages} (num_slots={self.allocator.num_slots}); raise "
+                                 f"num_slots")
+            requests.append(request)
+        return requests, eos_token_id
 
     # ---- scheduling -------------------------------------------------------------------------
     def _schedule(self, requests: list[_Request], eos_token_id, bar, start: float) -> None:
@@ -369,12 +389,58 @@ def _stops(request: _Request, eos_token_id) -> bool:
         len(request.tokens) >= request.max_new_tokens
 
 
+def _result(request: _Request) -> GenerationResult:
+    if request.error is not None:
+        return GenerationResult([], len(request.prompt), REFUSED, None, None, request.error)
+    tokens = request.tokens
+    tpot = (request.last_token_at - request.first_token_at) / (len(tokens) - 1) if len(tokens) > 1 else None
+    return GenerationResult(tokens, len(request.prompt), request.finish_reason, request.first_token_at, tpot)
+
+
+def _is_prompt(value) -> bool:
+    """A prompt rather than a token: a sequence (not a string) or a tensor of at least one dim."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
 def _is_single_prompt(prompt_token_ids) -> bool:
     if isinstance(prompt_token_ids, torch.Tensor):
         if prompt_token_ids.dim() != 1:
             raise ValueError(f"a prompt tensor must be 1-D, got shape {tuple(prompt_token_ids.shape)}")
         return True
-    if not isinstance(prompt_token_ids, Sequence) or isinstance(prompt_token_ids, (str, bytes)):
+    if not _is_prompt(prompt_token_ids):
         raise ValueError(f"prompt_token_ids must be a list of token ids or a list of prompts, "
                          f"got {type(prompt_token_ids).__name__}")
-    return len(prompt_token_ids) > 0 and not isinstance(prompt_token_ids[0], (Sequence, torch.Tensor))
+    return len(prompt_token_ids) > 0 and not _is_prompt(prompt_token_ids[0])
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _token_id(value, what: str) -> int:
+    """``value`` as an int if it is an integer (Python int, numpy integer, 0-d integer tensor);
+    else a ``TypeError`` naming ``what`` and the value (no float is truncated, no bool taken)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and _is_integer_dtype(value.dtype):
+            return int(value)
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise TypeError(f"{what}: expected an integer token id, got {value!r} ({type(value).__name__})")
+
+
+def _token_ids(prompt, index: int) -> list[int]:
+    """Prompt ``index``'s token ids as ints; ``TypeError`` / ``ValueError`` naming the prompt."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1:
+            raise ValueError(f"prompt {index}: a prompt tensor must be 1-D, got shape {tuple(prompt.shape)}")
+        if not _is_integer_dtype(prompt.dtype):
+            raise TypeError(f"prompt {index}: a prompt tensor must have an integer dtype, got {prompt.dtype}")
+        return prompt.tolist()
+    if not _is_prompt(prompt):
+        raise TypeError(f"prompt {index}: expected a sequence of token ids or a 1-D integer tensor, "
+                        f"got {prompt!r} ({type(prompt).__name__})")
+    return [_token_id(token, f"prompt {index}, token {j}") for j, token in enumerate(prompt)]

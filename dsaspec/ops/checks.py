@@ -1,15 +1,27 @@
-"""Argument checks shared by the op wrappers: host-side only (shape, dtype, device, strides),
-except :func:`check_live_width`, which reads the lengths on the host and so stays out of graphs."""
+"""Argument checks shared by the op wrappers and the runtime's allocators: host-side only (counts,
+shape, dtype, device, strides), except :func:`check_live_width`, which reads the lengths on the
+host and so stays out of graphs."""
 
 from __future__ import annotations
 
 import torch
 
 
+def check_count(name: str, value, minimum: int = 1) -> None:
+    """Raise a ``TypeError`` naming ``name`` unless ``value`` is an int (not a bool), a
+    ``ValueError`` unless it is at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+
+
 def check_tensor(name: str, tensor, *, dtype: torch.dtype, shape: tuple | None = None,
-                 device: torch.device | None = None, ndim: int | None = None) -> None:
+                 device: torch.device | None = None, ndim: int | None = None,
+                 contiguous_last: bool = True) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``tensor`` has the expected dtype, shape
-    (entries ``None`` match anything), device and a contiguous last dimension."""
+    (entries ``None`` match anything), device and (with ``contiguous_last``) a contiguous last
+    dimension; a ``TypeError`` unless it is a tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != dtype:
@@ -24,7 +36,7 @@ def check_tensor(name: str, tensor, *, dtype: torch.dtype, shape: tuple | None =
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")
     if device is not None and tensor.device != device:
         raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
-    if tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+    if contiguous_last and tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
         raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), "
                          f"got strides {tensor.stride()}")
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.checks import check_count, check_tensor
 from dsaspec.ops.device import sm_count, supports_pdl
 from dsaspec.ops import sparse_mla_gluon
 from dsaspec.ops.sparse_mla_gluon import launch_sparse_mla_gluon, sparse_mla_gluon_supported
@@ -322,17 +322,20 @@ def sparse_mla_workspace(num_rows: int, num_heads: int, device, num_splits: int 
     Returns
     -------
     fp32 ``[num_rows, num_heads, num_splits, RECORD_WIDTH]`` (a split's 512 outputs, its log-sum,
-    padding), or None.
+    padding), or None. ``num_rows``, ``num_heads``, ``num_splits`` and ``num_sms`` must be ints
+    >= 1 (else a ``TypeError`` / ``ValueError`` naming the argument).
     """
+    check_count("num_rows", num_rows)
+    check_count("num_heads", num_heads)
     if num_splits is None:
         if num_sms is None:
             num_sms = sm_count(device)
+        check_count("num_sms", num_sms)
         config = config or sparse_mla_config(num_rows, num_heads, split=True, device=device)
         num_splits = sparse_mla_num_splits(num_rows, num_heads, num_sms, config)
         if num_splits == 1:
             return None
-    if num_splits < 1:
-        raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+    check_count("num_splits", num_splits)
     return torch.empty(num_rows, num_heads, num_splits, RECORD_WIDTH, dtype=torch.float32,
                        device=device)
 

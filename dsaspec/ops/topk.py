@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsaspec.ops.checks import check_live_width, check_tensor
+from dsaspec.ops.checks import check_count, check_live_width, check_tensor
 from dsaspec.ops.device import sm_count, supports_pdl
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU (one program per row)
@@ -838,15 +838,18 @@ def topk_workspace(num_rows: int, device, num_chunks: int | None = None,
     int32 ``[num_rows, P, TOPK_WORKSPACE_WORDS]`` (zeros; per (row, chunk): the chunk's four
     digit histograms, 256 counts each, then the search state; chunk 0's also holds the row's
     barrier counter, ``TOPK_COUNTER_WORDS``, which must stay zero between calls), or None.
+    ``num_rows``, ``num_chunks`` and ``num_sms`` must be ints >= 1 (else a ``TypeError`` /
+    ``ValueError`` naming the argument).
     """
+    check_count("num_rows", num_rows)
     if num_chunks is None:
         if num_sms is None:
             num_sms = sm_count(device)
+        check_count("num_sms", num_sms)
         num_chunks = topk_num_chunks(num_rows, num_sms)
         if num_chunks == 1:
             return None
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks: expected >= 1, got {num_chunks}")
+    check_count("num_chunks", num_chunks)
     return torch.zeros(num_rows, num_chunks, TOPK_WORKSPACE_WORDS, dtype=torch.int32,
                        device=device)
 
@@ -1035,12 +1038,12 @@ def topk_candidates(num_rows: int, k: int, device,
     Returns
     -------
     int32 ``[num_rows, num_chunks * topk_candidates_width(k, device)]`` (uninitialised: each
-    call writes the entries it reads): a list of that width per chunk; or None.
+    call writes the entries it reads): a list of that width per chunk; or None. ``num_rows``,
+    ``k`` and ``num_chunks`` must be ints >= 1 (else a ``TypeError`` / ``ValueError`` naming the
+    argument).
     """
-    if k < 1:
-        raise ValueError(f"k: expected >= 1, got {k}")
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks: expected >= 1, got {num_chunks}")
+    for name, value in (("num_rows", num_rows), ("k", k), ("num_chunks", num_chunks)):
+        check_count(name, value)
     if num_chunks > TOPK_LISTS_MAX_CHUNKS:
         return None
     return torch.empty(num_rows, num_chunks * topk_candidates_width(k, device),

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaspec.ops.checks import check_tensor
+
 
 @dataclass
 class Acceptance:
@@ -53,15 +55,11 @@ def greedy_accept(drafts: torch.Tensor, target_tokens: torch.Tensor, *,
 
     Returns
     -------
-    :class:`Acceptance` (``out``'s leading ``B`` rows when given). No host sync; graph-safe.
+    :class:`Acceptance` (``out``'s leading ``B`` rows when given). No host sync; graph-safe. Every
+    argument's dtype, shape and device is checked (on the host) before anything is written: a
+    ``ValueError`` (``TypeError`` for a non-tensor) names the argument.
     """
-    if drafts.dim() != 2 or target_tokens.dim() != 2:
-        raise ValueError(f"drafts and target_tokens must be 2-D, got {tuple(drafts.shape)} and "
-                         f"{tuple(target_tokens.shape)}")
-    batch, steps = drafts.shape
-    if target_tokens.shape != (batch, steps + 1):
-        raise ValueError(f"target_tokens must be [{batch}, {steps + 1}] (one more row than drafts), "
-                         f"got {tuple(target_tokens.shape)}")
+    batch, steps = _check_arguments(drafts, target_tokens, forced_accept_len, out)
     rows = steps + 1
     matched = (drafts == target_tokens[:, :steps]).long().cumprod(dim=1).sum(dim=1)
     if forced_accept_len is not None:
@@ -79,3 +77,28 @@ def greedy_accept(drafts: torch.Tensor, target_tokens: torch.Tensor, *,
     out.committed[:batch].copy_(committed)
     out.bonus[:batch].copy_(bonus)
     return Acceptance(out.accept_len[:batch], out.committed[:batch], out.bonus[:batch])
+
+
+def _check_arguments(drafts, target_tokens, forced_accept_len, out) -> tuple[int, int]:
+    """Host-side checks of :func:`greedy_accept`'s arguments; returns ``(B, S)``."""
+    check_tensor("drafts", drafts, dtype=torch.int64, ndim=2, contiguous_last=False)
+    batch, steps = drafts.shape
+    device = drafts.device
+    check_tensor("target_tokens", target_tokens, dtype=torch.int64, ndim=2, device=device,
+                 contiguous_last=False)
+    if target_tokens.shape != (batch, steps + 1):
+        raise ValueError(f"target_tokens: expected shape ({batch}, {steps + 1}) (one more column "
+                         f"than drafts), got {tuple(target_tokens.shape)}")
+    if forced_accept_len is not None:
+        check_tensor("forced_accept_len", forced_accept_len, dtype=torch.int64, shape=(1,),
+                     device=device)
+    if out is not None:
+        for name, shape in (("accept_len", (None,)), ("committed", (None, steps + 1)),
+                            ("bonus", (None,))):
+            tensor = getattr(out, name)
+            check_tensor(f"out.{name}", tensor, dtype=torch.int64, shape=shape, device=device,
+                         contiguous_last=False)
+            if tensor.shape[0] < batch:
+                raise ValueError(f"out.{name}: expected at least {batch} rows (one per request), "
+                                 f"got shape {tuple(tensor.shape)}")
+    return batch, steps
