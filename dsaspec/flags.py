@@ -70,12 +70,13 @@ def sparse_mla_gluon() -> bool:
     return _switch("DSASPEC_SPARSE_MLA_GLUON")
 
 
-def metadata_program_budget() -> int:
-    """``DSASPEC_METADATA_BUDGET``: program budget of the bounded metadata kernels (default 2048),
-    a positive integer. The grid is ``1 + requests * max(1, min(budget // requests, 256))``."""
+def metadata_program_budget() -> int | None:
+    """``DSASPEC_METADATA_BUDGET``: program budget of the bounded metadata kernels, a positive
+    integer (None when unset: the kernels' default, 2048). The grid is
+    ``1 + requests * max(1, min(budget // requests, 256))``."""
     text = os.environ.get("DSASPEC_METADATA_BUDGET", "").strip()
     if not text:
-        return 2048
+        return None
     try:
         value = int(text)
     except ValueError:

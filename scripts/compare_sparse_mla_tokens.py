@@ -3,8 +3,8 @@ differ): where they part, and by what logit margin.
 
 On a GPU: the ``bench`` preset in bf16 (GLM-5 attention shapes, 2 layers, predictable weights as in
 the engine tests), one batch of sparse (longer than the top-k) and dense prompts decoded plainly by
-the engine (CUDA graphs, split sparse MLA) twice: with ``DSASPEC_SPARSE_MLA_GLUON`` off (the Triton
-kernel everywhere) and on (the default: the Gluon kernel where it runs). For every request whose
+the engine (CUDA graphs, split sparse MLA) twice: with the model's ``sparse_mla_gluon`` option off (the
+Triton kernel everywhere) and on (the default: the Gluon kernel where it runs). For every request whose
 tokens differ it reports the first differing generated token and the Triton run's top-2 logit
 margin there (recomputed by an eager prefill, as in ``diagnose_spec_identity.py``).
 
@@ -13,7 +13,6 @@ margin there (recomputed by an eager prefill, as in ``diagnose_spec_identity.py`
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -25,16 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from diagnose_spec_identity import first_differences, write_report  # noqa: E402
 from test_spec_engine import _gpu_engine, _gpu_model, _gpu_prompts, _tokens  # noqa: E402
 
+from dsaspec.configs.runtime_options import RuntimeOptions  # noqa: E402
 from dsaspec.errors import UserError  # noqa: E402
 from dsaspec.cli_parsing import Parser, positive_int  # noqa: E402
 
 MAX_BATCH = 32  # the engine's largest graph bucket in the engine tests' setup
 
 
-def _generate(gluon: bool, requests, batch: int, max_new: int):
-    """(model, tokens) of a plain greedy run with the switch set while the model is built."""
-    os.environ["DSASPEC_SPARSE_MLA_GLUON"] = "1" if gluon else "0"
-    model = _gpu_model("bench", row_invariant=False, branch_scale=0.2)
+def _generate(options: RuntimeOptions, requests, batch: int, max_new: int):
+    """(model, tokens) of a plain greedy run of a model built with ``options``."""
+    model = _gpu_model("bench", row_invariant=False, branch_scale=0.2, options=options)
     engine = _gpu_engine(model, max_batch=batch, requests=requests, max_new=max_new)
     return model, _tokens(engine, requests, max_new)
 
@@ -52,12 +51,13 @@ def main() -> int:
             raise UserError(f"--batch: expected at most {MAX_BATCH}, got {args.batch}")
         if not torch.cuda.is_available():
             raise UserError("needs a CUDA device")
+        options = RuntimeOptions.from_environment()
     except UserError as err:
         print(f"compare_sparse_mla_tokens: error: {err}", file=sys.stderr)
         return 2
     requests = _gpu_prompts(args.batch, "bench")
-    triton_model, want = _generate(False, requests, args.batch, args.max_new)
-    _, got = _generate(True, requests, args.batch, args.max_new)
+    triton_model, want = _generate(options.replace(sparse_mla_gluon=False), requests, args.batch, args.max_new)
+    _, got = _generate(options.replace(sparse_mla_gluon=True), requests, args.batch, args.max_new)
     differing = first_differences(triton_model, requests, want, got, ("Triton", "Gluon"))
     write_report(["# Greedy tokens: sparse MLA Gluon kernel vs Triton kernel", "",
                   f"bench preset, bf16, plain greedy decode through the engine (CUDA graphs), "

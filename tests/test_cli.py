@@ -171,6 +171,47 @@ def test_bad_environment_switch_is_named(capsys, monkeypatch, name, value):
     assert_one_line_error(capsys, ["generate"], f"{name}='{value}'")
 
 
+KILL_SWITCHES = ("DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE",
+                 "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE")
+
+
+@pytest.mark.parametrize("off", [(), ("DSASPEC_BOUNDED_REPLAY_METADATA",), ("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE",),
+                                 ("DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE",), KILL_SWITCHES],
+                         ids=["none", "bounded", "draft", "verify", "all"])
+def test_kill_switches_work_from_the_command_line(capsys, monkeypatch, off):
+    """The switches set in the environment reach what ``generate`` builds: the draft forwards and the
+    verify tokens of its speculative worker take the exchange or the gather path, and the printed
+    metadata kernel names the option that chose it."""
+    from dsaspec.layers.logits_processor import LogitsProcessor
+
+    for name in KILL_SWITCHES:
+        monkeypatch.setenv(name, "0" if name in off else "1")
+    paths = {"draft": set(), "verify": set()}
+    forward, target_tokens = LogitsProcessor.forward, LogitsProcessor.target_tokens
+
+    def watched_forward(self, hidden_states, sampling=None, **kwargs):
+        out = forward(self, hidden_states, sampling, **kwargs)
+        if sampling is not None:
+            paths["draft"].add("gather" if out.next_token_logits is not None else "exchange")
+        return out
+
+    def watched_target_tokens(self, hidden_states):
+        paths["verify"].add("exchange" if self.uses_verify_argmax_exchange() else "gather")
+        return target_tokens(self, hidden_states)
+
+    monkeypatch.setattr(LogitsProcessor, "forward", watched_forward)
+    monkeypatch.setattr(LogitsProcessor, "target_tokens", watched_target_tokens)
+    status, out, err = run_cli(capsys, ["generate", "--prompt-lens", "5", "--max-new-tokens", "4", "--context-len", "64",
+                                        "--dtype", "fp32", "--no-progress", "--speculative-algorithm", "NEXTN",
+                                        "--speculative-num-steps", "2"])
+    assert status == 0, err
+    draft_off = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE" in off
+    verify_off = "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE" in off
+    assert paths == {"draft": {"gather" if draft_off else "exchange"}, "verify": {"gather" if verify_off else "exchange"}}
+    kernel_line = next(line for line in out.splitlines() if line.startswith("model: "))
+    assert ("bounded_metadata=False" in kernel_line) == ("DSASPEC_BOUNDED_REPLAY_METADATA" in off), kernel_line
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="needs a machine without CUDA")
 def test_interpreter_off_without_cuda(capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend, select_kernel
+from dsaspec.ops.dsa_metadata_bounded import DEFAULT_BUDGET
 from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
 from dsaspec.reference.indexer_schedule import reference_indexer_schedule
 
 HAS_CUDA = torch.cuda.is_available()
-FLAG = "DSASPEC_BOUNDED_REPLAY_METADATA"
+FLAG = "DSASPEC_BOUNDED_REPLAY_METADATA"  # the environment switch of ``bounded_metadata``: not read here
 K, P, N = 100, 64, 3
 W_CPU = 523  # odd, not a multiple of 64 or 128
 POOL = 11
@@ -64,25 +65,35 @@ def test_select_kernel_truth_table(on_cuda, enabled):
     kernel, reason = select_kernel(on_cuda=on_cuda, bounded_enabled=enabled)
     assert kernel == (BOUNDED if on_cuda and enabled else CONTEXT_WIDE)
     if not enabled:
-        assert FLAG in reason
+        assert reason == f"bounded_metadata=False ({FLAG}=0)"
     elif not on_cuda:
         assert "CUDA" in reason
 
 
-@pytest.mark.parametrize("flag", ["1", "0"])
-def test_backend_selection_cpu(monkeypatch, flag):
-    monkeypatch.setenv(FLAG, flag)
-    be = DSAAttnBackend(make_table(2, 64, "cpu"), index_topk=K)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_backend_selection_cpu(monkeypatch, enabled):
+    monkeypatch.setenv(FLAG, "0" if enabled else "1")  # the option decides, not the environment
+    be = DSAAttnBackend(make_table(2, 64, "cpu"), index_topk=K, bounded_metadata=enabled)
     assert be.kernel == CONTEXT_WIDE
-    assert (FLAG in be.kernel_reason) if flag == "0" else ("CUDA" in be.kernel_reason)
+    assert ("CUDA" in be.kernel_reason) if enabled else ("bounded_metadata=False" in be.kernel_reason)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["1", "0"])
-def test_backend_selection_cuda(monkeypatch, flag):
-    monkeypatch.setenv(FLAG, flag)
-    be = DSAAttnBackend(make_table(2, 64, "cuda"), index_topk=K)
-    assert be.kernel == (BOUNDED if flag == "1" else CONTEXT_WIDE), be.kernel_reason
+@pytest.mark.parametrize("enabled", [None, True, False])
+def test_backend_selection_cuda(monkeypatch, enabled):
+    monkeypatch.setenv(FLAG, "0" if enabled is not False else "1")  # the option decides, not the environment
+    kwargs = {} if enabled is None else {"bounded_metadata": enabled}
+    be = DSAAttnBackend(make_table(2, 64, "cuda"), index_topk=K, **kwargs)
+    assert be.kernel == (CONTEXT_WIDE if enabled is False else BOUNDED), be.kernel_reason
+
+
+def test_budget_is_the_argument_or_the_kernels_default(monkeypatch):
+    monkeypatch.setenv("DSASPEC_METADATA_BUDGET", "16")  # the environment is not read here
+    table = make_table(2, 64, "cpu")
+    assert DSAAttnBackend(table, index_topk=K).budget == DEFAULT_BUDGET == 2048
+    assert DSAAttnBackend(table, index_topk=K, budget=24).budget == 24
+    with pytest.raises(ValueError, match="budget must be >= 1, got 0"):
+        DSAAttnBackend(table, index_topk=K, budget=0)
 
 
 def test_kpool_is_rejected_until_implemented():
@@ -99,9 +110,8 @@ def test_kpool_is_rejected_until_implemented():
         DSAMultiStepDraftBackend.create(table, num_steps=3, index_topk=K, index_kpool=4)
 
 
-def test_force_kernel_overrides_selection(monkeypatch):
-    monkeypatch.setenv(FLAG, "0")
-    be = backend(make_table(2, 64, "cpu"), BOUNDED)
+def test_force_kernel_overrides_selection():
+    be = backend(make_table(2, 64, "cpu"), BOUNDED, bounded_metadata=False)
     assert be.kernel == BOUNDED and "force_kernel" in be.kernel_reason
 
 

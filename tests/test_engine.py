@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dsaspec.configs.model_config import get_config
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.engine.engine import Engine, GenerationResult
 from dsaspec.executor.graph_runner import DecodeGraphRunner
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
@@ -96,16 +97,19 @@ def test_continuous_batching_matches_one_request_at_a_time(fp32_model, prompts, 
     assert _all_rows_free(engine)
 
 
+FEW_PROGRAMS = RuntimeOptions(metadata_program_budget=8)  # few bounded programs under the interpreter
+
+
 @pytest.mark.parametrize("kernel, buckets, max_batch", [
     ("context_wide", (1, 2, 4), 3),   # bs 3 padded to bucket 4 (one padding row)
     ("bounded", (1, 2, 4), 3),
     ("context_wide", (1,), 3),        # above the largest bucket: eager metadata and forward
 ], ids=["context-wide-padded", "bounded-padded", "eager-above-buckets"])
 def test_metadata_kernels_padding_and_eager_path_match(fp32_model, prompts, expected, kernel, buckets,
-                                                       max_batch, monkeypatch):
-    monkeypatch.setenv("DSASPEC_METADATA_BUDGET", "8")     # few bounded programs under the interpreter
-    engine = _engine(fp32_model, max_batch=max_batch, bucket_sizes=buckets, force_kernel=kernel)
-    assert engine.backend.kernel == kernel
+                                                       max_batch):
+    engine = _engine(fp32_model, max_batch=max_batch, bucket_sizes=buckets, force_kernel=kernel,
+                     options=FEW_PROGRAMS)
+    assert engine.backend.kernel == kernel and engine.backend.budget == 8
     results = engine.generate(prompts, MAX_NEW)
     assert [r.token_ids for r in results] == expected
     assert engine.stats.step_batches[0] == 3
@@ -113,15 +117,15 @@ def test_metadata_kernels_padding_and_eager_path_match(fp32_model, prompts, expe
     assert _all_rows_free(engine)
 
 
-def test_triton_ops_bounded_and_context_wide_token_identical(monkeypatch):
+def test_triton_ops_bounded_and_context_wide_token_identical():
     """bf16 through the Triton kernels (interpreter on CPU): bounded and context-wide metadata give
     the same tokens, and both match the one-request-at-a-time loop."""
-    monkeypatch.setenv("DSASPEC_METADATA_BUDGET", "8")
-    model = DSAModel(get_config("tiny"), use_triton=True).init_weights(1)
+    model = DSAModel(get_config("tiny"), use_triton=True, options=FEW_PROGRAMS).init_weights(1)
     prompts = _prompts((6, 9), model.config.vocab_size, seed=2)
     outputs = []
     for kernel in ("bounded", "context_wide"):
         engine = _engine(model, context_len=128, max_batch=2, bucket_sizes=(2,), force_kernel=kernel)
+        assert engine.backend.budget == 8                  # the model's options
         outputs.append([r.token_ids for r in engine.generate(prompts, 3)])
     assert outputs[0] == outputs[1]
     assert outputs[0][1] == sequential_greedy(model, prompts[1], 3)
@@ -362,12 +366,11 @@ def test_gpu_graph_decode_matches_eager_decode(gpu_models, preset):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny", "bench"])
-def test_gpu_bounded_and_context_wide_metadata_token_identical(gpu_models, preset, monkeypatch):
+def test_gpu_bounded_and_context_wide_metadata_token_identical(gpu_models, preset):
     model = gpu_models(preset)
     outputs = {}
-    for switch, kernel in (("1", "bounded"), ("0", "context_wide")):
-        monkeypatch.setenv("DSASPEC_BOUNDED_REPLAY_METADATA", switch)
-        outputs[kernel], engine = _gpu_generate(model, preset)
+    for bounded, kernel in ((True, "bounded"), (False, "context_wide")):
+        outputs[kernel], engine = _gpu_generate(model, preset, options=RuntimeOptions(bounded_replay_metadata=bounded))
         assert engine.backend.kernel == kernel
     assert outputs["bounded"] == outputs["context_wide"]
 

@@ -47,7 +47,7 @@ def test_other_values_are_refused(monkeypatch, name, read, default, value):
 
 def test_metadata_budget(monkeypatch):
     monkeypatch.delenv("DSASPEC_METADATA_BUDGET", raising=False)
-    assert flags.metadata_program_budget() == 2048
+    assert flags.metadata_program_budget() is None
     monkeypatch.setenv("DSASPEC_METADATA_BUDGET", " 16 ")
     assert flags.metadata_program_budget() == 16
     for bad in ("abc", "0", "-5", "1.5", "2e3"):

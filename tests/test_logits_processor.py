@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dsaspec.distributed.tp_group import DEFAULT_SYMM_MEM_MAX_BYTES, LOCAL, NCCL, SYMM_MEM, TPGroup
-from dsaspec.errors import UserError
 from dsaspec.ops.argmax_exchange import TOPK_SPLIT_COLUMNS, exchange_layout
 from dsaspec.reference.argmax_exchange import gathered_logits_reference
 from dsaspec.speculative.draft_step import greedy_draft_step, topk_draft_step
@@ -17,6 +16,7 @@ from dsaspec.layers.vocab_parallel import VocabParallelLMHead, padded_vocab_size
 from dsaspec.layers.logits_processor import GREEDY_TOPK1, DraftSampling, LogitsProcessor
 from test_argmax_exchange import first_max_index, probability_errors, stable_topk_oracle
 
+# the environment switches of the two options: set to the other value, they must change nothing
 KILL_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
 VERIFY_SWITCH = "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE"
 
@@ -47,12 +47,6 @@ def make_processor(group, vocab=1000, hidden=32, dtype=torch.float32, opt_in=Tru
     return processor, weight.to(group.device)
 
 
-@pytest.fixture(autouse=True)
-def _switches_unset(monkeypatch):
-    monkeypatch.delenv(KILL_SWITCH, raising=False)
-    monkeypatch.delenv(VERIFY_SWITCH, raising=False)
-
-
 # -- protocol (decisions) -------------------------------------------------------------------------
 
 def test_not_opted_in_always_gathers(device):
@@ -81,15 +75,14 @@ def test_opted_in_exchanges_when_eligible(transport):
     ("dp_attention", "DP attention"),
     ("nccl", "NCCL"),
     ("too_big_for_symm_mem", "NCCL"),
-    ("kill_switch", KILL_SWITCH),
+    ("option_off", "draft_argmax_exchange=False (the processor's option)"),
 ])
-def test_each_fallback_declines(case, reason, monkeypatch):
+def test_each_fallback_declines(case, reason):
     group = FactsOnlyGroup(2, NCCL if case == "nccl" else SYMM_MEM, rank=1,
                            symm_mem_max_bytes=64 if case == "too_big_for_symm_mem" else DEFAULT_SYMM_MEM_MAX_BYTES)
     kwargs = {"final_logit_softcapping": 30.0} if case == "softcap" else {}
     kwargs.update({"dp_attention": True} if case == "dp_attention" else {})
-    if case == "kill_switch":
-        monkeypatch.setenv(KILL_SWITCH, "0")
+    kwargs.update({"draft_argmax_exchange": False} if case == "option_off" else {})
     processor, _ = make_processor(group, vocab_parallel=case != "replicated_head", **kwargs)
     sampling = {"no_sampling": None, "sampling": DraftSampling(topk=1, greedy=False),
                 "topk2": DraftSampling(topk=2)}.get(case, GREEDY_TOPK1)
@@ -98,29 +91,31 @@ def test_each_fallback_declines(case, reason, monkeypatch):
     assert not processor.uses_draft_argmax_exchange(sampling)
 
 
-@pytest.mark.parametrize("value,engaged", [("0", False), ("false", False), ("off", False), ("1", True), ("", True)])
-def test_kill_switch_values(value, engaged, monkeypatch, device):
-    monkeypatch.setenv(KILL_SWITCH, value)
-    processor, _ = make_processor(TPGroup.single(device))
+@pytest.mark.parametrize("option", [None, True, False])
+def test_draft_option_values(option, device):
+    kwargs = {} if option is None else {"draft_argmax_exchange": option}
+    processor, _ = make_processor(TPGroup.single(device), **kwargs)
+    engaged = option is not False  # the default is the exchange
     out = processor.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1)
     assert (out.next_token_logits is None) == engaged
     assert (out.next_token_argmax_partials is not None) == engaged
 
 
-@pytest.mark.parametrize("built_with,flipped_to", [("1", "0"), ("0", "1")])
-def test_kill_switch_is_read_once_at_construction(built_with, flipped_to, monkeypatch, device):
-    # A captured graph keeps the branch it was captured with, so the processor must too.
-    monkeypatch.setenv(KILL_SWITCH, built_with)
-    processor, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=256)
-    monkeypatch.setenv(KILL_SWITCH, flipped_to)
-    engaged = built_with == "1"
-    assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == engaged
+@pytest.mark.parametrize("built_with", [True, False])
+def test_draft_option_given_at_construction_decides(built_with, monkeypatch, device):
+    # A captured graph keeps the branch it was captured with, so the processor must too: the option it
+    # was built with decides, the environment switch set to the other value changes nothing.
+    monkeypatch.setenv(KILL_SWITCH, "0" if built_with else "1")
+    processor, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=256,
+                                  draft_argmax_exchange=built_with)
+    assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == built_with
     out = processor.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1)
-    assert (out.next_token_logits is None) == engaged
-    rebuilt, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=256)
-    assert rebuilt.uses_draft_argmax_exchange(GREEDY_TOPK1) == (not engaged)
-    out = rebuilt.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1)
-    assert (out.next_token_logits is None) == (not engaged)
+    assert (out.next_token_logits is None) == built_with
+    other, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=256,
+                              draft_argmax_exchange=not built_with)
+    assert other.uses_draft_argmax_exchange(GREEDY_TOPK1) == (not built_with)
+    out = other.forward(torch.randn(2, 32, device=device), GREEDY_TOPK1)
+    assert (out.next_token_logits is None) == (not built_with)
 
 
 def test_symm_mem_transport_choice():
@@ -160,16 +155,15 @@ def test_gather_path_logits(vocab_parallel, softcap, device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("rows", [1, 7, 16])
-def test_draft_step_paths_identical(dtype, rows, device, monkeypatch):
+def test_draft_step_paths_identical(dtype, rows, device):
     hidden = torch.randn(rows, 64, device=device).to(dtype)
     hidden[0] = 0  # an all-zero row: every logit ties, the first index must win
     positions = torch.arange(rows, device=device) + 100
     token_map = torch.randperm(1000, device=device)
     results = {}
     for path in ("exchange", "gather"):
-        monkeypatch.setenv(KILL_SWITCH, "1" if path == "exchange" else "0")
         processor, _ = make_processor(TPGroup.single(device), vocab=1000, hidden=64, dtype=dtype, max_rows=16,
-                                      split_columns=256)
+                                      split_columns=256, draft_argmax_exchange=path == "exchange")
         assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (path == "exchange")
         out = greedy_draft_step(processor, hidden, positions, token_map=token_map)
         results[path] = (out.tokens.clone(), out.topk_p.clone(), out.positions.clone())
@@ -236,15 +230,14 @@ def test_verify_exchanges_when_eligible(transport):
     ("dp_attention", "DP attention"),
     ("nccl", "the all-reduce would run on NCCL"),
     ("too_big_for_symm_mem", "the all-reduce would run on NCCL"),
-    ("switch", f"{VERIFY_SWITCH} was off when the processor was built"),
+    ("option_off", "verify_argmax_exchange=False (the processor's option)"),
 ])
-def test_verify_each_fallback_declines(case, reason, monkeypatch):
+def test_verify_each_fallback_declines(case, reason):
     group = FactsOnlyGroup(2, NCCL if case == "nccl" else SYMM_MEM, rank=0,
                            symm_mem_max_bytes=64 if case == "too_big_for_symm_mem" else DEFAULT_SYMM_MEM_MAX_BYTES)
     kwargs = {"final_logit_softcapping": 30.0} if case == "softcap" else {}
     kwargs.update({"dp_attention": True} if case == "dp_attention" else {})
-    if case == "switch":
-        monkeypatch.setenv(VERIFY_SWITCH, "off")
+    kwargs.update({"verify_argmax_exchange": False} if case == "option_off" else {})
     processor, _ = make_processor(group, vocab_parallel=case != "replicated_head", opt_in=False, **kwargs)
     if case != "not_opted_in":
         processor.enable_verify_argmax_exchange()
@@ -252,7 +245,7 @@ def test_verify_each_fallback_declines(case, reason, monkeypatch):
     assert not processor.uses_verify_argmax_exchange()
 
 
-def test_verify_and_draft_opt_ins_and_switches_are_separate(monkeypatch):
+def test_verify_and_draft_opt_ins_and_options_are_separate():
     group = FactsOnlyGroup(2, SYMM_MEM)
     processor, _ = make_processor(group, opt_in=False)
     processor.enable_verify_argmax_exchange()
@@ -260,47 +253,37 @@ def test_verify_and_draft_opt_ins_and_switches_are_separate(monkeypatch):
     buffer = processor._exchange
     processor.enable_draft_argmax_exchange()
     assert processor._exchange is buffer  # one argmax exchange buffer for both
-    monkeypatch.setenv(KILL_SWITCH, "0")
-    draft_off, _ = make_processor(group)
+    draft_off, _ = make_processor(group, draft_argmax_exchange=False)
     assert draft_off.uses_verify_argmax_exchange() and not draft_off.uses_draft_argmax_exchange(GREEDY_TOPK1)
-    monkeypatch.setenv(KILL_SWITCH, "1")
-    monkeypatch.setenv(VERIFY_SWITCH, "0")
-    verify_off, _ = make_processor(group)
+    verify_off, _ = make_processor(group, verify_argmax_exchange=False)
     assert not verify_off.uses_verify_argmax_exchange() and verify_off.uses_draft_argmax_exchange(GREEDY_TOPK1)
 
 
-def test_verify_switch_is_parsed_strictly(monkeypatch):
-    monkeypatch.setenv(VERIFY_SWITCH, "maybe")
-    with pytest.raises(UserError, match=f"{VERIFY_SWITCH}='maybe' is not a switch value"):
-        make_processor(FactsOnlyGroup(2, SYMM_MEM))
-
-
-@pytest.mark.parametrize("built_with,flipped_to", [("1", "0"), ("0", "1")])
-def test_verify_switch_is_read_once_at_construction(built_with, flipped_to, monkeypatch, device):
-    monkeypatch.setenv(VERIFY_SWITCH, built_with)
-    processor, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=1024)
-    monkeypatch.setenv(VERIFY_SWITCH, flipped_to)
-    engaged = built_with == "1"
+@pytest.mark.parametrize("built_with", [True, False])
+def test_verify_option_given_at_construction_decides(built_with, monkeypatch, device):
+    monkeypatch.setenv(VERIFY_SWITCH, "0" if built_with else "1")  # not read by the processor
+    processor, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=1024,
+                                  verify_argmax_exchange=built_with)
     hidden = torch.randn(3, 32, device=device)
-    assert processor.uses_verify_argmax_exchange() == engaged
-    assert target_tokens_traced(processor, hidden)[1] == engaged
-    rebuilt, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=1024)
-    assert target_tokens_traced(rebuilt, hidden)[1] == (not engaged)
+    assert processor.uses_verify_argmax_exchange() == built_with
+    assert target_tokens_traced(processor, hidden)[1] == built_with
+    other, _ = make_processor(TPGroup.single(device), max_rows=4, split_columns=1024,
+                              verify_argmax_exchange=not built_with)
+    assert target_tokens_traced(other, hidden)[1] == (not built_with)
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
+@pytest.mark.parametrize("exchange", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_target_tokens_both_paths(switch, dtype, monkeypatch, device):
+def test_target_tokens_both_paths(exchange, dtype, device):
     # bs x N verify rows, up to max_rows; the oracle is the first maximum of the head's own fp32 logits.
-    monkeypatch.setenv(VERIFY_SWITCH, switch)
     processor, _ = make_processor(TPGroup.single(device), vocab=1000, hidden=64, dtype=dtype, max_rows=33,
-                                  split_columns=512)
+                                  split_columns=512, verify_argmax_exchange=exchange)
     first = None
     for rows in (1, 7, 33):
         hidden = torch.randn(rows, 64, device=device).to(dtype)
         hidden[0] = 0  # every logit ties: the first index must win
         tokens, exchanged = target_tokens_traced(processor, hidden)
-        assert exchanged == (switch == "1")
+        assert exchanged == exchange
         local = torch.mm(hidden, processor.lm_head.weight.t())
         expected = first_max_index(local[:, :1000]).to(device)
         assert expected[0] == 0
@@ -362,18 +345,17 @@ def test_topk_draft_decisions():
         small.enable_draft_argmax_exchange(max_topk=4)
 
 
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_topk_draft_step_both_paths(switch, monkeypatch, device):
-    monkeypatch.setenv(KILL_SWITCH, switch)
+@pytest.mark.parametrize("exchange", [True, False])
+def test_topk_draft_step_both_paths(exchange, device):
     processor, _ = make_processor(TPGroup.single(device), vocab=1000, hidden=64, max_rows=8, max_topk=4,
-                                  topk_split_columns=512)
+                                  topk_split_columns=512, draft_argmax_exchange=exchange)
     hidden = torch.randn(6, 64, device=device)
     hidden[0] = 0  # every logit ties: the lowest indices, in order, on the exchange path
     out = topk_draft_step(processor, hidden, 4)
     assert out.topk_p.shape == out.topk_index.shape == (6, 4) and out.topk_index.dtype == torch.int64
     logits = (hidden @ processor.lm_head.weight.t())[:, :1000]
     probs = torch.softmax(logits, dim=-1)
-    if switch == "1":
+    if exchange:
         assert out.topk_index.data_ptr() == processor.topk_outputs(6, 4)[1].data_ptr()
         assert torch.equal(out.topk_index, stable_topk_oracle(logits, 4).to(device))
         probability_errors(out.topk_p, logits, out.topk_index)
@@ -455,7 +437,7 @@ def test_lm_head_shards(vocab, tp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 64])
-def test_draft_step_in_cuda_graph(rows, monkeypatch):
+def test_draft_step_in_cuda_graph(rows):
     group = TPGroup.single("cuda")
     vocab, hidden_size = 154880, 256
     tokens = {}
@@ -463,8 +445,8 @@ def test_draft_step_in_cuda_graph(rows, monkeypatch):
     positions = torch.zeros(rows, dtype=torch.int64, device="cuda")
     inputs = [torch.randn(rows, hidden_size, device="cuda").bfloat16() for _ in range(3)]
     for path in ("exchange", "gather"):
-        monkeypatch.setenv(KILL_SWITCH, "1" if path == "exchange" else "0")
-        processor, _ = make_processor(group, vocab=vocab, hidden=hidden_size, dtype=torch.bfloat16, max_rows=64)
+        processor, _ = make_processor(group, vocab=vocab, hidden=hidden_size, dtype=torch.bfloat16, max_rows=64,
+                                      draft_argmax_exchange=path == "exchange")
         assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (path == "exchange")
         hidden.copy_(inputs[0])
         greedy_draft_step(processor, hidden, positions)
@@ -487,14 +469,13 @@ def test_draft_step_in_cuda_graph(rows, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["1", "0"])
-def test_target_tokens_in_cuda_graph(switch, monkeypatch):
+@pytest.mark.parametrize("exchange", [True, False])
+def test_target_tokens_in_cuda_graph(exchange):
     # Verify rows up to bs 64 x N 4 = 256, replayed with new hidden states; both paths, TP 1.
-    monkeypatch.setenv(VERIFY_SWITCH, switch)
     vocab, hidden_size, max_rows = 154880, 256, 256
     processor, _ = make_processor(TPGroup.single("cuda"), vocab=vocab, hidden=hidden_size, dtype=torch.bfloat16,
-                                  max_rows=max_rows)
-    assert processor.uses_verify_argmax_exchange() == (switch == "1")
+                                  max_rows=max_rows, verify_argmax_exchange=exchange)
+    assert processor.uses_verify_argmax_exchange() == exchange
     for rows in (4, 129, 256):
         hidden = torch.randn(rows, hidden_size, device="cuda").bfloat16()
         processor.target_tokens(hidden)

@@ -11,6 +11,7 @@ import torch
 
 from dsaspec.reference.model import reference_forward, reference_mtp_forward
 from dsaspec.configs.model_config import get_config
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.memory import (PAGE_SIZE, SINK_SLOT, KVPool, PageAllocator, ReqToTokenPool,
                                     RequestSlots)
 from dsaspec.layers.attention.dsa_ops import dsa_ops
@@ -237,15 +238,16 @@ def test_attention_workspace_parts():
     assert workspace.sparse_mla is None
 
 
-@pytest.mark.parametrize("switch, single_launch", [("", None), ("1", None), ("0", False)])
-def test_topk_single_launch_switch(monkeypatch, switch, single_launch):
-    """DSASPEC_TOPK_SINGLE_LAUNCH is read when the workspace is made, and reaches every top-k call
-    of a forward as its single_launch (None: one launch where it fits; off: five)."""
-    monkeypatch.setenv("DSASPEC_TOPK_SINGLE_LAUNCH", switch)
-    model = DSAModel(get_config("tiny"), use_triton=True).init_weights(0)
+@pytest.mark.parametrize("option, single_launch", [(None, None), (True, None), (False, False)])
+def test_topk_single_launch_option(monkeypatch, option, single_launch):
+    """The model's ``topk_single_launch`` option (default on) decides the workspace's single_launch,
+    which reaches every top-k call of a forward (None: one launch where it fits; off: five); the
+    environment switch, set to the other value, changes nothing."""
+    monkeypatch.setenv("DSASPEC_TOPK_SINGLE_LAUNCH", "1" if option is False else "0")
+    options = None if option is None else RuntimeOptions(topk_single_launch=option)
+    model = DSAModel(get_config("tiny"), use_triton=True, options=options).init_weights(0)
     workspace = model.attention_workspace(3)
     assert workspace.topk_single_launch is single_launch
-    monkeypatch.setenv("DSASPEC_TOPK_SINGLE_LAUNCH", "1" if switch == "0" else "0")  # read once: no effect now
     ops = dsa_ops(True, model.sparse_mla_gluon)
     calls = []
     real = ops.topk_slots
@@ -262,16 +264,18 @@ def test_topk_single_launch_switch(monkeypatch, switch, single_launch):
     assert calls == [single_launch] * model.config.num_hidden_layers
 
 
-@pytest.mark.parametrize("switch", ["", "0"])
-def test_sparse_mla_gluon_switch(monkeypatch, switch):
-    """DSASPEC_SPARSE_MLA_GLUON is read when the model is built. Off, every sparse MLA call of a
-    forward passes the Triton kernel's default configuration for its rows; on (default), the call
-    leaves the choice to sparse_mla_decode (no config: the Gluon kernel where it runs)."""
+@pytest.mark.parametrize("option", [None, True, False])
+def test_sparse_mla_gluon_option(monkeypatch, option):
+    """The model's ``sparse_mla_gluon`` option (default on). Off, every sparse MLA call of a forward
+    passes the Triton kernel's default configuration for its rows; on, the call leaves the choice to
+    sparse_mla_decode (no config: the Gluon kernel where it runs). The environment switch, set to the
+    other value, changes nothing."""
     import dsaspec.ops.sparse_mla as sparse_mla_module
 
-    monkeypatch.setenv("DSASPEC_SPARSE_MLA_GLUON", switch)
-    model = DSAModel(get_config("tiny"), use_triton=True).init_weights(0)
-    monkeypatch.setenv("DSASPEC_SPARSE_MLA_GLUON", "1" if switch == "0" else "0")  # read once
+    monkeypatch.setenv("DSASPEC_SPARSE_MLA_GLUON", "1" if option is False else "0")
+    options = None if option is None else RuntimeOptions(sparse_mla_gluon=option)
+    model = DSAModel(get_config("tiny"), use_triton=True, options=options).init_weights(0)
+    assert model.options == (RuntimeOptions() if options is None else options)
     calls = []
     real = sparse_mla_module.sparse_mla_decode
     monkeypatch.setattr(sparse_mla_module, "sparse_mla_decode",
@@ -285,7 +289,7 @@ def test_sparse_mla_gluon_switch(monkeypatch, switch):
     with torch.no_grad():
         model(ids, positions, loc, session.kv, attn)
     dsa_ops.cache_clear()
-    expected = ("unset" if switch == "" else
+    expected = ("unset" if option is not False else
                 sparse_mla_module.sparse_mla_config(3, model.num_local_heads, split=False))
     assert calls == [expected] * model.config.num_hidden_layers
 

@@ -15,7 +15,7 @@ from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
 from dsaspec.reference.indexer_schedule import reference_indexer_schedule
 
-FLAG = "DSASPEC_BOUNDED_REPLAY_METADATA"
+FLAG = "DSASPEC_BOUNDED_REPLAY_METADATA"  # the environment switch of ``bounded_metadata``: not read here
 K, P = 100, 64
 W_CPU = 611
 POOL = 9
@@ -124,12 +124,13 @@ def test_precompute_and_copy_launches(launches):
 
 # ---------------------------------------------------------------- the gate
 
-def test_gate_kill_switch_restores_precompute(monkeypatch):
-    monkeypatch.setenv(FLAG, "0")
+def test_gate_option_off_restores_precompute(monkeypatch):
+    monkeypatch.setenv(FLAG, "1")
     m = DSAMultiStepDraftBackend.create(make_table(POOL, W_CPU, "cpu"), num_steps=4, index_topk=K,
-                                        bucket_sizes=(4,), num_sms=5)
+                                        bucket_sizes=(4,), num_sms=5, bounded_metadata=False)
     m.capture(4)
-    assert m.path(4) == PRECOMPUTE_AND_COPY and FLAG in m.path_reason(4)
+    assert m.path(4) == PRECOMPUTE_AND_COPY and "bounded_metadata=False" in m.path_reason(4)
+    assert all(s.kernel == CONTEXT_WIDE for s in m.step_backends)
     assert m.schedule_refresh_steps(seeded=True) == (0, 1, 2)
 
 
@@ -178,14 +179,15 @@ def test_padded_rows(kernel, path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["1", "0"])
-def test_gate_on_cuda_follows_kill_switch(monkeypatch, flag):
-    monkeypatch.setenv(FLAG, flag)
+@pytest.mark.parametrize("enabled", [None, True, False])
+def test_gate_on_cuda_follows_the_option(monkeypatch, enabled):
+    monkeypatch.setenv(FLAG, "0" if enabled is not False else "1")  # the option decides, not the environment
+    kwargs = {} if enabled is None else {"bounded_metadata": enabled}
     m = DSAMultiStepDraftBackend.create(make_table(POOL, 4096, "cuda"), num_steps=5, index_topk=2048,
-                                        bucket_sizes=(1, 16))
+                                        bucket_sizes=(1, 16), **kwargs)
     for bs in (1, 16):
         m.capture(bs)
-        assert m.path(bs) == (ONE_LAUNCH if flag == "1" else PRECOMPUTE_AND_COPY)
+        assert m.path(bs) == (PRECOMPUTE_AND_COPY if enabled is False else ONE_LAUNCH)
 
 
 # ---------------------------------------------------------------- schedule refresh
@@ -197,17 +199,17 @@ def test_steps_running_indexer():
     assert steps_running_indexer(3, index_share=False, seeded=False) == (0, 1, 2)
 
 
-@pytest.mark.parametrize("kernel,flag,index_share,seeded,want", [
-    (BOUNDED, "1", True, True, ()),
-    (BOUNDED, "1", True, False, (0,)),
-    (BOUNDED, "1", False, True, (0, 1, 2)),
-    (BOUNDED, "0", True, True, (0, 1, 2)),
-    (CONTEXT_WIDE, "0", True, False, (0, 1, 2)),
+@pytest.mark.parametrize("kernel,bounded,index_share,seeded,want", [
+    (BOUNDED, True, True, True, ()),
+    (BOUNDED, True, True, False, (0,)),
+    (BOUNDED, True, False, True, (0, 1, 2)),
+    (BOUNDED, False, True, True, (0, 1, 2)),
+    (CONTEXT_WIDE, False, True, False, (0, 1, 2)),
 ])
-def test_which_steps_refresh_schedule(monkeypatch, schedule_calls, kernel, flag, index_share, seeded, want):
-    monkeypatch.setenv(FLAG, flag)
+def test_which_steps_refresh_schedule(monkeypatch, schedule_calls, kernel, bounded, index_share, seeded, want):
+    monkeypatch.setenv(FLAG, "0" if bounded else "1")  # the option decides, not the environment
     table = make_table(POOL, W_CPU, "cpu")
-    m = multi(table, 4, kernel, index_share=index_share)
+    m = multi(table, 4, kernel, index_share=index_share, bounded_metadata=bounded)
     m.capture(4)
     schedules = [s.schedule(4, Mode.DECODE) for s in m.step_backends]
     for s in schedules:

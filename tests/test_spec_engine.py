@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dsaspec.configs.model_config import get_config
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.engine.engine import Engine
 from dsaspec.memory import PAGE_SIZE
 from dsaspec.layers.row_invariant import RowInvariant
@@ -231,8 +232,9 @@ def test_context_end(guessing_model):
 
 
 def test_simulated_accept_length(random_model, prompts, monkeypatch):
-    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "2.5")
-    spec = SpecConfig(num_steps=3)
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "2.5")   # the commands' business: SpecConfig does not read it
+    assert SpecConfig(num_steps=3).simulate_accept_len is None and not SpecConfig(num_steps=3).simulated
+    spec = SpecConfig(num_steps=3, simulate_accept_len=2.5)
     assert spec.simulate_accept_len == 2.5 and spec.simulated
     engine = _engine(random_model, spec)
     results = engine.generate(prompts, [20, 20, 20])
@@ -241,7 +243,7 @@ def test_simulated_accept_length(random_model, prompts, monkeypatch):
     assert set(lens) == {2, 3} and abs(statistics.fmean(lens) - 2.5) < 0.5
 
 
-def test_spec_config_is_validated(monkeypatch):
+def test_spec_config_is_validated():
     with pytest.raises(ValueError, match="eagle_topk=2: only 1"):
         SpecConfig(num_steps=3, eagle_topk=2)
     with pytest.raises(ValueError, match="num_draft_tokens must be num_steps \\+ 1 = 4"):
@@ -250,20 +252,42 @@ def test_spec_config_is_validated(monkeypatch):
         SpecConfig(num_steps=0)
     with pytest.raises(ValueError, match=r"simulated accept length must lie in \[1, 4\]"):
         SpecConfig(num_steps=3, simulate_accept_len=4.5)
-    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "fast")
-    with pytest.raises(ValueError, match="DSASPEC_SIMULATE_ACCEPT_LEN=.fast.: expected a number >= 1"):
-        SpecConfig()
+    with pytest.raises(ValueError, match=r"simulated accept length must lie in \[1, 3\]"):
+        SpecConfig(num_steps=2, simulate_accept_len=0.5)
 
 
-def test_argmax_exchange_switch_keeps_tokens_and_acceptance(guessing_model, prompts, monkeypatch):
+def test_argmax_exchange_option_keeps_tokens_and_acceptance(guessing_model, prompts):
+    from dsaspec.layers.logits_processor import GREEDY_TOPK1
+
     outputs = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", switch)
-        engine = _engine(guessing_model, SpecConfig(num_steps=3))
-        from dsaspec.layers.logits_processor import GREEDY_TOPK1
-        assert engine.worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (switch == "1")
-        outputs[switch] = (_tokens(engine, prompts, MAX_NEW), engine.stats.accept_lens)
-    assert outputs["1"] == outputs["0"]
+    for exchange in (True, False):
+        engine = _engine(guessing_model, SpecConfig(num_steps=3),
+                         options=RuntimeOptions(draft_argmax_exchange=exchange))
+        assert engine.worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == exchange
+        assert engine.worker.processor.uses_verify_argmax_exchange()
+        outputs[exchange] = (_tokens(engine, prompts, MAX_NEW), engine.stats.accept_lens)
+    assert outputs[True] == outputs[False]
+
+
+def test_engine_takes_the_options_of_its_model_unless_given_its_own():
+    from dsaspec.layers.attention.backend import CONTEXT_WIDE
+    from dsaspec.layers.logits_processor import GREEDY_TOPK1
+
+    off = RuntimeOptions().baseline()
+    model = DSAModel(get_config("tiny"), dtype=torch.float32, options=off).init_weights(0)
+    inherited = _engine(model, SpecConfig(num_steps=2)).worker
+    assert not inherited.processor.uses_draft_argmax_exchange(GREEDY_TOPK1)
+    assert not inherited.processor.uses_verify_argmax_exchange()
+    assert not inherited.multi_step.skip_unused_schedules
+    assert inherited.backend.kernel == CONTEXT_WIDE and "bounded_metadata=False" in inherited.backend.kernel_reason
+    own = _engine(model, SpecConfig(num_steps=2), options=RuntimeOptions(metadata_program_budget=24)).worker
+    assert own.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) and own.processor.uses_verify_argmax_exchange()
+    assert own.multi_step.skip_unused_schedules and "CUDA" in own.backend.kernel_reason
+    assert own.backend.budget == 24 and all(s.budget == 24 for s in own.multi_step.step_backends)
+    plain = _engine(model, options=RuntimeOptions(metadata_program_budget=24))
+    assert plain.backend.budget == 24 and plain.backend.kernel == CONTEXT_WIDE
+    assert "CUDA" in plain.backend.kernel_reason
+    assert "bounded_metadata=False" in _engine(model).backend.kernel_reason
 
 
 def test_index_share_layers_and_seeded_draft_steps(prompts):
@@ -330,8 +354,9 @@ def test_row_invariant_model_runs_the_row_invariant_kernels():
 GPU_CONTEXT = 1 << 20
 
 
-def _gpu_model(preset, *, row_invariant, branch_scale=0.5, seed=0):
-    model = DSAModel(get_config(preset), device="cuda", use_triton=True, row_invariant=row_invariant)
+def _gpu_model(preset, *, row_invariant, branch_scale=0.5, seed=0, options=None):
+    model = DSAModel(get_config(preset), device="cuda", use_triton=True, row_invariant=row_invariant,
+                     options=options)
     return predictable(model.init_weights(seed), branch_scale)
 
 
@@ -369,26 +394,28 @@ def test_gpu_speculative_equals_plain_row_invariant(preset, batch, max_new):
 
 
 @pytest.mark.gpu
-def test_gpu_kill_switches_keep_tokens_and_acceptance(monkeypatch):
-    """Bounded metadata + one-launch draft metadata + argmax exchange against context-wide +
-    precompute-and-copy + logits gather: identical tokens and accept lengths."""
+def test_gpu_kill_switches_keep_tokens_and_acceptance():
+    """Bounded metadata + one-launch draft metadata + argmax exchanges (RuntimeOptions()) against
+    context-wide + precompute-and-copy + logits gathers (its baseline()): identical tokens and accept
+    lengths."""
     from dsaspec.layers.attention.multi_step import ONE_LAUNCH, PRECOMPUTE_AND_COPY
     from dsaspec.layers.logits_processor import GREEDY_TOPK1
 
     model = _gpu_model("bench", row_invariant=False)
     requests = _gpu_prompts(6, "bench", seed=12)
     outputs = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("DSASPEC_BOUNDED_REPLAY_METADATA", switch)
-        monkeypatch.setenv("DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", switch)
-        engine = _gpu_engine(model, SpecConfig(num_steps=3), max_batch=6, requests=requests, max_new=48)
+    for new in (True, False):
+        options = RuntimeOptions() if new else RuntimeOptions().baseline()
+        engine = _gpu_engine(model, SpecConfig(num_steps=3), max_batch=6, requests=requests, max_new=48,
+                             options=options)
         worker = engine.worker
-        assert worker.backend.kernel == ("bounded" if switch == "1" else "context_wide")
-        assert worker.multi_step.path(8) == (ONE_LAUNCH if switch == "1" else PRECOMPUTE_AND_COPY)
-        assert worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (switch == "1")
-        outputs[switch] = (_tokens(engine, requests, 48), engine.stats.accept_lens)
-    assert outputs["1"] == outputs["0"]
-    assert statistics.fmean(outputs["1"][1]) > 1.2
+        assert worker.backend.kernel == ("bounded" if new else "context_wide")
+        assert worker.multi_step.path(8) == (ONE_LAUNCH if new else PRECOMPUTE_AND_COPY)
+        assert worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == new
+        assert worker.processor.uses_verify_argmax_exchange() == new
+        outputs[new] = (_tokens(engine, requests, 48), engine.stats.accept_lens)
+    assert outputs[True] == outputs[False]
+    assert statistics.fmean(outputs[True][1]) > 1.2
 
 
 @pytest.mark.gpu

@@ -18,10 +18,6 @@ import torch
 
 from dsaspec.distributed.tp_group import LOCAL, NCCL, SYMM_MEM, TPGroup, init_tp_group
 
-KILL_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
-VERIFY_SWITCH = "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE"
-
-
 # -- TP 1 (no torch.distributed) ---------------------------------------------------------------
 
 def test_single_group_collectives(device):
@@ -212,8 +208,8 @@ def _gathered_argmax(group, head, hidden):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_logits_processor_both_ways(groups, transport, dtype, monkeypatch):
-    # Two processors over one head, built with the kill switch on and off. On symmetric memory they take
+def test_logits_processor_both_ways(groups, transport, dtype):
+    # Two processors over one head, built with draft_argmax_exchange on and off. On symmetric memory they take
     # the exchange and the gather path; on NCCL both decline the exchange (asserted) and gather. Every
     # path, eager and graph-replayed, must give torch.argmax of the gathered fp32 logits.
     from dsaspec.speculative.draft_step import greedy_draft_step
@@ -225,15 +221,15 @@ def test_logits_processor_both_ways(groups, transport, dtype, monkeypatch):
     head = VocabParallelLMHead(vocab, hidden_size, group, dtype=dtype)
     head.load_weight(torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(0)))
     processors = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv(KILL_SWITCH, switch)
-        processors[switch] = LogitsProcessor(head, max_rows=max_rows)
+    for switch in (True, False):
+        processors[switch] = LogitsProcessor(head, max_rows=max_rows, draft_argmax_exchange=switch)
         processors[switch].enable_draft_argmax_exchange()  # collective: same order on every rank
     declined = {switch: p.draft_argmax_exchange_declined(GREEDY_TOPK1) for switch, p in processors.items()}
     if transport == NCCL:
         assert all(reason == "the all-reduce would run on NCCL" for reason in declined.values()), declined
     else:
-        assert declined["1"] is None and KILL_SWITCH in declined["0"], declined
+        assert declined[True] is None, declined
+        assert declined[False] == "draft_argmax_exchange=False (the processor's option)", declined
     for rows in (1, 5, 16, 64):
         hidden = torch.empty(rows, hidden_size, dtype=dtype, device="cuda")
         positions = torch.empty(rows, dtype=torch.int64, device="cuda")
@@ -246,7 +242,7 @@ def test_logits_processor_both_ways(groups, transport, dtype, monkeypatch):
             out = processor.forward(hidden, GREEDY_TOPK1)
             assert (out.next_token_logits is None) == exchanges
             eager = greedy_draft_step(processor, hidden, positions)
-            assert torch.equal(eager.tokens, _gathered_argmax(group, head, hidden)), f"switch {switch}, rows {rows}"
+            assert torch.equal(eager.tokens, _gathered_argmax(group, head, hidden)), f"exchange option {switch}, rows {rows}"
             graph = _graph(lambda: greedy_draft_step(processor, hidden, positions))
             for i, x in enumerate(inputs):
                 hidden.copy_(x.cuda())
@@ -256,7 +252,7 @@ def test_logits_processor_both_ways(groups, transport, dtype, monkeypatch):
                 torch.cuda.synchronize()
                 expected = _gathered_argmax(group, head, hidden)
                 assert torch.equal(eager.tokens, expected), \
-                    f"switch {switch}, rows {rows}: {eager.tokens.tolist()} != {expected.tolist()}"
+                    f"exchange option {switch}, rows {rows}: {eager.tokens.tolist()} != {expected.tolist()}"
                 assert torch.equal(eager.positions, positions + 1)
                 assert torch.equal(eager.topk_p, torch.ones_like(eager.topk_p))
             assert _same_on_all_ranks(group, eager.tokens)
@@ -310,8 +306,8 @@ def test_topk_exchange_over_real_transport(groups, transport, k, vocab):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_target_tokens_both_ways(groups, transport, dtype, monkeypatch):
-    # Target verify over bs x N rows (up to 256): processors built with the verify switch on and off. On
+def test_target_tokens_both_ways(groups, transport, dtype):
+    # Target verify over bs x N rows (up to 256): processors built with verify_argmax_exchange on and off. On
     # symmetric memory they take the exchange and the gather path; on NCCL both decline (asserted). Every
     # path, eager and graph-replayed, gives torch.argmax of the gathered fp32 logits, on every rank.
     from dsaspec.layers.vocab_parallel import VocabParallelLMHead
@@ -322,15 +318,15 @@ def test_target_tokens_both_ways(groups, transport, dtype, monkeypatch):
     head = VocabParallelLMHead(vocab, hidden_size, group, dtype=dtype)
     head.load_weight(torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(0)))
     processors = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv(VERIFY_SWITCH, switch)
-        processors[switch] = LogitsProcessor(head, max_rows=max_rows)
+    for switch in (True, False):
+        processors[switch] = LogitsProcessor(head, max_rows=max_rows, verify_argmax_exchange=switch)
         processors[switch].enable_verify_argmax_exchange()  # collective: same order on every rank
     declined = {switch: p.verify_argmax_exchange_declined() for switch, p in processors.items()}
     if transport == NCCL:
         assert all(reason == "the all-reduce would run on NCCL" for reason in declined.values()), declined
     else:
-        assert declined["1"] is None and VERIFY_SWITCH in declined["0"], declined
+        assert declined[True] is None, declined
+        assert declined[False] == "verify_argmax_exchange=False (the processor's option)", declined
     for rows in (4, 16, 128, 256):
         hidden = torch.empty(rows, hidden_size, dtype=dtype, device="cuda")
         inputs = [torch.randn(rows, hidden_size, generator=torch.Generator().manual_seed(rows * 10 + i)).to(dtype)
@@ -339,7 +335,7 @@ def test_target_tokens_both_ways(groups, transport, dtype, monkeypatch):
         for switch, processor in processors.items():
             hidden.copy_(inputs[0].cuda())
             tokens = processor.target_tokens(hidden)
-            assert torch.equal(tokens, _gathered_argmax(group, head, hidden)), f"switch {switch}, rows {rows}"
+            assert torch.equal(tokens, _gathered_argmax(group, head, hidden)), f"exchange option {switch}, rows {rows}"
             graph = _graph(lambda: processor.target_tokens(hidden))
             for x in inputs:
                 hidden.copy_(x.cuda())
@@ -347,13 +343,13 @@ def test_target_tokens_both_ways(groups, transport, dtype, monkeypatch):
                 graph.replay()
                 torch.cuda.synchronize()
                 expected = _gathered_argmax(group, head, hidden)
-                assert torch.equal(tokens, expected), f"switch {switch}, rows {rows}"
+                assert torch.equal(tokens, expected), f"exchange option {switch}, rows {rows}"
             assert _same_on_all_ranks(group, tokens)
 
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("transport", [SYMM_MEM, NCCL])
-def test_topk_draft_step_both_ways(groups, transport, monkeypatch):
+def test_topk_draft_step_both_ways(groups, transport):
     from test_argmax_exchange import probability_errors, stable_topk_oracle
 
     from dsaspec.speculative.draft_step import topk_draft_step
@@ -365,12 +361,11 @@ def test_topk_draft_step_both_ways(groups, transport, monkeypatch):
     head = VocabParallelLMHead(vocab, hidden_size, group, dtype=torch.bfloat16)
     head.load_weight(torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(1)))
     processors = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv(KILL_SWITCH, switch)
-        processors[switch] = LogitsProcessor(head, max_rows=max_rows)
+    for switch in (True, False):
+        processors[switch] = LogitsProcessor(head, max_rows=max_rows, draft_argmax_exchange=switch)
         processors[switch].enable_draft_argmax_exchange(max_topk=topk)
     exchanges = {switch: p.uses_draft_argmax_exchange(DraftSampling(topk=topk)) for switch, p in processors.items()}
-    assert exchanges == ({"1": False, "0": False} if transport == NCCL else {"1": True, "0": False})
+    assert exchanges == ({True: False, False: False} if transport == NCCL else {True: True, False: False})
     for rows in (1, 16, 64):
         hidden = torch.randn(rows, hidden_size, generator=torch.Generator().manual_seed(rows)).bfloat16().cuda()
         logits = torch.empty(group.size, rows, head.shard_size, dtype=torch.bfloat16, device="cuda")

@@ -3,7 +3,7 @@
 CPU: TP 2 and TP 4 emulated in one process (tests/fake_tp.py: one thread per rank, run in lockstep,
 the all-reduce a sum and the all-gather a stack): each rank's shards against slices of the TP 1
 weights written out by hand, the sharded forward against the TP 1 forward, the Engine at TP 2
-(speculative = plain, = TP 1, the argmax-exchange switch), sharded loading from one checkpoint,
+(speculative = plain, = TP 1, the argmax-exchange option), sharded loading from one checkpoint,
 and the command-line errors. fp32 with the runtime's torch ops.
 
 Tolerance: a row-parallel GEMM sums its K dimension as TP partial sums plus one all-reduce instead
@@ -28,6 +28,7 @@ from dsaspec.engine.engine import Engine
 from dsaspec.models.loader import load_weights, save_checkpoint
 from dsaspec.memory import KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.layers.attention.inputs import build_extend_inputs
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import SpecConfig
 from dsaspec.layers.logits_processor import GREEDY_TOPK1, LogitsProcessor
@@ -35,7 +36,6 @@ from fake_tp import fake_groups, run_ranks
 from test_spec_engine import predictable
 
 TOL = 1e-4
-EXCHANGE_SWITCH = "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE"
 
 
 def _tp_models(config, tp, seed=0, dtype=torch.float32, **kwargs):
@@ -269,8 +269,9 @@ def check_draft_paths(seen: dict, exchange: bool) -> None:
     assert seen["symmetric_all_reduce"] == [SYMM_MEM] * (seen["exchange"] + seen["verify_exchange"])
 
 
-def _engine_run(model, spec=None):
-    engine = Engine(model, context_len=96, max_batch=2, bucket_sizes=(1, 2), progress=False, speculative=spec)
+def _engine_run(model, spec=None, options=None):
+    engine = Engine(model, context_len=96, max_batch=2, bucket_sizes=(1, 2), progress=False, speculative=spec,
+                    options=options)
     results = engine.generate(PROMPTS, MAX_NEW)
     return {"tokens": [r.token_ids for r in results], "accept": engine.stats.accept_lens,
             "exchange": None if spec is None else engine.worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1)}
@@ -283,25 +284,26 @@ def guessing_tp1():
 
 def test_tp2_engine_speculative_equals_plain_and_tp1(guessing_tp1, monkeypatch):
     """Plain and speculative decoding at TP 2 (vocab-parallel head, draft tokens by the argmax
-    exchange, then by the logits gather with the kill switch off) commit the TP 1 plain tokens; the
-    two switch settings accept identically."""
+    exchange, then by the logits gather with draft_argmax_exchange off) commit the TP 1 plain tokens;
+    the two settings accept identically."""
     groups, ranks = _tp_models(get_config("tiny"), 2, seed=1)
     ranks = [predictable(m, 0.5) for m in ranks]
     expected = _engine_run(guessing_tp1)["tokens"]
     plain = run_ranks(groups, lambda g: _engine_run(ranks[g.rank]))
     assert plain[0]["tokens"] == plain[1]["tokens"] == expected
     runs = {}
-    for switch in ("1", "0"):
+    for exchange in (True, False):
+        options = RuntimeOptions(draft_argmax_exchange=exchange)
         with monkeypatch.context() as patch:
-            patch.setenv(EXCHANGE_SWITCH, switch)
             seen = watch_draft_paths(patch, groups)
-            runs[switch] = run_ranks(groups, lambda g: _engine_run(ranks[g.rank], SpecConfig(num_steps=3)))
-        for rank, out in enumerate(runs[switch]):
+            runs[exchange] = run_ranks(groups, lambda g: _engine_run(ranks[g.rank], SpecConfig(num_steps=3),
+                                                                     options))
+        for rank, out in enumerate(runs[exchange]):
             assert out["tokens"] == expected
-            assert out["exchange"] == (switch == "1")
-            check_draft_paths(seen[rank], exchange=switch == "1")
-    assert runs["1"][0]["accept"] == runs["0"][0]["accept"] == runs["1"][1]["accept"]
-    assert max(runs["1"][0]["accept"]) > 1
+            assert out["exchange"] == exchange
+            check_draft_paths(seen[rank], exchange=exchange)
+    assert runs[True][0]["accept"] == runs[False][0]["accept"] == runs[True][1]["accept"]
+    assert max(runs[True][0]["accept"]) > 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,10 +424,10 @@ def _gpu_prompts(preset, count, seed=21):
     return [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def _gpu_engine(model, spec=None, *, batch, max_new, prompts, context_len=1 << 20):
+def _gpu_engine(model, spec=None, *, batch, max_new, prompts, context_len=1 << 20, options=None):
     slots = 64 * (2 + batch * -(-(max(map(len, prompts)) + max_new + 8) // 64))
     return Engine(model, speculative=spec, context_len=context_len, max_batch=batch, num_slots=slots, progress=False,
-                  bucket_sizes=(1, 2, 4, 8, 16, 32))
+                  bucket_sizes=(1, 2, 4, 8, 16, 32), options=options)
 
 
 def _gpu_model(preset, group, *, row_invariant, branch_scale=None, seed=0):
@@ -487,29 +489,30 @@ def test_tp2_logits_close_to_tp1(group):
 
 
 @pytest.mark.multigpu
-def test_tp2_kill_switch_paths_tokens_and_acceptance(group, monkeypatch):
+def test_tp2_exchange_option_paths_tokens_and_acceptance(group, monkeypatch):
     """Exchange on vs off at TP 2 (default numerics, graphs): identical tokens and accept lengths; the
     draft steps take the exchange (its all-reduce on symmetric memory) or the gather path."""
     model = _gpu_model("bench", group, row_invariant=False, branch_scale=0.2, seed=2)
     prompts = _gpu_prompts("bench", 6, seed=22)
     outputs = {}
-    for switch in ("1", "0"):
+    for exchange in (True, False):
         with monkeypatch.context() as patch:
-            patch.setenv(EXCHANGE_SWITCH, switch)
             seen = watch_draft_paths(patch, [group])[group.rank]
-            engine = _gpu_engine(model, SpecConfig(num_steps=3), batch=6, max_new=48, prompts=prompts)
-            outputs[switch] = ([r.token_ids for r in engine.generate(prompts, 48)], engine.stats.accept_lens)
+            engine = _gpu_engine(model, SpecConfig(num_steps=3), batch=6, max_new=48, prompts=prompts,
+                                 options=RuntimeOptions(draft_argmax_exchange=exchange))
+            outputs[exchange] = ([r.token_ids for r in engine.generate(prompts, 48)], engine.stats.accept_lens)
         processor = engine.worker.processor
-        assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == (switch == "1")
+        assert processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == exchange
         assert processor.lm_head is model.lm_head and processor.lm_head.num_shards == 2
-        if switch == "1":
+        if exchange:
             assert group.all_reduce_transport(processor.exchange_nbytes) == SYMM_MEM
         else:
-            assert "was off" in processor.draft_argmax_exchange_declined(GREEDY_TOPK1)
-        check_draft_paths(seen, exchange=switch == "1")
+            assert processor.draft_argmax_exchange_declined(GREEDY_TOPK1) == \
+                "draft_argmax_exchange=False (the processor's option)"
+        check_draft_paths(seen, exchange=exchange)
         del engine, processor
-    assert outputs["1"] == outputs["0"]
-    assert sum(outputs["1"][1]) / len(outputs["1"][1]) > 1.2
+    assert outputs[True] == outputs[False]
+    assert sum(outputs[True][1]) / len(outputs[True][1]) > 1.2
 
 
 @pytest.mark.multigpu

@@ -44,6 +44,7 @@ from tqdm import tqdm
 from triton.runtime.jit import KernelInterface  # a jitted kernel, compiled or interpreted
 
 from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.configs.model_config import PRESETS, get_config
@@ -107,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=nonnegative_int, default=8,
                    help="profiled steps per point for the phase breakdown (0: no breakdown)")
     p.add_argument("--budget", type=positive_int, default=None,
-                   help="bounded metadata program budget (default: DSASPEC_METADATA_BUDGET; 8 on CPU)")
+                   help="bounded metadata program budget (default: DSASPEC_METADATA_BUDGET, else 2048; 8 on CPU)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights and the prompts")
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
@@ -308,6 +309,9 @@ def _apply_cpu_sizes(args) -> None:
 def run(args) -> int:
     from dsaspec.bench.results import bench_params, markdown_table, write_results
 
+    options = RuntimeOptions.from_environment()
+    if args.budget is None:
+        args.budget = options.metadata_program_budget
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         _apply_cpu_sizes(args)
@@ -324,7 +328,7 @@ def run(args) -> int:
         warm_up_gpu()
         floors = Floors.measure()
     model = DSAModel(get_config(args.preset), device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
-                     use_triton=on_gpu).init_weights(args.seed)
+                     use_triton=on_gpu, options=options).init_weights(args.seed)
     generator = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(0, model.config.vocab_size, (args.live,), generator=generator)
                for _ in range(max(args.bs))]

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
 from dsaspec.bench.metadata import DEFAULT_BS, sublinear_target
 from dsaspec.bench.results import bench_params, markdown_table, write_results
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="configured context; table width W = context_len + 4 + N")
     parser.add_argument("--iters", type=positive_int, default=200, help="timed graph replays per measurement")
     parser.add_argument("--budget", type=positive_int, default=None,
-                        help="bounded-kernel program budget (default: DSASPEC_METADATA_BUDGET; 16 on CPU)")
+                        help="bounded-kernel program budget (default: DSASPEC_METADATA_BUDGET, else 2048; 16 on CPU)")
     parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
 
@@ -111,6 +112,8 @@ class _Point:
 
 
 def run(args) -> int:
+    if args.budget is None:
+        args.budget = RuntimeOptions.from_environment().metadata_program_budget
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:

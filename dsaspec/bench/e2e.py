@@ -33,9 +33,7 @@ checked, no time is reported.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -45,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.configs.model_config import PRESETS, get_config
@@ -60,6 +59,9 @@ BOUNDED_SWITCH, EXCHANGE_SWITCH, VERIFY_SWITCH = KILL_SWITCHES = (
 SWITCHES = {"baseline": {BOUNDED_SWITCH: False, EXCHANGE_SWITCH: False, VERIFY_SWITCH: False},
             "new": {BOUNDED_SWITCH: True, EXCHANGE_SWITCH: True, VERIFY_SWITCH: True},
             "gather": {BOUNDED_SWITCH: True, EXCHANGE_SWITCH: False, VERIFY_SWITCH: True}}
+# the RuntimeOptions field each switch sets
+OPTION_OF = {BOUNDED_SWITCH: "bounded_replay_metadata", EXCHANGE_SWITCH: "draft_argmax_exchange",
+             VERIFY_SWITCH: "verify_argmax_exchange"}
 PATHS = ("baseline", "new")
 REAL = "real"
 NOISE = 0.99                   # new / baseline speed below this counts as slower
@@ -103,20 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<machine>)")
 
 
-@contextlib.contextmanager
-def kill_switches(path: str):
-    """The kill switches of ``path`` (``SWITCHES``) while its worker is built and captured."""
-    saved = {name: os.environ.get(name) for name in KILL_SWITCHES}
-    for name, on in SWITCHES[path].items():
-        os.environ[name] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def path_options(options: RuntimeOptions, path: str) -> RuntimeOptions:
+    """``options`` with the kill switches of ``path`` (``SWITCHES``) applied; the rest (top-k launch,
+    sparse MLA kernel, metadata budget) as the environment set them, the same for every path."""
+    return options.replace(**{OPTION_OF[name]: on for name, on in SWITCHES[path].items()})
 
 
 @dataclass
@@ -131,7 +123,8 @@ class _Setup:
     ttft_ms: float | None
 
 
-def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, device, paths) -> _Setup:
+def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, device, paths,
+           options: RuntimeOptions) -> _Setup:
     spec = SpecConfig(num_steps=args.num_steps)
     count = len(prompts)
     pool = ReqToTokenPool(count, context_len, num_draft_tokens=spec.num_draft_tokens, device=device)
@@ -142,12 +135,13 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
     target_kv = KVPool.for_model(model.config, allocator.num_slots, dtype=dtype, device=device)
     mtp_kv = KVPool.for_model(model.config, allocator.num_slots, mtp=True, dtype=dtype, device=device)
     workers = {}
+    if device.type != "cuda":
+        options = options.replace(metadata_program_budget=8)     # few bounded programs under the interpreter
     for path in paths:
-        with kill_switches(path):
-            workers[path] = build_spec_worker(
-                model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency, num_sms=indexer_programs(device),
-                force_kernel=BOUNDED if SWITCHES[path][BOUNDED_SWITCH] else CONTEXT_WIDE,
-                budget=None if device.type == "cuda" else 8)
+        workers[path] = build_spec_worker(
+            model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency, num_sms=indexer_programs(device),
+            force_kernel=BOUNDED if SWITCHES[path][BOUNDED_SWITCH] else CONTEXT_WIDE,
+            options=path_options(options, path))
     rows = [slots.admit(args.prompt_len, reserve=written - args.prompt_len) for _ in prompts]
     times = []
     for row, prompt in zip(rows, prompts):
@@ -209,6 +203,7 @@ def run(args) -> int:
     from dsaspec.bench.results import bench_params, markdown_table, write_results
     from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
 
+    options = RuntimeOptions.from_environment()
     if args.tp > 1:
         check_gpus(args.tp)
     if under_torchrun():
@@ -240,12 +235,12 @@ def run(args) -> int:
     for preset in args.presets:
         model = DSAModel(get_config(preset), device=None if group else device,
                          dtype=torch.bfloat16 if on_gpu else torch.float32, use_triton=on_gpu,
-                         tp_group=group).init_weights(args.seed)
+                         tp_group=group, options=options).init_weights(args.seed)
         generator = torch.Generator().manual_seed(args.seed + 1)
         prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
                    for _ in range(max(args.concurrency))]
         for context_len in args.contexts:
-            setup = _build(model, context_len, prompts, args, device, paths)
+            setup = _build(model, context_len, prompts, args, device, paths, options)
             points = [(accept, c) for accept in args.accept for c in args.concurrency]
             for accept, concurrency in tqdm(points, desc=f"{preset} context {context_len}", unit="point",
                                             disable=not leader):

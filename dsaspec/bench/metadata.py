@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.bench.timing import COLD_L2_METHOD
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.ops.dsa_metadata import context_wide_metadata
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
@@ -47,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-topk", type=positive_int, default=2048, help="indexer top-k of the model")
     p.add_argument("--page-size", type=positive_int, default=64, help="KV page size (1: no real page table)")
     p.add_argument("--budget", type=positive_int, default=None,
-                   help="bounded kernel program budget (default: DSASPEC_METADATA_BUDGET)")
+                   help="bounded kernel program budget (default: DSASPEC_METADATA_BUDGET, else 2048)")
     p.add_argument("--iters", type=positive_int, default=200, help="timed graph replays per measurement")
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
@@ -88,6 +89,8 @@ def _point(op: str, live: int, bs: int, args, device) -> tuple:
 def run(args) -> int:
     from dsaspec.bench.results import bench_params, markdown_table, write_results
 
+    if args.budget is None:
+        args.budget = RuntimeOptions.from_environment().metadata_program_budget
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         ignored = use_cpu_sizes(args, add_arguments, {"context_len": 2048, "live_kv": [1000, 2000], "bs": [1, 4]},

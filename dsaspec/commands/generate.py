@@ -141,9 +141,9 @@ def check_fits(source: str, need: dict, device: torch.device, dtype_name: str) -
                         f"{_gb(have[0])} available; choose a smaller model or --context-len / --max-batch")
 
 
-def speculative_config(args, config):
-    """The SpecConfig the options ask for (None without --speculative-algorithm); UserError for
-    options that cannot be honoured."""
+def speculative_config(args, config, options):
+    """The SpecConfig the options ask for (None without --speculative-algorithm), with the simulated
+    accept length of ``options`` (RuntimeOptions); UserError for options that cannot be honoured."""
     from dsaspec.speculative.spec_worker import SpecConfig
 
     given = [name for name in SPEC_OPTIONS if getattr(args, name) is not None]
@@ -158,7 +158,8 @@ def speculative_config(args, config):
     steps = args.speculative_num_steps or 3
     try:
         return SpecConfig(num_steps=steps, eagle_topk=args.speculative_eagle_topk or 1,
-                          num_draft_tokens=args.speculative_num_draft_tokens or steps + 1)
+                          num_draft_tokens=args.speculative_num_draft_tokens or steps + 1,
+                          simulate_accept_len=options.simulate_accept_len)
     except ValueError as err:                      # SpecConfig names the option that is out of range
         raise UserError(f"--speculative options: {err}") from None
 
@@ -189,12 +190,14 @@ def run(args) -> int:
     """Check the options, build the model and the engine, generate, print ids and timings.
     Returns 0; raises UserError for bad options, checkpoints or a model that does not fit."""
     from dsaspec.configs.model_config import get_config
+    from dsaspec.configs.runtime_options import RuntimeOptions
     from dsaspec.engine.engine import Engine
     from dsaspec.models.loader import load_config, load_weights
     from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
     from dsaspec.memory import PAGE_SIZE
     from dsaspec.models.dsa_model import DSAModel
 
+    options = RuntimeOptions.from_environment()
     if args.tp > 1:
         check_gpus(args.tp)
         if args.device is not None and (args.device.type != "cuda" or args.device.index is not None):
@@ -216,7 +219,7 @@ def run(args) -> int:
     else:
         config = get_config(args.preset)
         source = f"--preset {args.preset}"
-    spec = speculative_config(args, config)
+    spec = speculative_config(args, config, options)
     num_slots = check_requests(args, config, PAGE_SIZE, spec.num_draft_tokens if spec else 1)
     for name in ("num_attention_heads", "intermediate_size"):
         if getattr(config, name) % args.tp:
@@ -233,7 +236,7 @@ def run(args) -> int:
                                       num_slots=num_slots, mtp=spec is not None, tp=args.tp), device, args.dtype)
 
     model = DSAModel(config, device=None if group else device, dtype=dtype, use_triton=use_triton,
-                     row_invariant=args.row_invariant, tp_group=group)
+                     row_invariant=args.row_invariant, tp_group=group, options=options)
     if args.checkpoint:
         load_weights(model, args.checkpoint)
     else:

@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.layers.attention.backend import DEFAULT_BUCKETS, DSAAttnBackend
 from dsaspec.executor.graph_runner import DecodeGraphRunner
 from dsaspec.memory import (PAGE_SIZE, KVPool, PageAllocator, PoolExhaustedError, ReqToTokenPool,
@@ -143,18 +144,20 @@ class Engine:
     use_cuda_graph : capture graphs (default: on CUDA with the Triton ops).
     prefill_chunk : rows per eager prefill forward.
     force_kernel : ``"bounded"`` / ``"context_wide"`` metadata kernels for tests and benchmarks
-        (default: the backend's selection, see ``DSASPEC_BOUNDED_REPLAY_METADATA``).
+        (default: the backend's selection, see ``RuntimeOptions.bounded_replay_metadata``).
     progress : show a tqdm bar over generated tokens.
     speculative : SpecConfig to decode speculatively with the model's MTP layer; None: plain
         greedy decoding.
     time_phases : with speculation on CUDA, record each iteration's device time per phase.
+    options : RuntimeOptions for the metadata kernels and the exchanges (default: ``model.options``).
     """
 
     def __init__(self, model: DSAModel, *, context_len: int, max_batch: int = 8,
                  num_slots: int | None = None, bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
                  use_cuda_graph: bool | None = None, prefill_chunk: int = 512,
                  force_kernel: str | None = None, progress: bool = True,
-                 speculative: SpecConfig | None = None, time_phases: bool = False):
+                 speculative: SpecConfig | None = None, time_phases: bool = False,
+                 options: RuntimeOptions | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -165,6 +168,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.progress = progress
         self.spec = speculative
+        options = model.options if options is None else options
         self.time_phases = time_phases
         draft_tokens = speculative.num_draft_tokens if speculative else 1
         self.req_pool = ReqToTokenPool(max_batch, context_len, num_draft_tokens=draft_tokens, device=self.device)
@@ -180,13 +184,16 @@ class Engine:
         if speculative is None:
             self.backend = DSAAttnBackend(self.req_pool.req_to_token, index_topk=self.config.index_topk,
                                           page_size=PAGE_SIZE, bucket_sizes=buckets,
-                                          num_sms=indexer_programs(self.device), force_kernel=force_kernel)
+                                          num_sms=indexer_programs(self.device), force_kernel=force_kernel,
+                                          budget=options.metadata_program_budget,
+                                          bounded_metadata=options.bounded_replay_metadata)
             self.runner = DecodeGraphRunner(model, self.kv, self.backend, use_cuda_graph=use_cuda_graph).capture()
         else:
             self.mtp_kv = KVPool.for_model(self.config, num_slots, mtp=True, dtype=weight.dtype, device=self.device)
             self.worker = build_spec_worker(model, self.req_pool, self.kv, self.mtp_kv, speculative,
                                             bucket_sizes=buckets, num_sms=indexer_programs(self.device),
-                                            force_kernel=force_kernel, use_cuda_graph=use_cuda_graph)
+                                            force_kernel=force_kernel, use_cuda_graph=use_cuda_graph,
+                                            options=options)
             self.backend = self.worker.backend
         self.stats = GenerationStats()
 

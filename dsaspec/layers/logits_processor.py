@@ -6,8 +6,8 @@ Exchange paths (processors that opted in): local GEMM → partials → one fp32 
 logits leave the rank and ``next_token_logits`` is None. Greedy drafts (topk 1) and target verify exchange
 argmax partials; top-k drafts (``1 < topk <= max_topk``) exchange top-k partials with probability lanes.
 
-The choice is made from TP-replicated facts only (sampling, head layout, config, transport, switches), so
-every rank takes the same branch; it fails closed to the gather path. The switches are read once, when the
+The choice is made from TP-replicated facts only (sampling, head layout, config, transport, options), so
+every rank takes the same branch; it fails closed to the gather path. The options are fixed when the
 processor is built: a captured CUDA graph keeps the branch it was captured with, so a processor never
 changes branch behind a graph's back.
 """
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaspec import flags
 from dsaspec.distributed.tp_group import LOCAL, NCCL, TPGroup
 from dsaspec.ops.argmax_exchange import (
     DEFAULT_SPLIT_COLUMNS,
@@ -144,15 +143,14 @@ class LogitsProcessor:
         the batch size for drafts and ``bs * N`` (N tokens per request) for target verify.
     split_columns : int; target columns per program of the argmax partials kernel.
     topk_split_columns : int; target columns per program of the top-k partials kernel.
-
-    The switches ``DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE`` (draft steps) and
-    ``DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE`` (target verify) are read here, once: changing them later affects
-    only processors built afterwards (a captured graph could not follow them anyway).
+    draft_argmax_exchange, verify_argmax_exchange : bool; the exchanges may be taken for greedy drafts /
+        target verify (``RuntimeOptions``' fields of these names); False keeps the logits gather.
     """
 
     def __init__(self, lm_head: VocabParallelLMHead, *, final_logit_softcapping: float | None = None,
                  dp_attention: bool = False, max_rows: int = 64, split_columns: int = DEFAULT_SPLIT_COLUMNS,
-                 topk_split_columns: int = TOPK_SPLIT_COLUMNS):
+                 topk_split_columns: int = TOPK_SPLIT_COLUMNS, draft_argmax_exchange: bool = True,
+                 verify_argmax_exchange: bool = True):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if not 1 <= topk_split_columns <= TOPK_SPLIT_COLUMNS:
@@ -166,8 +164,8 @@ class LogitsProcessor:
         self.max_rows = max_rows
         self.split_columns = split_columns
         self.topk_split_columns = topk_split_columns
-        self._draft_switch_on = flags.spec_draft_argmax_exchange()
-        self._verify_switch_on = flags.spec_verify_argmax_exchange()
+        self._draft_switch_on = bool(draft_argmax_exchange)
+        self._verify_switch_on = bool(verify_argmax_exchange)
         device, dtype = self.group.device, lm_head.weight.dtype
         shard, shards = lm_head.shard_size, lm_head.num_shards
         self._local = torch.empty(max_rows * shard, dtype=dtype, device=device)
@@ -248,7 +246,7 @@ class LogitsProcessor:
         if not 1 <= sampling.topk <= self.max_topk:
             return f"topk is {sampling.topk}, not in [1, max_topk={self.max_topk}] (enable_draft_argmax_exchange)"
         nbytes = self.exchange_nbytes if sampling.topk == 1 else self.topk_exchange_nbytes(sampling.topk)
-        return self._exchange_declined(nbytes, self._draft_switch_on, "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE")
+        return self._exchange_declined(nbytes, self._draft_switch_on, "draft_argmax_exchange")
 
     def uses_draft_argmax_exchange(self, sampling: DraftSampling | None) -> bool:
         """True when a forward with ``sampling`` takes an exchange path."""
@@ -258,14 +256,13 @@ class LogitsProcessor:
         """Why ``target_tokens`` gathers logits instead of exchanging argmax partials; None if it exchanges."""
         if not self._verify_opted_in:
             return "the processor did not opt in (enable_verify_argmax_exchange)"
-        return self._exchange_declined(self.exchange_nbytes, self._verify_switch_on,
-                                       "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE")
+        return self._exchange_declined(self.exchange_nbytes, self._verify_switch_on, "verify_argmax_exchange")
 
     def uses_verify_argmax_exchange(self) -> bool:
         """True when ``target_tokens`` takes the exchange path."""
         return self.verify_argmax_exchange_declined() is None
 
-    def _exchange_declined(self, nbytes: int, switch_on: bool, switch: str) -> str | None:
+    def _exchange_declined(self, nbytes: int, switch_on: bool, option: str) -> str | None:
         if not self.lm_head.vocab_parallel:
             return "the LM head is replicated"
         if self.final_logit_softcapping:
@@ -275,7 +272,7 @@ class LogitsProcessor:
         if self.group.all_reduce_transport(nbytes) == NCCL:
             return "the all-reduce would run on NCCL"
         if not switch_on:
-            return f"{switch} was off when the processor was built"
+            return f"{option}=False (the processor's option)"
         return None
 
     # -- forwards -----------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ import math
 import torch
 from torch import nn
 
-from dsaspec import flags
 from dsaspec.configs.model_config import ModelConfig
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.dsa_ops import dsa_ops
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionWorkspace, build_extend_inputs
@@ -75,10 +75,15 @@ class DSAModel(nn.Module):
         the same group, collectively); None: TP 1 on ``device``. With a group, ``device`` must be
         None or the group's device. ``num_attention_heads`` and ``intermediate_size`` must divide
         by its size. TP 1 computes exactly what the unsharded model does.
+    options : RuntimeOptions
+        The runtime's switches (default: the shipped path); the model uses ``sparse_mla_gluon`` and
+        ``topk_single_launch``, and the engine and workers built over it take the rest from
+        ``model.options`` unless given their own.
     """
 
     def __init__(self, config: ModelConfig, *, device=None, dtype=torch.bfloat16, use_triton: bool = False,
-                 row_invariant: bool = False, tp_group: TPGroup | None = None):
+                 row_invariant: bool = False, tp_group: TPGroup | None = None,
+                 options: RuntimeOptions | None = None):
         super().__init__()
         self.config = config.validate()
         if tp_group is None:
@@ -93,7 +98,8 @@ class DSAModel(nn.Module):
         self.group = tp_group
         self.use_triton = use_triton
         self.row_invariant = row_invariant
-        self.sparse_mla_gluon = flags.sparse_mla_gluon()
+        self.options = RuntimeOptions() if options is None else options
+        self.sparse_mla_gluon = self.options.sparse_mla_gluon
         self.model = DSABackbone(config, tp_group, device, dtype)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp_group, dtype)
         self.rotary = Rotary(config, device)
@@ -260,13 +266,13 @@ class DSAModel(nn.Module):
         candidates = topk_candidates(rows, self.config.index_topk, device,
                                      num_chunks=1 if topk is None else topk.shape[1])
         heads = self.num_local_heads
-        # sized for the configuration sparse_mla_decode takes (DSASPEC_SPARSE_MLA_GLUON)
+        # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon)
         mla_config = sparse_mla_config(rows, heads, split=True,
                                        device=device if self.sparse_mla_gluon else None)
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, heads, device,
                                                                             config=mla_config),
-            topk=topk, topk_single_launch=None if topk is None or flags.topk_single_launch() else False,
+            topk=topk, topk_single_launch=None if topk is None or self.options.topk_single_launch else False,
             topk_candidates=candidates)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaspec import flags
 from dsaspec.ops.dsa_metadata_common import (MODE_VERIFY, TILE, MetadataBuffers, Mode, launch_shape,
                                              mode_code, request_rows, store_all, validate_inputs,
                                              vector_width, write_lengths)
@@ -41,6 +40,9 @@ MAX_SPLITS = 256
 MAX_DESTINATIONS = 4
 BLOCK_COLS = 128  # columns moved per program step (H200 sweep: scripts/tune_metadata.py)
 NUM_WARPS = 4
+
+
+DEFAULT_BUDGET = 2048  # programs per launch of the bounded kernels
 
 
 def num_splits(batch: int, budget: int) -> int:
@@ -141,7 +143,7 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
     be several buffer sets of identical layout (the MTP draft step backends), written by one launch
     per four sets. Writes every 1-D output in full, ``page_table_1[row, :min(roundup(live, 128), W))``
     and the real-table columns of those tiles (``live = s``, or ``s + N`` for target verify).
-    ``budget`` (default ``flags.metadata_program_budget()``) caps the programs per launch:
+    ``budget`` (None: ``DEFAULT_BUDGET``, 2048) caps the programs per launch:
     ``1 + B * max(1, min(budget // B, 256))``.
 
     ``check_values`` checks these preconditions on the host (a device sync; the graph replay path
@@ -162,7 +164,7 @@ def bounded_metadata(mode: Mode, req_to_token: torch.Tensor, req_pool_indices: t
     validate_inputs(mode, req_to_token, req_pool_indices, seq_lens, outs, index_topk=index_topk,
                     page_size=page_size, num_draft_tokens=num_draft_tokens,
                     extend_seq_lens=extend_seq_lens, check_values=check_values)
-    budget = flags.metadata_program_budget() if budget is None else budget
+    budget = DEFAULT_BUDGET if budget is None else budget
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     if block_cols < TILE or block_cols & (block_cols - 1):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaspec import flags
+from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
 from dsaspec.ops.dsa_metadata_common import Mode
@@ -64,7 +64,7 @@ class SpecConfig:
     eagle_topk : drafts per step (``--speculative-eagle-topk``); only 1 (a chain) is implemented.
     simulate_accept_len : None, or a mean accept length in ``[1, N]`` that every iteration is forced
         to (one draw per iteration: floor or ceil, the mean exact); the tokens then stop being the
-        model's greedy output. Default: ``DSASPEC_SIMULATE_ACCEPT_LEN``.
+        model's greedy output (``RuntimeOptions.simulate_accept_len``: commands pass it here).
     simulate_seed : seed of the simulated draws.
     """
 
@@ -77,8 +77,6 @@ class SpecConfig:
     def __post_init__(self):
         if self.num_draft_tokens is None:
             object.__setattr__(self, "num_draft_tokens", self.num_steps + 1)
-        if self.simulate_accept_len is None:
-            object.__setattr__(self, "simulate_accept_len", flags.simulate_accept_len())
         self.validate()
 
     def validate(self) -> "SpecConfig":
@@ -467,15 +465,18 @@ class SpecWorker:
 
 def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPool, mtp_kv: KVPool,
                       spec: SpecConfig, *, bucket_sizes, num_sms: int, force_kernel: str | None = None,
-                      budget: int | None = None, use_cuda_graph: bool | None = None) -> SpecWorker:
+                      use_cuda_graph: bool | None = None,
+                      options: RuntimeOptions | None = None) -> SpecWorker:
     """A captured :class:`SpecWorker` with its parts: the DSA backend (N rows per request), the
     ``S - 1`` draft step backends, and the LogitsProcessor over the model's (vocab-parallel) LM
-    head, opted in to the draft argmax exchange (collective at TP > 1). The kill switches are read
-    here, once."""
+    head, opted in to the draft argmax exchange (collective at TP > 1). ``options`` (default
+    ``model.options``) sets the metadata kernels, their budget and the exchanges."""
     config = model.config
+    options = model.options if options is None else options
     table = req_pool.req_to_token
     common = dict(index_topk=config.index_topk, page_size=PAGE_SIZE, bucket_sizes=bucket_sizes,
-                  num_sms=num_sms, budget=budget, force_kernel=force_kernel)
+                  num_sms=num_sms, budget=options.metadata_program_budget, force_kernel=force_kernel,
+                  bounded_metadata=options.bounded_replay_metadata)
     backend = DSAAttnBackend(table, num_draft_tokens=spec.num_draft_tokens,
                              group_verify_rows=not model.row_invariant, **common)
     multi_step = None
@@ -483,7 +484,8 @@ def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPo
         multi_step = DSAMultiStepDraftBackend.create(table, num_steps=spec.num_steps,
                                                      index_share=config.index_share_for_mtp_iteration, **common)
     rows = max(req_pool.max_reqs, backend.bucket_sizes[-1]) * spec.num_draft_tokens
-    processor = LogitsProcessor(model.lm_head, max_rows=rows)
+    processor = LogitsProcessor(model.lm_head, max_rows=rows, draft_argmax_exchange=options.draft_argmax_exchange,
+                                verify_argmax_exchange=options.verify_argmax_exchange)
     processor.enable_draft_argmax_exchange()
     processor.enable_verify_argmax_exchange()
     return SpecWorker(model, req_pool, target_kv, mtp_kv, backend, multi_step, processor, spec,

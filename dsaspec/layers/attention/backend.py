@@ -9,7 +9,7 @@ Batches above the largest bucket go through :meth:`~DSAAttnBackend.eager`, whose
 as wide as the longest live row.
 
 Kernel selection (:attr:`DSAAttnBackend.kernel`, with :attr:`DSAAttnBackend.kernel_reason`): the
-live-bounded kernels when ``req_to_token`` is on CUDA and ``DSASPEC_BOUNDED_REPLAY_METADATA`` is on;
+live-bounded kernels when ``req_to_token`` is on CUDA and ``bounded_metadata`` is on;
 the context-wide kernels (what engines run today) otherwise. dsaspec implements no kpool-aware
 metadata (``dsa_cache_seqlens`` is ``min(L, index_topk)``), so ``index_kpool > 1`` and kpool
 metadata fusion are rejected at construction instead of getting lengths that are not kpool-aware.
@@ -21,10 +21,9 @@ from typing import Sequence
 
 import torch
 
-from dsaspec import flags
 from dsaspec.ops.dsa_metadata import context_wide_metadata
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
-from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
+from dsaspec.ops.dsa_metadata_bounded import DEFAULT_BUDGET, bounded_metadata
 from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, indexer_programs, indexer_schedule
 
 BOUNDED = "bounded"
@@ -47,10 +46,10 @@ def select_kernel(*, on_cuda: bool, bounded_enabled: bool) -> tuple[str, str]:
     Bounded iff ``on_cuda and bounded_enabled``.
     """
     if not bounded_enabled:
-        return CONTEXT_WIDE, "DSASPEC_BOUNDED_REPLAY_METADATA=0 (kill switch off)"
+        return CONTEXT_WIDE, "bounded_metadata=False (DSASPEC_BOUNDED_REPLAY_METADATA=0)"
     if not on_cuda:
         return CONTEXT_WIDE, "req_to_token is not on a CUDA device"
-    return BOUNDED, "CUDA and DSASPEC_BOUNDED_REPLAY_METADATA on"
+    return BOUNDED, "CUDA and bounded_metadata on"
 
 
 def check_index_tensor(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -81,8 +80,11 @@ class DSAAttnBackend:
     num_sms : indexer programs the schedule splits the KV blocks over (default
         ``indexer_programs``: two per SM, 8 off-GPU); the schedule buffers are
         ``[num_sms + 1, 2]``.
-    budget : program budget of the bounded kernels (default ``DSASPEC_METADATA_BUDGET``); fixed
+    budget : program budget of the bounded kernels (``RuntimeOptions.metadata_program_budget``; None:
+        ``DEFAULT_BUDGET``); fixed
         here because the bounded grid depends on it and must not change between capture and replay.
+    bounded_metadata : the live-bounded kernels may be selected (``RuntimeOptions.bounded_replay_metadata``);
+        False: the context-wide baseline.
     row_align : the static page tables' rows are padded to a multiple of this many columns
         (``MetadataBuffers.allocate``; 4 = 16-byte aligned rows, a tuning knob of the bounded kernel).
     force_kernel : for tests and benchmarks only: ``"bounded"`` or ``"context_wide"`` overrides the
@@ -100,7 +102,8 @@ class DSAAttnBackend:
                  num_draft_tokens: int = 1, bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
                  index_kpool: int = 1, kpool_metadata_fusion: bool = False,
                  num_sms: int | None = None, budget: int | None = None, row_align: int = 1,
-                 force_kernel: str | None = None, group_verify_rows: bool = True):
+                 force_kernel: str | None = None, group_verify_rows: bool = True,
+                 bounded_metadata: bool = True):
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2 or req_to_token.dtype != torch.int32:
             got = (f"{req_to_token.dtype} {tuple(req_to_token.shape)}" if isinstance(req_to_token, torch.Tensor)
                    else type(req_to_token).__name__)
@@ -129,7 +132,7 @@ class DSAAttnBackend:
         self.num_draft_tokens = int(num_draft_tokens)
         self.bucket_sizes = buckets
         self.num_sms = int(num_sms)
-        self.budget = flags.metadata_program_budget() if budget is None else int(budget)
+        self.budget = DEFAULT_BUDGET if budget is None else int(budget)
         if int(row_align) != row_align or row_align < 1:
             raise ValueError(f"row_align must be an integer >= 1, got {row_align!r}")
         self.row_align = int(row_align)
@@ -137,7 +140,7 @@ class DSAAttnBackend:
             raise ValueError(f"budget must be >= 1, got {budget}")
         if force_kernel is None:
             self.kernel, self.kernel_reason = select_kernel(
-                on_cuda=req_to_token.is_cuda, bounded_enabled=flags.bounded_replay_metadata())
+                on_cuda=req_to_token.is_cuda, bounded_enabled=bounded_metadata)
         else:
             self.kernel, self.kernel_reason = force_kernel, f"force_kernel={force_kernel!r} (tests/benchmarks only)"
         self.group_verify_rows = group_verify_rows

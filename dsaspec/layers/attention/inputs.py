@@ -81,7 +81,7 @@ class AttentionWorkspace:
         selection is exact either way.
     topk_single_launch : None or False
         ``topk_slots``'s ``single_launch``: with ``topk``, None (one launch where it fits) or False
-        (five launches), from ``DSASPEC_TOPK_SINGLE_LAUNCH``, read when the workspace is made;
+        (five launches), from ``RuntimeOptions.topk_single_launch`` when the workspace is made;
         None without it.
     topk_candidates : Tensor or None
         ``topk_candidates`` for ``topk``'s chunks (one program per row without it): long rows

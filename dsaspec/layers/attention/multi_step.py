@@ -29,7 +29,6 @@ from typing import Sequence
 
 import torch
 
-from dsaspec import flags
 from dsaspec.layers.attention.backend import BOUNDED, DEFAULT_BUCKETS, DSAAttnBackend, check_index_tensor
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
@@ -88,32 +87,37 @@ class DSAMultiStepDraftBackend:
         indexer.
     share_buffers : all step backends alias step backend 0's buffer set (and schedule); the one
         launch is then a single-destination write.
+    bounded_metadata : the one-launch path may be taken (``RuntimeOptions.bounded_replay_metadata``);
+        False: precompute + copies, the schedules of every step refreshed.
 
     Build the usual configuration with :meth:`create`.
     """
 
     def __init__(self, step_backends: Sequence[DSAAttnBackend], *, index_share: bool = True,
-                 share_buffers: bool = False):
+                 share_buffers: bool = False, bounded_metadata: bool = True):
         if len(step_backends) < 1:
             raise ValueError("step_backends: at least one step backend is required")
         self.step_backends = list(step_backends)
         self.index_share = index_share
         self.share_buffers = share_buffers
-        self.skip_unused_schedules = flags.bounded_replay_metadata()
+        self.bounded_metadata = bool(bounded_metadata)
+        self.skip_unused_schedules = self.bounded_metadata
         self._paths: dict[int, tuple[str, str]] = {}
         self._scratch: dict[int, MetadataBuffers] = {}
 
     @classmethod
     def create(cls, req_to_token: torch.Tensor, *, num_steps: int, index_topk: int, page_size: int = 64,
                bucket_sizes: Sequence[int] = DEFAULT_BUCKETS, index_share: bool = True,
-               share_buffers: bool = False, **backend_kwargs) -> "DSAMultiStepDraftBackend":
+               share_buffers: bool = False, bounded_metadata: bool = True,
+               **backend_kwargs) -> "DSAMultiStepDraftBackend":
         """``num_steps - 1`` step backends over ``req_to_token`` (3 for EAGLE 4/1/5, 4 for 5/1/6);
         ``backend_kwargs`` go to every :class:`DSAAttnBackend` (num_sms, budget, force_kernel, ...)."""
         if num_steps < 2:
             raise ValueError(f"num_steps must be >= 2 (the draft decode has num_steps - 1 step backends), got {num_steps}")
         steps = [DSAAttnBackend(req_to_token, index_topk=index_topk, page_size=page_size,
-                                bucket_sizes=bucket_sizes, **backend_kwargs) for _ in range(num_steps - 1)]
-        return cls(steps, index_share=index_share, share_buffers=share_buffers)
+                                bucket_sizes=bucket_sizes, bounded_metadata=bounded_metadata, **backend_kwargs)
+                 for _ in range(num_steps - 1)]
+        return cls(steps, index_share=index_share, share_buffers=share_buffers, bounded_metadata=bounded_metadata)
 
     @property
     def num_step_backends(self) -> int:
