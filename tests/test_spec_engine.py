@@ -21,7 +21,10 @@ import torch
 from dsaspec.configs.model_config import get_config
 from dsaspec.engine.engine import Engine
 from dsaspec.memory import PAGE_SIZE, ContextLengthError
+from dsaspec.layers.linear import Linear
+from dsaspec.layers.norm import LayerNorm, RMSNorm
 from dsaspec.layers.row_invariant import RowInvariant
+from dsaspec.layers.vocab_parallel import LMHead
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import SpecConfig
 
@@ -434,19 +437,74 @@ def test_kv_reservation_covers_the_last_verify_block(random_model):
     assert [len(r.token_ids) for r in results] == [5, 5]
 
 
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32, num_attention_heads=2,
+             index_n_heads=2, num_hidden_layers=1)    # a one-layer model: quick under the interpreter
+
+
 def test_row_invariant_model_runs_the_row_invariant_kernels():
-    """The model's row-invariant mode reaches every GEMM and norm, and computes what the default
-    mode does (a small one-layer model: the row-invariant kernels run under the interpreter)."""
-    config = get_config("tiny", vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32,
-                        num_attention_heads=2, index_n_heads=2, num_hidden_layers=1)
+    """The model's row-invariant mode sets every GEMM and norm module's switch, and decodes what the
+    default mode does (whether a row's bits depend on the other rows:
+    ``test_row_invariant_layers_compute_each_row_alone``)."""
+    config = get_config("tiny", **SMALL)
     default = DSAModel(config, dtype=torch.float32).init_weights(4)
     invariant = DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(4)
-    flags = {type(m).__name__: m.row_invariant for m in invariant.modules() if isinstance(m, RowInvariant)}
-    assert flags == {"Linear": True, "RMSNorm": True, "LayerNorm": True, "Indexer": True, "MLAAttention": True,
-                     "LMHead": True}
+    switched = [m for m in invariant.modules() if isinstance(m, RowInvariant)]
+    assert all(m.row_invariant for m in switched)
+    assert {type(m).__name__ for m in switched} == {"Linear", "RMSNorm", "LayerNorm", "Indexer", "MLAAttention",
+                                                    "LMHead"}
     prompt = [3, 1, 4, 1, 5]
     outs = [_tokens(_engine(model, max_batch=1, bucket_sizes=(1,)), [prompt], [3]) for model in (default, invariant)]
     assert outs[0] == outs[1]
+
+
+def _row_dependent_modules(model: DSAModel, rows: int, device) -> list[str]:
+    """The Linear, norm and LM-head modules of the model (the first of each type and weight shape)
+    whose output row differs in some bit between the row alone (M = 1: the first and the last
+    row), among the first 7 rows, and among all ``rows`` rows (random inputs in the model's dtype,
+    one draw per input width)."""
+    dtype = model.lm_head.weight.dtype
+    generator = torch.Generator().manual_seed(0)
+    inputs, seen, differing = {}, set(), []
+    for name, module in model.named_modules():
+        key = (type(module), getattr(getattr(module, "weight", None), "shape", None))
+        if not isinstance(module, (Linear, RMSNorm, LayerNorm, LMHead)) or key in seen:
+            continue
+        seen.add(key)
+        width = module.weight.shape[-1]
+        if width not in inputs:
+            inputs[width] = torch.randn(rows, width, generator=generator).to(device, dtype)
+        x = inputs[width]
+        with torch.no_grad():
+            full = module(x)
+            same = (torch.equal(module(x[:1])[0], full[0]) and torch.equal(module(x[-1:])[0], full[-1])
+                    and torch.equal(module(x[:7]), full[:7]))
+        if not same:
+            differing.append(name)
+    return differing
+
+
+def test_row_invariant_layers_compute_each_row_alone():
+    """In row-invariant mode every Linear, norm and the LM head give a row the same bits at M = 1,
+    7 and 32 (what makes a verify row equal the decode step's). fp32 on CPU (the row-invariant
+    kernels under the interpreter): torch's own CPU GEMM gives other bits at M = 1 than at M = 32,
+    so the default mode's Linears fail here; torch's CPU norms happen to be row-invariant, so a
+    norm bypassing its kernel is caught by the GPU variant only."""
+    config = get_config("tiny", **SMALL)
+    invariant = DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(4)
+    assert _row_dependent_modules(invariant, 32, "cpu") == []
+    default = DSAModel(config, dtype=torch.float32).init_weights(4)
+    differing = _row_dependent_modules(default, 32, "cpu")
+    assert differing and all(isinstance(default.get_submodule(n), (Linear, LMHead)) for n in differing)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny", "bench"])
+def test_gpu_row_invariant_layers_compute_each_row_alone(preset):
+    """bf16 on the GPU at the preset's shapes: every Linear, norm and the LM head of a row-invariant
+    model give a row the same bits at M = 1, 7 and 32 (cuBLAS and torch's norms pick kernels by M)."""
+    model = DSAModel(get_config(preset, num_hidden_layers=1), device="cuda", use_triton=True,
+                     row_invariant=True).init_weights(4)
+    assert _row_dependent_modules(model, 32, "cuda") == []
 
 
 # ---------------------------------------------------------------------------------------------
