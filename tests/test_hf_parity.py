@@ -8,7 +8,8 @@ through the runtime's eager prefill (plain-torch ops). The prompt is longer than
 indexer's selection decides what later rows attend to; 32 indexer heads make an exact tie of the
 summed ReLU scores (which ``torch.topk`` breaks arbitrarily) negligible. DeepSeek-V3.2 runs YaRN with
 ``mscale != mscale_all_dim`` and half-split indexer RoPE; GLM-5 plain RoPE, interleaved indexer RoPE
-and its 1e-5 layer-norm eps.
+and its 1e-5 layer-norm eps; GLM-5 with IndexShare (``index_topk_freq = 2``: four layers full,
+shared, full, shared, a shared layer attending to the previous full layer's top-k).
 
 Not covered, because transformers has no counterpart: the MTP layer (HF drops ``model.layers.{L}.*``
 on load). Needs the ``parity`` extra (transformers >= 5.13: the first release with both classes and
@@ -43,21 +44,35 @@ _DIMS = {name: getattr(_TINY, name) for name in (
 _DIMS.update(num_key_value_heads=_TINY.num_attention_heads, index_n_heads=32,
              first_k_dense_replace=_TINY.num_hidden_layers, max_position_embeddings=256)
 
-MODELS = {
+_GLM5_ROPE = {"rope_type": "default", "rope_theta": 1e6}
+MODELS = {      # case: (HF config class, HF model class, config arguments on top of _DIMS)
     # max_position_embeddings / original_max_position_embeddings == factor, as HF's YaRN expects.
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                          "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
                          "mscale": 0.8, "mscale_all_dim": 1.0})),
-    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(rms_norm_eps=1e-5, rope_parameters=_GLM5_ROPE)),
+    "glm_moe_dsa-index-share": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        rms_norm_eps=1e-5, rope_parameters=_GLM5_ROPE, num_hidden_layers=4, first_k_dense_replace=4,
+        index_topk_freq=2, index_skip_topk_offset=1)),
 }
 
 
-def _hf_model(model_type: str):
-    config_cls, model_cls, extra = MODELS[model_type]
-    config = getattr(hf, config_cls)(**_DIMS, **extra)
+def _hf_config(case: str):
+    config_cls, _, extra = MODELS[case]
+    return getattr(hf, config_cls)(**{**_DIMS, **extra})
+
+
+def _indexer_types(hf_config) -> tuple[str, ...] | None:
+    """The HF config's per-layer indexer types as ModelConfig holds them (None: every layer full)."""
+    types = getattr(hf_config, "indexer_types", None)
+    return None if types is None or all(t == "full" for t in types) else tuple(types)
+
+
+def _hf_model(case: str):
+    config = _hf_config(case)
+    model_cls = MODELS[case][1]
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(hf, model_cls)(config).float().eval()
@@ -84,7 +99,7 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     assert (path / "model.safetensors").is_file()
-    return model, load_checkpoint(path, dtype=torch.float32, use_triton=False), request.param
+    return model, load_checkpoint(path, dtype=torch.float32, use_triton=False), model.config.model_type
 
 
 class _Request:
@@ -121,6 +136,9 @@ def test_config_read_from_hf_checkpoint(pair):
     assert config.num_nextn_predict_layers == 0  # HF has no MTP layer
     assert config.softmax_scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
     assert (config.index_n_heads, config.index_topk) == (32, 64) and PROMPT_LEN > config.index_topk
+    assert config.indexer_types == _indexer_types(model.config)
+    assert [layer.self_attn.indexer is None for layer in ours.model.layers] == \
+        [getattr(layer.self_attn, "indexer", None) is None for layer in model.model.layers]
 
 
 def test_prefill_logits_match(pair):
@@ -157,14 +175,17 @@ def test_greedy_tokens_match(pair):
     assert compared >= 4
 
 
-@pytest.mark.parametrize("model_type", sorted(MODELS))
-def test_our_checkpoint_runs_in_transformers(model_type, tmp_path):
+@pytest.mark.parametrize("case", sorted(MODELS))
+def test_our_checkpoint_runs_in_transformers(case, tmp_path):
     """The other direction: a checkpoint written by ``save_checkpoint`` loads in transformers (which
     ignores the MTP layer's tensors) and gives the same prefill logits."""
-    rope = MODELS[model_type][2]["rope_parameters"]
+    hf_config = _hf_config(case)
+    model_type = hf_config.model_type
+    rope = MODELS[case][2]["rope_parameters"]
     scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
     config = _TINY.replace(index_n_heads=32, model_type=model_type, rope_scaling=scaling,
-                           indexer_rope_interleave=model_type == "glm_moe_dsa")
+                           indexer_rope_interleave=model_type == "glm_moe_dsa",
+                           num_hidden_layers=hf_config.num_hidden_layers, indexer_types=_indexer_types(hf_config))
     ours = DSAModel(config, dtype=torch.float32).init_weights(3)
     save_checkpoint(ours, tmp_path)
     model = hf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")

@@ -76,7 +76,24 @@ YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "
     {"indexer_rope_interleave": False, "rope_scaling": YARN},
 ], ids=["glm-interleaved", "ds-half-split", "ds-yarn"])
 def test_prefill_and_greedy_decode_match_reference_with_sparse_selection(overrides):
-    model = _model(**overrides)
+    _decode_against_reference(_model(**overrides))
+
+
+def test_index_share_layers_match_reference():
+    """Shared-indexer layers (full, shared, full, shared), prefill and greedy decode against the
+    reference: layer 1 attends to layer 0's selection and layer 3 to layer 2's, which differs from
+    layer 0's on the sparse rows (so attending to the wrong full layer's would show)."""
+    model = _model(num_hidden_layers=4, indexer_types=("full", "shared", "full", "shared"))
+    assert [layer.self_attn.indexer is None for layer in model.model.layers[:4]] == [False, True, False, True]
+    selected = _decode_against_reference(model).selected
+    assert torch.equal(selected[1], selected[0]) and torch.equal(selected[3], selected[2])
+    assert not torch.equal(selected[2][64:], selected[0][64:])
+
+
+def _decode_against_reference(model):
+    """Prefill 90 tokens (chunks of 37) and decode 10 greedily; the logits, tokens and the last
+    layer's selection of each decode row (actually sparse) must be the reference's. Returns the
+    reference's output over the sequence."""
     k = model.config.index_topk
     session = Session(model)
     prompt = _tokens(90, model.config.vocab_size)                      # 90 > K = 64: sparse
@@ -100,6 +117,7 @@ def test_prefill_and_greedy_decode_match_reference_with_sparse_selection(overrid
         expected = last_layer[position].nonzero().flatten().tolist()
         assert len(selected) == k < position + 1                   # actually sparse
         assert selected == expected
+    return reference
 
 
 def test_verify_rows_and_padding_rows():

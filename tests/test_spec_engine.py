@@ -3,10 +3,12 @@
 Every emitted token of a greedy chain is a target argmax, so speculative output must equal the
 plain engine's output token for token whatever the drafts are; the drafts decide only how many
 tokens an iteration commits. CPU: the tiny model in fp32 with the runtime's torch ops (metadata
-and draft-argmax kernels under the Triton interpreter). Two models: seeded random weights (the
-MTP layer drafts noise: accept length 1) and a "predictable" variant whose residual branches are
+and draft-argmax kernels under the Triton interpreter). Three models: seeded random weights (the
+MTP layer drafts noise: accept length 1), a "predictable" variant whose residual branches are
 scaled down so the next token mostly follows the current one and the MTP layer mostly guesses it
-(accept lengths 1..N). A test double in place of the draft phase gives oracle drafts.
+from the token (accept lengths 1..N), and a "hidden-drafting" one whose MTP layer reads only the
+hidden states, along a map an oracle knows (exact accept lengths). A test double in place of the
+draft phase gives oracle drafts.
 GPU (``-m gpu``): bf16 from CUDA graphs, batches up to 32, 256 new tokens, 1M context configured.
 """
 
@@ -20,7 +22,10 @@ from dsaspec.configs.model_config import get_config
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.engine.engine import Engine
 from dsaspec.memory import PAGE_SIZE
+from dsaspec.layers.linear import Linear
+from dsaspec.layers.norm import LayerNorm, RMSNorm
 from dsaspec.layers.row_invariant import RowInvariant
+from dsaspec.layers.vocab_parallel import LMHead
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import SpecConfig
 
@@ -64,6 +69,83 @@ def predictable(model: DSAModel, branch_scale: float) -> DSAModel:
     return model
 
 
+@torch.no_grad()
+def drafting_from_hidden(model: DSAModel, seed: int, follow: float = 0.7) -> list[int]:
+    """Make the MTP layer draft from its hidden input alone, along a successor map ``succ`` (a
+    permutation of the vocabulary, returned): the drafts after bonus ``b`` are ``succ^j(b)``.
+
+    Needs ``vocab_size == hidden_size``. The LM head is the identity, so the target's token after
+    position p is ``argmax_j h_p[j]``. The MTP layer: ``eh_proj = [0 | Q]`` (Q moves coordinate j to
+    ``succ[j]``; the token half is zero), ``hnorm = shared_head.norm = 1`` and its residual branches
+    zero (``o_proj``, ``down_proj``), so it outputs a positive multiple of ``Q hidden``, whose argmax
+    is ``succ[argmax hidden]``. The draft extend's row before the bonus b holds the hidden whose
+    argmax is b and drafts ``succ[b]``; each draft step, fed the previous step's output, drafts the
+    successor of the previous draft. A zero hidden drafts token 0 instead.
+    The target embeds token t as ``sqrt(H) e_peak(t)``, ``peak(t) = succ[t]`` for a seeded fraction
+    ``follow`` of the vocabulary and another token otherwise (its other weights stay seeded-random):
+    its greedy chain mixes runs that the drafts follow and tokens where they break."""
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    if vocab != hidden:
+        raise ValueError(f"drafting_from_hidden needs vocab_size == hidden_size, got {vocab} and {hidden}")
+    generator = torch.Generator().manual_seed(seed)
+    succ = torch.randperm(vocab, generator=generator)
+    followed = torch.rand(vocab, generator=generator) < follow
+    other = (succ + torch.randint(1, vocab, (vocab,), generator=generator)) % vocab
+    peak = torch.where(followed, succ, other)
+    device = model.lm_head.weight.device
+    columns = torch.arange(vocab)
+    embedding = model.model.embed_tokens.weight
+    embedding.zero_()
+    embedding[columns.to(device), peak.to(device)] = hidden ** 0.5
+    model.lm_head.weight.copy_(torch.eye(vocab))
+    mtp = model.mtp_layer
+    mtp.eh_proj.weight.zero_()
+    mtp.eh_proj.weight[succ.to(device), (hidden + columns).to(device)] = 1.0
+    mtp.hnorm.weight.fill_(1.0)
+    mtp.shared_head.norm.weight.fill_(1.0)
+    mtp.self_attn.o_proj.weight.zero_()
+    mtp.mlp.down_proj.weight.zero_()
+    return succ.tolist()
+
+
+def _chain_accept_lens(continuations, max_new, steps: int, succ, eos=None) -> list[list[int]]:
+    """Each request's accept lengths, iteration by iteration, when the drafts after bonus b are
+    ``succ^j(b)`` (j = 1..S): one plus the leading drafts that equal its greedy continuation
+    (``continuations``: at least ``max_new + S`` tokens). A request stops where the engine stops
+    it: ``max_new`` tokens, or the first ``eos``."""
+    out = []
+    for tokens, limit in zip(continuations, max_new):
+        lens, produced = [], 1
+        while produced < limit and eos not in tokens[:produced]:
+            draft, accepted = tokens[produced - 1], 1
+            while accepted <= steps:
+                draft = succ[draft]
+                if draft != tokens[produced + accepted - 1]:
+                    break
+                accepted += 1
+            lens.append(accepted)
+            produced += accepted
+        out.append(lens)
+    return out
+
+
+def _in_step_order(per_request: list[list[int]], max_batch: int) -> list[int]:
+    """``Engine.stats.accept_lens`` for these per-request accept lengths: the engine admits
+    requests first come first served while a row is free (pages never wait here) and every step
+    lists its running requests in admission order."""
+    waiting, running, done, order = list(range(len(per_request))), [], [0] * len(per_request), []
+    while waiting or running:
+        while waiting and len(running) < max_batch:
+            request = waiting.pop(0)
+            if per_request[request]:                       # else it ended at its first token
+                running.append(request)
+        for request in running:
+            order.append(per_request[request][done[request]])
+            done[request] += 1
+        running = [r for r in running if done[r] < len(per_request[r])]
+    return order
+
+
 @pytest.fixture(scope="module")
 def random_model():
     return DSAModel(get_config("tiny"), dtype=torch.float32).init_weights(0)
@@ -95,14 +177,16 @@ def plain_guessing(guessing_model, prompts):
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_speculative_equals_plain_greedy(guessing_model, prompts, plain_guessing, steps):
-    """Two rows for three requests (joins and departures mid-run), accept lengths 1..N."""
+    """Two rows for three requests (joins and departures mid-run), accept lengths 1..N (how many
+    drafts each iteration must accept is asserted where an oracle knows the drafts:
+    ``test_drafts_from_the_hidden_states_accept_what_the_oracle_says``)."""
     engine = _engine(guessing_model, SpecConfig(num_steps=steps))
     assert _tokens(engine, prompts, MAX_NEW) == plain_guessing
     stats = engine.stats
     assert set(stats.step_batches) == {1, 2}
     assert max(stats.accept_lens) <= steps + 1
     if steps > 1:
-        assert 1 < stats.mean_accept_len < steps + 1 and 1 in stats.accept_lens   # real mixes
+        assert max(stats.accept_lens) > 1 and 1 in stats.accept_lens   # both cases occur
     assert stats.decode_tokens == sum(MAX_NEW) - len(MAX_NEW)
     assert engine.req_pool.num_free == 2 and engine.allocator.num_free_pages == engine.allocator.num_pages - 1
 
@@ -172,6 +256,49 @@ def test_oracle_drafts_accept_what_they_should(random_model, prompts, case):
         assert sorted(lens) == sorted(expected) and len(set(lens)) > 1
 
 
+def _mid_block(lens: list[int], index: int) -> bool:
+    """Whether generated token ``index`` lies inside a committed block and is not its last token
+    (blocks: the prefill's first token, then one of each accept length)."""
+    end = 1
+    for accepted in lens:
+        if end > index:
+            break
+        end += accepted
+    return end > index + 1
+
+
+def test_drafts_from_the_hidden_states_accept_what_the_oracle_says():
+    """The MTP layer reads only the hidden states (``drafting_from_hidden``): the verify hidden
+    states the draft extend takes and the hidden each draft step hands the next decide every draft,
+    so the accept lengths are exactly the oracle's (in the engine's step order: two rows, joins and
+    departures). Requests end mid-block at max_new_tokens, and at an eos inside a block."""
+    model = DSAModel(get_config("tiny", vocab_size=256), dtype=torch.float32).init_weights(5)
+    succ = drafting_from_hidden(model, 0)
+    steps, max_new = 3, [12, 9, 14]
+    prompts = _prompts(PROMPT_LENS, model.config.vocab_size)
+    longer = _tokens(_engine(model), prompts, [m + steps for m in max_new])        # drafts past the end
+    engine = _engine(model, SpecConfig(num_steps=steps))
+    assert _tokens(engine, prompts, max_new) == [t[:m] for t, m in zip(longer, max_new)]
+    expected = _chain_accept_lens(longer, max_new, steps, succ)
+    assert engine.stats.accept_lens == _in_step_order(expected, max_batch=2)
+    assert set(engine.stats.accept_lens) == set(range(1, steps + 2))     # step drafts accepted too
+    assert any(1 + sum(lens) > limit for lens, limit in zip(expected, max_new))
+
+    # an eos that stops a request inside an accepted block: the block's later tokens are dropped
+    request, index = next((r, i) for r, lens in enumerate(expected) for i in range(1, max_new[r] - 1)
+                          if longer[r][i] not in longer[r][:i] and _mid_block(lens, i))
+    eos = longer[request][index]
+    results = engine.generate(prompts, max_new, eos_token_id=eos)
+    for result, tokens, limit in zip(results, longer, max_new):
+        stop = tokens.index(eos) + 1 if eos in tokens[:limit] else limit
+        assert result.token_ids == tokens[:stop]
+        assert result.finish_reason == ("eos" if eos in tokens[:limit] else "length")
+    assert results[request].finish_reason == "eos" and len(results[request].token_ids) == index + 1
+    expected = _chain_accept_lens(longer, max_new, steps, succ, eos)
+    assert _mid_block(expected[request], index)
+    assert engine.stats.accept_lens == _in_step_order(expected, max_batch=2)
+
+
 def test_rejected_kv_is_never_read(guessing_model, prompts, plain_guessing):
     """After every iteration, NaN into both pools at the rejected positions ``L + A .. L + N - 1``:
     nothing reads them before the next verify / draft extend overwrites them."""
@@ -198,8 +325,10 @@ def test_rejected_kv_is_never_read(guessing_model, prompts, plain_guessing):
 
 
 def test_page_boundaries_eos_and_eager_batches(guessing_model):
-    """Verify blocks across page boundaries (prompts 61..64, 127, 128), requests ending mid-block at
-    max_new_tokens and at eos, three requests above the largest bucket (eager phases)."""
+    """Verify blocks across page boundaries (prompts 61..64, 127, 128), requests ending at
+    max_new_tokens and at eos, three requests above the largest bucket (eager phases). Where in a
+    block a request ends is not known here; the mid-block ends are asserted in
+    ``test_drafts_from_the_hidden_states_accept_what_the_oracle_says``."""
     prompts = _prompts((61, 62, 63, 64, 127, 128), 1031, seed=5)
     max_new = [5, 6, 7, 8, 9, 10]
     plain = _engine(guessing_model, max_batch=3, bucket_sizes=(1,))
@@ -333,19 +462,74 @@ def test_kv_reservation_covers_the_last_verify_block(random_model):
     assert [len(r.token_ids) for r in results] == [5, 5]
 
 
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32, num_attention_heads=2,
+             index_n_heads=2, num_hidden_layers=1)    # a one-layer model: quick under the interpreter
+
+
 def test_row_invariant_model_runs_the_row_invariant_kernels():
-    """The model's row-invariant mode reaches every GEMM and norm, and computes what the default
-    mode does (a small one-layer model: the row-invariant kernels run under the interpreter)."""
-    config = get_config("tiny", vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32,
-                        num_attention_heads=2, index_n_heads=2, num_hidden_layers=1)
+    """The model's row-invariant mode sets every GEMM and norm module's switch, and decodes what the
+    default mode does (whether a row's bits depend on the other rows:
+    ``test_row_invariant_layers_compute_each_row_alone``)."""
+    config = get_config("tiny", **SMALL)
     default = DSAModel(config, dtype=torch.float32).init_weights(4)
     invariant = DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(4)
-    flags = {type(m).__name__: m.row_invariant for m in invariant.modules() if isinstance(m, RowInvariant)}
-    assert flags == {"Linear": True, "RMSNorm": True, "LayerNorm": True, "Indexer": True, "MLAAttention": True,
-                     "LMHead": True}
+    switched = [m for m in invariant.modules() if isinstance(m, RowInvariant)]
+    assert all(m.row_invariant for m in switched)
+    assert {type(m).__name__ for m in switched} == {"Linear", "RMSNorm", "LayerNorm", "Indexer", "MLAAttention",
+                                                    "LMHead"}
     prompt = [3, 1, 4, 1, 5]
     outs = [_tokens(_engine(model, max_batch=1, bucket_sizes=(1,)), [prompt], [3]) for model in (default, invariant)]
     assert outs[0] == outs[1]
+
+
+def _row_dependent_modules(model: DSAModel, rows: int, device) -> list[str]:
+    """The Linear, norm and LM-head modules of the model (the first of each type and weight shape)
+    whose output row differs in some bit between the row alone (M = 1: the first and the last
+    row), among the first 7 rows, and among all ``rows`` rows (random inputs in the model's dtype,
+    one draw per input width)."""
+    dtype = model.lm_head.weight.dtype
+    generator = torch.Generator().manual_seed(0)
+    inputs, seen, differing = {}, set(), []
+    for name, module in model.named_modules():
+        key = (type(module), getattr(getattr(module, "weight", None), "shape", None))
+        if not isinstance(module, (Linear, RMSNorm, LayerNorm, LMHead)) or key in seen:
+            continue
+        seen.add(key)
+        width = module.weight.shape[-1]
+        if width not in inputs:
+            inputs[width] = torch.randn(rows, width, generator=generator).to(device, dtype)
+        x = inputs[width]
+        with torch.no_grad():
+            full = module(x)
+            same = (torch.equal(module(x[:1])[0], full[0]) and torch.equal(module(x[-1:])[0], full[-1])
+                    and torch.equal(module(x[:7]), full[:7]))
+        if not same:
+            differing.append(name)
+    return differing
+
+
+def test_row_invariant_layers_compute_each_row_alone():
+    """In row-invariant mode every Linear, norm and the LM head give a row the same bits at M = 1,
+    7 and 32 (what makes a verify row equal the decode step's). fp32 on CPU (the row-invariant
+    kernels under the interpreter): torch's own CPU GEMM gives other bits at M = 1 than at M = 32,
+    so the default mode's Linears fail here; torch's CPU norms happen to be row-invariant, so a
+    norm bypassing its kernel is caught by the GPU variant only."""
+    config = get_config("tiny", **SMALL)
+    invariant = DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(4)
+    assert _row_dependent_modules(invariant, 32, "cpu") == []
+    default = DSAModel(config, dtype=torch.float32).init_weights(4)
+    differing = _row_dependent_modules(default, 32, "cpu")
+    assert differing and all(isinstance(default.get_submodule(n), (Linear, LMHead)) for n in differing)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny", "bench"])
+def test_gpu_row_invariant_layers_compute_each_row_alone(preset):
+    """bf16 on the GPU at the preset's shapes: every Linear, norm and the LM head of a row-invariant
+    model give a row the same bits at M = 1, 7 and 32 (cuBLAS and torch's norms pick kernels by M)."""
+    model = DSAModel(get_config(preset, num_hidden_layers=1), device="cuda", use_triton=True,
+                     row_invariant=True).init_weights(4)
+    assert _row_dependent_modules(model, 32, "cuda") == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,6 +575,27 @@ def test_gpu_speculative_equals_plain_row_invariant(preset, batch, max_new):
         f"{next(j for j, (x, y) in enumerate(zip(got[mismatched[0]], want[mismatched[0]])) if x != y)}"
     assert 1.2 < spec.stats.mean_accept_len < 4
     assert max(spec.stats.step_batches) == batch and min(spec.stats.step_batches) < batch
+
+
+@pytest.mark.gpu
+def test_gpu_drafts_from_the_hidden_states_accept_what_the_oracle_says():
+    """bf16 from CUDA graphs (cuBLAS GEMMs), 32 requests finishing at different lengths, 1M context
+    configured: the hidden-drafting model's accept lengths are exactly the oracle's (a hidden
+    state's largest coordinate leads the next by about half its value, far above bf16 rounding)."""
+    config = get_config("tiny", vocab_size=256)
+    model = DSAModel(config, device="cuda", use_triton=True).init_weights(5)
+    succ = drafting_from_hidden(model, 0)
+    batch, steps = 32, 3
+    requests = [[t % config.vocab_size for t in p] for p in _gpu_prompts(batch, "tiny")]
+    limits = [96 - 5 * (i % 7) for i in range(batch)]
+    plain = _gpu_engine(model, max_batch=batch, requests=requests, max_new=96 + steps)
+    longer = _tokens(plain, requests, [m + steps for m in limits])
+    spec = _gpu_engine(model, SpecConfig(num_steps=steps), max_batch=batch, requests=requests, max_new=96)
+    assert spec.use_cuda_graph
+    assert _tokens(spec, requests, limits) == [t[:m] for t, m in zip(longer, limits)]
+    expected = _chain_accept_lens(longer, limits, steps, succ)
+    assert spec.stats.accept_lens == _in_step_order(expected, max_batch=batch)
+    assert set(spec.stats.accept_lens) == set(range(1, steps + 2))
 
 
 @pytest.mark.gpu

@@ -4,8 +4,10 @@ Takes whole token sequences (positions ``0..T-1``, no cache, no paging) and the 
 :class:`dsaspec.models.dsa_model.DSAModel`. Attention is the MHA form (``k = [W_UK latent | roped
 key]``, ``v = W_UV latent``, per head) over all preceding tokens, masked to the indexer's top-k:
 score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s)), s <= t; row t keeps every s while t + 1 <= K,
-else the K largest (ties: lowest position). It shares no code with the runtime (it only reads
-the model's parameters and config), so it imports nothing from the rest of the package.
+else the K largest (ties: lowest position). A layer that ``config.indexer_types`` marks
+``"shared"`` has no indexer and attends to the keys of the closest earlier ``"full"`` layer. It
+shares no code with the runtime (it only reads the model's parameters and config), so it imports
+nothing from the rest of the package.
 """
 
 from __future__ import annotations
@@ -52,6 +54,21 @@ def _rope(x, angles, interleaved: bool, factor: float) -> torch.Tensor:
     return torch.cat((pairs.real, pairs.imag), dim=-1).float()
 
 
+def _indexer_select(indexer, h, q_latent, angles, config, factor) -> torch.Tensor:
+    """The lightning indexer of one layer on its normed input ``h`` and query latent: the mask of
+    :func:`_select`."""
+    length, rope = h.shape[0], config.qk_rope_head_dim
+    index_q = (q_latent @ _w(indexer.wq_b).T).view(length, config.index_n_heads, config.index_head_dim)
+    index_q = torch.cat((_rope(index_q[..., :rope], angles, config.indexer_rope_interleave, factor),
+                         index_q[..., rope:]), -1)
+    index_k = F.layer_norm(h @ _w(indexer.wk).T, (config.index_head_dim,), _w(indexer.k_norm),
+                           indexer.k_norm.bias.detach().float(), indexer.k_norm.eps)
+    index_k = torch.cat((_rope(index_k[:, :rope], angles, config.indexer_rope_interleave, factor),
+                         index_k[:, rope:]), -1)
+    index_w = h @ _w(indexer.weights_proj).T * (config.index_head_dim ** -0.5 * config.index_n_heads ** -0.5)
+    return _select(index_q, index_w, index_k, config.index_topk)
+
+
 def _select(index_q, index_w, index_k, topk: int) -> torch.Tensor:
     """bool ``[T, T]``: the keys row t keeps (causal, top-k of the indexer score)."""
     length = index_q.shape[0]
@@ -67,8 +84,9 @@ def _select(index_q, index_w, index_k, topk: int) -> torch.Tensor:
     return selected & causal
 
 
-def _layer(layer, x, angles, config, factor):
-    """One decoder layer on fp32 ``x`` ``[T, hidden]``; returns (output, selected mask)."""
+def _layer(layer, x, angles, config, factor, shared=None):
+    """One decoder layer on fp32 ``x`` ``[T, hidden]``; returns (output, selected mask). ``shared``:
+    the mask a shared-indexer layer attends to (None: the layer's own indexer selects)."""
     attn = layer.self_attn
     length, heads = x.shape[0], config.num_attention_heads
     nope, rope, v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -84,16 +102,8 @@ def _layer(layer, x, angles, config, factor):
     k = torch.cat((kv[..., :nope], k_rope[:, None, :].expand(length, heads, rope)), -1)
     v = kv[..., nope:]
 
-    indexer = attn.indexer
-    index_q = (q_latent @ _w(indexer.wq_b).T).view(length, config.index_n_heads, config.index_head_dim)
-    index_q = torch.cat((_rope(index_q[..., :rope], angles, config.indexer_rope_interleave, factor),
-                         index_q[..., rope:]), -1)
-    index_k = F.layer_norm(h @ _w(indexer.wk).T, (config.index_head_dim,), _w(indexer.k_norm),
-                           indexer.k_norm.bias.detach().float(), indexer.k_norm.eps)
-    index_k = torch.cat((_rope(index_k[:, :rope], angles, config.indexer_rope_interleave, factor),
-                         index_k[:, rope:]), -1)
-    index_w = h @ _w(indexer.weights_proj).T * (config.index_head_dim ** -0.5 * config.index_n_heads ** -0.5)
-    selected = _select(index_q, index_w, index_k, config.index_topk)
+    selected = shared if shared is not None else _indexer_select(attn.indexer, h, q_latent, angles, config,
+                                                                 factor)
 
     scores = torch.einsum("thd,shd->hts", q, k) * config.softmax_scale
     scores = scores.masked_fill(~selected[None], float("-inf"))
@@ -145,14 +155,20 @@ def _angles(config, length: int) -> tuple[torch.Tensor, float]:
 @torch.no_grad()
 def reference_forward(model, input_ids: torch.Tensor) -> ReferenceOutput:
     """Target forward of one sequence ``input_ids`` int ``[T]`` (positions ``0..T-1``) on CPU in
-    fp32: logits ``[T, vocab]``, post-norm hidden ``[T, hidden]``, per-layer selections."""
+    fp32: logits ``[T, vocab]``, post-norm hidden ``[T, hidden]``, per-layer selections (a shared
+    layer's is the full layer's it reuses)."""
     model, config = _on_cpu(model), model.config
     ids = input_ids.cpu().long()
     angles, factor = _angles(config, ids.shape[0])
     x = _w(model.model.embed_tokens)[ids]
+    types = config.indexer_types or ("full",) * config.num_hidden_layers
+    if types[0] != "full":
+        raise ValueError(f"indexer_types[0] must be 'full' (a shared layer reuses an earlier full "
+                         f"layer's selection), got {list(types)!r}")
     selected = []
     for i in range(config.num_hidden_layers):
-        x, mask = _layer(model.model.layers[i], x, angles, config, factor)
+        shared = selected[-1] if types[i] == "shared" else None
+        x, mask = _layer(model.model.layers[i], x, angles, config, factor, shared)
         selected.append(mask)
     hidden = _rms(x, model.model.norm)
     return ReferenceOutput(hidden @ _w(model.lm_head).T, hidden, selected)
