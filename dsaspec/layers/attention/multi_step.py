@@ -9,7 +9,7 @@ captured batch bucket the multi-step backend picks one of three ways to write it
   ``req_to_token`` (up to 4 destinations per launch, more step backends take further launches); no
   scratch. Needs every step backend on the bounded kernels and matching tables (same
   ``req_to_token``, W, P, index_topk, buffer shapes and dtypes).
-- ``precompute_and_copy`` (what engines do today, and what the kill switch restores): the
+- ``precompute_and_copy`` (what engines do today; ``bounded_metadata=False`` restores it): the
   context-wide decode kernel writes a ``[bs, W]`` scratch, which is then copied whole into every
   step backend (one 3-destination copy for the first three, one copy per further one; one copy
   each below three).
@@ -17,7 +17,7 @@ captured batch bucket the multi-step backend picks one of three ways to write it
   whole-buffer copy cannot, because the page-table rows are padded): every step backend writes its
   own metadata with its own kernel.
 
-Indexer schedules: on the baseline every step backend refreshes its schedule. With the kill switch
+Indexer schedules: on the baseline every step backend refreshes its schedule. With ``bounded_metadata``
 on, only step backends that run the indexer refresh: none when the draft steps are seeded with the
 draft-extend top-k (IndexShare), step 0 when IndexShare runs unseeded (the later steps reuse its
 top-k), every step without IndexShare.
