@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import dsaspec
 from dsaspec.commands import cli
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import (Parser, check_at_most, choice_list, format_value, nonnegative_int,
@@ -285,7 +286,7 @@ def test_every_option_has_help_and_shows_its_default():
     for parser in _parsers(cli.build_parser()):
         text = " ".join(parser.format_help().split())
         for action in parser._actions:
-            if not action.option_strings or isinstance(action, argparse._HelpAction):
+            if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
             name = f"{parser.prog} {action.option_strings[0]}"
             assert action.help, name
@@ -296,6 +297,30 @@ def test_every_option_has_help_and_shows_its_default():
                 assert f"(default: {format_value(action.default)})" in text, name
             checked += 1
     assert checked > 40
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out == f"dsaspec {dsaspec.__version__}\n"
+
+
+# Values that the full option would refuse at once, so a prefix taken by mistake fails fast.
+@pytest.mark.parametrize("argv", [["generate", "--speculative-alg", "nope"], ["generate", "--max-b", "0"],
+                                  ["bench", "e2e", "--acc", "nan"], ["bench", "all", "--o", ""]])
+def test_options_are_not_taken_by_a_prefix(capsys, argv):
+    assert_one_line_error(capsys, argv, f"unrecognized arguments: {argv[-2]}")
+
+
+@pytest.mark.parametrize("argv,prog", [
+    (["generate", "--bogus"], "dsaspec generate"),
+    (["bench", "e2e", "--bogus"], "dsaspec bench e2e"),
+    (["bench", "all", "--bogus"], "dsaspec bench all"),
+    (["--bogus", "generate"], "dsaspec"),
+])
+def test_unknown_option_points_to_its_commands_help(capsys, argv, prog):
+    line = assert_one_line_error(capsys, argv, "unrecognized arguments: --bogus")
+    assert line.endswith(f"(see {prog} --help)"), line
 
 
 def test_argument_types():

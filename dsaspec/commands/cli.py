@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from dsaspec import flags
+from dsaspec import __version__, flags
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import Parser
 
@@ -33,6 +33,7 @@ def build_parser() -> Parser:
     from dsaspec.commands import generate
 
     parser = Parser(prog="dsaspec", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="run a benchmark and write benchmarks/results/<machine>/")
