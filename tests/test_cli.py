@@ -3,7 +3,9 @@ naming the option, variable or file; internal errors keep their traceback; optio
 documented with their defaults, and never silently ignored."""
 
 import argparse
+import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dsaspec
+from dsaspec.bench import results
 from dsaspec.commands import cli
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import (Parser, check_at_most, choice_list, format_value, nonnegative_int,
@@ -227,16 +230,60 @@ def test_bench_option_errors(capsys, argv, named):
     assert_one_line_error(capsys, argv, named)
 
 
-def test_bench_all_passes_out_to_every_benchmark(capsys, monkeypatch, tmp_path):
-    import importlib
-
-    seen = {}
+@pytest.fixture
+def bench_runs(monkeypatch):
+    """Benchmark name -> the ``--out`` its ``run`` got; every ``run`` replaced by that record."""
+    ran = {}
     for name, module in cli.BENCHMARKS.items():
         mod = importlib.import_module(f"dsaspec.bench.{module}")
-        monkeypatch.setattr(mod, "run", lambda args, name=name: seen.setdefault(name, args.out) and 0)
+        monkeypatch.setattr(mod, "run", lambda args, name=name: ran.setdefault(name, args.out) and 0)
+    return ran
+
+
+def _bad_out(kind, tmp_path, monkeypatch):
+    file = tmp_path / "file"
+    file.write_text("")
+    if kind == "read-only folder":
+        folder = tmp_path / "ro"
+        folder.mkdir(mode=0o555)
+        if os.geteuid() == 0:                       # root writes there anyway: the refusal is simulated
+
+            def refuse(*args, **kwargs):
+                raise PermissionError(13, "Permission denied")
+
+            monkeypatch.setattr(results.tempfile, "TemporaryFile", refuse)
+        return str(folder / "results"), "cannot write in"
+    return {"empty": ("", "expected a folder"), "file": (str(file), "is not a folder"),
+            "under a file": (str(file / "results"), "is not a folder")}[kind]
+
+
+@pytest.mark.parametrize("bench", [*cli.BENCHMARKS, "all"])
+@pytest.mark.parametrize("kind", ["empty", "file", "under a file", "read-only folder"])
+def test_bench_out_is_checked_before_measuring(capsys, bench_runs, monkeypatch, tmp_path, bench, kind):
+    out, why = _bad_out(kind, tmp_path, monkeypatch)
+    assert_one_line_error(capsys, ["bench", bench, "--out", out], f"--out {out}", why)
+    assert bench_runs == {}
+
+
+def test_bench_default_results_folder_is_checked(capsys, bench_runs, monkeypatch, tmp_path):
+    file = tmp_path / "file"
+    file.write_text("")
+    monkeypatch.setattr(results, "RESULTS_ROOT", file)
+    assert_one_line_error(capsys, ["bench", "decode"], f"results folder {file}", "is not a folder", "--out")
+    assert bench_runs == {}
+
+
+def test_bench_out_check_creates_nothing(capsys, bench_runs, tmp_path):
+    out = tmp_path / "new" / "results"
+    status, _, err = run_cli(capsys, ["bench", "metadata", "--out", out])
+    assert status == 0, err
+    assert bench_runs == {"metadata": str(out)} and list(tmp_path.iterdir()) == []
+
+
+def test_bench_all_passes_out_to_every_benchmark(capsys, bench_runs, tmp_path):
     status, out, _ = run_cli(capsys, ["bench", "all", "--out", tmp_path])
     assert status == 0
-    assert seen == {name: str(tmp_path) for name in cli.BENCHMARKS}
+    assert bench_runs == {name: str(tmp_path) for name in cli.BENCHMARKS}
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU run's fixed sizes")

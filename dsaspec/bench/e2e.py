@@ -206,7 +206,7 @@ def _apply_cpu_sizes(args) -> None:
 
 
 def run(args) -> int:
-    from dsaspec.bench.results import bench_params, markdown_table, write_results
+    from dsaspec.bench.results import bench_params, markdown_table, results_dir, write_results
     from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
 
     if args.tp > 1:
@@ -271,7 +271,7 @@ def run(args) -> int:
     if on_gpu:
         _add_targets(rows, args.contexts[-1])
         if args.tp > 1:
-            _add_exchange_prediction(rows, args.num_steps, _results_dir(args.out) / "draft_step.json")
+            _add_exchange_prediction(rows, args.num_steps, results_dir(args.out) / "draft_step.json")
     order = "/".join(paths) + "/" + "/".join(paths[::-1])
     method = (f"{args.iterations} speculative iterations per run (S = {args.num_steps}) from the same prefilled state "
               f"(prompt {args.prompt_len} tokens), {args.runs} timed runs per point and path interleaved "
@@ -293,12 +293,6 @@ def run(args) -> int:
         print(f"error: the paths ({', '.join(paths)}) committed different tokens at {mismatches}")
         return 1
     return 0
-
-
-def _results_dir(out) -> Path:
-    from dsaspec.bench.results import RESULTS_ROOT, default_machine_dir
-
-    return Path(out) if out else RESULTS_ROOT / default_machine_dir()
 
 
 def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, tp) -> dict:

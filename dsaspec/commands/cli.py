@@ -3,7 +3,8 @@
 Each benchmark lives in ``dsaspec/bench/<module>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; it is registered in ``BENCHMARKS`` below. A :class:`~dsaspec.errors.UserError`
 (bad option, environment variable or file) is printed as one line ``dsaspec: error: ...`` with exit
-status 2; any other exception is a bug and keeps its traceback.
+status 2; any other exception is a bug and keeps its traceback. A benchmark's results folder
+(``--out``) is checked before anything is measured.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         flags.select_triton_interpreter(torch.cuda.is_available())  # before anything imports triton
         args = build_parser().parse_args(argv)
         flags.check_all()
+        if "out" in vars(args):                                      # every benchmark, and bench all
+            from dsaspec.bench.results import check_results_dir
+
+            check_results_dir(args.out)
         return worker_exit_status(int(args.run(args) or 0))
     except UserError as err:
         print(f"dsaspec: error: {err}", file=sys.stderr)
