@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dsaspec
-from dsaspec.bench import results
+from dsaspec.bench import e2e, results
 from dsaspec.commands import cli
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import (Parser, check_at_most, choice_list, format_value, nonnegative_int,
@@ -228,6 +228,43 @@ def test_python_m_dsaspec_prints_one_line():
 ])
 def test_bench_option_errors(capsys, argv, named):
     assert_one_line_error(capsys, argv, named)
+
+
+@pytest.mark.parametrize("accept,named", [
+    ("nan", ["--accept", "'nan'", "finite"]),
+    ("inf", ["--accept", "'inf'", "finite"]),
+    ("real,-inf", ["--accept", "'-inf'"]),
+    ("9", ["--accept 9", "[1, 4]", "--num-steps 3"]),
+    ("2,4.5", ["--accept 4.5", "[1, 4]"]),
+])
+def test_e2e_accept_modes_are_checked(capsys, accept, named):
+    assert_one_line_error(capsys, ["bench", "e2e", "--accept", accept], *named)
+
+
+class _Measuring(Exception):
+    """Raised where a benchmark would start building and measuring."""
+
+
+def _stop_at_measuring(monkeypatch):
+    def stop(*args, **kwargs):
+        raise _Measuring
+
+    monkeypatch.setattr(e2e, "get_config", stop)
+
+
+def test_e2e_accept_modes_up_to_num_steps_plus_one_pass(capsys, monkeypatch):
+    _stop_at_measuring(monkeypatch)
+    with pytest.raises(_Measuring):
+        cli.main(["bench", "e2e", "--accept", "1,4,real"])
+    assert_one_line_error(capsys, ["bench", "e2e", "--accept", "4", "--num-steps", "2"], "--accept 4", "[1, 3]")
+
+
+def test_e2e_refuses_simulated_acceptance_from_the_environment(capsys, monkeypatch):
+    _stop_at_measuring(monkeypatch)
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "100")
+    assert_one_line_error(capsys, ["bench", "e2e"], "DSASPEC_SIMULATE_ACCEPT_LEN", "--accept")
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "2")     # in range, but bench e2e would ignore it
+    assert_one_line_error(capsys, ["bench", "e2e"], "DSASPEC_SIMULATE_ACCEPT_LEN", "--accept")
 
 
 @pytest.fixture

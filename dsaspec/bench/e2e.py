@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import time
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dsaspec import flags
 from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
@@ -71,10 +73,11 @@ def _accept_modes(text: str) -> list[str]:
     for mode in modes:
         if mode != REAL:
             try:
-                if float(mode) < 1:
+                if not 1 <= float(mode) < math.inf:              # nan and inf too
                     raise ValueError
             except ValueError:
-                raise argparse.ArgumentTypeError(f"accept modes are numbers >= 1 or '{REAL}', got {mode!r}") from None
+                raise argparse.ArgumentTypeError(f"accept modes are finite numbers >= 1 or '{REAL}', "
+                                                 f"got {mode!r}") from None
     if not modes:
         raise argparse.ArgumentTypeError("expected at least one accept mode")
     return modes
@@ -94,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=positive_int, default=24, help="speculative iterations per run")
     p.add_argument("--runs", type=positive_int, default=4, help="timed runs per point and path (interleaved)")
     p.add_argument("--accept", type=_accept_modes, default=["3.0", REAL],
-                   help=f"accept modes, comma-separated: simulated mean accept lengths (>= 1) and/or '{REAL}'")
+                   help=f"accept modes, comma-separated: simulated mean accept lengths in [1, --num-steps + 1] "
+                        f"and/or '{REAL}'")
     p.add_argument("--num-steps", type=positive_int, default=3, help="draft steps S (N = S + 1 verified tokens)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights, prompts and simulated draws")
     p.add_argument("--tp", type=positive_int, default=1,
@@ -209,6 +213,14 @@ def run(args) -> int:
     from dsaspec.bench.results import bench_params, markdown_table, results_dir, write_results
     from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
 
+    verified = args.num_steps + 1
+    too_long = [mode for mode in args.accept if mode != REAL and float(mode) > verified]
+    if too_long:
+        raise UserError(f"--accept {format_value(too_long)}: a simulated mean accept length lies in [1, {verified}] "
+                        f"(--num-steps {args.num_steps} drafts + the bonus token)")
+    if flags.simulate_accept_len() is not None:
+        raise UserError(f"DSASPEC_SIMULATE_ACCEPT_LEN is not used by bench e2e, whose accept modes are --accept "
+                        f"({format_value(args.accept)}): unset it")
     if args.tp > 1:
         check_gpus(args.tp)
     if under_torchrun():
