@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from dsaspec.cli_parsing import (Parser, check_at_most, choice_list, format_valu
 from dsaspec.commands import generate
 from dsaspec.configs.model_config import get_config
 from dsaspec.models.loader import CONFIG_FILE, SINGLE_FILE, save_checkpoint
+from dsaspec.memory import ReqToTokenPool
 from dsaspec.models.dsa_model import DSAModel
 
 HAS_CUDA = torch.cuda.is_available()
@@ -91,7 +93,8 @@ def test_required_bytes_counts_parameters_and_caches():
     assert need["weights"] == sum(p.numel() for p in model.parameters()) * 4
     layers = config.num_hidden_layers
     assert need["kv"] == layers * 192 * (576 + 128) * 4
-    assert need["total"] == need["weights"] + need["kv"] + need["table"] and need["table"] > 0
+    assert need["total"] == need["weights"] + need["kv"] + need["table"]
+    assert need["table"] == ReqToTokenPool(2, 100).req_to_token.nbytes     # counted, not built
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU note is printed on CPU runs")
@@ -100,6 +103,49 @@ def test_generate_on_cpu_says_its_times_mean_nothing(capsys):
                                         "--context-len", "64", "--no-progress", "--dtype", "fp32"])
     assert status == 0, err
     assert "mean nothing for GPU performance" in out and "request 0: prompt 3 tokens, 2 generated" in out
+
+
+def test_huge_max_batch_is_refused_before_any_host_list(capsys):
+    # The memory check comes first: no per-row host list (10^6 rows: 36 MB of Python ints) is built.
+    argv = ["generate", "--max-batch", 10**6]
+    assert_one_line_error(capsys, argv, "needs at least")                  # imports done
+    tracemalloc.start()
+    try:
+        assert_one_line_error(capsys, argv, "--preset tiny needs at least", "--max-batch")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak
+
+
+@pytest.mark.parametrize("alias,argv,named", [("bfloat16", ["--max-batch", 10**6], "weights in bf16"),
+                                              ("float32", ["--ops", "triton"], "got --dtype fp32")])
+def test_dtype_aliases(capsys, alias, argv, named):
+    # SGLang's and vLLM's spellings are taken as bf16 / fp32 (the errors that follow name those).
+    assert_one_line_error(capsys, ["generate", "--dtype", alias, *argv], named)
+
+
+def test_simulated_acceptance_without_speculation_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "2")
+    assert_one_line_error(capsys, ["generate"], "DSASPEC_SIMULATE_ACCEPT_LEN", "--speculative-algorithm")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a CPU run (seconds)")
+def test_random_weights_accept_length_says_the_drafts_are_noise(capsys):
+    status, out, err = run_cli(capsys, ["generate", "--speculative-algorithm", "NEXTN", "--prompt-lens", "3",
+                                        "--max-new-tokens", "3", "--context-len", "64", "--no-progress",
+                                        "--dtype", "fp32"])
+    assert status == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("mean accept length"))
+    assert "random weights: the MTP layer drafts noise" in line, line
+
+
+def test_ops_help_says_why_triton_and_torch_tokens_differ(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    ops = text[text.index("DSA ops:"):text.rindex("--no-cuda-graph")]
+    assert "sum in different orders" in ops and "bf16" in ops and "CPU" in ops, ops
 
 
 # ------------------------------------------------------------------------- checkpoints
