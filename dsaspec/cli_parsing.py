@@ -26,16 +26,35 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: {format_value(default).replace('%', '%%')})"
 
 
+_LEFT_BY = "_dsaspec_unrecognized_in"  # namespace attribute: prog of the innermost parser that left arguments
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises :class:`UserError` (one line, no usage block) instead of
-    printing usage and exiting; subparsers inherit the class and the help formatter."""
+    printing usage and exiting, and takes options only by their full name (no prefixes);
+    subparsers inherit the class, the help formatter and that rule. Unrecognized arguments point
+    to the ``--help`` of the (sub)command that did not know them."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise UserError(f"{message} (see {self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not hasattr(namespace, _LEFT_BY):  # a subcommand's parser returns first
+            setattr(namespace, _LEFT_BY, self.prog)
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            raise UserError(f"unrecognized arguments: {' '.join(extras)} "
+                            f"(see {getattr(namespace, _LEFT_BY)} --help)")
+        return namespace
 
 
 def format_value(value) -> str:

@@ -53,6 +53,8 @@ class ReqToTokenPool:
         ``N`` of speculative decoding (1 without speculation); ``W = context_len + 4 + N``.
     """
 
+    DTYPE = torch.int32
+
     def __init__(self, max_reqs: int, context_len: int, num_draft_tokens: int = 1,
                  device: torch.device | str = "cpu"):
         for name, value in (("max_reqs", max_reqs), ("context_len", context_len),
@@ -63,7 +65,7 @@ class ReqToTokenPool:
         self.num_draft_tokens = num_draft_tokens
         self.width = self.width_for(context_len, num_draft_tokens)
         self.dummy_row = max_reqs
-        self.req_to_token = torch.full((max_reqs + 1, self.width), SINK_SLOT, dtype=torch.int32,
+        self.req_to_token = torch.full((max_reqs + 1, self.width), SINK_SLOT, dtype=self.DTYPE,
                                        device=device)
         self._free_rows = list(range(max_reqs - 1, -1, -1))  # pop() hands out row 0 first
 
@@ -71,6 +73,11 @@ class ReqToTokenPool:
     def width_for(context_len: int, num_draft_tokens: int = 1) -> int:
         """Table width W of a configured context: ``context_len + 4 + N``."""
         return context_len + 4 + num_draft_tokens
+
+    @classmethod
+    def table_nbytes(cls, max_reqs: int, context_len: int, num_draft_tokens: int = 1) -> int:
+        """Bytes of the ``req_to_token`` table of a pool with these arguments, without building one."""
+        return (max_reqs + 1) * cls.width_for(context_len, num_draft_tokens) * cls.DTYPE.itemsize
 
     @property
     def num_free(self) -> int:

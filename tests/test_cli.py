@@ -3,14 +3,19 @@ naming the option, variable or file; internal errors keep their traceback; optio
 documented with their defaults, and never silently ignored."""
 
 import argparse
+import importlib
 import json
+import os
 import subprocess
 import sys
+import tracemalloc
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import dsaspec
+from dsaspec.bench import e2e, results
 from dsaspec.commands import cli
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import (Parser, check_at_most, choice_list, format_value, nonnegative_int,
@@ -18,6 +23,7 @@ from dsaspec.cli_parsing import (Parser, check_at_most, choice_list, format_valu
 from dsaspec.commands import generate
 from dsaspec.configs.model_config import get_config
 from dsaspec.models.loader import CONFIG_FILE, SINGLE_FILE, save_checkpoint
+from dsaspec.memory import ReqToTokenPool
 from dsaspec.models.dsa_model import DSAModel
 
 HAS_CUDA = torch.cuda.is_available()
@@ -87,7 +93,8 @@ def test_required_bytes_counts_parameters_and_caches():
     assert need["weights"] == sum(p.numel() for p in model.parameters()) * 4
     layers = config.num_hidden_layers
     assert need["kv"] == layers * 192 * (576 + 128) * 4
-    assert need["total"] == need["weights"] + need["kv"] + need["table"] and need["table"] > 0
+    assert need["total"] == need["weights"] + need["kv"] + need["table"]
+    assert need["table"] == ReqToTokenPool(2, 100).req_to_token.nbytes     # counted, not built
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU note is printed on CPU runs")
@@ -96,6 +103,55 @@ def test_generate_on_cpu_says_its_times_mean_nothing(capsys):
                                         "--context-len", "64", "--no-progress", "--dtype", "fp32"])
     assert status == 0, err
     assert "mean nothing for GPU performance" in out and "request 0: prompt 3 tokens, 2 generated" in out
+
+
+def test_huge_max_batch_is_refused_before_any_host_list(capsys):
+    # The memory check comes first: no per-row host list (10^6 rows: 36 MB of Python ints) is built.
+    argv = ["generate", "--max-batch", 10**6]
+    assert_one_line_error(capsys, argv, "needs at least")                  # imports done
+    tracemalloc.start()
+    try:
+        assert_one_line_error(capsys, argv, "--preset tiny needs at least", "--max-batch")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak
+
+
+@pytest.mark.parametrize("alias,argv,named", [("bfloat16", ["--max-batch", 10**6], "weights in bf16"),
+                                              ("float32", ["--ops", "triton"], "got --dtype fp32")])
+def test_dtype_aliases(capsys, alias, argv, named):
+    # SGLang's and vLLM's spellings are taken as bf16 / fp32 (the errors that follow name those).
+    assert_one_line_error(capsys, ["generate", "--dtype", alias, *argv], named)
+
+
+def test_simulated_acceptance_without_speculation_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "2")
+    assert_one_line_error(capsys, ["generate"], "DSASPEC_SIMULATE_ACCEPT_LEN", "--speculative-algorithm")
+
+
+def test_simulated_acceptance_beyond_the_verified_tokens_names_the_variable(capsys, monkeypatch):
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "100")
+    assert_one_line_error(capsys, ["generate", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"],
+                          "DSASPEC_SIMULATE_ACCEPT_LEN=100", "[1, 4]")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a CPU run (seconds)")
+def test_random_weights_accept_length_says_the_drafts_are_noise(capsys):
+    status, out, err = run_cli(capsys, ["generate", "--speculative-algorithm", "NEXTN", "--prompt-lens", "3",
+                                        "--max-new-tokens", "3", "--context-len", "64", "--no-progress",
+                                        "--dtype", "fp32"])
+    assert status == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("mean accept length"))
+    assert "random weights: the MTP layer drafts noise" in line, line
+
+
+def test_ops_help_says_why_triton_and_torch_tokens_differ(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    ops = text[text.index("DSA ops:"):text.rindex("--no-cuda-graph")]
+    assert "sum in different orders" in ops and "bf16" in ops and "CPU" in ops, ops
 
 
 # ------------------------------------------------------------------------- checkpoints
@@ -148,6 +204,24 @@ def test_wrong_shape_tensor_names_file_and_tensor(capsys, checkpoint, tmp_path):
     save_file(tensors, str(path / SINGLE_FILE))
     assert_one_line_error(capsys, ["generate", "--checkpoint", path], str(path / SINGLE_FILE),
                           "model.norm.weight has shape (7,)", "(256,)")
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"model_type": "llama"}, ["model_type", "'llama'", "DSA model type"]),
+    ({"n_routed_experts": 8, "moe_intermediate_size": 64, "first_k_dense_replace": 0},
+     ["mixture-of-experts FFNs in 1 of 1 layers", "8 routed experts", "not implemented yet"]),
+    ({"num_local_experts": 8, "first_k_dense_replace": 0}, ["mixture-of-experts", "not implemented yet"]),
+    ({"mlp_layer_types": ["sparse"]}, ["mixture-of-experts", "mlp_layer_types", "not implemented yet"]),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
+     ["quantization_config", "'fp8'", "not implemented yet"]),
+])
+def test_config_of_another_architecture_is_refused(capsys, checkpoint, tmp_path, fields, named):
+    # The weights are the dense bf16 DSA model's: only config.json claims something else.
+    path = _copy(checkpoint, tmp_path)
+    config = json.loads((path / CONFIG_FILE).read_text())
+    (path / CONFIG_FILE).write_text(json.dumps(config | fields))
+    assert_one_line_error(capsys, ["generate", "--checkpoint", path, "--no-progress"], str(path / CONFIG_FILE),
+                          *named)
 
 
 def test_missing_shard_names_the_file(capsys, checkpoint, tmp_path):
@@ -267,16 +341,97 @@ def test_bench_option_errors(capsys, argv, named):
     assert_one_line_error(capsys, argv, named)
 
 
-def test_bench_all_passes_out_to_every_benchmark(capsys, monkeypatch, tmp_path):
-    import importlib
+@pytest.mark.parametrize("accept,named", [
+    ("nan", ["--accept", "'nan'", "finite"]),
+    ("inf", ["--accept", "'inf'", "finite"]),
+    ("real,-inf", ["--accept", "'-inf'"]),
+    ("9", ["--accept 9", "[1, 4]", "--num-steps 3"]),
+    ("2,4.5", ["--accept 4.5", "[1, 4]"]),
+])
+def test_e2e_accept_modes_are_checked(capsys, accept, named):
+    assert_one_line_error(capsys, ["bench", "e2e", "--accept", accept], *named)
 
-    seen = {}
+
+class _Measuring(Exception):
+    """Raised where a benchmark would start building and measuring."""
+
+
+def _stop_at_measuring(monkeypatch):
+    def stop(*args, **kwargs):
+        raise _Measuring
+
+    monkeypatch.setattr(e2e, "get_config", stop)
+
+
+def test_e2e_accept_modes_up_to_num_steps_plus_one_pass(capsys, monkeypatch):
+    _stop_at_measuring(monkeypatch)
+    with pytest.raises(_Measuring):
+        cli.main(["bench", "e2e", "--accept", "1,4,real"])
+    assert_one_line_error(capsys, ["bench", "e2e", "--accept", "4", "--num-steps", "2"], "--accept 4", "[1, 3]")
+
+
+def test_e2e_refuses_simulated_acceptance_from_the_environment(capsys, monkeypatch):
+    _stop_at_measuring(monkeypatch)
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "100")
+    assert_one_line_error(capsys, ["bench", "e2e"], "DSASPEC_SIMULATE_ACCEPT_LEN", "--accept")
+    monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "2")     # in range, but bench e2e would ignore it
+    assert_one_line_error(capsys, ["bench", "e2e"], "DSASPEC_SIMULATE_ACCEPT_LEN", "--accept")
+
+
+@pytest.fixture
+def bench_runs(monkeypatch):
+    """Benchmark name -> the ``--out`` its ``run`` got; every ``run`` replaced by that record."""
+    ran = {}
     for name, module in cli.BENCHMARKS.items():
         mod = importlib.import_module(f"dsaspec.bench.{module}")
-        monkeypatch.setattr(mod, "run", lambda args, name=name: seen.setdefault(name, args.out) and 0)
+        monkeypatch.setattr(mod, "run", lambda args, name=name: ran.setdefault(name, args.out) and 0)
+    return ran
+
+
+def _bad_out(kind, tmp_path, monkeypatch):
+    file = tmp_path / "file"
+    file.write_text("")
+    if kind == "read-only folder":
+        folder = tmp_path / "ro"
+        folder.mkdir(mode=0o555)
+        if os.geteuid() == 0:                       # root writes there anyway: the refusal is simulated
+
+            def refuse(*args, **kwargs):
+                raise PermissionError(13, "Permission denied")
+
+            monkeypatch.setattr(results.tempfile, "TemporaryFile", refuse)
+        return str(folder / "results"), "cannot write in"
+    return {"empty": ("", "expected a folder"), "file": (str(file), "is not a folder"),
+            "under a file": (str(file / "results"), "is not a folder")}[kind]
+
+
+@pytest.mark.parametrize("bench", [*cli.BENCHMARKS, "all"])
+@pytest.mark.parametrize("kind", ["empty", "file", "under a file", "read-only folder"])
+def test_bench_out_is_checked_before_measuring(capsys, bench_runs, monkeypatch, tmp_path, bench, kind):
+    out, why = _bad_out(kind, tmp_path, monkeypatch)
+    assert_one_line_error(capsys, ["bench", bench, "--out", out], f"--out {out}", why)
+    assert bench_runs == {}
+
+
+def test_bench_default_results_folder_is_checked(capsys, bench_runs, monkeypatch, tmp_path):
+    file = tmp_path / "file"
+    file.write_text("")
+    monkeypatch.setattr(results, "RESULTS_ROOT", file)
+    assert_one_line_error(capsys, ["bench", "decode"], f"results folder {file}", "is not a folder", "--out")
+    assert bench_runs == {}
+
+
+def test_bench_out_check_creates_nothing(capsys, bench_runs, tmp_path):
+    out = tmp_path / "new" / "results"
+    status, _, err = run_cli(capsys, ["bench", "metadata", "--out", out])
+    assert status == 0, err
+    assert bench_runs == {"metadata": str(out)} and list(tmp_path.iterdir()) == []
+
+
+def test_bench_all_passes_out_to_every_benchmark(capsys, bench_runs, tmp_path):
     status, out, _ = run_cli(capsys, ["bench", "all", "--out", tmp_path])
     assert status == 0
-    assert seen == {name: str(tmp_path) for name in cli.BENCHMARKS}
+    assert bench_runs == {name: str(tmp_path) for name in cli.BENCHMARKS}
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU run's fixed sizes")
@@ -326,7 +481,7 @@ def test_every_option_has_help_and_shows_its_default():
     for parser in _parsers(cli.build_parser()):
         text = " ".join(parser.format_help().split())
         for action in parser._actions:
-            if not action.option_strings or isinstance(action, argparse._HelpAction):
+            if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
             name = f"{parser.prog} {action.option_strings[0]}"
             assert action.help, name
@@ -337,6 +492,30 @@ def test_every_option_has_help_and_shows_its_default():
                 assert f"(default: {format_value(action.default)})" in text, name
             checked += 1
     assert checked > 40
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out == f"dsaspec {dsaspec.__version__}\n"
+
+
+# Values that the full option would refuse at once, so a prefix taken by mistake fails fast.
+@pytest.mark.parametrize("argv", [["generate", "--speculative-alg", "nope"], ["generate", "--max-b", "0"],
+                                  ["bench", "e2e", "--acc", "nan"], ["bench", "all", "--o", ""]])
+def test_options_are_not_taken_by_a_prefix(capsys, argv):
+    assert_one_line_error(capsys, argv, f"unrecognized arguments: {argv[-2]}")
+
+
+@pytest.mark.parametrize("argv,prog", [
+    (["generate", "--bogus"], "dsaspec generate"),
+    (["bench", "e2e", "--bogus"], "dsaspec bench e2e"),
+    (["bench", "all", "--bogus"], "dsaspec bench all"),
+    (["--bogus", "generate"], "dsaspec"),
+])
+def test_unknown_option_points_to_its_commands_help(capsys, argv, prog):
+    line = assert_one_line_error(capsys, argv, "unrecognized arguments: --bogus")
+    assert line.endswith(f"(see {prog} --help)"), line
 
 
 def test_argument_types():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dsaspec.configs.model_config import PRESETS, ModelConfig, get_config
+from dsaspec.configs.model_config import PRESETS, ModelConfig, check_implemented, get_config
 from dsaspec.memory import KVPool
 from dsaspec.models.dsa_model import DSAModel
 
@@ -120,3 +120,34 @@ def test_from_hf_dict_names_missing_keys():
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown model preset 'glm6'"):
         get_config("glm6")
+
+
+def test_check_implemented_refuses_moe_layers_and_quantized_weights():
+    # The presets are the released configs' dense form; a checkpoint's config must not claim more.
+    dense = get_config("tiny").to_hf_dict()                       # first_k_dense_replace = every layer
+    check_implemented(dense)
+    check_implemented(dense | {"n_routed_experts": 256, "moe_intermediate_size": 64})
+    check_implemented(dense | {"mlp_layer_types": ["dense", "dense"], "n_routed_experts": 256})
+    check_implemented(dense | {"n_routed_experts": 0, "first_k_dense_replace": 0})
+    check_implemented(dense | {"quantization_config": None})
+    no_first_k = {k: v for k, v in dense.items() if k != "first_k_dense_replace"} | {"n_routed_experts": 8}
+    check_implemented(no_first_k)                                 # HF's default 3 dense layers cover both
+    for hf, moe_layers in [(GLM5_CONFIG_JSON, "75 of 78"), (DEEPSEEK_V32_CONFIG_JSON, "58 of 61"),
+                           (no_first_k | {"num_hidden_layers": 8}, "5 of 8"),
+                           (dense | {"num_experts": 8, "first_k_dense_replace": 0, "moe_layer_freq": 2}, "1 of 2"),
+                           (dense | {"mlp_layer_types": ["dense", "sparse"]}, "1 of 2")]:
+        with pytest.raises(ValueError, match=f"mixture-of-experts FFNs in {moe_layers} layers .*not implemented yet"):
+            check_implemented(hf)
+    with pytest.raises(ValueError, match="quantization_config \\(quant_method 'fp8'\\).*not implemented yet"):
+        check_implemented(dense | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    with pytest.raises(ValueError, match="first_k_dense_replace must be an int >= 0, got '3'"):
+        check_implemented(dense | {"n_routed_experts": 8, "first_k_dense_replace": "3"})
+    with pytest.raises(ValueError, match="mlp_layer_types must be a list"):
+        check_implemented(dense | {"mlp_layer_types": "dense"})
+
+
+def test_model_type_must_be_a_dsa_model():
+    with pytest.raises(ValueError, match="model_type must be a DSA model type.*got 'llama'"):
+        get_config("tiny").replace(model_type="llama")
+    with pytest.raises(ValueError, match="got 'deepseek_v3'"):
+        ModelConfig.from_hf_dict(dict(DEEPSEEK_V32_CONFIG_JSON, model_type="deepseek_v3"))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -73,10 +74,11 @@ def _accept_modes(text: str) -> list[str]:
     for mode in modes:
         if mode != REAL:
             try:
-                if float(mode) < 1:
+                if not 1 <= float(mode) < math.inf:              # nan and inf too
                     raise ValueError
             except ValueError:
-                raise argparse.ArgumentTypeError(f"accept modes are numbers >= 1 or '{REAL}', got {mode!r}") from None
+                raise argparse.ArgumentTypeError(f"accept modes are finite numbers >= 1 or '{REAL}', "
+                                                 f"got {mode!r}") from None
     if not modes:
         raise argparse.ArgumentTypeError("expected at least one accept mode")
     return modes
@@ -96,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=positive_int, default=24, help="speculative iterations per run")
     p.add_argument("--runs", type=positive_int, default=4, help="timed runs per point and path (interleaved)")
     p.add_argument("--accept", type=_accept_modes, default=["3.0", REAL],
-                   help=f"accept modes, comma-separated: simulated mean accept lengths (>= 1) and/or '{REAL}'")
+                   help=f"accept modes, comma-separated: simulated mean accept lengths in [1, --num-steps + 1] "
+                        f"and/or '{REAL}'")
     p.add_argument("--num-steps", type=positive_int, default=3, help="draft steps S (N = S + 1 verified tokens)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights, prompts and simulated draws")
     p.add_argument("--tp", type=positive_int, default=1,
@@ -200,10 +203,18 @@ def _apply_cpu_sizes(args) -> None:
 
 
 def run(args) -> int:
-    from dsaspec.bench.results import bench_params, markdown_table, write_results
+    from dsaspec.bench.results import bench_params, markdown_table, results_dir, write_results
     from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
 
     options = RuntimeOptions.from_environment()
+    verified = args.num_steps + 1
+    too_long = [mode for mode in args.accept if mode != REAL and float(mode) > verified]
+    if too_long:
+        raise UserError(f"--accept {format_value(too_long)}: a simulated mean accept length lies in [1, {verified}] "
+                        f"(--num-steps {args.num_steps} drafts + the bonus token)")
+    if options.simulate_accept_len is not None:
+        raise UserError(f"DSASPEC_SIMULATE_ACCEPT_LEN is not used by bench e2e, whose accept modes are --accept "
+                        f"({format_value(args.accept)}): unset it")
     if args.tp > 1:
         check_gpus(args.tp)
     if under_torchrun():
@@ -266,7 +277,7 @@ def run(args) -> int:
     if on_gpu:
         _add_targets(rows, args.contexts[-1])
         if args.tp > 1:
-            _add_exchange_prediction(rows, args.num_steps, _results_dir(args.out) / "draft_step.json")
+            _add_exchange_prediction(rows, args.num_steps, results_dir(args.out) / "draft_step.json")
     order = "/".join(paths) + "/" + "/".join(paths[::-1])
     method = (f"{args.iterations} speculative iterations per run (S = {args.num_steps}) from the same prefilled state "
               f"(prompt {args.prompt_len} tokens), {args.runs} timed runs per point and path interleaved "
@@ -288,12 +299,6 @@ def run(args) -> int:
         print(f"error: the paths ({', '.join(paths)}) committed different tokens at {mismatches}")
         return 1
     return 0
-
-
-def _results_dir(out) -> Path:
-    from dsaspec.bench.results import RESULTS_ROOT, default_machine_dir
-
-    return Path(out) if out else RESULTS_ROOT / default_machine_dir()
 
 
 def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, tp) -> dict:

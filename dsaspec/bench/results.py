@@ -8,12 +8,14 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 import triton
 
 from dsaspec import flags
+from dsaspec.errors import UserError
 
 RESULTS_ROOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -67,6 +69,37 @@ def default_machine_dir() -> str:
     return "h200" if "h200" in name else name.replace("nvidia ", "").replace(" ", "-")
 
 
+def results_dir(out: str | Path | None) -> Path:
+    """The results folder of a benchmark's ``--out``: ``out``, or ``benchmarks/results/<machine>``
+    when None. Raises UserError for an empty ``out``."""
+    if out is None:
+        return RESULTS_ROOT / default_machine_dir()
+    if not str(out).strip():
+        raise UserError(f"--out {str(out)!r}: expected a folder path (without --out: "
+                        "benchmarks/results/<machine>)")
+    return Path(out)
+
+
+def check_results_dir(out: str | Path | None) -> Path:
+    """The results folder of ``out`` (:func:`results_dir`), checked before anything is measured:
+    raises UserError unless it is a folder this process can write in, or its closest existing
+    parent is (a file is written and removed there to find out; nothing else is created)."""
+    folder = results_dir(out)
+    what = f"--out {out}" if out is not None else f"results folder {folder}"
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{what}: {existing} exists and is not a folder; choose a folder with --out")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise UserError(f"{what}: cannot write in {existing} ({err.strerror or err}); choose a folder "
+                        "with --out") from None
+    return folder
+
+
 def markdown_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
     """A Markdown table; ``columns`` is ``[(key, header)]``; floats get 2 decimals (ratios 1)."""
 
@@ -87,7 +120,7 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: str | Path |
                   figure=None) -> Path:
     """Write ``<name>.json`` (payload + machine), ``<name>.md`` and, if given, ``<name>.png``; print the
     Markdown and where it went. Returns the folder."""
-    out = Path(out_dir) if out_dir else RESULTS_ROOT / default_machine_dir()
+    out = results_dir(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "machine": machine_info(), **payload}
     (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")

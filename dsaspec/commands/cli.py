@@ -3,7 +3,8 @@
 Each benchmark lives in ``dsaspec/bench/<module>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; it is registered in ``BENCHMARKS`` below. A :class:`~dsaspec.errors.UserError`
 (bad option, environment variable or file) is printed as one line ``dsaspec: error: ...`` with exit
-status 2; any other exception is a bug and keeps its traceback.
+status 2; any other exception is a bug and keeps its traceback. A benchmark's results folder
+(``--out``) is checked before anything is measured.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from dsaspec import flags
+from dsaspec import __version__, flags
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import Parser
 
@@ -33,6 +34,7 @@ def build_parser() -> Parser:
     from dsaspec.commands import generate
 
     parser = Parser(prog="dsaspec", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="run a benchmark and write benchmarks/results/<machine>/")
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         flags.select_triton_interpreter(torch.cuda.is_available())  # before anything imports triton
         args = build_parser().parse_args(argv)
         flags.check_all()
+        if "out" in vars(args):                                      # every benchmark, and bench all
+            from dsaspec.bench.results import check_results_dir
+
+            check_results_dir(args.out)
         return worker_exit_status(int(args.run(args) or 0))
     except UserError as err:
         print(f"dsaspec: error: {err}", file=sys.stderr)

@@ -22,6 +22,7 @@ from dsaspec.errors import UserError
 from dsaspec.cli_parsing import nonnegative_int, option_name, positive_int, positive_int_list
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}       # SGLang's and vLLM's spellings
 SPEC_ALGORITHMS = ("NEXTN", "EAGLE")        # both: the MTP layer drafts a chain (EAGLE topk 1)
 SPEC_OPTIONS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
@@ -35,6 +36,11 @@ def device_arg(text: str) -> torch.device:
     if device is None or device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
     return device
+
+
+def dtype_name(text: str) -> str:
+    """argparse type of ``--dtype``: a name of ``DTYPES``, its aliases mapped to it."""
+    return DTYPE_ALIASES.get(text, text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,9 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV slots, a multiple of 64 (default: every request row at full --context-len)")
     p.add_argument("--device", type=device_arg, default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weight and activation dtype")
+    p.add_argument("--dtype", type=dtype_name, default="bf16", choices=sorted(DTYPES),
+                   help=f"weight and activation dtype ({', '.join(DTYPE_ALIASES)} are accepted too)")
     p.add_argument("--ops", default="auto", choices=["auto", "triton", "torch"],
-                   help="DSA ops: Triton kernels or torch references (auto: triton on CUDA)")
+                   help="DSA ops: Triton kernels or torch references (auto: triton on CUDA). The two sum in "
+                        "different orders, so in bf16 their tokens can differ where two logits nearly tie, "
+                        "on CPU (the Triton interpreter) as on a GPU")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on CUDA (default: graphs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     p.add_argument("--tp", type=positive_int, default=1,
@@ -111,7 +120,7 @@ def required_bytes(config, dtype: torch.dtype, *, max_batch: int, context_len: i
     kv = KVPool.for_model(config, num_slots, dtype=dtype, device=meta).nbytes()
     if mtp:
         kv += KVPool.for_model(config, num_slots, mtp=True, dtype=dtype, device=meta).nbytes()
-    table = ReqToTokenPool(max_batch, context_len, device=meta).req_to_token.nbytes
+    table = ReqToTokenPool.table_nbytes(max_batch, context_len)   # a pool would build a host list of every row
     return {"weights": weights, "kv": kv, "table": table, "total": weights + kv + table}
 
 
@@ -151,11 +160,19 @@ def speculative_config(args, config, options):
         if given:
             raise UserError(f"{option_name(given[0])} needs --speculative-algorithm "
                             f"({' or '.join(SPEC_ALGORITHMS)})")
+        if options.simulate_accept_len is not None:
+            raise UserError("DSASPEC_SIMULATE_ACCEPT_LEN simulates speculative acceptance: it needs "
+                            f"--speculative-algorithm ({' or '.join(SPEC_ALGORITHMS)}); unset it for plain decoding")
         return None
     if config.num_nextn_predict_layers != 1:
         raise UserError(f"--speculative-algorithm {args.speculative_algorithm} needs a model with its MTP layer "
                         "(num_nextn_predict_layers = 1); this one has none")
     steps = args.speculative_num_steps or 3
+    verified = args.speculative_num_draft_tokens or steps + 1
+    if options.simulate_accept_len is not None and options.simulate_accept_len > verified:
+        raise UserError(f"DSASPEC_SIMULATE_ACCEPT_LEN={options.simulate_accept_len:g} exceeds the {verified} tokens an "
+                        "iteration verifies (--speculative-num-draft-tokens): a mean accept length lies in "
+                        f"[1, {verified}]")
     try:
         return SpecConfig(num_steps=steps, eagle_topk=args.speculative_eagle_topk or 1,
                           num_draft_tokens=args.speculative_num_draft_tokens or steps + 1,
@@ -252,7 +269,7 @@ def run(args) -> int:
         _print_setup(args, source, device, use_triton, engine, spec, group)
     results = engine.generate(prompts, args.max_new_tokens, eos_token_id=args.eos_token_id)
     if leader:
-        _print_results(results, engine.stats, spec)
+        _print_results(results, engine.stats, spec, random_weights=not args.checkpoint)
     return 0
 
 
@@ -273,9 +290,9 @@ def _print_setup(args, source, device, use_triton, engine, spec, group) -> None:
               "and the Triton interpreter).")
 
 
-def _print_results(results, stats, spec) -> None:
+def _print_results(results, stats, spec, *, random_weights: bool) -> None:
     """Each request's ids and times (or why it was refused), the decode steps and the mean accept
-    length."""
+    length (with random weights, the note that the MTP layer drafts noise)."""
     for i, result in enumerate(results):
         if result.error is not None:
             print(f"request {i}: prompt {result.prompt_len} tokens, refused: {result.error}")
@@ -290,5 +307,7 @@ def _print_results(results, stats, spec) -> None:
               f"{stats.median_step_ms:.2f} ms (host wall time per {what[:-1]}, batch sizes "
               f"{min(stats.step_batches)}-{max(stats.step_batches)})")
     if spec is not None and stats.accept_lens:
-        note = " (simulated)" if spec.simulated else ""
+        note = (" (simulated)" if spec.simulated else
+                " (random weights: the MTP layer drafts noise, so about 1 is expected; load trained "
+                "weights with --checkpoint for real acceptance)" if random_weights else "")
         print(f"mean accept length {stats.mean_accept_len:.2f} of {spec.num_draft_tokens}{note}")

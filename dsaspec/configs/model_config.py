@@ -1,9 +1,11 @@
 """Model configuration of the DSA decoder (DeepSeek-V3.2 / GLM-5 family), with HF field names.
 
 The runtime's FFN is dense SwiGLU in every layer (MoE is orthogonal to this project), so the MoE
-fields of the HF configs are not represented. The kernels specialise on the MQA cache shape
-(``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576 per token) and the indexer head dim (128);
-``validate`` refuses anything else with a clear error.
+fields of the HF configs are not represented: the presets are the released shapes with dense FFNs,
+and :func:`check_implemented` refuses a checkpoint config that claims MoE layers or quantized
+weights. The kernels specialise on the MQA cache shape (``kv_lora_rank`` 512 +
+``qk_rope_head_dim`` 64 = 576 per token) and the indexer head dim (128); ``validate`` refuses
+anything else with a clear error.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ _REQUIRED_HF_KEYS = (
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "index_n_heads", "index_head_dim", "index_topk",
 )
-# HF model_type -> default indexer RoPE layout when the config does not say it.
+# HF model_type -> default indexer RoPE layout when the config does not say it; the DSA model types.
 _INDEXER_INTERLEAVE_DEFAULT = {"glm_moe_dsa": True, "deepseek_v32": False}
+_EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")   # HF spellings of the expert count
+_HF_FIRST_K_DENSE = 3     # HF's default first_k_dense_replace (GLM-5, DeepSeek-V3.2)
 FULL, SHARED = "full", "shared"   # indexer_types entries: own indexer / reuse the previous full layer's top-k
 
 
@@ -159,6 +163,9 @@ class ModelConfig:
             if types[0] != FULL:
                 raise ValueError("ModelConfig.indexer_types[0] must be 'full': a shared layer reuses the "
                                  "top-k of an earlier full layer")
+        if self.model_type not in _INDEXER_INTERLEAVE_DEFAULT:
+            raise ValueError(f"ModelConfig.model_type must be a DSA model type, one of "
+                             f"{sorted(_INDEXER_INTERLEAVE_DEFAULT)}, got {self.model_type!r}")
         if not isinstance(self.index_share_for_mtp_iteration, bool):
             raise ValueError(f"ModelConfig.index_share_for_mtp_iteration must be a bool, "
                              f"got {self.index_share_for_mtp_iteration!r}")
@@ -230,6 +237,38 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes).validate()
+
+
+def check_implemented(hf: dict[str, Any]) -> None:
+    """Raise ``ValueError`` if HF config ``hf`` (one :meth:`ModelConfig.from_hf_dict` accepts) claims
+    what this runtime does not implement yet: MoE layers (``mlp_layer_types`` entries other than
+    ``"dense"``; without it, an expert count > 0 and layers from ``first_k_dense_replace`` (HF
+    default 3) on, every ``moe_layer_freq``-th) or quantized weights (a ``quantization_config``,
+    e.g. FP8). Loading such a checkpoint's tensors into dense bf16 layers would run another model
+    than the config describes."""
+    layers = hf["num_hidden_layers"]
+    kinds = hf.get("mlp_layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list):
+            raise ValueError(f"HF config mlp_layer_types must be a list ('dense' / 'sparse' per layer), got {kinds!r}")
+        moe = sum(kind != "dense" for kind in kinds)
+        why = f"mlp_layer_types {kinds!r}"
+    else:
+        experts = next((hf[k] for k in _EXPERT_KEYS if hf.get(k) is not None), 0)
+        first, freq = hf.get("first_k_dense_replace", _HF_FIRST_K_DENSE), hf.get("moe_layer_freq") or 1
+        for name, value in (("first_k_dense_replace", first), ("moe_layer_freq", freq), ("n_routed_experts", experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"HF config {name} must be an int >= 0, got {value!r}")
+        moe = sum(i % freq == 0 for i in range(first, layers)) if experts else 0
+        why = f"{experts} routed experts from layer first_k_dense_replace = {first} on"
+    if moe:
+        raise ValueError(f"the config has mixture-of-experts FFNs in {moe} of {layers} layers ({why}): MoE is "
+                         "not implemented yet (every layer here is a dense SwiGLU FFN)")
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"the config has a quantization_config (quant_method {method!r}): quantized weights "
+                         "are not implemented yet (dense bf16 / fp32 weights only)")
 
 
 def indexer_types_from_hf(hf: dict[str, Any]) -> tuple[str, ...] | None:

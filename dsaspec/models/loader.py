@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dsaspec.errors import UserError
-from dsaspec.configs.model_config import ModelConfig
+from dsaspec.configs.model_config import ModelConfig, check_implemented
 from dsaspec.models.dsa_model import DSAModel
 
 CONFIG_FILE = "config.json"
@@ -92,18 +92,21 @@ def _open_safetensors(file: Path):
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``)."""
+    """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``). Raises
+    ``UserError`` naming the file for a bad config or one claiming what is not implemented yet
+    (MoE layers, quantized weights: :func:`~dsaspec.configs.model_config.check_implemented`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist or is not a directory")
     file = path / CONFIG_FILE
     if not file.is_file():
         raise CheckpointNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {path}")
+    hf = _read_json(file)
     try:
-        return ModelConfig.from_hf_dict(_read_json(file), name=path.name)
-    except UserError:
-        raise
-    except ValueError as err:  # a missing key or a bad value, named by from_hf_dict
+        config = ModelConfig.from_hf_dict(hf, name=path.name)
+        check_implemented(hf)
+        return config
+    except ValueError as err:  # a missing key, a bad value or what is not implemented, named by the check
         raise UserError(f"{file}: {err}") from None
 
 
