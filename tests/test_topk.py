@@ -3,6 +3,8 @@ rows with live <= k take every live position without reading logits. Both forms:
 row (no workspace) and the chunked form (a workspace of P chunks per row, P forced), the latter in
 five launches (everywhere) and in one cooperative launch (on the GPU)."""
 
+import os
+
 import pytest
 import torch
 
@@ -510,6 +512,7 @@ def test_single_launch_fit_rule(monkeypatch):
     """One cooperative launch only on a CUDA device and for at most SINGLE_LAUNCH_PROGRAMS_PER_SM
     programs per SM (so every program of a row can wait for the others); otherwise five launches."""
     monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
+    monkeypatch.setattr(topk_module, "_interpreted", lambda: False)
     per_sm = topk_module.SINGLE_LAUNCH_PROGRAMS_PER_SM
     assert topk_module.topk_single_launch_fits(8, per_sm * 132 // 8, "cuda")
     assert topk_module.topk_single_launch_fits(per_sm * 132, 1, "cuda")
@@ -519,6 +522,71 @@ def test_single_launch_fit_rule(monkeypatch):
     # the default chunk count always fits
     for rows in (1, 3, 16, 64, 66, 67, 256):
         assert topk_module.topk_single_launch_fits(rows, topk_num_chunks(rows, 132), "cuda")
+
+
+def test_single_launch_refused_under_the_interpreter(monkeypatch, device):
+    """Under TRITON_INTERPRET=1 programs run one after another, so a program waiting at a barrier
+    for its row's next program would wait forever: the fit rule says no even for CUDA tensors (the
+    interpreter takes them on a CUDA machine), and single_launch=True is an error."""
+    monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
+    assert topk_module._interpreted() == (os.environ.get("TRITON_INTERPRET") == "1")
+    monkeypatch.setattr(topk_module, "_interpreted", lambda: True)
+    assert not topk_module.topk_single_launch_fits(1, 2, "cuda")
+    logits, seqlens, page_table = _inputs(torch.randn(2, 100), [100, 60], width=100)
+    with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device, compiled kernels "
+                                         r"\(not the Triton interpreter\)"):
+        _run(logits, seqlens, page_table, 8, device, workspace=topk_workspace(2, device, 2),
+             single_launch=True)
+
+
+@pytest.mark.parametrize("with_lists", [False, True])
+def test_refused_cooperative_grid_takes_five_launches(monkeypatch, device, with_lists):
+    """A grid the driver refuses as one cooperative launch (fewer SMs usable than the device
+    reports: MPS, a green context; here the launch raises as CUDA's refusal does): the default
+    takes the five launches, exact, and later calls with as many programs do not try again (so
+    a graph captured after the eager warm-up holds no refused launch); single_launch=True raises
+    the refusal."""
+    monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
+    monkeypatch.setattr(topk_module, "_REFUSED_GRIDS", {})
+    name = "_topk_chunk_lists_kernel" if with_lists else "_topk_chunk_single_launch_kernel"
+    seen = []
+
+    def refuse(*args, **kwargs):
+        seen.append(kwargs.get("PASS", "single"))
+        if "PASS" not in kwargs:
+            raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+
+    for kernel in (topk_module._topk_chunk_pass_kernel, getattr(topk_module, name)):
+        monkeypatch.setattr(kernel, "pre_run_hooks", [refuse])
+    logits, seqlens, page_table = _inputs(torch.randn(2, 100), [100, 60], width=100)
+    candidates = topk_candidates(2, 8, device, num_chunks=2) if with_lists else None
+    passes = ([int(topk_module._LIST_PASS)] if with_lists else []) + list(range(5))
+    _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, candidates=candidates)
+    assert seen == ["single"] + passes
+    seen.clear()
+    _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, candidates=candidates)
+    assert seen == passes
+    with pytest.raises(RuntimeError, match="too many blocks in cooperative launch"):
+        _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, single_launch=True,
+                     candidates=candidates)
+
+
+def test_single_launch_counter_checked(monkeypatch, device):
+    """check_values: a barrier counter not at zero on entry to the single launch (every program of
+    the row would wait forever on the GPU) is an error naming the workspace and the row."""
+    monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
+    logits, seqlens, page_table = _inputs(torch.randn(3, 16), [16, 10, 3], width=16)
+    workspace = _garbage_workspace(3, 2, device)
+    workspace[1, 0, TOPK_COUNTER_WORDS] = 3
+    with pytest.raises(ValueError, match=r"workspace: the barrier counter workspace\[1, 0, "
+                                         r"TOPK_COUNTER_WORDS\] is 3, expected 0 on entry to the "
+                                         r"single launch"):
+        _run(logits, seqlens, page_table, 5, device, workspace=workspace, single_launch=True)
+    # the five launches never read it
+    out = torch.zeros(3, 5, dtype=torch.int32, device=device)
+    topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), 5, out,
+               workspace=workspace, single_launch=False)
+    assert torch.equal(out.cpu(), reference_topk_slots(logits, seqlens, page_table, 5))
 
 
 @pytest.mark.parametrize("with_lists", [False, True])
@@ -594,7 +662,8 @@ def test_bad_workspace(device):
     with pytest.raises(ValueError, match="single_launch: only with a workspace"):
         call(None, single_launch=False)
     # 2 x 1000 programs are more than 4 per SM of any device this runs on (and the CPU has none)
-    with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device and at most 4 programs "
+    with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device, compiled kernels "
+                                         r"\(not the Triton interpreter\) and at most 4 programs "
                                          r"per SM, got 2 rows x 1000 chunks on "):
         call(torch.zeros(2, 1000, words, dtype=torch.int32, device=device), single_launch=True)
 
@@ -719,6 +788,35 @@ def test_gpu_single_launch_at_the_fit_limit(with_lists):
             listed = torch.cat([_listed(candidates, row, num_chunks, chunk, logits)
                                 for chunk in range(num_chunks)])
             assert bool(torch.isin(positions[row].cpu(), listed).all()), f"row {row}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_lists", [False, True])
+def test_gpu_refused_cooperative_grid_takes_five_launches(monkeypatch, with_lists):
+    """The driver's own refusal: 17 programs per SM (more than its 2048 threads hold in programs
+    of 128) past a fit rule told to say yes. The default falls back to the five launches, exact
+    (the refusal leaves no error behind) and remembered; single_launch=True raises it."""
+    device, k = torch.device("cuda"), 2048
+    monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
+    monkeypatch.setattr(topk_module, "_REFUSED_GRIDS", {})
+    num_rows = 2
+    num_chunks = -(-17 * torch.cuda.get_device_properties(device).multi_processor_count
+                   // num_rows)
+    lengths = [300_000, 5_000]
+    gen = torch.Generator().manual_seed(17)
+    logits, seqlens, page_table = _inputs(torch.randn(num_rows, 300_000, generator=gen), lengths,
+                                          width=300_000, num_slots=1 << 20)
+    candidates = None
+    if with_lists:  # a list region per chunk (topk_candidates allocates none for this many)
+        candidates = torch.full((num_rows, num_chunks * topk_candidates_width(k, device)), JUNK,
+                                dtype=torch.int32, device=device)
+    _assert_topk(logits, seqlens, page_table, k, device, num_chunks=num_chunks,
+                 candidates=candidates)
+    name = "_topk_chunk_lists_kernel" if with_lists else "_topk_chunk_single_launch_kernel"
+    assert topk_module._REFUSED_GRIDS == {(name, device.index or 0): num_rows * num_chunks}
+    with pytest.raises(RuntimeError, match="too many blocks in cooperative launch"):
+        _assert_topk(logits, seqlens, page_table, k, device, num_chunks=num_chunks,
+                     single_launch=True, candidates=candidates)
 
 
 @pytest.mark.gpu
