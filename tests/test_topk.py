@@ -429,7 +429,8 @@ def test_chunked_sampled_lists(monkeypatch, k, num_chunks, single_launch, device
     that copy or take the chunk passes over their range; exact, and each chunk's region holds its
     own positions that reached the bound, ascending, among them the chunk's share of the
     selection. The single launch runs under the interpreter too with one chunk per row (its
-    barriers then pass on arrival)."""
+    barriers then pass on arrival: the waiting and the reads of other programs' lists and counts
+    run only on the GPU, in test_gpu_single_launch_at_the_fit_limit)."""
     if single_launch and device.type != "cuda":
         if num_chunks > 1:
             pytest.skip("under the interpreter the single launch needs one program per row")
@@ -467,7 +468,7 @@ def test_chunked_sampled_falls_back(monkeypatch, num_chunks, single_launch, devi
     listed in all), equal logits (a chunk lists more than its region holds), and equal logits in
     the second half only (one chunk overflows, the first lists little): the chunk passes over the
     ranges then run, exact. In the single launch the lists kernel runs them (under the
-    interpreter with one chunk a row)."""
+    interpreter with one chunk a row, so no program waits for another there)."""
     if single_launch:
         monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
     k = 32
@@ -615,21 +616,50 @@ def test_chunked_launches(monkeypatch, device, single_launch, with_lists):
 def test_single_launch_with_one_program_per_row_runs_anywhere(monkeypatch, device):
     """The single-launch kernel itself, under the interpreter too: rows no longer than one chunk
     (16 positions there) have one active program, so every barrier is passed by arriving, and the
-    interpreter's one-program-at-a-time order cannot wait forever. Copy rows, searching rows that
-    stop after each digit, the last barrier's reset of the counter."""
+    interpreter's one-program-at-a-time order cannot wait forever. Copy rows, and searching rows
+    whose k entries are alone in their bin of digit 0, 1 or 2 (the search stops after 1, 2 or 3
+    digits) or share their top 24 bits (all four): checked through the search state the passes
+    leave in the workspace (digits found by the last search pass, still searching), and the last
+    barrier's reset of the counter (_run).
+
+    On the CPU the barrier's waiting loop and the reads of other programs' histograms and state
+    never run (one active program a row, and the interpreter runs one program at a time); the GPU
+    tests with several programs a row do: test_gpu_single_launch_at_the_fit_limit (every program
+    waits at every barrier), test_gpu_chunked_edge_lengths and test_gpu_chunked_production_sizes
+    with single_launch=True."""
     monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
     seen = []
     monkeypatch.setattr(topk_module._topk_chunk_single_launch_kernel, "pre_run_hooks",
                         [lambda *a, **kw: seen.append("single")])
-    lengths = [0, 1, 4, 5, 6, 9, 12, 16, 16, 16]
+    k, width = 5, 16
     gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(len(lengths), 16, generator=gen)
-    logits[-2] = 0.5  # all ties: the search runs all four digits
-    logits[-1] = (torch.tensor(1.5).view(torch.int32) + torch.randint(0, 256, (16,), generator=gen,
-                                                                       dtype=torch.int32)).view(torch.float32)
+
+    def row(length, others, special):
+        bits = torch.full((width,), others, dtype=torch.int64)
+        bits[torch.randperm(length, generator=gen)[:k]] = special
+        return bits
+
+    copies = [0, 1, 4, 5]
+    searching = [(6, row(6, 0x3FC00000, 0x40200000)),  # 1.5 and 2.5: top bytes differ
+                 (9, row(9, 0x3FC00000, 0x3FE00000)),  # second bytes differ
+                 (12, row(12, 0x3FC00000, 0x3FC08000)),  # third bytes differ
+                 (16, row(16, 0x3FC00000, 0x3FC00001)),  # low bytes differ
+                 (16, row(16, 0x3FC00000, 0x3FC00000)),  # all ties
+                 (16, 0x3FC00000 + torch.randint(0, 256, (width,), generator=gen))]
+    want_digits, want_searching = [1, 2, 3, 3, 3, 3], [0, 0, 0, 1, 1, 1]
+    lengths = copies + [length for length, _ in searching]
+    logits = torch.cat([torch.randn(len(copies), width, generator=gen),
+                        _floats(torch.stack([bits for _, bits in searching]).tolist())])
     logits, seqlens, page_table = _inputs(logits, lengths, width=20)
-    _assert_topk(logits, seqlens, page_table, 5, device, num_chunks=3, single_launch=True)
+    workspace = _garbage_workspace(len(lengths), 3, device)
+    out, positions = _run(logits, seqlens, page_table, k, device, workspace=workspace,
+                          single_launch=True)
+    assert torch.equal(positions.long(), reference_topk_positions(logits, seqlens, k))
+    assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
     assert seen == ["single"]
+    state = workspace[len(copies):, 0, topk_module._STATE.value:].cpu()
+    assert state[:, topk_module._LEVELS.value].tolist() == want_digits
+    assert state[:, topk_module._SEARCHING.value].tolist() == want_searching
 
 
 def test_bad_workspace(device):
