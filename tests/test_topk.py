@@ -3,6 +3,8 @@ rows with live <= k take every live position without reading logits. Both forms:
 row (no workspace) and the chunked form (a workspace of P chunks per row, P forced), the latter in
 five launches (everywhere) and in one cooperative launch (on the GPU)."""
 
+import ast
+import inspect
 import os
 
 import pytest
@@ -660,6 +662,22 @@ def test_single_launch_with_one_program_per_row_runs_anywhere(monkeypatch, devic
     state = workspace[len(copies):, 0, topk_module._STATE.value:].cpu()
     assert state[:, topk_module._LEVELS.value].tolist() == want_digits
     assert state[:, topk_module._SEARCHING.value].tolist() == want_searching
+
+
+def test_decode_bench_attributes_every_topk_kernel():
+    """Every kernel of this module (a jitted function nothing in dsaspec/ops/topk.py calls: what is
+    launched), found in its source apart from the bench's own lookup, lands in the decode bench's
+    topk phase, so a kernel added here cannot be missed there."""
+    from dsaspec.bench import decode
+
+    tree = ast.parse(inspect.getsource(topk_module))
+    jitted = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+              and any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)}
+    called = {node.func.id for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    kernels = jitted - called
+    assert {"_topk_slots_kernel", "_topk_chunk_lists_kernel"} <= kernels
+    assert {name: decode._phase_by_name(name) for name in kernels} == dict.fromkeys(kernels, "topk")
 
 
 def test_bad_workspace(device):
