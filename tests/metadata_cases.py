@@ -77,13 +77,15 @@ def make_batch(mode: Mode, batch: int, width: int, pool: int, n: int, device, se
                dtype=torch.int32, lengths=None, variable: bool = False):
     """(req_pool_indices, seq_lens, extend_seq_lens or None) for ``batch`` requests.
 
-    Lengths cycle through the edge lengths and ``width - N`` (verify) / ``width`` (others), then
-    random ones; the last request is a padded row (seq_len 1) and pool indices repeat. The
-    variable draft-extend lengths lie in ``[0, min(N, seq_len)]`` (some 0).
+    Lengths put the live length (``seq_len + N`` for verify, ``seq_len`` otherwise: what the
+    kernels round to tiles) on each edge length, then the longest (live ``width``), then random
+    ones; the last request is a padded row (seq_len 1) and pool indices repeat. The variable
+    draft-extend lengths lie in ``[0, min(N, seq_len)]`` (some 0).
     """
     g = torch.Generator(device="cpu").manual_seed(seed)
-    cap = width - n if mode is Mode.TARGET_VERIFY else width
-    edges = [x for x in EDGE_LENGTHS if x <= cap] + [cap]
+    extra = n if mode is Mode.TARGET_VERIFY else 0  # live length - seq_len
+    cap = width - extra
+    edges = list(dict.fromkeys(max(x - extra, 0) for x in EDGE_LENGTHS if x - extra <= cap)) + [cap]
     if lengths is None:
         lengths = [edges[i] if i < len(edges) else int(torch.randint(0, cap + 1, (1,), generator=g))
                    for i in range(batch)]

@@ -232,6 +232,13 @@ def _orders(tp, seed):
 
 def check_emulated(vocab, tp, shard, dtype, rows, device, split_columns, seed=0, compare_reference=True):
     logits = between_nan_columns(adversarial_logits(rows, vocab, shard, tp, dtype, seed).to(device))
+    check_exchange(logits, vocab, tp, shard, split_columns, seed, compare_reference)
+
+
+def check_exchange(logits, vocab, tp, shard, split_columns, seed=0, compare_reference=True):
+    """The emulated exchange of ``logits`` (``[rows, tp * shard]``) in every order: tokens equal
+    ``first_max_index``; with ``compare_reference``, every rank's partials equal the reference's bits."""
+    rows, device = logits.shape[0], logits.device
     expected = first_max_index(logits[:, :vocab]).to(device)
     assert torch.equal(torch.argmax(logits[:, :vocab].float(), dim=-1), expected)  # the contract is torch.argmax
     shards = [logits[:, r * shard:(r + 1) * shard] for r in range(tp)]
@@ -312,6 +319,44 @@ def test_emulated_small(vocab, tp, shard, dtype, device):
 def test_emulated_rows(rows, device):
     check_emulated(700, 2, 384, torch.bfloat16, rows=rows, device=device, split_columns=384, seed=rows)
 
+
+
+# (vocab, tp, shard, split_columns): splits of several 1024-column blocks (the kernel's block; the
+# small cases above have one block a split), the last block of a split partial
+MULTI_BLOCK_CASES = [(5000, 2, 2560, DEFAULT_SPLIT_COLUMNS), (8000, 2, 4160, DEFAULT_SPLIT_COLUMNS),
+                     (3000, 1, 3000, 2048)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("vocab,tp,shard,split_columns", MULTI_BLOCK_CASES)
+def test_emulated_multi_block_splits(vocab, tp, shard, split_columns, dtype, device):
+    """Every adversarial row (NaNs among them) over splits of several blocks, exact against the
+    reference partials."""
+    _, split_width = exchange_layout(shard, split_columns)
+    assert split_width > 1024
+    check_emulated(vocab, tp, shard, dtype, rows=18, device=device, split_columns=split_columns,
+                   seed=shard + tp)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_nan_in_a_later_block_of_a_split(dtype, device):
+    """A NaN that is not in the first 1024-column block of its split never wins the lane scan (no
+    value compares greater than a NaN, nor a NaN greater than anything): only the rescan of the
+    split finds it. NaNs in a later full block, in the partial last block, the first NaN in a later
+    block at a lower lane than one further on, a NaN after +inf, and (control) one in the first
+    block; two ranks of one 2560-wide split each (three blocks)."""
+    vocab, tp, shard = 5100, 2, 2560
+    nan_bits = NAN_BITS_FP32 if dtype == torch.float32 else NAN_BITS_BF16
+    placements = [[1024 + 7], [2048 + 100], [2048 + 3, 1024 + 900], [1024 + 5], [2000, 100],
+                  [shard + 1024 + 1], [shard + 2048 + 400, shard + 1030]]
+    logits = torch.randn(len(placements), tp * shard, generator=torch.Generator().manual_seed(3))
+    logits = logits.to(dtype)
+    logits[3, 3] = float("inf")
+    logits[:, vocab:] = float("nan")  # padding: never read
+    for row, cols in enumerate(placements):
+        for col, bits in zip(cols, nan_bits):
+            _put(logits, row, col, bits)
+    check_exchange(between_nan_columns(logits.to(device)), vocab, tp, shard, DEFAULT_SPLIT_COLUMNS)
 
 
 @pytest.mark.parametrize("vocab,tp,dtype", [(154880, 2, torch.bfloat16), (129280, 8, torch.float32),

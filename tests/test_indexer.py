@@ -116,6 +116,35 @@ def test_row_groups_checked(device):
                        out=torch.zeros(4, 80, device=device), rows_per_group=3)
 
 
+@pytest.mark.parametrize("rows_per_group", [1, 2])
+@pytest.mark.parametrize("bad_slot", ["num_slots", -1])
+def test_out_of_range_slots_checked(bad_slot, rows_per_group, device):
+    """check_values: a slot outside k_cache (== num_slots, or -1, which would read the last row)
+    inside a scheduled row's live length is an error naming the row and position. Beyond the live
+    length, in rows the schedule skips and (groups) in members other than the first it is never
+    read, so it is allowed and the logits are exact."""
+    num_slots, skip_len = 90, 8
+    inputs = random_indexer_inputs([75, 70, 5, 6], 4, width=80, num_slots=num_slots,
+                                   device=device, seed=1, rows_per_group=rows_per_group)
+    expected = reference_indexer_logits(**to_cpu(inputs))
+    bad = num_slots if bad_slot == "num_slots" else -1
+    table = inputs["page_table_1"]
+    table[0, 75:] = bad
+    table[1, 70:] = bad  # beyond row 1's live length, inside its group's (read from row 0)
+    table[2:] = bad  # rows the schedule skips (live <= skip_len)
+    out = _launch(inputs, num_sms=3, out_width=128, skip_len=skip_len,
+                  rows_per_group=rows_per_group)
+    for row in (0, 1):
+        torch.testing.assert_close(out[row, :len(expected[row])].cpu(), expected[row],
+                                   rtol=1e-5, atol=1e-5)
+    table[0, 74] = bad
+    with pytest.raises(ValueError, match=rf"page_table_1: slot {bad} at row 0, position 74 "
+                                         rf"\(within the live length\) is out of range for a "
+                                         rf"k_cache of 90 rows; expected 0 <= slot < 90"):
+        _launch(inputs, num_sms=3, out_width=128, skip_len=skip_len,
+                rows_per_group=rows_per_group)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_random_rows_repeated_slots(seed, device):
     gen = torch.Generator().manual_seed(seed)

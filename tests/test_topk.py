@@ -3,6 +3,10 @@ rows with live <= k take every live position without reading logits. Both forms:
 row (no workspace) and the chunked form (a workspace of P chunks per row, P forced), the latter in
 five launches (everywhere) and in one cooperative launch (on the GPU)."""
 
+import ast
+import inspect
+import os
+
 import pytest
 import torch
 
@@ -427,7 +431,8 @@ def test_chunked_sampled_lists(monkeypatch, k, num_chunks, single_launch, device
     that copy or take the chunk passes over their range; exact, and each chunk's region holds its
     own positions that reached the bound, ascending, among them the chunk's share of the
     selection. The single launch runs under the interpreter too with one chunk per row (its
-    barriers then pass on arrival)."""
+    barriers then pass on arrival: the waiting and the reads of other programs' lists and counts
+    run only on the GPU, in test_gpu_single_launch_at_the_fit_limit)."""
     if single_launch and device.type != "cuda":
         if num_chunks > 1:
             pytest.skip("under the interpreter the single launch needs one program per row")
@@ -465,7 +470,7 @@ def test_chunked_sampled_falls_back(monkeypatch, num_chunks, single_launch, devi
     listed in all), equal logits (a chunk lists more than its region holds), and equal logits in
     the second half only (one chunk overflows, the first lists little): the chunk passes over the
     ranges then run, exact. In the single launch the lists kernel runs them (under the
-    interpreter with one chunk a row)."""
+    interpreter with one chunk a row, so no program waits for another there)."""
     if single_launch:
         monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
     k = 32
@@ -527,6 +532,7 @@ def test_single_launch_fit_rule(monkeypatch):
     """One cooperative launch only on a CUDA device and for at most SINGLE_LAUNCH_PROGRAMS_PER_SM
     programs per SM (so every program of a row can wait for the others); otherwise five launches."""
     monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
+    monkeypatch.setattr(topk_module, "_interpreted", lambda: False)
     per_sm = topk_module.SINGLE_LAUNCH_PROGRAMS_PER_SM
     assert topk_module.topk_single_launch_fits(8, per_sm * 132 // 8, "cuda")
     assert topk_module.topk_single_launch_fits(per_sm * 132, 1, "cuda")
@@ -536,6 +542,71 @@ def test_single_launch_fit_rule(monkeypatch):
     # the default chunk count always fits
     for rows in (1, 3, 16, 64, 66, 67, 256):
         assert topk_module.topk_single_launch_fits(rows, topk_num_chunks(rows, 132), "cuda")
+
+
+def test_single_launch_refused_under_the_interpreter(monkeypatch, device):
+    """Under TRITON_INTERPRET=1 programs run one after another, so a program waiting at a barrier
+    for its row's next program would wait forever: the fit rule says no even for CUDA tensors (the
+    interpreter takes them on a CUDA machine), and single_launch=True is an error."""
+    monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
+    assert topk_module._interpreted() == (os.environ.get("TRITON_INTERPRET") == "1")
+    monkeypatch.setattr(topk_module, "_interpreted", lambda: True)
+    assert not topk_module.topk_single_launch_fits(1, 2, "cuda")
+    logits, seqlens, page_table = _inputs(torch.randn(2, 100), [100, 60], width=100)
+    with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device, compiled kernels "
+                                         r"\(not the Triton interpreter\)"):
+        _run(logits, seqlens, page_table, 8, device, workspace=topk_workspace(2, device, 2),
+             single_launch=True)
+
+
+@pytest.mark.parametrize("with_lists", [False, True])
+def test_refused_cooperative_grid_takes_five_launches(monkeypatch, device, with_lists):
+    """A grid the driver refuses as one cooperative launch (fewer SMs usable than the device
+    reports: MPS, a green context; here the launch raises as CUDA's refusal does): the default
+    takes the five launches, exact, and later calls with as many programs do not try again (so
+    a graph captured after the eager warm-up holds no refused launch); single_launch=True raises
+    the refusal."""
+    monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
+    monkeypatch.setattr(topk_module, "_REFUSED_GRIDS", {})
+    name = "_topk_chunk_lists_kernel" if with_lists else "_topk_chunk_single_launch_kernel"
+    seen = []
+
+    def refuse(*args, **kwargs):
+        seen.append(kwargs.get("PASS", "single"))
+        if "PASS" not in kwargs:
+            raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+
+    for kernel in (topk_module._topk_chunk_pass_kernel, getattr(topk_module, name)):
+        monkeypatch.setattr(kernel, "pre_run_hooks", [refuse])
+    logits, seqlens, page_table = _inputs(torch.randn(2, 100), [100, 60], width=100)
+    candidates = topk_candidates(2, 8, device, num_chunks=2) if with_lists else None
+    passes = ([int(topk_module._LIST_PASS)] if with_lists else []) + list(range(5))
+    _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, candidates=candidates)
+    assert seen == ["single"] + passes
+    seen.clear()
+    _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, candidates=candidates)
+    assert seen == passes
+    with pytest.raises(RuntimeError, match="too many blocks in cooperative launch"):
+        _assert_topk(logits, seqlens, page_table, 8, device, num_chunks=2, single_launch=True,
+                     candidates=candidates)
+
+
+def test_single_launch_counter_checked(monkeypatch, device):
+    """check_values: a barrier counter not at zero on entry to the single launch (every program of
+    the row would wait forever on the GPU) is an error naming the workspace and the row."""
+    monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
+    logits, seqlens, page_table = _inputs(torch.randn(3, 16), [16, 10, 3], width=16)
+    workspace = _garbage_workspace(3, 2, device)
+    workspace[1, 0, TOPK_COUNTER_WORDS] = 3
+    with pytest.raises(ValueError, match=r"workspace: the barrier counter workspace\[1, 0, "
+                                         r"TOPK_COUNTER_WORDS\] is 3, expected 0 on entry to the "
+                                         r"single launch"):
+        _run(logits, seqlens, page_table, 5, device, workspace=workspace, single_launch=True)
+    # the five launches never read it
+    out = torch.zeros(3, 5, dtype=torch.int32, device=device)
+    topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), 5, out,
+               workspace=workspace, single_launch=False)
+    assert torch.equal(out.cpu(), reference_topk_slots(logits, seqlens, page_table, 5))
 
 
 @pytest.mark.parametrize("with_lists", [False, True])
@@ -564,21 +635,66 @@ def test_chunked_launches(monkeypatch, device, single_launch, with_lists):
 def test_single_launch_with_one_program_per_row_runs_anywhere(monkeypatch, device):
     """The single-launch kernel itself, under the interpreter too: rows no longer than one chunk
     (16 positions there) have one active program, so every barrier is passed by arriving, and the
-    interpreter's one-program-at-a-time order cannot wait forever. Copy rows, searching rows that
-    stop after each digit, the last barrier's reset of the counter."""
+    interpreter's one-program-at-a-time order cannot wait forever. Copy rows, and searching rows
+    whose k entries are alone in their bin of digit 0, 1 or 2 (the search stops after 1, 2 or 3
+    digits) or share their top 24 bits (all four): checked through the search state the passes
+    leave in the workspace (digits found by the last search pass, still searching), and the last
+    barrier's reset of the counter (_run).
+
+    On the CPU the barrier's waiting loop and the reads of other programs' histograms and state
+    never run (one active program a row, and the interpreter runs one program at a time); the GPU
+    tests with several programs a row do: test_gpu_single_launch_at_the_fit_limit (every program
+    waits at every barrier), test_gpu_chunked_edge_lengths and test_gpu_chunked_production_sizes
+    with single_launch=True."""
     monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
     seen = []
     monkeypatch.setattr(topk_module._topk_chunk_single_launch_kernel, "pre_run_hooks",
                         [lambda *a, **kw: seen.append("single")])
-    lengths = [0, 1, 4, 5, 6, 9, 12, 16, 16, 16]
+    k, width = 5, 16
     gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(len(lengths), 16, generator=gen)
-    logits[-2] = 0.5  # all ties: the search runs all four digits
-    logits[-1] = (torch.tensor(1.5).view(torch.int32) + torch.randint(0, 256, (16,), generator=gen,
-                                                                       dtype=torch.int32)).view(torch.float32)
+
+    def row(length, others, special):
+        bits = torch.full((width,), others, dtype=torch.int64)
+        bits[torch.randperm(length, generator=gen)[:k]] = special
+        return bits
+
+    copies = [0, 1, 4, 5]
+    searching = [(6, row(6, 0x3FC00000, 0x40200000)),  # 1.5 and 2.5: top bytes differ
+                 (9, row(9, 0x3FC00000, 0x3FE00000)),  # second bytes differ
+                 (12, row(12, 0x3FC00000, 0x3FC08000)),  # third bytes differ
+                 (16, row(16, 0x3FC00000, 0x3FC00001)),  # low bytes differ
+                 (16, row(16, 0x3FC00000, 0x3FC00000)),  # all ties
+                 (16, 0x3FC00000 + torch.randint(0, 256, (width,), generator=gen))]
+    want_digits, want_searching = [1, 2, 3, 3, 3, 3], [0, 0, 0, 1, 1, 1]
+    lengths = copies + [length for length, _ in searching]
+    logits = torch.cat([torch.randn(len(copies), width, generator=gen),
+                        _floats(torch.stack([bits for _, bits in searching]).tolist())])
     logits, seqlens, page_table = _inputs(logits, lengths, width=20)
-    _assert_topk(logits, seqlens, page_table, 5, device, num_chunks=3, single_launch=True)
+    workspace = _garbage_workspace(len(lengths), 3, device)
+    out, positions = _run(logits, seqlens, page_table, k, device, workspace=workspace,
+                          single_launch=True)
+    assert torch.equal(positions.long(), reference_topk_positions(logits, seqlens, k))
+    assert torch.equal(out, reference_topk_slots(logits, seqlens, page_table, k))
     assert seen == ["single"]
+    state = workspace[len(copies):, 0, topk_module._STATE.value:].cpu()
+    assert state[:, topk_module._LEVELS.value].tolist() == want_digits
+    assert state[:, topk_module._SEARCHING.value].tolist() == want_searching
+
+
+def test_decode_bench_attributes_every_topk_kernel():
+    """Every kernel of this module (a jitted function nothing in dsaspec/ops/topk.py calls: what is
+    launched), found in its source apart from the bench's own lookup, lands in the decode bench's
+    topk phase, so a kernel added here cannot be missed there."""
+    from dsaspec.bench import decode
+
+    tree = ast.parse(inspect.getsource(topk_module))
+    jitted = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+              and any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)}
+    called = {node.func.id for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    kernels = jitted - called
+    assert {"_topk_slots_kernel", "_topk_chunk_lists_kernel"} <= kernels
+    assert {name: decode._phase_by_name(name) for name in kernels} == dict.fromkeys(kernels, "topk")
 
 
 def test_bad_workspace(device):
@@ -611,7 +727,8 @@ def test_bad_workspace(device):
     with pytest.raises(ValueError, match="single_launch: only with a workspace"):
         call(None, single_launch=False)
     # 2 x 1000 programs are more than 4 per SM of any device this runs on (and the CPU has none)
-    with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device and at most 4 programs "
+    with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device, compiled kernels "
+                                         r"\(not the Triton interpreter\) and at most 4 programs "
                                          r"per SM, got 2 rows x 1000 chunks on "):
         call(torch.zeros(2, 1000, words, dtype=torch.int32, device=device), single_launch=True)
 
@@ -736,6 +853,35 @@ def test_gpu_single_launch_at_the_fit_limit(with_lists):
             listed = torch.cat([_listed(candidates, row, num_chunks, chunk, logits)
                                 for chunk in range(num_chunks)])
             assert bool(torch.isin(positions[row].cpu(), listed).all()), f"row {row}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_lists", [False, True])
+def test_gpu_refused_cooperative_grid_takes_five_launches(monkeypatch, with_lists):
+    """The driver's own refusal: 17 programs per SM (more than its 2048 threads hold in programs
+    of 128) past a fit rule told to say yes. The default falls back to the five launches, exact
+    (the refusal leaves no error behind) and remembered; single_launch=True raises it."""
+    device, k = torch.device("cuda"), 2048
+    monkeypatch.setattr(topk_module, "topk_single_launch_fits", lambda *args: True)
+    monkeypatch.setattr(topk_module, "_REFUSED_GRIDS", {})
+    num_rows = 2
+    num_chunks = -(-17 * torch.cuda.get_device_properties(device).multi_processor_count
+                   // num_rows)
+    lengths = [300_000, 5_000]
+    gen = torch.Generator().manual_seed(17)
+    logits, seqlens, page_table = _inputs(torch.randn(num_rows, 300_000, generator=gen), lengths,
+                                          width=300_000, num_slots=1 << 20)
+    candidates = None
+    if with_lists:  # a list region per chunk (topk_candidates allocates none for this many)
+        candidates = torch.full((num_rows, num_chunks * topk_candidates_width(k, device)), JUNK,
+                                dtype=torch.int32, device=device)
+    _assert_topk(logits, seqlens, page_table, k, device, num_chunks=num_chunks,
+                 candidates=candidates)
+    name = "_topk_chunk_lists_kernel" if with_lists else "_topk_chunk_single_launch_kernel"
+    assert topk_module._REFUSED_GRIDS == {(name, device.index or 0): num_rows * num_chunks}
+    with pytest.raises(RuntimeError, match="too many blocks in cooperative launch"):
+        _assert_topk(logits, seqlens, page_table, k, device, num_chunks=num_chunks,
+                     single_launch=True, candidates=candidates)
 
 
 @pytest.mark.gpu

@@ -182,10 +182,12 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         ``G`` rows (one dot with ``G * H`` columns). Logits of a row then differ from ``G = 1``
         in the summation order of the head sum (not bitwise equal).
     check_values : also check (a host sync, so not inside CUDA graphs) that every length fits
-        ``W`` and ``W_out``, that the schedule was built for ``R / G`` units and that the rows
-        of a group share their page-table prefix. Shapes, dtypes, devices and strides are
-        always checked. With ``False`` these are preconditions (a longer row reads past its
-        page-table row).
+        ``W`` and ``W_out``, that the schedule was built for ``R / G`` units, that the rows
+        of a group share their page-table prefix and that every slot read (the live prefix
+        named under ``page_table_1``) is a row of ``k_cache``, ``0 <= slot < num_slots``.
+        Shapes, dtypes, devices and strides are always checked. With ``False`` (graph replay)
+        these are preconditions the caller guarantees (a longer row reads past its page-table
+        row, an out-of-range slot outside ``k_cache``).
     config : launch configuration; :data:`INDEXER_BASELINE_CONFIG` is the earlier
         kernel (the benchmark's baseline).
 
@@ -201,6 +203,7 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     if check_values:
         check_live_width(seqlens, page_table_1=page_table_1, out=out)
         _check_groups(page_table_1, seqlens, schedule, rows_per_group, skip_len)
+        _check_slots(page_table_1, seqlens, k_cache.shape[0], rows_per_group, skip_len)
     group_p2 = triton.next_power_of_2(rows_per_group)
     heads_p2 = max(triton.next_power_of_2(num_heads), 16 // group_p2)  # a dot needs N >= 16
     num_programs = schedule.shape[0] - 1
@@ -255,3 +258,21 @@ def _check_groups(page_table_1, seqlens, schedule, rows_per_group, skip_len) -> 
         raise ValueError(f"page_table_1: rows {unit * rows_per_group}.."
                          f"{(unit + 1) * rows_per_group - 1} form a group (rows_per_group="
                          f"{rows_per_group}) but their live prefixes differ from the first row's")
+
+
+def _check_slots(page_table_1, seqlens, num_slots, rows_per_group, skip_len) -> None:
+    """Value check (host sync): every page-table entry the kernel dereferences (each unit's first
+    row, up to its longest member longer than ``skip_len``) is a row of ``k_cache``."""
+    if seqlens.numel() == 0:
+        return
+    lengths = torch.where(seqlens > skip_len, seqlens, 0).view(-1, rows_per_group).amax(1)
+    longest = int(lengths.max())
+    read = page_table_1[::rows_per_group, :longest]
+    live = torch.arange(longest, device=seqlens.device) < lengths[:, None]
+    bad = live & ((read < 0) | (read >= num_slots))
+    if bool(bad.any()):
+        unit, position = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"page_table_1: slot {int(read[unit, position])} at row "
+                         f"{unit * rows_per_group}, position {position} (within the live "
+                         f"length) is out of range for a k_cache of {num_slots} rows; expected "
+                         f"0 <= slot < {num_slots}")

@@ -79,9 +79,10 @@ MIN_CHUNKS = 4
 PROGRAMS_PER_SM = 2
 # The single launch needs every program of the grid resident at once; the compiled single-launch
 # kernels (4 warps, 2 KB of shared memory for sm_90 with Triton 3.6; 118 registers a thread, the
-# one with lists capped at 128) fit four per SM each, so a grid of up to four per SM may run as
-# one (a GPU test launches one that large; a grid the device cannot hold makes the cooperative
-# launch fail, it never hangs).
+# one with lists capped at 128) fit four per SM each, so a grid of up to four per SM is tried as
+# one (a GPU test launches one that large). The driver is the authority: it refuses a cooperative
+# grid the SMs it lets this process use cannot hold (fewer SMs under MPS or in a green context,
+# another occupancy on another device or compiler), and the call then takes the five launches.
 SINGLE_LAUNCH_PROGRAMS_PER_SM = 4
 _CHUNK_WARPS = 4  # warps of a chunked-form program
 # ... which holds for the kernel with lists (155 registers uncapped: three per SM) when each of its
@@ -880,8 +881,9 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     k : number of entries per row, >= 1.
     out : int32 ``[R, k]``, written (every entry).
     check_values : also check (a host sync, so not inside CUDA graphs) that every length fits
-        ``W_out`` and ``W``. Shapes, dtypes, devices and strides are always checked. With
-        ``False`` the caller guarantees ``seqlens[r] <= min(W_out, W)``.
+        ``W_out`` and ``W`` and, before a single launch, that the workspace's barrier counters
+        are zero. Shapes, dtypes, devices and strides are always checked. With ``False`` the
+        caller guarantees both.
     out_positions : optional int32 ``[R, k]``, written with the logical positions (``-1`` past
         the selection) in the same order as ``out``.
     read_short_rows : run rows with ``seqlens[r] <= k`` through the selection passes too, reading
@@ -889,10 +891,15 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         without a workspace.
     workspace : None, or contiguous int32 ``[R, P, TOPK_WORKSPACE_WORDS]`` from
         :func:`topk_workspace`: split each row over ``P`` programs (written; no value needed on
-        entry except the counter ``workspace[:, 0, TOPK_COUNTER_WORDS]``, which the single
-        launch needs at zero, as ``topk_workspace`` allocates it, and leaves at zero).
+        entry except the barrier counter ``workspace[:, 0, TOPK_COUNTER_WORDS]``). The single
+        launch needs the counter at zero on entry, else every program of the row waits forever
+        (a hang, inside a graph replay too), and leaves it at zero: the caller allocates the
+        workspace with ``topk_workspace`` (zeros), writes nothing else into it and runs one call
+        at a time on it. ``check_values`` checks it before a single launch.
     single_launch : run the chunked form as one cooperative launch (True), as five launches
-        (False), or as one where :func:`topk_single_launch_fits` (None). True needs it to fit.
+        (False), or as one where :func:`topk_single_launch_fits` and the driver accepts the
+        cooperative grid (None: a refused grid takes the five launches, and so do later calls
+        with at least that many programs). True needs it to fit (a refusal is then an error).
         (The runtime passes False when ``DSASPEC_TOPK_SINGLE_LAUNCH`` is off.)
     candidates : None, or int32 ``[R, C]`` (last dim contiguous) from :func:`topk_candidates`
         (with a workspace of ``P`` chunks: ``num_chunks=P``), ``C >= 2 P k``; not with
@@ -929,13 +936,17 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         raise ValueError("read_short_rows: only without a workspace (the baseline form)")
     if single_launch is not None and workspace is None:
         raise ValueError("single_launch: only with a workspace (the chunked form)")
+    required = single_launch is True  # a refused cooperative launch is an error
     if workspace is not None:
         fits = topk_single_launch_fits(logits.shape[0], workspace.shape[1], logits.device)
         if single_launch and not fits:
-            raise ValueError(f"single_launch: needs a CUDA device and at most "
-                             f"{SINGLE_LAUNCH_PROGRAMS_PER_SM} programs per SM, got {logits.shape[0]} rows x "
+            raise ValueError(f"single_launch: needs a CUDA device, compiled kernels (not the "
+                             f"Triton interpreter) and at most {SINGLE_LAUNCH_PROGRAMS_PER_SM} "
+                             f"programs per SM, got {logits.shape[0]} rows x "
                              f"{workspace.shape[1]} chunks on {logits.device}")
         single_launch = fits if single_launch is None else single_launch
+        if single_launch and check_values:
+            _check_counters(workspace)
     if check_values:
         check_live_width(seqlens, logits=logits, page_table_1=page_table_1)
     write_positions = out_positions is not None
@@ -975,14 +986,15 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     list_args = (listed, *strides, listed.stride(0), k, num_chunks, region, rank, stride, min_live)
     if single_launch:
         if candidates is None:
-            _topk_chunk_single_launch_kernel[grid](*args, workspace, *strides, k, num_chunks,
-                                                   launch_cooperative_grid=True, **chunked)
+            kernel, kernel_args, options = (_topk_chunk_single_launch_kernel,
+                                            (*args, workspace, *strides, k, num_chunks), chunked)
         else:
             cap = {"maxnreg": _SINGLE_LAUNCH_MAX_REGISTERS} if on_gpu else {}
-            _topk_chunk_lists_kernel[grid](*args, workspace, *list_args,
-                                           LIST_BLOCK=sampled["LIST_BLOCK"],
-                                           launch_cooperative_grid=True, **chunked, **cap)
-        return out
+            kernel, kernel_args, options = (_topk_chunk_lists_kernel,
+                                            (*args, workspace, *list_args),
+                                            dict(chunked, LIST_BLOCK=sampled["LIST_BLOCK"], **cap))
+        if _cooperative_launch(kernel, grid, kernel_args, options, logits.device, required):
+            return out
     pdl = supports_pdl(logits.device)
     passes = ([int(_LIST_PASS)] if candidates is not None else []) + list(range(_PASSES))
     for order, pass_index in enumerate(passes):
@@ -992,6 +1004,47 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
                                       WAIT=order > 0, launch_pdl=pdl and order > 0, **sampled,
                                       **chunked)
     return out
+
+
+# per (kernel name, device index): the smallest cooperative grid (programs) the driver refused
+_REFUSED_GRIDS: dict[tuple[str, int | None], int] = {}
+
+
+def _cooperative_launch(kernel, grid, args, options, device, required: bool) -> bool:
+    """Launch ``kernel`` over ``grid`` as one cooperative grid. Unless ``required``, a grid the
+    driver refuses (this one, or one no larger before on this device) launches nothing and
+    returns False, so the caller takes the five launches; the refusal recorded in the eager
+    warm-up keeps a later graph capture off the cooperative launch."""
+    key, programs = (kernel.__name__, torch.device(device).index), grid[0] * grid[1]
+    if not required and programs >= _REFUSED_GRIDS.get(key, programs + 1):
+        return False
+    try:
+        kernel[grid](*args, launch_cooperative_grid=True, **options)
+    except RuntimeError as error:  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE
+        if required or "cooperative launch" not in str(error):
+            raise
+        _REFUSED_GRIDS[key] = min(programs, _REFUSED_GRIDS.get(key, programs))
+        return False
+    return True
+
+
+def _check_counters(workspace: torch.Tensor) -> None:
+    """Value check (host sync) of the single launch's entry condition: every row's barrier
+    counter is zero."""
+    counters = workspace[:, 0, TOPK_COUNTER_WORDS].flatten()
+    if bool(counters.any()):
+        row = int(counters.nonzero()[0])
+        raise ValueError(f"workspace: the barrier counter workspace[{row}, 0, "
+                         f"TOPK_COUNTER_WORDS] is {int(counters[row])}, expected 0 on entry to "
+                         f"the single launch (topk_workspace allocates it zero and every call "
+                         f"leaves it zero; the workspace was written elsewhere or used by two "
+                         f"calls at once)")
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run under the Triton interpreter (``TRITON_INTERPRET=1`` at import,
+    also with CUDA tensors)."""
+    return not isinstance(_topk_chunk_single_launch_kernel, triton.runtime.JITFunction)
 
 
 def _sample_stride(device) -> int:
@@ -1052,11 +1105,14 @@ def topk_candidates(num_rows: int, k: int, device,
 
 def topk_single_launch_fits(num_rows: int, num_chunks: int, device) -> bool:
     """Whether the chunked form of ``num_rows`` rows of ``num_chunks`` chunks may run as one
-    cooperative launch on ``device``: a CUDA device, and at most ``SINGLE_LAUNCH_PROGRAMS_PER_SM``
-    programs per SM (so every program is resident at once; the interpreter runs them one by one).
-    The default chunk count (:func:`topk_num_chunks`) always fits."""
+    cooperative launch on ``device``: a CUDA device, compiled kernels (the Triton interpreter
+    runs one program after another, so a program waiting at a barrier for its row's next one
+    would wait forever), and at most ``SINGLE_LAUNCH_PROGRAMS_PER_SM`` programs per SM (so every
+    program can be resident at once; the driver may still refuse the grid, see
+    :func:`topk_slots`). With compiled kernels on CUDA the default chunk count
+    (:func:`topk_num_chunks`) always passes."""
     device = torch.device(device)
-    return (device.type == "cuda"
+    return (device.type == "cuda" and not _interpreted()
             and num_rows * num_chunks <= SINGLE_LAUNCH_PROGRAMS_PER_SM * sm_count(device))
 
 
