@@ -1,4 +1,4 @@
-"""The Engine (continuous batching, bucket padding, graph runner) against one-request-at-a-time
+"""The Engine (continuous batching, bucket padding, the plain decode worker) against one-request-at-a-time
 greedy decoding through the model's own step path, metadata kernels against each other, bad
 inputs, the ``dsaspec generate`` command and the ``dsaspec bench decode`` smoke run.
 
@@ -15,7 +15,7 @@ import torch
 
 from dsaspec.configs.model_config import get_config
 from dsaspec.engine.engine import Engine, GenerationResult
-from dsaspec.executor.graph_runner import DecodeGraphRunner
+from dsaspec.executor.decode_worker import DecodeWorker
 from dsaspec.memory import (PAGE_SIZE, ContextLengthError, KVPool, PageAllocator,
                                     PoolExhaustedError, ReqToTokenPool, RequestSlots)
 from dsaspec.layers.attention.inputs import build_extend_inputs
@@ -183,18 +183,16 @@ def test_bad_inputs_are_refused_before_any_work(fp32_model):
         _engine(fp32_model, max_batch=0)
 
 
-def test_graph_runner_refuses_bad_batches(fp32_model):
+def test_decode_worker_refuses_bad_batches(fp32_model):
     engine = _engine(fp32_model, context_len=64, max_batch=2, bucket_sizes=(1, 2))
-    runner = engine.runner
-    with pytest.raises(ValueError, match="at least one request"):
-        runner.step([], [], [])
-    with pytest.raises(ValueError, match="bs=2 does not fit bucket 1"):
-        runner.load([1, 2], [0, 0], [0, 1], 1)
-    with pytest.raises(ValueError, match="same length"):
-        runner.load([1, 2], [0], [0, 1], 2)
+    worker = engine.worker
+    with pytest.raises(ValueError, match="rows is empty"):
+        worker.step([])
+    with pytest.raises(ValueError, match="rows: 2 do not fit bucket 1"):
+        worker.load([0, 1], 1)
     with pytest.raises(ValueError, match="use_cuda_graph=True needs"):
-        DecodeGraphRunner(fp32_model, engine.kv, engine.backend, use_cuda_graph=True)
-    assert not runner.use_cuda_graph
+        DecodeWorker(fp32_model, engine.kv, engine.backend, use_cuda_graph=True)
+    assert not worker.use_cuda_graph
 
 
 def test_generate_command_runs_on_cpu(capsys):
@@ -290,7 +288,7 @@ def test_gpu_graph_decode_matches_eager_decode(gpu_models, preset):
     model = gpu_models(preset)
     graph_tokens, graph_engine = _gpu_generate(model, preset, use_cuda_graph=True)
     eager_tokens, eager_engine = _gpu_generate(model, preset, use_cuda_graph=False)
-    assert graph_engine.runner.use_cuda_graph and not eager_engine.runner.use_cuda_graph
+    assert graph_engine.worker.use_cuda_graph and not eager_engine.worker.use_cuda_graph
     assert graph_engine.backend.kernel == "bounded"
     assert set(graph_engine.stats.step_batches) == {1, 2, 3}          # joins and departures
     assert graph_tokens == eager_tokens
