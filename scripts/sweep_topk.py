@@ -23,6 +23,7 @@ import triton
 
 from dsaspec.bench.timing import time_in_graph, warm_up_gpu
 from dsaspec.ops import topk as topk_module
+from dsaspec.ops.order_key import fp32_order_key
 from dsaspec.ops.topk import topk_slots, topk_workspace
 
 K, LIVE = 2048, 65536
@@ -55,8 +56,7 @@ def main() -> int:
         workspace = topk_workspace(rows, device)
         for name, logits in (("normal", torch.randn(rows, LIVE, device=device, generator=gen)),
                              ("random_bits", _random_bit_logits(rows, gen, device))):
-            keys = logits.view(torch.int32).long() & 0xFFFFFFFF
-            keys = torch.where(keys >= 1 << 31, keys ^ 0xFFFFFFFF, keys | (1 << 31))
+            keys = fp32_order_key(logits)
             counts = torch.bincount((keys >> 24).flatten(), minlength=256).sort(descending=True).values
             bins = int((counts.cumsum(0) < 0.9 * counts.sum()).sum()) + 1
 

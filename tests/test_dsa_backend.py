@@ -9,6 +9,7 @@ import torch
 
 from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend, select_kernel
 from dsaspec.ops.dsa_metadata_bounded import DEFAULT_BUDGET
+from dsaspec.layers.attention.inputs import AttentionScratch
 from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
 from dsaspec.reference.indexer_schedule import reference_indexer_schedule
@@ -209,6 +210,34 @@ def test_eager_variable_draft_extend():
     want = reference_metadata(Mode.DRAFT_EXTEND, table[:, :300], rpi, sl, index_topk=K, page_size=P,
                               num_draft_tokens=N, extend_seq_lens=ext)
     assert_contract_equal(out, want, Mode.DRAFT_EXTEND, sl, N, ext)
+
+
+# ---------------------------------------------------------------- attention inputs
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_attention_inputs_over_the_buffers(mode):
+    """Captured: views of the buffers and schedule of (bs, mode), the mode's row groups, a scratch
+    of every row (or the leading rows of a shared one). Eager: the same over fresh metadata."""
+    table = make_table(POOL, W_CPU, "cpu")
+    be = backend(table, CONTEXT_WIDE, bucket_sizes=(2, 4))
+    with pytest.raises(ValueError, match="bs=4 was not captured"):
+        be.attention_inputs(4, mode)
+    buffers = be.capture(4, mode)
+    attn = be.attention_inputs(4, mode)
+    rows, width = buffers.page_table_1.shape
+    groups = N if mode is Mode.TARGET_VERIFY else 1
+    assert attn.page_table_1 is buffers.page_table_1 and attn.seqlens is buffers.seqlens_expanded
+    assert attn.schedule is be.schedule(4, mode) and attn.rows_per_group == groups
+    assert attn.index_logits.shape == (rows, width) and attn.topk_slots.shape == (rows, K)
+    scratch = AttentionScratch.allocate(4 * N + 5, width, K, "cpu")
+    shared = be.attention_inputs(4, mode, scratch=scratch)
+    assert shared.topk_slots.data_ptr() == scratch.topk_slots.data_ptr() and shared.topk_slots.shape == (rows, K)
+    rpi, sl = torch.tensor([1, 6, 0]), torch.tensor([5, 190, 64])
+    eager = be.eager_attention_inputs(rpi, sl, mode)
+    metadata, schedule = be.eager(rpi, sl, mode)
+    assert torch.equal(eager.page_table_1, metadata.page_table_1)
+    assert torch.equal(eager.seqlens, metadata.seqlens_expanded)
+    assert torch.equal(eager.schedule, schedule) and eager.rows_per_group == groups
 
 
 # ---------------------------------------------------------------- bad input

@@ -1,4 +1,4 @@
-"""The Engine (continuous batching, bucket padding, graph runner) against one-request-at-a-time
+"""The Engine (continuous batching, bucket padding, the plain decode worker) against one-request-at-a-time
 greedy decoding through the model's own step path, metadata kernels against each other, bad
 inputs and requests that can never fit, the ``dsaspec generate`` command and the ``dsaspec bench
 decode`` smoke run.
@@ -18,7 +18,7 @@ import torch
 from dsaspec.configs.model_config import get_config
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.engine.engine import Engine, GenerationResult
-from dsaspec.executor.graph_runner import DecodeGraphRunner
+from dsaspec.executor.decode_worker import DecodeWorker
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.layers.attention.inputs import build_extend_inputs
 from dsaspec.models.dsa_model import DSAModel
@@ -240,7 +240,7 @@ def test_requests_that_can_never_fit_are_refused_and_the_others_run(fp32_model, 
     assert results[0].error is None and results[3].error is None
     assert engine.stats.prefill_tokens == 5 + 33
     assert _all_rows_free(engine)
-    generate._print_results(results, engine.stats, None)
+    generate._print_results(results, engine.stats, None, random_weights=False)
     lines = capsys.readouterr().out.splitlines()
     assert lines[2] == f"request 1: prompt 101 tokens, refused: {results[1].error}"
     assert lines[3] == f"request 2: prompt 70 tokens, refused: {results[2].error}"
@@ -251,18 +251,16 @@ def test_requests_that_can_never_fit_are_refused_and_the_others_run(fp32_model, 
     assert engine.stats.decode_steps == 0 and engine.stats.prefill_tokens == 0
 
 
-def test_graph_runner_refuses_bad_batches(fp32_model):
+def test_decode_worker_refuses_bad_batches(fp32_model):
     engine = _engine(fp32_model, context_len=64, max_batch=2, bucket_sizes=(1, 2))
-    runner = engine.runner
-    with pytest.raises(ValueError, match="at least one request"):
-        runner.step([], [], [])
-    with pytest.raises(ValueError, match="bs=2 does not fit bucket 1"):
-        runner.load([1, 2], [0, 0], [0, 1], 1)
-    with pytest.raises(ValueError, match="same length"):
-        runner.load([1, 2], [0], [0, 1], 2)
+    worker = engine.worker
+    with pytest.raises(ValueError, match="rows is empty"):
+        worker.step([])
+    with pytest.raises(ValueError, match="rows: 2 do not fit bucket 1"):
+        worker.load([0, 1], 1)
     with pytest.raises(ValueError, match="use_cuda_graph=True needs"):
-        DecodeGraphRunner(fp32_model, engine.kv, engine.backend, use_cuda_graph=True)
-    assert not runner.use_cuda_graph
+        DecodeWorker(fp32_model, engine.kv, engine.backend, use_cuda_graph=True)
+    assert not worker.use_cuda_graph
 
 
 def test_generate_command_runs_on_cpu(capsys):
@@ -359,7 +357,7 @@ def test_gpu_graph_decode_matches_eager_decode(gpu_models, preset):
     model = gpu_models(preset)
     graph_tokens, graph_engine = _gpu_generate(model, preset, use_cuda_graph=True)
     eager_tokens, eager_engine = _gpu_generate(model, preset, use_cuda_graph=False)
-    assert graph_engine.runner.use_cuda_graph and not eager_engine.runner.use_cuda_graph
+    assert graph_engine.worker.use_cuda_graph and not eager_engine.worker.use_cuda_graph
     assert graph_engine.backend.kernel == "bounded"
     assert set(graph_engine.stats.step_batches) == {1, 2, 3}          # joins and departures
     assert graph_tokens == eager_tokens

@@ -305,11 +305,11 @@ def test_rejected_kv_is_never_read(guessing_model, prompts, plain_guessing):
     spec = SpecConfig(num_steps=3)
     engine = _engine(guessing_model, spec)
     worker = engine.worker
-    iterate = worker.iterate
+    step = worker.step
     poisoned = []
 
-    def poisoning_iterate(self, rows, **kwargs):
-        result = iterate(rows, **kwargs)
+    def poisoning_step(self, rows, **kwargs):
+        result = step(rows, **kwargs)
         for row, accepted in zip(rows, result.accept_lens):
             committed = int(self.state.seq_lens[row])
             stale = self.req_pool.req_to_token[row, committed:committed - accepted + spec.num_draft_tokens].long()
@@ -319,7 +319,7 @@ def test_rejected_kv_is_never_read(guessing_model, prompts, plain_guessing):
             poisoned.append(stale.numel())
         return result
 
-    worker.iterate = types.MethodType(poisoning_iterate, worker)
+    worker.step = types.MethodType(poisoning_step, worker)
     assert _tokens(engine, prompts, MAX_NEW) == plain_guessing
     assert sum(poisoned) > 0
 

@@ -5,11 +5,11 @@ seeded random weights, bf16, Triton ops. For every configured context (default 1
 one ``req_to_token`` table and a KV pool sized for the live tokens only; ``max(bs)`` requests are
 prefilled once with a ``--live``-token random prompt (eager, chunked). Every configuration
 {context-wide, bounded metadata} x {context} has its own backend and a
-:class:`~dsaspec.executor.graph_runner.DecodeGraphRunner` with one CUDA graph per batch size.
+:class:`~dsaspec.executor.decode_worker.DecodeWorker` with one CUDA graph per batch size.
 
 A decode step is what an engine runs: input prep and the backend's metadata replay (eager, right
-before the graph), the graph replay (model forward + LM head + greedy argmax), then the greedy
-token fed back as the next input on the device (no host sync between steps). A run decodes
+before the graph), the graph replay (model forward + LM head + greedy argmax, the greedy token
+fed back as the next input through the rows' carry; no host sync between steps). A run decodes
 ``--steps`` steps from the same prefilled state; a CUDA event is recorded between consecutive
 steps, so a step's time is its wall time on the GPU's timeline (launch gaps included). TPOT = the
 median step time over all timed runs; runs are interleaved over the configurations (order
@@ -48,7 +48,7 @@ from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.configs.model_config import PRESETS, get_config
-from dsaspec.executor.graph_runner import DecodeGraphRunner
+from dsaspec.executor.decode_worker import DecodeWorker
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.ops import (dsa_metadata, dsa_metadata_bounded, indexer, indexer_schedule, sparse_mla,
                          sparse_mla_gluon, topk)
@@ -80,7 +80,8 @@ _KERNELS = dict(NAME_PHASES)
 # phase -> what lands in it: the kernels named above first, then the module region (marker hooks)
 PHASE_PATTERNS = {
     "metadata": f"kernels named {', '.join(_KERNELS['metadata'])}; and the input prep before the graph "
-                "(seq_lens = positions + 1, the out_cache_loc gather)",
+                "(the rows' positions and tokens from their carry, seq_lens = positions + 1, the out_cache_loc "
+                "gather)",
     "indexer": f"{', '.join(_KERNELS['indexer'])}; and the kernels of module self_attn.indexer (wq_b, wk, "
                "k_norm, weights_proj GEMMs, indexer RoPE, index-key cache write)",
     "topk": ", ".join(_KERNELS["topk"]),
@@ -89,9 +90,10 @@ PHASE_PATTERNS = {
                       "cache write, W_UK/W_UV absorption bmm, o_proj)",
     "ffn": "kernels of module mlp (gate/up/down GEMMs, SiLU*mul)",
     "lm_head": "kernels of module lm_head (the vocab GEMM)",
-    "sampling": "kernels after lm_head in the graph (fp32 cast of the logits, argmax)",
+    "sampling": "kernels after lm_head in the graph (fp32 cast of the logits, argmax, the token and length "
+                "written back to the rows' carry)",
     "other": "everything else in the graph (RoPE cos/sin, embedding, layer norms, residual adds, final norm)",
-    "feedback": "bench bookkeeping after the graph (token copied back as the next input, positions + 1)",
+    "feedback": "bench bookkeeping after the graph (the step's tokens copied out)",
 }
 
 
@@ -115,13 +117,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class _Context:
-    """One configured context: its table, KV pool and the prefilled requests."""
+    """One configured context: its table, KV pool, the prefilled requests and their carry."""
 
     context_len: int
     pool: ReqToTokenPool
     kv: KVPool
-    rows: list[int]
-    first_tokens: list[int]
+    rows: list[int] = field(default_factory=list)
+    snapshot: dict = field(default_factory=dict)
     runners: dict = field(default_factory=dict)
 
 
@@ -200,30 +202,30 @@ def _build_context(model, context_len: int, prompts: list[torch.Tensor], args, d
     allocator = PageAllocator(PAGE_SIZE * (1 + max_bs * pages_per_request))
     slots = RequestSlots(pool, allocator)
     kv = KVPool.for_model(model.config, allocator.num_slots, dtype=model.lm_head.weight.dtype, device=device)
-    rows, first_tokens = [], []
-    with torch.no_grad():
-        for prompt in prompts:
-            row = slots.admit(args.live, reserve=args.steps)
-            hidden = model.prefill(prompt.to(device), pool.req_to_token, row, kv)
-            rows.append(row)
-            first_tokens.append(int(model.logits(hidden[-1:]).argmax()))
-    context = _Context(context_len, pool, kv, rows, first_tokens)
+    context = _Context(context_len, pool, kv)
     for kernel in KERNELS:
         backend = DSAAttnBackend(pool.req_to_token, index_topk=model.config.index_topk, page_size=PAGE_SIZE,
                                  bucket_sizes=args.bs, num_sms=indexer_programs(device), budget=args.budget,
                                  force_kernel=kernel)
-        context.runners[kernel] = DecodeGraphRunner(model, kv, backend).capture()
+        context.runners[kernel] = DecodeWorker(model, kv, backend).capture()
+    first = context.runners[KERNELS[0]]
+    for prompt in prompts:
+        row = slots.admit(args.live, reserve=args.steps)
+        first.prefill(row, prompt.tolist())
+        context.rows.append(row)
+    context.snapshot = first.state.snapshot(context.rows)
     return context
 
 
 @torch.no_grad()
-def decode_run(runner: DecodeGraphRunner, context: _Context, bs: int, steps: int, *, args,
-               events=None, markers: PhaseMarkers | None = None) -> torch.Tensor:
-    """``steps`` greedy decode steps of requests ``[0, bs)`` from their prefilled state, the tokens
-    fed back on the device. Records ``events[i]`` before step ``i`` and ``events[steps]`` after
-    the last. Returns the int64 ``[steps, bs]`` tokens (device)."""
+def decode_run(runner: DecodeWorker, context: _Context, bs: int, steps: int, *, events=None,
+               markers: PhaseMarkers | None = None) -> torch.Tensor:
+    """``steps`` greedy decode steps of requests ``[0, bs)`` from their prefilled state (the carry
+    restored), the tokens fed back on the device. Records ``events[i]`` before step ``i`` and
+    ``events[steps]`` after the last. Returns the int64 ``[steps, bs]`` tokens (device)."""
     bucket = runner.bucket_for(bs)
-    runner.load(context.first_tokens[:bs], [args.live] * bs, context.rows[:bs], bucket)
+    runner.state.restore(context.rows, context.snapshot)
+    runner.load(context.rows[:bs], bucket)
     tokens = torch.empty(steps, bs, dtype=torch.int64, device=runner.next_tokens.device)
     if events is not None:
         events[0].record()
@@ -234,8 +236,6 @@ def decode_run(runner: DecodeGraphRunner, context: _Context, bs: int, steps: int
         if markers is not None:
             markers.mark("feedback")
         tokens[i].copy_(out)
-        runner.input_ids[:bs].copy_(out)
-        runner.positions[:bs].add_(1)
         if events is not None:
             events[i + 1].record()
     return tokens
@@ -243,7 +243,7 @@ def decode_run(runner: DecodeGraphRunner, context: _Context, bs: int, steps: int
 
 def _timed_run(runner, context, bs, args) -> tuple[list[float], torch.Tensor]:
     events = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
-    tokens = decode_run(runner, context, bs, args.steps, args=args, events=events)
+    tokens = decode_run(runner, context, bs, args.steps, events=events)
     torch.cuda.synchronize()
     return [1e3 * events[i].elapsed_time(events[i + 1]) for i in range(args.steps)], tokens
 
@@ -255,17 +255,17 @@ def _profile(model, context: _Context, kernel: str, args) -> dict[int, dict]:
     markers = PhaseMarkers(model)
     backend = context.runners[kernel].backend
     with markers.installed():
-        runner = DecodeGraphRunner(model, context.kv, backend).capture()
+        runner = DecodeWorker(model, context.kv, backend).capture()
         markers.labels.clear()
         runner.run(backend.bucket_sizes[0], use_graph=False)     # all-padding inputs from capture
         graph_sequence = list(markers.labels)
     sequence = ["metadata"] + graph_sequence + ["feedback"]
     out = {}
     for bs in args.bs:
-        decode_run(runner, context, bs, 2, args=args, markers=markers)   # warm
+        decode_run(runner, context, bs, 2, markers=markers)   # warm
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            decode_run(runner, context, bs, args.profile_steps, args=args, markers=markers)
+            decode_run(runner, context, bs, args.profile_steps, markers=markers)
             torch.cuda.synchronize()
         per_step = attribute_phases(device_events(prof), sequence, args.profile_steps)
         phases = {p: statistics.median(s.get(p, 0.0) for s in per_step) for p in PHASE_PATTERNS}
@@ -351,7 +351,7 @@ def run(args) -> int:
                         step_times, out = _timed_run(runner, context, bs, args)
                         times[key].append(step_times)
                     else:
-                        out = decode_run(runner, context, bs, args.steps, args=args)
+                        out = decode_run(runner, context, bs, args.steps)
                     out = out.cpu()
                     if key not in tokens:
                         tokens[key] = out

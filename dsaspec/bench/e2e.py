@@ -170,7 +170,7 @@ def _run(worker: SpecWorker, setup: _Setup, concurrency: int, accept: str, args,
         torch.cuda.synchronize()
     for _ in range(args.iterations):
         began = time.perf_counter()
-        result = worker.iterate(rows, timed=timed)
+        result = worker.step(rows, timed=timed)
         out["iter_ms"].append(1e3 * (time.perf_counter() - began))
         out["phase_ms"].append(result.phase_ms)
         out["accept_lens"].extend(result.accept_lens)
@@ -282,7 +282,7 @@ def run(args) -> int:
     method = (f"{args.iterations} speculative iterations per run (S = {args.num_steps}) from the same prefilled state "
               f"(prompt {args.prompt_len} tokens), {args.runs} timed runs per point and path interleaved "
               f"{order} after one warm-up run each; iteration = host wall time of "
-              "SpecWorker.iterate (metadata + draft/verify/extend graph replays + one device-to-host copy); phases "
+              "SpecWorker.step (metadata + draft/verify/extend graph replays + one device-to-host copy); phases "
               "from CUDA events; per-token latency = median iteration time / mean accept length; spread = "
               "(max - min) / median of the per-run medians." if on_gpu else
               "Triton interpreter on CPU (metadata, draft argmax), torch ops (model): token identity only.")

@@ -2,19 +2,22 @@
 plain or speculative (MTP, EAGLE chain).
 
 :class:`Engine` owns the memory of one model (``ReqToTokenPool``, ``PageAllocator``, the target
-``KVPool``, and with speculation the MTP layer's ``KVPool``), a
-:class:`~dsaspec.layers.attention.backend.DSAAttnBackend` and either a
-:class:`~dsaspec.executor.graph_runner.DecodeGraphRunner` (plain greedy decoding) or a
-:class:`~dsaspec.speculative.spec_worker.SpecWorker` (speculative decoding), captured for the batch
-buckets. The scheduler loop of :meth:`Engine.generate`:
+``KVPool``, and with speculation the MTP layer's ``KVPool``) and one
+:class:`~dsaspec.executor.worker.Worker` captured for the batch buckets: a
+:class:`~dsaspec.executor.decode_worker.DecodeWorker` (plain greedy decoding) or a
+:class:`~dsaspec.speculative.spec_worker.SpecWorker` (speculative decoding), each with its
+:class:`~dsaspec.layers.attention.backend.DSAAttnBackend`. The scheduler loop of
+:meth:`Engine.generate`, through the worker protocol only:
 
 1. admit waiting requests while a request row is free and the KV pool has the pages of the whole
    request (every position it will ever write: prompt + ``max_new_tokens - 1``, plus ``N - 1``
    verified positions past the last one with speculation), reserved up front so a running request
-   never runs out of pages; prefill each one eagerly (chunked) and take its first token;
-2. one decode step (or one speculative iteration) for every running request, padded to its bucket;
+   never runs out of pages; ``worker.prefill(row, prompt)`` (eager, chunked) gives its first token;
+2. ``worker.step(rows)`` for every running request (a decode step or a speculative iteration,
+   padded to its bucket) gives each request's committed tokens;
 3. append each request's new tokens one at a time and stop it exactly where plain greedy decoding
-   would (``max_new_tokens`` reached, or ``eos_token_id`` generated); release its row and pages.
+   would (``max_new_tokens`` reached, or ``eos_token_id`` generated); release its row and pages
+   (``worker.release(row)``).
 
 A request that could never fit (too long for the context, more pages than the pool has) is
 refused up front (its result says why) and the others run; one that does not fit *now* waits for
@@ -34,8 +37,9 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.configs.runtime_options import RuntimeOptions
-from dsaspec.layers.attention.backend import DEFAULT_BUCKETS, DSAAttnBackend
-from dsaspec.executor.graph_runner import DecodeGraphRunner
+from dsaspec.executor.decode_worker import build_decode_worker
+from dsaspec.executor.worker import Worker
+from dsaspec.layers.attention.backend import DEFAULT_BUCKETS
 from dsaspec.memory import (PAGE_SIZE, KVPool, PageAllocator, PoolExhaustedError, ReqToTokenPool,
                             RequestSlots)
 from dsaspec.ops.indexer_schedule import indexer_programs
@@ -75,9 +79,9 @@ class GenerationResult:
 class GenerationStats:
     """What one ``generate`` call did: prefill work, decode steps (speculative iterations), their
     host wall times (each step ends with the new tokens on the host), the batch and bucket of each
-    step (``None``: eager, above the largest bucket), the tokens each step kept, and with
-    speculation every request's accept length per iteration and (when timed) each iteration's
-    device time per phase."""
+    step (``None``: eager, above the largest bucket), the tokens each step kept, every request's
+    accept length per step (1 without speculation) and, when timed with speculation, each
+    iteration's device time per phase."""
 
     prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -98,7 +102,7 @@ class GenerationStats:
 
     @property
     def mean_accept_len(self) -> float | None:
-        """Mean tokens committed per request per speculative iteration; None without speculation."""
+        """Mean tokens committed per request per step (1.0 without speculation); None before any step."""
         return statistics.fmean(self.accept_lens) if self.accept_lens else None
 
     @property
@@ -118,11 +122,6 @@ class _Request:
     last_token_at: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
-
-    @property
-    def next_position(self) -> int:
-        """Position of the last generated token: the decode step writes its KV there."""
-        return len(self.prompt) + len(self.tokens) - 1
 
 
 class Engine:
@@ -180,21 +179,16 @@ class Engine:
         buckets = sorted(set(int(b) for b in bucket_sizes))
         holding = [b for b in buckets if b >= max_batch]
         buckets = [b for b in buckets if b < max_batch] + holding[:1]
-        self.runner = self.worker = self.mtp_kv = None
+        common = dict(bucket_sizes=buckets, num_sms=indexer_programs(self.device), force_kernel=force_kernel,
+                      use_cuda_graph=use_cuda_graph, options=options)
+        self.mtp_kv = None
+        self.worker: Worker
         if speculative is None:
-            self.backend = DSAAttnBackend(self.req_pool.req_to_token, index_topk=self.config.index_topk,
-                                          page_size=PAGE_SIZE, bucket_sizes=buckets,
-                                          num_sms=indexer_programs(self.device), force_kernel=force_kernel,
-                                          budget=options.metadata_program_budget,
-                                          bounded_metadata=options.bounded_replay_metadata)
-            self.runner = DecodeGraphRunner(model, self.kv, self.backend, use_cuda_graph=use_cuda_graph).capture()
+            self.worker = build_decode_worker(model, self.req_pool, self.kv, **common)
         else:
             self.mtp_kv = KVPool.for_model(self.config, num_slots, mtp=True, dtype=weight.dtype, device=self.device)
-            self.worker = build_spec_worker(model, self.req_pool, self.kv, self.mtp_kv, speculative,
-                                            bucket_sizes=buckets, num_sms=indexer_programs(self.device),
-                                            force_kernel=force_kernel, use_cuda_graph=use_cuda_graph,
-                                            options=options)
-            self.backend = self.worker.backend
+            self.worker = build_spec_worker(model, self.req_pool, self.kv, self.mtp_kv, speculative, **common)
+        self.backend = self.worker.backend
         self.stats = GenerationStats()
 
     @staticmethod
@@ -206,7 +200,7 @@ class Engine:
     @property
     def use_cuda_graph(self) -> bool:
         """Whether decode steps (or speculative phases) replay CUDA graphs."""
-        return (self.runner or self.worker).use_cuda_graph
+        return self.worker.use_cuda_graph
 
     def extra_positions(self) -> int:
         """Positions a request writes past its last token's: ``N - 1`` verified rows with
@@ -329,8 +323,7 @@ class Engine:
         finally:
             for request in requests:
                 if request.row >= 0:
-                    self.slots.release(request.row)
-                    request.row = -1
+                    self._release(request)
 
     def _finished(self, request: _Request, eos_token_id) -> bool:
         if eos_token_id is not None and request.tokens[-1] == eos_token_id:
@@ -339,20 +332,18 @@ class Engine:
             request.finish_reason = LENGTH
         else:
             return False
+        self._release(request)
+        return True
+
+    def _release(self, request: _Request) -> None:
+        self.worker.release(request.row)
         self.slots.release(request.row)
         request.row = -1
-        return True
 
     @torch.no_grad()
     def _prefill(self, request: _Request, start: float) -> None:
         began = time.perf_counter()
-        if self.worker is not None:
-            request.tokens.append(self.worker.prefill(request.row, request.prompt, chunk_size=self.prefill_chunk))
-        else:
-            ids = torch.tensor(request.prompt, dtype=torch.int64, device=self.device)
-            hidden = self.model.prefill(ids, self.req_pool.req_to_token, request.row, self.kv,
-                                        chunk_size=self.prefill_chunk)
-            request.tokens.append(int(self.model.logits(hidden[-1:]).argmax()))
+        request.tokens.append(self.worker.prefill(request.row, request.prompt, chunk_size=self.prefill_chunk))
         now = time.perf_counter()
         request.first_token_at = request.last_token_at = now - start
         self.stats.prefill_tokens += len(request.prompt)
@@ -362,21 +353,13 @@ class Engine:
         """One decode step (or speculative iteration) of the running requests; appends their new
         tokens up to where each stops. Returns the number of tokens kept."""
         began = time.perf_counter()
-        rows = [r.row for r in running]
-        if self.worker is None:
-            new_tokens = [[t] for t in self.runner.step([r.tokens[-1] for r in running],
-                                                        [r.next_position for r in running], rows)]
-            bucket = self.runner.bucket_for(len(running))
-        else:
-            result = self.worker.iterate(rows, timed=self.time_phases)
-            new_tokens = result.committed
-            bucket = self.worker.bucket_for(len(running))
-            self.stats.accept_lens.extend(result.accept_lens)
-            if result.phase_ms is not None:
-                self.stats.phase_ms.append(result.phase_ms)
+        result = self.worker.step([r.row for r in running], timed=self.time_phases)
         now = time.perf_counter()
+        self.stats.accept_lens.extend(result.accept_lens)
+        if result.phase_ms is not None:
+            self.stats.phase_ms.append(result.phase_ms)
         kept = 0
-        for request, tokens in zip(running, new_tokens):
+        for request, tokens in zip(running, result.committed):
             for token in tokens:
                 request.tokens.append(token)
                 kept += 1
@@ -385,7 +368,7 @@ class Engine:
             request.last_token_at = now - start
         self.stats.step_times_s.append(now - began)
         self.stats.step_batches.append(len(running))
-        self.stats.step_buckets.append(bucket)
+        self.stats.step_buckets.append(self.worker.bucket_for(len(running)))
         self.stats.step_tokens.append(kept)
         return kept
 

@@ -382,13 +382,9 @@ class LogitsProcessor:
     def _gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         rows, shard = local.shape
         shards = self.lm_head.num_shards
-        if shards > 1:
-            gathered = self.group.all_gather(local, out=self._gathered[:shards * rows * shard].view(shards, rows, shard))
-        else:
-            gathered = local.unsqueeze(0)
-        full = self._logits[:rows * shards * shard].view(rows, shards, shard)
-        full.copy_(gathered.transpose(0, 1))  # rank-major → row-major, widened to fp32, in one copy
-        logits = full.view(rows, shards * shard)[:, :self.vocab_size]
+        gathered = None if shards == 1 else self._gathered[:shards * rows * shard].view(shards, rows, shard)
+        logits = self.lm_head.gather_logits(local, gathered=gathered,
+                                            out=self._logits[:rows * shards * shard].view(rows, shards * shard))
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits.div_(cap).tanh_().mul_(cap)

@@ -95,6 +95,36 @@ class VocabParallelLMHead(torch.nn.Module):
             raise TypeError(f"hidden_states must be {self.weight.dtype} (the head's dtype), got {hidden_states.dtype}")
         return torch.mm(hidden_states, self.weight.t(), out=out)
 
+    def gather_logits(self, local: torch.Tensor, *, gathered: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of the whole vocab from every rank's local logits: at TP > 1 with a
+        vocab-parallel head one all-gather over ``group`` (collective), then the shards rank-major
+        -> row-major and widened to fp32 in one copy, the padding columns dropped.
+
+        Parameters
+        ----------
+        local : Tensor ``[rows, Sh]`` (this rank's :meth:`forward`), contiguous.
+        gathered : optional Tensor ``[num_shards, rows, Sh]``, local's dtype, contiguous: the
+            all-gather's output (allocated when None; unused with one shard).
+        out : optional fp32 Tensor ``[rows, num_shards * Sh]``, contiguous; written (allocated when None).
+
+        Returns
+        -------
+        fp32 ``[rows, vocab_size]``, a view of ``out``.
+        """
+        rows, shard = local.shape
+        shards = self.num_shards
+        if shards > 1:
+            if gathered is None:
+                gathered = torch.empty(shards, rows, shard, dtype=local.dtype, device=local.device)
+            gathered = self.group.all_gather(local, out=gathered)
+        else:
+            gathered = local.unsqueeze(0)
+        if out is None:
+            out = torch.empty(rows, shards * shard, dtype=torch.float32, device=local.device)
+        out.view(rows, shards, shard).copy_(gathered.transpose(0, 1))
+        return out[:, :self.vocab_size]
+
 
 def vocab_pad_multiple(group: TPGroup) -> int:
     """The vocab is padded to a multiple of ``64 * TP`` at TP > 1 and not at all at TP 1 (the

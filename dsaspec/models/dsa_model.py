@@ -277,13 +277,8 @@ class DSAModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (shared by the MTP layer): ``[R, hidden]`` -> fp32 ``[R, vocab]``; at TP > 1 the
-        vocab shards are all-gathered (collective)."""
-        local = self.lm_head(hidden)
-        if self.group.size == 1:
-            return local.float()
-        gathered = self.group.all_gather(local, torch.empty(self.group.size, *local.shape, dtype=local.dtype,
-                                                             device=local.device))
-        return gathered.permute(1, 0, 2).reshape(local.shape[0], -1)[:, :self.config.vocab_size].float()
+        vocab shards are all-gathered (collective; ``LMHead.gather_logits``)."""
+        return self.lm_head.gather_logits(self.lm_head(hidden))
 
     # ---- eager prefill helpers --------------------------------------------------------------
     @torch.no_grad()

@@ -117,7 +117,8 @@ _WORDS = tl.constexpr(TOPK_WORKSPACE_WORDS)
 @triton.jit
 def _order_key(values):
     """uint32 keys with the order of the fp32 ``values`` (by bit pattern: -0.0 below +0.0,
-    NaNs with the sign bit below -inf, the others above +inf)."""
+    NaNs with the sign bit below -inf, the others above +inf): ``ops.order_key.fp32_order_key``
+    in-kernel."""
     bits = values.to(tl.int32, bitcast=True)
     flip = (bits >> 31) | -2147483648  # negative: flip every bit; positive: only the sign bit
     return (bits ^ flip).to(tl.uint32, bitcast=True)

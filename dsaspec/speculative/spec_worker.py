@@ -1,4 +1,5 @@
-"""One MTP (EAGLE chain, ``topk = 1``) speculative-decoding iteration on a DSA model, from CUDA graphs.
+"""One MTP (EAGLE chain, ``topk = 1``) speculative-decoding iteration on a DSA model, from CUDA graphs:
+the speculative :class:`~dsaspec.executor.worker.Worker`, whose :meth:`SpecWorker.step` is one iteration.
 
 Per request the worker keeps, in device stores indexed by the request's ``req_to_token`` row, what
 carries from one iteration to the next: the committed length ``L`` (positions ``0 .. L-1`` hold
@@ -21,28 +22,30 @@ One iteration of a batch, with ``S`` draft steps and ``N = S + 1`` verified toke
                hidden and (IndexShare) the MTP indexer's top-k as the next seed
 
 then one device-to-host copy of the accept lengths and committed tokens. Target tokens (verify rows,
-the prefill's bonus) come from ``processor.target_tokens`` over the model's (vocab-parallel) LM head,
-draft tokens from its greedy draft path; at TP 1 in row-invariant mode the target tokens are the
-argmax of ``model.logits`` (the row-invariant head, exactly as plain decoding takes them). Rejected positions keep
-stale KV in both pools; the next verify and draft extend overwrite them before anything reads them
-(rows attend causally and draft steps only to ``[0, L)``), and ``req_to_token`` is never rewritten.
-Padded rows of a bucket point at the dummy table row (all sink slots) with ``L = 1``. Batches above
-the largest bucket run the same phases eagerly over metadata sized to their live lengths.
+the prefill's bonus) come from :func:`~dsaspec.executor.worker.greedy_target_tokens` with the
+LogitsProcessor over the model's (vocab-parallel) LM head, draft tokens from its greedy draft path.
+Rejected positions keep stale KV in both pools; the next verify and draft extend overwrite them
+before anything reads them (rows attend causally and draft steps only to ``[0, L)``), and
+``req_to_token`` is never rewritten. Padded rows of a bucket point at the dummy table row (all sink
+slots) with ``L = 1``, reset after every verify. Batches above the largest bucket run the same phases
+eagerly over metadata sized to their live lengths.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from dsaspec.configs.runtime_options import RuntimeOptions
+from dsaspec.executor.graph_runner import BucketGraphs
+from dsaspec.executor.worker import BucketWorker, RowCarry, StepResult, greedy_target_tokens
 from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
 from dsaspec.ops.dsa_metadata_common import Mode
 from dsaspec.speculative.accept import Acceptance, greedy_accept
-from dsaspec.executor.graph_runner import BucketGraphs, graphs_usable
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionScratch, AttentionWorkspace
 from dsaspec.models.dsa_model import DSAModel
@@ -102,43 +105,19 @@ class SpecConfig:
         return self.simulate_accept_len is not None
 
 
-@dataclass
-class IterationResult:
-    """One iteration's outcome per request (batch order): ``accept_lens[i]`` tokens
-    ``committed[i]`` (accepted drafts, then the new bonus), and the device time of each phase in
-    ms when timing was asked for."""
+class SpecState(RowCarry):
+    """Per-request carry, one row per ``req_to_token`` row (the dummy row included, ``L = 1``):
+    committed length ``seq_lens`` (int64), pending ``bonus`` token, first draft ``draft_first``, its
+    MTP hidden ``draft_hidden`` (model dtype ``[rows, hidden]``) and the IndexShare ``seed`` (int32
+    KV slots ``[rows, index_topk]``, -1 = none)."""
 
-    accept_lens: list[int]
-    committed: list[list[int]]
-    phase_ms: dict[str, float] | None = None
-
-
-class SpecState:
-    """Per-request carry, one row per ``req_to_token`` row (the dummy row included): committed
-    length ``seq_lens`` (int64), pending ``bonus`` token, first draft ``draft_first``, its MTP hidden
-    ``draft_hidden`` (model dtype ``[rows, hidden]``) and the IndexShare ``seed`` (int32 KV slots
-    ``[rows, index_topk]``, -1 = none)."""
-
-    FIELDS = ("seq_lens", "bonus", "draft_first", "draft_hidden", "seed")
+    FIELDS = RowCarry.FIELDS + ("draft_first", "draft_hidden", "seed")
 
     def __init__(self, table_rows: int, hidden: int, index_topk: int, dtype, device):
-        long = dict(dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(table_rows, **long)
-        self.bonus = torch.zeros(table_rows, **long)
-        self.draft_first = torch.zeros(table_rows, **long)
+        super().__init__(table_rows, 1, device)
+        self.draft_first = torch.zeros(table_rows, dtype=torch.int64, device=device)
         self.draft_hidden = torch.zeros(table_rows, hidden, dtype=dtype, device=device)
         self.seed = torch.full((table_rows, index_topk), -1, dtype=torch.int32, device=device)
-
-    def snapshot(self, rows: list[int]) -> dict:
-        """Copies of the carry of table rows ``rows``."""
-        index = torch.tensor(rows, dtype=torch.int64, device=self.seq_lens.device)
-        return {name: getattr(self, name)[index].clone() for name in self.FIELDS}
-
-    def restore(self, rows: list[int], snapshot: dict) -> None:
-        """Write a :meth:`snapshot` (of any worker's state over the same table) back to ``rows``."""
-        index = torch.tensor(rows, dtype=torch.int64, device=self.seq_lens.device)
-        for name in self.FIELDS:
-            getattr(self, name)[index] = snapshot[name]
 
 
 class _Batch:
@@ -164,7 +143,7 @@ class _Batch:
         self.acceptance = Acceptance(self.outputs[:, 0], self.outputs[:, 1:], torch.zeros(n, **long))
 
 
-class SpecWorker:
+class SpecWorker(BucketWorker):
     """Prefill and speculative iterations of one model over one table, one phase graph per bucket.
 
     Parameters
@@ -202,16 +181,12 @@ class SpecWorker:
         if processor.max_rows < verify_rows:
             raise ValueError(f"processor.max_rows={processor.max_rows} is below the verify rows {verify_rows} "
                              f"(num_draft_tokens x max(max_reqs, largest bucket))")
-        self.model, self.config, self.spec = model, config, spec
-        self.req_pool, self.target_kv, self.mtp_kv = req_pool, target_kv, mtp_kv
-        self.backend, self.multi_step, self.processor = backend, multi_step, processor
-        self.index_share = config.index_share_for_mtp_iteration
-        self.device = backend.device
         self.dtype = model.lm_head.weight.dtype
-        self.use_cuda_graph = graphs_usable(self.device, model, use_cuda_graph)
-        self.buckets = backend.bucket_sizes
-        self.state = SpecState(req_pool.req_to_token.shape[0], config.hidden_size, config.index_topk,
-                                self.dtype, self.device)
+        state = SpecState(req_pool.req_to_token.shape[0], config.hidden_size, config.index_topk, self.dtype,
+                          backend.device)
+        super().__init__(model, target_kv, backend, state, use_cuda_graph=use_cuda_graph, processor=processor)
+        self.spec, self.req_pool, self.mtp_kv, self.multi_step = spec, req_pool, mtp_kv, multi_step
+        self.index_share = config.index_share_for_mtp_iteration
         largest = self.buckets[-1]
         self._static = _Batch(largest, steps, config.hidden_size, self.dtype, self.device)
         self._scratch = AttentionScratch.allocate(largest * n_verify, backend.width, config.index_topk,
@@ -222,44 +197,29 @@ class SpecWorker:
         self._workspaces: dict[int, AttentionWorkspace | None] = {}
         self.simulate_accept_len = spec.simulate_accept_len   # may be changed between iterations
         self.rng = random.Random(spec.simulate_seed)          # the simulated draws
-        self._captured = False
-
-    @property
-    def dummy_row(self) -> int:
-        return self.req_pool.dummy_row
 
     # ---- capture ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def capture(self) -> "SpecWorker":
-        """Static buffers and metadata of every bucket and phase; with graphs, warm up and capture
-        the draft, verify and extend graphs of each bucket (largest first). Idempotent."""
-        if self._captured:
-            return self
-        topk = self.config.index_topk
+    def _capture_bucket(self, bucket: int) -> None:
+        """Static buffers and metadata of every phase of ``bucket``; with graphs, warm up and
+        capture its metadata, draft, verify and extend graphs."""
         rows_n = self.spec.num_draft_tokens
-        for bucket in reversed(self.buckets):
-            attn = {}
-            for phase, mode in (("verify", Mode.TARGET_VERIFY), ("extend", Mode.DRAFT_EXTEND)):
-                attn[phase] = AttentionInputs.from_metadata(
-                    self.backend.capture(bucket, mode), self.backend.schedule(bucket, mode), topk,
-                    scratch=self._scratch, rows_per_group=self.backend.rows_per_group(mode),
-                    workspace=self._workspace(bucket * rows_n))
-            if self.multi_step is not None:
-                step_buffers = self.multi_step.capture(bucket)
-                attn["draft"] = [AttentionInputs.from_metadata(buf, step.schedule(bucket, Mode.DECODE), topk,
-                                                               scratch=self._scratch, workspace=self._workspace(bucket))
-                                 for buf, step in zip(step_buffers, self.multi_step.step_backends)]
-            self._attn[bucket] = attn
-            batch = self._bucket_batch(bucket)
-            self._load(batch, [], forced=0)                  # all padding: valid inputs to capture over
-            bodies = {"metadata": lambda: self._prepare(batch, bucket),
-                      **self._bodies(batch, attn, check_values=False)}
-            for phase, body in bodies.items():
-                self.graphs[phase].capture(bucket, body)
-        if self.use_cuda_graph:
-            torch.cuda.synchronize()
-        self._captured = True
-        return self
+        attn = {}
+        for phase, mode in (("verify", Mode.TARGET_VERIFY), ("extend", Mode.DRAFT_EXTEND)):
+            self.backend.capture(bucket, mode)
+            attn[phase] = self.backend.attention_inputs(bucket, mode, scratch=self._scratch,
+                                                        workspace=self._workspace(bucket * rows_n))
+        if self.multi_step is not None:
+            self.multi_step.capture(bucket)
+            attn["draft"] = [step.attention_inputs(bucket, Mode.DECODE, scratch=self._scratch,
+                                                   workspace=self._workspace(bucket))
+                             for step in self.multi_step.step_backends]
+        self._attn[bucket] = attn
+        batch = self._bucket_batch(bucket)
+        self._load(batch, [], forced=0)                  # all padding: valid inputs to capture over
+        bodies = {"metadata": lambda: self._prepare(batch, bucket),
+                  **self._bodies(batch, attn, check_values=False)}
+        for phase, body in bodies.items():
+            self.graphs[phase].capture(bucket, body)
 
     def _workspace(self, rows: int) -> AttentionWorkspace | None:
         """The DSA ops' workspaces (sparse-MLA split, top-k chunks) of ``rows``-row forwards,
@@ -292,36 +252,26 @@ class SpecWorker:
 
     # ---- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, row: int, prompt: list[int], *, chunk_size: int = 512) -> int:
+    def prefill(self, row: int, prompt: Sequence[int], *, chunk_size: int = 512) -> int:
         """Eager prefill of one admitted request: the target over the prompt (its first token, the
         bonus), then the MTP layer over the prompt shifted by one with the bonus last (the first draft,
         its hidden and the IndexShare seed). Returns the first generated token."""
-        model, table = self.model, self.req_pool.req_to_token
-        ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
-        hidden = model.prefill(ids, table, row, self.target_kv, chunk_size=chunk_size)
-        bonus = self._target_tokens(hidden[-1:])
+        ids, hidden, bonus = self._prefill_target(row, prompt, chunk_size)
         next_ids = torch.cat((ids[1:], bonus))
         selection = torch.empty(self.config.index_topk, dtype=torch.int32, device=self.device)
-        drafted = model.prefill_mtp(next_ids, hidden, table, row, self.mtp_kv, chunk_size=chunk_size,
-                                    selection_out=selection)
+        drafted = self.model.prefill_mtp(next_ids, hidden, self.req_pool.req_to_token, row, self.mtp_kv,
+                                         chunk_size=chunk_size, selection_out=selection)
         last = drafted[-1:]
         first_draft = greedy_draft_step(self.processor, last, torch.zeros(1, dtype=torch.int64,
                                                                           device=self.device)).tokens
         state = self.state
-        state.seq_lens[row] = len(prompt)
-        state.bonus[row] = bonus[0]
         state.draft_first[row] = first_draft[0]
         state.draft_hidden[row] = last[0]
         state.seed[row] = selection
+        state.prefilled[row] = True
         return int(bonus)
 
     # ---- one iteration ---------------------------------------------------------------------
-    def bucket_for(self, bs: int) -> int | None:
-        """The bucket a batch of ``bs`` requests is padded to; None above the largest (eager)."""
-        if bs < 1:
-            raise ValueError(f"an iteration needs at least one request, got bs={bs}")
-        return self.backend.bucket_for(bs)
-
     def draw_accept_len(self) -> int:
         """This iteration's simulated accept length: floor or ceil of ``simulate_accept_len``, the
         ceil with probability frac(mean); 0 when simulation is off."""
@@ -332,12 +282,11 @@ class SpecWorker:
         return low + (self.rng.random() < mean - low)
 
     @torch.no_grad()
-    def iterate(self, rows: list[int], *, timed: bool = False) -> IterationResult:
+    def step(self, rows: Sequence[int], *, timed: bool = False) -> StepResult:
         """One speculative iteration of the requests in table rows ``rows`` (each prefilled, with
-        slots up to ``L + N``): returns their accept lengths and committed tokens (one host sync).
-        ``timed``: also the device time of each phase (CUDA events)."""
-        if not self._captured:
-            raise RuntimeError("SpecWorker.iterate before capture()")
+        slots up to ``L + N``; see :meth:`check_rows`): returns their accept lengths and committed
+        tokens (one host sync). ``timed``: also the device time of each phase (CUDA events)."""
+        rows = self.check_rows(rows)
         n = len(rows)
         bucket = self.bucket_for(n)
         forced = self.draw_accept_len()
@@ -370,13 +319,11 @@ class SpecWorker:
         phase_ms = None
         if events:
             phase_ms = {phase: events[i].elapsed_time(events[i + 1]) for i, phase in enumerate(PHASES)}
-        return IterationResult(accept_lens, committed, phase_ms)
+        return StepResult(committed=committed, accept_lens=accept_lens, phase_ms=phase_ms)
 
     def _load(self, batch: _Batch, rows: list[int], forced: int) -> None:
         """The batch's rows (padded with the dummy row) and the forced accept length: one copy."""
-        pad = batch.n - len(rows)
-        host = torch.tensor(list(rows) + [self.dummy_row] * pad + [forced], dtype=torch.int64)
-        batch.inputs.copy_(host)
+        batch.inputs.copy_(self._padded_rows(rows, batch.n, forced))
 
     def _gather_lengths(self, batch: _Batch) -> None:
         torch.index_select(self.state.seq_lens, 0, batch.rows, out=batch.seq_lens)
@@ -394,12 +341,9 @@ class SpecWorker:
         """Lengths, then fresh metadata sized to the live lengths (reads them on the host);
         returns the phases' attention inputs."""
         self._gather_lengths(batch)
-        topk = self.config.index_topk
 
         def inputs(seq_lens, mode):
-            metadata, schedule = self.backend.eager(batch.rows, seq_lens, mode)
-            return AttentionInputs.from_metadata(metadata, schedule, topk,
-                                                 rows_per_group=self.backend.rows_per_group(mode))
+            return self.backend.eager_attention_inputs(batch.rows, seq_lens, mode)
 
         attn = {"verify": inputs(batch.seq_lens, Mode.TARGET_VERIFY),
                 "extend": inputs(batch.extend_lens, Mode.DRAFT_EXTEND)}
@@ -434,18 +378,11 @@ class SpecWorker:
         hidden = self.model(batch.verify_ids.flatten(), batch.positions.flatten(),
                             batch.out_cache_loc.flatten(), self.target_kv, attn, check_values=check_values)
         batch.verify_hidden.copy_(hidden)
-        targets = self._target_tokens(hidden).view(batch.n, steps + 1)
+        targets = greedy_target_tokens(self.model, hidden, self.processor).view(batch.n, steps + 1)
         accepted = greedy_accept(batch.drafts, targets, forced_accept_len=batch.forced, out=batch.acceptance)
         state.seq_lens[rows] = lens + accepted.accept_len
         state.bonus[rows] = accepted.bonus
-        state.seq_lens[self.dummy_row:self.dummy_row + 1].fill_(1)
-
-    def _target_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's greedy token of each row int64 ``[rows]``: ``processor.target_tokens``, or at
-        TP 1 in row-invariant mode the argmax of ``model.logits`` (plain decoding's own path)."""
-        if self.model.tp_size == 1 and self.model.row_invariant:
-            return self.model.logits(hidden).argmax(-1)
-        return self.processor.target_tokens(hidden)
+        state.reset_dummy()
 
     def _extend(self, batch: _Batch, attn: AttentionInputs, check_values: bool) -> None:
         """The MTP layer over the verified rows with the committed tokens; the row of the new bonus

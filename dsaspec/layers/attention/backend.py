@@ -1,4 +1,5 @@
-"""DSA attention metadata backend: static graph buffers per (batch bucket, mode), replay, eager.
+"""DSA attention metadata backend: static graph buffers per (batch bucket, mode), replay, eager,
+and the :class:`~dsaspec.layers.attention.inputs.AttentionInputs` the forwards read over them.
 
 One :class:`DSAAttnBackend` serves one ``req_to_token`` table. For every captured batch bucket and
 forward mode (decode, target verify, draft extend) it owns the static metadata buffers
@@ -21,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from dsaspec.layers.attention.inputs import AttentionInputs, AttentionScratch, AttentionWorkspace
 from dsaspec.ops.dsa_metadata import context_wide_metadata
 from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
 from dsaspec.ops.dsa_metadata_bounded import DEFAULT_BUDGET, bounded_metadata
@@ -208,6 +210,26 @@ class DSAAttnBackend:
     def schedule(self, bs: int, mode: Mode | str) -> torch.Tensor:
         """The static int32 ``[num_sms + 1, 2]`` indexer schedule of ``(bs, mode)``."""
         return self._lookup(self._schedules, bs, mode)
+
+    def attention_inputs(self, bs: int, mode: Mode | str, *, scratch: AttentionScratch | None = None,
+                         workspace: AttentionWorkspace | None = None) -> AttentionInputs:
+        """The :class:`AttentionInputs` of the forwards of a ``bs``-bucket batch in ``mode`` (call
+        at capture, after :meth:`capture`): views of the static buffers of ``(bs, mode)``
+        (``page_table_1``, ``seqlens_expanded``), its schedule and :meth:`rows_per_group`. The
+        indexer scratch (logits fp32 ``[R, W]``, selected slots int32 ``[R, index_topk]``) is
+        allocated here, or the leading rows of ``scratch`` (phases that never run at the same time
+        share one); ``workspace``: the Triton ops' workspaces of these ``R`` rows."""
+        return AttentionInputs.from_metadata(self.buffers(bs, mode), self.schedule(bs, mode), self.index_topk,
+                                             scratch=scratch, rows_per_group=self.rows_per_group(mode),
+                                             workspace=workspace)
+
+    def eager_attention_inputs(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                               mode: Mode | str) -> AttentionInputs:
+        """The :class:`AttentionInputs` of any batch, over fresh :meth:`eager` metadata and schedule
+        (reads the lengths on the host; no graph), with a fresh indexer scratch."""
+        metadata, schedule = self.eager(req_pool_indices, seq_lens, mode)
+        return AttentionInputs.from_metadata(metadata, schedule, self.index_topk,
+                                             rows_per_group=self.rows_per_group(mode))
 
     def write_metadata(self, mode: Mode | str, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                        out: MetadataBuffers, extend_seq_lens: torch.Tensor | None = None, *,

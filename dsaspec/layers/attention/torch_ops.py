@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from dsaspec.ops.order_key import fp32_order_key
+
 LATENT_DIM = 512
 
 
@@ -44,13 +46,6 @@ def indexer_logits(q, weights, k_cache, page_table_1, seqlens, schedule, out, ch
     return out
 
 
-def _descending_key(values: torch.Tensor) -> torch.Tensor:
-    """int64 keys that order like the fp32 bit patterns of ``values`` (``-0.0 < +0.0``; NaNs by
-    sign beyond the infinities), all >= 0."""
-    bits = values.float().contiguous().view(torch.int32).long()
-    return torch.where(bits < 0, bits.bitwise_not() & 0xFFFFFFFF, bits | 0x80000000)
-
-
 def topk_slots(logits, seqlens, page_table_1, k, out, check_values=True, **_):
     """Per row the slots of the ``min(seqlens[r], k)`` largest live logits (ties to the lowest
     position), in ascending position order, then ``-1``. Rows with ``seqlens[r] <= k`` take every
@@ -58,7 +53,7 @@ def topk_slots(logits, seqlens, page_table_1, k, out, check_values=True, **_):
     live = _live_width(seqlens, logits.shape[1], page_table_1.shape[1])
     positions = torch.arange(live, device=logits.device)
     in_row = positions[None, :] < seqlens[:, None]
-    keys = torch.where(in_row, _descending_key(logits[:, :live]), -1)
+    keys = torch.where(in_row, fp32_order_key(logits[:, :live]), -1)
     order = torch.sort(keys, dim=1, descending=True, stable=True)
     taken = min(k, live)
     chosen = order.indices[:, :taken]
