@@ -30,8 +30,10 @@ import torch  # noqa: E402
 from triton import knobs  # noqa: E402
 
 from dsaspec.bench.results import RESULTS_ROOT, machine_info, markdown_table  # noqa: E402
-from dsaspec.ops import dsa_metadata, dsa_metadata_bounded  # noqa: E402
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode  # noqa: E402
+from dsaspec.ops import dsa_metadata  # noqa: E402
+from dsaspec.ops.baseline import dsa_metadata as baseline_metadata  # noqa: E402
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers  # noqa: E402
+from dsaspec.forward_mode import Mode  # noqa: E402
 
 N = 8  # draft tokens: rows up to 256 x 8
 DEFAULT_BS = [1, 2, 3, 4, 8, 16, 32, 64, 100, 128, 255, 256]
@@ -61,11 +63,11 @@ def compile_case(label: str, mode: Mode, variable: bool, dests: int, bs: int) ->
     row = {"kernel": label, "mode": mode.value + (" (variable)" if variable else ""), "destinations": dests,
            "bs": bs, "rows": outs[0].rows}
     if label == "bounded":
-        with compile_instead_of_launch(dsa_metadata_bounded._bounded_kernel, row):
-            dsa_metadata_bounded.bounded_metadata(mode, table, idx, seq_lens, outs, budget=2048, **kw)
+        with compile_instead_of_launch(dsa_metadata._bounded_kernel, row):
+            dsa_metadata.bounded_metadata(mode, table, idx, seq_lens, outs, budget=2048, **kw)
     else:
-        with compile_instead_of_launch(dsa_metadata._context_wide_kernel, row):
-            dsa_metadata.context_wide_metadata(mode, table, idx, seq_lens, outs[0], **kw)
+        with compile_instead_of_launch(baseline_metadata._context_wide_kernel, row):
+            baseline_metadata.context_wide_metadata(mode, table, idx, seq_lens, outs[0], **kw)
     return row
 
 

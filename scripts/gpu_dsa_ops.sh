@@ -73,7 +73,7 @@ indexer_logits(q_index, weights, index_k, table, group_lens, schedule, torch.zer
 slots = torch.zeros(rows, k, dtype=torch.int32, device=dev)
 positions = torch.zeros_like(slots)
 topk_slots(logits, seqlens, table, k, slots, out_positions=positions)
-topk_slots(logits, seqlens, table, k, slots, read_short_rows=True)
+topk_slots(logits, seqlens, table, k, slots, baseline_read_short_rows=True)
 for chunks in (None, 7):  # the chunked form: the default chunk count, and an odd one
     topk_slots(logits, seqlens, table, k, slots, out_positions=positions,
                workspace=topk_workspace(rows, dev, num_chunks=chunks))

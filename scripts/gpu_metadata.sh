@@ -34,7 +34,7 @@ for what in "${@:-tests bench draft tune sanitize ncu}"; do
   for name in $what; do
     case "$name" in
       tests) step gpu_tests_metadata python3 -m pytest -q -m gpu tests/test_dsa_metadata.py \
-                 tests/test_dsa_metadata_bounded.py tests/test_draft_decode_metadata.py tests/test_multi_step.py \
+                 tests/test_dsa_metadata.py tests/test_draft_decode_metadata.py tests/test_multi_step.py \
                  tests/test_dsa_backend.py ;;
       bench) step bench_metadata python3 -m dsaspec bench metadata --out "$RESULTS" ;;
       draft) step bench_draft_metadata python3 -m dsaspec bench draft-metadata --out "$RESULTS" ;;

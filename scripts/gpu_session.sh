@@ -15,7 +15,7 @@ for step in "$@"; do
     echo "== $step $(date +%T)"
     case $step in
         spec-tests)   python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 tests/test_spec_engine.py tests/test_row_invariant.py ;;
-        retest)       python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 tests/test_spec_engine.py tests/test_dsa_metadata_bounded.py ;;
+        retest)       python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 tests/test_spec_engine.py tests/test_dsa_metadata.py ;;
         gpu-tests)    python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --dist loadfile --timeout 420 tests ;;
         rowinv-bench) python3 scripts/bench_row_invariant.py --out "$OUT/row_invariant.json" ;;
         dsa-ops)      python3 -m dsaspec bench dsa-ops --out "$OUT" ;;

@@ -9,8 +9,9 @@ import argparse
 
 import torch
 
-from dsaspec.ops.dsa_metadata_bounded import BLOCK_COLS, NUM_WARPS, bounded_metadata
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
+from dsaspec.ops.dsa_metadata import BLOCK_COLS, NUM_WARPS, bounded_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers
+from dsaspec.forward_mode import Mode
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.TARGET_VERIFY.value)

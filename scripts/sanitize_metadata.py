@@ -9,10 +9,12 @@ rows past and short of sum(extend_seq_lens) (unchecked), batch 256 x 8 rows (17 
 
 import torch
 
-from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
-from dsaspec.ops.dsa_metadata import context_wide_metadata
-from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
+from dsaspec.ops.baseline.draft_decode_metadata import precompute_and_copy
+from dsaspec.ops.draft_decode_metadata import draft_decode_metadata
+from dsaspec.ops.baseline.dsa_metadata import context_wide_metadata
+from dsaspec.ops.dsa_metadata import bounded_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers
+from dsaspec.forward_mode import Mode
 
 W, B, N = 20_000 + 10, 5, 6
 dev = torch.device("cuda")

@@ -29,8 +29,9 @@ from dsaspec.bench.draft_metadata import floor_bytes
 from dsaspec.bench.metadata import bytes_moved
 from dsaspec.bench.results import bench_params, markdown_table, write_results
 from dsaspec.bench.timing import copy_time_us, time_in_graph, warm_up_gpu
-from dsaspec.ops.dsa_metadata_bounded import BLOCK_COLS, NUM_WARPS, bounded_metadata
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
+from dsaspec.ops.dsa_metadata import BLOCK_COLS, NUM_WARPS, bounded_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers
+from dsaspec.forward_mode import Mode
 
 LIVE = 65536
 N = 5                       # verify / draft-extend rows per request (as in `bench metadata`)

@@ -6,7 +6,8 @@ import dataclasses
 
 import torch
 
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers
+from dsaspec.forward_mode import Mode
 from dsaspec.reference.dsa_metadata import assert_written_equal, written_masks
 
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129]

@@ -5,9 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from dsaspec.ops import draft_decode_metadata as ddm
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
-from dsaspec.ops.draft_decode_metadata import copy_metadata, draft_decode_metadata, precompute_and_copy
+from dsaspec.ops.baseline import draft_decode_metadata as ddm
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers
+from dsaspec.forward_mode import Mode
+from dsaspec.ops.baseline.draft_decode_metadata import copy_metadata, precompute_and_copy
+from dsaspec.ops.draft_decode_metadata import draft_decode_metadata
 from dsaspec.reference.dsa_metadata import assert_written_equal, reference_metadata
 from metadata_cases import make_batch, make_table
 

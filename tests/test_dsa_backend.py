@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend, select_kernel
-from dsaspec.ops.dsa_metadata_bounded import DEFAULT_BUDGET
+from dsaspec.ops.dsa_metadata import DEFAULT_BUDGET
 from dsaspec.layers.attention.inputs import AttentionScratch
-from dsaspec.ops.dsa_metadata_common import Mode
+from dsaspec.forward_mode import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
 from dsaspec.reference.indexer_schedule import reference_indexer_schedule
 

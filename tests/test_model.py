@@ -148,7 +148,7 @@ def test_step_over_backend_metadata_buffers(mode):
     """The engine's path: AttentionInputs over MetadataBuffers (seqlens_expanded, page_table_1)
     and a schedule, two requests at once; decode: seq_lens include the new token; verify: N=4
     rows per request at L..L+3 with seq_lens = L."""
-    from dsaspec.ops.dsa_metadata_common import Mode
+    from dsaspec.forward_mode import Mode
     from dsaspec.reference.dsa_metadata import reference_metadata
     from dsaspec.reference.indexer_schedule import reference_indexer_schedule
 

@@ -11,7 +11,7 @@ from dsaspec.layers.attention import backend as dsa_backend
 from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE, DSAAttnBackend
 from dsaspec.layers.attention.multi_step import (ONE_LAUNCH, PER_STEP, PRECOMPUTE_AND_COPY,
                                           DSAMultiStepDraftBackend, steps_running_indexer)
-from dsaspec.ops.dsa_metadata_common import Mode
+from dsaspec.forward_mode import Mode
 from dsaspec.reference.dsa_metadata import assert_contract_equal, reference_metadata
 from dsaspec.reference.indexer_schedule import reference_indexer_schedule
 
@@ -83,10 +83,10 @@ def test_one_launch_matches_precompute_and_copies(num_step_backends):
 def launches():
     """(kernel name, NUM_DEST) of every real launch of a metadata kernel, through Triton's
     pre-run hooks (called by the JIT launcher on GPU and by the interpreter on CPU)."""
-    from dsaspec.ops import draft_decode_metadata, dsa_metadata, dsa_metadata_bounded
+    from dsaspec.ops import dsa_metadata
+    from dsaspec.ops.baseline import dsa_metadata as baseline_metadata, draft_decode_metadata as baseline_draft
 
-    kernels = [dsa_metadata_bounded._bounded_kernel, dsa_metadata._context_wide_kernel,
-               draft_decode_metadata._copy_kernel]
+    kernels = [dsa_metadata._bounded_kernel, baseline_metadata._context_wide_kernel, baseline_draft._copy_kernel]
     seen = []
     hooks = []
     for kernel in kernels:

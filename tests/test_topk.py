@@ -45,24 +45,24 @@ def _garbage_workspace(rows, num_chunks, device):
     return workspace
 
 
-def _run(logits, seqlens, page_table, k, device, check_values=True, read_short_rows=False,
+def _run(logits, seqlens, page_table, k, device, check_values=True, baseline_read_short_rows=False,
          workspace=None, single_launch=None, candidates=None):
     out = torch.full((logits.shape[0], k), -7, dtype=torch.int32, device=device)
     positions = torch.full_like(out, -7)
     topk_slots(logits.to(device), seqlens.to(device), page_table.to(device), k, out,
                check_values=check_values, out_positions=positions,
-               read_short_rows=read_short_rows, workspace=workspace, single_launch=single_launch,
+               baseline_read_short_rows=baseline_read_short_rows, workspace=workspace, single_launch=single_launch,
                candidates=candidates)
     if workspace is not None:
         assert not workspace[:, 0, TOPK_COUNTER_WORDS].any(), "barrier counter left non-zero"
     return out.cpu(), positions.cpu()
 
 
-def _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=False, num_chunks=None,
+def _assert_topk(logits, seqlens, page_table, k, device, baseline_read_short_rows=False, num_chunks=None,
                  single_launch=None, candidates=None):
     workspace = _garbage_workspace(logits.shape[0], num_chunks, device)
     out, positions = _run(logits, seqlens, page_table, k, device,
-                          read_short_rows=read_short_rows, workspace=workspace,
+                          baseline_read_short_rows=baseline_read_short_rows, workspace=workspace,
                           single_launch=single_launch, candidates=candidates)
     want_positions = reference_topk_positions(logits, seqlens, k)
     assert torch.equal(positions.long(), want_positions)
@@ -89,14 +89,14 @@ def _assert_topk_set(logits, seqlens, positions, k):
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129]
 
 
-@pytest.mark.parametrize("read_short_rows", [False, True])
+@pytest.mark.parametrize("baseline_read_short_rows", [False, True])
 @pytest.mark.parametrize("k", [1, 64, 100])
-def test_edge_lengths_random_logits(k, read_short_rows, device):
+def test_edge_lengths_random_logits(k, baseline_read_short_rows, device):
     seqlens = EDGE_LENGTHS + [k - 1, k, k + 1, 300, 5]
     gen = torch.Generator().manual_seed(k)
     logits, seqlens, page_table = _inputs(torch.randn(len(seqlens), 320, generator=gen), seqlens,
                                           width=310, seed=k)
-    _assert_topk(logits, seqlens, page_table, k, device, read_short_rows=read_short_rows)
+    _assert_topk(logits, seqlens, page_table, k, device, baseline_read_short_rows=baseline_read_short_rows)
 
 
 @pytest.mark.parametrize("k, num_chunks", [(64, None), (130, None), (64, 3)])
@@ -306,8 +306,8 @@ def test_candidates_size_and_bad_candidates(device):
                                          r"shape \(2, 23\)"):
         topk_slots(logits, seqlens, table, 4, out, candidates=good[:, :23],
                    workspace=topk_workspace(2, device, num_chunks=3))
-    with pytest.raises(ValueError, match="candidates: not with read_short_rows"):
-        topk_slots(logits, seqlens, table, 4, out, candidates=good, read_short_rows=True)
+    with pytest.raises(ValueError, match="candidates: not with baseline_read_short_rows"):
+        topk_slots(logits, seqlens, table, 4, out, candidates=good, baseline_read_short_rows=True)
     with pytest.raises(ValueError, match=r"candidates: expected at least 2 k = 8 columns \(k "
                                          r"positions and their logits; topk_candidates\), got "
                                          r"shape \(2, 7\)"):
@@ -722,8 +722,8 @@ def test_bad_workspace(device):
         call(torch.zeros(3, 2, words, dtype=torch.int32, device=device).transpose(0, 1))
     with pytest.raises(ValueError, match=r"workspace: expected a contiguous \[R, P, .*1 <= P"):
         call(torch.zeros(2, 0, words, dtype=torch.int32, device=device))
-    with pytest.raises(ValueError, match="read_short_rows: only without a workspace"):
-        call(torch.zeros(2, 3, words, dtype=torch.int32, device=device), read_short_rows=True)
+    with pytest.raises(ValueError, match="baseline_read_short_rows: only without a workspace"):
+        call(torch.zeros(2, 3, words, dtype=torch.int32, device=device), baseline_read_short_rows=True)
     with pytest.raises(ValueError, match="single_launch: only with a workspace"):
         call(None, single_launch=False)
     # 2 x 1000 programs are more than 4 per SM of any device this runs on (and the CPU has none)

@@ -50,8 +50,8 @@ from dsaspec.cli_parsing import format_value, nonnegative_int, positive_int, pos
 from dsaspec.configs.model_config import PRESETS, get_config
 from dsaspec.executor.decode_worker import DecodeWorker
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
-from dsaspec.ops import (dsa_metadata, dsa_metadata_bounded, indexer, indexer_schedule, sparse_mla,
-                         sparse_mla_gluon, topk)
+from dsaspec.ops import dsa_metadata, indexer, indexer_schedule, sparse_mla, sparse_mla_gluon, topk
+from dsaspec.ops.baseline import dsa_metadata as context_wide_metadata
 from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.models.dsa_model import DSAModel
 
@@ -63,7 +63,7 @@ TPOT_TARGET = 1.05                           # bounded TPOT at a long context / 
 # DSA-op kernels land in a phase by name: every Triton and Gluon kernel of these modules (read from the modules,
 # so a new kernel cannot be missed)
 KERNEL_MODULE_PHASES = (
-    ("metadata", (dsa_metadata_bounded, dsa_metadata, indexer_schedule)),
+    ("metadata", (dsa_metadata, context_wide_metadata, indexer_schedule)),
     ("indexer", (indexer,)),
     ("topk", (topk,)),
     ("sparse_mla", (sparse_mla, sparse_mla_gluon)),

@@ -31,8 +31,10 @@ from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
 from dsaspec.bench.metadata import DEFAULT_BS, sublinear_target
 from dsaspec.bench.results import bench_params, markdown_table, write_results
 from dsaspec.bench.timing import COLD_L2_METHOD
-from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
+from dsaspec.ops.baseline.draft_decode_metadata import precompute_and_copy
+from dsaspec.ops.draft_decode_metadata import draft_decode_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers
+from dsaspec.forward_mode import Mode
 from dsaspec.cli_parsing import check_at_most, format_value, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.reference.dsa_metadata import assert_written_equal
 

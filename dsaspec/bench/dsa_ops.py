@@ -17,7 +17,7 @@ CUPTI kernel time, median and spread).
   ``topk_workspace`` allocates for R rows (about 2 programs per SM, in one cooperative launch;
   none when the rows fill the GPU: one program per row), a long row's top-k selected from the
   candidate lists of ``topk_candidates``; baseline: one program per row with
-  ``read_short_rows=True``.
+  ``baseline_read_short_rows=True``.
 - ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: the default configuration
   (``sparse_mla_config``) with the workspace ``sparse_mla_workspace`` allocates for R rows (split +
   combine; none when the rows fill the GPU); ``new_nosplit``: without a workspace (the row-invariant
@@ -243,7 +243,7 @@ def _topk(p: _Point, new: bool, logits: str, out: str, chunks: int | None = None
 
     def run(check_values: bool = False) -> None:
         topk_slots(scores, p.seqlens, p.page_table, p.shapes.topk, slots, check_values=check_values,
-                   read_short_rows=not new, workspace=workspace,
+                   baseline_read_short_rows=not new, workspace=workspace,
                    single_launch=single_launch if workspace is not None else None,
                    candidates=candidates)
 

@@ -25,9 +25,10 @@ from tqdm import tqdm
 
 from dsaspec.bench.timing import COLD_L2_METHOD
 from dsaspec.configs.runtime_options import RuntimeOptions
-from dsaspec.ops.dsa_metadata import context_wide_metadata
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
-from dsaspec.ops.dsa_metadata_bounded import bounded_metadata
+from dsaspec.ops.baseline.dsa_metadata import context_wide_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers
+from dsaspec.forward_mode import Mode
+from dsaspec.ops.dsa_metadata import bounded_metadata
 from dsaspec.cli_parsing import check_at_most, choice_list, format_value, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.reference.dsa_metadata import assert_written_equal
 

@@ -33,7 +33,7 @@ from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.attention.inputs import AttentionInputs
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.models.dsa_model import DSAModel
-from dsaspec.ops.dsa_metadata_common import Mode
+from dsaspec.forward_mode import Mode
 
 
 class _DecodeBatch:

@@ -1,11 +1,10 @@
-"""What the two DSA replay-metadata kernels share: the forward :class:`Mode` and its kernel codes,
+"""What the two DSA replay-metadata kernels share: the kernel codes of the forward mode,
 the static :class:`MetadataBuffers`, the input checks, and the Triton helpers that write the 1-D
 outputs and store page-table tiles. Contract: docs/metadata-kernels.md.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -13,17 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaspec.forward_mode import Mode
+
 TILE = 128  # page-table columns per tile
 VECTOR = 4  # int32 columns per 16-byte vector access
 MAX_CHUNK_R = 128  # metadata rows per lengths program (bounds registers: one per thread at 4 warps)
-
-
-class Mode(str, enum.Enum):
-    """Forward mode of a metadata replay."""
-
-    DECODE = "decode"
-    TARGET_VERIFY = "target_verify"
-    DRAFT_EXTEND = "draft_extend"
 
 
 # Kernel-side mode codes: the kernels' ``MODE`` constexpr takes one of these.

@@ -858,7 +858,7 @@ def topk_workspace(num_rows: int, device, num_chunks: int | None = None,
 
 def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.Tensor, k: int,
                out: torch.Tensor, *, check_values: bool = True,
-               out_positions: torch.Tensor | None = None, read_short_rows: bool = False,
+               out_positions: torch.Tensor | None = None, baseline_read_short_rows: bool = False,
                workspace: torch.Tensor | None = None,
                single_launch: bool | None = None,
                candidates: torch.Tensor | None = None) -> torch.Tensor:
@@ -887,7 +887,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         caller guarantees both.
     out_positions : optional int32 ``[R, k]``, written with the logical positions (``-1`` past
         the selection) in the same order as ``out``.
-    read_short_rows : run rows with ``seqlens[r] <= k`` through the selection passes too, reading
+    baseline_read_short_rows : run rows with ``seqlens[r] <= k`` through the selection passes too, reading
         their logits (same result; the earlier kernel, kept as the benchmark's baseline). Only
         without a workspace.
     workspace : None, or contiguous int32 ``[R, P, TOPK_WORKSPACE_WORDS]`` from
@@ -904,7 +904,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         (The runtime passes False when ``DSASPEC_TOPK_SINGLE_LAUNCH`` is off.)
     candidates : None, or int32 ``[R, C]`` (last dim contiguous) from :func:`topk_candidates`
         (with a workspace of ``P`` chunks: ``num_chunks=P``), ``C >= 2 P k``; not with
-        ``read_short_rows``. Rows at least :func:`topk_sampled_min_live` long (with
+        ``baseline_read_short_rows``. Rows at least :func:`topk_sampled_min_live` long (with
         ``num_chunks=P``) select from candidate lists written there: a sample of every
         ``stride``-th logit bounds them, the row's full read happens once, to list the candidates
         (positions, then copies of their logits; with a workspace each chunk lists its own in its
@@ -924,8 +924,8 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
     ``seqlens[r] <= k``; a sampled row's chunk once, then its list).
     """
     _check_inputs(logits, seqlens, page_table_1, k, out, out_positions, workspace, candidates)
-    if candidates is not None and read_short_rows:
-        raise ValueError("candidates: not with read_short_rows (the baseline form)")
+    if candidates is not None and baseline_read_short_rows:
+        raise ValueError("candidates: not with baseline_read_short_rows (the baseline form)")
     if candidates is not None and workspace is not None and (
             candidates.shape[1] < workspace.shape[1] * 2 * k):
         raise ValueError(f"candidates: expected at least 2 k = {2 * k} columns per chunk (k "
@@ -933,8 +933,8 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
                          f"{workspace.shape[1]} chunks "
                          f"(topk_candidates(..., num_chunks={workspace.shape[1]})), got shape "
                          f"{tuple(candidates.shape)}")
-    if workspace is not None and read_short_rows:
-        raise ValueError("read_short_rows: only without a workspace (the baseline form)")
+    if workspace is not None and baseline_read_short_rows:
+        raise ValueError("baseline_read_short_rows: only without a workspace (the baseline form)")
     if single_launch is not None and workspace is None:
         raise ValueError("single_launch: only with a workspace (the chunked form)")
     required = single_launch is True  # a refused cooperative launch is an error
@@ -969,7 +969,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         # more rows than SMs: two programs per SM, so at most 128 registers a thread
         capped = on_gpu and candidates is not None and logits.shape[0] > sm_count(logits.device)
         _topk_slots_kernel[(logits.shape[0],)](
-            *args, listed, *strides, listed.stride(0), k, -1 if read_short_rows else k,
+            *args, listed, *strides, listed.stride(0), k, -1 if baseline_read_short_rows else k,
             listed.shape[1] // 2, rank, stride, min_live,  # positions, then their logits
             WRITE_POSITIONS=write_positions, BLOCK=block,
             BLOCK_K=min(block, triton.next_power_of_2(k)), **sampled,

@@ -44,7 +44,7 @@ from dsaspec.executor.graph_runner import BucketGraphs
 from dsaspec.executor.worker import BucketWorker, RowCarry, StepResult, greedy_target_tokens
 from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
-from dsaspec.ops.dsa_metadata_common import Mode
+from dsaspec.forward_mode import Mode
 from dsaspec.speculative.accept import Acceptance, greedy_accept
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionScratch, AttentionWorkspace

@@ -23,9 +23,10 @@ from typing import Sequence
 import torch
 
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionScratch, AttentionWorkspace
-from dsaspec.ops.dsa_metadata import context_wide_metadata
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
-from dsaspec.ops.dsa_metadata_bounded import DEFAULT_BUDGET, bounded_metadata
+from dsaspec.ops.baseline.dsa_metadata import context_wide_metadata
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers
+from dsaspec.forward_mode import Mode
+from dsaspec.ops.dsa_metadata import DEFAULT_BUDGET, bounded_metadata
 from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, indexer_programs, indexer_schedule
 
 BOUNDED = "bounded"
@@ -239,7 +240,7 @@ class DSAAttnBackend:
         ``req_to_token`` overrides the table (the eager path passes a column prefix of it).
         ``check_values`` runs the kernels' precondition checks, which read device data (not
         graph-safe); the preconditions, and what the kernels do when they are violated unchecked,
-        are in :func:`~dsaspec.ops.dsa_metadata_bounded.bounded_metadata`.
+        are in :func:`~dsaspec.ops.dsa_metadata.bounded_metadata`.
         """
         table = self.req_to_token if req_to_token is None else req_to_token
         kwargs = dict(index_topk=self.index_topk, page_size=self.page_size, num_draft_tokens=self.num_draft_tokens,

@@ -30,8 +30,10 @@ from typing import Sequence
 import torch
 
 from dsaspec.layers.attention.backend import BOUNDED, DEFAULT_BUCKETS, DSAAttnBackend, check_index_tensor
-from dsaspec.ops.dsa_metadata_common import MetadataBuffers, Mode
-from dsaspec.ops.draft_decode_metadata import draft_decode_metadata, precompute_and_copy
+from dsaspec.ops.dsa_metadata_common import MetadataBuffers
+from dsaspec.forward_mode import Mode
+from dsaspec.ops.baseline.draft_decode_metadata import precompute_and_copy
+from dsaspec.ops.draft_decode_metadata import draft_decode_metadata
 
 ONE_LAUNCH = "one_launch"
 PRECOMPUTE_AND_COPY = "precompute_and_copy"

@@ -49,7 +49,7 @@ def indexer_logits(q, weights, k_cache, page_table_1, seqlens, schedule, out, ch
 def topk_slots(logits, seqlens, page_table_1, k, out, check_values=True, **_):
     """Per row the slots of the ``min(seqlens[r], k)`` largest live logits (ties to the lowest
     position), in ascending position order, then ``-1``. Rows with ``seqlens[r] <= k`` take every
-    live position. The Triton op's ``workspace`` and ``read_short_rows`` are ignored."""
+    live position. The Triton op's ``workspace`` and ``baseline_read_short_rows`` are ignored."""
     live = _live_width(seqlens, logits.shape[1], page_table_1.shape[1])
     positions = torch.arange(live, device=logits.device)
     in_row = positions[None, :] < seqlens[:, None]
