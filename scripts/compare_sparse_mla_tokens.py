@@ -14,28 +14,23 @@ margin there (recomputed by an eager prefill, as in ``diagnose_spec_identity.py`
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from diagnose_spec_identity import first_differences, write_report  # noqa: E402
-from test_spec_engine import _gpu_engine, _gpu_model, _gpu_prompts, _tokens  # noqa: E402
-
-from dsaspec.configs.runtime_options import RuntimeOptions  # noqa: E402
-from dsaspec.errors import UserError  # noqa: E402
-from dsaspec.cli_parsing import Parser, positive_int  # noqa: E402
+from dsaspec.cli_parsing import Parser, positive_int
+from dsaspec.configs.runtime_options import RuntimeOptions
+from dsaspec.errors import UserError
+from dsaspec.testing.spec_models import (first_differences, generated_tokens, gpu_engine, gpu_model, gpu_prompts,
+                                         write_report)
 
 MAX_BATCH = 32  # the engine's largest graph bucket in the engine tests' setup
 
 
 def _generate(options: RuntimeOptions, requests, batch: int, max_new: int):
     """(model, tokens) of a plain greedy run of a model built with ``options``."""
-    model = _gpu_model("bench", row_invariant=False, branch_scale=0.2, options=options)
-    engine = _gpu_engine(model, max_batch=batch, requests=requests, max_new=max_new)
-    return model, _tokens(engine, requests, max_new)
+    model = gpu_model("bench", row_invariant=False, branch_scale=0.2, options=options)
+    engine = gpu_engine(model, max_batch=batch, requests=requests, max_new=max_new)
+    return model, generated_tokens(engine, requests, max_new)
 
 
 @torch.no_grad()
@@ -55,7 +50,7 @@ def main() -> int:
     except UserError as err:
         print(f"compare_sparse_mla_tokens: error: {err}", file=sys.stderr)
         return 2
-    requests = _gpu_prompts(args.batch, "bench")
+    requests = gpu_prompts(args.batch, "bench")
     triton_model, want = _generate(options.replace(sparse_mla_gluon=False), requests, args.batch, args.max_new)
     _, got = _generate(options.replace(sparse_mla_gluon=True), requests, args.batch, args.max_new)
     differing = first_differences(triton_model, requests, want, got, ("Triton", "Gluon"))

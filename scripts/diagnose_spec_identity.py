@@ -15,54 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from test_spec_engine import _gpu_engine, _gpu_model, _gpu_prompts, _tokens  # noqa: E402
-
-from dsaspec.speculative.spec_worker import SpecConfig  # noqa: E402
-
-
-def _margin(model, prompt, tokens, position) -> float:
-    """Top-2 logit margin of the plain run where it produced ``tokens[position]``."""
-    from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
-
-    sequence = prompt + tokens[:position]
-    pool = ReqToTokenPool(1, len(sequence) + 8, device="cuda")
-    slots = RequestSlots(pool, PageAllocator(PAGE_SIZE * (2 + len(sequence) // PAGE_SIZE)))
-    kv = KVPool.for_model(model.config, slots.allocator.num_slots, dtype=torch.bfloat16, device="cuda")
-    row = slots.admit(len(sequence))
-    hidden = model.prefill(torch.tensor(sequence, device="cuda"), pool.req_to_token, row, kv)
-    top = model.logits(hidden[-1:])[0].topk(2).values
-    return float(top[0] - top[1])
-
-
-def first_differences(model, requests, want, got, names: tuple[str, str]) -> list[str]:
-    """One Markdown line per request whose tokens differ: the first differing generated token, the
-    two runs' tokens there (``names``: the runs of ``want`` and ``got``) and the top-2 logit margin
-    of ``want``'s run there (``model`` must be the model that produced ``want``)."""
-    lines = []
-    for i, (a, b) in enumerate(zip(want, got)):
-        if a == b:
-            continue
-        position = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        margin = _margin(model, requests[i], a, position)
-        lines.append(f"- request {i} (prompt {len(requests[i])}): first difference at generated token "
-                     f"{position} ({names[0]} {a[position]}, {names[1]} {b[position]}); {names[0]} "
-                     f"top-2 logit margin there {margin:.4f}")
-    return lines
-
-
-def write_report(lines: list[str], out: str | None) -> None:
-    """Print the report and, with ``out``, write it there too."""
-    report = "\n".join(lines)
-    print(report)
-    if out:
-        Path(out).write_text(report + "\n")
+from dsaspec.speculative.spec_worker import SpecConfig
+from dsaspec.testing.spec_models import (first_differences, generated_tokens, gpu_engine, gpu_model, gpu_prompts,
+                                         write_report)
 
 
 def _row_dependence(model, rows_decode: int, rows_verify: int) -> list[tuple[str, bool]]:
@@ -99,14 +58,14 @@ def main() -> int:
         print("error: needs a CUDA device", file=sys.stderr)
         return 2
     lines = ["# Speculative vs plain greedy tokens, bench preset, bf16, CUDA graphs", ""]
-    requests = _gpu_prompts(args.batch, "bench")
+    requests = gpu_prompts(args.batch, "bench")
     for invariant in (False, True):
-        model = _gpu_model("bench", row_invariant=invariant, branch_scale=0.2)
-        plain = _gpu_engine(model, max_batch=args.batch, requests=requests, max_new=args.max_new)
-        spec = _gpu_engine(model, SpecConfig(num_steps=3), max_batch=args.batch, requests=requests,
+        model = gpu_model("bench", row_invariant=invariant, branch_scale=0.2)
+        plain = gpu_engine(model, max_batch=args.batch, requests=requests, max_new=args.max_new)
+        spec = gpu_engine(model, SpecConfig(num_steps=3), max_batch=args.batch, requests=requests,
                            max_new=args.max_new)
-        want = _tokens(plain, requests, args.max_new)
-        got = _tokens(spec, requests, args.max_new)
+        want = generated_tokens(plain, requests, args.max_new)
+        got = generated_tokens(spec, requests, args.max_new)
         mode = "row-invariant" if invariant else "default (cuBLAS, torch norms)"
         differing = first_differences(model, requests, want, got, ("plain", "speculative"))
         lines.append(f"## {mode}: {len(differing)} of {args.batch} requests differ "

@@ -22,15 +22,11 @@ from dsaspec.executor.decode_worker import DecodeWorker
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.layers.attention.inputs import build_extend_inputs
 from dsaspec.models.dsa_model import DSAModel
+from dsaspec.testing.spec_models import random_prompts
 
 CONTEXT = 256
 PROMPT_LENS = (5, 70, 33)           # 70 > top-k 64: sparse selection during decode
 MAX_NEW = [6, 4, 8]                 # different lengths: requests finish and join at different steps
-
-
-def _prompts(lengths, vocab, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 @torch.no_grad()
@@ -60,7 +56,7 @@ def fp32_model():
 
 @pytest.fixture(scope="module")
 def prompts(fp32_model):
-    return _prompts(PROMPT_LENS, fp32_model.config.vocab_size)
+    return random_prompts(PROMPT_LENS, fp32_model.config.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +117,7 @@ def test_triton_ops_bounded_and_context_wide_token_identical():
     """bf16 through the Triton kernels (interpreter on CPU): bounded and context-wide metadata give
     the same tokens, and both match the one-request-at-a-time loop."""
     model = DSAModel(get_config("tiny"), use_triton=True, options=FEW_PROGRAMS).init_weights(1)
-    prompts = _prompts((6, 9), model.config.vocab_size, seed=2)
+    prompts = random_prompts((6, 9), model.config.vocab_size, seed=2)
     outputs = []
     for kernel in ("bounded", "context_wide"):
         engine = _engine(model, context_len=128, max_batch=2, bucket_sizes=(2,), force_kernel=kernel)
@@ -347,7 +343,7 @@ def _gpu_generate(model, preset, max_new=(12, 20, 9, 16), **kwargs):
     kwargs.setdefault("max_batch", 3)
     kwargs.setdefault("context_len", 4096)
     engine = _engine(model, **kwargs)
-    results = engine.generate(_prompts(GPU_PROMPTS[preset], model.config.vocab_size, seed=3), list(max_new))
+    results = engine.generate(random_prompts(GPU_PROMPTS[preset], model.config.vocab_size, seed=3), list(max_new))
     return [r.token_ids for r in results], engine
 
 

@@ -28,15 +28,12 @@ from dsaspec.layers.row_invariant import RowInvariant
 from dsaspec.layers.vocab_parallel import LMHead
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import SpecConfig
+from dsaspec.testing.spec_models import (generated_tokens, gpu_engine, gpu_model, gpu_prompts, predictable,
+                                         random_prompts)
 
 CONTEXT = 192
 PROMPT_LENS = (5, 70, 62)           # 70 > top-k 64 (sparse rows); 62: verify blocks cross a page
 MAX_NEW = [9, 7, 12]
-
-
-def _prompts(lengths, vocab, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 def _engine(model, spec=None, **kwargs):
@@ -45,28 +42,6 @@ def _engine(model, spec=None, **kwargs):
     kwargs.setdefault("bucket_sizes", (1, 2))
     kwargs.setdefault("progress", False)
     return Engine(model, speculative=spec, **kwargs)
-
-
-def _tokens(engine, prompts, max_new, **kwargs):
-    return [r.token_ids for r in engine.generate(prompts, max_new, **kwargs)]
-
-
-@torch.no_grad()
-def predictable(model: DSAModel, branch_scale: float) -> DSAModel:
-    """Scale every residual branch (o_proj, down_proj) by ``branch_scale`` and make the MTP layer
-    read only the embedding of its token (``eh_proj = [I | 0]``, ``enorm = 1``, ``shared_head.norm
-    = the final norm``): the target's next token then mostly depends on the current token alone, and
-    the MTP layer mostly predicts it."""
-    hidden = model.config.hidden_size
-    for layer in model.model.layers:
-        layer.self_attn.o_proj.weight.mul_(branch_scale)
-        layer.mlp.down_proj.weight.mul_(branch_scale)
-    mtp = model.mtp_layer
-    mtp.eh_proj.weight.zero_()
-    mtp.eh_proj.weight[:, :hidden] = torch.eye(hidden)
-    mtp.enorm.weight.fill_(1.0)
-    mtp.shared_head.norm.weight.copy_(model.model.norm.weight)
-    return model
 
 
 @torch.no_grad()
@@ -158,17 +133,17 @@ def guessing_model():
 
 @pytest.fixture(scope="module")
 def prompts():
-    return _prompts(PROMPT_LENS, get_config("tiny").vocab_size)
+    return random_prompts(PROMPT_LENS, get_config("tiny").vocab_size)
 
 
 @pytest.fixture(scope="module")
 def plain_random(random_model, prompts):
-    return _tokens(_engine(random_model), prompts, MAX_NEW)
+    return generated_tokens(_engine(random_model), prompts, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
 def plain_guessing(guessing_model, prompts):
-    return _tokens(_engine(guessing_model), prompts, MAX_NEW)
+    return generated_tokens(_engine(guessing_model), prompts, MAX_NEW)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +156,7 @@ def test_speculative_equals_plain_greedy(guessing_model, prompts, plain_guessing
     drafts each iteration must accept is asserted where an oracle knows the drafts:
     ``test_drafts_from_the_hidden_states_accept_what_the_oracle_says``)."""
     engine = _engine(guessing_model, SpecConfig(num_steps=steps))
-    assert _tokens(engine, prompts, MAX_NEW) == plain_guessing
+    assert generated_tokens(engine, prompts, MAX_NEW) == plain_guessing
     stats = engine.stats
     assert set(stats.step_batches) == {1, 2}
     assert max(stats.accept_lens) <= steps + 1
@@ -193,7 +168,7 @@ def test_speculative_equals_plain_greedy(guessing_model, prompts, plain_guessing
 
 def test_random_mtp_accepts_only_the_bonus(random_model, prompts, plain_random):
     engine = _engine(random_model, SpecConfig(num_steps=2))
-    assert _tokens(engine, prompts, MAX_NEW) == plain_random
+    assert generated_tokens(engine, prompts, MAX_NEW) == plain_random
     assert set(engine.stats.accept_lens) == {1}
 
 
@@ -224,7 +199,7 @@ def _oracle(engine, continuation: dict, right) -> None:
 @pytest.mark.parametrize("case", ["all-right", "all-wrong", "right-with-p"])
 def test_oracle_drafts_accept_what_they_should(random_model, prompts, case):
     steps, max_new = 3, [9, 7, 12]
-    longer = _tokens(_engine(random_model), prompts, [m + steps for m in max_new])   # drafts past the end
+    longer = generated_tokens(_engine(random_model), prompts, [m + steps for m in max_new])   # drafts past the end
     continuation = {tuple(p): p + t for p, t in zip(prompts, longer)}
     rng = torch.Generator().manual_seed(7)
     decided = {}
@@ -239,7 +214,7 @@ def test_oracle_drafts_accept_what_they_should(random_model, prompts, case):
 
     engine = _engine(random_model, SpecConfig(num_steps=steps), max_batch=3, bucket_sizes=(4,))
     _oracle(engine, continuation, right)
-    assert _tokens(engine, prompts, max_new) == [t[:m] for t, m in zip(longer, max_new)]
+    assert generated_tokens(engine, prompts, max_new) == [t[:m] for t, m in zip(longer, max_new)]
     lens = engine.stats.accept_lens
     if case == "all-right":
         assert set(lens) == {steps + 1}
@@ -275,10 +250,10 @@ def test_drafts_from_the_hidden_states_accept_what_the_oracle_says():
     model = DSAModel(get_config("tiny", vocab_size=256), dtype=torch.float32).init_weights(5)
     succ = drafting_from_hidden(model, 0)
     steps, max_new = 3, [12, 9, 14]
-    prompts = _prompts(PROMPT_LENS, model.config.vocab_size)
-    longer = _tokens(_engine(model), prompts, [m + steps for m in max_new])        # drafts past the end
+    prompts = random_prompts(PROMPT_LENS, model.config.vocab_size)
+    longer = generated_tokens(_engine(model), prompts, [m + steps for m in max_new])        # drafts past the end
     engine = _engine(model, SpecConfig(num_steps=steps))
-    assert _tokens(engine, prompts, max_new) == [t[:m] for t, m in zip(longer, max_new)]
+    assert generated_tokens(engine, prompts, max_new) == [t[:m] for t, m in zip(longer, max_new)]
     expected = _chain_accept_lens(longer, max_new, steps, succ)
     assert engine.stats.accept_lens == _in_step_order(expected, max_batch=2)
     assert set(engine.stats.accept_lens) == set(range(1, steps + 2))     # step drafts accepted too
@@ -320,7 +295,7 @@ def test_rejected_kv_is_never_read(guessing_model, prompts, plain_guessing):
         return result
 
     worker.step = types.MethodType(poisoning_step, worker)
-    assert _tokens(engine, prompts, MAX_NEW) == plain_guessing
+    assert generated_tokens(engine, prompts, MAX_NEW) == plain_guessing
     assert sum(poisoned) > 0
 
 
@@ -329,12 +304,12 @@ def test_page_boundaries_eos_and_eager_batches(guessing_model):
     max_new_tokens and at eos, three requests above the largest bucket (eager phases). Where in a
     block a request ends is not known here; the mid-block ends are asserted in
     ``test_drafts_from_the_hidden_states_accept_what_the_oracle_says``."""
-    prompts = _prompts((61, 62, 63, 64, 127, 128), 1031, seed=5)
+    prompts = random_prompts((61, 62, 63, 64, 127, 128), 1031, seed=5)
     max_new = [5, 6, 7, 8, 9, 10]
     plain = _engine(guessing_model, max_batch=3, bucket_sizes=(1,))
-    expected = _tokens(plain, prompts, max_new)
+    expected = generated_tokens(plain, prompts, max_new)
     engine = _engine(guessing_model, SpecConfig(num_steps=3), max_batch=3, bucket_sizes=(1,))
-    assert _tokens(engine, prompts, max_new) == expected
+    assert generated_tokens(engine, prompts, max_new) == expected
     assert None in engine.stats.step_buckets and 1 in engine.stats.step_buckets
     assert engine.stats.mean_accept_len > 1
     eos = expected[4][3]
@@ -350,11 +325,11 @@ def test_context_end(guessing_model):
     the table's headroom); one more token is refused (its result says why)."""
     spec = SpecConfig(num_steps=3)
     context = 80
-    prompt = _prompts((72,), 1031, seed=9)[0]
-    expected = _tokens(_engine(guessing_model, context_len=context), [prompt], [9])
+    prompt = random_prompts((72,), 1031, seed=9)[0]
+    expected = generated_tokens(_engine(guessing_model, context_len=context), [prompt], [9])
     engine = _engine(guessing_model, spec, context_len=context)
     assert engine.req_pool.width == context + 4 + spec.num_draft_tokens
-    assert _tokens(engine, [prompt], [9]) == expected
+    assert generated_tokens(engine, [prompt], [9]) == expected
     refused = engine.generate(prompt, 10)
     assert refused.finish_reason == "refused" and refused.token_ids == []
     assert "need 81 positions, more than context_len=80" in refused.error
@@ -394,7 +369,7 @@ def test_argmax_exchange_option_keeps_tokens_and_acceptance(guessing_model, prom
                          options=RuntimeOptions(draft_argmax_exchange=exchange))
         assert engine.worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == exchange
         assert engine.worker.processor.uses_verify_argmax_exchange()
-        outputs[exchange] = (_tokens(engine, prompts, MAX_NEW), engine.stats.accept_lens)
+        outputs[exchange] = (generated_tokens(engine, prompts, MAX_NEW), engine.stats.accept_lens)
     assert outputs[True] == outputs[False]
 
 
@@ -426,7 +401,7 @@ def test_index_share_layers_and_seeded_draft_steps(prompts):
                         index_share_for_mtp_iteration=True)
     model = predictable(DSAModel(config, dtype=torch.float32).init_weights(3), 0.5)
     assert model.model.layers[1].self_attn.indexer is None
-    expected = _tokens(_engine(model), prompts, MAX_NEW)
+    expected = generated_tokens(_engine(model), prompts, MAX_NEW)
     engine = _engine(model, SpecConfig(num_steps=3))
     worker = engine.worker
     indexer_calls = {"draft": 0, "other": 0}
@@ -445,7 +420,7 @@ def test_index_share_layers_and_seeded_draft_steps(prompts):
         phase["now"] = "other"
 
     worker._draft = types.MethodType(watched_draft, worker)
-    assert _tokens(engine, prompts, MAX_NEW) == expected
+    assert generated_tokens(engine, prompts, MAX_NEW) == expected
     assert indexer_calls["draft"] == 0 and indexer_calls["other"] > 0
     k = config.index_topk
     assert seeds and all(count == min(length, k) for counts, lengths in seeds
@@ -457,7 +432,7 @@ def test_kv_reservation_covers_the_last_verify_block(random_model):
     spec = SpecConfig(num_steps=3)
     engine = _engine(random_model, spec, num_slots=3 * PAGE_SIZE)
     # 60 + 5 - 1 = 64 positions (one page) plus 3 verified past the last: two pages per request
-    results = engine.generate(_prompts((60, 60), 1031, seed=2), 5)
+    results = engine.generate(random_prompts((60, 60), 1031, seed=2), 5)
     assert set(engine.stats.step_batches) == {1}                 # the second waited for pages
     assert [len(r.token_ids) for r in results] == [5, 5]
 
@@ -478,7 +453,7 @@ def test_row_invariant_model_runs_the_row_invariant_kernels():
     assert {type(m).__name__ for m in switched} == {"Linear", "RMSNorm", "LayerNorm", "Indexer", "MLAAttention",
                                                     "LMHead"}
     prompt = [3, 1, 4, 1, 5]
-    outs = [_tokens(_engine(model, max_batch=1, bucket_sizes=(1,)), [prompt], [3]) for model in (default, invariant)]
+    outs = [generated_tokens(_engine(model, max_batch=1, bucket_sizes=(1,)), [prompt], [3]) for model in (default, invariant)]
     assert outs[0] == outs[1]
 
 
@@ -535,41 +510,20 @@ def test_gpu_row_invariant_layers_compute_each_row_alone(preset):
 # ---------------------------------------------------------------------------------------------
 # GPU: `python -m pytest -q -m gpu tests/test_spec_engine.py`
 
-GPU_CONTEXT = 1 << 20
-
-
-def _gpu_model(preset, *, row_invariant, branch_scale=0.5, seed=0, options=None):
-    model = DSAModel(get_config(preset), device="cuda", use_triton=True, row_invariant=row_invariant,
-                     options=options)
-    return predictable(model.init_weights(seed), branch_scale)
-
-
-def _gpu_prompts(count, preset, seed=11):
-    k = get_config(preset).index_topk
-    lengths = [(k + 37, 7, 3 * k // 2, 64, 130)[i % 5] for i in range(count)]   # sparse and dense rows
-    return _prompts(lengths, get_config(preset).vocab_size, seed)
-
-
-def _gpu_engine(model, spec=None, *, max_batch, requests, max_new, **kwargs):
-    slots = PAGE_SIZE * (2 + max_batch * -(-(max(map(len, requests)) + max_new + 8) // PAGE_SIZE))
-    kwargs.setdefault("context_len", GPU_CONTEXT)
-    return Engine(model, speculative=spec, max_batch=max_batch, num_slots=slots, progress=False,
-                  bucket_sizes=(1, 2, 4, 8, 16, 32), **kwargs)
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset, batch, max_new", [("tiny", 32, 256), ("bench", 8, 64)])
 def test_gpu_speculative_equals_plain_row_invariant(preset, batch, max_new):
     """bf16, CUDA graphs, 1M context configured, row-invariant GEMMs and norms: speculative output
     equals plain greedy output token for token; the batch shrinks as requests finish."""
-    model = _gpu_model(preset, row_invariant=True, branch_scale={"tiny": 0.5, "bench": 0.2}[preset])
-    requests = _gpu_prompts(batch, preset)
+    model = gpu_model(preset, row_invariant=True, branch_scale={"tiny": 0.5, "bench": 0.2}[preset])
+    requests = gpu_prompts(batch, preset)
     limits = [max_new - 3 * (i % 4) for i in range(batch)]
-    plain = _gpu_engine(model, max_batch=batch, requests=requests, max_new=max_new)
-    spec = _gpu_engine(model, SpecConfig(num_steps=3), max_batch=batch, requests=requests, max_new=max_new)
+    plain = gpu_engine(model, max_batch=batch, requests=requests, max_new=max_new)
+    spec = gpu_engine(model, SpecConfig(num_steps=3), max_batch=batch, requests=requests, max_new=max_new)
     assert spec.use_cuda_graph and spec.backend.kernel == "bounded"
-    want = _tokens(plain, requests, limits)
-    got = _tokens(spec, requests, limits)
+    want = generated_tokens(plain, requests, limits)
+    got = generated_tokens(spec, requests, limits)
     mismatched = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
     assert not mismatched, f"requests {mismatched} differ; first at token " \
         f"{next(j for j, (x, y) in enumerate(zip(got[mismatched[0]], want[mismatched[0]])) if x != y)}"
@@ -586,13 +540,13 @@ def test_gpu_drafts_from_the_hidden_states_accept_what_the_oracle_says():
     model = DSAModel(config, device="cuda", use_triton=True).init_weights(5)
     succ = drafting_from_hidden(model, 0)
     batch, steps = 32, 3
-    requests = [[t % config.vocab_size for t in p] for p in _gpu_prompts(batch, "tiny")]
+    requests = [[t % config.vocab_size for t in p] for p in gpu_prompts(batch, "tiny")]
     limits = [96 - 5 * (i % 7) for i in range(batch)]
-    plain = _gpu_engine(model, max_batch=batch, requests=requests, max_new=96 + steps)
-    longer = _tokens(plain, requests, [m + steps for m in limits])
-    spec = _gpu_engine(model, SpecConfig(num_steps=steps), max_batch=batch, requests=requests, max_new=96)
+    plain = gpu_engine(model, max_batch=batch, requests=requests, max_new=96 + steps)
+    longer = generated_tokens(plain, requests, [m + steps for m in limits])
+    spec = gpu_engine(model, SpecConfig(num_steps=steps), max_batch=batch, requests=requests, max_new=96)
     assert spec.use_cuda_graph
-    assert _tokens(spec, requests, limits) == [t[:m] for t, m in zip(longer, limits)]
+    assert generated_tokens(spec, requests, limits) == [t[:m] for t, m in zip(longer, limits)]
     expected = _chain_accept_lens(longer, limits, steps, succ)
     assert spec.stats.accept_lens == _in_step_order(expected, max_batch=batch)
     assert set(spec.stats.accept_lens) == set(range(1, steps + 2))
@@ -606,19 +560,19 @@ def test_gpu_kill_switches_keep_tokens_and_acceptance():
     from dsaspec.layers.attention.multi_step import ONE_LAUNCH, PRECOMPUTE_AND_COPY
     from dsaspec.layers.logits_processor import GREEDY_TOPK1
 
-    model = _gpu_model("bench", row_invariant=False)
-    requests = _gpu_prompts(6, "bench", seed=12)
+    model = gpu_model("bench", row_invariant=False)
+    requests = gpu_prompts(6, "bench", seed=12)
     outputs = {}
     for new in (True, False):
         options = RuntimeOptions() if new else RuntimeOptions().baseline()
-        engine = _gpu_engine(model, SpecConfig(num_steps=3), max_batch=6, requests=requests, max_new=48,
+        engine = gpu_engine(model, SpecConfig(num_steps=3), max_batch=6, requests=requests, max_new=48,
                              options=options)
         worker = engine.worker
         assert worker.backend.kernel == ("bounded" if new else "context_wide")
         assert worker.multi_step.path(8) == (ONE_LAUNCH if new else PRECOMPUTE_AND_COPY)
         assert worker.processor.uses_draft_argmax_exchange(GREEDY_TOPK1) == new
         assert worker.processor.uses_verify_argmax_exchange() == new
-        outputs[new] = (_tokens(engine, requests, 48), engine.stats.accept_lens)
+        outputs[new] = (generated_tokens(engine, requests, 48), engine.stats.accept_lens)
     assert outputs[True] == outputs[False]
     assert statistics.fmean(outputs[True][1]) > 1.2
 
@@ -628,13 +582,13 @@ def test_gpu_graph_and_eager_phases_agree():
     """The same iterations from CUDA graphs and eagerly (static buffers, no capture), and with the
     batch above the largest bucket (eager metadata sized to the live lengths, 5 rows instead of a
     bucket of 8: row-invariant numerics, since cuBLAS gives a row other bits at another M)."""
-    model = _gpu_model("tiny", row_invariant=True)
-    requests = _gpu_prompts(5, "tiny", seed=13)
+    model = gpu_model("tiny", row_invariant=True)
+    requests = gpu_prompts(5, "tiny", seed=13)
     runs = []
     for graphs, buckets in ((True, (1, 2, 4, 8)), (False, (1, 2, 4, 8)), (True, (1, 2))):
         engine = Engine(model, speculative=SpecConfig(num_steps=3), max_batch=5, context_len=4096,
                         bucket_sizes=buckets, use_cuda_graph=graphs, progress=False)
-        runs.append((_tokens(engine, requests, 40), engine.stats.accept_lens))
+        runs.append((generated_tokens(engine, requests, 40), engine.stats.accept_lens))
     assert runs[0] == runs[1] == runs[2]
 
 
@@ -687,8 +641,8 @@ def test_triton_ops_speculative_equals_plain():
     config = get_config("tiny", vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32,
                         num_attention_heads=2, index_n_heads=2, num_hidden_layers=1)
     model = predictable(DSAModel(config, use_triton=True, row_invariant=True).init_weights(6), 0.5)
-    prompts = _prompts((5, 70), config.vocab_size, seed=4)                  # 70 > top-k 64: sparse rows
-    expected = _tokens(_engine(model, context_len=96), prompts, [5, 4])
+    prompts = random_prompts((5, 70), config.vocab_size, seed=4)                  # 70 > top-k 64: sparse rows
+    expected = generated_tokens(_engine(model, context_len=96), prompts, [5, 4])
     engine = _engine(model, SpecConfig(num_steps=2), context_len=96)
-    assert _tokens(engine, prompts, [5, 4]) == expected
+    assert generated_tokens(engine, prompts, [5, 4]) == expected
     assert max(engine.stats.accept_lens) > 1
