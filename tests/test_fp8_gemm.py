@@ -156,6 +156,16 @@ def test_quantize_weight_matches_reference_bitwise(n, k, device):
     assert torch.equal(deq.cpu(), ref.dequantize(want_q, want_s, 128).float())  # one rounding of an exact product
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_torch_quantize_blocks_is_act_quant(fmt):
+    x = _activations(19, 384, torch.bfloat16, "cpu", seed=4)
+    x[3, 5], x[7, 300] = math.nan, -math.inf
+    q, s = op.quantize_blocks(x, 1, fmt)
+    want_q, want_s = ref.act_quant(x, fmt)
+    assert _codes_equal(q, want_q) and torch.equal(s.isnan(), want_s.isnan())
+    assert _bits_equal(s[~s.isnan()], want_s[~want_s.isnan()])
+
+
 def test_quantize_weight_refuses_non_finite_and_bad_k():
     with pytest.raises(ValueError, match="weight: holds NaN or infinite"):
         op.quantize_weight(torch.tensor([[math.inf] + [0.0] * 127]))

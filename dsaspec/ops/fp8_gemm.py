@@ -205,26 +205,46 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, scale_fm
     return fp8_gemm(q, s, w, w_scale, out=out, out_dtype=x.dtype)
 
 
+def quantize_blocks(x: torch.Tensor, block_rows: int, scale_fmt: str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch quantization of ``x [N, K]`` (float, ``K`` a multiple of 128) per
+    ``block_rows`` x 128 block, with :func:`act_quant`'s math (the floor, ``scale_fmt``, the clamp,
+    +0 for a zero code, scale NaN and codes 0 for a block with NaN or inf): ``block_rows`` 1 is
+    :func:`act_quant` (eager, any device), 128 the weights' blocks (a partial last block uses its
+    rows). Returns e4m3 ``[N, K]`` and fp32 ``[ceil(N / block_rows), K / 128]``."""
+    _check_scale_fmt(scale_fmt)
+    n, k = x.shape
+    _check_k("x", k)
+    nb = triton.cdiv(n, block_rows)
+    padded = torch.zeros(nb * block_rows, k, dtype=torch.float32, device=x.device)
+    padded[:n] = x
+    blocks = padded.view(nb, block_rows, k // BLOCK, BLOCK)
+    bad = ~torch.isfinite(blocks).all(dim=3).all(dim=1)
+    amax = blocks.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
+    scale = amax / E4M3_MAX
+    if scale_fmt == "ue8m0":
+        bits = scale.view(torch.int32)
+        exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        scale = (exponent << 23).view(torch.float32)
+    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    q = torch.where(bad[:, None, :, None], 0.0, q)
+    q = q.view(nb * block_rows, k)[:n].to(torch.float8_e4m3fn)
+    bits = q.view(torch.uint8)
+    bits.masked_fill_(bits == 0x80, 0)                                  # -0 -> +0
+    return q, torch.where(bad, torch.nan, scale)
+
+
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a float ``weight [N, K]`` (``K`` a multiple of 128) per 128 x 128 block: returns
-    e4m3 ``[N, K]`` and fp32 ``weight_scale_inv [ceil(N / 128), K / 128]`` with ``s = max(amax,
-    1e-4) / 448`` and ``q = e4m3(clamp(w / s, -448, 448))`` (a partial last row block uses its
-    rows only). Plain torch on ``weight``'s device; raises ``ValueError`` for a non-finite weight."""
+    """Quantize a float ``weight [N, K]`` (``K`` a multiple of 128) per 128 x 128 block
+    (:func:`quantize_blocks`, fp32 scales): e4m3 ``[N, K]`` and ``weight_scale_inv``
+    ``[ceil(N / 128), K / 128]``. Raises ``ValueError`` for a non-finite weight."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight: expected a 2-D float tensor, got {getattr(weight, 'shape', weight)!r}")
-    n, k = weight.shape
-    _check_k("weight", k)
-    w = weight.float()
-    if not torch.isfinite(w).all():
+    _check_k("weight", weight.shape[1])
+    if not torch.isfinite(weight).all():
         raise ValueError("weight: holds NaN or infinite values; FP8 block scales need finite weights")
-    nb = triton.cdiv(n, BLOCK)
-    padded = torch.zeros(nb * BLOCK, k, dtype=torch.float32, device=w.device)
-    padded[:n] = w
-    blocks = padded.view(nb, BLOCK, k // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR) / E4M3_MAX
-    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(nb * BLOCK, k)[:n]
-    return q.to(torch.float8_e4m3fn), scale
+    return quantize_blocks(weight, BLOCK)
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -19,17 +19,16 @@ def _power_of_two_ceil(s: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(s), exponent)
 
 
-def _quantize_groups(groups: torch.Tensor, amax: torch.Tensor, ue8m0: bool, signed_zero: bool):
-    """Codes and scales of fp32 ``groups`` given their per-group ``amax`` (broadcastable); with
-    ``signed_zero`` False a code that rounds to zero is +0."""
+def _quantize_groups(groups: torch.Tensor, amax: torch.Tensor, ue8m0: bool):
+    """Codes and scales of fp32 ``groups`` given their per-group ``amax`` (broadcastable); a code
+    that rounds to zero is +0."""
     finite = torch.isfinite(amax)
     scale = torch.clamp(torch.where(finite, amax, 0.0), min=MIN_AMAX) / FP8_MAX
     if ue8m0:
         scale = _power_of_two_ceil(scale)
     codes = torch.clamp(groups / scale, -FP8_MAX, FP8_MAX)
     codes = torch.where(finite, codes, 0.0).to(torch.float8_e4m3fn)
-    if not signed_zero:
-        codes = torch.where(codes.float() == 0, torch.zeros_like(codes), codes)
+    codes = torch.where(codes.float() == 0, torch.zeros_like(codes), codes)
     return codes, torch.where(finite, scale, torch.nan)
 
 
@@ -40,14 +39,13 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None) -> tuple[torch.Tens
     m, k = x.shape
     groups = x.float().reshape(m, k // GROUP, GROUP)
     amax = groups.abs().amax(dim=-1, keepdim=True)   # NaN if the group has a NaN
-    codes, scale = _quantize_groups(groups, amax, scale_fmt == "ue8m0", signed_zero=False)
+    codes, scale = _quantize_groups(groups, amax, scale_fmt == "ue8m0")
     return codes.reshape(m, k), scale.reshape(m, k // GROUP)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per 128 x 128 block of ``weight [N, K]`` (a partial last row block: its rows only), fp32
-    scales ``max(amax, 1e-4) / 448``, negative values that round to zero -0 (torch's cast):
-    (e4m3 ``[N, K]``, fp32 ``[ceil(N / 128), K / 128]``)."""
+    scales ``max(amax, 1e-4) / 448``, a zero code +0: (e4m3 ``[N, K]``, fp32 ``[ceil(N / 128), K / 128]``)."""
     n, k = weight.shape
     w = weight.float()
     codes = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
@@ -55,7 +53,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for i, r in enumerate(range(0, n, GROUP)):
         for j, c in enumerate(range(0, k, GROUP)):
             block = w[r:r + GROUP, c:c + GROUP]
-            q, s = _quantize_groups(block, block.abs().amax(), False, signed_zero=True)
+            q, s = _quantize_groups(block, block.abs().amax(), False)
             codes[r:r + GROUP, c:c + GROUP] = q
             scales[i, j] = s
     return codes, scales
