@@ -120,15 +120,16 @@ def test_fp8_linear_paths_match_the_reference(use_triton, row_invariant):
 @torch.no_grad()
 def _greedy(model: DSAModel, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     """Prefill then single-row decode steps: the greedy tokens and each step's logits."""
-    pool = ReqToTokenPool(1, len(prompt) + NEW_TOKENS, device="cpu")
+    device = model.lm_head.weight.device
+    pool = ReqToTokenPool(1, len(prompt) + NEW_TOKENS, device=device)
     slots = RequestSlots(pool, PageAllocator(PAGE_SIZE * 4))
-    kv = KVPool.for_model(model.config, slots.allocator.num_slots, dtype=model.lm_head.weight.dtype)
+    kv = KVPool.for_model(model.config, slots.allocator.num_slots, dtype=model.lm_head.weight.dtype, device=device)
     row = slots.admit(len(prompt), reserve=NEW_TOKENS)
-    logits = [model.logits(model.prefill(torch.tensor(prompt), pool.req_to_token, row, kv)[-1:])[0]]
+    logits = [model.logits(model.prefill(torch.tensor(prompt, device=device), pool.req_to_token, row, kv)[-1:])[0]]
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < NEW_TOKENS:
         positions, loc, attn = build_extend_inputs(pool.req_to_token, [row], [len(prompt) + len(tokens) - 1], [1])
-        logits.append(model.logits(model(torch.tensor(tokens[-1:]), positions, loc, kv, attn))[0])
+        logits.append(model.logits(model(torch.tensor(tokens[-1:], device=device), positions, loc, kv, attn))[0])
         tokens.append(int(logits[-1].argmax()))
     return tokens, logits
 
