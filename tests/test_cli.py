@@ -212,8 +212,8 @@ def test_wrong_shape_tensor_names_file_and_tensor(capsys, checkpoint, tmp_path):
      ["mixture-of-experts FFNs in 1 of 1 layers", "8 routed experts", "not implemented yet"]),
     ({"num_local_experts": 8, "first_k_dense_replace": 0}, ["mixture-of-experts", "not implemented yet"]),
     ({"mlp_layer_types": ["sparse"]}, ["mixture-of-experts", "mlp_layer_types", "not implemented yet"]),
-    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
-     ["quantization_config", "'fp8'", "not implemented yet"]),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["quantization_config", "unknown key", "'bits'"]),
+    ({"quantization_config": {"quant_method": "gptq"}}, ["quantization_config.quant_method", "'gptq'"]),
 ])
 def test_config_of_another_architecture_is_refused(capsys, checkpoint, tmp_path, fields, named):
     # The weights are the dense bf16 DSA model's: only config.json claims something else.
@@ -222,6 +222,15 @@ def test_config_of_another_architecture_is_refused(capsys, checkpoint, tmp_path,
     (path / CONFIG_FILE).write_text(json.dumps(config | fields))
     assert_one_line_error(capsys, ["generate", "--checkpoint", path, "--no-progress"], str(path / CONFIG_FILE),
                           *named)
+
+
+def test_fp8_config_over_bf16_weights_names_the_tensor(capsys, checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    config = json.loads((path / CONFIG_FILE).read_text())
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (path / CONFIG_FILE).write_text(json.dumps(config | {"quantization_config": fp8}))
+    assert_one_line_error(capsys, ["generate", "--checkpoint", path, "--no-progress"], str(path / SINGLE_FILE),
+                          "FP8 weight", "has no", "weight_scale_inv")
 
 
 def test_missing_shard_names_the_file(capsys, checkpoint, tmp_path):

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from dsaspec.configs.model_config import PRESETS, ModelConfig, check_implemented, get_config
+from dsaspec.configs.quantization import Fp8Quantization
 from dsaspec.memory import KVPool
 from dsaspec.models.dsa_model import DSAModel
 
@@ -122,7 +123,7 @@ def test_unknown_preset():
         get_config("glm6")
 
 
-def test_check_implemented_refuses_moe_layers_and_quantized_weights():
+def test_check_implemented_refuses_moe_layers():
     # The presets are the released configs' dense form; a checkpoint's config must not claim more.
     dense = get_config("tiny").to_hf_dict()                       # first_k_dense_replace = every layer
     check_implemented(dense)
@@ -138,12 +139,57 @@ def test_check_implemented_refuses_moe_layers_and_quantized_weights():
                            (dense | {"mlp_layer_types": ["dense", "sparse"]}, "1 of 2")]:
         with pytest.raises(ValueError, match=f"mixture-of-experts FFNs in {moe_layers} layers .*not implemented yet"):
             check_implemented(hf)
-    with pytest.raises(ValueError, match="quantization_config \\(quant_method 'fp8'\\).*not implemented yet"):
-        check_implemented(dense | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
     with pytest.raises(ValueError, match="first_k_dense_replace must be an int >= 0, got '3'"):
         check_implemented(dense | {"n_routed_experts": 8, "first_k_dense_replace": "3"})
     with pytest.raises(ValueError, match="mlp_layer_types must be a list"):
         check_implemented(dense | {"mlp_layer_types": "dense"})
+
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def test_fp8_quantization_config_round_trips():
+    dense = get_config("tiny").to_hf_dict()
+    assert ModelConfig.from_hf_dict(dense | {"quantization_config": None}).quantization is None
+    assert ModelConfig.from_hf_dict(dense | {"quantization_config": {}}).quantization is None
+    v32 = FP8 | {"activation_scheme": "dynamic", "scale_fmt": "ue8m0"}
+    config = ModelConfig.from_hf_dict(dense | {"quantization_config": v32 | {"ignored_layers": ["kv_b_proj"]}})
+    assert config.quantization == Fp8Quantization(scale_fmt="ue8m0", modules_to_not_convert=("kv_b_proj",))
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+    assert config != ModelConfig.from_hf_dict(dense)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"quant_method": "awq"}, "quant_method: only 'fp8'.*got 'awq'"),
+    ({"quant_method": None}, "quant_method: only 'fp8'.*got None"),
+    ({"fmt": "e5m2"}, "fmt: expected 'e4m3', got 'e5m2'"),
+    ({"weight_block_size": [64, 64]}, r"weight_block_size: expected \[128, 128\].*got \[64, 64\]"),
+    ({"weight_block_size": None}, "weight_block_size: expected"),
+    ({"activation_scheme": "static"}, "activation_scheme: expected 'dynamic'"),
+    ({"scale_fmt": "e8m0"}, "scale_fmt: expected 'ue8m0' or absent, got 'e8m0'"),
+    ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert: expected a list"),
+    ({"group_size": 128}, r"unknown key\(s\) \['group_size'\]"),
+])
+def test_bad_quantization_config_is_named(change, message):
+    dense = get_config("tiny").to_hf_dict()
+    with pytest.raises(ValueError, match=f"quantization_config.*{message}"):
+        ModelConfig.from_hf_dict(dense | {"quantization_config": FP8 | change})
+    with pytest.raises(ValueError, match="quantization_config: expected an object"):
+        ModelConfig.from_hf_dict(dense | {"quantization_config": "fp8"})
+
+
+def test_fp8_converts_the_projections_not_the_bf16_modules():
+    q = Fp8Quantization(modules_to_not_convert=("layers.1.mlp", "kv_b_proj"))
+    assert q.converts("model.layers.0.self_attn.q_a_proj")
+    assert q.converts("model.layers.0.mlp.gate_proj")             # "gate" (the router) is not gate_proj
+    assert q.converts("model.layers.0.self_attn.indexer.wk")
+    assert not q.converts("model.layers.0.self_attn.indexer.weights_proj")
+    assert not q.converts("model.layers.2.eh_proj")
+    assert not q.converts("model.layers.3.mlp.gate")
+    assert not q.converts("model.layers.1.mlp.up_proj")
+    assert q.converts("model.layers.11.mlp.up_proj")              # pieces, not substrings
+    assert Fp8Quantization(modules_to_not_convert=("up",)).converts("model.layers.0.mlp.up_proj")
+    assert not q.converts("model.layers.0.self_attn.kv_b_proj")
 
 
 def test_model_type_must_be_a_dsa_model():

@@ -2,8 +2,8 @@
 
 The runtime's FFN is dense SwiGLU in every layer (MoE is orthogonal to this project), so the MoE
 fields of the HF configs are not represented: the presets are the released shapes with dense FFNs,
-and :func:`check_implemented` refuses a checkpoint config that claims MoE layers or quantized
-weights. The kernels specialise on the MQA cache shape (``kv_lora_rank`` 512 +
+and :func:`check_implemented` refuses a checkpoint config that claims MoE layers. FP8 block-scaled
+weights (``quantization_config``) are :class:`~dsaspec.configs.quantization.Fp8Quantization`. The kernels specialise on the MQA cache shape (``kv_lora_rank`` 512 +
 ``qk_rope_head_dim`` 64 = 576 per token) and the indexer head dim (128); ``validate`` refuses
 anything else with a clear error.
 """
@@ -14,6 +14,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from dsaspec.configs.quantization import Fp8Quantization
 
 # The shapes the DSA decode kernels are written for.
 KERNEL_KV_LORA_RANK = 512
@@ -77,6 +79,8 @@ class ModelConfig:
     indexer_types: tuple[str, ...] | None = None
     # GLM-5.x: the draft steps reuse the draft extend's MTP top-k instead of running the MTP indexer
     index_share_for_mtp_iteration: bool = False
+    # HF quantization_config, parsed: FP8 block-scaled weights, or None (bf16 / fp32 weights)
+    quantization: Fp8Quantization | None = None
     # not an HF field (and not part of equality)
     name: str = field(default="custom", compare=False)
 
@@ -169,6 +173,8 @@ class ModelConfig:
         if not isinstance(self.index_share_for_mtp_iteration, bool):
             raise ValueError(f"ModelConfig.index_share_for_mtp_iteration must be a bool, "
                              f"got {self.index_share_for_mtp_iteration!r}")
+        if self.quantization is not None and not isinstance(self.quantization, Fp8Quantization):
+            raise ValueError(f"ModelConfig.quantization must be an Fp8Quantization or None, got {self.quantization!r}")
         return self
 
     # ---- HF dicts ---------------------------------------------------------------------------
@@ -208,6 +214,7 @@ class ModelConfig:
             model_type=model_type,
             indexer_types=indexer_types_from_hf(hf),
             index_share_for_mtp_iteration=hf.get("index_share_for_mtp_iteration", False),
+            quantization=Fp8Quantization.from_hf(hf.get("quantization_config")),
             name=name,
         )
         return config.validate()
@@ -232,6 +239,8 @@ class ModelConfig:
             out["indexer_types"] = list(self.indexer_types)
         if self.rope_scaling is not None:
             out["rope_scaling"] = dict(self.rope_scaling)
+        if self.quantization is not None:
+            out["quantization_config"] = self.quantization.to_hf()
         return out
 
     def replace(self, **changes) -> "ModelConfig":
@@ -243,9 +252,9 @@ def check_implemented(hf: dict[str, Any]) -> None:
     """Raise ``ValueError`` if HF config ``hf`` (one :meth:`ModelConfig.from_hf_dict` accepts) claims
     what this runtime does not implement yet: MoE layers (``mlp_layer_types`` entries other than
     ``"dense"``; without it, an expert count > 0 and layers from ``first_k_dense_replace`` (HF
-    default 3) on, every ``moe_layer_freq``-th) or quantized weights (a ``quantization_config``,
-    e.g. FP8). Loading such a checkpoint's tensors into dense bf16 layers would run another model
-    than the config describes."""
+    default 3) on, every ``moe_layer_freq``-th). Loading such a checkpoint's tensors into dense
+    layers would run another model than the config describes. (A ``quantization_config`` is
+    checked by :meth:`ModelConfig.from_hf_dict`.)"""
     layers = hf["num_hidden_layers"]
     kinds = hf.get("mlp_layer_types")
     if kinds is not None:
@@ -264,11 +273,6 @@ def check_implemented(hf: dict[str, Any]) -> None:
     if moe:
         raise ValueError(f"the config has mixture-of-experts FFNs in {moe} of {layers} layers ({why}): MoE is "
                          "not implemented yet (every layer here is a dense SwiGLU FFN)")
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(f"the config has a quantization_config (quant_method {method!r}): quantized weights "
-                         "are not implemented yet (dense bf16 / fp32 weights only)")
 
 
 def indexer_types_from_hf(hf: dict[str, Any]) -> tuple[str, ...] | None:

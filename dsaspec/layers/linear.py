@@ -57,6 +57,10 @@ class Linear(RowInvariant, nn.Linear):
             return row_invariant_ops().linear(x, self.weight)
         return F.linear(x, self.weight)
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight ``[N, K]`` (as :meth:`Fp8Linear.dense_weight <dsaspec.layers.fp8_linear.Fp8Linear.dense_weight>`)."""
+        return self.weight
+
 
 COLUMN, ROW = "column", "row"
 

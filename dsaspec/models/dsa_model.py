@@ -32,6 +32,7 @@ from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.dsa_ops import dsa_ops
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionWorkspace, build_extend_inputs
 from dsaspec.layers.attention.mla import ForwardState
+from dsaspec.layers.fp8_linear import Fp8Linear, convert_to_fp8
 from dsaspec.layers.linear import Shard
 from dsaspec.layers.norm import RMSNorm
 from dsaspec.layers.rotary import Rotary
@@ -79,6 +80,12 @@ class DSAModel(nn.Module):
         The runtime's switches (default: the shipped path); the model uses ``sparse_mla_gluon`` and
         ``topk_single_launch``, and the engine and workers built over it take the rest from
         ``model.options`` unless given their own.
+
+    With ``config.quantization`` (FP8 block-scaled weights) the projections it converts are
+    :class:`~dsaspec.layers.fp8_linear.Fp8Linear` (e4m3 ``weight`` + fp32 ``weight_scale_inv``, the
+    checkpoint's tensors; the Triton FP8 GEMM with ``use_triton``, else torch); their parameters
+    are uninitialised until :meth:`init_weights` or a checkpoint load. Tensor-parallel splits of
+    those layers must lie on 128-feature boundaries.
     """
 
     def __init__(self, config: ModelConfig, *, device=None, dtype=torch.bfloat16, use_triton: bool = False,
@@ -100,13 +107,20 @@ class DSAModel(nn.Module):
         self.row_invariant = row_invariant
         self.options = RuntimeOptions() if options is None else options
         self.sparse_mla_gluon = self.options.sparse_mla_gluon
-        self.model = DSABackbone(config, tp_group, device, dtype)
+        if config.quantization is None:
+            self.model = DSABackbone(config, tp_group, device, dtype)
+        else:  # built without storage, the FP8 layers swapped in, then allocated once
+            self.model = DSABackbone(config, tp_group, torch.device("meta"), dtype)
+            convert_to_fp8(self, config.quantization, torch.device("meta"))
+            self.model.to_empty(device=device)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp_group, dtype)
         self.rotary = Rotary(config, device)
         self.requires_grad_(False)
         for module in self.modules():
             if isinstance(module, RowInvariant):
                 module.row_invariant = row_invariant
+            if isinstance(module, Fp8Linear):
+                module.use_triton = use_triton
 
     @property
     def tp_size(self) -> int:
@@ -121,8 +135,13 @@ class DSAModel(nn.Module):
     def shards(self) -> dict[str, Shard]:
         """The tensor-parallel parameters by HF name: where each comes from in its checkpoint
         tensor. Parameters not listed are replicated (the checkpoint tensor as is)."""
-        return {f"{name}.weight": module.shard for name, module in self.named_modules()
-                if getattr(module, "shard", None) is not None}
+        shards = {}
+        for name, module in self.named_modules():
+            if getattr(module, "shard", None) is not None:
+                shards[f"{name}.weight"] = module.shard
+            if getattr(module, "scale_shard", None) is not None:
+                shards[f"{name}.weight_scale_inv"] = module.scale_shard
+        return shards
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's shape in the (unsharded) checkpoint, by HF name."""
@@ -142,11 +161,16 @@ class DSAModel(nn.Module):
         """Seeded random init (same seed, device type and dtype -> same weights): projections
         ``N(0, 1/fan_in)``, embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.1^2)``, norm biases
         ``N(0, 0.1^2)``. Every tensor is drawn at its checkpoint shape and a TP rank keeps its
-        shard, so the ranks of any TP size hold the shards of the TP 1 model of the same seed."""
+        shard, so the ranks of any TP size hold the shards of the TP 1 model of the same seed. An
+        FP8 projection holds the block quantization of the value its bf16 twin (same config without
+        ``quantization``, same seed) draws."""
         device = next(self.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
         shards = self.shards()
+        fp8 = {f"{name}.weight": module for name, module in self.named_modules() if isinstance(module, Fp8Linear)}
         for name, param in self.named_parameters():
+            if name.endswith(".weight_scale_inv") and name[: -len("_scale_inv")] in fp8:
+                continue
             shard = shards.get(name)
             shape = param.shape if shard is None else shard.full_shape(param.shape)
             noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
@@ -158,10 +182,13 @@ class DSAModel(nn.Module):
                 value = noise * 0.1
             else:
                 value = 1.0 + noise * 0.1
-            if shard is None:
+            part = value if shard is None else value[shard.index(value.dim())]
+            if name in fp8:
+                fp8[name].set_dense(part)
+            elif shard is None:
                 param.copy_(value)
             else:
-                shard.fill(param, value[shard.index(value.dim())])
+                shard.fill(param, part)
         return self
 
     def _state(self, positions, out_cache_loc, attn: AttentionInputs, check_values: bool,

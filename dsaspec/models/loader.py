@@ -7,6 +7,11 @@ listed in ``model.safetensors.index.json`` (``weight_map``: tensor name -> file)
 checkpoint (missing or malformed files, tensors that do not match the model) raise
 :class:`~dsaspec.errors.UserError` naming the file. A tensor-parallel rank reads only its slices of
 the sharded tensors (``safe_open(...).get_slice``), from the same checkpoint as TP 1.
+
+FP8 checkpoints (``quantization_config`` fp8 / e4m3 / [128, 128]) store each quantized projection
+as ``X.weight`` (F8_E4M3) and ``X.weight_scale_inv`` (F32, one per 128 x 128 block); they are
+loaded as stored into :class:`~dsaspec.layers.fp8_linear.Fp8Linear`, and every tensor's dtype is
+checked against what the config declares.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ from safetensors.torch import save_file
 
 from dsaspec.errors import UserError
 from dsaspec.configs.model_config import ModelConfig, check_implemented
+from dsaspec.layers.fp8_linear import Fp8Linear
 from dsaspec.models.dsa_model import DSAModel
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = ".weight_scale_inv"
+FP8_DTYPE = "F8_E4M3"
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 class CheckpointNotFoundError(UserError, FileNotFoundError):
@@ -93,8 +102,9 @@ def _open_safetensors(file: Path):
 
 def load_config(path: str | Path) -> ModelConfig:
     """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``). Raises
-    ``UserError`` naming the file for a bad config or one claiming what is not implemented yet
-    (MoE layers, quantized weights: :func:`~dsaspec.configs.model_config.check_implemented`)."""
+    ``UserError`` naming the file for a bad config (an unknown ``quantization_config`` included)
+    or one claiming what is not implemented yet (MoE layers:
+    :func:`~dsaspec.configs.model_config.check_implemented`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist or is not a directory")
@@ -124,20 +134,72 @@ def _weight_files(path: Path) -> dict[str, str]:
     raise CheckpointNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {path}")
 
 
+def _bf16_reason(model: DSAModel) -> str:
+    if model.config.quantization is None:
+        return "its config has no quantization_config"
+    return "it is one of the modules kept unquantized (ALWAYS_BF16 or quantization_config.modules_to_not_convert)"
+
+
+def _check_fp8_pairs(model: DSAModel, files: dict[str, str], path: Path) -> None:
+    """Every FP8 weight of the model has its scale in the checkpoint and every scale in the
+    checkpoint belongs to an FP8 weight of the model."""
+    fp8 = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    params = model.state_dict()
+    for weight in sorted(fp8):
+        scale = weight[: -len(".weight")] + SCALE_SUFFIX
+        if weight in files and scale not in files:
+            raise UserError(f"{path / files[weight]}: FP8 weight {weight} has no {scale} (the config's "
+                            "quantization_config declares it FP8 with one fp32 scale per 128 x 128 block)")
+    for scale in sorted(n for n in files if n.endswith(SCALE_SUFFIX)):
+        weight = scale[: -len(SCALE_SUFFIX)] + ".weight"
+        if weight not in files:
+            raise UserError(f"{path / files[scale]}: scale {scale} has no weight {weight}")
+        if weight not in fp8 and weight in params:
+            raise UserError(f"{path / files[scale]}: {weight} is stored FP8 (it has {scale}), but the model "
+                            f"holds it in {params[weight].dtype}: {_bf16_reason(model)}")
+
+
+def _check_dtype(params: dict[str, torch.Tensor], name: str, dtype: str, file: Path) -> None:
+    """The checkpoint dtype of tensor ``name`` against the parameter's."""
+    param = params[name].dtype
+    if param == torch.float8_e4m3fn and dtype != FP8_DTYPE:
+        raise UserError(f"{file}: tensor {name} is {dtype}, but the config's quantization_config declares it "
+                        f"FP8: expected {FP8_DTYPE}")
+    if name.endswith(SCALE_SUFFIX) and dtype != "F32":
+        raise UserError(f"{file}: scale {name} is {dtype}, expected F32")
+    if param != torch.float8_e4m3fn and dtype not in _FLOAT_DTYPES:
+        raise UserError(f"{file}: tensor {name} is {dtype}; the model holds it in {param} "
+                        f"(expected one of {list(_FLOAT_DTYPES)})")
+
+
+def _check_values(name: str, tensor: torch.Tensor, file: Path) -> None:
+    """FP8 codes hold no NaN; block scales are finite and positive."""
+    if tensor.dtype == torch.float8_e4m3fn and ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any():
+        raise UserError(f"{file}: FP8 weight {name} holds NaN codes")
+    if name.endswith(SCALE_SUFFIX) and not (torch.isfinite(tensor) & (tensor > 0)).all():
+        raise UserError(f"{file}: scale {name} holds values that are not finite and positive")
+
+
 @torch.no_grad()
 def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     """Copy every parameter of ``model`` from checkpoint directory ``path`` (cast to the
     parameter's dtype; bit-exact when the dtypes match). A TP rank reads only its slice of each
-    sharded tensor (``model.shards()``; vocab padding zero). Raises ``UserError`` (a ``ValueError``)
-    listing missing tensors, unexpected ones (MoE experts, fp8 scales, ... are not part of this
-    model), shapes that differ from the unsharded model's and unreadable files; nothing is copied
-    unless all checks pass. Returns ``model``."""
+    sharded tensor (``model.shards()``; vocab padding zero). FP8 weights and their scales are
+    copied as stored. Raises ``UserError`` (a ``ValueError``) naming the tensor and the file for an
+    FP8 weight without its ``weight_scale_inv``, a scale without its weight or for a module the
+    model holds in bf16, a dtype that is not what the config declares (a bf16 tensor where FP8 is
+    declared, an FP8 one where it is not, a scale not F32), block scales that are not finite and
+    positive; and listing missing tensors, unexpected ones (MoE experts, ... are not part of this
+    model), shapes that differ from the unsharded model's and unreadable files. Nothing is copied
+    unless these checks pass, except the check for NaN codes in FP8 weights, made as each weight
+    is copied. Returns ``model``."""
     path = Path(path)
     files = _weight_files(path)
     params = dict(model.state_dict())
     expected = model.checkpoint_shapes()
     shards = model.shards()
     duplicates = _shared_duplicates(model.config)
+    _check_fp8_pairs(model, files, path)
     missing = sorted(set(params) - set(files))
     unexpected = sorted(n for n in set(files) - set(params) if not duplicates.fullmatch(n))
     if missing or unexpected:
@@ -150,18 +212,25 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     for file, names in by_file.items():
         with _open_safetensors(path / file) as f:
             for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
+                tensor = f.get_slice(name)
+                shape = tuple(tensor.get_shape())
                 if shape != expected[name]:
                     raise UserError(f"{path / file}: tensor {name} has shape {shape}, the model expects "
                                     f"{expected[name]}")
+                _check_dtype(params, name, tensor.get_dtype(), path / file)
+                if name.endswith(SCALE_SUFFIX):
+                    _check_values(name, f.get_tensor(name), path / file)
     for file, names in by_file.items():
         with _open_safetensors(path / file) as f:
             for name in names:
                 shard = shards.get(name)
+                part = f.get_tensor(name) if shard is None else f.get_slice(name)[shard.index(len(expected[name]))]
+                if part.dtype == torch.float8_e4m3fn:
+                    _check_values(name, part, path / file)
                 if shard is None:
-                    params[name].copy_(f.get_tensor(name))
+                    params[name].copy_(part)
                 else:
-                    shard.fill(params[name], f.get_slice(name)[shard.index(len(expected[name]))])
+                    shard.fill(params[name], part)
     return model
 
 

@@ -103,10 +103,10 @@ class MLAAttention(RowInvariant, nn.Module):
         self.indexer = Indexer(config, device, dtype) if config.has_indexer(layer) else None
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of ``kv_b_proj.weight``: ``W_UK [H, qk_nope, 512]`` and ``W_UV [H, v, 512]`` (this
-        rank's ``H / TP`` heads)."""
+        """Views of ``kv_b_proj``'s weight (dequantized when FP8): ``W_UK [H, qk_nope, 512]`` and
+        ``W_UV [H, v, 512]`` (this rank's ``H / TP`` heads)."""
         cfg = self.config
-        per_head = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+        per_head = self.kv_b_proj.dense_weight().view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
                                               cfg.kv_lora_rank)
         return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim:]
 

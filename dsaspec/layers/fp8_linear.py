@@ -1,0 +1,99 @@
+"""The FP8 block-scaled linear layer: e4m3 ``weight`` and fp32 ``weight_scale_inv`` held as the
+checkpoint stores them (no dequantize at load), and the conversion of a model's linear layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsaspec.configs.quantization import Fp8Quantization
+from dsaspec.layers.linear import Linear, Shard
+from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
+from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, quantize_blocks, quantize_weight
+
+
+def _blocks(size: int) -> int:
+    return -(-size // BLOCK)
+
+
+class Fp8Linear(RowInvariant, nn.Module):
+    """Bias-free ``y = x @ W^T`` with ``W [N, K] = weight * weight_scale_inv`` per 128 x 128 block
+    (``weight`` e4m3 ``[N, K]``, ``weight_scale_inv`` fp32 ``[ceil(N / 128), K / 128]``; ``K`` a
+    multiple of 128). The activations are quantized per token per 128 columns (``scale_fmt``), then
+    ``use_triton``: the Triton FP8 GEMM (:func:`~dsaspec.ops.fp8_gemm.fp8_linear`, row-invariant by
+    construction); else plain torch, the same quantization and an fp32 dequantize-then-matmul
+    (the row-invariant GEMM when ``row_invariant``). Output in ``x``'s dtype.
+
+    ``shard`` / ``scale_shard``: this rank's part of the checkpoint weight and of its scales (None:
+    replicated); a split lies on 128-row / column block boundaries."""
+
+    use_triton: bool = False
+
+    def __init__(self, in_features: int, out_features: int, device=None, *, dtype=torch.bfloat16,
+                 scale_fmt: str | None = None, shard: Shard | None = None):
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"Fp8Linear: in_features = {in_features} must be a multiple of {BLOCK} "
+                             "(the FP8 weight_block_size)")
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype
+        self.scale_fmt = scale_fmt
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                               device=device), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(_blocks(out_features), in_features // BLOCK,
+                                                         dtype=torch.float32, device=device), requires_grad=False)
+        self.shard = shard
+        self.scale_shard = None if shard is None else Shard(shard.dim, shard.start // BLOCK, _blocks(shard.valid),
+                                                            _blocks(shard.full))
+
+    @classmethod
+    def like(cls, linear: Linear, name: str, scale_fmt: str | None, device=None) -> "Fp8Linear":
+        """An FP8 layer of ``linear``'s shape and tensor-parallel split (module ``name`` in errors);
+        raises ``ValueError`` when the split does not lie on 128-feature block boundaries."""
+        shard = linear.shard
+        if shard is not None and (shard.start % BLOCK or shard.valid % BLOCK):
+            side = "output" if shard.dim == 0 else "input"
+            raise ValueError(f"{name}: the tensor-parallel shard of its {shard.full} {side} features is "
+                             f"[{shard.start}, {shard.start + shard.valid}), not on {BLOCK}-feature boundaries: "
+                             "the FP8 block scales cannot be split there")
+        if linear.in_features % BLOCK:
+            raise ValueError(f"{name}: in_features = {linear.in_features} must be a multiple of {BLOCK} "
+                             "for FP8 weights (weight_block_size [128, 128])")
+        return cls(linear.in_features, linear.out_features, device, dtype=linear.weight.dtype,
+                   scale_fmt=scale_fmt, shard=shard)
+
+    @torch.no_grad()
+    def set_dense(self, weight: torch.Tensor) -> None:
+        """Quantize ``weight`` (float ``[N, K]``, this rank's part) into ``weight`` / ``weight_scale_inv``."""
+        q, s = quantize_weight(weight.to(self.weight.device))
+        self.weight.copy_(q)
+        self.weight_scale_inv.copy_(s)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dequantized weight ``[N, K]`` in the layer's dtype (computed on each call)."""
+        return dequantize_weight(self.weight, self.weight_scale_inv, self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from dsaspec.ops.fp8_gemm import fp8_linear
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_fmt)
+        q, s = quantize_blocks(x, 1, self.scale_fmt)
+        a = q.float() * s.repeat_interleave(BLOCK, dim=1)
+        w = dequantize_weight(self.weight, self.weight_scale_inv, torch.float32)
+        y = row_invariant_ops().linear(a, w) if self.row_invariant else F.linear(a, w)
+        return y.to(x.dtype)
+
+
+def convert_to_fp8(root: nn.Module, quant: Fp8Quantization, device=None) -> list[str]:
+    """Replace every :class:`~dsaspec.layers.linear.Linear` of ``root`` that ``quant`` converts
+    (by its name under ``root``: HF names when ``root`` is the model) with an :class:`Fp8Linear` of
+    the same shape and split on ``device``. Returns the converted names."""
+    converted = []
+    for name, module in list(root.named_modules()):
+        if isinstance(module, Linear) and quant.converts(name):
+            parent, _, attr = name.rpartition(".")
+            setattr(root.get_submodule(parent), attr, Fp8Linear.like(module, name, quant.scale_fmt, device))
+            converted.append(name)
+    return converted

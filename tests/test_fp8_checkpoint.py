@@ -1,0 +1,265 @@
+"""FP8 block-scaled checkpoints in the official layout (``X.weight`` e4m3 + ``X.weight_scale_inv``
+fp32, ``quantization_config`` fp8 / e4m3 / [128, 128]): the layer, loading as stored, the refusals
+naming tensor and file, tensor-parallel splits, and greedy generation against the dequantized twin.
+
+The checkpoint is written by :func:`write_fp8_checkpoint` from a random dense model, quantized with
+the reference quantizer (``dsaspec.reference.fp8_gemm``); its twin is the dense model holding the
+dequantized weights (exactly, in fp32), so the FP8 model differs from its twin only by the
+activation quantization of its FP8 projections.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsaspec.configs.model_config import get_config
+from dsaspec.configs.quantization import Fp8Quantization
+from dsaspec.errors import UserError
+from dsaspec.layers.fp8_linear import Fp8Linear
+from dsaspec.layers.linear import Linear
+from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
+from dsaspec.layers.attention.inputs import build_extend_inputs
+from dsaspec.models.dsa_model import DSAModel
+from dsaspec.models.loader import CONFIG_FILE, SINGLE_FILE, load_checkpoint, load_config
+from dsaspec.reference import fp8_gemm as ref
+
+from fake_tp import fake_groups, run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+PROMPT_LENS = (7, 80)      # 80 > top-k 64: sparse selection
+NEW_TOKENS = 6
+
+
+def write_fp8_checkpoint(dense: DSAModel, path, quant: Fp8Quantization = Fp8Quantization()) -> DSAModel:
+    """Write ``dense``'s weights under ``path`` as an FP8 checkpoint (config with ``quant``; each
+    projection ``quant`` converts quantized by the reference quantizer) and return the twin: a copy
+    of ``dense`` holding the dequantized weights."""
+    config = dense.config.replace(quantization=quant)
+    twin = DSAModel(dense.config, dtype=dense.lm_head.weight.dtype)
+    twin.load_state_dict(dense.state_dict())
+    fp8 = {f"{name}.weight" for name, m in dense.named_modules() if isinstance(m, Linear) and quant.converts(name)}
+    tensors = {}
+    twin_params = dict(twin.named_parameters())
+    for name, tensor in dense.state_dict().items():
+        if name in fp8:
+            codes, scales = ref.quantize_weight(tensor)
+            tensors[name] = codes
+            tensors[name[: -len("weight")] + "weight_scale_inv"] = scales
+            with torch.no_grad():
+                twin_params[name].copy_(ref.dequantize(codes, scales, 128))
+        else:
+            tensors[name] = tensor.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict()))
+    save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
+    return twin
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8")
+    twin = write_fp8_checkpoint(DSAModel(get_config("tiny"), dtype=torch.float32).init_weights(0), path)
+    return path, twin
+
+
+def _tensors(path):
+    return load_file(str(path / SINGLE_FILE))
+
+
+def test_fp8_checkpoint_loads_as_stored(fp8_checkpoint):
+    path, _ = fp8_checkpoint
+    model = load_checkpoint(path, dtype=torch.float32)
+    stored = _tensors(path)
+    params = model.state_dict()
+    assert set(params) == set(stored)
+    for name, tensor in stored.items():
+        assert params[name].dtype == tensor.dtype, name
+        assert torch.equal(params[name].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else params[name],
+                           tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor), name
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.kv_b_proj, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)
+    assert isinstance(layer.self_attn.indexer.wk, Fp8Linear)
+    assert type(layer.self_attn.indexer.weights_proj) is Linear
+    assert type(model.mtp_layer.eh_proj) is Linear
+    assert stored["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (5, 2)  # 576 rows
+
+
+def test_modules_to_not_convert_stay_dense(tmp_path):
+    quant = Fp8Quantization(modules_to_not_convert=("kv_b_proj", "layers.1.mlp"))
+    dense = DSAModel(get_config("tiny"), dtype=torch.float32).init_weights(1)
+    write_fp8_checkpoint(dense, tmp_path, quant)
+    model = load_checkpoint(tmp_path, dtype=torch.float32)
+    assert type(model.model.layers[0].self_attn.kv_b_proj) is Linear
+    assert type(model.model.layers[1].mlp.up_proj) is Linear
+    assert isinstance(model.model.layers[0].mlp.up_proj, Fp8Linear)
+    assert torch.equal(model.model.layers[0].self_attn.kv_b_proj.weight, dense.model.layers[0].self_attn.kv_b_proj.weight)
+
+
+@pytest.mark.parametrize("use_triton,row_invariant", [(False, False), (False, True), (True, False)])
+def test_fp8_linear_paths_match_the_reference(use_triton, row_invariant):
+    layer = Fp8Linear(256, 200, dtype=torch.float32)
+    layer.set_dense(torch.randn(200, 256, generator=torch.Generator().manual_seed(0)) / 16)
+    layer.use_triton, layer.row_invariant = use_triton, row_invariant
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
+    a, a_s = ref.act_quant(x)
+    want = ref.fp8_gemm(a, a_s, layer.weight, layer.weight_scale_inv, out_dtype=torch.float64)
+    got = layer(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    if use_triton or row_invariant:
+        assert torch.equal(layer(x[4:5]), got[4:5]), "a row depends on the batch"
+    assert torch.equal(layer.dense_weight(), ref.dequantize(layer.weight, layer.weight_scale_inv, 128).float())
+
+
+@torch.no_grad()
+def _greedy(model: DSAModel, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill then single-row decode steps: the greedy tokens and each step's logits."""
+    device = model.lm_head.weight.device
+    pool = ReqToTokenPool(1, len(prompt) + NEW_TOKENS, device=device)
+    slots = RequestSlots(pool, PageAllocator(PAGE_SIZE * 4))
+    kv = KVPool.for_model(model.config, slots.allocator.num_slots, dtype=model.lm_head.weight.dtype, device=device)
+    row = slots.admit(len(prompt), reserve=NEW_TOKENS)
+    logits = [model.logits(model.prefill(torch.tensor(prompt, device=device), pool.req_to_token, row, kv)[-1:])[0]]
+    tokens = [int(logits[-1].argmax())]
+    while len(tokens) < NEW_TOKENS:
+        positions, loc, attn = build_extend_inputs(pool.req_to_token, [row], [len(prompt) + len(tokens) - 1], [1])
+        logits.append(model.logits(model(torch.tensor(tokens[-1:], device=device), positions, loc, kv, attn))[0])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+def _compare_with_twin(model, twin):
+    gen = torch.Generator().manual_seed(7)
+    for n in PROMPT_LENS:
+        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+        got, got_logits = _greedy(model, prompt)
+        want, want_logits = _greedy(twin, prompt)
+        if got != want:
+            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            top2 = want_logits[i].topk(2).values
+            pytest.fail(f"prompt of {n} tokens: first difference at new token {i}: FP8 {got[i]}, twin {want[i]} "
+                        f"(twin's logit margin {float(top2[0] - top2[1]):.4g}, FP8 logits differ by up to "
+                        f"{float((got_logits[i] - want_logits[i]).abs().max()):.4g})")
+
+
+def test_fp8_checkpoint_generates_the_twins_greedy_tokens_cpu(fp8_checkpoint):
+    path, twin = fp8_checkpoint
+    _compare_with_twin(load_checkpoint(path, dtype=torch.float32), twin)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_checkpoint_generates_the_twins_greedy_tokens_triton_gpu(tmp_path, dtype):
+    dense = DSAModel(get_config("tiny"), dtype=dtype, device="cuda").init_weights(0).cpu()
+    twin = write_fp8_checkpoint(dense, tmp_path)
+    model = load_checkpoint(tmp_path, dtype=dtype, device="cuda", use_triton=True)
+    _compare_with_twin(model, twin.cuda())
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals
+
+
+def _rewrite(src, dst, change=None, config=None):
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = _tensors(src)
+    if change:
+        change(tensors)
+    save_file(tensors, str(dst / SINGLE_FILE))
+    hf = json.loads((src / CONFIG_FILE).read_text())
+    (dst / CONFIG_FILE).write_text(json.dumps(config(hf) if config else hf))
+    return dst
+
+
+W = "model.layers.1.self_attn.o_proj.weight"
+S = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+
+
+def _poison_scale(value):
+    def change(t):
+        t[S] = t[S].clone()
+        t[S][0, 0] = value
+    return change
+
+
+def _nan_code(t):
+    t[W] = t[W].clone()
+    t[W].view(torch.uint8)[3, 5] = 0xFF
+
+
+@pytest.mark.parametrize("change,config,message", [
+    (lambda t: t.pop(S), None, f"FP8 weight {W} has no {S}"),
+    (lambda t: t.pop(W), None, f"scale {S} has no weight {W}"),
+    (lambda t: t.update({W: ref.dequantize(t[W], t[S], 128).bfloat16()}), None,
+     f"tensor {W} is BF16, but the config's quantization_config declares it FP8: expected F8_E4M3"),
+    (lambda t: t.update({S: t[S].bfloat16()}), None, f"scale {S} is BF16, expected F32"),
+    (_poison_scale(0.0), None, f"scale {S} holds values that are not finite and positive"),
+    (_poison_scale(math.nan), None, "not finite and positive"),
+    (_nan_code, None, f"FP8 weight {W} holds NaN codes"),
+    (None, lambda hf: {k: v for k, v in hf.items() if k != "quantization_config"},
+     "is stored FP8 .* holds it in torch.float32: its config has no quantization_config"),
+    (None, lambda hf: hf | {"quantization_config": hf["quantization_config"] | {"modules_to_not_convert": ["o_proj"]}},
+     "o_proj.weight is stored FP8 .*kept unquantized .*modules_to_not_convert"),
+])
+def test_inconsistent_fp8_checkpoints_name_the_tensor_and_file(fp8_checkpoint, tmp_path, change, config, message):
+    path = _rewrite(fp8_checkpoint[0], tmp_path / "bad", change, config)
+    with pytest.raises(UserError, match=f"{path / SINGLE_FILE}: .*{message}"):
+        load_checkpoint(path, dtype=torch.float32)
+
+
+def test_bf16_weights_under_an_fp8_config_are_refused(fp8_checkpoint, tmp_path):
+    dense = DSAModel(get_config("tiny"), dtype=torch.bfloat16).init_weights(0)
+    path = tmp_path / "dense"
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in dense.state_dict().items()}, str(path / SINGLE_FILE))
+    hf = dense.config.to_hf_dict() | {"quantization_config": Fp8Quantization().to_hf()}
+    (path / CONFIG_FILE).write_text(json.dumps(hf))
+    with pytest.raises(UserError, match=f"{path / SINGLE_FILE}: FP8 weight model.layers.0.mlp.down_proj.weight has "
+                                        "no model.layers.0.mlp.down_proj.weight_scale_inv"):
+        load_checkpoint(path)
+
+
+def test_unknown_quantization_is_refused_naming_the_config(fp8_checkpoint, tmp_path):
+    for change, message in [({"quant_method": "gptq"}, "quant_method: only 'fp8'"),
+                            ({"weight_block_size": [1, 128]}, "weight_block_size: expected"),
+                            ({"fmt": "e5m2"}, "fmt: expected 'e4m3'")]:
+        path = _rewrite(fp8_checkpoint[0], tmp_path / "q", config=lambda hf: hf | {
+            "quantization_config": hf["quantization_config"] | change})
+        with pytest.raises(UserError, match=f"{path / CONFIG_FILE}: quantization_config.{message}"):
+            load_config(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor parallel
+
+
+def test_tp2_ranks_hold_their_blocks_and_compute_tp1():
+    config = get_config("tiny", quantization=Fp8Quantization())
+    full = DSAModel(config, dtype=torch.float32).init_weights(3)
+    groups = fake_groups(2)
+    ranks = [DSAModel(config, dtype=torch.float32, tp_group=g).init_weights(3) for g in groups]
+    shards = ranks[1].shards()
+    for name in ("model.layers.0.self_attn.q_b_proj", "model.layers.0.mlp.down_proj"):
+        for suffix in (".weight", ".weight_scale_inv"):
+            shard = shards[name + suffix]
+            want = full.state_dict()[name + suffix][shard.index(2)]
+            got = ranks[1].state_dict()[name + suffix]
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                               want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), name + suffix
+    x = torch.randn(3, config.hidden_size)
+    want = full.model.layers[0].mlp(x)
+    got = run_ranks(groups, lambda g: ranks[g.rank].model.layers[0].mlp(x))
+    torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_tp_split_off_the_128_blocks_is_refused():
+    config = get_config("tiny", intermediate_size=384, quantization=Fp8Quantization())
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj: the tensor-parallel shard of its 384 "
+                                         r"output features is \[0, 192\), not on 128-feature boundaries"):
+        DSAModel(config, dtype=torch.float32, tp_group=fake_groups(2)[0])

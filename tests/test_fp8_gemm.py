@@ -1,0 +1,212 @@
+"""FP8 block-scaled ops (``dsaspec.ops.fp8_gemm``) against ``dsaspec.reference.fp8_gemm``.
+
+* Quantizers, bitwise: the scales' fp32 bit patterns and the e4m3 codes equal the reference's,
+  on the CPU too (the kernel rounds to the e4m3 grid before its cast, so the interpreter's inexact
+  cast never rounds).
+* GEMM, within the fp32-accumulation tolerance: ``|y - ref| <= 2 K 2**-24 (|A| |W|^T)`` (fp32
+  accumulation of K products, elementwise bound) plus, for a bf16 output, ``2**-7 |ref|`` (one bf16
+  ulp: the op's rounding, RNE on the GPU, truncation under the interpreter); A and W are the
+  dequantized codes the op itself multiplies.
+* Non-finite activations: a 128-column group holding NaN or +-inf gets scale NaN and codes 0, and
+  its row's outputs are all NaN; the other rows are unaffected.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsaspec.ops import fp8_gemm as op
+from dsaspec.reference import fp8_gemm as ref
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+FMTS = [None, "ue8m0"]
+
+
+def _activations(m, k, dtype, device, seed=0):
+    """Per-group magnitudes over 2**-20 .. 2**20, one all-zero group, values at powers of two."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    groups = x.view(m, k // 128, 128)
+    groups *= torch.exp2(torch.randint(-20, 21, (m, k // 128, 1), generator=gen).float())
+    if m * k >= 256:
+        groups.view(-1, 128)[1] = 0.0
+        groups.view(-1, 128)[0, 7] = 448.0 * 4  # amax / 448 exactly a power of two
+    return x.to(dtype).to(device)
+
+
+def _bits_equal(a, b):
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _codes_equal(a, b):
+    return torch.equal(a.view(torch.uint8).cpu(), b.view(torch.uint8).cpu())
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k", [(1, 128), (3, 384), (16, 256), (17, 1024), (40, 128)])
+def test_act_quant_matches_reference_bitwise(m, k, dtype, fmt, device):
+    x = _activations(m, k, dtype, device, seed=m + k)
+    q, s = op.act_quant(x, fmt)
+    want_q, want_s = ref.act_quant(x.cpu(), fmt)
+    assert _bits_equal(s.cpu(), want_s), "scale bit patterns differ"
+    assert _codes_equal(q, want_q), "e4m3 codes differ"
+    if fmt == "ue8m0":
+        mantissa, _ = torch.frexp(s.cpu())
+        assert torch.all(mantissa == 0.5), "ue8m0 scales must be powers of two"
+
+
+def test_act_quant_zero_group_uses_the_amax_floor(device):
+    x = torch.zeros(2, 256, dtype=torch.bfloat16, device=device)
+    x[1, 128:] = 1.0
+    q, s = op.act_quant(x)
+    assert s[0, 0].item() == torch.tensor(1e-4 / 448.0, dtype=torch.float32).item()
+    assert _bits_equal(s[:1].cpu(), torch.full((1, 2), 1e-4, dtype=torch.float32) / 448.0)
+    assert not q[0].float().any()
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_group_gives_nan_scale_and_nan_row(value, device):
+    x = _activations(4, 256, torch.bfloat16, device, seed=3)
+    x[2, 130] = value
+    q, s = op.act_quant(x)
+    want_q, want_s = ref.act_quant(x.cpu())
+    assert math.isnan(s[2, 1].item()) and torch.isfinite(s[2, 0]) and torch.isfinite(s[[0, 1, 3]]).all()
+    assert not q[2, 128:].float().any(), "codes of a non-finite group must be 0"
+    assert _codes_equal(q, want_q)
+    assert torch.equal(s.isnan().cpu(), want_s.isnan()) and _bits_equal(s.cpu()[~want_s.isnan()],
+                                                                        want_s[~want_s.isnan()])
+    w, ws = ref.quantize_weight(torch.randn(128, 256) / 16)
+    y = op.fp8_gemm(q, s, w.to(device), ws.to(device))
+    assert y[2].isnan().all(), "a row with a non-finite group must come out NaN"
+    assert torch.isfinite(y[[0, 1, 3]]).all(), "the other rows must not notice"
+
+
+def _weight(n, k, device, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) / math.sqrt(k)
+    w[: min(n, 128), :128] *= 1e-3                   # a block of small weights: its own scale
+    return w
+
+
+def _check_gemm(y, a, a_s, w, w_s):
+    a_deq = ref.dequantize(a.cpu(), a_s.cpu(), 1)
+    w_deq = ref.dequantize(w.cpu(), w_s.cpu(), 128)
+    want = a_deq @ w_deq.T
+    k = a.shape[1]
+    bound = 2 * k * 2.0 ** -24 * (a_deq.abs() @ w_deq.abs().T)
+    if y.dtype == torch.bfloat16:
+        bound += 2.0 ** -7 * want.abs()
+    err = (y.cpu().double() - want).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"error exceeds the fp32-accumulation bound by {worst:.3g} (max err {err.max():.3g})"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (2, 128, 256), (15, 200, 128), (16, 576, 256),
+                                   (17, 130, 384), (33, 64, 512)])
+def test_fp8_gemm_matches_reference(m, n, k, out_dtype, device):
+    x = _activations(m, k, torch.bfloat16, device, seed=n)
+    a, a_s = op.act_quant(x)
+    w, w_s = ref.quantize_weight(_weight(n, k, "cpu"))
+    # poison: the operands are views into larger buffers whose extra rows / columns hold NaN codes
+    a_buf = torch.full((m + 16, k + 128), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    a_buf[:m, :k] = a
+    w_buf = torch.full((n + 64, k + 128), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    w_buf[:n, :k] = w.to(device)
+    out = torch.full((m, n), math.nan, dtype=out_dtype, device=device)
+    y = op.fp8_gemm(a_buf[:m, :k], a_s, w_buf[:n, :k], w_s.to(device), out=out)
+    assert y is out
+    _check_gemm(y, a, a_s, w, w_s)
+
+
+def test_fp8_gemm_rows_do_not_depend_on_the_batch(device):
+    k, n = 256, 192
+    a, a_s = op.act_quant(_activations(37, k, torch.bfloat16, device, seed=5))
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(n, k, "cpu")))
+    full = op.fp8_gemm(a, a_s, w, w_s)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 17), slice(20, 37)):
+        assert torch.equal(op.fp8_gemm(a[rows], a_s[rows], w, w_s), full[rows]), f"rows {rows} differ"
+
+
+def test_fp8_linear_is_act_quant_then_gemm(device):
+    x = _activations(5, 256, torch.bfloat16, device, seed=9)
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(256, 256, "cpu")))
+    for fmt in FMTS:
+        a, a_s = ref.act_quant(x.cpu(), fmt)
+        y = op.fp8_linear(x, w, w_s, fmt)
+        assert y.dtype == torch.bfloat16
+        _check_gemm(y, a, a_s, w, w_s)
+
+
+@pytest.mark.parametrize("n,k", [(128, 128), (200, 256), (576, 384), (64, 128)])
+def test_quantize_weight_matches_reference_bitwise(n, k, device):
+    w = _weight(n, k, "cpu", seed=n)
+    w[-1, -128:] = 0.0
+    if n > 128:
+        w[128:, :128] = 0.0                           # an all-zero block: the amax floor
+    q, s = op.quantize_weight(w.to(device))
+    want_q, want_s = ref.quantize_weight(w)
+    assert _bits_equal(s.cpu(), want_s) and _codes_equal(q, want_q)
+    deq = op.dequantize_weight(q, s, torch.float32)
+    assert torch.equal(deq.cpu(), ref.dequantize(want_q, want_s, 128).float())  # one rounding of an exact product
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_torch_quantize_blocks_is_act_quant(fmt):
+    x = _activations(19, 384, torch.bfloat16, "cpu", seed=4)
+    x[3, 5], x[7, 300] = math.nan, -math.inf
+    q, s = op.quantize_blocks(x, 1, fmt)
+    want_q, want_s = ref.act_quant(x, fmt)
+    assert _codes_equal(q, want_q) and torch.equal(s.isnan(), want_s.isnan())
+    assert _bits_equal(s[~s.isnan()], want_s[~want_s.isnan()])
+
+
+def test_quantize_weight_refuses_non_finite_and_bad_k():
+    with pytest.raises(ValueError, match="weight: holds NaN or infinite"):
+        op.quantize_weight(torch.tensor([[math.inf] + [0.0] * 127]))
+    with pytest.raises(ValueError, match="K = 100 must be a positive multiple of 128"):
+        op.quantize_weight(torch.zeros(128, 100))
+
+
+def test_bad_arguments_are_named(device):
+    x = torch.zeros(4, 256, dtype=torch.bfloat16, device=device)
+    a, a_s = op.act_quant(x)
+    w = torch.zeros(128, 256, dtype=torch.float8_e4m3fn, device=device)
+    w_s = torch.ones(1, 2, device=device)
+    cases = [
+        (lambda: op.act_quant(torch.zeros(4, 200, dtype=torch.bfloat16, device=device)),
+         "x: K = 200 must be a positive multiple of 128"),
+        (lambda: op.act_quant(x, "e8m0"), "scale_fmt: expected one of"),
+        (lambda: op.act_quant(x.half()), "x: expected dtype in"),
+        (lambda: op.act_quant(x[:0]), r"x.shape\[0\] \(M\): expected >= 1"),
+        (lambda: op.act_quant(x, scale_out=torch.empty(4, 3, device=device)), "scale_out: expected shape"),
+        (lambda: op.fp8_gemm(x, a_s, w, w_s), "a: expected dtype torch.float8_e4m3fn"),
+        (lambda: op.fp8_gemm(a, a_s, w[:, :128], w_s), r"w: expected shape \(128, 256\)"),
+        (lambda: op.fp8_gemm(a, a_s, w, torch.ones(2, 2, device=device)), r"w_scale: expected shape \(1, 2\)"),
+        (lambda: op.fp8_gemm(a, a_s.double(), w, w_s), "a_scale: expected dtype torch.float32"),
+        (lambda: op.fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float16), "out_dtype: expected one of"),
+        (lambda: op.fp8_gemm(a, a_s, w, w_s, out=torch.empty(4, 64, dtype=torch.bfloat16, device=device)),
+         "out: expected shape"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 64, 100, 256, 512])
+@pytest.mark.parametrize("n,k", [(576, 7168), (2048, 6144), (7168, 2048), (16384, 512)])
+def test_fp8_gemm_production_shapes_gpu(m, n, k):
+    x = _activations(m, k, torch.bfloat16, "cuda", seed=m)
+    a, a_s = op.act_quant(x, "ue8m0")
+    want_q, want_s = ref.act_quant(x.cpu(), "ue8m0")
+    assert _bits_equal(a_s.cpu(), want_s) and _codes_equal(a, want_q)
+    w, w_s = (t.cuda() for t in op.quantize_weight(_weight(n, k, "cuda")))
+    y = op.fp8_gemm(a, a_s, w, w_s)
+    _check_gemm(y, a, a_s, w, w_s)
+    assert torch.equal(op.fp8_gemm(a[:1], a_s[:1], w, w_s), y[:1]), "row 0 depends on the batch"
