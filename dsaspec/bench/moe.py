@@ -1,4 +1,4 @@
-"""Fused MoE (routed experts) at decode / verify token counts: the fused op vs a plain-torch baseline and the bytes floor.
+"""Fused MoE (routed experts) at decode / verify token counts: fused op vs a plain-torch baseline and the bytes floor.
 
 A point is (T tokens, intermediate size I): ``E`` experts of ``[2I, H]`` gate/up and ``[H, I]``
 down bf16 weights, ``k`` distinct experts per token drawn uniformly at random (seeded), fp32

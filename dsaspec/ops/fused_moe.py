@@ -37,6 +37,7 @@ from dsaspec.ops.device import sm_count
 BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's segment
 _DTYPES = (torch.bfloat16, torch.float32)
 _ALIGN_ELEMENTS = 16384  # pairs x experts compared at once by the align program
+_STAGE_BYTES = 160 * 1024  # shared memory of a GEMM's pipeline stages (the H200 has 227 KB)
 _COMBINE_ELEMENTS = 1024  # outputs per combine program
 
 
@@ -96,15 +97,17 @@ class _Tile:
     num_stages: int
 
 
-def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.device) -> _Tile:
+def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.device,
+          weight_tiles: int = 1) -> _Tile:
     """Tile of a grouped GEMM with N outputs and reduction K (never a function of T): bf16 tiles
     of ``BLOCK_N x 128``, fp32 (FMA) ``BLOCK_N x 32``, with ``BLOCK_N`` the widest of 128/64/32/16
     that still gives a one-token call (k blocks) about two programs per SM (off-GPU: the widest,
-    so the interpreter runs few programs)."""
+    so the interpreter runs few programs); up to 4 (bf16) or 3 (fp32) stages of the activation
+    tile and ``weight_tiles`` weight tiles within ``_STAGE_BYTES`` of shared memory."""
     if dtype == torch.float32:
-        block_k, widths, num_warps, num_stages = 32, (32, 16), 4, 3
+        block_k, widths, num_warps, max_stages = 32, (32, 16), 4, 3
     else:
-        block_k, widths, num_warps, num_stages = 128, (128, 64, 32, 16), 4, 4
+        block_k, widths, num_warps, max_stages = 128, (128, 64, 32, 16), 4, 4
     wanted = 2 * sm_count(device, without_cuda=1)
     block_n = widths[-1]
     for width in widths:
@@ -112,13 +115,15 @@ def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.devic
             block_n = width
             break
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
-    return _Tile(block_n, min(block_k, max(16, triton.next_power_of_2(k_dim))), num_warps, num_stages)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k_dim)))
+    stage = (BLOCK_M + weight_tiles * block_n) * block_k * (4 if dtype == torch.float32 else 2)
+    return _Tile(block_n, block_k, num_warps, max(1, min(max_stages, _STAGE_BYTES // stage)))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_blocks,
                   NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
+                  FILL: tl.constexpr, BLOCK_M: tl.constexpr):
     experts = tl.arange(0, E_PAD)
     offs = tl.arange(0, CHUNK)
     # counts per expert (ids outside [0, E) match no expert and are dropped)
@@ -138,9 +143,9 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_b
         expert = tl.sum((block_end[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
         expert = tl.where(expert < NUM_EXPERTS, expert, -1)
         tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
-    for start in range(0, num_blocks * BLOCK_M, CHUNK):
-        rows = start + offs
-        tl.store(sorted_pairs_ptr + rows, tl.full((CHUNK,), -1, tl.int32),
+    for start in range(0, num_blocks * BLOCK_M, FILL):
+        rows = start + tl.arange(0, FILL)
+        tl.store(sorted_pairs_ptr + rows, tl.full((FILL,), -1, tl.int32),
                  mask=rows < num_blocks * BLOCK_M)
     tl.debug_barrier()  # the padding is written before the pairs land on top of it
 
@@ -340,10 +345,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     e_pad = triton.next_power_of_2(experts)
     _align_kernel[(1,)](topk_ids, workspace.sorted_pairs, workspace.block_experts, pairs, blocks,
                         NUM_EXPERTS=experts, E_PAD=e_pad, CHUNK=max(16, _ALIGN_ELEMENTS // e_pad),
-                        BLOCK_M=BLOCK_M, num_warps=4)
+                        FILL=1024, BLOCK_M=BLOCK_M, num_warps=8)
     upcast = not hidden.is_cuda
     act, partial = workspace.act, workspace.partial
-    tile = _tile(inter, h, topk, hidden.dtype, hidden.device)
+    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2)
     _gate_up_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
         hidden, w13, workspace.sorted_pairs, workspace.block_experts, act, blocks, h, inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
