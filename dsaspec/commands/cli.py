@@ -24,6 +24,7 @@ BENCHMARKS = {
     "verify-step": "verify_step",
     "decode": "decode",
     "dsa-ops": "dsa_ops",
+    "moe": "moe",
     "e2e": "e2e",
 }
 

@@ -1,0 +1,207 @@
+"""Fused MoE (routed experts) at decode / verify token counts: fused op vs a plain-torch baseline and the bytes floor.
+
+A point is (T tokens, intermediate size I): ``E`` experts of ``[2I, H]`` gate/up and ``[H, I]``
+down bf16 weights, ``k`` distinct experts per token drawn uniformly at random (seeded), fp32
+routing weights. new: ``fused_moe`` with a workspace (four launches); baseline: the gather form of
+the torch-native MoE fallbacks: each token's k expert matrices gathered by id
+(``w13[topk_ids]``, ``w2[topk_ids]``) and contracted with ``einsum`` (graph-safe, no host sync;
+skipped, recorded as ``baseline_skipped``, where its gathered weights exceed
+``--baseline-max-gb``). Times are per layer, from CUDA-graph replays with a cold L2
+(dsaspec/bench/timing.py: CUPTI, median and spread).
+
+Floor: the bytes a call must move at the measured copy bandwidth: the weights of the experts the
+routing hits (each distinct expert's gate/up and down matrices once), the hidden rows read, the
+output written and the ids and weights; ``floor_us = max(bytes floor, empty kernel node)``. Next
+to it a same-bytes device-to-device copy timed the same way. Target (issue 33): within 1.3x of the
+bytes floor from 1 to 64 tokens; and never slower than the baseline. After timing, the fused
+output is compared with the baseline's (bf16 rounding) and, at T <= 8, with the fp64 reference.
+Without CUDA: fixed small sizes under the Triton interpreter, both outputs checked against the
+reference, no times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+from dsaspec.bench.timing import COLD_L2_METHOD
+from dsaspec.cli_parsing import format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.ops.fused_moe import fused_moe, fused_moe_workspace
+from dsaspec.reference.fused_moe import fused_moe as reference_fused_moe
+
+FLOOR_FACTOR, NOISE = 1.3, 1.05
+TARGET_MAX_TOKENS = 64
+REFERENCE_MAX_TOKENS = 8
+# Without CUDA: tokens, experts, k, H, I.
+CPU_SIZES = dict(tokens=[1, 3, 8], experts=16, topk=4, hidden=64, intermediate=[32])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="token counts T, comma-separated")
+    p.add_argument("--experts", type=positive_int, default=256, help="routed experts E")
+    p.add_argument("--topk", type=positive_int, default=8, help="experts per token k")
+    p.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
+    p.add_argument("--intermediate", type=positive_int_list, default=[256, 2048],
+                   help="expert intermediate sizes I, comma-separated (256: one rank of 2048 split over TP 8)")
+    p.add_argument("--baseline-max-gb", type=positive_int, default=16,
+                   help="skip the baseline where its gathered expert weights exceed this many GB")
+    p.add_argument("--iters", type=positive_int, default=100, help="timed graph replays per measurement")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random inputs")
+    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
+
+
+def _inputs(tokens: int, args, inter: int, device, dtype) -> tuple:
+    gen = torch.Generator(device=device).manual_seed(args.seed + tokens + inter)
+    h, e, k = args.hidden, args.experts, args.topk
+    if k > e:
+        raise ValueError(f"--topk {k}: more than the {e} experts")
+    hidden = torch.randn(tokens, h, generator=gen, device=device).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen, device=device) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e, h, inter, generator=gen, device=device) * inter ** -0.5).to(dtype)
+    ids = torch.rand(tokens, e, generator=gen, device=device).argsort(dim=1)[:, :k].to(torch.int32).contiguous()
+    weights = torch.rand(tokens, k, generator=gen, device=device)
+    return hidden, w13, w2, ids, weights
+
+
+def baseline_moe(hidden, w13, w2, ids, weights, out) -> torch.Tensor:
+    """The gather form: ``w13[ids]`` ``[T, k, 2I, H]`` and ``w2[ids]`` contracted by ``einsum``,
+    ``silu(gate) * up`` in the hidden dtype, the weighted sum over k in fp32; written to ``out``."""
+    inter = w13.shape[1] // 2
+    gate_up = torch.einsum("th,tkoh->tko", hidden, w13[ids.long()])
+    act = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    down = torch.einsum("tki,tkhi->tkh", act, w2[ids.long()])
+    out.copy_((down.float() * weights[..., None]).sum(1))
+    return out
+
+
+def bytes_moved(hidden, w13, w2, ids, weights) -> int:
+    """Weights of the distinct experts hit, the hidden rows, the output, the ids and weights."""
+    hit = int(torch.unique(ids).numel())
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    return hit * expert_bytes + 2 * hidden.numel() * hidden.element_size() + ids.numel() * 4 + weights.numel() * 4
+
+
+def _check(new_out, base_out, args_in, tokens: int, on_gpu: bool) -> dict:
+    checks = {}
+    if base_out is not None:
+        torch.testing.assert_close(new_out.float(), base_out.float(), rtol=2**-5, atol=2**-5)
+        checks["max_abs_diff_baseline"] = float((new_out.float() - base_out.float()).abs().max())
+    if tokens <= REFERENCE_MAX_TOKENS or not on_gpu:
+        want = reference_fused_moe(*args_in).double()
+        torch.testing.assert_close(new_out.double(), want, rtol=2**-5, atol=2**-5)
+        if base_out is not None and not on_gpu:
+            torch.testing.assert_close(base_out.double(), want, rtol=1e-5, atol=1e-5)
+        checks["matches_reference"] = True
+    return checks
+
+
+def _targets(rows: list[dict]) -> list[dict]:
+    """Within FLOOR_FACTOR of the floor at T <= 64; not slower than the baseline where it ran."""
+    out = []
+    for r in rows:
+        if "new_us" not in r:
+            continue
+        where = {"tokens": r["tokens"], "intermediate": r["intermediate"]}
+        if r["tokens"] <= TARGET_MAX_TOKENS:
+            out.append(dict(where, target=f"<= {FLOOR_FACTOR:g}x bytes floor", value=r["new_over_floor"],
+                            met=r["new_over_floor"] <= FLOOR_FACTOR))
+        if r.get("baseline_us") is not None:
+            out.append(dict(where, target=f"not slower than baseline (x{NOISE:g} noise)", value=r["speedup"],
+                            met=r["new_us"] <= NOISE * r["baseline_us"]))
+    return out
+
+
+def _time(new, baseline, nbytes: int, floors, iters: int) -> dict:
+    from dsaspec.bench.timing import compare, copy_time_us, time_in_graph
+
+    if baseline is not None:
+        return compare(baseline, new, nbytes=nbytes, floors=floors, iters=iters)
+    timing = time_in_graph(new, iters=iters, cold_l2=True)
+    copy = copy_time_us(nbytes, iters=iters)
+    floor = floors.floor_us(nbytes)
+    return {"baseline_us": None, "new_us": timing.median_us, "floor_us": floor,
+            "bytes_floor_us": nbytes / (floors.copy_gbps * 1e3), "empty_kernel_us": floors.empty_us,
+            "new_gbps": nbytes / (timing.median_us * 1e3), "new_over_floor": timing.median_us / floor,
+            "bytes": nbytes, "copy_us": copy, "new_over_copy": timing.median_us / copy,
+            "spread": {"new": timing.spread}, "detail": {"new": timing.summary()}}
+
+
+def run(args) -> int:
+    from dsaspec.bench.results import bench_params, markdown_table, write_results
+
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if not on_gpu:
+        ignored = use_cpu_sizes(args, add_arguments, CPU_SIZES, unused=("iters", "baseline_max_gb"))
+        print(f"No CUDA: the Triton interpreter at fp32, T {format_value(args.tokens)}, E {args.experts}, "
+              f"k {args.topk}, H {args.hidden}, I {format_value(args.intermediate)}. Outputs are checked "
+              "against the reference; no time is measured (interpreter times mean nothing).")
+        if ignored:
+            print(ignored)
+    device = torch.device("cuda" if on_gpu else "cpu")
+    floors = None
+    if on_gpu:
+        from dsaspec.bench.timing import Floors, warm_up_gpu
+
+        warm_up_gpu()
+        floors = Floors.measure()
+    started = time.monotonic()
+    rows = []
+    points = [(inter, tokens) for inter in args.intermediate for tokens in args.tokens]
+    for inter, tokens in tqdm(points, desc="moe", unit="point"):
+        args_in = _inputs(tokens, args, inter, device, dtype)
+        hidden, w13, w2, ids, weights = args_in
+        workspace = fused_moe_workspace(tokens, args.topk, args.experts, args.hidden, inter, device, dtype)
+        new_out, base_out = torch.empty_like(hidden), torch.empty_like(hidden)
+        fused_moe(*args_in, new_out, workspace=workspace)  # eager checks once
+
+        def new():
+            fused_moe(*args_in, new_out, workspace=workspace, check_values=False)
+
+        gathered = tokens * args.topk * (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        baseline = None
+        if gathered <= args.baseline_max_gb * 1e9:
+            def baseline():
+                baseline_moe(*args_in, base_out)
+
+        nbytes = bytes_moved(*args_in)
+        row = {"tokens": tokens, "intermediate": inter, "experts_hit": int(torch.unique(ids).numel()),
+               "baseline_skipped": baseline is None}
+        if on_gpu:
+            row.update(_time(new, baseline, nbytes, floors, args.iters))
+        new()
+        if baseline is not None:
+            baseline()
+        row.update(_check(new_out, base_out if baseline is not None else None, args_in, tokens, on_gpu))
+        rows.append(row)
+        del args_in, hidden, w13, w2, workspace
+    if on_gpu:
+        torch.cuda.synchronize()
+    targets = _targets(rows)
+    method = (COLD_L2_METHOD.format(iters=args.iters) if on_gpu
+              else "Triton interpreter on CPU: outputs checked against the reference, no times.")
+    payload = {"method": method, "params": bench_params(args), "floors": vars(floors) if floors else None,
+               "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
+    if on_gpu:
+        cols = [("tokens", "T"), ("intermediate", "I"), ("experts_hit", "experts hit"),
+                ("baseline_us", "baseline µs"), ("new_us", "fused µs"), ("speedup", "speedup"),
+                ("floor_us", "floor µs"), ("new_over_floor", "fused / floor"), ("copy_us", "same-bytes copy µs"),
+                ("new_gbps", "fused GB/s"), ("spread_new", "spread fused")]
+        table = [dict(r, spread_new=r["spread"]["new"]) for r in rows]
+    else:
+        cols = [("tokens", "T"), ("intermediate", "I"), ("experts_hit", "experts hit"),
+                ("matches_reference", "== reference")]
+        table = rows
+    md = markdown_table(cols, table)
+    if targets:
+        met = sum(t["met"] for t in targets)
+        md += (f"\n\n## Targets: {met} of {len(targets)} met\n\n"
+               + markdown_table([("tokens", "T"), ("intermediate", "I"), ("target", "target"),
+                                 ("value", "value"), ("met", "met")],
+                                [t for t in targets if not t["met"]] or [{"tokens": "(all met)"}]))
+    write_results("moe", payload, md, args.out)
+    return 0 if all(t["met"] for t in targets) else 1

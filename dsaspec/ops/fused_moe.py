@@ -1,0 +1,368 @@
+"""Fused MoE for decode and verify sizes (1..512 tokens): routed experts with SiLU-gated MLPs.
+
+``out[t] = sum_j topk_weights[t, j] * (w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)))`` with
+``x = hidden[t]`` and ``e = topk_ids[t, j]``, in four launches and no host sync (CUDA-graph safe
+with a workspace from :func:`fused_moe_workspace`):
+
+1. align (one program): the ``P = T * k`` (token, slot) pairs ``p = t * k + j`` are sorted by
+   expert, stably (ascending ``p`` within an expert), into segments padded to ``BLOCK_M`` rows; each
+   block of ``BLOCK_M`` rows is mapped to its expert, padding rows hold -1, blocks past the last
+   segment map to -1. The grid of the GEMMs is the static bound ``(P + min(E, P) * (BLOCK_M - 1))
+   // BLOCK_M`` blocks; programs of unused blocks return at once.
+2. gate/up: one grouped GEMM launch; a program takes one block and ``BLOCK_N`` columns of both the
+   gate and the up rows of its expert, accumulates both in fp32 and writes ``silu(gate) * up``
+   rounded to the hidden dtype (the one intermediate rounding).
+3. down: one grouped GEMM launch, fp32 accumulation, the pair's routing weight multiplied in fp32,
+   written as fp32 to the pair's row ``p`` of a ``[P, H]`` partial buffer.
+4. combine: ``out[t] = sum_{j = 0..k-1} partial[t * k + j]`` in that order, fp32, one cast.
+
+Row invariance: the tiles and warps are chosen from ``(N, K, k, dtype, device)``, never from T, a
+row of a tile meets the weight tile in a ``tl.dot`` of fixed shape (each output element from its
+own row and column), K blocks are accumulated in order and the combine order is fixed. So a
+token's output bits depend only on its own hidden row, ids and weights: not on T, on the other
+tokens, or on where its pairs land in the sorted segments. The result is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaspec.ops.checks import check_count, check_tensor
+from dsaspec.ops.device import sm_count
+
+BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's segment
+_DTYPES = (torch.bfloat16, torch.float32)
+_ALIGN_ELEMENTS = 16384  # pairs x experts compared at once by the align program
+_STAGE_BYTES = 160 * 1024  # shared memory of a GEMM's pipeline stages (the H200 has 227 KB)
+_COMBINE_ELEMENTS = 1024  # outputs per combine program
+
+
+def max_blocks(num_pairs: int, num_experts: int) -> int:
+    """Blocks of ``BLOCK_M`` rows that ``num_pairs`` pairs can need at most over ``num_experts``
+    expert segments, each padded to a whole block: ``(P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M``."""
+    return (num_pairs + min(num_experts, num_pairs) * (BLOCK_M - 1)) // BLOCK_M
+
+
+@dataclass(frozen=True)
+class FusedMoEWorkspace:
+    """The static buffers of :func:`fused_moe` for up to ``max_tokens`` tokens (from
+    :func:`fused_moe_workspace`). Every entry a call reads is written by that call first."""
+
+    max_tokens: int
+    topk: int
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: torch.dtype
+    sorted_pairs: torch.Tensor  # int32 [max_blocks * BLOCK_M]: pair per sorted row, -1 = padding
+    block_experts: torch.Tensor  # int32 [max_blocks]: expert of each block, -1 = unused
+    act: torch.Tensor  # dtype [max_blocks * BLOCK_M, I]: silu(gate) * up per sorted row
+    partial: torch.Tensor  # fp32 [max_tokens * k, H]: weighted down projection per pair
+
+
+def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_size: int,
+                        intermediate_size: int, device, dtype: torch.dtype) -> FusedMoEWorkspace:
+    """Allocate the buffers of :func:`fused_moe` for calls of up to ``max_tokens`` tokens with
+    ``topk`` experts per token out of ``num_experts``, hidden size H, intermediate size I and
+    activations of ``dtype`` (bf16 or fp32). Allocate once, before capture; a graph replays with
+    the same workspace. Sizes: ``max_blocks(T * k, E) * 16`` rows of I activations and ``T * k``
+    fp32 rows of H (at T = 512, k = 8, H = 7168: 117 MB).
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument unless the counts are ints >= 1
+    and ``dtype`` is bf16 or fp32."""
+    for name, value in (("max_tokens", max_tokens), ("topk", topk), ("num_experts", num_experts),
+                        ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        check_count(name, value)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
+    pairs = max_tokens * topk
+    blocks = max_blocks(pairs, num_experts)
+    return FusedMoEWorkspace(
+        max_tokens, topk, num_experts, hidden_size, intermediate_size, dtype,
+        sorted_pairs=torch.empty(blocks * BLOCK_M, dtype=torch.int32, device=device),
+        block_experts=torch.empty(blocks, dtype=torch.int32, device=device),
+        act=torch.empty(blocks * BLOCK_M, intermediate_size, dtype=dtype, device=device),
+        partial=torch.empty(pairs, hidden_size, dtype=torch.float32, device=device))
+
+
+@dataclass(frozen=True)
+class _Tile:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.device,
+          weight_tiles: int = 1) -> _Tile:
+    """Tile of a grouped GEMM with N outputs and reduction K (never a function of T): bf16 tiles
+    of ``BLOCK_N x 128``, fp32 (FMA) ``BLOCK_N x 32``, with ``BLOCK_N`` the widest of 128/64/32/16
+    that still gives a one-token call (k blocks) about two programs per SM (off-GPU: the widest,
+    so the interpreter runs few programs); up to 4 (bf16) or 3 (fp32) stages of the activation
+    tile and ``weight_tiles`` weight tiles within ``_STAGE_BYTES`` of shared memory."""
+    if dtype == torch.float32:
+        block_k, widths, num_warps, max_stages = 32, (32, 16), 4, 3
+    else:
+        block_k, widths, num_warps, max_stages = 128, (128, 64, 32, 16), 4, 4
+    wanted = 2 * sm_count(device, without_cuda=1)
+    block_n = widths[-1]
+    for width in widths:
+        if topk * triton.cdiv(n, width) >= wanted:
+            block_n = width
+            break
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k_dim)))
+    stage = (BLOCK_M + weight_tiles * block_n) * block_k * (4 if dtype == torch.float32 else 2)
+    return _Tile(block_n, block_k, num_warps, max(1, min(max_stages, _STAGE_BYTES // stage)))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_blocks,
+                  NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                  FILL: tl.constexpr, BLOCK_M: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    offs = tl.arange(0, CHUNK)
+    # counts per expert (ids outside [0, E) match no expert and are dropped)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
+        hit = (ids[:, None] == experts[None, :]) & (experts[None, :] < NUM_EXPERTS)
+        counts += tl.sum(hit.to(tl.int32), axis=0)
+    seg_blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(seg_blocks, axis=0)  # one past the expert's last block
+    row_start = (block_end - seg_blocks) * BLOCK_M
+    block_end = tl.where(experts < NUM_EXPERTS, block_end, 2147483647)
+
+    # block -> expert: the number of segments that end at or before the block
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + offs
+        expert = tl.sum((block_end[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(expert < NUM_EXPERTS, expert, -1)
+        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
+    for start in range(0, num_blocks * BLOCK_M, FILL):
+        rows = start + tl.arange(0, FILL)
+        tl.store(sorted_pairs_ptr + rows, tl.full((FILL,), -1, tl.int32),
+                 mask=rows < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the padding is written before the pairs land on top of it
+
+    # stable scatter: a pair's row is its expert's row start + the earlier pairs of that expert
+    seen = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + offs
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        hit = ((ids[:, None] == experts[None, :]) & (experts[None, :] < NUM_EXPERTS)).to(tl.int32)
+        earlier = tl.cumsum(hit, axis=0) - hit  # same-expert pairs before this one in the chunk
+        row = tl.sum(hit * (earlier + (row_start + seen)[None, :]), axis=1)
+        valid = (pairs < num_pairs) & (ids >= 0) & (ids < NUM_EXPERTS)
+        tl.store(sorted_pairs_ptr + row, pairs, mask=valid)
+        seen += tl.sum(hit, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_blocks"])
+def _gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
+                    num_blocks, H, I, stride_xt, stride_we, stride_wn, stride_act,
+                    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    # blocks vary fastest: the programs that read one weight tile run together (L2 reuse)
+    pid = tl.program_id(0)
+    block = pid % num_blocks
+    pid_n = pid // num_blocks
+    expert = tl.load(block_experts_ptr + block)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_ok = pairs >= 0
+    tokens = tl.where(row_ok, pairs // TOPK, 0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    g_ptrs = w_expert + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    u_ptrs = g_ptrs + I * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        k_ok = (k + ks) < H
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot multiplies the raw bits
+            x = x.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        gate = tl.dot(x, g, gate, input_precision="ieee")
+        up = tl.dot(x, u, up, input_precision="ieee")
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    act_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_blocks"])
+def _down_kernel(act_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr, partial_ptr,
+                 num_blocks, H, I, stride_act, stride_we, stride_wn, stride_partial,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    block = pid % num_blocks
+    pid_n = pid // num_blocks
+    expert = tl.load(block_experts_ptr + block)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_ok = pairs >= 0
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + ks[None, :]
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+              + ks[:, None])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, I, BLOCK_K):
+        k_ok = (k + ks) < I
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
+    out_ptrs = (partial_ptr + tl.where(row_ok, pairs, 0).to(tl.int64)[:, None] * stride_partial
+                + cols[None, :])
+    tl.store(out_ptrs, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _combine_kernel(partial_ptr, ids_ptr, out_ptr, T, H, stride_partial, stride_out,
+                    TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    token_ok = tokens < T
+    col_ok = cols < H
+    tokens = tokens.to(tl.int64)
+    total = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in range(TOPK):
+        pairs = tokens * TOPK + j
+        expert = tl.load(ids_ptr + pairs, mask=token_ok, other=-1)
+        ok = token_ok & (expert >= 0) & (expert < NUM_EXPERTS)  # an unplaced pair's row is stale
+        total += tl.load(partial_ptr + pairs[:, None] * stride_partial + cols[None, :],
+                         mask=ok[:, None] & col_ok[None, :], other=0.0)
+    tl.store(out_ptr + tokens[:, None] * stride_out + cols[None, :],
+             total.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
+
+
+def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, workspace) -> None:
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dtype not in _DTYPES:
+        raise ValueError(f"hidden: expected dtype torch.bfloat16 or torch.float32, got {hidden.dtype}")
+    check_tensor("hidden", hidden, dtype=hidden.dtype, ndim=2)
+    tokens, h = hidden.shape
+    dtype, device = hidden.dtype, hidden.device
+    check_tensor("w13", w13, dtype=dtype, ndim=3, device=device)
+    experts, two_i, _ = w13.shape
+    if experts < 1 or two_i < 2 or two_i % 2 or w13.shape[2] != h:
+        raise ValueError(f"w13: expected shape (E >= 1, 2 * I >= 2, {h}) (gate rows then up rows), "
+                         f"got {tuple(w13.shape)}")
+    inter = two_i // 2
+    check_tensor("w2", w2, dtype=dtype, shape=(experts, h, inter), device=device)
+    check_tensor("topk_ids", topk_ids, dtype=torch.int32, shape=(tokens, None), device=device)
+    topk = topk_ids.shape[1]
+    if topk < 1:
+        raise ValueError(f"topk_ids: expected k >= 1 experts per token, got shape {tuple(topk_ids.shape)}")
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(tokens, topk), device=device)
+    for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {tensor.stride()}")
+    check_tensor("out", out, dtype=dtype, shape=(tokens, h), device=device)
+    if workspace is None:
+        return
+    if not isinstance(workspace, FusedMoEWorkspace):
+        raise TypeError(f"workspace: expected a FusedMoEWorkspace (fused_moe_workspace), got "
+                        f"{type(workspace).__name__}")
+    got = (workspace.topk, workspace.num_experts, workspace.hidden_size,
+           workspace.intermediate_size, workspace.dtype)
+    if got != (topk, experts, h, inter, dtype) or tokens > workspace.max_tokens:
+        raise ValueError(f"workspace: sized for <= {workspace.max_tokens} tokens, (k, E, H, I, dtype) = "
+                         f"{got}; this call has {tokens} tokens, {(topk, experts, h, inter, dtype)}")
+    if workspace.partial.device != device:
+        raise ValueError(f"workspace: expected device {device}, got {workspace.partial.device}")
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, out: torch.Tensor, *,
+              workspace: FusedMoEWorkspace | None = None, check_values: bool = True) -> torch.Tensor:
+    """Routed-expert MLP: ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x) *
+    (w13[e, I:] @ x))``, ``x = hidden[t]``, ``e = topk_ids[t, j]``; fp32 accumulation, the
+    activation rounded once to the hidden dtype, the k weighted expert outputs summed in fp32 in
+    order j = 0..k-1 and cast once. A token's output is bitwise independent of T and of the other
+    tokens (module docstring). Repeated ids within a row are allowed: each slot counts on its own.
+
+    Parameters
+    ----------
+    hidden : ``[T, H]`` bf16 or fp32, unit last stride. T = 0 writes nothing.
+    w13 : ``[E, 2 * I, H]``, hidden's dtype and device, unit last stride: gate rows, then up rows.
+    w2 : ``[E, H, I]``, same, unit last stride.
+    topk_ids : int32 ``[T, k]``, k >= 1, contiguous, each in ``[0, E)``.
+    topk_weights : fp32 ``[T, k]``, contiguous.
+    out : ``[T, H]``, hidden's dtype, unit last stride; written (every entry). May be ``hidden``.
+    workspace : from :func:`fused_moe_workspace` for >= T tokens and this call's (k, E, H, I,
+        dtype); None allocates one (not for graph capture).
+    check_values : also check that every id is in ``[0, E)`` (a host sync, so not inside CUDA
+        graphs). Shapes, dtypes and devices are always checked. Graph replay relies on the caller
+        for the range; an id outside it contributes nothing (reads and writes nothing).
+
+    Returns
+    -------
+    ``out``.
+    """
+    _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, workspace)
+    tokens, h = hidden.shape
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    topk = topk_ids.shape[1]
+    if check_values and tokens:
+        low, high = int(topk_ids.min()), int(topk_ids.max())
+        if low < 0 or high >= experts:
+            raise ValueError(f"topk_ids: expected ids in [0, {experts}), got values in [{low}, {high}]")
+    if tokens == 0:
+        return out
+    if workspace is None:
+        workspace = fused_moe_workspace(tokens, topk, experts, h, inter, hidden.device, hidden.dtype)
+    pairs = tokens * topk
+    blocks = max_blocks(pairs, experts)
+    e_pad = triton.next_power_of_2(experts)
+    _align_kernel[(1,)](topk_ids, workspace.sorted_pairs, workspace.block_experts, pairs, blocks,
+                        NUM_EXPERTS=experts, E_PAD=e_pad, CHUNK=max(16, _ALIGN_ELEMENTS // e_pad),
+                        FILL=1024, BLOCK_M=BLOCK_M, num_warps=8)
+    upcast = not hidden.is_cuda
+    act, partial = workspace.act, workspace.partial
+    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2)
+    _gate_up_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
+        hidden, w13, workspace.sorted_pairs, workspace.block_experts, act, blocks, h, inter,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=upcast,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    tile = _tile(h, inter, topk, hidden.dtype, hidden.device)
+    _down_kernel[(blocks * triton.cdiv(h, tile.block_n),)](
+        act, w2, workspace.sorted_pairs, workspace.block_experts, topk_weights, partial, blocks,
+        h, inter, act.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=upcast,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    block_h = min(_COMBINE_ELEMENTS, triton.next_power_of_2(h))
+    block_t = min(triton.next_power_of_2(tokens), _COMBINE_ELEMENTS // block_h)
+    _combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(h, block_h))](
+        partial, topk_ids, out, tokens, h, partial.stride(0), out.stride(0),
+        TOPK=topk, NUM_EXPERTS=experts, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+    return out
