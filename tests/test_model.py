@@ -58,8 +58,8 @@ class Session:
         return sorted(lookup[int(s)] for s in slots.tolist() if s >= 0)
 
 
-def _model(dtype=torch.float32, seed=0, **overrides):
-    return DSAModel(get_config("tiny", **overrides), dtype=dtype).init_weights(seed)
+def _model(dtype=torch.float32, seed=0, preset="tiny", **overrides):
+    return DSAModel(get_config(preset, **overrides), dtype=dtype).init_weights(seed)
 
 
 def _tokens(n, vocab, seed=1):
@@ -77,6 +77,16 @@ YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "
 ], ids=["glm-interleaved", "ds-half-split", "ds-yarn"])
 def test_prefill_and_greedy_decode_match_reference_with_sparse_selection(overrides):
     _decode_against_reference(_model(**overrides))
+
+
+def test_moe_layers_match_reference():
+    """tiny-moe (layer 1 and the MTP layer MoE: 8 experts in 4 groups, 2 groups, 3 experts per token,
+    a shared expert, a non-zero correction bias): prefill and greedy decode against the reference's
+    per-token routing."""
+    model = _model(preset="tiny-moe")
+    assert type(model.model.layers[1].mlp).__name__ == "MoE" and type(model.model.layers[0].mlp).__name__ == "MLP"
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().min() > 0
+    _decode_against_reference(model)
 
 
 def test_index_share_layers_match_reference():
@@ -178,9 +188,12 @@ def test_step_over_backend_metadata_buffers(mode):
     assert (attn.topk_slots[: new] >= 0).sum(-1).eq(64).all()        # the long request is sparse
 
 
-def test_mtp_layer_matches_reference():
-    """Draft extend over the prompt (row p: token p+1, target hidden p), then one MTP decode row."""
-    model = _model(seed=5)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_mtp_layer_matches_reference(preset):
+    """Draft extend over the prompt (row p: token p+1, target hidden p), then one MTP decode row
+    (tiny-moe: the MTP layer's FFN is MoE)."""
+    model = _model(seed=5, preset=preset)
+    assert hasattr(model.mtp_layer.mlp, "experts") == (preset == "tiny-moe")
     session = Session(model)
     prompt = _tokens(70, model.config.vocab_size, seed=6)
     row = session.slots.admit(71)

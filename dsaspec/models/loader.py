@@ -1,6 +1,10 @@
 """Safetensors checkpoints with the HF tensor names (``model.layers.0.self_attn.q_a_proj.weight``,
 ``model.layers.0.self_attn.indexer.wq_b.weight``, the MTP layer as ``model.layers.{L}.enorm`` /
-``hnorm`` / ``eh_proj`` / ``shared_head.norm`` / its decoder-layer tensors, ``lm_head.weight``).
+``hnorm`` / ``eh_proj`` / ``shared_head.norm`` / its decoder-layer tensors, ``lm_head.weight``). The
+MoE layers' routed experts are read from per-expert tensors (``mlp.experts.{e}.gate_proj.weight``,
+``up_proj``, ``down_proj``: the official checkpoints and transformers' ``save_pretrained``) or from
+transformers' fused ``mlp.experts.gate_up_proj`` / ``down_proj``, whichever a layer has, into the
+model's fused ``w13`` / ``w2``; they are written per expert.
 
 A checkpoint is a directory: ``config.json`` (HF fields) and either ``model.safetensors`` or shards
 listed in ``model.safetensors.index.json`` (``weight_map``: tensor name -> file). Problems with the
@@ -50,7 +54,13 @@ def save_checkpoint(model: DSAModel, path: str | Path, *, max_shard_bytes: int |
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2, sort_keys=True))
-    tensors = {name: param.detach().contiguous().cpu() for name, param in model.state_dict().items()}
+    parts = model.checkpoint_parts()
+    tensors = {}
+    for name, param in model.state_dict().items():
+        if name in parts:   # TP 1: each part is a whole per-expert tensor
+            tensors.update((part.name, part.target.detach().cpu().clone()) for part in parts[name])
+        else:
+            tensors[name] = param.detach().contiguous().cpu()
     if max_shard_bytes is None:
         save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
         return path
@@ -94,7 +104,7 @@ def _open_safetensors(file: Path):
 def load_config(path: str | Path) -> ModelConfig:
     """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``). Raises
     ``UserError`` naming the file for a bad config or one claiming what is not implemented yet
-    (MoE layers, quantized weights: :func:`~dsaspec.configs.model_config.check_implemented`)."""
+    (quantized weights: :func:`~dsaspec.configs.model_config.check_implemented`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist or is not a directory")
@@ -124,28 +134,39 @@ def _weight_files(path: Path) -> dict[str, str]:
     raise CheckpointNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {path}")
 
 
+def _expert_parts(model: DSAModel, files: dict[str, str]) -> dict:
+    """The fused expert parameters' parts in the layout the checkpoint has, per parameter:
+    transformers' fused tensors where all of them are present, else the per-expert tensors."""
+    fused = model.checkpoint_parts(fused=True)
+    return {name: fused[name] if all(p.name in files for p in fused[name]) else parts
+            for name, parts in model.checkpoint_parts().items()}
+
+
 @torch.no_grad()
 def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     """Copy every parameter of ``model`` from checkpoint directory ``path`` (cast to the
     parameter's dtype; bit-exact when the dtypes match). A TP rank reads only its slice of each
-    sharded tensor (``model.shards()``; vocab padding zero). Raises ``UserError`` (a ``ValueError``)
-    listing missing tensors, unexpected ones (MoE experts, fp8 scales, ... are not part of this
-    model), shapes that differ from the unsharded model's and unreadable files; nothing is copied
+    sharded tensor (``model.shards()``, the experts' parts; vocab padding zero). Raises
+    ``UserError`` (a ``ValueError``) listing missing tensors (e.g. experts of a config that claims
+    MoE over dense tensors), unexpected ones (fp8 scales, experts of a config that says dense,
+    ...), shapes that differ from the unsharded model's and unreadable files; nothing is copied
     unless all checks pass. Returns ``model``."""
     path = Path(path)
     files = _weight_files(path)
     params = dict(model.state_dict())
-    expected = model.checkpoint_shapes()
+    parts = _expert_parts(model, files)
+    expected = {name: shape for name, shape in model.checkpoint_shapes().items() if name in params}
+    expected.update((part.name, part.full_shape) for group in parts.values() for part in group)
     shards = model.shards()
     duplicates = _shared_duplicates(model.config)
-    missing = sorted(set(params) - set(files))
-    unexpected = sorted(n for n in set(files) - set(params) if not duplicates.fullmatch(n))
+    missing = sorted(set(expected) - set(files))
+    unexpected = sorted(n for n in set(files) - set(expected) if not duplicates.fullmatch(n))
     if missing or unexpected:
         raise UserError(f"checkpoint {path} does not match the model: missing {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} ({len(missing)}), unexpected "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})")
     by_file: dict[str, list[str]] = {}
-    for name in params:
+    for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
         with _open_safetensors(path / file) as f:
@@ -154,11 +175,18 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
                 if shape != expected[name]:
                     raise UserError(f"{path / file}: tensor {name} has shape {shape}, the model expects "
                                     f"{expected[name]}")
+    targets: dict[str, list] = {}
+    for group in parts.values():
+        for part in group:
+            targets.setdefault(part.name, []).append(part)
     for file, names in by_file.items():
         with _open_safetensors(path / file) as f:
             for name in names:
                 shard = shards.get(name)
-                if shard is None:
+                if name in targets:
+                    for part in targets[name]:
+                        part.target.copy_(f.get_slice(name)[part.index])
+                elif shard is None:
                     params[name].copy_(f.get_tensor(name))
                 else:
                     shard.fill(params[name], f.get_slice(name)[shard.index(len(expected[name]))])
