@@ -53,14 +53,19 @@ def _tokens(engine, prompts, max_new, **kwargs):
 
 @torch.no_grad()
 def predictable(model: DSAModel, branch_scale: float) -> DSAModel:
-    """Scale every residual branch (o_proj, down_proj) by ``branch_scale`` and make the MTP layer
+    """Scale every residual branch (o_proj, the FFN's down projections) by ``branch_scale`` and make the MTP layer
     read only the embedding of its token (``eh_proj = [I | 0]``, ``enorm = 1``, ``shared_head.norm
     = the final norm``): the target's next token then mostly depends on the current token alone, and
     the MTP layer mostly predicts it."""
     hidden = model.config.hidden_size
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight.mul_(branch_scale)
-        layer.mlp.down_proj.weight.mul_(branch_scale)
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):      # MoE: the routed and the shared experts' down projections
+            mlp.experts.w2.mul_(branch_scale)
+            mlp.shared_experts.down_proj.weight.mul_(branch_scale)
+        else:
+            mlp.down_proj.weight.mul_(branch_scale)
     mtp = model.mtp_layer
     mtp.eh_proj.weight.zero_()
     mtp.eh_proj.weight[:, :hidden] = torch.eye(hidden)
@@ -520,6 +525,45 @@ def test_row_invariant_layers_compute_each_row_alone():
     default = DSAModel(config, dtype=torch.float32).init_weights(4)
     differing = _row_dependent_modules(default, 32, "cpu")
     assert differing and all(isinstance(default.get_submodule(n), (Linear, LMHead)) for n in differing)
+
+
+SMALL_MOE = dict(SMALL, n_routed_experts=8, moe_intermediate_size=32, num_experts_per_tok=3, n_shared_experts=1,
+                 first_k_dense_replace=0, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+
+def _moe_row_dependent(model: DSAModel, rows: int, device) -> bool:
+    """Whether an MoE layer's output row differs in some bit between M = 1, 7 and ``rows``."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, model.config.hidden_size, generator=generator).to(device, model.lm_head.weight.dtype)
+    moe = model.model.layers[0].mlp
+    with torch.no_grad():
+        full = moe(x)
+        return not (torch.equal(moe(x[:1])[0], full[0]) and torch.equal(moe(x[-1:])[0], full[-1])
+                    and torch.equal(moe(x[:7]), full[:7]))
+
+
+def test_row_invariant_moe_computes_each_token_alone():
+    """Row-invariant mode: the MoE layer (router, routed experts, shared expert) gives a token the
+    same bits whatever the other tokens; the default mode's CPU GEMMs do not (so the check bites)."""
+    config = get_config("tiny", **SMALL_MOE)
+    invariant = DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(4)
+    assert {type(m).__name__ for m in invariant.modules() if isinstance(m, RowInvariant) and m.row_invariant} >= \
+        {"Router", "RoutedExperts"}
+    assert not _moe_row_dependent(invariant, 32, "cpu")
+    assert _moe_row_dependent(DSAModel(config, dtype=torch.float32).init_weights(4), 32, "cpu")
+
+
+def test_row_invariant_moe_speculative_equals_plain():
+    """A one-layer MoE model (the decoder layer and the MTP layer MoE) in row-invariant mode, torch
+    DSA ops: speculative output equals plain greedy output, drafts accepted."""
+    config = get_config("tiny", **SMALL_MOE)
+    model = predictable(DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(6), 0.5)
+    assert hasattr(model.model.layers[0].mlp, "experts") and hasattr(model.mtp_layer.mlp, "experts")
+    prompts = _prompts((5, 70), config.vocab_size, seed=4)                  # 70 > top-k 64: sparse rows
+    expected = _tokens(_engine(model, context_len=96), prompts, [6, 5])
+    engine = _engine(model, SpecConfig(num_steps=2), context_len=96)
+    assert _tokens(engine, prompts, [6, 5]) == expected
+    assert max(engine.stats.accept_lens) > 1
 
 
 @pytest.mark.gpu
