@@ -435,7 +435,7 @@ def test_gpu_triton_path_matches_torch_path(index_topk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["tiny", "bench"])
+@pytest.mark.parametrize("preset", ["tiny", "bench", "tiny-moe"])
 def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
     """A decode step (Triton ops, check_values=False, static inputs) captured in a CUDA graph replays to
     the eager result, for new tokens and lengths written into the same buffers."""

@@ -602,11 +602,13 @@ def _gpu_engine(model, spec=None, *, max_batch, requests, max_new, **kwargs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset, batch, max_new", [("tiny", 32, 256), ("bench", 8, 64)])
+@pytest.mark.parametrize("preset, batch, max_new", [("tiny", 32, 256), ("bench", 8, 64), ("tiny-moe", 16, 64)])
 def test_gpu_speculative_equals_plain_row_invariant(preset, batch, max_new):
     """bf16, CUDA graphs, 1M context configured, row-invariant GEMMs and norms: speculative output
-    equals plain greedy output token for token; the batch shrinks as requests finish."""
-    model = _gpu_model(preset, row_invariant=True, branch_scale={"tiny": 0.5, "bench": 0.2}[preset])
+    equals plain greedy output token for token; the batch shrinks as requests finish (tiny-moe:
+    the MoE layers' torch expert path inside the graphs)."""
+    model = _gpu_model(preset, row_invariant=True,
+                       branch_scale={"tiny": 0.5, "bench": 0.2, "tiny-moe": 0.5}[preset])
     requests = _gpu_prompts(batch, preset)
     limits = [max_new - 3 * (i % 4) for i in range(batch)]
     plain = _gpu_engine(model, max_batch=batch, requests=requests, max_new=max_new)
