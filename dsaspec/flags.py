@@ -70,6 +70,13 @@ def sparse_mla_gluon() -> bool:
     return _switch("DSASPEC_SPARSE_MLA_GLUON")
 
 
+def fused_moe() -> bool:
+    """``DSASPEC_FUSED_MOE``: MoE layers run the fused MoE kernel where the model runs the Triton ops
+    and is not row-invariant (default off: the kernel has not had its first GPU run; off keeps the
+    plain-torch experts)."""
+    return _switch("DSASPEC_FUSED_MOE", default=False)
+
+
 def metadata_program_budget() -> int | None:
     """``DSASPEC_METADATA_BUDGET``: program budget of the bounded metadata kernels, a positive
     integer (None when unset: the kernels' default, 2048). The grid is
@@ -118,6 +125,7 @@ def check_all() -> None:
     spec_verify_argmax_exchange()
     topk_single_launch()
     sparse_mla_gluon()
+    fused_moe()
     metadata_program_budget()
     simulate_accept_len()
     triton_interpret()

@@ -208,12 +208,15 @@ def test_wrong_shape_tensor_names_file_and_tensor(capsys, checkpoint, tmp_path):
 
 @pytest.mark.parametrize("fields,named", [
     ({"model_type": "llama"}, ["model_type", "'llama'", "DSA model type"]),
-    ({"n_routed_experts": 8, "moe_intermediate_size": 64, "first_k_dense_replace": 0},
-     ["mixture-of-experts FFNs in 1 of 1 layers", "8 routed experts", "not implemented yet"]),
-    ({"num_local_experts": 8, "first_k_dense_replace": 0}, ["mixture-of-experts", "not implemented yet"]),
-    ({"mlp_layer_types": ["sparse"]}, ["mixture-of-experts", "mlp_layer_types", "not implemented yet"]),
+    ({"n_routed_experts": 8, "moe_intermediate_size": 64, "num_experts_per_tok": 2, "topk_method": "greedy",
+      "mlp_layer_types": ["sparse"]}, ["topk_method", "only 'noaux_tc'", "'greedy'"]),
+    ({"n_routed_experts": 8, "scoring_func": "softmax", "mlp_layer_types": ["sparse"]},
+     ["scoring_func", "'softmax'"]),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["quantization_config", "unknown key", "'bits'"]),
     ({"quantization_config": {"quant_method": "gptq"}}, ["quantization_config.quant_method", "'gptq'"]),
+    ({"n_routed_experts": 8, "moe_intermediate_size": 64, "num_experts_per_tok": 2, "mlp_layer_types": ["sparse"],
+      "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
+     ["8 routed experts and a quantization_config", "quantized MoE experts are not implemented yet"]),
 ])
 def test_config_of_another_architecture_is_refused(capsys, checkpoint, tmp_path, fields, named):
     # The weights are the dense bf16 DSA model's: only config.json claims something else.
@@ -231,6 +234,22 @@ def test_fp8_config_over_bf16_weights_names_the_tensor(capsys, checkpoint, tmp_p
     (path / CONFIG_FILE).write_text(json.dumps(config | {"quantization_config": fp8}))
     assert_one_line_error(capsys, ["generate", "--checkpoint", path, "--no-progress"], str(path / SINGLE_FILE),
                           "FP8 weight", "has no", "weight_scale_inv")
+
+
+@pytest.mark.parametrize("fields", [
+    {"n_routed_experts": 8, "moe_intermediate_size": 64, "first_k_dense_replace": 0, "mlp_layer_types": None},
+    {"n_routed_experts": None, "num_local_experts": 8, "first_k_dense_replace": 0, "mlp_layer_types": None},
+    {"n_routed_experts": 8, "mlp_layer_types": ["sparse"]},
+])
+def test_moe_config_over_dense_tensors_is_refused(capsys, checkpoint, tmp_path, fields):
+    """A config.json that claims MoE layers over the dense model's tensors: the experts are missing
+    and the dense FFN's tensors unexpected, named in one line."""
+    path = _copy(checkpoint, tmp_path)
+    config = json.loads((path / CONFIG_FILE).read_text())
+    (path / CONFIG_FILE).write_text(json.dumps(config | fields))
+    assert_one_line_error(capsys, ["generate", "--checkpoint", path, "--no-progress"], str(path),
+                          "does not match the model", "model.layers.0.mlp.experts.0.down_proj.weight",
+                          "unexpected ['model.layers.0.mlp.down_proj.weight'")
 
 
 def test_missing_shard_names_the_file(capsys, checkpoint, tmp_path):

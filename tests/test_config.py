@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from dsaspec.configs.model_config import PRESETS, ModelConfig, check_implemented, get_config
+from dsaspec.configs.model_config import DENSE_FFN, PRESETS, ModelConfig, check_implemented, get_config
 from dsaspec.configs.quantization import Fp8Quantization
 from dsaspec.memory import KVPool
 from dsaspec.models.dsa_model import DSAModel
 
 # The released config.json files (zai-org/GLM-5, deepseek-ai/DeepSeek-V3.2), MoE and token fields
-# kept: the presets must be what they say, and the fields this runtime does not model are ignored.
+# kept: the MoE presets must be what they say, and the fields this runtime does not model are ignored.
 GLM5_CONFIG_JSON = {
     "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
     "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
@@ -19,6 +19,8 @@ GLM5_CONFIG_JSON = {
     "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
     "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
     "n_routed_experts": 256, "first_k_dense_replace": 3, "rms_norm_eps": 1e-5,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
     "max_position_embeddings": 202752, "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
     "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
 }
@@ -29,6 +31,8 @@ DEEPSEEK_V32_CONFIG_JSON = {
     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
     "v_head_dim": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
     "n_routed_experts": 256, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_layer_freq": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
     "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000,
     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                      "original_max_position_embeddings": 4096, "type": "yarn"},
@@ -43,9 +47,15 @@ def test_presets_validate_and_round_trip_through_hf_dict(name):
     assert ModelConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict()))) == config
 
 
-@pytest.mark.parametrize("name,published", [("glm5", GLM5_CONFIG_JSON), ("deepseek_v32", DEEPSEEK_V32_CONFIG_JSON)])
+@pytest.mark.parametrize("name,published", [("glm5-moe", GLM5_CONFIG_JSON),
+                                            ("deepseek-v32-moe", DEEPSEEK_V32_CONFIG_JSON)])
 def test_presets_are_the_released_configs(name, published):
-    assert ModelConfig.from_hf_dict(published) == get_config(name)
+    config = ModelConfig.from_hf_dict(published)
+    assert config == get_config(name)
+    layers = config.num_hidden_layers
+    assert [config.is_moe_layer(i) for i in range(layers + 1)] == [False] * 3 + [True] * (layers - 2)
+    dense = get_config(name.split("-")[0] if name == "glm5-moe" else "deepseek_v32")
+    assert dense == config.replace(**DENSE_FFN) and not dense.is_moe_layer(layers)
 
 
 def test_bench_keeps_glm5_attention_and_vocab():
@@ -123,26 +133,69 @@ def test_unknown_preset():
         get_config("glm6")
 
 
-def test_check_implemented_refuses_moe_layers():
-    # The presets are the released configs' dense form; a checkpoint's config must not claim more.
-    dense = get_config("tiny").to_hf_dict()                       # first_k_dense_replace = every layer
+def test_check_implemented_refuses_quantized_experts():
+    dense = get_config("tiny").to_hf_dict()
     check_implemented(dense)
-    check_implemented(dense | {"n_routed_experts": 256, "moe_intermediate_size": 64})
-    check_implemented(dense | {"mlp_layer_types": ["dense", "dense"], "n_routed_experts": 256})
-    check_implemented(dense | {"n_routed_experts": 0, "first_k_dense_replace": 0})
+    check_implemented(GLM5_CONFIG_JSON)
     check_implemented(dense | {"quantization_config": None})
-    no_first_k = {k: v for k, v in dense.items() if k != "first_k_dense_replace"} | {"n_routed_experts": 8}
-    check_implemented(no_first_k)                                 # HF's default 3 dense layers cover both
-    for hf, moe_layers in [(GLM5_CONFIG_JSON, "75 of 78"), (DEEPSEEK_V32_CONFIG_JSON, "58 of 61"),
-                           (no_first_k | {"num_hidden_layers": 8}, "5 of 8"),
-                           (dense | {"num_experts": 8, "first_k_dense_replace": 0, "moe_layer_freq": 2}, "1 of 2"),
-                           (dense | {"mlp_layer_types": ["dense", "sparse"]}, "1 of 2")]:
-        with pytest.raises(ValueError, match=f"mixture-of-experts FFNs in {moe_layers} layers .*not implemented yet"):
-            check_implemented(hf)
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    check_implemented(dense | {"quantization_config": fp8})                 # dense FP8 weights load
+    moe = dense | {"n_routed_experts": 8, "moe_intermediate_size": 64, "mlp_layer_types": ["sparse"]}
+    check_implemented(moe)                                                    # bf16 experts load
+    with pytest.raises(ValueError, match="8 routed experts and a quantization_config \\(quant_method 'fp8'\\).*"
+                                         "quantized MoE experts are not implemented yet"):
+        check_implemented(moe | {"quantization_config": fp8})
+
+
+def test_moe_layers_from_hf_keys():
+    """Which layers are MoE: mlp_layer_types when given (transformers' rule), else
+    first_k_dense_replace (HF default 3) and moe_layer_freq (DeepSeek's rule); the MTP layer is MoE
+    in an MoE model; a config whose decoder layers are all dense reads as the dense model."""
+    dense = get_config("tiny", num_hidden_layers=8).to_hf_dict()
+    assert dense["mlp_layer_types"] == ["dense"] * 8 and dense["n_routed_experts"] == 0
+    moe = {k: v for k, v in dense.items() if k not in ("mlp_layer_types", "first_k_dense_replace")}
+    moe |= {"n_routed_experts": 8, "moe_intermediate_size": 64, "num_experts_per_tok": 2}
+
+    def kinds(hf):
+        config = ModelConfig.from_hf_dict(hf)
+        return "".join("M" if config.is_moe_layer(i) else "d" for i in range(9))
+
+    assert kinds(moe) == "dddMMMMMM"                                       # HF's default first 3 dense
+    assert kinds(moe | {"first_k_dense_replace": 1, "moe_layer_freq": 2}) == "ddMdMdMdM"
+    assert kinds(moe | {"num_local_experts": 8, "n_routed_experts": None, "first_k_dense_replace": 6}) == "ddddddMMM"
+    assert kinds(moe | {"mlp_layer_types": ["dense", "sparse"] * 4}) == "dMdMdMdMM"
+    for hf in (moe | {"first_k_dense_replace": 8}, moe | {"n_routed_experts": 0}, moe | {"mlp_layer_types": ["dense"] * 8}):
+        assert ModelConfig.from_hf_dict(hf) == get_config("tiny", num_hidden_layers=8)
+    config = ModelConfig.from_hf_dict(moe | {"first_k_dense_replace": 1, "moe_layer_freq": 2})
+    assert ModelConfig.from_hf_dict(json.loads(json.dumps(config.to_hf_dict()))) == config
+    assert config.to_hf_dict()["mlp_layer_types"] == ["dense"] + ["dense", "sparse"] * 3 + ["dense"]
+    defaults = ModelConfig.from_hf_dict({k: v for k, v in moe.items() if k != "num_experts_per_tok"}
+                                        | {"model_type": "deepseek_v32", "n_routed_experts": 16})
+    assert (defaults.num_experts_per_tok, defaults.n_shared_experts, defaults.n_group, defaults.topk_group,
+            defaults.routed_scaling_factor, defaults.norm_topk_prob) == (8, 1, 8, 4, 2.5, True)
     with pytest.raises(ValueError, match="first_k_dense_replace must be an int >= 0, got '3'"):
-        check_implemented(dense | {"n_routed_experts": 8, "first_k_dense_replace": "3"})
+        ModelConfig.from_hf_dict(moe | {"first_k_dense_replace": "3"})
     with pytest.raises(ValueError, match="mlp_layer_types must be a list"):
-        check_implemented(dense | {"mlp_layer_types": "dense"})
+        ModelConfig.from_hf_dict(moe | {"mlp_layer_types": "dense"})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"topk_method": "greedy"}, "topk_method: only 'noaux_tc'.*got 'greedy'"),
+    ({"scoring_func": "softmax"}, "scoring_func: only 'sigmoid' is implemented, got 'softmax'"),
+    ({"n_group": 3}, r"n_group \(3\) must divide n_routed_experts \(8\) into groups of >= 2"),
+    ({"n_group": 8, "topk_group": 1, "num_experts_per_tok": 1}, r"n_group \(8\) must divide"),
+    ({"topk_group": 5}, r"topk_group \(5\) must be <= n_group \(4\)"),
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) exceeds the 4 experts of topk_group=2"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size must be an int >= 1, got 0"),
+    ({"routed_scaling_factor": 0.0}, "routed_scaling_factor must be a positive number"),
+    ({"norm_topk_prob": 1}, "norm_topk_prob must be a bool"),
+    ({"mlp_layer_types": ("dense",)}, "mlp_layer_types must hold 2 entries"),
+    ({"first_k_dense_replace": 2}, "n_routed_experts=8 but no MoE decoder layer"),
+    ({"n_routed_experts": 0}, r"n_routed_experts is 0 \(every FFN dense\) but \['moe_intermediate_size'"),
+])
+def test_moe_validation_names_the_bad_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        get_config("tiny-moe", **change)
 
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}

@@ -1,6 +1,6 @@
 """Parity with an independently written implementation: Hugging Face transformers'
 ``DeepseekV32ForCausalLM`` and ``GlmMoeDsaForCausalLM``, dense (``first_k_dense_replace =
-num_hidden_layers``).
+num_hidden_layers``) and with MoE layers.
 
 Tiny random fp32 models of both are built with transformers, written with ``save_pretrained``
 (safetensors + HF ``config.json``), read back with ``dsaspec.models.loader.load_checkpoint`` and run
@@ -9,7 +9,10 @@ indexer's selection decides what later rows attend to; 32 indexer heads make an 
 summed ReLU scores (which ``torch.topk`` breaks arbitrarily) negligible. DeepSeek-V3.2 runs YaRN with
 ``mscale != mscale_all_dim`` and half-split indexer RoPE; GLM-5 plain RoPE, interleaved indexer RoPE
 and its 1e-5 layer-norm eps; GLM-5 with IndexShare (``index_topk_freq = 2``: four layers full,
-shared, full, shared, a shared layer attending to the previous full layer's top-k).
+shared, full, shared, a shared layer attending to the previous full layer's top-k). The MoE cases of both: layer 0 dense,
+layer 1 MoE with 8 routed experts in 4 groups (2 groups, 3 experts per token), one shared expert,
+``routed_scaling_factor`` 2.5 and a non-zero ``e_score_correction_bias``, so the group limit, the
+bias (choice only) and the weight normalisation all decide the output.
 
 Not covered, because transformers has no counterpart: the MTP layer (HF drops ``model.layers.{L}.*``
 on load). Needs the ``parity`` extra (transformers >= 5.13: the first release with both classes and
@@ -20,6 +23,8 @@ import math
 
 import pytest
 import torch
+
+from safetensors.torch import save_file
 
 from dsaspec.configs.model_config import ModelConfig, get_config
 from dsaspec.models.loader import load_checkpoint, save_checkpoint
@@ -45,17 +50,22 @@ _DIMS.update(num_key_value_heads=_TINY.num_attention_heads, index_n_heads=32,
              first_k_dense_replace=_TINY.num_hidden_layers, max_position_embeddings=256)
 
 _GLM5_ROPE = {"rope_type": "default", "rope_theta": 1e6}
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}
+_MOE = dict(first_k_dense_replace=1, n_routed_experts=8, moe_intermediate_size=128, num_experts_per_tok=3,
+            n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
 MODELS = {      # case: (HF config class, HF model class, config arguments on top of _DIMS)
     # max_position_embeddings / original_max_position_embeddings == factor, as HF's YaRN expects.
-    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-                         "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "mscale": 0.8, "mscale_all_dim": 1.0})),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(rms_norm_eps=1e-6,
+                                                                         rope_parameters=_DEEPSEEK_YARN)),
+    "deepseek_v32-moe": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        rms_norm_eps=1e-6, rope_parameters=_DEEPSEEK_YARN, **_MOE)),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(rms_norm_eps=1e-5, rope_parameters=_GLM5_ROPE)),
     "glm_moe_dsa-index-share": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
         rms_norm_eps=1e-5, rope_parameters=_GLM5_ROPE, num_hidden_layers=4, first_k_dense_replace=4,
         index_topk_freq=2, index_skip_topk_offset=1)),
+    "glm_moe_dsa-moe": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        rms_norm_eps=1e-5, rope_parameters=_GLM5_ROPE, **_MOE)),
 }
 
 
@@ -83,12 +93,15 @@ def _hf_model(case: str):
             noise = torch.randn(param.shape, generator=generator)
             if name.endswith("embed_tokens.weight"):
                 param.copy_(noise)
-            elif param.dim() == 2:
-                param.copy_(noise / math.sqrt(param.shape[1]))
+            elif param.dim() >= 2:      # projections, the router, the fused experts [E, out, in]
+                param.copy_(noise / math.sqrt(param.shape[-1]))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * noise)
             else:
                 param.copy_(1.0 + 0.1 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     return model
 
 
@@ -139,6 +152,16 @@ def test_config_read_from_hf_checkpoint(pair):
     assert config.indexer_types == _indexer_types(model.config)
     assert [layer.self_attn.indexer is None for layer in ours.model.layers] == \
         [getattr(layer.self_attn, "indexer", None) is None for layer in model.model.layers]
+    hf_moe = [kind == "sparse" for kind in model.config.mlp_layer_types]
+    assert [config.is_moe_layer(i) for i in range(config.num_hidden_layers)] == hf_moe
+    assert [hasattr(layer.mlp, "experts") for layer in ours.model.layers] == hf_moe
+    if any(hf_moe):
+        for name in _MOE:
+            assert getattr(config, name) == getattr(model.config, name), name
+        layer = hf_moe.index(True)
+        bias = model.model.layers[layer].mlp.gate.e_score_correction_bias
+        assert bias.abs().min() > 0
+        assert torch.equal(ours.model.layers[layer].mlp.gate.e_score_correction_bias, bias)
 
 
 def test_prefill_logits_match(pair):
@@ -183,9 +206,11 @@ def test_our_checkpoint_runs_in_transformers(case, tmp_path):
     model_type = hf_config.model_type
     rope = MODELS[case][2]["rope_parameters"]
     scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    moe = {name: getattr(hf_config, name) for name in _MOE} if "n_routed_experts" in MODELS[case][2] else {}
     config = _TINY.replace(index_n_heads=32, model_type=model_type, rope_scaling=scaling,
                            indexer_rope_interleave=model_type == "glm_moe_dsa",
-                           num_hidden_layers=hf_config.num_hidden_layers, indexer_types=_indexer_types(hf_config))
+                           num_hidden_layers=hf_config.num_hidden_layers, indexer_types=_indexer_types(hf_config),
+                           **moe)
     ours = DSAModel(config, dtype=torch.float32).init_weights(3)
     save_checkpoint(ours, tmp_path)
     model = hf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
@@ -195,11 +220,28 @@ def test_our_checkpoint_runs_in_transformers(case, tmp_path):
     torch.testing.assert_close(_Request(ours).extend(ids), expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("preset,config_cls", [("glm5", "GlmMoeDsaConfig"), ("deepseek_v32", "DeepseekV32Config")])
+@pytest.mark.parametrize("preset,config_cls", [("glm5-moe", "GlmMoeDsaConfig"),
+                                               ("deepseek-v32-moe", "DeepseekV32Config")])
 def test_presets_have_the_reference_configs_shapes(preset, config_cls):
-    """HF's config classes default to the released models' shapes. Equal on every field except what
-    those classes do not carry: the checkpoints' RoPE settings and the MTP layer."""
+    """HF's config classes default to the released models' shapes, MoE included. Equal on every
+    field except what those classes do not carry: the checkpoints' RoPE settings and the MTP layer."""
     ours = ModelConfig.from_hf_dict(getattr(hf, config_cls)().to_dict())
     rope_and_mtp = dict(rope_theta=get_config(preset).rope_theta, rope_scaling=get_config(preset).rope_scaling,
                         num_nextn_predict_layers=get_config(preset).num_nextn_predict_layers)
     assert ours.replace(**rope_and_mtp) == get_config(preset)
+
+
+def test_transformers_fused_expert_tensors_load(pair, tmp_path):
+    """transformers holds the experts fused (``mlp.experts.gate_up_proj`` ``[E, 2I, hidden]``,
+    ``down_proj`` ``[E, hidden, I]``) and writes them per expert; a checkpoint of its in-memory
+    tensors loads to the same parameters as the per-expert one."""
+    model, ours, _ = pair
+    if not ours.routed_experts():
+        pytest.skip("dense case")
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model.config.to_json_file(tmp_path / "config.json")
+    fused = load_checkpoint(tmp_path, dtype=torch.float32)
+    for (name, a), b in zip(ours.state_dict().items(), fused.state_dict().values()):
+        assert torch.equal(a, b), name

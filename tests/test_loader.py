@@ -12,8 +12,8 @@ from dsaspec.models.loader import (INDEX_FILE, SINGLE_FILE, load_checkpoint, loa
 from dsaspec.models.dsa_model import DSAModel
 
 
-def _model(seed=0, dtype=torch.bfloat16, **overrides):
-    return DSAModel(get_config("tiny", **overrides), dtype=dtype).init_weights(seed)
+def _model(seed=0, dtype=torch.bfloat16, preset="tiny", **overrides):
+    return DSAModel(get_config(preset, **overrides), dtype=dtype).init_weights(seed)
 
 
 def _assert_same(a: DSAModel, b: DSAModel):
@@ -22,9 +22,10 @@ def _assert_same(a: DSAModel, b: DSAModel):
         assert name == name_b and pa.dtype == pb.dtype and torch.equal(pa, pb), name
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_round_trip_is_bit_exact(tmp_path, dtype):
-    model = _model(dtype=dtype, indexer_rope_interleave=False)
+def test_round_trip_is_bit_exact(tmp_path, dtype, preset):
+    model = _model(dtype=dtype, preset=preset, indexer_rope_interleave=False)
     save_checkpoint(model, tmp_path)
     assert (tmp_path / SINGLE_FILE).is_file()
     assert "model.layers.2.shared_head.norm.weight" in load_file(str(tmp_path / SINGLE_FILE))
@@ -123,3 +124,47 @@ def test_indexer_types_from_frequency_and_offset():
     hf.pop("index_skip_topk_offset")
     with pytest.raises(ValueError, match="index_topk_freq > 1 without index_skip_topk_offset"):
         ModelConfig.from_hf_dict(hf)
+
+
+def test_moe_round_trip_per_expert_and_fused_tensors(tmp_path):
+    """tiny-moe: the experts are written per expert (the official layout; layer 1 and the MTP layer 2)
+    and read back bit-exact; expert e's gate and up rows land in ``w13[e]`` (gate first) and its down
+    projection in ``w2[e]``; a checkpoint with transformers' fused tensors loads to the same model."""
+    model = _model(preset="tiny-moe", dtype=torch.float32, seed=6)
+    save_checkpoint(model, tmp_path / "split")
+    tensors = load_file(str(tmp_path / "split" / SINGLE_FILE))
+    for layer in (1, 2):
+        prefix = f"model.layers.{layer}.mlp."
+        assert tensors[prefix + "experts.7.gate_proj.weight"].shape == (128, 256)
+        assert tensors[prefix + "experts.7.down_proj.weight"].shape == (256, 128)
+        assert {prefix + "gate.weight", prefix + "gate.e_score_correction_bias",
+                prefix + "shared_experts.up_proj.weight"} <= tensors.keys()
+    assert not any("w13" in name or "w2" in name for name in tensors)
+    assert "model.layers.0.mlp.gate_proj.weight" in tensors                       # first_k_dense_replace = 1
+    _assert_same(model, load_checkpoint(tmp_path / "split", dtype=torch.float32))
+
+    generator = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if ".experts." in n]:    # fresh expert tensors, independent of init
+        tensors[name] = torch.randn(tensors[name].shape, generator=generator)
+    save_file(tensors, str(tmp_path / "split" / SINGLE_FILE))
+    split = load_checkpoint(tmp_path / "split", dtype=torch.float32)
+    experts = model.config.n_routed_experts
+    fused = dict(tensors)
+    for layer in (1, 2):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        gate_up = [torch.cat((fused.pop(f"{prefix}{e}.gate_proj.weight"), fused.pop(f"{prefix}{e}.up_proj.weight")))
+                   for e in range(experts)]
+        fused[prefix + "gate_up_proj"] = torch.stack(gate_up)
+        fused[prefix + "down_proj"] = torch.stack([fused.pop(f"{prefix}{e}.down_proj.weight") for e in range(experts)])
+        loaded = split.model.layers[layer].mlp.experts
+        assert torch.equal(loaded.w13, fused[prefix + "gate_up_proj"])
+        assert torch.equal(loaded.w2, fused[prefix + "down_proj"])
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "split" / "config.json").read_text())
+    save_file(fused, str(tmp_path / "fused" / SINGLE_FILE))
+    _assert_same(split, load_checkpoint(tmp_path / "fused", dtype=torch.float32))
+    del fused["model.layers.2.mlp.experts.down_proj"]
+    save_file(fused, str(tmp_path / "fused" / SINGLE_FILE))
+    with pytest.raises(ValueError, match=r"missing \['model.layers.2.mlp.experts.0.down_proj.weight'.*"
+                                         r"down_proj.weight'\] \(8\), unexpected \[\]"):
+        load_checkpoint(tmp_path / "fused", dtype=torch.float32)

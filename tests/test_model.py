@@ -58,8 +58,8 @@ class Session:
         return sorted(lookup[int(s)] for s in slots.tolist() if s >= 0)
 
 
-def _model(dtype=torch.float32, seed=0, **overrides):
-    return DSAModel(get_config("tiny", **overrides), dtype=dtype).init_weights(seed)
+def _model(dtype=torch.float32, seed=0, preset="tiny", **overrides):
+    return DSAModel(get_config(preset, **overrides), dtype=dtype).init_weights(seed)
 
 
 def _tokens(n, vocab, seed=1):
@@ -77,6 +77,16 @@ YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "
 ], ids=["glm-interleaved", "ds-half-split", "ds-yarn"])
 def test_prefill_and_greedy_decode_match_reference_with_sparse_selection(overrides):
     _decode_against_reference(_model(**overrides))
+
+
+def test_moe_layers_match_reference():
+    """tiny-moe (layer 1 and the MTP layer MoE: 8 experts in 4 groups, 2 groups, 3 experts per token,
+    a shared expert, a non-zero correction bias): prefill and greedy decode against the reference's
+    per-token routing."""
+    model = _model(preset="tiny-moe")
+    assert type(model.model.layers[1].mlp).__name__ == "MoE" and type(model.model.layers[0].mlp).__name__ == "MLP"
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().min() > 0
+    _decode_against_reference(model)
 
 
 def test_index_share_layers_match_reference():
@@ -178,9 +188,12 @@ def test_step_over_backend_metadata_buffers(mode):
     assert (attn.topk_slots[: new] >= 0).sum(-1).eq(64).all()        # the long request is sparse
 
 
-def test_mtp_layer_matches_reference():
-    """Draft extend over the prompt (row p: token p+1, target hidden p), then one MTP decode row."""
-    model = _model(seed=5)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_mtp_layer_matches_reference(preset):
+    """Draft extend over the prompt (row p: token p+1, target hidden p), then one MTP decode row
+    (tiny-moe: the MTP layer's FFN is MoE)."""
+    model = _model(seed=5, preset=preset)
+    assert hasattr(model.mtp_layer.mlp, "experts") == (preset == "tiny-moe")
     session = Session(model)
     prompt = _tokens(70, model.config.vocab_size, seed=6)
     row = session.slots.admit(71)
@@ -422,7 +435,7 @@ def test_gpu_triton_path_matches_torch_path(index_topk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["tiny", "bench"])
+@pytest.mark.parametrize("preset", ["tiny", "bench", "tiny-moe"])
 def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
     """A decode step (Triton ops, check_values=False, static inputs) captured in a CUDA graph replays to
     the eager result, for new tokens and lengths written into the same buffers."""
@@ -473,3 +486,34 @@ def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
             replays.append(out.clone())
             torch.testing.assert_close(replays[-1], run(), atol=2e-2, rtol=2e-2)
         assert not torch.allclose(replays[0], replays[1])
+
+
+def test_fused_moe_option_routes_the_experts_to_the_fused_kernel():
+    """``RuntimeOptions.fused_moe`` (off by default) sends the routed experts of a model that runs the
+    Triton ops, outside the row-invariant mode, to ``dsaspec.ops.fused_moe``; its result equals the
+    torch expert path's (fp32; the kernel under the interpreter on CPU)."""
+    from dsaspec.configs.runtime_options import RuntimeOptions
+    from dsaspec.layers.moe import RoutedExperts
+
+    def experts(model):
+        return [m for m in model.modules() if isinstance(m, RoutedExperts)]
+
+    config = get_config("tiny-moe")
+    fused = DSAModel(config, device="cpu", dtype=torch.float32, use_triton=True,
+                     options=RuntimeOptions(fused_moe=True)).init_weights(3)
+    assert experts(fused) and all(m.use_fused for m in experts(fused))
+    for model in (DSAModel(config, device="cpu", dtype=torch.float32, use_triton=True),
+                  DSAModel(config, device="cpu", dtype=torch.float32, use_triton=True, row_invariant=True,
+                           options=RuntimeOptions(fused_moe=True)),
+                  DSAModel(config, device="cpu", dtype=torch.float32, options=RuntimeOptions(fused_moe=True))):
+        assert not any(m.use_fused for m in experts(model))
+    layer = experts(fused)[0]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, config.hidden_size, generator=generator)
+    ids = torch.stack([torch.randperm(config.n_routed_experts, generator=generator)[:config.num_experts_per_tok]
+                       for _ in range(5)]).to(torch.int32)
+    weights = torch.rand(5, config.num_experts_per_tok, generator=generator)
+    layer.use_fused = False
+    want = layer(x, ids, weights)
+    layer.use_fused = True
+    torch.testing.assert_close(layer(x, ids, weights), want, rtol=1e-5, atol=1e-5)

@@ -12,13 +12,14 @@ from dsaspec.errors import UserError
 
 VARIABLES = ("DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE",
              "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE", "DSASPEC_TOPK_SINGLE_LAUNCH", "DSASPEC_SPARSE_MLA_GLUON",
-             "DSASPEC_METADATA_BUDGET", "DSASPEC_SIMULATE_ACCEPT_LEN")
+             "DSASPEC_FUSED_MOE", "DSASPEC_METADATA_BUDGET", "DSASPEC_SIMULATE_ACCEPT_LEN")
 # variable -> (field, a value to set, the field's value then)
 MAPPING = {"DSASPEC_BOUNDED_REPLAY_METADATA": ("bounded_replay_metadata", "0", False),
            "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE": ("draft_argmax_exchange", "off", False),
            "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE": ("verify_argmax_exchange", "false", False),
            "DSASPEC_TOPK_SINGLE_LAUNCH": ("topk_single_launch", "no", False),
            "DSASPEC_SPARSE_MLA_GLUON": ("sparse_mla_gluon", "0", False),
+           "DSASPEC_FUSED_MOE": ("fused_moe", "1", True),
            "DSASPEC_METADATA_BUDGET": ("metadata_program_budget", " 96 ", 96),
            "DSASPEC_SIMULATE_ACCEPT_LEN": ("simulate_accept_len", "2.5", 2.5)}
 
@@ -31,7 +32,7 @@ def _unset(monkeypatch):
 
 def test_defaults_are_the_shipped_path():
     options = RuntimeOptions()
-    assert all(getattr(options, name) is True for name in SWITCH_FIELDS)
+    assert all(getattr(options, name) is (name != "fused_moe") for name in SWITCH_FIELDS)  # fused MoE: opt-in
     assert options.metadata_program_budget is None and options.simulate_accept_len is None
     assert RuntimeOptions.from_environment() == options
     assert set(SWITCH_FIELDS) | {"metadata_program_budget", "simulate_accept_len"} == \
@@ -48,7 +49,7 @@ def test_each_variable_sets_its_field_only(monkeypatch, name):
     assert options == RuntimeOptions().replace(**{field: expected})   # every other field at its default
 
 
-@pytest.mark.parametrize("name", VARIABLES[:5])
+@pytest.mark.parametrize("name", VARIABLES[:6])
 def test_switch_variables_on(monkeypatch, name):
     field = MAPPING[name][0]
     for value in ("1", "on", "TRUE"):
@@ -62,6 +63,7 @@ def test_switch_variables_on(monkeypatch, name):
     ("DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE", "2"),
     ("DSASPEC_TOPK_SINGLE_LAUNCH", "y"),
     ("DSASPEC_SPARSE_MLA_GLUON", "enabled"),
+    ("DSASPEC_FUSED_MOE", "sometimes"),
     ("DSASPEC_METADATA_BUDGET", "0"),
     ("DSASPEC_METADATA_BUDGET", "1.5"),
     ("DSASPEC_SIMULATE_ACCEPT_LEN", "fast"),

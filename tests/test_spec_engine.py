@@ -497,6 +497,45 @@ def test_row_invariant_layers_compute_each_row_alone():
     assert differing and all(isinstance(default.get_submodule(n), (Linear, LMHead)) for n in differing)
 
 
+SMALL_MOE = dict(SMALL, n_routed_experts=8, moe_intermediate_size=32, num_experts_per_tok=3, n_shared_experts=1,
+                 first_k_dense_replace=0, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+
+def _moe_row_dependent(model: DSAModel, rows: int, device) -> bool:
+    """Whether an MoE layer's output row differs in some bit between M = 1, 7 and ``rows``."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, model.config.hidden_size, generator=generator).to(device, model.lm_head.weight.dtype)
+    moe = model.model.layers[0].mlp
+    with torch.no_grad():
+        full = moe(x)
+        return not (torch.equal(moe(x[:1])[0], full[0]) and torch.equal(moe(x[-1:])[0], full[-1])
+                    and torch.equal(moe(x[:7]), full[:7]))
+
+
+def test_row_invariant_moe_computes_each_token_alone():
+    """Row-invariant mode: the MoE layer (router, routed experts, shared expert) gives a token the
+    same bits whatever the other tokens; the default mode's CPU GEMMs do not (so the check bites)."""
+    config = get_config("tiny", **SMALL_MOE)
+    invariant = DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(4)
+    assert {type(m).__name__ for m in invariant.modules() if isinstance(m, RowInvariant) and m.row_invariant} >= \
+        {"Router", "RoutedExperts"}
+    assert not _moe_row_dependent(invariant, 32, "cpu")
+    assert _moe_row_dependent(DSAModel(config, dtype=torch.float32).init_weights(4), 32, "cpu")
+
+
+def test_row_invariant_moe_speculative_equals_plain():
+    """A one-layer MoE model (the decoder layer and the MTP layer MoE) in row-invariant mode, torch
+    DSA ops: speculative output equals plain greedy output, drafts accepted."""
+    config = get_config("tiny", **SMALL_MOE)
+    model = predictable(DSAModel(config, dtype=torch.float32, row_invariant=True).init_weights(6), 0.5)
+    assert hasattr(model.model.layers[0].mlp, "experts") and hasattr(model.mtp_layer.mlp, "experts")
+    prompts = random_prompts((5, 70), config.vocab_size, seed=4)                  # 70 > top-k 64: sparse rows
+    expected = generated_tokens(_engine(model, context_len=96), prompts, [6, 5])
+    engine = _engine(model, SpecConfig(num_steps=2), context_len=96)
+    assert generated_tokens(engine, prompts, [6, 5]) == expected
+    assert max(engine.stats.accept_lens) > 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny", "bench"])
 def test_gpu_row_invariant_layers_compute_each_row_alone(preset):
@@ -512,11 +551,13 @@ def test_gpu_row_invariant_layers_compute_each_row_alone(preset):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset, batch, max_new", [("tiny", 32, 256), ("bench", 8, 64)])
+@pytest.mark.parametrize("preset, batch, max_new", [("tiny", 32, 256), ("bench", 8, 64), ("tiny-moe", 16, 64)])
 def test_gpu_speculative_equals_plain_row_invariant(preset, batch, max_new):
     """bf16, CUDA graphs, 1M context configured, row-invariant GEMMs and norms: speculative output
-    equals plain greedy output token for token; the batch shrinks as requests finish."""
-    model = gpu_model(preset, row_invariant=True, branch_scale={"tiny": 0.5, "bench": 0.2}[preset])
+    equals plain greedy output token for token; the batch shrinks as requests finish (tiny-moe:
+    the MoE layers' torch expert path inside the graphs)."""
+    model = gpu_model(preset, row_invariant=True,
+                      branch_scale={"tiny": 0.5, "bench": 0.2, "tiny-moe": 0.5}[preset])
     requests = gpu_prompts(batch, preset)
     limits = [max_new - 3 * (i % 4) for i in range(batch)]
     plain = gpu_engine(model, max_batch=batch, requests=requests, max_new=max_new)

@@ -65,15 +65,23 @@ def _expected_shard(name: str, full: torch.Tensor, config, rank: int, tp: int) -
         return full.chunk(tp, dim=0)[rank]
     if name.endswith("down_proj.weight"):
         return full.chunk(tp, dim=1)[rank]
-    return full
+    if name.endswith("experts.w13"):           # [E, gate I | up I, hidden]: each half split
+        gate, up = full.chunk(2, dim=1)
+        return torch.cat((gate.chunk(tp, dim=1)[rank], up.chunk(tp, dim=1)[rank]), dim=1)
+    if name.endswith("experts.w2"):            # [E, hidden, I]
+        return full.chunk(tp, dim=2)[rank]
+    return full                                # the router and its correction bias replicated
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_ranks_hold_their_shards_of_the_tp1_weights(tp):
-    config = get_config("tiny")
+def test_ranks_hold_their_shards_of_the_tp1_weights(tp, preset):
+    config = get_config(preset)
     full = DSAModel(config, dtype=torch.float32).init_weights(0)
     _, ranks = _tp_models(config, tp)
-    expected_shapes = {name: tuple(p.shape) for name, p in full.state_dict().items()}
+    expected_shapes = full.checkpoint_shapes()
+    if preset == "tiny":
+        assert expected_shapes == {name: tuple(p.shape) for name, p in full.state_dict().items()}
     sharded = set()
     for rank, model in enumerate(ranks):
         assert model.checkpoint_shapes() == expected_shapes
@@ -85,7 +93,7 @@ def test_ranks_hold_their_shards_of_the_tp1_weights(tp):
                 sharded.add(name.split(".")[-2])
         assert model.model.embed_tokens.shard == model.lm_head.shard      # one vocab layout
     assert sharded == {"embed_tokens", "lm_head", "q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-                       "down_proj"}
+                       "down_proj"} | ({"experts"} if config.is_moe else set())
 
 
 def test_tp_size_must_divide_heads_and_ffn():
@@ -93,6 +101,8 @@ def test_tp_size_must_divide_heads_and_ffn():
         DSAModel(get_config("tiny"), tp_group=fake_groups(3)[0])
     with pytest.raises(ValueError, match=r"must divide ModelConfig.intermediate_size \(510\)"):
         DSAModel(get_config("tiny", intermediate_size=510), tp_group=fake_groups(4)[0])
+    with pytest.raises(ValueError, match=r"must divide ModelConfig.moe_intermediate_size \(126\)"):
+        DSAModel(get_config("tiny-moe", moe_intermediate_size=126), tp_group=fake_groups(4)[0])
     with pytest.raises(ValueError, match="differs from the TP group's device"):
         DSAModel(get_config("tiny"), device="meta", tp_group=fake_groups(2)[0])
 
@@ -135,11 +145,13 @@ class _Request:
         return out
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sharded_forward_matches_tp1(tp):
+@pytest.mark.parametrize("tp,preset", [(2, "tiny"), (4, "tiny"), (2, "tiny-moe")])
+def test_sharded_forward_matches_tp1(tp, preset):
     """Prefill (sparse rows: 90 > top-k 64), decode steps and the MTP layer at TP ``tp`` against TP 1:
-    every rank computes the same bits; TP 1 within TOL; greedy tokens equal where the margin allows."""
-    config = get_config("tiny")
+    every rank computes the same bits; TP 1 within TOL; greedy tokens equal where the margin allows.
+    tiny-moe: every expert (routed and shared) split by its intermediate features, the router
+    replicated, one all-reduce per MoE layer."""
+    config = get_config(preset)
     generator = torch.Generator().manual_seed(5)
     ids = torch.randint(0, config.vocab_size, (90,), generator=generator).tolist()
     decode = torch.randint(0, config.vocab_size, (3,), generator=generator).tolist()
@@ -170,8 +182,9 @@ def test_sharded_forward_matches_tp1(tp):
 # loading
 
 
-def test_each_rank_loads_its_slices_of_one_checkpoint(tmp_path, monkeypatch):
-    config = get_config("tiny")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_each_rank_loads_its_slices_of_one_checkpoint(tmp_path, monkeypatch, preset):
+    config = get_config(preset)
     save_checkpoint(DSAModel(config, dtype=torch.float32).init_weights(3), tmp_path, max_shard_bytes=1 << 20)
     groups, expected = _tp_models(config, 2, seed=3)
     from dsaspec.models import loader
@@ -204,6 +217,7 @@ def test_each_rank_loads_its_slices_of_one_checkpoint(tmp_path, monkeypatch):
         for name, param in model.state_dict().items():
             assert torch.equal(param, want.state_dict()[name]), name
         assert whole_reads and not set(whole_reads) & set(model.shards())
+        assert not any(".experts." in name for name in whole_reads)           # experts: slices only
         whole_reads.clear()
 
 

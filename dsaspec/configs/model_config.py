@@ -1,9 +1,11 @@
 """Model configuration of the DSA decoder (DeepSeek-V3.2 / GLM-5 family), with HF field names.
 
-The runtime's FFN is dense SwiGLU in every layer (MoE is orthogonal to this project), so the MoE
-fields of the HF configs are not represented: the presets are the released shapes with dense FFNs,
-and :func:`check_implemented` refuses a checkpoint config that claims MoE layers. FP8 block-scaled
-weights (``quantization_config``) are :class:`~dsaspec.configs.quantization.Fp8Quantization`. The kernels specialise on the MQA cache shape (``kv_lora_rank`` 512 +
+A layer's FFN is a dense SwiGLU or, from ``first_k_dense_replace`` on (and in the MTP layer), the
+mixture of experts of the HF configs (``n_routed_experts`` > 0: sigmoid router with the
+``noaux_tc`` group-limited selection, routed and shared SwiGLU experts); ``n_routed_experts = 0``
+is a dense model. FP8 block-scaled weights (``quantization_config``) are
+:class:`~dsaspec.configs.quantization.Fp8Quantization`; :func:`check_implemented` refuses what is not
+implemented yet (FP8 routed experts). The kernels specialise on the MQA cache shape (``kv_lora_rank`` 512 +
 ``qk_rope_head_dim`` 64 = 576 per token) and the indexer head dim (128); ``validate`` refuses
 anything else with a clear error.
 """
@@ -35,7 +37,17 @@ _REQUIRED_HF_KEYS = (
 # HF model_type -> default indexer RoPE layout when the config does not say it; the DSA model types.
 _INDEXER_INTERLEAVE_DEFAULT = {"glm_moe_dsa": True, "deepseek_v32": False}
 _EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")   # HF spellings of the expert count
-_HF_FIRST_K_DENSE = 3     # HF's default first_k_dense_replace (GLM-5, DeepSeek-V3.2)
+DENSE, SPARSE = "dense", "sparse"   # mlp_layer_types entries: dense FFN / mixture of experts
+# The MoE fields at their dense-model values (n_routed_experts = 0: every FFN dense).
+DENSE_FFN = dict(n_routed_experts=0, moe_intermediate_size=0, num_experts_per_tok=0, n_shared_experts=0,
+                 first_k_dense_replace=0, moe_layer_freq=1, mlp_layer_types=None, n_group=1, topk_group=1,
+                 topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                 routed_scaling_factor=1.0)
+# transformers' defaults (GlmMoeDsaConfig / DeepseekV32Config) for the MoE keys a config.json leaves out.
+_HF_MOE_DEFAULTS = dict(moe_intermediate_size=2048, num_experts_per_tok=8, n_shared_experts=1,
+                        first_k_dense_replace=3, moe_layer_freq=1, topk_method="noaux_tc",
+                        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5)
+_HF_GROUP_DEFAULTS = {"glm_moe_dsa": (1, 1), "deepseek_v32": (8, 4)}   # (n_group, topk_group)
 FULL, SHARED = "full", "shared"   # indexer_types entries: own indexer / reuse the previous full layer's top-k
 
 
@@ -81,14 +93,31 @@ class ModelConfig:
     index_share_for_mtp_iteration: bool = False
     # HF quantization_config, parsed: FP8 block-scaled weights, or None (bf16 / fp32 weights)
     quantization: Fp8Quantization | None = None
+    # Mixture of experts (HF fields; DENSE_FFN values when n_routed_experts = 0). A decoder layer is
+    # MoE per mlp_layer_types ("dense"/"sparse") when given, else from first_k_dense_replace on,
+    # every moe_layer_freq-th; the MTP layer is MoE in an MoE model.
+    n_routed_experts: int = 0
+    moe_intermediate_size: int = 0
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    mlp_layer_types: tuple[str, ...] | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "noaux_tc"
+    scoring_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
     # not an HF field (and not part of equality)
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
-        if isinstance(self.indexer_types, list):
-            object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        for name in ("indexer_types", "mlp_layer_types"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # ---- derived shapes -------------------------------------------------------------------
     @property
@@ -124,6 +153,23 @@ class ModelConfig:
         if self.indexer_types is None or layer >= self.num_hidden_layers:
             return True
         return self.indexer_types[layer] == FULL
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has mixture-of-experts FFNs (``n_routed_experts > 0``)."""
+        return self.n_routed_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s FFN is the mixture of experts: per ``mlp_layer_types`` when
+        given, else ``layer >= first_k_dense_replace and layer % moe_layer_freq == 0``; the MTP
+        layer (``layer == num_hidden_layers``) is MoE in an MoE model."""
+        if not self.is_moe:
+            return False
+        if layer >= self.num_hidden_layers:
+            return True
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer] == SPARSE
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     # ---- validation -----------------------------------------------------------------------
     def validate(self) -> "ModelConfig":
@@ -175,14 +221,63 @@ class ModelConfig:
                              f"got {self.index_share_for_mtp_iteration!r}")
         if self.quantization is not None and not isinstance(self.quantization, Fp8Quantization):
             raise ValueError(f"ModelConfig.quantization must be an Fp8Quantization or None, got {self.quantization!r}")
+        self._validate_moe()
         return self
+
+    def _validate_moe(self) -> None:
+        if isinstance(self.n_routed_experts, bool) or not isinstance(self.n_routed_experts, int) \
+                or self.n_routed_experts < 0:
+            raise ValueError(f"ModelConfig.n_routed_experts must be an int >= 0, got {self.n_routed_experts!r}")
+        if not self.is_moe:
+            changed = [k for k, v in DENSE_FFN.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(f"ModelConfig.n_routed_experts is 0 (every FFN dense) but {changed} differ "
+                                 "from their dense values (dsaspec.configs.model_config.DENSE_FFN)")
+            return
+        for name, low in (("moe_intermediate_size", 1), ("num_experts_per_tok", 1), ("n_group", 1),
+                          ("topk_group", 1), ("moe_layer_freq", 1), ("n_shared_experts", 0),
+                          ("first_k_dense_replace", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"ModelConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.topk_method != "noaux_tc":
+            raise ValueError(f"ModelConfig.topk_method: only 'noaux_tc' (sigmoid scores, correction bias, "
+                             f"group-limited top-k) is implemented, got {self.topk_method!r}")
+        if self.scoring_func != "sigmoid":
+            raise ValueError(f"ModelConfig.scoring_func: only 'sigmoid' is implemented, got {self.scoring_func!r}")
+        experts, groups = self.n_routed_experts, self.n_group
+        if experts % groups or experts // groups < 2:
+            raise ValueError(f"ModelConfig.n_group ({groups}) must divide n_routed_experts ({experts}) into "
+                             "groups of >= 2 experts (a group scores the sum of its top 2)")
+        if self.topk_group > groups:
+            raise ValueError(f"ModelConfig.topk_group ({self.topk_group}) must be <= n_group ({groups})")
+        if self.num_experts_per_tok > self.topk_group * (experts // groups):
+            raise ValueError(f"ModelConfig.num_experts_per_tok ({self.num_experts_per_tok}) exceeds the "
+                             f"{self.topk_group * (experts // groups)} experts of topk_group={self.topk_group} "
+                             f"groups of {experts // groups}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"ModelConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        value = self.routed_scaling_factor
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"ModelConfig.routed_scaling_factor must be a positive number, got {value!r}")
+        if self.mlp_layer_types is not None:
+            kinds = self.mlp_layer_types
+            if len(kinds) != self.num_hidden_layers or any(k not in (DENSE, SPARSE) for k in kinds):
+                raise ValueError(f"ModelConfig.mlp_layer_types must hold {self.num_hidden_layers} entries "
+                                 f"'{DENSE}' or '{SPARSE}', got {list(kinds)!r}")
+        if not any(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
+            raise ValueError(f"ModelConfig has n_routed_experts={experts} but no MoE decoder layer "
+                             f"(first_k_dense_replace={self.first_k_dense_replace}, num_hidden_layers="
+                             f"{self.num_hidden_layers}); a dense model has n_routed_experts=0")
 
     # ---- HF dicts ---------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], name: str = "custom") -> "ModelConfig":
         """Build from an HF ``config.json`` dict (GLM-5 ``glm_moe_dsa`` or ``deepseek_v32``);
-        unknown keys (MoE, tokens, ...) are ignored. Accepts ``rope_theta``/``rope_scaling`` and
-        the newer ``rope_parameters``. Raises ``ValueError`` for a missing key or a bad value."""
+        unknown keys (tokens, ...) are ignored. Accepts ``rope_theta``/``rope_scaling`` and the
+        newer ``rope_parameters``. MoE keys left out take transformers' defaults; a config whose
+        decoder layers are all dense reads as a dense model. Raises ``ValueError`` for a missing
+        key or a bad value."""
         if not isinstance(hf, dict):
             raise ValueError(f"from_hf_dict expects a dict, got {type(hf).__name__}")
         missing = [k for k in _REQUIRED_HF_KEYS if hf.get(k) is None]
@@ -215,6 +310,7 @@ class ModelConfig:
             indexer_types=indexer_types_from_hf(hf),
             index_share_for_mtp_iteration=hf.get("index_share_for_mtp_iteration", False),
             quantization=Fp8Quantization.from_hf(hf.get("quantization_config")),
+            **_moe_from_hf(hf, model_type),
             name=name,
         )
         return config.validate()
@@ -231,12 +327,18 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings,
             num_nextn_predict_layers=self.num_nextn_predict_layers,
             tie_word_embeddings=self.tie_word_embeddings,
-            first_k_dense_replace=self.num_hidden_layers,  # every layer dense in this runtime
             num_key_value_heads=self.num_attention_heads,   # MLA: one KV head per attention head (HF field)
             index_share_for_mtp_iteration=self.index_share_for_mtp_iteration,
         )
         if self.indexer_types is not None:
             out["indexer_types"] = list(self.indexer_types)
+        # explicit mlp_layer_types: transformers ignores moe_layer_freq; a dense model declares every
+        # layer dense (an HF reader builds no MoE layer)
+        if self.is_moe:
+            out.update({k: getattr(self, k) for k in DENSE_FFN if k != "mlp_layer_types"})
+        else:
+            out.update(n_routed_experts=0, first_k_dense_replace=self.num_hidden_layers)
+        out["mlp_layer_types"] = [SPARSE if self.is_moe_layer(i) else DENSE for i in range(self.num_hidden_layers)]
         if self.rope_scaling is not None:
             out["rope_scaling"] = dict(self.rope_scaling)
         if self.quantization is not None:
@@ -248,31 +350,49 @@ class ModelConfig:
         return dataclasses.replace(self, **changes).validate()
 
 
-def check_implemented(hf: dict[str, Any]) -> None:
-    """Raise ``ValueError`` if HF config ``hf`` (one :meth:`ModelConfig.from_hf_dict` accepts) claims
-    what this runtime does not implement yet: MoE layers (``mlp_layer_types`` entries other than
-    ``"dense"``; without it, an expert count > 0 and layers from ``first_k_dense_replace`` (HF
-    default 3) on, every ``moe_layer_freq``-th). Loading such a checkpoint's tensors into dense
-    layers would run another model than the config describes. (A ``quantization_config`` is
-    checked by :meth:`ModelConfig.from_hf_dict`.)"""
+def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of HF config ``hf`` (DENSE_FFN when no decoder layer is MoE)."""
+    experts = next((hf[k] for k in _EXPERT_KEYS if hf.get(k) is not None), 0)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
+        raise ValueError(f"HF config n_routed_experts must be an int >= 0, got {experts!r}")
+    if experts == 0:
+        return dict(DENSE_FFN)
+    groups = _HF_GROUP_DEFAULTS.get(model_type, (1, 1))
+    moe = {k: hf.get(k) if hf.get(k) is not None else v for k, v in _HF_MOE_DEFAULTS.items()}
+    moe.update(n_routed_experts=experts, n_group=hf.get("n_group") or groups[0],
+               topk_group=hf.get("topk_group") or groups[1], mlp_layer_types=None)
     layers = hf["num_hidden_layers"]
     kinds = hf.get("mlp_layer_types")
+    for name in ("first_k_dense_replace", "moe_layer_freq"):
+        if isinstance(moe[name], bool) or not isinstance(moe[name], int) or moe[name] < (name == "moe_layer_freq"):
+            raise ValueError(f"HF config {name} must be an int >= {int(name == 'moe_layer_freq')}, got {moe[name]!r}")
+    derived = [SPARSE if i >= moe["first_k_dense_replace"] and i % moe["moe_layer_freq"] == 0 else DENSE
+               for i in range(layers)]
     if kinds is not None:
         if not isinstance(kinds, list):
             raise ValueError(f"HF config mlp_layer_types must be a list ('dense' / 'sparse' per layer), got {kinds!r}")
-        moe = sum(kind != "dense" for kind in kinds)
-        why = f"mlp_layer_types {kinds!r}"
-    else:
-        experts = next((hf[k] for k in _EXPERT_KEYS if hf.get(k) is not None), 0)
-        first, freq = hf.get("first_k_dense_replace", _HF_FIRST_K_DENSE), hf.get("moe_layer_freq") or 1
-        for name, value in (("first_k_dense_replace", first), ("moe_layer_freq", freq), ("n_routed_experts", experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"HF config {name} must be an int >= 0, got {value!r}")
-        moe = sum(i % freq == 0 for i in range(first, layers)) if experts else 0
-        why = f"{experts} routed experts from layer first_k_dense_replace = {first} on"
-    if moe:
-        raise ValueError(f"the config has mixture-of-experts FFNs in {moe} of {layers} layers ({why}): MoE is "
-                         "not implemented yet (every layer here is a dense SwiGLU FFN)")
+        if kinds != derived:
+            moe["mlp_layer_types"] = tuple(kinds)
+        derived = kinds
+    if SPARSE not in derived:
+        return dict(DENSE_FFN)
+    moe["routed_scaling_factor"] = float(moe["routed_scaling_factor"])
+    return moe
+
+
+def check_implemented(hf: dict[str, Any]) -> None:
+    """Raise ``ValueError`` if HF config ``hf`` (one :meth:`ModelConfig.from_hf_dict` accepts) claims
+    what this runtime does not implement yet: FP8 (or other quantized) routed experts. The dense
+    projections of an FP8 checkpoint load as stored (:class:`~dsaspec.layers.fp8_linear.Fp8Linear`);
+    the experts are bf16 fused tensors, so loading an FP8 MoE checkpoint into them would run another
+    model than the config describes."""
+    quant = hf.get("quantization_config")
+    experts = next((hf[k] for k in _EXPERT_KEYS if hf.get(k) is not None), 0)
+    if quant and experts:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"the config has {experts} routed experts and a quantization_config (quant_method "
+                         f"{method!r}): quantized MoE experts are not implemented yet (FP8 weights load for "
+                         "dense layers only)")
 
 
 def indexer_types_from_hf(hf: dict[str, Any]) -> tuple[str, ...] | None:
@@ -326,23 +446,26 @@ _DEEPSEEK_YARN = {
     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
 }
 
+_GLM5_MOE = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_shared_experts=1,
+                 first_k_dense_replace=3, n_group=1, topk_group=1, routed_scaling_factor=2.5)
+_DEEPSEEK_V32_MOE = dict(_GLM5_MOE, n_group=8, topk_group=4)
+
 PRESETS: dict[str, ModelConfig] = {
-    # GLM-5 (glm_moe_dsa) attention/indexer/vocab shapes; FFN dense in every layer at the HF
-    # dense intermediate_size (the real model has MoE from layer 3 on).
-    "glm5": ModelConfig(
+    # The released architectures: GLM-5 (glm_moe_dsa) and DeepSeek-V3.2, MoE from layer 3 on.
+    "glm5-moe": ModelConfig(
         vocab_size=154880, hidden_size=6144, intermediate_size=12288, num_hidden_layers=78,
         num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
         qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
         index_topk=2048, indexer_rope_interleave=True, rope_interleave=True, rope_theta=1e6,
         rms_norm_eps=1e-5, max_position_embeddings=202752, num_nextn_predict_layers=1,
-        model_type="glm_moe_dsa", name="glm5"),
-    "deepseek_v32": ModelConfig(
+        model_type="glm_moe_dsa", **_GLM5_MOE, name="glm5-moe"),
+    "deepseek-v32-moe": ModelConfig(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
         num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128,
         index_topk=2048, indexer_rope_interleave=False, rope_interleave=True, rope_theta=10000.0,
         rope_scaling=_DEEPSEEK_YARN, rms_norm_eps=1e-6, max_position_embeddings=163840,
-        num_nextn_predict_layers=1, model_type="deepseek_v32", name="deepseek_v32"),
+        num_nextn_predict_layers=1, model_type="deepseek_v32", **_DEEPSEEK_V32_MOE, name="deepseek-v32-moe"),
     # Tests and the CPU default: kernel-relevant dims kept (576 cache, 128 indexer head),
     # top-k 64 so sparsity happens in short sequences; an odd vocab catches tiling mistakes.
     "tiny": ModelConfig(
@@ -353,6 +476,15 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=4096, num_nextn_predict_layers=1, model_type="glm_moe_dsa",
         name="tiny"),
 }
+# The dense surrogates: the released attention / indexer / vocab shapes with a dense FFN in every
+# layer at the HF dense intermediate_size.
+PRESETS["glm5"] = PRESETS["glm5-moe"].replace(**DENSE_FFN, name="glm5")
+PRESETS["deepseek_v32"] = PRESETS["deepseek-v32-moe"].replace(**DENSE_FFN, name="deepseek_v32")
+# Tests and CPU runs of the MoE: tiny with MoE from layer 1 on (and in the MTP layer), 8 experts in
+# 4 groups of 2, 2 groups and 3 experts per token, one shared expert.
+PRESETS["tiny-moe"] = PRESETS["tiny"].replace(
+    n_routed_experts=8, moe_intermediate_size=128, num_experts_per_tok=3, n_shared_experts=1,
+    first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, name="tiny-moe")
 
 # GLM-5.2: GLM-5's shapes with IndexShare (a full indexer every 4th layer from layer 2 on, and
 # the draft steps reuse the draft extend's MTP top-k) and a 1M-token context.
@@ -369,8 +501,9 @@ PRESETS["e2e"] = PRESETS["glm5"].replace(num_hidden_layers=16, max_position_embe
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
-    """A preset by name (``glm5``, ``glm52``, ``deepseek_v32``, ``tiny``, ``bench``, ``e2e``), with
-    optional field overrides, validated."""
+    """A preset by name (``glm5``, ``glm52``, ``deepseek_v32`` and their MoE forms ``glm5-moe``,
+    ``deepseek-v32-moe``; ``tiny``, ``tiny-moe``, ``bench``, ``e2e``), with optional field
+    overrides, validated."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides)

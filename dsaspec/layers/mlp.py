@@ -13,17 +13,24 @@ from dsaspec.layers.linear import COLUMN, ROW, make_linear
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU: ``down(silu(gate(x)) * up(x))``; over a TP group the intermediate features are
-    split (``gate_proj`` / ``up_proj`` column parallel, ``down_proj`` row parallel) and one
-    all-reduce sums the partial outputs."""
+    """Dense SwiGLU: ``down(silu(gate(x)) * up(x))`` of ``intermediate_size`` features (default
+    ``config.intermediate_size``); over a TP group the intermediate features are split
+    (``gate_proj`` / ``up_proj`` column parallel, ``down_proj`` row parallel) and one all-reduce
+    sums the partial outputs."""
 
-    def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None, *,
+                 intermediate_size: int | None = None):
         super().__init__()
         self.group = group
         tp = dict(group=group)
-        self.gate_proj = make_linear(config.hidden_size, config.intermediate_size, device, dtype, split=COLUMN, **tp)
-        self.up_proj = make_linear(config.hidden_size, config.intermediate_size, device, dtype, split=COLUMN, **tp)
-        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, device, dtype, split=ROW, **tp)
+        width = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = make_linear(config.hidden_size, width, device, dtype, split=COLUMN, **tp)
+        self.up_proj = make_linear(config.hidden_size, width, device, dtype, split=COLUMN, **tp)
+        self.down_proj = make_linear(width, config.hidden_size, device, dtype, split=ROW, **tp)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output (the sum over the group is the layer's output)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return self.group.all_reduce(self.partial(x))

@@ -14,9 +14,10 @@ depends on data, so it can be captured in a CUDA graph.
 
 Tensor parallel over a :class:`~dsaspec.distributed.tp_group.TPGroup` (docs/runtime.md): vocab-parallel
 embedding and LM head, MLA split by attention heads (``q_b_proj`` / ``kv_b_proj`` column parallel,
-``o_proj`` row parallel), dense FFN split by its intermediate features; one all-reduce after the
-embedding, ``o_proj`` and ``down_proj``. The latent projections, the lightning indexer, the norms
-and the MTP layer's ``eh_proj`` are replicated, and so are the KV caches (latent MLA: one KV head).
+``o_proj`` row parallel), dense FFN and every expert (routed and shared) split by its intermediate
+features; one all-reduce after the embedding, ``o_proj`` and the FFN. The latent projections, the
+lightning indexer, the MoE router, the norms and the MTP layer's ``eh_proj`` are replicated, and
+so are the KV caches (latent MLA: one KV head).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dsaspec.layers.attention.inputs import AttentionInputs, AttentionWorkspace,
 from dsaspec.layers.attention.mla import ForwardState
 from dsaspec.layers.fp8_linear import Fp8Linear, convert_to_fp8
 from dsaspec.layers.linear import Shard
+from dsaspec.layers.moe import CheckpointPart, RoutedExperts, set_fused_moe
 from dsaspec.layers.norm import RMSNorm
 from dsaspec.layers.rotary import Rotary
 from dsaspec.layers.row_invariant import RowInvariant
@@ -75,7 +77,8 @@ class DSAModel(nn.Module):
         Tensor-parallel group this rank's shard belongs to (every rank builds its own DSAModel over
         the same group, collectively); None: TP 1 on ``device``. With a group, ``device`` must be
         None or the group's device. ``num_attention_heads`` and ``intermediate_size`` must divide
-        by its size. TP 1 computes exactly what the unsharded model does.
+        by its size, and so must ``moe_intermediate_size`` in an MoE model. TP 1 computes exactly
+        what the unsharded model does.
     options : RuntimeOptions
         The runtime's switches (default: the shipped path); the model uses ``sparse_mla_gluon`` and
         ``topk_single_launch``, and the engine and workers built over it take the rest from
@@ -97,13 +100,12 @@ class DSAModel(nn.Module):
             tp_group = TPGroup.single(torch.device(device) if device is not None else torch.get_default_device())
         elif device is not None and torch.device(device) != tp_group.device:
             raise ValueError(f"device {device} differs from the TP group's device {tp_group.device}; pass device=None")
-        for name in ("num_attention_heads", "intermediate_size"):
+        for name in ("num_attention_heads", "intermediate_size") + (("moe_intermediate_size",) if config.is_moe else ()):
             if getattr(config, name) % tp_group.size:
                 raise ValueError(f"tensor parallel size {tp_group.size} must divide ModelConfig.{name} "
                                  f"({getattr(config, name)})")
         device = tp_group.device
         self.group = tp_group
-        self.use_triton = use_triton
         self.row_invariant = row_invariant
         self.options = RuntimeOptions() if options is None else options
         self.sparse_mla_gluon = self.options.sparse_mla_gluon
@@ -119,8 +121,21 @@ class DSAModel(nn.Module):
         for module in self.modules():
             if isinstance(module, RowInvariant):
                 module.row_invariant = row_invariant
+        self.use_triton = use_triton
+
+    @property
+    def use_triton(self) -> bool:
+        """Whether the DSA ops, the FP8 GEMMs and (with ``options.fused_moe``, not row-invariant) the
+        routed experts run as Triton kernels; assignable."""
+        return self._use_triton
+
+    @use_triton.setter
+    def use_triton(self, value: bool) -> None:
+        self._use_triton = value
+        set_fused_moe(self, value and self.options.fused_moe, self.row_invariant)
+        for module in self.modules():
             if isinstance(module, Fp8Linear):
-                module.use_triton = use_triton
+                module.use_triton = value
 
     @property
     def tp_size(self) -> int:
@@ -143,11 +158,30 @@ class DSAModel(nn.Module):
                 shards[f"{name}.weight_scale_inv"] = module.scale_shard
         return shards
 
+    def routed_experts(self) -> dict[str, RoutedExperts]:
+        """The MoE layers' routed experts by module name (``model.layers.{i}.mlp.experts``): their
+        fused ``w13`` / ``w2`` come from several checkpoint tensors each
+        (:meth:`RoutedExperts.checkpoint_parts`)."""
+        return {name: module for name, module in self.named_modules() if isinstance(module, RoutedExperts)}
+
+    def checkpoint_parts(self, fused: bool = False) -> dict[str, list[CheckpointPart]]:
+        """The fused expert parameters by name (``...mlp.experts.w13`` / ``w2``) -> their parts,
+        with checkpoint names made absolute: per-expert tensors, or transformers' fused ones."""
+        parts: dict[str, list[CheckpointPart]] = {}
+        for prefix, experts in self.routed_experts().items():
+            for param, group in experts.checkpoint_parts(fused).items():
+                parts[f"{prefix}.{param}"] = [CheckpointPart(f"{prefix}.{p.name}", p.full_shape, p.index, p.target)
+                                              for p in group]
+        return parts
+
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter's shape in the (unsharded) checkpoint, by HF name."""
-        shards = self.shards()
-        return {name: shards[name].full_shape(p.shape) if name in shards else tuple(p.shape)
-                for name, p in self.state_dict().items()}
+        """Every checkpoint tensor's (unsharded) shape, by HF name: the parameters', the fused
+        experts as their per-expert tensors."""
+        shards, parts = self.shards(), self.checkpoint_parts()
+        shapes = {name: shards[name].full_shape(p.shape) if name in shards else tuple(p.shape)
+                  for name, p in self.state_dict().items() if name not in parts}
+        shapes.update((part.name, part.full_shape) for group in parts.values() for part in group)
+        return shapes
 
     @property
     def mtp_layer(self) -> MTPLayer:
@@ -159,31 +193,37 @@ class DSAModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> "DSAModel":
         """Seeded random init (same seed, device type and dtype -> same weights): projections
-        ``N(0, 1/fan_in)``, embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.1^2)``, norm biases
-        ``N(0, 0.1^2)``. Every tensor is drawn at its checkpoint shape and a TP rank keeps its
-        shard, so the ranks of any TP size hold the shards of the TP 1 model of the same seed. An
-        FP8 projection holds the block quantization of the value its bf16 twin (same config without
-        ``quantization``, same seed) draws."""
+        and experts ``N(0, 1/fan_in)``, embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.1^2)``,
+        norm biases and the MoE correction bias ``N(0, 0.1^2)``. Every tensor is drawn at its
+        checkpoint shape (the experts as transformers' fused ``[E, 2I, hidden]`` / ``[E, hidden,
+        I]``) and a TP rank keeps its shard, so the ranks of any TP size hold the shards of the
+        TP 1 model of the same seed. An FP8 projection holds the block quantization of the value its
+        bf16 twin (same config without ``quantization``, same seed) draws."""
         device = next(self.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
-        shards = self.shards()
+        shards, parts = self.shards(), self.checkpoint_parts(fused=True)
         fp8 = {f"{name}.weight": module for name, module in self.named_modules() if isinstance(module, Fp8Linear)}
         for name, param in self.named_parameters():
             if name.endswith(".weight_scale_inv") and name[: -len("_scale_inv")] in fp8:
                 continue
             shard = shards.get(name)
             shape = param.shape if shard is None else shard.full_shape(param.shape)
+            if name in parts:
+                shape = parts[name][0].full_shape
             noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
             if name.endswith("embed_tokens.weight"):
                 value = noise
-            elif len(shape) == 2:
-                value = noise / math.sqrt(shape[1])
-            elif name.endswith(".bias"):
+            elif len(shape) >= 2:
+                value = noise / math.sqrt(shape[-1])
+            elif name.endswith("bias"):
                 value = noise * 0.1
             else:
                 value = 1.0 + noise * 0.1
             part = value if shard is None else value[shard.index(value.dim())]
-            if name in fp8:
+            if name in parts:
+                for expert_part in parts[name]:
+                    expert_part.target.copy_(value[expert_part.index])
+            elif name in fp8:
                 fp8[name].set_dense(part)
             elif shard is None:
                 param.copy_(value)

@@ -1,6 +1,10 @@
 """Safetensors checkpoints with the HF tensor names (``model.layers.0.self_attn.q_a_proj.weight``,
 ``model.layers.0.self_attn.indexer.wq_b.weight``, the MTP layer as ``model.layers.{L}.enorm`` /
-``hnorm`` / ``eh_proj`` / ``shared_head.norm`` / its decoder-layer tensors, ``lm_head.weight``).
+``hnorm`` / ``eh_proj`` / ``shared_head.norm`` / its decoder-layer tensors, ``lm_head.weight``). The
+MoE layers' routed experts are read from per-expert tensors (``mlp.experts.{e}.gate_proj.weight``,
+``up_proj``, ``down_proj``: the official checkpoints and transformers' ``save_pretrained``) or from
+transformers' fused ``mlp.experts.gate_up_proj`` / ``down_proj``, whichever a layer has, into the
+model's fused ``w13`` / ``w2``; they are written per expert.
 
 A checkpoint is a directory: ``config.json`` (HF fields) and either ``model.safetensors`` or shards
 listed in ``model.safetensors.index.json`` (``weight_map``: tensor name -> file). Problems with the
@@ -59,7 +63,13 @@ def save_checkpoint(model: DSAModel, path: str | Path, *, max_shard_bytes: int |
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2, sort_keys=True))
-    tensors = {name: param.detach().contiguous().cpu() for name, param in model.state_dict().items()}
+    parts = model.checkpoint_parts()
+    tensors = {}
+    for name, param in model.state_dict().items():
+        if name in parts:   # TP 1: each part is a whole per-expert tensor
+            tensors.update((part.name, part.target.detach().cpu().clone()) for part in parts[name])
+        else:
+            tensors[name] = param.detach().contiguous().cpu()
     if max_shard_bytes is None:
         save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
         return path
@@ -103,7 +113,7 @@ def _open_safetensors(file: Path):
 def load_config(path: str | Path) -> ModelConfig:
     """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``). Raises
     ``UserError`` naming the file for a bad config (an unknown ``quantization_config`` included)
-    or one claiming what is not implemented yet (MoE layers:
+    or one claiming what is not implemented yet (quantized MoE experts:
     :func:`~dsaspec.configs.model_config.check_implemented`)."""
     path = Path(path)
     if not path.is_dir():
@@ -180,34 +190,45 @@ def _check_values(name: str, tensor: torch.Tensor, file: Path) -> None:
         raise UserError(f"{file}: scale {name} holds values that are not finite and positive")
 
 
+def _expert_parts(model: DSAModel, files: dict[str, str]) -> dict:
+    """The fused expert parameters' parts in the layout the checkpoint has, per parameter:
+    transformers' fused tensors where all of them are present, else the per-expert tensors."""
+    fused = model.checkpoint_parts(fused=True)
+    return {name: fused[name] if all(p.name in files for p in fused[name]) else parts
+            for name, parts in model.checkpoint_parts().items()}
+
+
 @torch.no_grad()
 def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     """Copy every parameter of ``model`` from checkpoint directory ``path`` (cast to the
     parameter's dtype; bit-exact when the dtypes match). A TP rank reads only its slice of each
-    sharded tensor (``model.shards()``; vocab padding zero). FP8 weights and their scales are
-    copied as stored. Raises ``UserError`` (a ``ValueError``) naming the tensor and the file for an
-    FP8 weight without its ``weight_scale_inv``, a scale without its weight or for a module the
-    model holds in bf16, a dtype that is not what the config declares (a bf16 tensor where FP8 is
-    declared, an FP8 one where it is not, a scale not F32), block scales that are not finite and
-    positive; and listing missing tensors, unexpected ones (MoE experts, ... are not part of this
-    model), shapes that differ from the unsharded model's and unreadable files. Nothing is copied
-    unless these checks pass, except the check for NaN codes in FP8 weights, made as each weight
-    is copied. Returns ``model``."""
+    sharded tensor (``model.shards()``, the experts' parts; vocab padding zero). FP8 weights and
+    their scales are copied as stored; experts come from per-expert or transformers' fused tensors,
+    whichever the checkpoint has. Raises ``UserError`` (a ``ValueError``) naming the tensor and the
+    file for an FP8 weight without its ``weight_scale_inv``, a scale without its weight or for a
+    module the model holds in bf16, a dtype that is not what the config declares (a bf16 tensor
+    where FP8 is declared, an FP8 one where it is not, a scale not F32), block scales that are not
+    finite and positive; and listing missing tensors (e.g. experts of a config that claims MoE over
+    dense tensors), unexpected ones (experts of a config that says dense, ...), shapes that differ
+    from the unsharded model's and unreadable files. Nothing is copied unless these checks pass,
+    except the check for NaN codes in FP8 weights, made as each weight is copied. Returns ``model``."""
     path = Path(path)
     files = _weight_files(path)
     params = dict(model.state_dict())
-    expected = model.checkpoint_shapes()
+    parts = _expert_parts(model, files)
+    expected = {name: shape for name, shape in model.checkpoint_shapes().items() if name in params}
+    expected.update((part.name, part.full_shape) for group in parts.values() for part in group)
     shards = model.shards()
     duplicates = _shared_duplicates(model.config)
     _check_fp8_pairs(model, files, path)
-    missing = sorted(set(params) - set(files))
-    unexpected = sorted(n for n in set(files) - set(params) if not duplicates.fullmatch(n))
+    missing = sorted(set(expected) - set(files))
+    unexpected = sorted(n for n in set(files) - set(expected) if not duplicates.fullmatch(n))
     if missing or unexpected:
         raise UserError(f"checkpoint {path} does not match the model: missing {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} ({len(missing)}), unexpected "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})")
     by_file: dict[str, list[str]] = {}
-    for name in params:
+    for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
         with _open_safetensors(path / file) as f:
@@ -217,12 +238,24 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
                 if shape != expected[name]:
                     raise UserError(f"{path / file}: tensor {name} has shape {shape}, the model expects "
                                     f"{expected[name]}")
-                _check_dtype(params, name, tensor.get_dtype(), path / file)
+                if name in params:
+                    _check_dtype(params, name, tensor.get_dtype(), path / file)
+                elif tensor.get_dtype() not in _FLOAT_DTYPES:      # an expert part: bf16 / fp32 weights
+                    raise UserError(f"{path / file}: tensor {name} is {tensor.get_dtype()}; the experts are "
+                                    f"held in {model.lm_head.weight.dtype} (expected one of {list(_FLOAT_DTYPES)})")
                 if name.endswith(SCALE_SUFFIX):
                     _check_values(name, f.get_tensor(name), path / file)
+    targets: dict[str, list] = {}
+    for group in parts.values():
+        for part in group:
+            targets.setdefault(part.name, []).append(part)
     for file, names in by_file.items():
         with _open_safetensors(path / file) as f:
             for name in names:
+                if name in targets:
+                    for part in targets[name]:
+                        part.target.copy_(f.get_slice(name)[part.index])
+                    continue
                 shard = shards.get(name)
                 part = f.get_tensor(name) if shard is None else f.get_slice(name)[shard.index(len(expected[name]))]
                 if part.dtype == torch.float8_e4m3fn:

@@ -5,8 +5,11 @@ Takes whole token sequences (positions ``0..T-1``, no cache, no paging) and the 
 key]``, ``v = W_UV latent``, per head) over all preceding tokens, masked to the indexer's top-k:
 score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s)), s <= t; row t keeps every s while t + 1 <= K,
 else the K largest (ties: lowest position). A layer that ``config.indexer_types`` marks
-``"shared"`` has no indexer and attends to the keys of the closest earlier ``"full"`` layer. It
-shares no code with the runtime (it only reads the model's parameters and config), so it imports
+``"shared"`` has no indexer and attends to the keys of the closest earlier ``"full"`` layer. An MoE layer
+(its ``mlp`` has ``experts``) routes each token on its own, written out per token in Python: sigmoid
+scores, the correction bias for the choice only, the ``topk_group`` groups of the largest top-2 sums,
+the ``num_experts_per_tok`` best experts in them, weights from the unbiased scores (normalised if
+``norm_topk_prob``, times ``routed_scaling_factor``), plus the shared expert. It shares no code with the runtime (it only reads the model's parameters and config), so it imports
 nothing from the rest of the package.
 """
 
@@ -112,8 +115,38 @@ def _layer(layer, x, angles, config, factor, shared=None):
 
     h = _rms(x, layer.post_attention_layernorm)
     mlp = layer.mlp
-    x = x + (F.silu(h @ _w(mlp.gate_proj).T) * (h @ _w(mlp.up_proj).T)) @ _w(mlp.down_proj).T
-    return x, selected
+    if hasattr(mlp, "experts"):
+        return x + _moe(mlp, h, config), selected
+    return x + _swiglu(h, _w(mlp.gate_proj), _w(mlp.up_proj), _w(mlp.down_proj)), selected
+
+
+def _swiglu(h, gate, up, down) -> torch.Tensor:
+    return (F.silu(h @ gate.T) * (h @ up.T)) @ down.T
+
+
+def _moe(mlp, h, config) -> torch.Tensor:
+    """The MoE FFN on fp32 ``h`` ``[T, hidden]``, one token at a time."""
+    router, bias = _w(mlp.gate), mlp.gate.e_score_correction_bias.detach().float()
+    w13, w2 = mlp.experts.w13.detach().float(), mlp.experts.w2.detach().float()
+    inter, size = config.moe_intermediate_size, config.n_routed_experts // config.n_group
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        scores = torch.sigmoid(router @ h[t])
+        biased = (scores + bias).tolist()
+        def top2(g):
+            return sum(sorted(biased[g * size:(g + 1) * size], reverse=True)[:2])
+        groups = sorted(range(config.n_group), key=lambda g: -top2(g))[:config.topk_group]
+        candidates = [e for g in groups for e in range(g * size, (g + 1) * size)]
+        chosen = sorted(candidates, key=lambda e: -biased[e])[:config.num_experts_per_tok]
+        weights = scores[chosen]
+        if config.norm_topk_prob:
+            weights = weights / (weights.sum() + 1e-20)
+        for e, weight in zip(chosen, weights * config.routed_scaling_factor):
+            out[t] += weight * _swiglu(h[t], w13[e, :inter], w13[e, inter:], w2[e])
+    if mlp.shared_experts is not None:
+        shared = mlp.shared_experts
+        out += _swiglu(h, _w(shared.gate_proj), _w(shared.up_proj), _w(shared.down_proj))
+    return out
 
 
 def _yarn_temperature(factor: float, mscale: float) -> float:

@@ -31,14 +31,19 @@ def generated_tokens(engine: Engine, requests, max_new, **kwargs) -> list[list[i
 
 @torch.no_grad()
 def predictable(model: DSAModel, branch_scale: float) -> DSAModel:
-    """Scale every residual branch (o_proj, down_proj) by ``branch_scale`` and make the MTP layer
-    read only the embedding of its token (``eh_proj = [I | 0]``, ``enorm = 1``, ``shared_head.norm
-    = the final norm``): the target's next token then mostly depends on the current token alone, and
-    the MTP layer mostly predicts it. Returns ``model`` (changed in place)."""
+    """Scale every residual branch (o_proj, the FFN's down projections) by ``branch_scale`` and make
+    the MTP layer read only the embedding of its token (``eh_proj = [I | 0]``, ``enorm = 1``,
+    ``shared_head.norm = the final norm``): the target's next token then mostly depends on the
+    current token alone, and the MTP layer mostly predicts it. Returns ``model`` (changed in place)."""
     hidden = model.config.hidden_size
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight.mul_(branch_scale)
-        layer.mlp.down_proj.weight.mul_(branch_scale)
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):      # MoE: the routed and the shared experts' down projections
+            mlp.experts.w2.mul_(branch_scale)
+            mlp.shared_experts.down_proj.weight.mul_(branch_scale)
+        else:
+            mlp.down_proj.weight.mul_(branch_scale)
     mtp = model.mtp_layer
     mtp.eh_proj.weight.zero_()
     mtp.eh_proj.weight[:, :hidden] = torch.eye(hidden)
