@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs dsaspec (editable) with its test, plot and parity (transformers) extras, then returns.
+# Installs dsaspec (editable) with its test, plot, parity (transformers) and serve (HTTP server) extras, then returns.
 # Where: the active virtual environment when python3 runs inside one; else the project's .venv, created here with
 # --system-site-packages so that a machine's own torch (a CUDA build, say) is used, not replaced.
 # Without torch it installs torch==2.13.0 (the CPU build where that is what pip finds); without
@@ -29,9 +29,9 @@ if ! "$python" -c "import torch" >/dev/null 2>&1; then
     install torch==2.13.0
 fi
 if "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    install -e ".[test,plot,parity]"
+    install -e ".[test,plot,parity,serve]"
 else
-    install -e ".[test,plot,cpu,parity]"
+    install -e ".[test,plot,cpu,parity,serve]"
 fi
 if [ "$python" != python3 ]; then
     echo "dsaspec is installed in $PWD/.venv: bash scripts/run CMD (or source .venv/bin/activate)"

@@ -17,7 +17,7 @@ import torch
 
 from dsaspec.configs.model_config import get_config
 from dsaspec.configs.runtime_options import RuntimeOptions
-from dsaspec.engine.engine import Engine, GenerationResult
+from dsaspec.engine.engine import Engine, EngineCore, GenerationResult, RequestRefused
 from dsaspec.executor.decode_worker import DecodeWorker
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.layers.attention.inputs import build_extend_inputs
@@ -91,6 +91,45 @@ def test_continuous_batching_matches_one_request_at_a_time(fp32_model, prompts, 
     assert engine.stats.step_buckets == [2] * 5 + [1] * 5
     assert engine.stats.prefill_tokens == sum(PROMPT_LENS)
     assert _all_rows_free(engine)
+
+
+def test_engine_core_admits_between_steps_cancels_and_stops(fp32_model, prompts, expected):
+    """Requests added while others decode give generate's tokens; a cancelled running request frees
+    its row and pages at once; a stop token ends a request (kept); one that never fits is refused."""
+    engine = _engine(fp32_model, max_batch=2, bucket_sizes=(1, 2))
+    core = EngineCore(engine)
+    first = core.add_request(prompts[0], MAX_NEW[0])
+    tokens: dict[int, list[int]] = {}
+    finished = {}
+
+    def run_step():
+        out = core.step()
+        for rid, new in out.new_tokens.items():
+            tokens.setdefault(rid, []).extend(new)
+        finished.update(out.finished)
+        return out
+
+    assert run_step().batch == 1
+    late = core.add_request(prompts[2], MAX_NEW[2], stop_token_ids=[expected[2][3]])
+    doomed = core.add_request(prompts[1], MAX_NEW[1])
+    assert run_step().batch == 2 and len(core.waiting) == 1       # one row left: doomed waits
+    assert core.cancel(doomed) and not core.cancel(doomed)        # dropped from the queue
+    while core.has_work:
+        run_step()
+    assert tokens[first] == expected[0] and finished[first] == "length"
+    assert tokens[late] == expected[2][:4] and finished[late] == "eos"
+    assert doomed not in tokens and _all_rows_free(engine)
+    running = core.add_request(prompts[1], MAX_NEW[1])
+    run_step()
+    assert engine.req_pool.num_free == 1 and core.cancel(running)
+    assert _all_rows_free(engine) and not core.has_work
+    with pytest.raises(RequestRefused, match="more than context_len=256"):
+        core.add_request([1] * 250, 10)
+    with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 1031\)"):
+        core.add_request([1], 2, stop_token_ids=[1031])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        core.add_request([], 2)
+    assert not core.has_work
 
 
 FEW_PROGRAMS = RuntimeOptions(metadata_program_budget=8)  # few bounded programs under the interpreter

@@ -1,4 +1,4 @@
-"""The ``dsaspec`` command: ``dsaspec bench NAME [...]`` and ``dsaspec generate [...]``.
+"""The ``dsaspec`` command: ``dsaspec bench NAME [...]``, ``dsaspec generate [...]`` and ``dsaspec serve [...]``.
 
 Each benchmark lives in ``dsaspec/bench/<module>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; it is registered in ``BENCHMARKS`` below. A :class:`~dsaspec.errors.UserError`
@@ -32,7 +32,7 @@ BENCHMARKS = {
 def build_parser() -> Parser:
     """The ``dsaspec`` parser with every subcommand. Import it only after
     :func:`dsaspec.flags.select_triton_interpreter` (the subcommands import triton)."""
-    from dsaspec.commands import generate
+    from dsaspec.commands import generate, serve
 
     parser = Parser(prog="dsaspec", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -53,6 +53,10 @@ def build_parser() -> Parser:
     p = sub.add_parser("generate", help="greedy generation with the dsaspec runtime", description=generate.__doc__)
     generate.add_arguments(p)
     p.set_defaults(run=generate.run)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the runtime", description=serve.__doc__)
+    serve.add_arguments(p)
+    p.set_defaults(run=serve.run)
     return parser
 
 

@@ -45,17 +45,26 @@ def dtype_name(text: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``dsaspec generate``."""
-    from dsaspec.configs.model_config import PRESETS
-
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (random weights)")
-    p.add_argument("--checkpoint", default=None,
-                   help="safetensors checkpoint directory (config.json + weights); overrides --preset (default: none)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights and the prompts")
+    add_model_arguments(p, seed_help="seed of the weights and the prompts")
     p.add_argument("--prompt-lens", type=positive_int_list, default=[8, 80],
                    help="comma-separated prompt lengths, one request each")
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens generated per request")
     p.add_argument("--eos-token-id", type=nonnegative_int, default=None,
                    help="stop a request at this token (default: none, generate --max-new-tokens)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel size: the model sharded over this many GPUs, one process each "
+                        "(started under torchrun)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, seed_help: str = "seed of the weights") -> None:
+    """The model and engine options ``dsaspec generate`` and ``dsaspec serve`` share."""
+    from dsaspec.configs.model_config import PRESETS
+
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (random weights)")
+    p.add_argument("--checkpoint", default=None,
+                   help="safetensors checkpoint directory (config.json + weights); overrides --preset (default: none)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help=seed_help)
     p.add_argument("--max-batch", type=positive_int, default=4, help="requests decoding together")
     p.add_argument("--context-len", type=positive_int, default=2048,
                    help="configured context: prompt + generated tokens per request (page-table width)")
@@ -70,10 +79,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "different orders, so in bf16 their tokens can differ where two logits nearly tie, "
                         "on CPU (the Triton interpreter) as on a GPU")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on CUDA (default: graphs)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
-    p.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel size: the model sharded over this many GPUs, one process each "
-                        "(started under torchrun)")
     p.add_argument("--row-invariant", action="store_true",
                    help="row-invariant GEMMs and norms: speculative output equals plain greedy output token "
                         "for token (default: cuBLAS and torch norms)")
@@ -203,16 +208,52 @@ def check_requests(args, config, page_size: int, draft_tokens: int = 1) -> int:
     return args.num_slots
 
 
+def device_and_ops(args) -> tuple[torch.device, bool, torch.dtype]:
+    """The device (``--device``, default cuda if available), whether the Triton ops run and the
+    dtype; UserError for a device, ops and dtype that do not go together."""
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
+    use_triton = args.ops == "triton" or (args.ops == "auto" and device.type == "cuda")
+    dtype = DTYPES[args.dtype]
+    if use_triton and dtype != torch.bfloat16:
+        raise UserError(f"--ops triton needs --dtype bf16, got --dtype {args.dtype}")
+    if use_triton and device.type == "cpu" and not flags.triton_interpret():
+        raise UserError("--ops triton on --device cpu needs the Triton interpreter: set TRITON_INTERPRET=1")
+    return device, use_triton, dtype
+
+
+def model_config(args):
+    """(ModelConfig, where it comes from) of ``--checkpoint`` or ``--preset``."""
+    from dsaspec.configs.model_config import get_config
+    from dsaspec.models.loader import load_config
+
+    if args.checkpoint:
+        return load_config(args.checkpoint), f"checkpoint {args.checkpoint}"
+    return get_config(args.preset), f"--preset {args.preset}"
+
+
+def build_model(args, config, device, dtype, use_triton: bool, options, group=None):
+    """(the DSAModel of ``config`` with ``--checkpoint``'s weights or seeded random ones, a line
+    saying which)."""
+    from dsaspec.models.dsa_model import DSAModel
+    from dsaspec.models.loader import load_weights
+
+    model = DSAModel(config, device=None if group else device, dtype=dtype, use_triton=use_triton,
+                     row_invariant=args.row_invariant, tp_group=group, options=options)
+    if args.checkpoint:
+        load_weights(model, args.checkpoint)
+        return model, f"checkpoint {args.checkpoint}"
+    model.init_weights(args.seed)
+    return model, f"preset {args.preset}, random weights (seed {args.seed})"
+
+
 def run(args) -> int:
     """Check the options, build the model and the engine, generate, print ids and timings.
     Returns 0; raises UserError for bad options, checkpoints or a model that does not fit."""
-    from dsaspec.configs.model_config import get_config
     from dsaspec.configs.runtime_options import RuntimeOptions
     from dsaspec.engine.engine import Engine
-    from dsaspec.models.loader import load_config, load_weights
     from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
     from dsaspec.memory import PAGE_SIZE
-    from dsaspec.models.dsa_model import DSAModel
 
     options = RuntimeOptions.from_environment()
     if args.tp > 1:
@@ -222,20 +263,8 @@ def run(args) -> int:
                             f"leave out --device {args.device}")
     if under_torchrun():
         check_world(args.tp)
-    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    check_device(device)
-    use_triton = args.ops == "triton" or (args.ops == "auto" and device.type == "cuda")
-    dtype = DTYPES[args.dtype]
-    if use_triton and dtype != torch.bfloat16:
-        raise UserError(f"--ops triton needs --dtype bf16, got --dtype {args.dtype}")
-    if use_triton and device.type == "cpu" and not flags.triton_interpret():
-        raise UserError("--ops triton on --device cpu needs the Triton interpreter: set TRITON_INTERPRET=1")
-    if args.checkpoint:
-        config = load_config(args.checkpoint)
-        source = f"checkpoint {args.checkpoint}"
-    else:
-        config = get_config(args.preset)
-        source = f"--preset {args.preset}"
+    device, use_triton, dtype = device_and_ops(args)
+    config, source = model_config(args)
     spec = speculative_config(args, config, options)
     num_slots = check_requests(args, config, PAGE_SIZE, spec.num_draft_tokens if spec else 1)
     for name in ("num_attention_heads", "intermediate_size"):
@@ -252,13 +281,7 @@ def run(args) -> int:
     check_fits(source, required_bytes(config, dtype, max_batch=args.max_batch, context_len=args.context_len,
                                       num_slots=num_slots, mtp=spec is not None, tp=args.tp), device, args.dtype)
 
-    model = DSAModel(config, device=None if group else device, dtype=dtype, use_triton=use_triton,
-                     row_invariant=args.row_invariant, tp_group=group, options=options)
-    if args.checkpoint:
-        load_weights(model, args.checkpoint)
-    else:
-        model.init_weights(args.seed)
-        source = f"preset {args.preset}, random weights (seed {args.seed})"
+    model, source = build_model(args, config, device, dtype, use_triton, options, group)
     generator = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in args.prompt_lens]
     leader = group is None or group.rank == 0

@@ -6,8 +6,9 @@ plain or speculative (MTP, EAGLE chain).
 :class:`~dsaspec.executor.worker.Worker` captured for the batch buckets: a
 :class:`~dsaspec.executor.decode_worker.DecodeWorker` (plain greedy decoding) or a
 :class:`~dsaspec.speculative.spec_worker.SpecWorker` (speculative decoding), each with its
-:class:`~dsaspec.layers.attention.backend.DSAAttnBackend`. The scheduler loop of
-:meth:`Engine.generate`, through the worker protocol only:
+:class:`~dsaspec.layers.attention.backend.DSAAttnBackend`. One scheduler step
+(:meth:`EngineCore.step`, which :meth:`Engine.generate` loops over and the server's engine thread
+calls between admitting and cancelling requests), through the worker protocol only:
 
 1. admit waiting requests while a request row is free and the KV pool has the pages of the whole
    request (every position it will ever write: prompt + ``max_new_tokens - 1``, plus ``N - 1``
@@ -16,8 +17,11 @@ plain or speculative (MTP, EAGLE chain).
 2. ``worker.step(rows)`` for every running request (a decode step or a speculative iteration,
    padded to its bucket) gives each request's committed tokens;
 3. append each request's new tokens one at a time and stop it exactly where plain greedy decoding
-   would (``max_new_tokens`` reached, or ``eos_token_id`` generated); release its row and pages
-   (``worker.release(row)``).
+   would (``max_new_tokens`` reached, or one of its stop tokens generated); release its row and
+   pages (``worker.release(row)``).
+
+A request cancelled between steps (:meth:`EngineCore.cancel`) leaves the queue, or releases its
+row and pages at once.
 
 A request that could never fit (too long for the context, more pages than the pool has) is
 refused up front (its result says why) and the others run; one that does not fit *now* waits for
@@ -113,15 +117,45 @@ class GenerationStats:
 
 @dataclass
 class _Request:
-    index: int
+    index: int                                    # the request's id in its EngineCore
     prompt: list[int]
     max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
     row: int = -1
     tokens: list[int] = field(default_factory=list)
-    first_token_at: float = 0.0
+    first_token_at: float = 0.0                   # time.perf_counter() of the first token
     last_token_at: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
+
+
+class RequestRefused(ValueError):
+    """A request that can never fit the engine (prompt + new tokens beyond ``context_len``, or more
+    KV pages than the pool has); the message says which."""
+
+
+@dataclass
+class StepOutput:
+    """What one :meth:`EngineCore.step` did.
+
+    Attributes
+    ----------
+    new_tokens : request id -> the tokens it appended this step, in order (a request admitted this
+        step: its first token from prefill, then its decode step's tokens).
+    finished : request id -> finish reason (``"length"`` or ``"eos"``) of the requests that ended
+        this step; their rows and pages are free.
+    batch : requests in this step's decode step (0: none ran).
+    accept_lens : tokens each of them committed (1 per request without speculation).
+    """
+
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)
+    finished: dict[int, str] = field(default_factory=dict)
+    batch: int = 0
+    accept_lens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(tokens) for tokens in self.new_tokens.values())
 
 
 class Engine:
@@ -242,20 +276,31 @@ class Engine:
         """
         single = _is_single_prompt(prompt_token_ids)
         prompts = [prompt_token_ids] if single else list(prompt_token_ids)
-        requests, eos_token_id = self._validate(prompts, max_new_tokens, eos_token_id)
+        requests = self._validate(prompts, max_new_tokens, eos_token_id)
         runnable = [r for r in requests if r.error is None]
         self.stats = GenerationStats()
+        core = EngineCore(self, stats=self.stats)
+        for request in runnable:
+            core.add(request)
         show = self.progress if progress is None else progress
         total = sum(r.max_new_tokens for r in runnable)
+        start = time.perf_counter()
         with tqdm(total=total, desc="generate", unit="tok", disable=not show, leave=False) as bar:
-            self._schedule(runnable, eos_token_id, bar, time.perf_counter())
-        results = [_result(r) for r in requests]
+            try:
+                while core.has_work:
+                    out = core.step()
+                    bar.update(out.num_tokens)
+                    if out.batch:
+                        bar.set_postfix(bs=out.batch, waiting=len(core.waiting), refresh=False)
+            finally:
+                core.abort()
+        results = [_result(r, start) for r in requests]
         return results[0] if single else results
 
     # ---- validation -------------------------------------------------------------------------
-    def _validate(self, prompts, max_new_tokens, eos_token_id) -> tuple[list[_Request], int | None]:
-        """The requests (those that can never fit carry their ``error``) and ``eos_token_id`` as
-        an int; raises on a malformed call."""
+    def _validate(self, prompts, max_new_tokens, eos_token_id) -> list[_Request]:
+        """The requests of ``generate`` (those that can never fit carry their ``error``); raises on
+        a malformed call."""
         if not prompts:
             raise ValueError("prompt_token_ids is empty: expected a prompt (list of token ids) or a "
                              "non-empty list of prompts")
@@ -268,123 +313,204 @@ class Engine:
         else:
             raise ValueError(f"max_new_tokens must be an int >= 1 or a list of one per prompt, "
                              f"got {max_new_tokens!r}")
+        stops = frozenset() if eos_token_id is None else frozenset([self._vocab_token(eos_token_id, "eos_token_id")])
+        return [self._request(i, prompt, limit, stops, f"prompt {i}")
+                for i, (prompt, limit) in enumerate(zip(prompts, limits))]
+
+    def _vocab_token(self, value, what: str) -> int:
+        """``value`` as a token id of the vocabulary; TypeError / ValueError naming ``what``."""
+        token = _token_id(value, what)
+        if not 0 <= token < self.config.vocab_size:
+            raise ValueError(f"{what} must be in [0, {self.config.vocab_size}), got {token}")
+        return token
+
+    def _request(self, index: int, prompt, limit, stops: frozenset[int], name: str = "prompt") -> _Request:
+        """One request, its ``error`` set if it can never fit; raises if it is malformed (messages
+        name the prompt as ``name``)."""
         vocab = self.config.vocab_size
-        if eos_token_id is not None:
-            eos_token_id = _token_id(eos_token_id, "eos_token_id")
-            if not 0 <= eos_token_id < vocab:
-                raise ValueError(f"eos_token_id must be in [0, {vocab}), got {eos_token_id}")
+        tokens = _token_ids(prompt, name)
+        if not tokens:
+            raise ValueError(f"{name} is empty: a request needs at least one prompt token")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {limit!r} ({name})")
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} has token id(s) {bad[:4]} outside the vocabulary [0, {vocab})")
+        request = _Request(index, tokens, limit, stops)
+        positions = len(tokens) + limit - 1           # positions of the request's tokens' KV
+        pages = -(-(positions + self.extra_positions()) // PAGE_SIZE)
         usable_pages = self.allocator.num_pages - 1
-        requests = []
-        for i, (prompt, limit) in enumerate(zip(prompts, limits)):
-            tokens = _token_ids(prompt, i)
-            if not tokens:
-                raise ValueError(f"prompt {i} is empty: a request needs at least one prompt token")
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-                raise ValueError(f"max_new_tokens must be an int >= 1, got {limit!r} (prompt {i})")
-            bad = [t for t in tokens if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token id(s) {bad[:4]} outside the vocabulary [0, {vocab})")
-            request = _Request(i, tokens, limit)
-            positions = len(tokens) + limit - 1           # positions of the request's tokens' KV
-            pages = -(-(positions + self.extra_positions()) // PAGE_SIZE)
-            if positions > self.context_len:
-                request.error = (f"{len(tokens)} prompt tokens + max_new_tokens={limit} need {positions} "
-                                 f"positions, more than context_len={self.context_len}")
-            elif pages > usable_pages:
-                request.error = (f"{positions} positions need {pages} KV pages of {PAGE_SIZE} slots, the "
-                                 f"pool has {usable_pages} (num_slots={self.allocator.num_slots}); raise "
-                                 f"num_slots")
-            requests.append(request)
-        return requests, eos_token_id
-
-    # ---- scheduling -------------------------------------------------------------------------
-    def _schedule(self, requests: list[_Request], eos_token_id, bar, start: float) -> None:
-        waiting, running = deque(requests), []
-        try:
-            while waiting or running:
-                while waiting and self.req_pool.num_free:
-                    request = waiting[0]
-                    try:
-                        request.row = self.slots.admit(
-                            len(request.prompt), reserve=request.max_new_tokens - 1 + self.extra_positions())
-                    except PoolExhaustedError:
-                        if not running:
-                            raise
-                        break                         # wait for running requests to free pages
-                    waiting.popleft()
-                    self._prefill(request, start)
-                    bar.update(1)
-                    if not self._finished(request, eos_token_id):
-                        running.append(request)
-                if running:
-                    bar.update(self._decode_step(running, start, eos_token_id))
-                    bar.set_postfix(bs=len(running), waiting=len(waiting), refresh=False)
-                    running = [r for r in running if not self._finished(r, eos_token_id)]
-        finally:
-            for request in requests:
-                if request.row >= 0:
-                    self._release(request)
-
-    def _finished(self, request: _Request, eos_token_id) -> bool:
-        if eos_token_id is not None and request.tokens[-1] == eos_token_id:
-            request.finish_reason = EOS
-        elif len(request.tokens) >= request.max_new_tokens:
-            request.finish_reason = LENGTH
-        else:
-            return False
-        self._release(request)
-        return True
+        if positions > self.context_len:
+            request.error = (f"{len(tokens)} prompt tokens + max_new_tokens={limit} need {positions} "
+                             f"positions, more than context_len={self.context_len}")
+        elif pages > usable_pages:
+            request.error = (f"{positions} positions need {pages} KV pages of {PAGE_SIZE} slots, the "
+                             f"pool has {usable_pages} (num_slots={self.allocator.num_slots}); raise "
+                             f"num_slots")
+        return request
 
     def _release(self, request: _Request) -> None:
         self.worker.release(request.row)
         self.slots.release(request.row)
         request.row = -1
 
-    @torch.no_grad()
-    def _prefill(self, request: _Request, start: float) -> None:
-        began = time.perf_counter()
-        request.tokens.append(self.worker.prefill(request.row, request.prompt, chunk_size=self.prefill_chunk))
-        now = time.perf_counter()
-        request.first_token_at = request.last_token_at = now - start
-        self.stats.prefill_tokens += len(request.prompt)
-        self.stats.prefill_s += now - began
 
-    def _decode_step(self, running: list[_Request], start: float, eos_token_id) -> int:
-        """One decode step (or speculative iteration) of the running requests; appends their new
-        tokens up to where each stops. Returns the number of tokens kept."""
+class EngineCore:
+    """The scheduler of one :class:`Engine`: a FIFO of waiting requests and the running batch,
+    advanced one iteration at a time by :meth:`step`. Requests join (:meth:`add_request`) and leave
+    (:meth:`cancel`, :meth:`abort`) between steps. Not thread-safe: one thread makes every call.
+
+    ``stats``: a :class:`GenerationStats` each step records into (None: nothing is recorded, as a
+    long-running server wants).
+    """
+
+    def __init__(self, engine: Engine, *, stats: GenerationStats | None = None):
+        self.engine = engine
+        self.stats = stats
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self._next_id = 0
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def check(self, prompt, max_new_tokens: int, *, stop_token_ids=()) -> _Request:
+        """One greedy request, checked, for :meth:`add`; reads only the engine's sizes, so any
+        thread may call it.
+
+        ``prompt``: token ids as :meth:`Engine.generate` takes one; ``max_new_tokens``: int >= 1;
+        ``stop_token_ids``: tokens that end the request when generated (kept in its output).
+        Raises :class:`RequestRefused` if it can never fit, ``TypeError`` / ``ValueError`` (as
+        ``generate`` does) if it is malformed.
+        """
+        engine = self.engine
+        stops = frozenset(engine._vocab_token(t, "stop_token_ids") for t in stop_token_ids)
+        request = engine._request(-1, prompt, max_new_tokens, stops)
+        if request.error is not None:
+            raise RequestRefused(request.error)
+        return request
+
+    def add(self, request: _Request) -> int:
+        """Queue a request :meth:`check` made; returns its id (0, 1, ... in call order)."""
+        request.index, self._next_id = self._next_id, self._next_id + 1
+        self.waiting.append(request)
+        return request.index
+
+    def add_request(self, prompt, max_new_tokens: int, *, stop_token_ids=()) -> int:
+        """:meth:`check` then :meth:`add`; returns the request's id."""
+        return self.add(self.check(prompt, max_new_tokens, stop_token_ids=stop_token_ids))
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a waiting request, or release a running one's row and pages now. Returns False
+        if no such request is waiting or running (it finished, or never was)."""
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.index == request_id:
+                    queue.remove(request)
+                    if request.row >= 0:
+                        self.engine._release(request)
+                    return True
+        return False
+
+    def abort(self) -> None:
+        """Drop every waiting request and release every running one (all rows and pages free)."""
+        for request in self.running:
+            if request.row >= 0:
+                self.engine._release(request)
+        self.running.clear()
+        self.waiting.clear()
+
+    def step(self) -> StepOutput:
+        """One iteration: admit waiting requests in order while a row is free and the KV pool has
+        the pages of each whole request (each prefilled: its first token), then one decode step
+        (or speculative iteration) of every running request; a request that ends releases its row
+        and pages."""
+        engine, out = self.engine, StepOutput()
+        while self.waiting and engine.req_pool.num_free:
+            request = self.waiting[0]
+            try:
+                request.row = engine.slots.admit(
+                    len(request.prompt), reserve=request.max_new_tokens - 1 + engine.extra_positions())
+            except PoolExhaustedError:
+                if not self.running:
+                    raise
+                break                             # wait for running requests to free pages
+            self.waiting.popleft()
+            self.running.append(request)          # before prefill: abort() releases it if prefill raises
+            self._prefill(request)
+            out.new_tokens[request.index] = list(request.tokens)
+            if self._finished(request, out):
+                self.running.pop()
+        if self.running:
+            self._decode_step(out)
+            self.running = [r for r in self.running if not self._finished(r, out)]
+        return out
+
+    def _finished(self, request: _Request, out: StepOutput) -> bool:
+        if request.tokens[-1] in request.stop_token_ids:
+            request.finish_reason = EOS
+        elif len(request.tokens) >= request.max_new_tokens:
+            request.finish_reason = LENGTH
+        else:
+            return False
+        self.engine._release(request)
+        out.finished[request.index] = request.finish_reason
+        return True
+
+    @torch.no_grad()
+    def _prefill(self, request: _Request) -> None:
+        engine = self.engine
         began = time.perf_counter()
-        result = self.worker.step([r.row for r in running], timed=self.time_phases)
+        request.tokens.append(engine.worker.prefill(request.row, request.prompt, chunk_size=engine.prefill_chunk))
+        request.first_token_at = request.last_token_at = now = time.perf_counter()
+        if self.stats is not None:
+            self.stats.prefill_tokens += len(request.prompt)
+            self.stats.prefill_s += now - began
+
+    def _decode_step(self, out: StepOutput) -> None:
+        """One decode step (or speculative iteration) of the running requests; appends their new
+        tokens up to where each stops."""
+        engine, running = self.engine, self.running
+        began = time.perf_counter()
+        result = engine.worker.step([r.row for r in running], timed=engine.time_phases)
         now = time.perf_counter()
-        self.stats.accept_lens.extend(result.accept_lens)
-        if result.phase_ms is not None:
-            self.stats.phase_ms.append(result.phase_ms)
         kept = 0
         for request, tokens in zip(running, result.committed):
+            new = out.new_tokens.setdefault(request.index, [])
             for token in tokens:
                 request.tokens.append(token)
+                new.append(token)
                 kept += 1
-                if _stops(request, eos_token_id):
+                if _stops(request):
                     break
-            request.last_token_at = now - start
-        self.stats.step_times_s.append(now - began)
-        self.stats.step_batches.append(len(running))
-        self.stats.step_buckets.append(self.worker.bucket_for(len(running)))
-        self.stats.step_tokens.append(kept)
-        return kept
+            request.last_token_at = now
+        out.batch, out.accept_lens = len(running), list(result.accept_lens)
+        if self.stats is not None:
+            stats = self.stats
+            stats.accept_lens.extend(result.accept_lens)
+            if result.phase_ms is not None:
+                stats.phase_ms.append(result.phase_ms)
+            stats.step_times_s.append(now - began)
+            stats.step_batches.append(len(running))
+            stats.step_buckets.append(engine.worker.bucket_for(len(running)))
+            stats.step_tokens.append(kept)
 
 
-def _stops(request: _Request, eos_token_id) -> bool:
-    """Whether the request's last token ends it (``eos_token_id``, or ``max_new_tokens`` reached)."""
-    return (eos_token_id is not None and request.tokens[-1] == eos_token_id) or \
-        len(request.tokens) >= request.max_new_tokens
+def _stops(request: _Request) -> bool:
+    """Whether the request's last token ends it (a stop token, or ``max_new_tokens`` reached)."""
+    return request.tokens[-1] in request.stop_token_ids or len(request.tokens) >= request.max_new_tokens
 
 
-def _result(request: _Request) -> GenerationResult:
+def _result(request: _Request, start: float) -> GenerationResult:
+    """``request``'s result, its times counted from ``start`` (perf_counter)."""
     if request.error is not None:
         return GenerationResult([], len(request.prompt), REFUSED, None, None, request.error)
     tokens = request.tokens
     tpot = (request.last_token_at - request.first_token_at) / (len(tokens) - 1) if len(tokens) > 1 else None
-    return GenerationResult(tokens, len(request.prompt), request.finish_reason, request.first_token_at, tpot)
+    return GenerationResult(tokens, len(request.prompt), request.finish_reason, request.first_token_at - start,
+                            tpot)
 
 
 def _is_prompt(value) -> bool:
@@ -422,15 +548,15 @@ def _token_id(value, what: str) -> int:
     raise TypeError(f"{what}: expected an integer token id, got {value!r} ({type(value).__name__})")
 
 
-def _token_ids(prompt, index: int) -> list[int]:
-    """Prompt ``index``'s token ids as ints; ``TypeError`` / ``ValueError`` naming the prompt."""
+def _token_ids(prompt, name: str) -> list[int]:
+    """The prompt's token ids as ints; ``TypeError`` / ``ValueError`` naming it as ``name``."""
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1:
-            raise ValueError(f"prompt {index}: a prompt tensor must be 1-D, got shape {tuple(prompt.shape)}")
+            raise ValueError(f"{name}: a prompt tensor must be 1-D, got shape {tuple(prompt.shape)}")
         if not _is_integer_dtype(prompt.dtype):
-            raise TypeError(f"prompt {index}: a prompt tensor must have an integer dtype, got {prompt.dtype}")
+            raise TypeError(f"{name}: a prompt tensor must have an integer dtype, got {prompt.dtype}")
         return prompt.tolist()
     if not _is_prompt(prompt):
-        raise TypeError(f"prompt {index}: expected a sequence of token ids or a 1-D integer tensor, "
+        raise TypeError(f"{name}: expected a sequence of token ids or a 1-D integer tensor, "
                         f"got {prompt!r} ({type(prompt).__name__})")
-    return [_token_id(token, f"prompt {index}, token {j}") for j, token in enumerate(prompt)]
+    return [_token_id(token, f"{name}, token {j}") for j, token in enumerate(prompt)]

@@ -1,0 +1,325 @@
+"""``dsaspec serve`` on CPU, over loopback only: the HTTP API against ``Engine.generate`` for the same
+prompts (streamed and whole, text and token ids, chat through a template, concurrent clients), a
+client that disconnects mid-stream (its row and pages freed), bad requests (400s naming the field),
+the waiting bound (503), shutdown with requests in flight, and the command's option errors.
+
+The server runs in-process (uvicorn on a thread, an ephemeral port) over the fp32 tiny model with
+the torch reference ops and the tokenizer ``dsaspec.testing.tokenizer`` trains. Every wait is bounded.
+"""
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("tokenizers")
+
+import uvicorn  # noqa: E402
+
+from dsaspec.configs.model_config import get_config  # noqa: E402
+from dsaspec.engine.engine import Engine  # noqa: E402
+from dsaspec.models.dsa_model import DSAModel  # noqa: E402
+from dsaspec.serving.api import Server, build_app  # noqa: E402
+from dsaspec.serving.engine_loop import EngineLoop  # noqa: E402
+from dsaspec.serving.metrics import ServerMetrics  # noqa: E402
+from dsaspec.serving.text import load_text  # noqa: E402
+from dsaspec.testing.tokenizer import build_tokenizer  # noqa: E402
+
+CONTEXT = 256
+WAIT_S = 60
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DSAModel(get_config("tiny"), dtype=torch.float32).init_weights(0)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    return load_text(build_tokenizer(tmp_path_factory.mktemp("tokenizer")))
+
+
+def _engine(model, **kwargs):
+    kwargs.setdefault("context_len", CONTEXT)
+    kwargs.setdefault("max_batch", 2)
+    kwargs.setdefault("bucket_sizes", (1, 2))
+    return Engine(model, progress=False, **kwargs)
+
+
+def _until(condition, what: str):
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@contextmanager
+def serving(model, text, *, max_waiting=16, graceful_s=5.0, **engine_kwargs):
+    """A server on 127.0.0.1 at a free port: yields (port, Server); stopped on exit."""
+    engine = _engine(model, **engine_kwargs)
+    server = Server(EngineLoop(engine, max_waiting=max_waiting, metrics=ServerMetrics()), model_name="tiny-test",
+                    text=text, info={})
+    config = uvicorn.Config(build_app(server), host="127.0.0.1", port=0, log_level="warning",
+                            timeout_graceful_shutdown=graceful_s)
+    runner = uvicorn.Server(config)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    _until(lambda: runner.started, "the server to start")
+    port = runner.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield port, server
+    finally:
+        runner.should_exit = True
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
+
+
+def _all_free(engine):
+    return engine.req_pool.num_free == engine.max_batch and \
+        engine.allocator.num_free_pages == engine.allocator.num_pages - 1
+
+
+def post(port, path, body, raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    conn.request("POST", path, body=raw if raw is not None else json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read()
+    conn.close()
+    return response.status, json.loads(data)
+
+
+def get(port, path):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    data = response.read()
+    conn.close()
+    return response.status, data
+
+
+def stream(port, path, body):
+    """The decoded events of a streamed request (``[DONE]`` last, as the string)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+    events = []
+    for line in response:
+        line = line.strip()
+        if line.startswith(b"data: "):
+            payload = line[len(b"data: "):].decode()
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    conn.close()
+    return events
+
+
+def open_stream(port, body):
+    """A raw socket streaming a completion, after its first event arrived (the request runs)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+    payload = json.dumps({**body, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    seen = b""
+    while b"data: " not in seen:
+        seen += sock.recv(4096)
+    assert seen.startswith(b"HTTP/1.1 200"), seen
+    return sock
+
+
+def _ids(port, body, path="/v1/completions"):
+    status, reply = post(port, path, body)
+    assert status == 200, reply
+    return reply
+
+
+# ---------------------------------------------------------------------------------------------
+
+def test_completions_streamed_and_whole_equal_generate(model, text):
+    prompt = "The quick brown fox"
+    ids = text.encode(prompt)
+    expected = _engine(model).generate(ids, 12).token_ids
+    with serving(model, text) as (port, server):
+        whole = _ids(port, {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0})
+        events = stream(port, "/v1/completions", {"prompt": ids, "max_tokens": 12, "ignore_eos": True})
+        stopped = _ids(port, {"prompt": [ids], "max_tokens": 12, "stop_token_ids": [expected[4]]})
+        _until(lambda: _all_free(server.loop.engine), "pages to be freed")
+    choice = whole["choices"][0]
+    assert choice["token_ids"] == expected and choice["finish_reason"] == "length"
+    assert choice["text"] == text.decode(expected)
+    assert whole["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
+    assert events[-1] == "[DONE]"
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert [t for c in chunks for t in c["token_ids"]] == expected
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    stop = expected.index(expected[4]) + 1
+    assert stopped["choices"][0]["token_ids"] == expected[:stop] and stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_through_the_template_and_usage_chunk(model, text):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
+    ids = text.chat_prompt(messages)
+    assert ids[0] == text.tokenizer.token_to_id("<|system|>") and ids[-1] == text.tokenizer.token_to_id("<|assistant|>")
+    expected = _engine(model).generate(ids, 8).token_ids
+    with serving(model, text) as (port, _):
+        whole = _ids(port, {"messages": messages, "max_tokens": 8, "ignore_eos": True}, "/v1/chat/completions")
+        events = stream(port, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 8,
+                                                       "ignore_eos": True, "stream_options": {"include_usage": True}})
+        status, bad = post(port, "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]})
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["token_ids"] == expected
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": text.decode(expected)}
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 8
+    deltas = [e["choices"][0] for e in events[:-2]]
+    assert deltas[0]["delta"]["role"] == "assistant"
+    assert "".join(d["delta"]["content"] for d in deltas) == text.decode(expected)
+    assert status == 400 and bad["error"]["param"] == "messages" and "unknown role tool" in bad["error"]["message"]
+
+
+def test_concurrent_clients_equal_generate(model, text):
+    """Six clients, two rows: requests join and leave the running batch between steps."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1031, (n,), generator=generator).tolist() for n in (5, 70, 33, 9, 2, 17)]
+    limits = [6, 4, 8, 3, 7, 5]
+    expected = [r.token_ids for r in _engine(model).generate(prompts, limits)]
+    with serving(model, text) as (port, server):
+        def one(i):
+            body = {"prompt": prompts[i], "max_tokens": limits[i], "ignore_eos": True}
+            if i % 2:
+                return [t for e in stream(port, "/v1/completions", body)[:-1] for t in e["choices"][0]["token_ids"]]
+            return _ids(port, body)["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(one, range(6)))
+        _until(lambda: _all_free(server.loop.engine), "pages to be freed")
+        status, metrics = get(port, "/metrics")
+        _, info = get(port, "/get_server_info")
+        _, models = get(port, "/v1/models")
+        health = get(port, "/health")[0]
+    assert got == expected
+    metrics = metrics.decode()
+    assert status == 200
+    for line in ('dsaspec_requests_total{finish_reason="length"} 6.0', "dsaspec_num_running_requests 0.0",
+                 "dsaspec_kv_pages_used 0.0", f"dsaspec_generation_tokens_total {float(sum(limits))}",
+                 "dsaspec_time_to_first_token_seconds_count 6.0", "dsaspec_mean_accept_length 1.0"):
+        assert line in metrics, line
+    assert json.loads(info)["internal_states"][0]["avg_spec_accept_length"] == 1.0
+    assert json.loads(models)["data"][0]["id"] == "tiny-test" and health == 200
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(model, text):
+    with serving(model, text) as (port, server):
+        engine = server.loop.engine
+        sock = open_stream(port, {"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True})
+        assert not _all_free(engine)
+        sock.close()
+        _until(lambda: _all_free(engine), "the disconnected request's pages to be freed")
+        _, metrics = get(port, "/metrics")
+        assert 'dsaspec_requests_total{finish_reason="abort"} 1.0' in metrics.decode()
+        assert _ids(port, {"prompt": [4, 5], "max_tokens": 2})["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": "hi", "temperature": 0.7}, "temperature", "only greedy decoding"),
+    ({"prompt": "hi", "n": 2}, "n", "one greedy choice"),
+    ({"prompt": "hi", "best_of": 3}, "best_of", "one greedy choice"),
+    ({"prompt": "hi", "logprobs": 1}, "logprobs", "log-probabilities"),
+    ({"prompt": "hi", "stop": ["\n"]}, "stop", "stop_token_ids"),
+    ({"prompt": "hi", "frobnicate": 1}, "frobnicate", "unsupported field(s) frobnicate"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "integer >= 1"),
+    ({"prompt": "hi", "stop_token_ids": [1.5]}, "stop_token_ids", "list of token ids"),
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": [1, 2000]}, "prompt", "outside the vocabulary [0, 1031)"),
+    ({"prompt": [1] * 250, "max_tokens": 10}, "prompt", "more than context_len=256"),
+    ({"max_tokens": 3}, "prompt", "prompt is required"),
+    (None, None, "not JSON"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_requests_are_400s_naming_the_field(model, text, body, param, message, _bad_server):
+    port = _bad_server
+    status, reply = post(port, "/v1/completions", body, raw=None if body is not None else "{nope")
+    assert status == 400, reply
+    assert reply["error"]["param"] == param and message in reply["error"]["message"], reply
+
+
+@pytest.fixture(scope="module")
+def _bad_server(model, text):
+    with serving(model, text) as (port, server):
+        yield port
+        # the refused requests left nothing behind and a good one still runs
+        assert _ids(port, {"prompt": "hi", "max_tokens": 2})["usage"]["completion_tokens"] <= 2
+        assert _all_free(server.loop.engine)
+
+
+def test_token_id_server_refuses_text(model):
+    with serving(model, None) as (port, _):
+        status, reply = post(port, "/v1/completions", {"prompt": "hello"})
+        whole = _ids(port, {"prompt": [7, 8, 9], "max_tokens": 3})
+    assert status == 400 and "no tokenizer" in reply["error"]["message"]
+    assert whole["choices"][0]["text"] == "" and len(whole["choices"][0]["token_ids"]) == 3
+
+
+def test_the_waiting_bound_is_a_503_with_the_reason(model, text):
+    with serving(model, text, max_batch=1, bucket_sizes=(1,), max_waiting=1) as (port, server):
+        running = open_stream(port, {"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True})
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(post, port, "/v1/completions", {"prompt": [4, 5], "max_tokens": 2})
+            _until(lambda: server.loop.num_waiting == 1, "the second request to wait")
+            status, reply = post(port, "/v1/completions", {"prompt": [6], "max_tokens": 2})
+            assert status == 503 and "--max-waiting 1" in reply["error"]["message"], reply
+            assert len(server.loop.core.running) == 1          # the first was still running
+            running.close()
+            assert waiting.result(WAIT_S)[0] == 200
+        _until(lambda: _all_free(server.loop.engine), "pages to be freed")
+
+
+def test_shutdown_with_requests_in_flight_frees_everything(model, text, caplog):
+    caplog.set_level(logging.ERROR)
+    with serving(model, text, graceful_s=0.2) as (port, server):
+        socks = [open_stream(port, {"prompt": [1, 2, i], "max_tokens": 250, "ignore_eos": True}) for i in (3, 4)]
+        engine, loop = server.loop.engine, server.loop
+        assert len(loop.core.running) == 2
+    # the server has stopped: the streams were cut, the engine thread ended, nothing is held
+    for sock in socks:
+        sock.settimeout(WAIT_S)
+        while sock.recv(4096):
+            pass
+        sock.close()
+    assert not loop._thread.is_alive() and _all_free(engine) and not loop.core.has_work
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    with pytest.raises(Exception, match="shutting down"):
+        loop.submit([1], 1, lambda d: None)
+
+
+def test_incremental_detokenizer_holds_back_split_characters(text):
+    words = "fox é ü — naïve"
+    ids = text.encode(words)
+    detok = text.detokenizer()
+    pieces = [detok.add([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == words and not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--port", "70000"], ["--port", "[0, 65535]"]),
+    (["--max-waiting", "0"], ["--max-waiting", "positive integer"]),
+    (["--shutdown-timeout", "-1"], ["--shutdown-timeout", ">= 0"]),
+    (["--tokenizer", "/nonexistent/tok"], ["--tokenizer /nonexistent/tok", "no such directory"]),
+    (["--num-slots", "100"], ["--num-slots 100", "multiple of 64"]),
+    (["--speculative-num-steps", "2"], ["--speculative-num-steps needs --speculative-algorithm"]),
+    (["--checkpoint", "/nonexistent/ckpt"], ["/nonexistent/ckpt", "does not exist"]),
+])
+def test_serve_option_errors_are_one_line(capsys, argv, named):
+    from test_cli import assert_one_line_error
+
+    assert_one_line_error(capsys, ["serve", "--dtype", "fp32", *argv], *named)
+
