@@ -167,6 +167,36 @@ def test_completions_streamed_and_whole_equal_generate(model, text):
     assert stopped["choices"][0]["token_ids"] == expected[:stop] and stopped["choices"][0]["finish_reason"] == "stop"
 
 
+def test_the_prefill_token_streams_before_the_decode_step(model, text):
+    """The first SSE chunk holds the prefill token alone and reaches the client before the worker's
+    first decode step of the request: the step waits (bounded) for the client to have read it."""
+    ids = text.encode("The quick brown fox")
+    expected = _engine(model).generate(ids, 6).token_ids
+    got_first, seen_at_step = threading.Event(), []
+    with serving(model, text) as (port, server):
+        worker = server.loop.engine.worker
+        real_step = worker.step
+
+        def step(rows, **kwargs):
+            seen_at_step.append(got_first.wait(WAIT_S))
+            return real_step(rows, **kwargs)
+
+        worker.step = step
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps({"prompt": ids, "max_tokens": 6, "ignore_eos": True, "stream": True}))
+        response = conn.getresponse()
+        chunks = []
+        for line in response:
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[len(b"data: "):])["choices"][0])
+                got_first.set()
+        conn.close()
+    assert seen_at_step and seen_at_step[0], "the first decode step ran before the client had the prefill token"
+    assert chunks[0]["token_ids"] == expected[:1] and chunks[0]["finish_reason"] is None
+    assert [t for c in chunks for t in c["token_ids"]] == expected
+
+
 def test_chat_through_the_template_and_usage_chunk(model, text):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
     ids = text.chat_prompt(messages)

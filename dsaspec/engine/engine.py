@@ -7,14 +7,15 @@ plain or speculative (MTP, EAGLE chain).
 :class:`~dsaspec.executor.decode_worker.DecodeWorker` (plain greedy decoding) or a
 :class:`~dsaspec.speculative.spec_worker.SpecWorker` (speculative decoding), each with its
 :class:`~dsaspec.layers.attention.backend.DSAAttnBackend`. One scheduler step
-(:meth:`EngineCore.step`, which :meth:`Engine.generate` loops over and the server's engine thread
-calls between admitting and cancelling requests), through the worker protocol only:
+(:meth:`EngineCore.step`, which :meth:`Engine.generate` loops over; the server's engine thread calls
+its two halves apart, so that a new request's first token is delivered before the decode step),
+through the worker protocol only:
 
-1. admit waiting requests while a request row is free and the KV pool has the pages of the whole
+1. admit waiting requests (:meth:`EngineCore.admit`) while a request row is free and the KV pool has the pages of the whole
    request (every position it will ever write: prompt + ``max_new_tokens - 1``, plus ``N - 1``
    verified positions past the last one with speculation), reserved up front so a running request
    never runs out of pages; ``worker.prefill(row, prompt)`` (eager, chunked) gives its first token;
-2. ``worker.step(rows)`` for every running request (a decode step or a speculative iteration,
+2. (:meth:`EngineCore.decode`) ``worker.step(rows)`` for every running request (a decode step or a speculative iteration,
    padded to its bucket) gives each request's committed tokens;
 3. append each request's new tokens one at a time and stop it exactly where plain greedy decoding
    would (``max_new_tokens`` reached, or one of its stop tokens generated); release its row and
@@ -423,11 +424,18 @@ class EngineCore:
         self.waiting.clear()
 
     def step(self) -> StepOutput:
-        """One iteration: admit waiting requests in order while a row is free and the KV pool has
-        the pages of each whole request (each prefilled: its first token), then one decode step
-        (or speculative iteration) of every running request; a request that ends releases its row
-        and pages."""
-        engine, out = self.engine, StepOutput()
+        """One iteration: :meth:`admit` then :meth:`decode`, into one output."""
+        out = StepOutput()
+        self.admit(out)
+        self.decode(out)
+        return out
+
+    def admit(self, out: StepOutput | None = None) -> StepOutput:
+        """Admit waiting requests in order while a row is free and the KV pool has the pages of
+        each whole request; each is prefilled (its first token) and ends there if that token
+        stops it. Writes into ``out`` (default: a new one) and returns it."""
+        engine = self.engine
+        out = StepOutput() if out is None else out
         while self.waiting and engine.req_pool.num_free:
             request = self.waiting[0]
             try:
@@ -443,6 +451,13 @@ class EngineCore:
             out.new_tokens[request.index] = list(request.tokens)
             if self._finished(request, out):
                 self.running.pop()
+        return out
+
+    def decode(self, out: StepOutput | None = None) -> StepOutput:
+        """One decode step (or speculative iteration) of every running request (none: nothing
+        runs); a request that ends releases its row and pages. Writes into ``out`` (default: a
+        new one) and returns it."""
+        out = StepOutput() if out is None else out
         if self.running:
             self._decode_step(out)
             self.running = [r for r in self.running if not self._finished(r, out)]

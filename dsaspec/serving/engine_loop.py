@@ -6,7 +6,8 @@ so a request joins the running batch at the next step (continuous batching) and 
 frees its row and KV pages before the next step runs. At most ``max_waiting`` requests wait for a
 row and pages (submitted, not yet admitted); beyond that :meth:`EngineLoop.submit` raises
 :class:`Overloaded`. Each request's tokens go to its ``deliver`` callback, called on the engine
-thread once per step that gives the request tokens, then once more when it ends.
+thread once for its prefill token (as soon as it is prefilled, before the decode step of that
+iteration), then once per decode step that gives it tokens; the last delivery says how it ended.
 """
 
 from __future__ import annotations
@@ -183,8 +184,25 @@ class EngineLoop:
         _safe(handle.deliver, Delivery(list(tokens), reason, error))
 
     def _step(self) -> None:
+        """Admit (prefill) and deliver the new requests' first tokens, then run the decode step
+        and deliver its tokens: a request's first token does not wait for the decode step."""
+        self._deliver(self.core.admit())
         began = time.perf_counter()
-        out = self.core.step()
+        out = self.core.decode()
+        now = time.perf_counter()
+        self._deliver(out)
+        if out.batch:
+            self.accepted_tokens += sum(out.accept_lens)
+            self.accept_steps += len(out.accept_lens)
+            self.last_gen_throughput = out.num_tokens / max(now - began, 1e-9)
+            if self.metrics is not None:
+                self.metrics.batch.set(out.batch)
+                self.metrics.accept.set(self.mean_accept_length)
+        self._update_gauges()
+
+    def _deliver(self, out) -> None:
+        """Each request's tokens of ``out`` to its receiver (the last delivery of one that ended
+        carries its finish reason)."""
         now = time.perf_counter()
         metrics = self.metrics
         for core_id, tokens in out.new_tokens.items():
@@ -205,17 +223,8 @@ class EngineLoop:
                 _safe(handle.deliver, Delivery(tokens))
             else:
                 self._end(handle, finish, tokens=tokens)
-        if out.batch:
-            self.accepted_tokens += sum(out.accept_lens)
-            self.accept_steps += len(out.accept_lens)
-            self.last_gen_throughput = out.num_tokens / max(now - began, 1e-9)
         if metrics is not None:
             metrics.generation_tokens.inc(out.num_tokens)
-            if out.batch:
-                metrics.batch.set(out.batch)
-            if self.accept_steps:
-                metrics.accept.set(self.mean_accept_length)
-        self._update_gauges()
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:
