@@ -353,3 +353,14 @@ def test_serve_option_errors_are_one_line(capsys, argv, named):
 
     assert_one_line_error(capsys, ["serve", "--dtype", "fp32", *argv], *named)
 
+
+
+def test_word_tokenizer_gives_every_token_text(tmp_path):
+    from dsaspec.testing.tokenizer import build_word_tokenizer
+
+    codec = load_text(build_word_tokenizer(tmp_path, 50))
+    ids = list(range(1, 50))
+    detok = codec.detokenizer()
+    assert all(detok.add([i]) for i in ids)          # each streamed token carries text
+    assert codec.encode(codec.decode(ids)) == ids
+    assert codec.eos_token_ids == {0}

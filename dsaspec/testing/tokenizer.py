@@ -39,3 +39,24 @@ def build_tokenizer(directory: str | Path, *, vocab_size: int = 320, chat_templa
         config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return directory
+
+
+def build_word_tokenizer(directory: str | Path, vocab_size: int) -> Path:
+    """Write a word-level ``tokenizer.json`` (and ``tokenizer_config.json``) of exactly
+    ``vocab_size`` ids for benchmarking a random-weight model: id 0 is ``<|endoftext|>`` (the EOS),
+    id ``i > 0`` the word ``w<i>``; text is the words joined by spaces. Every id but 0 decodes on
+    its own to visible text and ``encode(decode(ids)) == ids``, so a client that times streamed
+    chunks by their text (SGLang's ``bench_serving``) sees every token. Returns ``directory``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+    vocab = {SPECIAL[0]: 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([SPECIAL[0]])
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": SPECIAL[0], "bos_token": None}))
+    return directory
