@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# dsaspec serve measured with SGLang's serving benchmark client (docs/serving.md, "Measuring with
+# SGLang's client"): random ids, input = output = LEN tokens, range ratio 1, num-prompts max(6C, 16),
+# C warm-up requests first, at each concurrency C; loopback only. Writes
+# benchmarks/results/$MACHINE/serving.{json,md}.
+#   SGLANG_CLIENT=/tmp/sglang-client MACHINE=h200 PRESET=e2e scripts/bench_serving.sh [serve options...]
+# Environment: SGLANG_CLIENT (the client's --target folder, put on PYTHONPATH), PYTHON, PRESET
+# (default e2e), MACHINE (default h200), CONCURRENCY (default "1 2 4 8 16 32"), LEN (default 1024),
+# PORT (default 30000), HEALTH_S (seconds to wait for /health, default 1800).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+PRESET=${PRESET:-e2e}
+MACHINE=${MACHINE:-h200}
+CONCURRENCY=${CONCURRENCY:-"1 2 4 8 16 32"}
+LEN=${LEN:-1024}
+PORT=${PORT:-30000}
+HEALTH_S=${HEALTH_S:-1800}
+CLIENT_PATH="${SGLANG_CLIENT:+$SGLANG_CLIENT:}$PWD"
+if ! PYTHONPATH="$CLIENT_PATH" "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None or u.find_spec('sglang.benchmark.serving') is None)" >/dev/null 2>&1; then
+    echo "bench_serving.sh: SGLang's client is not importable (set SGLANG_CLIENT to its pip --target folder; docs/serving.md)" >&2
+    exit 2
+fi
+work=$(mktemp -d)
+server=
+cleanup() { if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; fi; rm -rf "$work"; }
+trap cleanup EXIT
+PYTHONPATH="$PWD" "$PYTHON" -c "
+import sys
+from dsaspec.configs.model_config import get_config
+from dsaspec.testing.tokenizer import build_word_tokenizer
+build_word_tokenizer(sys.argv[1], get_config(sys.argv[2]).vocab_size)" "$work/tokenizer" "$PRESET"
+max_c=$(printf '%s\n' $CONCURRENCY | sort -n | tail -1)
+PYTHONPATH="$PWD" "$PYTHON" -m dsaspec.commands.cli serve --preset "$PRESET" --tokenizer "$work/tokenizer" \
+    --host 127.0.0.1 --port "$PORT" --max-batch "$max_c" "$@" > "$work/server.log" 2>&1 &
+server=$!
+deadline=$((SECONDS + HEALTH_S))
+until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
+    if ! kill -0 "$server" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
+        echo "bench_serving.sh: the server did not become healthy; its log:" >&2; tail -5 "$work/server.log" >&2; exit 1
+    fi
+    sleep 2
+done
+for c in $CONCURRENCY; do
+    n=$((6 * c > 16 ? 6 * c : 16))
+    HF_HUB_OFFLINE=1 PYTHONPATH="$CLIENT_PATH" timeout 3600 "$PYTHON" scripts/sglang_client.py \
+        --backend sglang-oai --host 127.0.0.1 --port "$PORT" --tokenizer "$work/tokenizer" \
+        --dataset-name random-ids --random-input-len "$LEN" --random-output-len "$LEN" --random-range-ratio 1 \
+        --num-prompts "$n" --max-concurrency "$c" --warmup-requests "$c" --disable-tqdm \
+        --output-file "$work/c$c.jsonl" > "$work/client-c$c.log" 2>&1 \
+        || { echo "bench_serving.sh: the client failed at concurrency $c:" >&2; tail -5 "$work/client-c$c.log" >&2; exit 1; }
+done
+mkdir -p "benchmarks/results/$MACHINE"
+PYTHONPATH="$PWD" "$PYTHON" - "$work" "benchmarks/results/$MACHINE" "$PRESET" "$LEN" $CONCURRENCY <<'PY'
+import json, sys
+work, out, preset, length, *cs = sys.argv[1:]
+rows = []
+for c in cs:
+    r = json.loads(open(f"{work}/c{c}.jsonl").read().splitlines()[-1])
+    rows.append({"concurrency": int(c), "num_prompts": r["completed"],
+                 "tok_s_user": 1000 / r["median_tpot_ms"], "output_tok_s": r["output_throughput"],
+                 "median_ttft_ms": r["median_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
+                 "median_tpot_ms": r["median_tpot_ms"], "median_itl_ms": r["median_itl_ms"],
+                 "p99_itl_ms": r["p99_itl_ms"], "accept_length": r.get("accept_length")})
+setup = {"preset": preset, "input_len": int(length), "output_len": int(length), "client": "sglang 0.5.23 bench_serving, "
+         "backend sglang-oai, dataset random-ids, range ratio 1, num-prompts max(6C, 16), C warm-up requests"}
+json.dump({"setup": setup, "rows": rows}, open(f"{out}/serving.json", "w"), indent=2)
+lines = [f"# dsaspec serve, {preset}: SGLang's client, input {length} / output {length}", "",
+         "| C | tok/s/user | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | accept |",
+         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+for r in rows:
+    acc = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
+    lines.append(f"| {r['concurrency']} | {r['tok_s_user']:.1f} | {r['output_tok_s']:.1f} | {r['median_ttft_ms']:.1f} | "
+                 f"{r['p99_ttft_ms']:.1f} | {r['median_itl_ms']:.2f} | {r['p99_itl_ms']:.2f} | {acc} |")
+open(f"{out}/serving.md", "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
