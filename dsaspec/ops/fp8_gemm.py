@@ -28,10 +28,9 @@ scales (V3.2's multiply by ``fp32(1 / 448)`` may differ from it in the last bit)
 
 A block holding a NaN or an infinity gets ``s = NaN`` and ``q = 0``, so every output of its row is
 NaN (a non-finite activation never turns into finite garbage). Weights are quantized the same way
-per 128 x 128 block (:func:`quantize_weight`, fp32 scales). The kernel rounds ``x / s`` to the
-e4m3 grid itself (round to nearest even, by adding and subtracting ``1.5 * 2**23`` ulps in fp32)
-before the cast, so the cast is exact: the codes are the same on the GPU and under the Triton
-interpreter, whose own fp32 -> e4m3 cast can round across a binade.
+per 128 x 128 block (:func:`quantize_weight`, fp32 scales). The kernel quantizes with the device
+functions of :mod:`dsaspec.ops.e4m3`, which round ``x / s`` to the e4m3 grid before the cast, so
+the codes are the same on the GPU and under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
+from dsaspec.ops.e4m3 import quantize_rows
 
 BLOCK = 128              # quantization block: 128 columns of a token, 128 x 128 of a weight
 E4M3_MAX = 448.0
@@ -64,17 +64,6 @@ def _check_k(name: str, k: int) -> None:
         raise ValueError(f"{name}: K = {k} must be a positive multiple of {BLOCK} (the FP8 quantization block)")
 
 
-@triton.jit
-def _round_to_e4m3(y):
-    """``y`` (fp32, |y| <= 448) rounded to the nearest e4m3 value, ties to even (a zero is +0): the
-    ulp is ``2 ** (max(exponent, -6) - 3)`` (e4m3 subnormals below 2**-6)."""
-    bits = y.to(tl.int32, bitcast=True)
-    ulp_exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
-    magic = (((ulp_exp + 23 + 127) << 23) | (1 << 22)).to(tl.float32, bitcast=True)  # 1.5 * 2**23 ulps
-    rounded = (tl.abs(y) + magic) - magic
-    return tl.where(rounded == 0.0, 0.0, tl.where(y < 0, -rounded, rounded))
-
-
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
                       UE8M0: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -84,20 +73,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
     live = rows < M
     mask = live[:, None]
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    ax = tl.abs(x)
-    # max() drops NaNs on the GPU: count them apart
-    bad = (tl.max((x != x).to(tl.int32), axis=1) > 0) | (tl.max(ax, axis=1) == float("inf"))
-    amax = tl.maximum(tl.max(tl.where(x == x, ax, 0.0), axis=1), 1e-4)
-    s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    if UE8M0:
-        bits = s.to(tl.int32, bitcast=True)
-        exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        s = (exponent << 23).to(tl.float32, bitcast=True)
-    y = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
-    y = _round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
-    y = tl.where(bad[:, None], 0.0, y)
-    s = tl.where(bad, float("nan"), s)
+    y, s = quantize_rows(x.to(tl.float32), UE8M0)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], y.to(q_ptr.dtype.element_ty),
              mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + kb, s, mask=live)
