@@ -8,9 +8,22 @@ Layout:
 - ``PageAllocator``: slots are handed out one 64-token page at a time, so ``slot % 64 ==
   position % 64`` and ``slot // 64`` at page starts is the real page table. Page 0 is never handed
   out: slot 0 (``SINK_SLOT``) absorbs the cache writes of padded rows.
-- ``KVPool``: per layer an MLA cache ``[num_slots, 576]`` (latent 512 | rope key 64) and an
-  indexer key cache ``[num_slots, 128]``. The target model and the MTP layer each own a KVPool
-  (their own layers) over the same slot ids.
+- ``KVPool``: per layer an MLA cache and an indexer key cache, in one of two dtypes
+  (``kv_cache_dtype``). ``"bf16"``: ``[num_slots, 576]`` (latent 512 | rope key 64) and
+  ``[num_slots, 128]`` in the model's dtype. ``"fp8_e4m3"``: uint8 pools in the byte layouts of
+  FlashMLA's ``fp8_ds_mla`` and DeepGEMM's paged indexer cache (page 64), so a pool can be handed
+  to those kernels unchanged:
+
+      MLA, per slot (656 B):       [512 e4m3 latent | 4 fp32 scales | 64 bf16 rope key]
+                                    bytes 0..511      512..527        528..655
+      indexer keys, per page (64 x 132 B = 8448 B):
+                                   [64 x 128 e4m3 keys | 64 fp32 scales]
+                                    bytes 0..8191        8192..8447
+
+  Scale ``g`` of a slot covers latent values ``128 g .. 128 g + 127``; every scale is a power of
+  two (a ue8m0 value stored as fp32); value = code * scale. :func:`mla_fp8_views` and
+  :func:`index_k_fp8_views` give typed views of these bytes. The target model and the MTP layer
+  each own a KVPool (their own layers) over the same slot ids.
 - ``RequestSlots``: admission, growth and release of a request's row and pages. Every failure is
   checked before any state changes, so a refused request never corrupts the table.
 
@@ -26,6 +39,16 @@ from dsaspec.ops.checks import check_count
 
 PAGE_SIZE = 64
 SINK_SLOT = 0
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
+FP8_GROUP = 128                       # values per scale
+MLA_LATENT_DIM, MLA_ROPE_DIM, INDEX_HEAD_DIM = 512, 64, 128   # the only shapes the FP8 layouts have
+MLA_FP8_SCALE_OFFSET = MLA_LATENT_DIM                              # 512
+MLA_FP8_ROPE_OFFSET = MLA_FP8_SCALE_OFFSET + 4 * (MLA_LATENT_DIM // FP8_GROUP)   # 528
+MLA_FP8_BYTES = MLA_FP8_ROPE_OFFSET + 2 * MLA_ROPE_DIM                          # 656
+INDEX_FP8_BYTES = INDEX_HEAD_DIM + 4                                             # 132 a token
+INDEX_FP8_PAGE_BYTES = PAGE_SIZE * INDEX_FP8_BYTES                               # 8448
+INDEX_FP8_SCALE_OFFSET = PAGE_SIZE * INDEX_HEAD_DIM                              # 8192 in a page
 
 
 class PoolExhaustedError(RuntimeError):
@@ -145,38 +168,99 @@ class PageAllocator:
             self._free.append(page)
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """``"bf16"`` or ``"fp8_e4m3"`` for one of :data:`KV_CACHE_DTYPES`. ``"auto"`` is ``"bf16"``:
+    the Triton indexer and sparse MLA read only unquantized caches so far, and an FP8 cache is a
+    precision trade the user asks for. Raises ``ValueError`` for any other value."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return "bf16" if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
+def _byte_view(cache: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    return cache[..., start:stop].view(dtype)
+
+
+def mla_fp8_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Typed views of an ``fp8_ds_mla`` cache (uint8 ``[slots, 656]``): the latent codes e4m3
+    ``[slots, 512]``, the scales fp32 ``[slots, 4]`` and the rope key bf16 ``[slots, 64]``."""
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != MLA_FP8_BYTES:
+        raise ValueError(f"mla cache: expected uint8 [slots, {MLA_FP8_BYTES}], got {cache.dtype} "
+                         f"{tuple(cache.shape)}")
+    return (_byte_view(cache, 0, MLA_FP8_SCALE_OFFSET, torch.float8_e4m3fn),
+            _byte_view(cache, MLA_FP8_SCALE_OFFSET, MLA_FP8_ROPE_OFFSET, torch.float32),
+            _byte_view(cache, MLA_FP8_ROPE_OFFSET, MLA_FP8_BYTES, torch.bfloat16))
+
+
+def index_k_fp8_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typed views of an FP8 indexer key cache (uint8 ``[pages, 8448]``): the key codes e4m3
+    ``[pages, 64, 128]`` and the scales fp32 ``[pages, 64]``; slot ``s`` is ``[s // 64, s % 64]``.
+    (DeepGEMM's ``[pages, 64, 1, 132]`` is ``cache.view(pages, 64, 1, 132)``: the same bytes.)"""
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != INDEX_FP8_PAGE_BYTES:
+        raise ValueError(f"index_k cache: expected uint8 [pages, {INDEX_FP8_PAGE_BYTES}], got "
+                         f"{cache.dtype} {tuple(cache.shape)}")
+    pages = cache.shape[0]
+    keys = _byte_view(cache, 0, INDEX_FP8_SCALE_OFFSET, torch.float8_e4m3fn)
+    return (keys.view(pages, PAGE_SIZE, INDEX_HEAD_DIM),
+            _byte_view(cache, INDEX_FP8_SCALE_OFFSET, INDEX_FP8_PAGE_BYTES, torch.float32))
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    """Whether a per-layer cache of a KVPool holds the FP8 byte layout (uint8)."""
+    return cache.dtype == torch.uint8
+
+
 class KVPool:
-    """Per-layer MLA and indexer-key caches over ``num_slots`` slot ids.
+    """Per-layer MLA and indexer-key caches over ``num_slots`` slot ids (module docstring for
+    the layouts).
 
     Attributes
     ----------
+    kv_cache_dtype : str
+        ``"bf16"`` (the caches in ``dtype``, the model's) or ``"fp8_e4m3"`` (uint8 byte layouts).
     mla_cache : list of Tensor
-        Per layer, ``[num_slots, kv_cache_dim]`` (``dtype``): normed latent | roped key.
+        Per layer, ``[num_slots, kv_cache_dim]`` (``dtype``): normed latent | roped key; FP8:
+        uint8 ``[num_slots, 656]``.
     index_k_cache : list of Tensor
-        Per layer, ``[num_slots, index_head_dim]`` (``dtype``): the indexer's roped, normed key.
+        Per layer, ``[num_slots, index_head_dim]`` (``dtype``): the indexer's roped, normed key;
+        FP8: uint8 ``[num_slots / 64, 8448]`` (one row a page).
     """
 
     def __init__(self, num_layers: int, num_slots: int, kv_cache_dim: int = 576,
                  index_head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", *, kv_cache_dtype: str = "bf16"):
         for name, value in (("num_layers", num_layers), ("num_slots", num_slots),
                             ("kv_cache_dim", kv_cache_dim), ("index_head_dim", index_head_dim)):
             check_count(f"KVPool {name}", value)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
         self.num_layers = num_layers
         self.num_slots = num_slots
-        self._mla = torch.zeros(num_layers, num_slots, kv_cache_dim, dtype=dtype, device=device)
-        self._index_k = torch.zeros(num_layers, num_slots, index_head_dim, dtype=dtype, device=device)
+        self.dtype = dtype
+        if self.kv_cache_dtype == "fp8_e4m3":
+            if (kv_cache_dim, index_head_dim) != (MLA_LATENT_DIM + MLA_ROPE_DIM, INDEX_HEAD_DIM):
+                raise ValueError(f"KVPool: the fp8_e4m3 layouts need kv_cache_dim={MLA_LATENT_DIM + MLA_ROPE_DIM} "
+                                 f"and index_head_dim={INDEX_HEAD_DIM}, got {kv_cache_dim}, {index_head_dim}")
+            if num_slots % PAGE_SIZE:
+                raise ValueError(f"KVPool: an fp8_e4m3 pool needs num_slots a multiple of {PAGE_SIZE} "
+                                 f"(its indexer cache is paged), got {num_slots}")
+            self._mla = torch.zeros(num_layers, num_slots, MLA_FP8_BYTES, dtype=torch.uint8, device=device)
+            self._index_k = torch.zeros(num_layers, num_slots // PAGE_SIZE, INDEX_FP8_PAGE_BYTES,
+                                        dtype=torch.uint8, device=device)
+        else:
+            self._mla = torch.zeros(num_layers, num_slots, kv_cache_dim, dtype=dtype, device=device)
+            self._index_k = torch.zeros(num_layers, num_slots, index_head_dim, dtype=dtype, device=device)
         self.mla_cache = [self._mla[i] for i in range(num_layers)]
         self.index_k_cache = [self._index_k[i] for i in range(num_layers)]
 
     @classmethod
     def for_model(cls, config, num_slots: int, *, mtp: bool = False, dtype=torch.bfloat16,
-                  device="cpu") -> "KVPool":
+                  device="cpu", kv_cache_dtype: str = "bf16") -> "KVPool":
         """The target pool (``num_hidden_layers`` layers) or, with ``mtp``, the MTP layer's pool."""
         layers = config.num_nextn_predict_layers if mtp else config.num_hidden_layers
         if layers < 1:
             raise ValueError("KVPool.for_model: the config has no MTP layer")
-        return cls(layers, num_slots, config.kv_cache_dim, config.index_head_dim, dtype, device)
+        return cls(layers, num_slots, config.kv_cache_dim, config.index_head_dim, dtype, device,
+                   kv_cache_dtype=kv_cache_dtype)
 
     def nbytes(self) -> int:
         """Bytes held by the caches."""
