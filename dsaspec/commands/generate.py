@@ -74,6 +74,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, seed_help: str = "seed of
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", type=dtype_name, default="bf16", choices=sorted(DTYPES),
                    help=f"weight and activation dtype ({', '.join(DTYPE_ALIASES)} are accepted too)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"],
+                   help="KV cache dtype: bf16 (the model's dtype) or fp8_e4m3 (FlashMLA's fp8_ds_mla and the "
+                        "paged FP8 indexer keys; torch ops only for now); auto: bf16")
     p.add_argument("--ops", default="auto", choices=["auto", "triton", "torch"],
                    help="DSA ops: Triton kernels or torch references (auto: triton on CUDA). The two sum in "
                         "different orders, so in bf16 their tokens can differ where two logits nearly tie, "
@@ -111,10 +114,10 @@ class _Layout:
 
 
 def required_bytes(config, dtype: torch.dtype, *, max_batch: int, context_len: int, num_slots: int,
-                   mtp: bool = False, tp: int = 1) -> dict:
+                   mtp: bool = False, tp: int = 1, kv_cache_dtype: str = "auto") -> dict:
     """Bytes the engine allocates up front on one GPU: ``weights`` (every parameter of a rank's
     shard at TP ``tp``, in ``dtype``), ``kv`` (the MLA and indexer-key caches over ``num_slots``,
-    with ``mtp`` the MTP layer's too; replicated over TP), ``table`` (req_to_token) and their
+    with ``mtp`` the MTP layer's too, in ``kv_cache_dtype``; replicated over TP), ``table`` (req_to_token) and their
     ``total``. Activations and workspaces come on top."""
     from dsaspec.memory import KVPool, ReqToTokenPool
     from dsaspec.models.dsa_model import DSAModel
@@ -122,9 +125,10 @@ def required_bytes(config, dtype: torch.dtype, *, max_batch: int, context_len: i
     meta = torch.device("meta")
     model = DSAModel(config, dtype=dtype, tp_group=_Layout(tp)) if tp > 1 else DSAModel(config, device=meta, dtype=dtype)
     weights = sum(p.nbytes for p in model.parameters())
-    kv = KVPool.for_model(config, num_slots, dtype=dtype, device=meta).nbytes()
+    pools = dict(dtype=dtype, device=meta, kv_cache_dtype=kv_cache_dtype)
+    kv = KVPool.for_model(config, num_slots, **pools).nbytes()
     if mtp:
-        kv += KVPool.for_model(config, num_slots, mtp=True, dtype=dtype, device=meta).nbytes()
+        kv += KVPool.for_model(config, num_slots, mtp=True, **pools).nbytes()
     table = ReqToTokenPool.table_nbytes(max_batch, context_len)   # a pool would build a host list of every row
     return {"weights": weights, "kv": kv, "table": table, "total": weights + kv + table}
 
@@ -217,6 +221,9 @@ def device_and_ops(args) -> tuple[torch.device, bool, torch.dtype]:
     dtype = DTYPES[args.dtype]
     if use_triton and dtype != torch.bfloat16:
         raise UserError(f"--ops triton needs --dtype bf16, got --dtype {args.dtype}")
+    if use_triton and args.kv_cache_dtype == "fp8_e4m3":
+        raise UserError("--kv-cache-dtype fp8_e4m3: the Triton indexer / sparse MLA on FP8 caches is not "
+                        "implemented yet; use --ops torch")
     if use_triton and device.type == "cpu" and not flags.triton_interpret():
         raise UserError("--ops triton on --device cpu needs the Triton interpreter: set TRITON_INTERPRET=1")
     return device, use_triton, dtype
@@ -279,7 +286,8 @@ def run(args) -> int:
         group = init_tp_group()
         device = group.device
     check_fits(source, required_bytes(config, dtype, max_batch=args.max_batch, context_len=args.context_len,
-                                      num_slots=num_slots, mtp=spec is not None, tp=args.tp), device, args.dtype)
+                                      num_slots=num_slots, mtp=spec is not None, tp=args.tp,
+                                      kv_cache_dtype=args.kv_cache_dtype), device, args.dtype)
 
     model, source = build_model(args, config, device, dtype, use_triton, options, group)
     generator = torch.Generator().manual_seed(args.seed + 1)
@@ -287,7 +295,8 @@ def run(args) -> int:
     leader = group is None or group.rank == 0
     engine = Engine(model, context_len=args.context_len, max_batch=args.max_batch, num_slots=num_slots,
                     use_cuda_graph=False if args.no_cuda_graph else None,
-                    progress=leader and not args.no_progress, speculative=spec)
+                    progress=leader and not args.no_progress, speculative=spec,
+                    kv_cache_dtype=args.kv_cache_dtype)
     if leader:
         _print_setup(args, source, device, use_triton, engine, spec, group)
     results = engine.generate(prompts, args.max_new_tokens, eos_token_id=args.eos_token_id)
@@ -299,7 +308,8 @@ def run(args) -> int:
 def _print_setup(args, source, device, use_triton, engine, spec, group) -> None:
     """What runs: model, TP, device, ops, graphs, metadata kernel, speculative settings."""
     tp = "" if group is None else f"; TP {group.size} over {group.size} GPUs ({group.transport} all-reduce)"
-    print(f"model: {source}{tp}; device {device}, {args.dtype}, ops {'triton' if use_triton else 'torch'}, "
+    print(f"model: {source}{tp}; device {device}, {args.dtype}, KV cache {engine.kv.kv_cache_dtype}, "
+          f"ops {'triton' if use_triton else 'torch'}, "
           f"CUDA graphs {'on' if engine.use_cuda_graph else 'off'}, metadata kernel "
           f"{engine.backend.kernel} ({engine.backend.kernel_reason})")
     if spec is not None:

@@ -115,12 +115,14 @@ def build_server(args):
             raise UserError(f"{tokenizer_dir}: eos token ids {sorted(text.eos_token_ids)} are outside the model's "
                             f"vocabulary [0, {config.vocab_size})")
     check_fits(source, required_bytes(config, dtype, max_batch=args.max_batch, context_len=args.context_len,
-                                      num_slots=num_slots, mtp=spec is not None), device, args.dtype)
+                                      num_slots=num_slots, mtp=spec is not None,
+                                      kv_cache_dtype=args.kv_cache_dtype), device, args.dtype)
     model, source = build_model(args, config, device, dtype, use_triton, options)
     engine = Engine(model, context_len=args.context_len, max_batch=args.max_batch, num_slots=num_slots,
-                    use_cuda_graph=False if args.no_cuda_graph else None, progress=False, speculative=spec)
+                    use_cuda_graph=False if args.no_cuda_graph else None, progress=False, speculative=spec,
+                    kv_cache_dtype=args.kv_cache_dtype)
     name = args.served_model_name or (Path(args.checkpoint).resolve().name if args.checkpoint else args.preset)
-    info = {"source": source, "device": str(device), "dtype": args.dtype, "ops": "triton" if use_triton else "torch",
+    info = {"source": source, "device": str(device), "dtype": args.dtype, "kv_cache_dtype": engine.kv.kv_cache_dtype, "ops": "triton" if use_triton else "torch",
             "cuda_graphs": engine.use_cuda_graph, "context_len": args.context_len, "max_batch": args.max_batch,
             "num_slots": num_slots, "tokenizer": text is not None,
             "speculative_algorithm": args.speculative_algorithm,

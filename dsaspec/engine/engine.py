@@ -184,6 +184,8 @@ class Engine:
         greedy decoding.
     time_phases : with speculation on CUDA, record each iteration's device time per phase.
     options : RuntimeOptions for the metadata kernels and the exchanges (default: ``model.options``).
+    kv_cache_dtype : ``"auto"`` / ``"bf16"`` (caches in the model's dtype) or ``"fp8_e4m3"`` (the
+        FP8 layouts of :mod:`dsaspec.memory`; torch ops only for now) for the target and MTP pools.
     """
 
     def __init__(self, model: DSAModel, *, context_len: int, max_batch: int = 8,
@@ -191,7 +193,7 @@ class Engine:
                  use_cuda_graph: bool | None = None, prefill_chunk: int = 512,
                  force_kernel: str | None = None, progress: bool = True,
                  speculative: SpecConfig | None = None, time_phases: bool = False,
-                 options: RuntimeOptions | None = None):
+                 options: RuntimeOptions | None = None, kv_cache_dtype: str = "auto"):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -210,7 +212,8 @@ class Engine:
             num_slots = self.default_num_slots(max_batch, context_len, draft_tokens)
         self.allocator = PageAllocator(num_slots, PAGE_SIZE)
         self.slots = RequestSlots(self.req_pool, self.allocator)
-        self.kv = KVPool.for_model(self.config, num_slots, dtype=weight.dtype, device=self.device)
+        self.kv = KVPool.for_model(self.config, num_slots, dtype=weight.dtype, device=self.device,
+                                   kv_cache_dtype=kv_cache_dtype)
         buckets = sorted(set(int(b) for b in bucket_sizes))
         holding = [b for b in buckets if b >= max_batch]
         buckets = [b for b in buckets if b < max_batch] + holding[:1]
@@ -221,7 +224,8 @@ class Engine:
         if speculative is None:
             self.worker = build_decode_worker(model, self.req_pool, self.kv, **common)
         else:
-            self.mtp_kv = KVPool.for_model(self.config, num_slots, mtp=True, dtype=weight.dtype, device=self.device)
+            self.mtp_kv = KVPool.for_model(self.config, num_slots, mtp=True, dtype=weight.dtype, device=self.device,
+                                           kv_cache_dtype=kv_cache_dtype)
             self.worker = build_spec_worker(model, self.req_pool, self.kv, self.mtp_kv, speculative, **common)
         self.backend = self.worker.backend
         self.stats = GenerationStats()

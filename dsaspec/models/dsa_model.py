@@ -253,7 +253,11 @@ class DSAModel(nn.Module):
             raise ValueError(f"out_cache_loc must be int64 (index_copy_ indices), got {out_cache_loc.dtype}")
         if kv.num_layers != layers:
             raise ValueError(f"the KV pool has {kv.num_layers} layer(s), this forward needs {layers}")
-        if kv.mla_cache[0].dtype != self.lm_head.weight.dtype:
+        if kv.kv_cache_dtype == "fp8_e4m3":
+            if self.use_triton:
+                raise NotImplementedError("the Triton indexer / sparse MLA on FP8 caches is not implemented yet "
+                                          "(kv_cache_dtype='fp8_e4m3' runs with the torch ops)")
+        elif kv.mla_cache[0].dtype != self.lm_head.weight.dtype:
             raise ValueError(f"KV pool dtype {kv.mla_cache[0].dtype} != model dtype {self.lm_head.weight.dtype}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 @functools.lru_cache(maxsize=3)
 def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
     """The four DSA ops (``indexer_schedule``, ``indexer_logits``, ``topk_slots``,
-    ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check_values``):
+    ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check_values``)
+    and the two cache writes (``store_mla``, ``store_index_k``: a copy, or quantize-on-write into
+    an FP8 cache):
     the Triton kernels when ``use_triton`` (sparse MLA's Gluon kernel where its default
     configuration takes it, unless ``sparse_mla_gluon`` is off), else the runtime's plain-torch
     versions (:mod:`dsaspec.layers.attention.torch_ops`; eager only: they read lengths on the host)."""
@@ -18,13 +20,16 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
         from dsaspec.ops.indexer import indexer_logits
         from dsaspec.ops.indexer_schedule import indexer_schedule
         from dsaspec.ops.sparse_mla import sparse_mla_decode
+        from dsaspec.ops.fp8_kv import store_index_k, store_mla
         from dsaspec.ops.topk import topk_slots
         if not sparse_mla_gluon:
             sparse_mla_decode = _sparse_mla_decode_triton_only
     else:
-        from dsaspec.layers.attention.torch_ops import indexer_logits, indexer_schedule, sparse_mla_decode, topk_slots
+        from dsaspec.layers.attention.torch_ops import (indexer_logits, indexer_schedule, sparse_mla_decode,
+                                                        store_index_k, store_mla, topk_slots)
     return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
-                           topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode)
+                           topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode,
+                           store_mla=store_mla, store_index_k=store_index_k)
 
 
 def _sparse_mla_decode_triton_only(q, kv_cache, slots, sm_scale, out, *, workspace=None, **kwargs):

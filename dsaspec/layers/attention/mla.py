@@ -66,7 +66,7 @@ class Indexer(RowInvariant, nn.Module):
         q = self.wq_b(q_latent).view(rows, cfg.index_n_heads, cfg.index_head_dim)
         q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
         k = apply_rope_first(self.k_norm(self.wk(x)), rope, step.cos, step.sin, interleaved)
-        index_k_cache.index_copy_(0, step.out_cache_loc, k)
+        step.ops.store_index_k(index_k_cache, step.out_cache_loc, k, check_values=step.check_values)
         if self.row_invariant:
             weights = row_invariant_ops().linear(x.float(), self.weights_proj.weight.float())
         else:
@@ -112,8 +112,8 @@ class MLAAttention(RowInvariant, nn.Module):
 
     def forward(self, x, step: ForwardState, mla_cache, index_k_cache) -> torch.Tensor:
         """``x`` ``[R, hidden]`` (normed) -> ``[R, hidden]`` (summed over the TP group); writes the
-        rows' entries of ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` at
-        ``out_cache_loc`` and ``attn.topk_slots`` (if given)."""
+        rows' entries of ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` (or
+        their FP8 layouts, quantized on write) at ``out_cache_loc`` and ``attn.topk_slots`` (if given)."""
         cfg = self.config
         rows, heads = x.shape[0], self.num_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
@@ -122,7 +122,8 @@ class MLAAttention(RowInvariant, nn.Module):
         q_rope = apply_rope(q_rope, step.cos, step.sin, cfg.rope_interleave)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_rope = apply_rope(k_rope, step.cos, step.sin, cfg.rope_interleave)
-        mla_cache.index_copy_(0, step.out_cache_loc, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1))
+        step.ops.store_mla(mla_cache, step.out_cache_loc, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1),
+                           check_values=step.check_values)
         if self.indexer is not None and not step.seeded:
             q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache)
             step.selected = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)
