@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dsaspec.layers.attention import torch_ops
-from dsaspec.memory import (INDEX_FP8_PAGE_BYTES, MLA_FP8_BYTES, KVPool, index_k_fp8_views, mla_fp8_views,
-                            resolve_kv_cache_dtype)
+from dsaspec.memory import KVPool, resolve_kv_cache_dtype
+from dsaspec.ops.kv_cache_layout import INDEX_FP8_PAGE_BYTES, MLA_FP8_BYTES, index_k_fp8_views, mla_fp8_views
 from dsaspec.ops import fp8_kv
 from dsaspec.reference import fp8_kv as ref
 

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaspec.memory import (FP8_GROUP, INDEX_HEAD_DIM, MLA_LATENT_DIM, MLA_ROPE_DIM, PAGE_SIZE,
-                            index_k_fp8_views, is_fp8_cache, mla_fp8_views)
+from dsaspec.ops.kv_cache_layout import (PAGE_SIZE, FP8_GROUP, INDEX_HEAD_DIM, MLA_LATENT_DIM, MLA_ROPE_DIM,
+                                         index_k_fp8_views, is_fp8_cache, mla_fp8_views)
 from dsaspec.ops.checks import check_tensor
 from dsaspec.ops.e4m3 import quantize_rows
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from dsaspec.memory import PAGE_SIZE, index_k_fp8_views, is_fp8_cache, mla_fp8_views
+from dsaspec.memory import PAGE_SIZE
+from dsaspec.ops.kv_cache_layout import index_k_fp8_views, is_fp8_cache, mla_fp8_views
 from dsaspec.ops.fp8_gemm import BLOCK, quantize_blocks
 from dsaspec.ops.order_key import fp32_order_key
 
