@@ -16,15 +16,19 @@ def check_count(name: str, value, minimum: int = 1) -> None:
         raise ValueError(f"{name}: expected >= {minimum}, got {value}")
 
 
-def check_tensor(name: str, tensor, *, dtype: torch.dtype, shape: tuple | None = None,
+def check_tensor(name: str, tensor, *, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple | None = None,
                  device: torch.device | None = None, ndim: int | None = None,
                  contiguous_last: bool = True) -> None:
-    """Raise a ``ValueError`` naming ``name`` unless ``tensor`` has the expected dtype, shape
+    """Raise a ``ValueError`` naming ``name`` unless ``tensor`` has the expected dtype (or one of a
+    tuple of dtypes), shape
     (entries ``None`` match anything), device and (with ``contiguous_last``) a contiguous last
     dimension; a ``TypeError`` unless it is a tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != dtype:
+    if isinstance(dtype, tuple):
+        if tensor.dtype not in dtype:
+            raise ValueError(f"{name}: expected dtype in {dtype}, got {tensor.dtype}")
+    elif tensor.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {tensor.dtype}")
     if ndim is None and shape is not None:
         ndim = len(shape)

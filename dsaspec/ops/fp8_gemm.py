@@ -87,11 +87,7 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None, *, out: torch.Tenso
     None (fp32 scales) or ``"ue8m0"`` (power-of-two scales). Writes and returns ``out`` e4m3
     ``[M, K]`` and ``scale_out`` fp32 ``[M, K / 128]`` (allocated when None). No host sync."""
     _check_scale_fmt(scale_fmt)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _ACT_DTYPES:
-        raise ValueError(f"x: expected dtype in {_ACT_DTYPES}, got {x.dtype}")
-    check_tensor("x", x, dtype=x.dtype, ndim=2)
+    check_tensor("x", x, dtype=_ACT_DTYPES, ndim=2)
     m, k = x.shape
     check_count("x.shape[0] (M)", m)
     _check_k("x", k)

@@ -112,20 +112,12 @@ def _gather_index_k_kernel(slots_ptr, key_ptr, scale_ptr, out_ptr, N, stride_key
 
 
 def _check_rows(name: str, x, width: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}: expected dtype in {_FLOAT_DTYPES}, got {x.dtype}")
-    check_tensor(name, x, dtype=x.dtype, shape=(None, width))
+    check_tensor(name, x, dtype=_FLOAT_DTYPES, shape=(None, width))
 
 
 def _check_slots(name: str, slots, device, num_slots: int, lowest: int, check_values: bool,
                  ndim: int | None = 1) -> None:
-    if not isinstance(slots, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(slots).__name__}")
-    if slots.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"{name}: expected dtype in {_INDEX_DTYPES}, got {slots.dtype}")
-    check_tensor(name, slots, dtype=slots.dtype, ndim=ndim, device=device, contiguous_last=False)
+    check_tensor(name, slots, dtype=_INDEX_DTYPES, ndim=ndim, device=device, contiguous_last=False)
     if check_values and slots.numel() and (int(slots.min()) < lowest or int(slots.max()) >= num_slots):
         raise ValueError(f"{name}: slots must lie in [{lowest}, {num_slots}), got "
                          f"[{int(slots.min())}, {int(slots.max())}]")

@@ -264,11 +264,7 @@ def _combine_kernel(partial_ptr, ids_ptr, out_ptr, T, H, stride_partial, stride_
 
 
 def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, workspace) -> None:
-    if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
-    if hidden.dtype not in _DTYPES:
-        raise ValueError(f"hidden: expected dtype torch.bfloat16 or torch.float32, got {hidden.dtype}")
-    check_tensor("hidden", hidden, dtype=hidden.dtype, ndim=2)
+    check_tensor("hidden", hidden, dtype=_DTYPES, ndim=2)
     tokens, h = hidden.shape
     dtype, device = hidden.dtype, hidden.device
     check_tensor("w13", w13, dtype=dtype, ndim=3, device=device)
