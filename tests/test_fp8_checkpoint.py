@@ -102,24 +102,27 @@ def test_modules_to_not_convert_stay_dense(tmp_path):
 
 
 @pytest.mark.parametrize("use_triton,row_invariant", [(False, False), (False, True), (True, False)])
-def test_fp8_linear_paths_match_the_reference(use_triton, row_invariant):
-    layer = Fp8Linear(256, 200, dtype=torch.float32)
+def test_fp8_linear_paths_match_the_reference(use_triton, row_invariant, device):
+    layer = Fp8Linear(256, 200, device=device, dtype=torch.float32)
     layer.set_dense(torch.randn(200, 256, generator=torch.Generator().manual_seed(0)) / 16)
     layer.use_triton, layer.row_invariant = use_triton, row_invariant
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
     a, a_s = ref.act_quant(x)
-    want = ref.fp8_gemm(a, a_s, layer.weight, layer.weight_scale_inv, out_dtype=torch.float64)
-    got = layer(x)
+    weight, scale = layer.weight.cpu(), layer.weight_scale_inv.cpu()
+    want = ref.fp8_gemm(a, a_s, weight, scale, out_dtype=torch.float64)
+    got = layer(x.to(device))
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
     if use_triton or row_invariant:
-        assert torch.equal(layer(x[4:5]), got[4:5]), "a row depends on the batch"
-    assert torch.equal(layer.dense_weight(), ref.dequantize(layer.weight, layer.weight_scale_inv, 128).float())
+        assert torch.equal(layer(x[4:5].to(device)), got[4:5]), "a row depends on the batch"
+    assert torch.equal(layer.dense_weight().cpu(), ref.dequantize(weight, scale, 128).float())
 
 
 @torch.no_grad()
-def _greedy(model: DSAModel, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """Prefill then single-row decode steps: the greedy tokens and each step's logits."""
+def _greedy(model: DSAModel, prompt: list[int], forced: list[int] | None = None
+            ) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill then single-row decode steps: the greedy tokens and each step's logits. With
+    ``forced``, each step is fed ``forced`` (teacher forcing) instead of the model's own token."""
     device = model.lm_head.weight.device
     pool = ReqToTokenPool(1, len(prompt) + NEW_TOKENS, device=device)
     slots = RequestSlots(pool, PageAllocator(PAGE_SIZE * 4))
@@ -128,24 +131,58 @@ def _greedy(model: DSAModel, prompt: list[int]) -> tuple[list[int], list[torch.T
     logits = [model.logits(model.prefill(torch.tensor(prompt, device=device), pool.req_to_token, row, kv)[-1:])[0]]
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < NEW_TOKENS:
+        fed = (forced or tokens)[len(tokens) - 1]
         positions, loc, attn = build_extend_inputs(pool.req_to_token, [row], [len(prompt) + len(tokens) - 1], [1])
-        logits.append(model.logits(model(torch.tensor(tokens[-1:], device=device), positions, loc, kv, attn))[0])
+        logits.append(model.logits(model(torch.tensor([fed], device=device), positions, loc, kv, attn))[0])
         tokens.append(int(logits[-1].argmax()))
     return tokens, logits
 
 
+def _first_difference(n, got, want, got_logits, want_logits) -> str:
+    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    top2 = want_logits[i].float().topk(2).values
+    return (f"prompt of {n} tokens: first difference at new token {i}: FP8 {got[i]}, twin {want[i]} "
+            f"(twin's logit margin {float(top2[0] - top2[1]):.4g}, FP8 logits differ by up to "
+            f"{float((got_logits[i].float() - want_logits[i].float()).abs().max()):.4g})")
+
+
 def _compare_with_twin(model, twin):
+    """Greedy tokens equal the twin's on every test prompt (fp32: the twin holds the FP8 weights'
+    exact values, only the activations' e4m3 rounding differs)."""
     gen = torch.Generator().manual_seed(7)
     for n in PROMPT_LENS:
         prompt = torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
         got, got_logits = _greedy(model, prompt)
         want, want_logits = _greedy(twin, prompt)
         if got != want:
-            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            top2 = want_logits[i].topk(2).values
-            pytest.fail(f"prompt of {n} tokens: first difference at new token {i}: FP8 {got[i]}, twin {want[i]} "
-                        f"(twin's logit margin {float(top2[0] - top2[1]):.4g}, FP8 logits differ by up to "
-                        f"{float((got_logits[i] - want_logits[i]).abs().max()):.4g})")
+            pytest.fail(_first_difference(n, got, want, got_logits, want_logits))
+
+
+# The FP8 model's logits against its twin's, teacher-forced on the twin's tokens, in standard
+# deviations of the twin's logits: the activations' e4m3 rounding (up to 2**-4 relative per value)
+# gave an RMS error of 0.10 and a largest one of 0.34 on the tiny model (CPU, bf16); one o_proj's
+# block scales off by 25% gives 0.13 / 0.45, down_proj's 0.15 / 0.53.
+LOGIT_RMS_STDS, LOGIT_MAX_STDS = 0.125, 0.5
+
+
+def _compare_logits_with_twin(model, twin) -> list[str]:
+    """Assert the teacher-forced logit bound at every step of every test prompt; returns the first
+    token difference of each prompt that has one (a flip where the twin's margin is below the error)."""
+    gen = torch.Generator().manual_seed(7)
+    differences = []
+    for n in PROMPT_LENS:
+        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+        want, want_logits = _greedy(twin, prompt)
+        got, got_logits = _greedy(model, prompt, forced=want)
+        for i, (a, b) in enumerate(zip(got_logits, want_logits)):
+            error, spread = a.float() - b.float(), float(b.float().std())
+            rms, largest = float(error.pow(2).mean().sqrt()), float(error.abs().max())
+            assert rms <= LOGIT_RMS_STDS * spread and largest <= LOGIT_MAX_STDS * spread, \
+                f"prompt of {n} tokens, new token {i}: FP8 logits differ by {rms:.4g} RMS, {largest:.4g} at most " \
+                f"(twin's logits: standard deviation {spread:.4g})"
+        if got != want:
+            differences.append(_first_difference(n, got, want, got_logits, want_logits))
+    return differences
 
 
 def test_fp8_checkpoint_generates_the_twins_greedy_tokens_cpu(fp8_checkpoint):
@@ -154,12 +191,22 @@ def test_fp8_checkpoint_generates_the_twins_greedy_tokens_cpu(fp8_checkpoint):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_checkpoint_generates_the_twins_greedy_tokens_triton_gpu(tmp_path, dtype):
-    dense = DSAModel(get_config("tiny"), dtype=dtype, device="cuda").init_weights(0).cpu()
+def test_fp8_checkpoint_tracks_the_twins_logits_triton_gpu(tmp_path):
+    """bf16 on the H200 with the Triton ops (they take bf16 only): the logits stay within the stated
+    bound of the twin's, teacher-forced; token flips are printed with their margins (``-s``)."""
+    dense = DSAModel(get_config("tiny"), dtype=torch.bfloat16, device="cuda").init_weights(0).cpu()
     twin = write_fp8_checkpoint(dense, tmp_path)
-    model = load_checkpoint(tmp_path, dtype=dtype, device="cuda", use_triton=True)
-    _compare_with_twin(model, twin.cuda())
+    model = load_checkpoint(tmp_path, dtype=torch.bfloat16, device="cuda", use_triton=True)
+    for line in _compare_logits_with_twin(model, twin.cuda()):
+        print(line)
+
+
+def test_fp8_checkpoint_tracks_the_twins_logits_bf16_cpu(tmp_path):
+    """The same bound in bf16 on CPU (torch ops)."""
+    dense = DSAModel(get_config("tiny"), dtype=torch.bfloat16).init_weights(0)
+    twin = write_fp8_checkpoint(dense, tmp_path)
+    for line in _compare_logits_with_twin(load_checkpoint(tmp_path, dtype=torch.bfloat16), twin):
+        print(line)
 
 
 # ---------------------------------------------------------------------------------------------

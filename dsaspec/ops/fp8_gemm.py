@@ -193,7 +193,9 @@ def quantize_blocks(x: torch.Tensor, block_rows: int, scale_fmt: str | None = No
     blocks = padded.view(nb, block_rows, k // BLOCK, BLOCK)
     bad = ~torch.isfinite(blocks).all(dim=3).all(dim=1)
     amax = blocks.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
-    scale = amax / E4M3_MAX
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which can
+    # differ from the correctly rounded quotient in the last bit.
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     if scale_fmt == "ue8m0":
         bits = scale.view(torch.int32)
         exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
