@@ -6,7 +6,8 @@
 #   SGLANG_CLIENT=/tmp/sglang-client MACHINE=h200 PRESET=e2e scripts/bench_serving.sh [serve options...]
 # Environment: SGLANG_CLIENT (the client's --target folder, put on PYTHONPATH), PYTHON, PRESET
 # (default e2e), MACHINE (default h200), CONCURRENCY (default "1 2 4 8 16 32"), LEN (default 1024),
-# PORT (default 30000), HEALTH_S (seconds to wait for /health, default 1800), CONTEXT (the
+# PORT (default 30000), WORK (a folder to keep the server log, client outputs and e2e run in;
+# default a temporary one, removed at exit), HEALTH_S (seconds to wait for /health, default 1800), CONTEXT (the
 # served --context-len, default 1048576). E2E=1: then, with the server stopped, `dsaspec bench e2e`
 # at the same preset, context, prompt length and concurrencies (NUM_STEPS draft steps, default 3;
 # accept: $DSASPEC_SIMULATE_ACCEPT_LEN, which the server reads too, else the real acceptance), and
@@ -30,9 +31,11 @@ if ! PYTHONPATH="$CLIENT_PATH" "$PYTHON" -c "import importlib.util as u, sys; sy
     echo "bench_serving.sh: SGLang's client is not importable (set SGLANG_CLIENT to its pip --target folder; docs/serving.md)" >&2
     exit 2
 fi
-work=$(mktemp -d)
+keep=${WORK:+1}
+work=${WORK:-$(mktemp -d)}
+mkdir -p "$work"
 server=
-cleanup() { if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; fi; rm -rf "$work"; }
+cleanup() { if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; fi; [ -n "$keep" ] || rm -rf "$work"; }
 trap cleanup EXIT
 PYTHONPATH="$PWD" "$PYTHON" -c "
 import sys

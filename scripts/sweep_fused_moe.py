@@ -1,0 +1,93 @@
+"""Sweep the fused MoE's grouped-GEMM tiles on one GPU at decode / verify token counts: for each
+(T tokens, intermediate size I) and each candidate tile (BLOCK_N, BLOCK_K, stages, warps), applied
+to both grouped GEMMs, the per-kernel device times of a cold-L2 CUDA-graph replay (CUPTI medians),
+next to the default tile's. E 256 experts, k 8, H 7168, bf16, the inputs of ``dsaspec bench moe``.
+Prints the best tile per kernel and point; writes ``sweep_fused_moe.json`` to the folder given.
+
+    python3 scripts/sweep_fused_moe.py $OUT [--tokens 1,2,4,8,16,64] [--intermediate 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from dsaspec.bench.moe import _inputs
+from dsaspec.bench.timing import replay_events, warm_up_gpu
+from dsaspec.ops import fused_moe as moe
+
+KERNELS = {"gate_up": "_gate_up_kernel", "down": "_down_kernel", "align": "_align_kernel",
+           "combine": "_combine_kernel"}
+SMEM_BYTES = 220 * 1024
+
+
+def _kernel_medians(fn, iters: int) -> dict[str, float]:
+    """Median device µs per replay of each fused-MoE kernel."""
+    per = {name: [] for name in KERNELS}
+    for replay in replay_events(fn, iters=iters):
+        for name, pattern in KERNELS.items():
+            per[name].append(sum(e - s for n, s, e in replay if pattern in n) / 1e3)
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Tiles of the fused MoE's grouped GEMMs.")
+    parser.add_argument("out", type=Path, help="folder for sweep_fused_moe.json")
+    parser.add_argument("--tokens", default="1,2,4,8,16,64")
+    parser.add_argument("--intermediate", default="256")
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    shape = SimpleNamespace(hidden=7168, experts=256, topk=8, seed=0)
+    default_tile = moe._tile
+    candidates = [moe._Tile(bn, bk, w, st) for bn, bk, st, w in
+                  itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 6), (2, 4))]
+    warm_up_gpu()
+    results = []
+    for inter, tokens in itertools.product([int(i) for i in args.intermediate.split(",")],
+                                           [int(t) for t in args.tokens.split(",")]):
+        hidden, w13, w2, ids, weights = _inputs(tokens, shape, inter, "cuda", torch.bfloat16)
+        workspace = moe.fused_moe_workspace(tokens, 8, 256, 7168, inter, "cuda", torch.bfloat16)
+        out = torch.empty_like(hidden)
+        want = moe.fused_moe(hidden, w13, w2, ids, weights, out.clone(), workspace=workspace)
+
+        def run():
+            moe.fused_moe(hidden, w13, w2, ids, weights, out, workspace=workspace, check_values=False)
+
+        moe._tile = default_tile
+        point = {"tokens": tokens, "intermediate": inter, "default": _kernel_medians(run, args.iters), "tiles": []}
+        for tile in candidates:
+            def fixed(n, k_dim, topk, dtype, device, weight_tiles=1, tile=tile):
+                return tile
+            if (16 + 2 * tile.block_n) * tile.block_k * 2 * tile.num_stages > SMEM_BYTES:
+                continue
+            moe._tile = fixed
+            try:
+                times = _kernel_medians(run, args.iters)
+            except Exception as err:  # a tile the compiler refuses (resources): recorded, skipped
+                point["tiles"].append({"tile": dataclasses.astuple(tile), "error": type(err).__name__})
+                continue
+            # Different tiles change the fp32 summation order only where a K block differs.
+            max_diff = float((out.float() - want.float()).abs().max())
+            point["tiles"].append({"tile": dataclasses.astuple(tile), "times": times, "max_diff": max_diff})
+        moe._tile = default_tile
+        ok = [t for t in point["tiles"] if "times" in t]
+        for kernel in ("gate_up", "down"):
+            best = min(ok, key=lambda t: t["times"][kernel])
+            print(f"T {tokens:3d} I {inter:4d} {kernel:8s} default {point['default'][kernel]:7.2f} us  "
+                  f"best {best['times'][kernel]:7.2f} us with {best['tile']}", flush=True)
+        results.append(point)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sweep_fused_moe.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
