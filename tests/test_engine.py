@@ -325,7 +325,7 @@ def test_bench_decode_smoke_on_cpu(tmp_path):
 
 @pytest.mark.parametrize("name, phase", [
     ("_bounded_kernel", "metadata"), ("_context_wide_kernel", "metadata"), ("_indexer_schedule_kernel", "metadata"),
-    ("_indexer_logits_kernel", "indexer"), ("_topk_slots_kernel", "topk"), ("_topk_chunk_pass_kernel", "topk"),
+    ("_indexer_logits_kernel", "indexer_logits"), ("_topk_slots_kernel", "topk"), ("_topk_chunk_pass_kernel", "topk"),
     ("_topk_chunk_single_launch_kernel", "topk"), ("_topk_chunk_lists_kernel", "topk"),
     ("_sparse_mla_decode_kernel", "sparse_mla"),
     ("_sparse_mla_combine_kernel", "sparse_mla"), ("_sparse_mla_gluon_kernel", "sparse_mla"),

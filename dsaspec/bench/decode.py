@@ -48,6 +48,7 @@ from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.configs.model_config import PRESETS, get_config
+from dsaspec.bench.floors import LAYER_PHASES, PER_LAYER, STEP, FloorModel, Rates, floor_markdown, floor_rows
 from dsaspec.executor.decode_worker import DecodeWorker
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.ops import dsa_metadata, indexer, indexer_schedule, sparse_mla, sparse_mla_gluon, topk
@@ -64,7 +65,7 @@ TPOT_TARGET = 1.05                           # bounded TPOT at a long context / 
 # so a new kernel cannot be missed)
 KERNEL_MODULE_PHASES = (
     ("metadata", (dsa_metadata, context_wide_metadata, indexer_schedule)),
-    ("indexer", (indexer,)),
+    ("indexer_logits", (indexer,)),
     ("topk", (topk,)),
     ("sparse_mla", (sparse_mla, sparse_mla_gluon)),
 )
@@ -82,8 +83,9 @@ PHASE_PATTERNS = {
     "metadata": f"kernels named {', '.join(_KERNELS['metadata'])}; and the input prep before the graph "
                 "(the rows' positions and tokens from their carry, seq_lens = positions + 1, the out_cache_loc "
                 "gather)",
-    "indexer": f"{', '.join(_KERNELS['indexer'])}; and the kernels of module self_attn.indexer (wq_b, wk, "
-               "k_norm, weights_proj GEMMs, indexer RoPE, index-key cache write)",
+    "indexer": "kernels of module self_attn.indexer (wq_b, wk, k_norm, weights_proj GEMMs, indexer RoPE, "
+               "index-key cache write)",
+    "indexer_logits": ", ".join(_KERNELS["indexer_logits"]),
     "topk": ", ".join(_KERNELS["topk"]),
     "sparse_mla": ", ".join(_KERNELS["sparse_mla"]),
     "attention_proj": "other kernels of module self_attn (q_a/q_b/kv_a projections, norms, RoPE, MLA "
@@ -275,17 +277,6 @@ def _profile(model, context: _Context, kernel: str, args) -> dict[int, dict]:
     return out
 
 
-def _decode_bytes(model: DSAModel, bs: int, live: int) -> int:
-    """Bytes a decode step must read at least: the decoder layers', final norm's and LM head's
-    weights, plus per layer and row the live indexer keys and the selected MLA cache entries."""
-    cfg = model.config
-    layers = model.model.layers[: cfg.num_hidden_layers]
-    weights = sum(p.nbytes for p in layers.parameters()) + model.model.norm.weight.nbytes + model.lm_head.weight.nbytes
-    element = model.lm_head.weight.element_size()
-    kv = cfg.num_hidden_layers * bs * (live * cfg.index_head_dim + min(live, cfg.index_topk) * cfg.kv_cache_dim)
-    return weights + kv * element
-
-
 def _summary(run_times: list[list[float]]) -> dict:
     steps = sorted(t for run in run_times for t in run)
     run_medians = [statistics.median(run) for run in run_times]
@@ -321,12 +312,11 @@ def run(args) -> int:
         raise UserError(f"--contexts {args.contexts[-1]} cannot hold --live {args.live} + --steps {args.steps} = "
                         f"{args.live + args.steps} tokens")
     device = torch.device("cuda" if on_gpu else "cpu")
-    floors = None
     if on_gpu:
-        from dsaspec.bench.timing import Floors, warm_up_gpu
+        from dsaspec.bench.timing import warm_up_gpu
 
         warm_up_gpu()
-        floors = Floors.measure()
+    rates = Rates.measure(device)
     model = DSAModel(get_config(args.preset), device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
                      use_triton=on_gpu, options=options).init_weights(args.seed)
     generator = torch.Generator().manual_seed(args.seed + 1)
@@ -370,9 +360,12 @@ def run(args) -> int:
                 print(f"warning: phase breakdown failed: {phase_errors[-1]}")
 
     reference_context = args.contexts[-1]
+    floor_model = FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(),
+                             kv_cache_dtype=contexts[0].kv.kv_cache_dtype)
     rows = []
     for context in contexts:
         for bs in args.bs:
+            costs = floor_model.decode_step(bs, args.live + args.steps // 2)
             keys = {kernel: (context.context_len, kernel, bs) for kernel in KERNELS}
             identical = (torch.equal(tokens[keys[CONTEXT_WIDE]], tokens[keys[BOUNDED]])
                          and all(consistent[k] for k in keys.values()))
@@ -380,17 +373,21 @@ def run(args) -> int:
                    "runs": args.runs, "tokens_identical": identical,
                    "tokens_identical_to_reference_context": all(
                        torch.equal(tokens[keys[k]], tokens[(reference_context, k, bs)]) for k in KERNELS),
-                   "baseline_us": None, "new_us": None, "speedup": None, "floor_us": None, "spread": None}
+                   "baseline_us": None, "new_us": None, "speedup": None, "spread": None,
+                   "floor_table": floor_rows(costs, rates, None, layers=model.config.num_hidden_layers, step_us=None)}
+            row["floor_us"] = row["floor_table"][-1]["floor_us"]
             if on_gpu:
                 base, new = _summary(times[keys[CONTEXT_WIDE]]), _summary(times[keys[BOUNDED]])
                 row.update(baseline_us=base["median_us"], new_us=new["median_us"],
                            speedup=base["median_us"] / new["median_us"],
-                           floor_us=floors.floor_us(_decode_bytes(model, bs, args.live + args.steps // 2)),
                            spread={"baseline": base["spread"], "new": new["spread"]},
                            tpot_ms={"baseline": base["median_us"] / 1e3, "new": new["median_us"] / 1e3},
                            tok_s_user={"baseline": base["tok_s_user"], "new": new["tok_s_user"]},
                            detail={"baseline": base, "new": new},
                            phases={k: phases.get(keys[k]) for k in KERNELS})
+                bounded = phases.get(keys[BOUNDED])
+                row["floor_table"] = floor_rows(costs, rates, bounded and bounded["phases_us"],
+                                                layers=model.config.num_hidden_layers, step_us=new["median_us"])
             rows.append(row)
     if on_gpu:
         _add_context_ratios(rows, reference_context)
@@ -399,13 +396,15 @@ def run(args) -> int:
               f"+ on-device token feedback; a CUDA event between consecutive steps, {args.steps} steps per "
               f"run, {args.runs} timed runs per point interleaved over the configurations (order reversed "
               f"every other run) after one warm-up run; TPOT = median step time over all runs, spread = "
-              f"(max - min) / median of the per-run medians. floor = bytes a step must read (decoder and "
-              f"LM-head weights, live indexer keys, selected MLA entries) / measured copy bandwidth. Phases: "
+              f"(max - min) / median of the per-run medians. floor = the floor model of dsaspec/bench/floors.py "
+              f"(per phase: max(bytes read + written / measured copy bandwidth, FLOPs / measured bf16 and FP8 "
+              f"matmul rates, one empty kernel a layer) at the mean live length {args.live + args.steps // 2}), "
+              f"summed over the phases; measured / floor per phase from the bounded runs' phases. Phases: "
               f"CUPTI kernel durations of {args.profile_steps} profiled steps of a marker-instrumented graph "
               f"(median per step), attributed as in phase_patterns."
               if on_gpu else "Triton interpreter on CPU (metadata), torch reference ops (model): token identity only.")
     params = bench_params(args)
-    payload = {"method": method, "params": params, "floors": vars(floors) if floors else None,
+    payload = {"method": method, "params": params, "floors": vars(rates),
                "phase_patterns": PHASE_PATTERNS, "phase_errors": phase_errors, "kernels": {"baseline": CONTEXT_WIDE, "new": BOUNDED},
                "rows": rows}
     markdown = _markdown(rows, on_gpu, reference_context, markdown_table)
@@ -438,7 +437,7 @@ def _markdown(rows, on_gpu, reference_context, markdown_table) -> str:
         cols = [("context_len", "context"), ("bs", "bs"), ("live_kv", "live KV"), ("steps", "steps"),
                 ("tokens_identical", "bounded == context-wide"),
                 ("tokens_identical_to_reference_context", f"== context {reference_context}")]
-        return markdown_table(cols, rows)
+        return f"{markdown_table(cols, rows)}\n\n{_floor_markdown(rows, markdown_table)}"
     flat = []
     for r in rows:
         vs = r["vs_reference_context"]
@@ -474,4 +473,26 @@ def _markdown(rows, on_gpu, reference_context, markdown_table) -> str:
     return (f"## TPOT (median step, CUDA events)\n\n{tpot}\n\n## Cost follows live work: TPOT over the "
             f"{reference_context}-token context (target: bounded <= {TPOT_TARGET:.2f})\n\n{target}\n\n"
             f"## Per-phase breakdown (CUPTI kernel durations per step, median)\n\n{phase_table}\n\n"
-            f"Phase attribution:\n\n{patterns}\n")
+            f"Phase attribution:\n\n{patterns}\n\n{_floor_markdown(rows, markdown_table)}")
+
+
+def _floor_markdown(rows, markdown_table) -> str:
+    """Per layer and whole step against their floors at every point, then the per-phase floor
+    table of every bs at the longest context."""
+    summary = []
+    for r in rows:
+        table = {t["phase"]: t for t in r["floor_table"]}
+        summary.append({"context_len": r["context_len"], "bs": r["bs"],
+                        **{f"{key}_{field}": table[phase][field] for key, phase in (("layer", PER_LAYER), ("step", STEP))
+                           for field in ("measured_us", "floor_us", "measured_over_floor", "measured_over_bytes_floor")}})
+    cols = [("context_len", "context"), ("bs", "bs")]
+    for key, title in (("layer", "per layer"), ("step", "step")):
+        cols += [(f"{key}_measured_us", f"{title} µs"), (f"{key}_floor_us", f"{title} floor µs"),
+                 (f"{key}_measured_over_floor", f"{title} / floor"),
+                 (f"{key}_measured_over_bytes_floor", f"{title} / bytes floor")]
+    longest = max(r["context_len"] for r in rows)
+    detail = [dict(t, bs=r["bs"]) for r in rows if r["context_len"] == longest for t in r["floor_table"]]
+    return (f"## Floors (dsaspec/bench/floors.py; measured: bounded metadata, CUPTI phases, TPOT for the step)\n\n"
+            f"Per layer = {', '.join(LAYER_PHASES)} summed over the layers / layers.\n\n"
+            f"{markdown_table(cols, summary)}\n\n### Per phase, context {longest}\n\n"
+            f"{floor_markdown(detail, markdown_table, keys=(('bs', 'bs'),))}\n")

@@ -47,7 +47,6 @@ outputs checked against the baseline and the plain-torch references, no times.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from dsaspec.bench.floors import matmul_tflops
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, nonnegative_int, positive_int, positive_int_list
 from dsaspec.ops.device import sm_count
@@ -345,23 +345,6 @@ def _floor_terms(p: _Point, op: str) -> tuple[int, int]:
     return nbytes, 2 * s.heads * (QK_DIM + LATENT_DIM) * valid
 
 
-def tensor_core_tflops(n: int = 8192, reps: int = 10) -> float:
-    """Measured bf16 tensor-core throughput of one ``n^3`` matmul (median of ``reps``), TFLOP/s."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return 2 * n ** 3 / statistics.median(times) / 1e12
-
-
 # ---------------------------------------------------------------------------------------------
 # checks after timing
 
@@ -502,7 +485,7 @@ def run(args) -> int:
 
         warm_up_gpu()
         floors = Floors.measure()
-        peak = tensor_core_tflops()
+        peak = matmul_tflops()
     started = time.monotonic()
     rows, failures = [], 0
     points = [(live, bs, mode) for live in args.live_kv for bs in args.bs for mode in args.modes]

@@ -47,6 +47,7 @@ from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.bench.floors import ITERATION, FloorModel, Rates, iteration_rows
 from dsaspec.configs.model_config import PRESETS, get_config
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.ops.indexer_schedule import indexer_programs
@@ -242,6 +243,7 @@ def run(args) -> int:
         from dsaspec.bench.timing import warm_up_gpu
 
         warm_up_gpu()
+    rates = Rates.measure(device)
     rows, mismatches = [], []
     for preset in args.presets:
         model = DSAModel(get_config(preset), device=None if group else device,
@@ -250,6 +252,7 @@ def run(args) -> int:
         generator = torch.Generator().manual_seed(args.seed + 1)
         prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
                    for _ in range(max(args.concurrency))]
+        floors = (FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(), tp=args.tp), rates)
         for context_len in args.contexts:
             setup = _build(model, context_len, prompts, args, device, paths, options)
             points = [(accept, c) for accept in args.accept for c in args.concurrency]
@@ -267,7 +270,8 @@ def run(args) -> int:
                             runs[path].append(result)
                 if not identical:
                     mismatches.append((preset, context_len, accept, concurrency))
-                rows.append(_row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, args.tp))
+                rows.append(_row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, args,
+                                 floors))
             del setup
         del model
         if on_gpu:
@@ -290,7 +294,9 @@ def run(args) -> int:
         method += (f" TP {args.tp}: {args.tp} processes under torchrun, times of rank 0; 'gather' = new with "
                    f"{EXCHANGE_SWITCH}=0; predicted exchange saving per iteration = S x (gather - exchange) µs "
                    "per draft step from bench draft-step at this TP and rows = concurrency.")
-    payload = {"method": method, "params": bench_params(args), "kill_switches": list(KILL_SWITCHES),
+    method += (" Floors (new path): dsaspec/bench/floors.py at the run's mean live length, rates measured in the "
+               "same run.")
+    payload = {"method": method, "params": bench_params(args), "floors": vars(rates), "kill_switches": list(KILL_SWITCHES),
                "paths": {path: SWITCHES[path] for path in paths}, "rows": rows}
     markdown = _markdown(rows, on_gpu, args, markdown_table)
     name = "e2e" if args.tp == 1 else f"e2e_tp{args.tp}"
@@ -301,13 +307,20 @@ def run(args) -> int:
     return 0
 
 
-def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, tp) -> dict:
-    row = {"preset": preset, "tp": tp, "concurrency": concurrency, "context": context_len, "accept": accept,
+def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, args, floors) -> dict:
+    row = {"preset": preset, "tp": args.tp, "concurrency": concurrency, "context": context_len, "accept": accept,
            "tokens_identical": identical, "accept_len": None, "baseline_tok_s_user": None, "new_tok_s_user": None,
            "speedup": None, "baseline_ms_per_iter": None, "new_ms_per_iter": None, "ttft_ms": setup.ttft_ms}
+    new = _summary(runs["new"], concurrency) if on_gpu else None
+    accept_len = new["accept_len"] if on_gpu else (1.0 if accept == REAL else float(accept))
+    live = args.prompt_len + round(args.iterations * accept_len / 2)     # the mean over the run
+    row["floor_live"] = live
+    row["floor_table"], row["floor_detail"] = iteration_rows(
+        floors[0], concurrency, live, args.num_steps, floors[1],
+        new and {p: 1e3 * ms for p, ms in new["phases_ms"].items()}, new and 1e3 * new["ms_per_iter"])
     if not on_gpu:
         return row
-    base, new = _summary(runs["baseline"], concurrency), _summary(runs["new"], concurrency)
+    base = _summary(runs["baseline"], concurrency)
     saved_metadata = base["phases_ms"]["metadata"] - new["phases_ms"]["metadata"]
     saved_phases = sum(base["phases_ms"][p] - new["phases_ms"][p] for p in PHASES)
     row.update(accept_len=new["accept_len"], baseline_tok_s_user=base["tok_s_user"], new_tok_s_user=new["tok_s_user"],
@@ -394,6 +407,8 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
         parts.append(f"### {preset}: iteration split by phase (device time, CUDA events, median ms)\n\n" + markdown_table(
             [("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"), ("path", "path")]
             + [(f"{p}_ms", p) for p in PHASES] + [("iter_ms", "iteration (host wall)")], phase_rows))
+        parts.append(f"### {preset}: new path against its floor (dsaspec/bench/floors.py; phases: CUDA events, "
+                     "iteration: host wall)\n\n" + _floor_markdown(mine, markdown_table))
         parts.append(f"### {preset}: targets\n\n" + markdown_table(
             [("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"), ("speedup", "new / baseline"),
              ("new_not_slower", f">= {NOISE}"), ("predicted_speedup_metadata", "predicted by metadata phase"),
@@ -402,6 +417,22 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
              ("baseline_vs_reference_context", f"baseline / context {args.contexts[-1]}"),
              ("context_target_met", f"new within {CONTEXT_TARGET - 1:.0%}")], mine))
     return "\n\n".join(parts)
+
+
+def _floor_markdown(rows, markdown_table) -> str:
+    """One line a point: each iteration phase's measured / floor, the iteration's ms, floor ms and
+    ratios."""
+    flat = []
+    for r in rows:
+        table = {t["phase"]: t for t in r["floor_table"]}
+        total = table[ITERATION]
+        flat.append(dict(r, **{f"{p}_ratio": table[p]["measured_over_floor"] for p in PHASES},
+                         iter_ms=total["measured_us"] / 1e3, floor_ms=total["floor_us"] / 1e3,
+                         ratio=total["measured_over_floor"], bytes_ratio=total["measured_over_bytes_floor"]))
+    return markdown_table([("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"),
+                           ("floor_live", "live KV")] + [(f"{p}_ratio", f"{p} / floor") for p in PHASES]
+                          + [("iter_ms", "iteration ms"), ("floor_ms", "iteration floor ms"),
+                             ("ratio", "iteration / floor"), ("bytes_ratio", "iteration / bytes floor")], flat)
 
 
 def _figure(rows, args):

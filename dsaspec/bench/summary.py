@@ -99,8 +99,12 @@ def _decode(payload: dict) -> list[str]:
     longest = max(r["context_len"] for r in rows)
     phases = [dict(r, phase=name) for r in rows if r["context_len"] == longest
               for name in ("metadata", "indexer", "topk", "sparse_mla")]
-    keys, cols, groups = _pivot(phases, ("phase",), "bs",
-                                lambda r: f"{r['phases']['bounded']['phases_us'][r['phase']]:.0f}")
+
+    def phase_us(r) -> str:     # the indexer with its logits kernel (a phase of its own in newer runs)
+        us = r["phases"]["bounded"]["phases_us"]
+        return f"{us[r['phase']] + (us.get('indexer_logits', 0.0) if r['phase'] == 'indexer' else 0.0):.0f}"
+
+    keys, cols, groups = _pivot(phases, ("phase",), "bs", phase_us)
     parts.append(_table(f"Decode step phases with bounded metadata, {what}, {longest} configured (µs a step, "
                         "CUPTI; indexer includes its projections)", ["phase"], cols, keys, groups, "bs"))
     return parts
