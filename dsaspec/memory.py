@@ -162,7 +162,7 @@ class PageAllocator:
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
     """``"bf16"`` or ``"fp8_e4m3"`` for one of :data:`KV_CACHE_DTYPES`. ``"auto"`` is ``"bf16"``:
-    the Triton indexer and sparse MLA read only unquantized caches so far, and an FP8 cache is a
+    the Triton sparse MLA reads only unquantized caches so far, and an FP8 cache is a
     precision trade the user asks for. Raises ``ValueError`` for any other value."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")

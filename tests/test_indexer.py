@@ -140,7 +140,7 @@ def test_out_of_range_slots_checked(bad_slot, rows_per_group, device):
     table[0, 74] = bad
     with pytest.raises(ValueError, match=rf"page_table_1: slot {bad} at row 0, position 74 "
                                          rf"\(within the live length\) is out of range for a "
-                                         rf"k_cache of 90 rows; expected 0 <= slot < 90"):
+                                         rf"k_cache of 90 slots; expected 0 <= slot < 90"):
         _launch(inputs, num_sms=3, out_width=128, skip_len=skip_len,
                 rows_per_group=rows_per_group)
 

@@ -255,8 +255,9 @@ class DSAModel(nn.Module):
             raise ValueError(f"the KV pool has {kv.num_layers} layer(s), this forward needs {layers}")
         if kv.kv_cache_dtype == "fp8_e4m3":
             if self.use_triton:
-                raise NotImplementedError("the Triton indexer / sparse MLA on FP8 caches is not implemented yet "
-                                          "(kv_cache_dtype='fp8_e4m3' runs with the torch ops)")
+                raise NotImplementedError("the Triton sparse MLA on FP8 caches is not implemented yet (the "
+                                          "Triton indexer reads them; kv_cache_dtype='fp8_e4m3' runs with "
+                                          "the torch ops)")
         elif kv.mla_cache[0].dtype != self.lm_head.weight.dtype:
             raise ValueError(f"KV pool dtype {kv.mla_cache[0].dtype} != model dtype {self.lm_head.weight.dtype}")
 

@@ -9,6 +9,12 @@ blocks), one tensor-core dot with the block's tokens as the M dimension against 
 (loaded once per row), ReLU, the weighted sum over heads. With ``rows_per_group`` G the unit is
 G rows sharing a page table (target verify), whose G * H (row, head) pairs share each key read
 (docs/dsa-kernels.md).
+
+FP8 key caches (uint8 ``[pages, 8448]``, :mod:`dsaspec.ops.kv_cache_layout`) run the same kernel
+with ``FP8`` on, the math of DeepSeek-V3.2's ``fp8_index``: each (row, head) query is quantized to
+e4m3 with one ue8m0 scale (:mod:`dsaspec.ops.e4m3`) once per row, its scale folded into the head
+weight; the dot is e4m3 x e4m3 with fp32 accumulation; the token's key scale multiplies the head
+sum. Every scale is a power of two, so applying them is exact (docs/fp8-kv-cache.md).
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_live_width, check_tensor
+from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, check_rows_per_group
-
-INDEX_HEAD_DIM = 128
+from dsaspec.ops.kv_cache_layout import (INDEX_FP8_PAGE_BYTES, INDEX_HEAD_DIM, PAGE_SIZE,
+                                         index_k_fp8_views, is_fp8_cache)
 
 
 @dataclass(frozen=True)
@@ -63,14 +70,16 @@ def _head_sum(weighted, select, TOKENS_AS_M: tl.constexpr, ALL: tl.constexpr):
 
 
 @triton.jit
-def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seqlens_ptr,
-                           schedule_ptr, out_ptr,
+def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, k_scale_ptr, page_table_ptr,
+                           seqlens_ptr, schedule_ptr, out_ptr,
                            q_stride_row, q_stride_head, weights_stride_row, k_cache_stride,
-                           page_table_stride, out_stride, num_units, num_heads, out_width,
-                           skip_len, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           k_scale_stride, page_table_stride, out_stride, num_units, num_heads,
+                           out_width, skip_len, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                            GROUP_P2: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_KV: tl.constexpr,
                            TOKENS_AS_M: tl.constexpr, NUM_STAGES: tl.constexpr,
-                           UPCAST: tl.constexpr):
+                           UPCAST: tl.constexpr, FP8: tl.constexpr, PAGE: tl.constexpr):
+    # FP8: k_cache_ptr is the e4m3 codes and k_scale_ptr the fp32 scales of a paged cache (strides
+    # per page); otherwise k_cache_ptr is a bf16 [slots, HEAD_DIM] cache and k_scale_ptr unused.
     # A unit is GROUP consecutive rows sharing one page table (one row when GROUP == 1); its
     # (member, head) pairs are the columns of one dot per key block, column member * HEADS_P2 +
     # head (padding columns have zero queries and weights).
@@ -100,10 +109,16 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seql
             stop = tl.minimum(stop, end_block)
         q = tl.load(q_ptr + col_rows[:, None] * q_stride_row + head[:, None] * q_stride_head
                     + dims[None, :], mask=real_col[:, None], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
         head_weights = tl.load(weights_ptr + col_rows * weights_stride_row + head, mask=real_col,
                                other=0.0)
+        if FP8:
+            # padding columns: zero codes, a finite scale, weight 0
+            q, q_scale = quantize_rows(q.to(tl.float32), True)
+            head_weights = head_weights * q_scale
+            if not UPCAST:
+                q = q.to(k_cache_ptr.dtype.element_ty)  # exact: q is on the e4m3 grid
+        elif UPCAST:
+            q = q.to(tl.float32)
         if TOKENS_AS_M and GROUP > 1:
             # each member's length as a [1, GROUP_P2] row (0 for skipped and padding members)
             member_len = tl.load(seqlens_ptr + first_row + members, mask=members < GROUP, other=0)
@@ -113,8 +128,17 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seql
             live = positions < unit_len
             slots = tl.load(page_table_ptr + first_row * page_table_stride + positions,
                             mask=live, other=0)
-            keys = tl.load(k_cache_ptr + slots.to(tl.int64)[:, None] * k_cache_stride
-                           + dims[None, :], mask=live[:, None], other=0.0)
+            slots = slots.to(tl.int64)
+            if FP8:
+                page = slots // PAGE
+                offset = slots % PAGE
+                key_rows = page * k_cache_stride + offset * HEAD_DIM
+                key_scale = tl.load(k_scale_ptr + page * k_scale_stride + offset, mask=live,
+                                    other=0.0)
+            else:
+                key_rows = slots * k_cache_stride
+            keys = tl.load(k_cache_ptr + key_rows[:, None] + dims[None, :], mask=live[:, None],
+                           other=0.0)
             if UPCAST:
                 keys = keys.to(tl.float32)
             if TOKENS_AS_M:
@@ -126,6 +150,8 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seql
             if TOKENS_AS_M and GROUP > 1:
                 # every member's head sum at once: [BLOCK_KV, GROUP_P2], one 2-D store
                 logits = tl.sum(tl.reshape(weighted, (BLOCK_KV, GROUP_P2, HEADS_P2)), axis=2)
+                if FP8:
+                    logits = logits * key_scale[:, None]
                 at = positions[:, None]
                 logits = tl.where(at < member_len, logits, float("-inf"))
                 edge = tl.cdiv(member_len, BLOCK_KV) * BLOCK_KV
@@ -139,6 +165,8 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, page_table_ptr, seql
                         length = tl.load(seqlens_ptr + first_row + g)
                         length = tl.where(length > skip_len, length, 0)
                     logits = _head_sum(weighted, member == g, TOKENS_AS_M, GROUP == 1)
+                    if FP8:
+                        logits = logits * key_scale
                     logits = tl.where(positions < length, logits, float("-inf"))
                     edge = tl.cdiv(length, BLOCK_KV) * BLOCK_KV
                     tl.store(out_ptr + (first_row + g) * out_stride + positions, logits,
@@ -158,11 +186,19 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     ``t < seqlens[r]``, fp32 accumulation of bf16 products. The scale (``softmax_scale *
     H^-0.5``) is expected folded into ``weights``.
 
+    With an FP8 cache (DeepSeek-V3.2's ``fp8_index``): ``qc[r, h], qs[r, h] = act_quant(q[r, h])``
+    (e4m3 codes, ue8m0 scale, :mod:`dsaspec.ops.e4m3`) and ``out[r, t] = ks[s] * sum_h
+    weights[r, h] * qs[r, h] * relu(qc[r, h] . kc[s])`` for ``s = page_table_1[r, t]``, ``kc[s],
+    ks[s]`` the slot's e4m3 codes and fp32 scale; the dot is an FP8 tensor-core dot with fp32
+    accumulation. The caller rotates ``q`` and the keys (Hadamard) before, where the model does.
+
     Parameters
     ----------
     q : bf16 ``[R, H, 128]``, indexer queries (last dim contiguous).
     weights : fp32 ``[R, H]``, per-head weights.
-    k_cache : bf16 ``[num_slots, 128]``, indexer key cache indexed by slot.
+    k_cache : bf16 ``[num_slots, 128]``, indexer key cache indexed by slot; or an FP8 paged
+        cache, uint8 ``[pages, 8448]`` (``num_slots = 64 * pages``; slot ``s`` is token
+        ``s % 64`` of page ``s // 64``, docs/fp8-kv-cache.md).
     page_table_1 : int32 ``[R, W]``, logical position -> slot; only ``[r, :seqlens[r])`` of the
         scheduled rows is read (with groups: each group's first row, up to its longest member).
     seqlens : int32 ``[R]``, causal length of each row (``seqlens_expanded``).
@@ -200,21 +236,29 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         raise ValueError(f"skip_len: expected >= 0, got {skip_len}")
     num_rows, num_heads, head_dim = q.shape
     check_rows_per_group(rows_per_group, num_rows)
+    fp8 = is_fp8_cache(k_cache)
+    if fp8:
+        codes, scales = index_k_fp8_views(k_cache)
+        keys, key_stride, scale_stride = codes, codes.stride(0), scales.stride(0)
+    else:
+        keys, scales, key_stride, scale_stride = k_cache, k_cache, k_cache.stride(0), 0
     if check_values:
         check_live_width(seqlens, page_table_1=page_table_1, out=out)
         _check_groups(page_table_1, seqlens, schedule, rows_per_group, skip_len)
-        _check_slots(page_table_1, seqlens, k_cache.shape[0], rows_per_group, skip_len)
+        num_slots = k_cache.shape[0] * (PAGE_SIZE if fp8 else 1)
+        _check_slots(page_table_1, seqlens, num_slots, rows_per_group, skip_len)
     group_p2 = triton.next_power_of_2(rows_per_group)
     heads_p2 = max(triton.next_power_of_2(num_heads), 16 // group_p2)  # a dot needs N >= 16
     num_programs = schedule.shape[0] - 1
     _indexer_logits_kernel[(num_programs,)](
-        q, weights, k_cache, page_table_1, seqlens, schedule, out,
-        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), page_table_1.stride(0),
-        out.stride(0), num_rows // rows_per_group, num_heads, out.shape[1], skip_len,
+        q, weights, keys, scales, page_table_1, seqlens, schedule, out,
+        q.stride(0), q.stride(1), weights.stride(0), key_stride, scale_stride,
+        page_table_1.stride(0), out.stride(0), num_rows // rows_per_group, num_heads,
+        out.shape[1], skip_len,
         GROUP=rows_per_group, HEAD_DIM=head_dim, GROUP_P2=group_p2, HEADS_P2=heads_p2,
         BLOCK_KV=INDEXER_BLOCK_KV,
         TOKENS_AS_M=config.tokens_as_m, NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
-        num_warps=config.num_warps)
+        FP8=fp8, PAGE=PAGE_SIZE, num_warps=config.num_warps)
     return out
 
 
@@ -224,8 +268,18 @@ def _check_inputs(q, weights, k_cache, page_table_1, seqlens, schedule, out) -> 
     device = q.device
     check_tensor("weights", weights, dtype=torch.float32, shape=(num_rows, num_heads),
                  device=device)
-    check_tensor("k_cache", k_cache, dtype=torch.bfloat16, shape=(None, INDEX_HEAD_DIM),
-                 device=device)
+    if is_fp8_cache(k_cache):
+        check_tensor("k_cache", k_cache, dtype=torch.uint8, shape=(None, INDEX_FP8_PAGE_BYTES),
+                     device=device)
+        if k_cache.stride(0) != INDEX_FP8_PAGE_BYTES:
+            raise ValueError(f"k_cache: expected contiguous FP8 pages (row stride "
+                             f"{INDEX_FP8_PAGE_BYTES}), got stride {k_cache.stride(0)}")
+    elif k_cache.dtype != torch.bfloat16:
+        raise ValueError(f"k_cache: expected dtype torch.bfloat16 (or an FP8 paged cache, uint8 "
+                         f"[pages, {INDEX_FP8_PAGE_BYTES}]), got {k_cache.dtype}")
+    else:
+        check_tensor("k_cache", k_cache, dtype=torch.bfloat16, shape=(None, INDEX_HEAD_DIM),
+                     device=device)
     check_tensor("page_table_1", page_table_1, dtype=torch.int32, shape=(num_rows, None),
                  device=device)
     check_tensor("seqlens", seqlens, dtype=torch.int32, shape=(num_rows,), device=device)
@@ -274,5 +328,5 @@ def _check_slots(page_table_1, seqlens, num_slots, rows_per_group, skip_len) -> 
         unit, position = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"page_table_1: slot {int(read[unit, position])} at row "
                          f"{unit * rows_per_group}, position {position} (within the live "
-                         f"length) is out of range for a k_cache of {num_slots} rows; expected "
+                         f"length) is out of range for a k_cache of {num_slots} slots; expected "
                          f"0 <= slot < {num_slots}")

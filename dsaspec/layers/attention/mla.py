@@ -9,6 +9,7 @@ its slot *before* attention, then the attention reads ``page_table_1[r, :seqlens
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -24,6 +25,7 @@ from dsaspec.layers.norm import LayerNorm, RMSNorm
 from dsaspec.layers.rotary import apply_rope, apply_rope_first
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
 from dsaspec.ops.indexer_schedule import indexer_programs
+from dsaspec.ops.kv_cache_layout import is_fp8_cache
 
 
 @dataclass
@@ -44,9 +46,30 @@ class ForwardState:
     seeded: bool = False
 
 
+@functools.lru_cache(maxsize=8)
+def hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """The ``n x n`` Sylvester Hadamard matrix scaled by ``n**-0.5`` (fp32, orthonormal and
+    symmetric): ``x @ H`` is the fast Walsh-Hadamard transform of ``x``'s rows in natural order,
+    as DeepSeek-V3.2's ``rotate_activation``. ``n`` a power of two. One shared tensor per
+    ``(n, device)`` (read only; first built in the eager warm-up, before any graph capture)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"n: expected a power of two, got {n}")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h * n ** -0.5
+
+
 class Indexer(RowInvariant, nn.Module):
     """The lightning indexer's projections: ``wq_b`` (q latent -> heads x 128), ``wk`` + LayerNorm
-    ``k_norm`` (hidden -> 128, one key per token), ``weights_proj`` (hidden -> one weight per head)."""
+    ``k_norm`` (hidden -> 128, one key per token), ``weights_proj`` (hidden -> one weight per head).
+
+    With an FP8 key cache the query and key are rotated by the 128-wide Hadamard matrix
+    (:func:`hadamard_matrix`) after RoPE, before the key is quantized into the cache and the query
+    in the indexer op, as DeepSeek-V3.2's reference and the serving engines do (for both DSA model
+    types, docs/fp8-kv-cache.md). The rotation is orthonormal, so it changes no logit but the
+    quantization error (it spreads outlier channels over the 128-value group); a bf16 cache is
+    read unrotated."""
 
     def __init__(self, config: ModelConfig, device=None, dtype=None):
         super().__init__()
@@ -58,7 +81,8 @@ class Indexer(RowInvariant, nn.Module):
 
     def forward(self, x, q_latent, step: ForwardState, index_k_cache):
         """Write each row's key into ``index_k_cache[out_cache_loc]``; return the query
-        ``[R, index_n_heads, 128]`` (model dtype) and head weights fp32 ``[R, index_n_heads]``
+        ``[R, index_n_heads, 128]`` (model dtype; both Hadamard-rotated with an FP8 cache) and
+        head weights fp32 ``[R, index_n_heads]``
         (``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``)."""
         cfg = self.config
         rows = x.shape[0]
@@ -66,6 +90,8 @@ class Indexer(RowInvariant, nn.Module):
         q = self.wq_b(q_latent).view(rows, cfg.index_n_heads, cfg.index_head_dim)
         q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
         k = apply_rope_first(self.k_norm(self.wk(x)), rope, step.cos, step.sin, interleaved)
+        if is_fp8_cache(index_k_cache):
+            q, k = self._rotate(q), self._rotate(k)
         step.ops.store_index_k(index_k_cache, step.out_cache_loc, k, check_values=step.check_values)
         if self.row_invariant:
             weights = row_invariant_ops().linear(x.float(), self.weights_proj.weight.float())
@@ -73,6 +99,17 @@ class Indexer(RowInvariant, nn.Module):
             weights = F.linear(x.float(), self.weights_proj.weight.float())
         weights = weights * cfg.index_weight_scale
         return q, weights
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ H`` over the last dim (fp32 math, ``x``'s dtype back), ``H`` symmetric."""
+        dim = x.shape[-1]
+        h = hadamard_matrix(dim, x.device)
+        flat = x.reshape(-1, dim).float()
+        if self.row_invariant:
+            rotated = row_invariant_ops().linear(flat, h)
+        else:
+            rotated = flat @ h
+        return rotated.to(x.dtype).view(x.shape)
 
 
 class MLAAttention(RowInvariant, nn.Module):

@@ -86,12 +86,19 @@ def indexer_logits(q, weights, k_cache, page_table_1, seqlens, schedule, out, ch
                    **_):
     """``out[r, t] = sum_h weights[r, h] * relu(q[r, h] . k_cache[page_table_1[r, t]])`` for
     ``t < seqlens[r]``, ``-inf`` for the other columns up to the longest row; fp32 math, every
-    row. ``schedule`` and the Triton op's row skipping and grouping arguments are ignored."""
+    row. With an FP8 cache each (row, head) query is quantized first (e4m3, one ue8m0 scale,
+    folded into its weight), as the Triton op does. ``schedule`` and the Triton op's row
+    skipping and grouping arguments are ignored."""
     live = _live_width(seqlens, page_table_1.shape[1], out.shape[1])
     positions = torch.arange(live, device=q.device)
     in_row = positions[None, :] < seqlens[:, None]
     slots = torch.where(in_row, page_table_1[:, :live], 0).long()
     keys = _index_keys(k_cache, slots)                                   # [R, live, d]
+    if is_fp8_cache(k_cache):
+        rows, heads, dim = q.shape
+        codes, scales = quantize_blocks(q.reshape(rows * heads, dim), 1, "ue8m0")
+        q = codes.view(rows, heads, dim)
+        weights = weights * scales.view(rows, heads)
     scores = torch.einsum("rhd,rtd->rht", q.float(), keys).clamp_min(0)
     logits = torch.einsum("rh,rht->rt", weights.float(), scores)
     out[:, :live] = torch.where(in_row, logits, float("-inf"))

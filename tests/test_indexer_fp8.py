@@ -1,0 +1,296 @@
+"""indexer_logits on FP8 paged key caches against the plain-torch fp8_index reference: odd and
+mixed live lengths, page boundaries, row groups, rows the schedule skips, and pools whose every
+byte outside the live slots is NaN (codes 0xFF, scales NaN), so a wrong read shows.
+
+Tolerance: the kernel and the reference multiply the same values (e4m3 codes, exact in fp32;
+power-of-two scales, exact), so they differ only in the fp32 summation order of the 128-term
+dots and the head sum. The test allows ``(128 + H + 8) * 2**-24`` times the sum of the absolute
+terms (the first-order bound of any fp32 summation order), computed by the same reference on
+the absolute values. On the GPU the FP8 MMA's accumulation is looser (Hopper's FP8 tensor cores
+keep fewer accumulator bits than fp32), so the GPU tests allow ``2**-10`` of that sum.
+"""
+
+import pytest
+import torch
+
+from dsa_inputs import random_indexer_inputs
+from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, indexer_logits
+from dsaspec.ops.indexer_schedule import indexer_schedule
+from dsaspec.reference.fp8_gemm import act_quant
+from dsaspec.reference.indexer import reference_indexer_logits_fp8
+
+PAGE, PAGE_BYTES = 64, 8448
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193]
+SENTINEL = 12345.0
+CONFIGS = {"new": INDEXER_CONFIG, "baseline": INDEXER_BASELINE_CONFIG}
+
+
+def fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=0, rows_per_group=1):
+    """Random indexer inputs over an FP8 pool of ``num_pages`` pages: the slots the live page-table
+    prefixes name hold quantized random keys (magnitudes spread over 2**-6 .. 2**6, so the
+    scales differ per token); every other byte of the pool is 0xFF (NaN codes, NaN scales). The
+    queries' heads have spread magnitudes too, one head all zeros."""
+    inputs = random_indexer_inputs(seqlens, num_heads, width, num_pages * PAGE, "cpu", seed=seed,
+                                   rows_per_group=rows_per_group)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = inputs["q"].float() * 2.0 ** torch.randint(-6, 7, (len(seqlens), num_heads, 1), generator=gen)
+    q[:, 0] = 0.0
+    table, lengths = inputs["page_table_1"], inputs["seqlens"]
+    live = torch.arange(width)[None, :] < lengths.clamp_min(0)[:, None]
+    slots = table[live].long().unique()
+    keys = inputs["k_cache"][slots].float() * 2.0 ** torch.randint(-6, 7, (slots.numel(), 1),
+                                                                    generator=gen)
+    codes, scales = act_quant(keys, "ue8m0")
+    pool = torch.full((num_pages, PAGE_BYTES), 0xFF, dtype=torch.uint8)
+    pages, offsets = (slots // PAGE)[:, None], (slots % PAGE)[:, None]
+    pool[pages, 128 * offsets + torch.arange(128)] = codes.view(torch.uint8)
+    pool[pages, 8192 + 4 * offsets + torch.arange(4)] = scales.contiguous().view(torch.uint8)
+    cpu = dict(inputs, q=q.to(torch.bfloat16), k_cache=pool)
+    return {name: value.to(device) for name, value in cpu.items()}
+
+
+def _launch(inputs, num_sms, out_width, skip_len=0, config=INDEXER_CONFIG, check_values=True,
+            rows_per_group=1):
+    seqlens = inputs["seqlens"]
+    schedule = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=seqlens.device)
+    indexer_schedule(seqlens, num_sms, schedule, skip_len=skip_len, rows_per_group=rows_per_group)
+    out = torch.full((seqlens.numel(), out_width), SENTINEL, device=seqlens.device)
+    indexer_logits(**inputs, schedule=schedule, out=out, skip_len=skip_len,
+                   rows_per_group=rows_per_group, check_values=check_values, config=config)
+    return out
+
+
+def _reference(inputs):
+    cpu = {name: value.cpu() for name, value in inputs.items()}
+    expected = reference_indexer_logits_fp8(**cpu)
+    absolute = cpu["k_cache"].clone()
+    absolute[:, :8192] &= 0x7F       # |codes|; the NaN pattern 0xFF stays NaN (0x7F)
+    bound = reference_indexer_logits_fp8(cpu["q"].abs(), cpu["weights"].abs(), absolute,
+                                         cpu["page_table_1"], cpu["seqlens"])
+    return expected, bound
+
+
+def _assert_matches(out, inputs, skip_len=0, relative=None, reference=None):
+    """Rows longer than skip_len: the reference (``reference``: computed before) within the
+    tolerance (module docstring), -inf to the 64-token block edge, the sentinel beyond. Other
+    rows: the sentinel everywhere."""
+    num_heads = inputs["q"].shape[1]
+    relative = (128 + num_heads + 8) * 2.0 ** -24 if relative is None else relative
+    out = out.cpu()
+    for row, (want, bound) in enumerate(zip(*(reference or _reference(inputs)))):
+        length = want.numel()
+        if length <= skip_len:
+            assert torch.all(out[row] == SENTINEL), row
+            continue
+        edge = min(-(-length // 64) * 64, out.shape[1])
+        got = out[row, :length].double()
+        assert torch.isfinite(got).all(), row
+        error = (got - want).abs()
+        assert torch.all(error <= relative * bound + 1e-30), (row, float((error - relative * bound).max()))
+        assert torch.all(out[row, length:edge] == float("-inf")), row
+        assert torch.all(out[row, edge:] == SENTINEL), row
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("num_heads", [4, 32, 64])
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_edge_lengths(config, num_heads, num_sms, device):
+    seqlens = EDGE_LENGTHS + [5, 0, 256]
+    inputs = fp8_inputs(seqlens, num_heads, width=260, num_pages=9, device=device,
+                        seed=num_heads + num_sms)
+    out = _launch(inputs, num_sms, out_width=320, config=CONFIGS[config])
+    _assert_matches(out, inputs)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_lengths_repeated_slots(seed, device):
+    """Random lengths over a pool of 3 pages: slots repeat, tokens of one page serve many rows."""
+    gen = torch.Generator().manual_seed(seed)
+    seqlens = torch.randint(0, 300, (7,), generator=gen).tolist()
+    skip_len = [0, 100, 64][seed]
+    inputs = fp8_inputs(seqlens, 8, width=333, num_pages=3, device=device, seed=seed)
+    out = _launch(inputs, num_sms=5, out_width=320, skip_len=skip_len)
+    _assert_matches(out, inputs, skip_len=skip_len)
+
+
+@pytest.mark.parametrize("skip_len", [1, 64, 128])
+def test_skipped_and_padded_rows(skip_len, device):
+    """Graph-padding rows (live 1) and rows at or below skip_len are neither read nor written:
+    their page tables hold out-of-range slots and their queries NaN."""
+    seqlens = [1, skip_len, skip_len + 1, 130, 1, 200]
+    inputs = fp8_inputs(seqlens, 8, width=210, num_pages=4, device=device, seed=skip_len)
+    reference = _reference(inputs)
+    for row, length in enumerate(seqlens):
+        if length <= skip_len:
+            inputs["page_table_1"][row] = 2**30
+            inputs["q"][row] = float("nan")
+    out = _launch(inputs, num_sms=3, out_width=256, skip_len=skip_len, check_values=False)
+    _assert_matches(out, inputs, skip_len=skip_len, reference=reference)
+
+
+@pytest.mark.parametrize("rows_per_group,num_heads", [(2, 8), (4, 8), (3, 5)])
+def test_row_groups(rows_per_group, num_heads, device):
+    """Target-verify groups sharing a page table: each member exact to its own length."""
+    lengths = [0, 1, 63, 64, 65, 127, 128, 129, 130, 2, 64, 200]
+    seqlens = lengths[:len(lengths) // rows_per_group * rows_per_group]
+    inputs = fp8_inputs(seqlens, num_heads, width=210, num_pages=5, device=device,
+                        seed=rows_per_group, rows_per_group=rows_per_group)
+    out = _launch(inputs, 3, out_width=256, skip_len=64, rows_per_group=rows_per_group,
+                  check_values=False)
+    _assert_matches(out, inputs, skip_len=64)
+
+
+def test_bad_key_poisons_only_its_token(device):
+    """A live key quantized from an infinity has scale NaN (codes 0): its logit is NaN in every
+    row that reads it, and no other logit is."""
+    inputs = fp8_inputs([70, 129], 4, width=140, num_pages=3, device=device, seed=7)
+    slot = int(inputs["page_table_1"][1, 100])
+    page, offset = divmod(slot, PAGE)
+    pool = inputs["k_cache"]
+    pool[page, 128 * offset:128 * offset + 128] = 0
+    pool[page, 8192 + 4 * offset:8196 + 4 * offset] = torch.tensor([float("nan")]).view(torch.uint8).to(device)
+    out = _launch(inputs, 2, out_width=192).cpu()
+    table = inputs["page_table_1"].cpu()
+    for row, length in enumerate((70, 129)):
+        bad = table[row, :length] == slot
+        assert row == 0 or bad[100]
+        assert torch.isnan(out[row, :length][bad]).all()
+        assert torch.isfinite(out[row, :length][~bad]).all()
+
+
+def test_bad_arguments(device):
+    inputs = fp8_inputs([10, 20], 4, width=32, num_pages=1, device=device)
+    schedule = torch.zeros(3, 2, dtype=torch.int32, device=device)
+    indexer_schedule(inputs["seqlens"], 2, schedule)
+    out = torch.zeros(2, 32, device=device)
+    with pytest.raises(ValueError, match=r"k_cache: expected shape \('\*', 8448\), got \(1, 8192\)"):
+        indexer_logits(**dict(inputs, k_cache=inputs["k_cache"][:, :8192]), schedule=schedule,
+                       out=out, check_values=False)
+    wide = torch.zeros(1, 2 * PAGE_BYTES, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=r"k_cache: expected contiguous FP8 pages \(row stride "
+                                         r"8448\), got stride 16896"):
+        indexer_logits(**dict(inputs, k_cache=wide[:, :PAGE_BYTES]), schedule=schedule, out=out)
+    with pytest.raises(ValueError, match=r"k_cache: expected dtype torch.bfloat16 \(or an FP8 "
+                                         r"paged cache, uint8 \[pages, 8448\]\), got torch.float32"):
+        indexer_logits(**dict(inputs, k_cache=inputs["k_cache"].float()), schedule=schedule,
+                       out=out)
+    inputs["page_table_1"][1, 19] = PAGE
+    with pytest.raises(ValueError, match=r"page_table_1: slot 64 at row 1, position 19 \(within "
+                                         r"the live length\) is out of range for a k_cache of 64 "
+                                         r"slots; expected 0 <= slot < 64"):
+        indexer_logits(**inputs, schedule=schedule, out=out)
+
+
+def test_torch_ops_match_the_reference(device):
+    """The runtime's torch ops quantize the query the same way (eager CPU runs on FP8 caches)."""
+    from dsaspec.layers.attention import torch_ops
+
+    seqlens = [0, 1, 64, 65, 129, 200]
+    inputs = fp8_inputs(seqlens, 8, width=210, num_pages=4, device=device, seed=5)
+    out = torch.full((len(seqlens), 200), SENTINEL, device=device)
+    torch_ops.indexer_logits(**inputs, schedule=None, out=out)
+    expected, bound = _reference(inputs)
+    for row, (want, limit) in enumerate(zip(expected, bound)):
+        error = (out[row, :want.numel()].cpu().double() - want).abs()
+        assert torch.all(error <= (128 + 16) * 2.0 ** -24 * limit), row
+
+
+def test_indexer_rotates_for_fp8_caches_only():
+    """With an FP8 cache the Indexer returns the Hadamard-rotated query and quantizes the rotated
+    key; with a bf16 cache neither is rotated. The head weights do not change."""
+    from types import SimpleNamespace
+
+    from dsaspec.configs.model_config import get_config
+    from dsaspec.layers.attention import torch_ops
+    from dsaspec.layers.attention.mla import Indexer, hadamard_matrix
+
+    config = get_config("tiny")
+    gen = torch.Generator().manual_seed(0)
+    indexer = Indexer(config, dtype=torch.float32)
+    for param in indexer.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    rows = 5
+    x = torch.randn(rows, config.hidden_size, generator=gen)
+    q_latent = torch.randn(rows, config.q_lora_rank, generator=gen)
+    angles = torch.randn(rows, config.qk_rope_head_dim // 2, generator=gen)
+    loc = torch.arange(rows) * 7 + 3
+    step = SimpleNamespace(cos=angles.cos(), sin=angles.sin(), out_cache_loc=loc, ops=torch_ops,
+                           check_values=True)
+    plain_cache = torch.zeros(2 * PAGE, 128)
+    fp8_cache = torch.zeros(2, PAGE_BYTES, dtype=torch.uint8)
+    q_plain, w_plain = indexer(x, q_latent, step, plain_cache)
+    q_fp8, w_fp8 = indexer(x, q_latent, step, fp8_cache)
+    h = hadamard_matrix(128, torch.device("cpu"))
+    assert torch.allclose(h @ h, torch.eye(128), atol=1e-6)
+    assert torch.equal(q_fp8, (q_plain.reshape(-1, 128) @ h).view(q_plain.shape))
+    assert torch.equal(w_fp8, w_plain)
+    expected = torch.zeros_like(fp8_cache)
+    torch_ops.store_index_k(expected, loc, plain_cache[loc] @ h)
+    assert torch.equal(fp8_cache, expected)
+
+
+GPU_WIDTH = 65_600
+GPU_TOLERANCE = 2.0 ** -10   # FP8 MMA accumulation (module docstring)
+
+
+def _gpu_inputs(seqlens, rows_per_group=1, seed=1):
+    num_pages = 1 << 12
+    return fp8_inputs(seqlens, 64, width=GPU_WIDTH, num_pages=num_pages, device="cuda",
+                      seed=seed, rows_per_group=rows_per_group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("num_rows, longest, skip_len",
+                         [(1, 65_536, 0), (16, 2_049, 2048), (32, 65_536, 2048), (64, 8_192, 0)])
+def test_gpu_production_sizes(config, num_rows, longest, skip_len):
+    """64 heads, 2k .. 64k live tokens, a last row of exactly the top-k (skipped at 2048)."""
+    gen = torch.Generator().manual_seed(num_rows)
+    seqlens = torch.randint(2_048, longest + 1, (num_rows,), generator=gen)
+    seqlens[0] = longest
+    seqlens[-1] = 2048
+    inputs = _gpu_inputs(seqlens.tolist())
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = _launch(inputs, num_sms, out_width=GPU_WIDTH, skip_len=skip_len, config=CONFIGS[config])
+    _assert_matches(out, inputs, skip_len=skip_len, relative=GPU_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_group", [2, 4])
+def test_gpu_row_groups(rows_per_group):
+    gen = torch.Generator().manual_seed(rows_per_group)
+    seqlens = []
+    for live in torch.randint(2_000, 64_000, (8,), generator=gen).tolist() + [2048]:
+        seqlens += [live + j for j in range(rows_per_group)]
+    inputs = _gpu_inputs(seqlens, rows_per_group=rows_per_group, seed=2)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = _launch(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
+                  rows_per_group=rows_per_group, check_values=False)
+    _assert_matches(out, inputs, skip_len=2048, relative=GPU_TOLERANCE)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_lengths():
+    """One capture over the static metadata replays with new lengths (no host sync)."""
+    num_rows, skip_len = 16, 2048
+    inputs = _gpu_inputs([GPU_WIDTH - 64] * num_rows, seed=3)
+    seqlens = inputs["seqlens"]
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    schedule = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device="cuda")
+    out = torch.zeros(num_rows, GPU_WIDTH, device="cuda")
+
+    def step():
+        indexer_schedule(seqlens, num_sms, schedule, skip_len=skip_len)
+        indexer_logits(**inputs, schedule=schedule, out=out, skip_len=skip_len, check_values=False)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = torch.Generator().manual_seed(0)
+    for high in (3, 4_100, GPU_WIDTH - 64):
+        seqlens.copy_(torch.randint(0, high, (num_rows,), generator=gen, dtype=torch.int32))
+        out.fill_(SENTINEL)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_matches(out, inputs, skip_len=skip_len, relative=GPU_TOLERANCE)
