@@ -2,13 +2,23 @@
 derived widths are the model's; bad values give clear errors."""
 
 import json
+import math
+import re
 
 import pytest
+import torch
 
-from dsaspec.configs.model_config import DENSE_FFN, PRESETS, ModelConfig, check_implemented, get_config
+from dsaspec.bench import e2e
+from dsaspec.cli_parsing import defaults_of
+from dsaspec.configs.model_config import (DENSE_FFN, PRESETS, ModelConfig, check_implemented, get_config,
+                                          tp_rank_config)
 from dsaspec.configs.quantization import Fp8Quantization
-from dsaspec.memory import KVPool
+from dsaspec.layers.fp8_linear import convert_to_fp8
+from dsaspec.layers.moe import RoutedExperts
+from dsaspec.layers.vocab_parallel import padded_vocab_size
+from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.models.dsa_model import DSAModel
+from fake_tp import fake_groups
 
 # The released config.json files (zai-org/GLM-5, deepseek-ai/DeepSeek-V3.2), MoE and token fields
 # kept: the MoE presets must be what they say, and the fields this runtime does not model are ignored.
@@ -70,6 +80,12 @@ def test_bench_keeps_glm5_attention_and_vocab():
 def test_derived_widths_are_the_models_widths(name):
     # Built on the meta device: the shapes of the full-size models without their memory.
     config = get_config(name)
+    try:
+        check_implemented(config.to_hf_dict())
+    except ValueError as refusal:        # FP8 routed experts: the model refuses to build, with the same words
+        with pytest.raises(ValueError, match=re.escape(str(refusal))):
+            DSAModel(config, device="meta")
+        return
     model = DSAModel(config, device="meta")
     attn = model.model.layers[0].self_attn
     assert attn.q_b_proj.out_features == config.num_attention_heads * config.qk_head_dim
@@ -250,3 +266,65 @@ def test_model_type_must_be_a_dsa_model():
         get_config("tiny").replace(model_type="llama")
     with pytest.raises(ValueError, match="got 'deepseek_v3'"):
         ModelConfig.from_hf_dict(dict(DEEPSEEK_V32_CONFIG_JSON, model_type="deepseek_v3"))
+
+
+RANK_PRESETS = [("glm5-fp8-tp8-rank", "glm5-moe", Fp8Quantization()),
+                ("deepseek-v32-fp8-tp8-rank", "deepseek-v32-moe", Fp8Quantization(scale_fmt="ue8m0"))]
+H200_BUDGET = 130e9        # of the H200's 141 GB: the rest for activations, graphs and init_weights' fp32 draws
+
+
+@pytest.mark.parametrize("name,full_name,quant", RANK_PRESETS, ids=[r[0] for r in RANK_PRESETS])
+def test_tp8_rank_presets_are_one_rank_of_the_released_models(name, full_name, quant):
+    """The rank preset's TP 1 model has exactly the parameter shapes of rank 0 of the released model
+    at TP 8 (bf16 twins, built on meta), at full depth with its MTP layer and FP8 as declared."""
+    rank, full = get_config(name), get_config(full_name)
+    assert rank.quantization == quant and rank.num_hidden_layers == full.num_hidden_layers
+    assert rank.num_nextn_predict_layers == 1 and rank.n_routed_experts == full.n_routed_experts == 256
+    assert rank.num_attention_heads * 8 == full.num_attention_heads
+    assert rank.vocab_size == padded_vocab_size(full.vocab_size, 8) // 8
+    assert rank.replace(quantization=None, num_attention_heads=full.num_attention_heads,
+                        intermediate_size=full.intermediate_size, moe_intermediate_size=full.moe_intermediate_size,
+                        vocab_size=full.vocab_size) == full
+    one = DSAModel(rank.replace(quantization=None), device="meta")
+    tp8 = DSAModel(full, tp_group=fake_groups(8, "meta")[0])
+    assert {k: v.shape for k, v in one.state_dict().items()} == {k: v.shape for k, v in tp8.state_dict().items()}
+
+
+def test_tp_rank_config_names_what_does_not_divide():
+    with pytest.raises(ValueError, match=re.escape("tp 3 must divide ModelConfig.num_attention_heads (64)")):
+        tp_rank_config(get_config("glm5-moe"), 3, "x")
+    with pytest.raises(ValueError, match="tp must be a positive int, got 0"):
+        tp_rank_config(get_config("glm5-moe"), 0, "x")
+
+
+def fp8_weight_bytes(config: ModelConfig) -> int:
+    """Bytes of the model's weights with FP8 routed experts, from its bf16 twin on meta: the
+    projections the quantization converts as Fp8Linear (e4m3 + fp32 block scales), the experts as
+    e4m3 + one fp32 scale per 128 x 128 block of each expert's matrix, the rest as built."""
+    model = DSAModel(config.replace(quantization=None), device="meta")
+    convert_to_fp8(model, config.quantization, torch.device("meta"))
+    experts = {id(p) for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters()}
+    total = 0
+    for param in model.parameters():
+        if id(param) in experts:
+            count, rows, cols = param.shape
+            total += param.numel() + count * math.ceil(rows / 128) * math.ceil(cols / 128) * 4
+        else:
+            total += param.numel() * param.element_size()
+    return total
+
+
+@pytest.mark.parametrize("name,full_name,quant", RANK_PRESETS, ids=[r[0] for r in RANK_PRESETS])
+def test_tp8_rank_presets_fit_an_h200_at_full_depth(name, full_name, quant):
+    """FP8 weights (96.9 GB GLM-5, 87.9 GB DeepSeek-V3.2 a rank) + the KV pools and table of
+    bench e2e's largest allocation (max concurrency, the longest chain S = 5, 1M-token table) stay
+    under 130 GB."""
+    config = get_config(name)
+    weights = fp8_weight_bytes(config)
+    bench = defaults_of(e2e.add_arguments)
+    requests, draft = max(bench["concurrency"]), max(e2e.CHAINS) + 1
+    written = bench["prompt_len"] + (bench["iterations"] + 1) * draft
+    slots = PAGE_SIZE * (1 + requests * -(-written // PAGE_SIZE))
+    kv = sum(KVPool.for_model(config, slots, mtp=mtp, device="meta").nbytes() for mtp in (False, True))
+    table = ReqToTokenPool.table_nbytes(requests, max(bench["contexts"]), draft)
+    assert 80e9 < weights and weights + kv + table < H200_BUDGET, (weights, kv, table)

@@ -394,7 +394,8 @@ def test_rank_status_reaches_the_launcher_without_failing_torchrun(monkeypatch):
 @pytest.mark.parametrize("module, argv", [
     ("dsaspec.commands.generate", ["--tp", "2", "--prompt-lens", "5,70", "--row-invariant", "--device", "cuda",
                                       "--speculative-algorithm", "nextn", "--eos-token-id", "3"]),
-    ("dsaspec.bench.e2e", ["--tp", "2", "--presets", "bench", "--accept", "2.5,real", "--contexts", "4096"]),
+    ("dsaspec.bench.e2e", ["--tp", "2", "--presets", "bench", "--accept", "2.5,real", "--contexts", "4096",
+                           "--num-steps", "4,5"]),
 ])
 def test_relaunch_command_line_parses_back(module, argv):
     """What a command re-launches itself with under torchrun parses to the same options."""

@@ -7,9 +7,9 @@ draft steps, logits gather for the draft and verify tokens); new = all on (the d
 :class:`~dsaspec.speculative.spec_worker.SpecWorker` (baseline, new) over them. ``max(concurrency)``
 requests with ``--prompt-len``-token random prompts are prefilled once (eager; that prefill time
 per request is the TTFT reported); every run restores that state and runs ``--iterations``
-speculative iterations (S = ``--num-steps``) of the first ``concurrency`` requests, exactly as the
-Engine does (metadata, draft / verify / extend graphs, one device-to-host copy). Positions past the
-prompt are rewritten by every run before they are read, as rejected positions are in a run.
+speculative iterations of the first ``concurrency`` requests, exactly as the Engine does
+(metadata, draft / verify / extend graphs, one device-to-host copy). Positions past the prompt are
+rewritten by every run before they are read, as rejected positions are in a run.
 
 Per point and path: iteration wall time (host, each iteration ends with its tokens on the host),
 the device time of each phase (CUDA events), the mean accept length, per-token latency =
@@ -18,6 +18,19 @@ tok/s = concurrency x tok/s/user. Runs are interleaved baseline / new / new / ba
 paths must commit identical tokens. Accept modes: a simulated mean accept length (default 3.0,
 every iteration forced to it) and the real acceptance of the weights (seeded random weights: the
 MTP layer drafts noise, so about 1.0).
+
+Chains: ``--num-steps`` takes several draft lengths S (topk 1, S + 1 tokens verified), each run
+over the same model: S = 3 (the default) and the upstream PR's S = 4 (EAGLE 4/1/5) and S = 5
+(EAGLE 5/1/6). Rows carry ``num_steps``; the Markdown opens with the upstream PR's table form
+(:func:`upstream_tables`) per preset, chain, accept mode and context.
+
+Presets: the dense surrogates (``e2e``, ``bench``) and one rank of the FP8 deployments at TP 8
+(``glm5-fp8-tp8-rank``, ``deepseek-v32-fp8-tp8-rank``,
+:func:`~dsaspec.configs.model_config.tp_rank_config`): on one GPU the rank's compute is what is
+timed, without the collectives one GPU cannot run (two all-reduces per layer, the embedding's, and
+the argmax exchange or logits gather of every LM head), so a TP 8 iteration is at least this long.
+A preset the runtime cannot build yet (:func:`~dsaspec.configs.model_config.check_implemented`)
+is refused before anything runs.
 
 ``--tp N`` (N GPUs; the command starts N processes under torchrun): the same table with the model
 sharded over N GPUs, plus a third path, ``gather`` = new with only
@@ -48,7 +61,7 @@ from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.bench.floors import ITERATION, FloorModel, Rates, iteration_rows
-from dsaspec.configs.model_config import PRESETS, get_config
+from dsaspec.configs.model_config import PRESETS, check_implemented, get_config
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.models.dsa_model import DSAModel
@@ -67,6 +80,7 @@ OPTION_OF = {BOUNDED_SWITCH: "bounded_replay_metadata", EXCHANGE_SWITCH: "draft_
 PATHS = ("baseline", "new")
 REAL = "real"
 NOISE = 0.99                   # new / baseline speed below this counts as slower
+CHAINS = (3, 4, 5)             # S: the default, and the upstream PR's EAGLE 4/1/5 and 5/1/6
 CONTEXT_TARGET = 1.02          # bounded per-token latency at a long context over the short one
 
 
@@ -99,9 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=positive_int, default=24, help="speculative iterations per run")
     p.add_argument("--runs", type=positive_int, default=4, help="timed runs per point and path (interleaved)")
     p.add_argument("--accept", type=_accept_modes, default=["3.0", REAL],
-                   help=f"accept modes, comma-separated: simulated mean accept lengths in [1, --num-steps + 1] "
-                        f"and/or '{REAL}'")
-    p.add_argument("--num-steps", type=positive_int, default=3, help="draft steps S (N = S + 1 verified tokens)")
+                   help=f"accept modes, comma-separated: simulated mean accept lengths in [1, smallest "
+                        f"--num-steps + 1] and/or '{REAL}'")
+    p.add_argument("--num-steps", type=positive_int_list, default=[CHAINS[0]],
+                   help="draft steps S of the chains to run, comma-separated (N = S + 1 verified tokens, topk 1); "
+                        "the upstream PR's: 4 (EAGLE 4/1/5), 5 (EAGLE 5/1/6)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights, prompts and simulated draws")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: the model sharded over this many GPUs, one process each (started "
@@ -128,8 +144,8 @@ class _Setup:
 
 
 def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, device, paths,
-           options: RuntimeOptions) -> _Setup:
-    spec = SpecConfig(num_steps=args.num_steps)
+           options: RuntimeOptions, num_steps: int) -> _Setup:
+    spec = SpecConfig(num_steps=num_steps)
     count = len(prompts)
     pool = ReqToTokenPool(count, context_len, num_draft_tokens=spec.num_draft_tokens, device=device)
     written = args.prompt_len + args.iterations * spec.num_draft_tokens + spec.num_draft_tokens
@@ -208,11 +224,12 @@ def run(args) -> int:
     from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
 
     options = RuntimeOptions.from_environment()
-    verified = args.num_steps + 1
+    args.num_steps = sorted(set(args.num_steps))
+    verified = args.num_steps[0] + 1
     too_long = [mode for mode in args.accept if mode != REAL and float(mode) > verified]
     if too_long:
         raise UserError(f"--accept {format_value(too_long)}: a simulated mean accept length lies in [1, {verified}] "
-                        f"(--num-steps {args.num_steps} drafts + the bonus token)")
+                        f"(--num-steps {args.num_steps[0]} drafts + the bonus token)")
     if options.simulate_accept_len is not None:
         raise UserError(f"DSASPEC_SIMULATE_ACCEPT_LEN is not used by bench e2e, whose accept modes are --accept "
                         f"({format_value(args.accept)}): unset it")
@@ -220,15 +237,20 @@ def run(args) -> int:
         check_gpus(args.tp)
     if under_torchrun():
         check_world(args.tp)
+    for preset in args.presets:
+        try:
+            check_implemented(get_config(preset).to_hf_dict())
+        except ValueError as refusal:
+            raise UserError(f"--presets {preset}: {refusal}") from None
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         _apply_cpu_sizes(args)
     args.concurrency = sorted(set(args.concurrency))
     args.contexts = sorted(set(args.contexts), reverse=True)
-    written = args.prompt_len + (args.iterations + 1) * (args.num_steps + 1)
+    written = args.prompt_len + (args.iterations + 1) * (args.num_steps[-1] + 1)
     if args.contexts[-1] < written:
         raise UserError(f"--contexts {args.contexts[-1]} cannot hold --prompt-len {args.prompt_len} and "
-                        f"--iterations {args.iterations} of {args.num_steps + 1} tokens ({written} positions)")
+                        f"--iterations {args.iterations} of {args.num_steps[-1] + 1} tokens ({written} positions)")
     if args.tp > 1 and not under_torchrun():
         return relaunch(["bench", "e2e"], add_arguments, args, args.tp)
     group = None
@@ -253,10 +275,10 @@ def run(args) -> int:
         prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
                    for _ in range(max(args.concurrency))]
         floors = (FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(), tp=args.tp), rates)
-        for context_len in args.contexts:
-            setup = _build(model, context_len, prompts, args, device, paths, options)
+        for num_steps, context_len in [(s, c) for s in args.num_steps for c in args.contexts]:
+            setup = _build(model, context_len, prompts, args, device, paths, options, num_steps)
             points = [(accept, c) for accept in args.accept for c in args.concurrency]
-            for accept, concurrency in tqdm(points, desc=f"{preset} context {context_len}", unit="point",
+            for accept, concurrency in tqdm(points, desc=f"{preset} S {num_steps} context {context_len}", unit="point",
                                             disable=not leader):
                 runs = {path: [] for path in paths}
                 tokens = {path: _run(setup.workers[path], setup, concurrency, accept, args, timed=False)["tokens"]
@@ -269,9 +291,9 @@ def run(args) -> int:
                             identical &= result["tokens"] == tokens[path]
                             runs[path].append(result)
                 if not identical:
-                    mismatches.append((preset, context_len, accept, concurrency))
-                rows.append(_row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, args,
-                                 floors))
+                    mismatches.append((preset, num_steps, context_len, accept, concurrency))
+                rows.append(_row(preset, num_steps, context_len, accept, concurrency, runs, identical, setup, on_gpu,
+                                 args, floors))
             del setup
         del model
         if on_gpu:
@@ -281,9 +303,10 @@ def run(args) -> int:
     if on_gpu:
         _add_targets(rows, args.contexts[-1])
         if args.tp > 1:
-            _add_exchange_prediction(rows, args.num_steps, results_dir(args.out) / "draft_step.json")
+            _add_exchange_prediction(rows, results_dir(args.out) / "draft_step.json")
     order = "/".join(paths) + "/" + "/".join(paths[::-1])
-    method = (f"{args.iterations} speculative iterations per run (S = {args.num_steps}) from the same prefilled state "
+    method = (f"{args.iterations} speculative iterations per run (S = {format_value(args.num_steps)}, topk 1) from the "
+              "same prefilled state "
               f"(prompt {args.prompt_len} tokens), {args.runs} timed runs per point and path interleaved "
               f"{order} after one warm-up run each; iteration = host wall time of "
               "SpecWorker.step (metadata + draft/verify/extend graph replays + one device-to-host copy); phases "
@@ -307,8 +330,9 @@ def run(args) -> int:
     return 0
 
 
-def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gpu, args, floors) -> dict:
-    row = {"preset": preset, "tp": args.tp, "concurrency": concurrency, "context": context_len, "accept": accept,
+def _row(preset, num_steps, context_len, accept, concurrency, runs, identical, setup, on_gpu, args, floors) -> dict:
+    row = {"preset": preset, "tp": args.tp, "num_steps": num_steps, "concurrency": concurrency, "context": context_len,
+           "accept": accept,
            "tokens_identical": identical, "accept_len": None, "baseline_tok_s_user": None, "new_tok_s_user": None,
            "speedup": None, "baseline_ms_per_iter": None, "new_ms_per_iter": None, "ttft_ms": setup.ttft_ms}
     new = _summary(runs["new"], concurrency) if on_gpu else None
@@ -316,7 +340,7 @@ def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gp
     live = args.prompt_len + round(args.iterations * accept_len / 2)     # the mean over the run
     row["floor_live"] = live
     row["floor_table"], row["floor_detail"] = iteration_rows(
-        floors[0], concurrency, live, args.num_steps, floors[1],
+        floors[0], concurrency, live, num_steps, floors[1],
         new and {p: 1e3 * ms for p, ms in new["phases_ms"].items()}, new and 1e3 * new["ms_per_iter"])
     if not on_gpu:
         return row
@@ -341,7 +365,7 @@ def _row(preset, context_len, accept, concurrency, runs, identical, setup, on_gp
     return row
 
 
-def _add_exchange_prediction(rows: list[dict], num_steps: int, draft_step_json: Path) -> None:
+def _add_exchange_prediction(rows: list[dict], draft_step_json: Path) -> None:
     """``predicted_exchange_saved_ms``: an iteration evaluates the draft LM head S times at ``rows =
     concurrency`` (S - 1 draft steps, then the draft extend's next first draft), so the exchange
     should save S x (gather - exchange) µs of ``bench draft-step`` at the same TP and rows; None
@@ -353,7 +377,7 @@ def _add_exchange_prediction(rows: list[dict], num_steps: int, draft_step_json: 
                 saving[r["tp"], r["rows"]] = (r["baseline_us"] - r["new_us"]) / 1e3
     for row in rows:
         per_step = saving.get((row["tp"], row["concurrency"]))
-        predicted = None if per_step is None else num_steps * per_step
+        predicted = None if per_step is None else row["num_steps"] * per_step
         row["predicted_exchange_saved_ms"] = predicted
         row["exchange_saved_vs_predicted"] = (row["exchange_saved_ms_per_iter"] / predicted
                                               if predicted else None)
@@ -361,28 +385,64 @@ def _add_exchange_prediction(rows: list[dict], num_steps: int, draft_step_json: 
 
 def _add_targets(rows: list[dict], reference_context: int) -> None:
     """new / baseline >= 0.99 everywhere; new per-token latency at each context over the reference
-    context's (same preset, accept mode and concurrency) <= 1.02."""
-    reference = {(r["preset"], r["accept"], r["concurrency"]): r for r in rows if r["context"] == reference_context}
+    context's (same preset, chain, accept mode and concurrency) <= 1.02."""
+    def key(r):
+        return r["preset"], r["num_steps"], r["accept"], r["concurrency"]
+
+    reference = {key(r): r for r in rows if r["context"] == reference_context}
     for row in rows:
-        ref = reference[row["preset"], row["accept"], row["concurrency"]]
+        ref = reference[key(row)]
         row["new_not_slower"] = row["speedup"] >= NOISE
         row["new_vs_reference_context"] = row["new"]["ms_per_token"] / ref["new"]["ms_per_token"]
         row["baseline_vs_reference_context"] = row["baseline"]["ms_per_token"] / ref["baseline"]["ms_per_token"]
         row["context_target_met"] = row["new_vs_reference_context"] <= CONTEXT_TARGET
 
 
+def chain_label(num_steps: int) -> str:
+    """``S = 4 (EAGLE 4/1/5)``: the chain as SGLang's steps / topk / draft tokens."""
+    return f"S = {num_steps} (EAGLE {num_steps}/1/{num_steps + 1})"
+
+
+def upstream_tables(rows: list[dict]) -> list[str]:
+    """The upstream PR's table form, one Markdown table per preset, chain, accept mode and context
+    of a GPU run's rows (in their order), one line per concurrency (ascending): tok/s/user baseline,
+    new, gain = new / baseline - 1, spread baseline / new, output tok/s baseline → new, the median
+    TTFT (one prefill serves both paths) and the accept length (``baseline / new`` where they
+    differ at two decimals)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["preset"], r["tp"], r["num_steps"], r["accept"], r["context"]), []).append(r)
+    tables = []
+    for (preset, tp, num_steps, accept, context), mine in groups.items():
+        lines = [f"## {preset}{f' at TP {tp}' if tp > 1 else ''}, {chain_label(num_steps)}, accept {accept}, "
+                 f"context {context}: tok/s/user, baseline → new", "",
+                 "| concurrency | tok/s/user baseline | new | gain | spread baseline / new "
+                 "| output tok/s baseline → new | median TTFT ms | accept length |", "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(mine, key=lambda r: r["concurrency"]):
+            base, new = r["baseline"], r["new"]
+            accepts = [f"{base['accept_len']:.2f}", f"{new['accept_len']:.2f}"]
+            lines.append(f"| {r['concurrency']} | {base['tok_s_user']:.1f} | {new['tok_s_user']:.1f} | "
+                         f"{new['tok_s_user'] / base['tok_s_user'] - 1:+.1%} | "
+                         f"{base['spread']:.2%} / {new['spread']:.2%} | "
+                         f"{base['output_tok_s']:.0f} → {new['output_tok_s']:.0f} | {r['ttft_ms']:.0f} | "
+                         f"{' / '.join(dict.fromkeys(accepts))} |")
+        tables.append("\n".join(lines))
+    return tables
+
+
 def _markdown(rows, on_gpu, args, markdown_table) -> str:
     if not on_gpu:
-        return markdown_table([("preset", "preset"), ("context", "context"), ("accept", "accept"),
+        return markdown_table([("preset", "preset"), ("num_steps", "S"), ("context", "context"), ("accept", "accept"),
                                ("concurrency", "concurrency"), ("tokens_identical", "baseline == new tokens")], rows)
-    parts = []
-    for preset in args.presets:
-        mine = [r for r in rows if r["preset"] == preset]
+    parts = upstream_tables(rows)
+    for preset, num_steps in [(p, s) for p in args.presets for s in args.num_steps]:
+        mine = [r for r in rows if r["preset"] == preset and r["num_steps"] == num_steps]
         flat = [dict(r, b_tps=r["baseline_tok_s_user"], n_tps=r["new_tok_s_user"], al=r["accept_len"],
                      b_out=r["baseline"]["output_tok_s"], n_out=r["new"]["output_tok_s"],
                      b_spread=r["baseline"]["spread"], n_spread=r["new"]["spread"]) for r in mine]
         tp = mine[0]["tp"] if mine else 1
-        title = f"## {preset}{f' at TP {tp}' if tp > 1 else ''}: tok/s/user, baseline → new\n\n"
+        name = f"{preset}{f' at TP {tp}' if tp > 1 else ''}, {chain_label(num_steps)}"
+        title = f"## {name}: all columns, baseline → new\n\n"
         parts.append(title + markdown_table([
             ("context", "context"), ("accept", "accept mode"), ("concurrency", "concurrency"), ("al", "accept len"),
             ("b_tps", "baseline tok/s/user"), ("n_tps", "new tok/s/user"), ("speedup", "speedup"),
@@ -391,7 +451,7 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
             ("b_spread", "spread b"), ("n_spread", "spread n"), ("runs_overlap", "run ranges overlap"),
             ("tokens_identical", "tokens identical")], flat))
         if tp > 1:
-            parts.append(f"### {preset} at TP {tp}: the argmax exchange alone (gather = new with "
+            parts.append(f"### {name}: the argmax exchange alone (gather = new with "
                          f"{EXCHANGE_SWITCH}=0)\n\n" + markdown_table([
                              ("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"),
                              ("gather_tok_s_user", "gather tok/s/user"), ("new_tok_s_user", "new tok/s/user"),
@@ -404,12 +464,12 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
                                    saved_extend=r["exchange_saved_phase_ms"]["extend"]) for r in mine]))
         phase_rows = [dict(r, path=path, **{f"{p}_ms": r[path]["phases_ms"][p] for p in PHASES},
                            iter_ms=r[path]["ms_per_iter"]) for r in mine for path in SWITCHES if path in r]
-        parts.append(f"### {preset}: iteration split by phase (device time, CUDA events, median ms)\n\n" + markdown_table(
+        parts.append(f"### {name}: iteration split by phase (device time, CUDA events, median ms)\n\n" + markdown_table(
             [("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"), ("path", "path")]
             + [(f"{p}_ms", p) for p in PHASES] + [("iter_ms", "iteration (host wall)")], phase_rows))
-        parts.append(f"### {preset}: new path against its floor (dsaspec/bench/floors.py; phases: CUDA events, "
+        parts.append(f"### {name}: new path against its floor (dsaspec/bench/floors.py; phases: CUDA events, "
                      "iteration: host wall)\n\n" + _floor_markdown(mine, markdown_table))
-        parts.append(f"### {preset}: targets\n\n" + markdown_table(
+        parts.append(f"### {name}: targets\n\n" + markdown_table(
             [("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"), ("speedup", "new / baseline"),
              ("new_not_slower", f">= {NOISE}"), ("predicted_speedup_metadata", "predicted by metadata phase"),
              ("predicted_speedup_phases", "predicted by all phases"),
@@ -441,15 +501,15 @@ def _figure(rows, args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    presets = args.presets
+    panels = [(p, s) for p in args.presets for s in args.num_steps]
     accepts = args.accept
-    fig, axes = plt.subplots(len(presets), len(accepts), figsize=(5.5 * len(accepts), 4 * len(presets)), squeeze=False)
-    for i, preset in enumerate(presets):
+    fig, axes = plt.subplots(len(panels), len(accepts), figsize=(5.5 * len(accepts), 4 * len(panels)), squeeze=False)
+    for i, (preset, num_steps) in enumerate(panels):
         for j, accept in enumerate(accepts):
             ax = axes[i][j]
             for context in args.contexts:
-                mine = sorted((r for r in rows if r["preset"] == preset and r["accept"] == accept
-                               and r["context"] == context), key=lambda r: r["concurrency"])
+                mine = sorted((r for r in rows if r["preset"] == preset and r["num_steps"] == num_steps
+                               and r["accept"] == accept and r["context"] == context), key=lambda r: r["concurrency"])
                 xs = [r["concurrency"] for r in mine]
                 ax.plot(xs, [r["baseline_tok_s_user"] for r in mine], "o--", label=f"baseline, context {context}")
                 ax.plot(xs, [r["new_tok_s_user"] for r in mine], "o-", label=f"new, context {context}")
@@ -458,7 +518,7 @@ def _figure(rows, args):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrency")
             ax.set_ylabel("tok/s/user")
-            ax.set_title(f"{preset}{f' at TP {args.tp}' if args.tp > 1 else ''}, accept {accept}")
+            ax.set_title(f"{preset}{f' at TP {args.tp}' if args.tp > 1 else ''}, S = {num_steps}, accept {accept}")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()

@@ -113,13 +113,15 @@ def _decode(payload: dict) -> list[str]:
 def _e2e(payload: dict) -> list[str]:
     rows, p = payload["rows"], payload["params"]
     parts = []
-    for preset in dict.fromkeys(r["preset"] for r in rows):
-        mine = [r for r in rows if r["preset"] == preset]
+    # rows carry their chain S; older runs had one, params' num_steps
+    rows = [dict(r, num_steps=r.get("num_steps", p["num_steps"])) for r in rows]
+    for preset, num_steps in dict.fromkeys((r["preset"], r["num_steps"]) for r in rows):
+        mine = [r for r in rows if r["preset"] == preset and r["num_steps"] == num_steps]
         keys, cols, groups = _pivot(mine, ("context", "accept"), "concurrency",
                                     lambda r: f"{r['baseline_tok_s_user']:.0f} → {r['new_tok_s_user']:.0f} "
                                               f"({r['speedup']:.2f}x)")
         parts.append(_table(f"MTP speculative decoding end to end, TP {p['tp']}, `{preset}` preset, "
-                            f"{p['prompt_len']}-token prompts, S = {p['num_steps']}: tok/s/user, baseline (kill "
+                            f"{p['prompt_len']}-token prompts, S = {num_steps}: tok/s/user, baseline (kill "
                             "switches off) → new", ["context configured", "accept length"],
                             cols, keys, groups, "concurrency"))
     return parts

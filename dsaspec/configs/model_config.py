@@ -395,6 +395,29 @@ def check_implemented(hf: dict[str, Any]) -> None:
                          "dense layers only)")
 
 
+def tp_rank_config(config: ModelConfig, tp: int, name: str) -> ModelConfig:
+    """The TP 1 config whose model computes what one rank of ``config`` at tensor-parallel size
+    ``tp`` computes (dsaspec's split, which is SGLang's and vLLM's default TP split without DP
+    attention or expert parallelism): ``num_attention_heads / tp`` heads (``q_b_proj``,
+    ``kv_b_proj``, ``o_proj``), ``intermediate_size / tp`` dense FFN features, every routed expert
+    and the shared expert(s) at ``moe_intermediate_size / tp`` features (the router still scores
+    all ``n_routed_experts`` and routes as the full model does), and the rank's vocab shard of the
+    LM head and embedding, ``ceil(vocab_size / (64 tp)) * 64`` rows (``padded_vocab_size`` of
+    :mod:`dsaspec.layers.vocab_parallel`). Replicated, so unchanged: the q / kv latent projections
+    and norms, the indexer, the router, ``eh_proj``. What one GPU cannot run is left out: the
+    all-reduces of each layer (attention ``o_proj``, FFN / MoE), of the embedding, and the argmax
+    exchange or logits gather of each LM head. Raises ``ValueError`` naming a field ``tp`` does
+    not divide."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    split = ("num_attention_heads", "intermediate_size") + (("moe_intermediate_size",) if config.is_moe else ())
+    for field_name in split:
+        if getattr(config, field_name) % tp:
+            raise ValueError(f"tp {tp} must divide ModelConfig.{field_name} ({getattr(config, field_name)})")
+    changes = {field_name: getattr(config, field_name) // tp for field_name in split}
+    return config.replace(**changes, vocab_size=-(-config.vocab_size // (64 * tp)) * 64, name=name)
+
+
 def indexer_types_from_hf(hf: dict[str, Any]) -> tuple[str, ...] | None:
     """Per-layer indexer types of an HF config: ``indexer_types`` when given; else from
     ``index_topk_pattern`` (``"F"``/``"S"`` per layer); else from ``index_topk_freq`` and
@@ -498,12 +521,21 @@ PRESETS["bench"] = PRESETS["glm5"].replace(num_hidden_layers=2, intermediate_siz
 # End-to-end benchmark: GLM-5 shapes at 16 dense layers (about 13 GB of bf16 weights read per
 # decode step on one GPU), a per-step latency of the order a GLM-5 deployment shows per token.
 PRESETS["e2e"] = PRESETS["glm5"].replace(num_hidden_layers=16, max_position_embeddings=1048576, name="e2e")
+# One rank of the FP8 deployments at TP 8 (tp_rank_config), at full depth + MTP: GLM-5 (8 of 64
+# heads) and DeepSeek-V3.2 (16 of 128 heads, ue8m0 activation scales as its quantization_config),
+# all 256 routed experts at 2048 / 8 = 256 features. FP8 e4m3 with 128 x 128 block scales where the
+# official checkpoints store it (dsaspec.configs.quantization); one GPU times the rank's compute.
+PRESETS["glm5-fp8-tp8-rank"] = tp_rank_config(PRESETS["glm5-moe"].replace(quantization=Fp8Quantization()), 8,
+                                              "glm5-fp8-tp8-rank")
+PRESETS["deepseek-v32-fp8-tp8-rank"] = tp_rank_config(
+    PRESETS["deepseek-v32-moe"].replace(quantization=Fp8Quantization(scale_fmt="ue8m0")), 8,
+    "deepseek-v32-fp8-tp8-rank")
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
     """A preset by name (``glm5``, ``glm52``, ``deepseek_v32`` and their MoE forms ``glm5-moe``,
-    ``deepseek-v32-moe``; ``tiny``, ``tiny-moe``, ``bench``, ``e2e``), with optional field
-    overrides, validated."""
+    ``deepseek-v32-moe``; one FP8 rank at TP 8 ``glm5-fp8-tp8-rank``, ``deepseek-v32-fp8-tp8-rank``;
+    ``tiny``, ``tiny-moe``, ``bench``, ``e2e``), with optional field overrides, validated."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides)

@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from dsaspec.configs.model_config import ModelConfig
+from dsaspec.configs.model_config import ModelConfig, check_implemented
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.dsa_ops import dsa_ops
@@ -88,7 +88,9 @@ class DSAModel(nn.Module):
     :class:`~dsaspec.layers.fp8_linear.Fp8Linear` (e4m3 ``weight`` + fp32 ``weight_scale_inv``, the
     checkpoint's tensors; the Triton FP8 GEMM with ``use_triton``, else torch); their parameters
     are uninitialised until :meth:`init_weights` or a checkpoint load. Tensor-parallel splits of
-    those layers must lie on 128-feature boundaries.
+    those layers must lie on 128-feature boundaries. A config
+    :func:`~dsaspec.configs.model_config.check_implemented` refuses (FP8 routed experts) raises its
+    ``ValueError``.
     """
 
     def __init__(self, config: ModelConfig, *, device=None, dtype=torch.bfloat16, use_triton: bool = False,
@@ -96,6 +98,7 @@ class DSAModel(nn.Module):
                  options: RuntimeOptions | None = None):
         super().__init__()
         self.config = config.validate()
+        check_implemented(config.to_hf_dict())
         if tp_group is None:
             tp_group = TPGroup.single(torch.device(device) if device is not None else torch.get_default_device())
         elif device is not None and torch.device(device) != tp_group.device:

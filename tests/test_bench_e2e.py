@@ -1,0 +1,76 @@
+"""bench e2e: several chains in one run, the per-rank presets, and the upstream PR's table form
+computed from the right pair of runs."""
+
+import json
+from types import SimpleNamespace
+
+from dsaspec.bench import e2e
+from dsaspec.bench.floors import FloorModel, Rates
+from dsaspec.configs.model_config import get_config
+from dsaspec.commands import cli
+from dsaspec.speculative.spec_worker import PHASES
+
+
+def runs(iter_ms_per_run: list[list[float]], accept_len: float) -> list[dict]:
+    """Timed runs as ``e2e._run`` returns them: per-iteration wall ms, one accept length a request."""
+    return [{"iter_ms": ms, "phase_ms": [dict.fromkeys(PHASES, 1.0)] * len(ms), "accept_lens": [accept_len] * len(ms),
+             "tokens": []} for ms in iter_ms_per_run]
+
+
+def row(concurrency: int, base: list, new: list, num_steps: int = 3, accept: str = "3.0") -> dict:
+    """A GPU row from baseline / new runs ``(iter_ms_per_run, accept_len)``."""
+    args = SimpleNamespace(tp=1, prompt_len=1024, iterations=len(new[0][0]))
+    floors = (FloorModel(get_config("glm5-fp8-tp8-rank"), act_bytes=2), Rates(4000.0, 2.0, 700.0, 1400.0))
+    return e2e._row("glm5-fp8-tp8-rank", num_steps, 4096, accept, concurrency,
+                    {"baseline": runs(*base), "new": runs(*new)}, True, SimpleNamespace(ttft_ms=47.6), True, args,
+                    floors)
+
+
+def test_upstream_table_rows_come_from_their_own_pair():
+    """Each line: tok/s/user = 1000 x accept / median iteration ms of its own concurrency's runs,
+    gain from that pair (not the ms ratio: the accept lengths differ), run spread, output tok/s
+    = concurrency x tok/s/user, lines by concurrency, one table per chain."""
+    rows = [row(2, ([[20.0] * 3, [20.0] * 3], 3.0), ([[16.0] * 3, [16.0] * 3], 3.0)),
+            row(1, ([[10.0] * 3, [12.0] * 3], 2.0), ([[8.0] * 3, [8.0] * 3], 2.5)),
+            row(1, ([[40.0] * 2], 4.0), ([[25.0] * 2], 4.0), num_steps=4)]
+    three, four = e2e.upstream_tables(rows)
+    assert three.splitlines() == [
+        "## glm5-fp8-tp8-rank, S = 3 (EAGLE 3/1/4), accept 3.0, context 4096: tok/s/user, baseline → new", "",
+        "| concurrency | tok/s/user baseline | new | gain | spread baseline / new | output tok/s baseline → new "
+        "| median TTFT ms | accept length |",
+        "|---|---|---|---|---|---|---|---|",
+        # baseline: median 11 ms / 2.0 = 5.5 ms a token; new: 8 ms / 2.5 = 3.2 ms; spread (12 - 10) / 11
+        "| 1 | 181.8 | 312.5 | +71.9% | 18.18% / 0.00% | 182 → 312 | 48 | 2.00 / 2.50 |",
+        # baseline 20 / 3 ms, new 16 / 3 ms a token; 2 requests
+        "| 2 | 150.0 | 187.5 | +25.0% | 0.00% / 0.00% | 300 → 375 | 48 | 3.00 |"]
+    assert four.splitlines()[0].startswith("## glm5-fp8-tp8-rank, S = 4 (EAGLE 4/1/5), accept 3.0")
+    assert four.splitlines()[4] == "| 1 | 100.0 | 160.0 | +60.0% | 0.00% / 0.00% | 100 → 160 | 48 | 4.00 |"
+
+
+def test_several_chains_in_one_run_on_cpu(tmp_path):
+    """The upstream PR's chains S = 4 (EAGLE 4/1/5) and 5 (5/1/6) in one invocation: rows for each,
+    baseline == new tokens, S recorded."""
+    assert cli.main(["bench", "e2e", "--num-steps", "5,4", "--accept", "3.0", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "e2e.json").read_text())
+    assert payload["params"]["num_steps"] == [4, 5]
+    assert sorted({r["num_steps"] for r in payload["rows"]}) == [4, 5]
+    assert len(payload["rows"]) == 2 * 2 * 2 and all(r["tokens_identical"] for r in payload["rows"])
+    assert "| tiny | 5 | 128 | 3.0 | 2 | True |" in (tmp_path / "e2e.md").read_text()
+
+
+def test_rank_presets_are_choices_and_an_unbuildable_preset_is_refused_first(capsys, monkeypatch):
+    """--presets takes the per-rank presets; one the runtime cannot build is refused in one line with
+    check_implemented's words before any preset is built."""
+    built = []
+    monkeypatch.setattr(e2e, "DSAModel", lambda *a, **k: built.append(a) or 1 / 0)
+
+    def refuse(hf):
+        if hf["num_attention_heads"] == 16:
+            raise ValueError("quantized MoE experts are not implemented yet")
+
+    monkeypatch.setattr(e2e, "check_implemented", refuse)
+    status = cli.main(["bench", "e2e", "--presets", "glm5-fp8-tp8-rank,deepseek-v32-fp8-tp8-rank"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and not built
+    assert err == ["dsaspec: error: --presets deepseek-v32-fp8-tp8-rank: quantized MoE experts are not "
+                   "implemented yet"]
