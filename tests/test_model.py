@@ -517,3 +517,61 @@ def test_fused_moe_option_routes_the_experts_to_the_fused_kernel():
     want = layer(x, ids, weights)
     layer.use_fused = True
     torch.testing.assert_close(layer(x, ids, weights), want, rtol=1e-5, atol=1e-5)
+
+
+# one layer, narrow: quick with the row-invariant kernels under the interpreter
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32, num_attention_heads=2,
+             index_n_heads=2, num_hidden_layers=2, index_topk=8)
+
+
+def _unfused(model: DSAModel) -> DSAModel:
+    for module in model.modules():
+        if hasattr(module, "fused_input"):
+            module.fused_input = None
+        if hasattr(module, "gate_up"):
+            module.gate_up = None
+    return model
+
+
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_fused_projections_decode_what_the_separate_ones_do(row_invariant):
+    """The model with its shared-input projections fused (the default) against the same weights run
+    projection by projection: prefill, decode and MTP outputs and every cache entry bitwise equal
+    (fp32 CPU, row-invariant kernels or torch)."""
+    outs = []
+    for fused in (True, False):
+        model = DSAModel(get_config("tiny", **SMALL), dtype=torch.float32,
+                         row_invariant=row_invariant).init_weights(8)
+        model = model if fused else _unfused(model)
+        session = Session(model)
+        ids = _tokens(12, model.config.vocab_size, seed=9)
+        row = session.slots.admit(13)
+        hidden, _ = session.step(row, ids, 0)
+        step, _ = session.step(row, [5], 12)
+        mtp, _ = session.step(row, ids[1:], 0, mtp_hidden=hidden[:-1])
+        outs.append([hidden, step, mtp, *session.kv.mla_cache, *session.kv.index_k_cache, *session.kv_mtp.mla_cache])
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_residual_adds_fused_into_the_norms_are_the_unfused_layer(row_invariant):
+    """``forward``'s layers hand the un-added FFN output and its residual to the next norm (one
+    add + RMSNorm kernel in row-invariant mode); bitwise the plain ``x + attn(norm(x))``,
+    ``x + mlp(norm(x))`` layers and the final norm."""
+    model = DSAModel(get_config("tiny", **SMALL), dtype=torch.float32, row_invariant=row_invariant).init_weights(13)
+    session = Session(model)
+    ids = _tokens(11, model.config.vocab_size, seed=14)
+    row = session.slots.admit(11)
+    got, attn = session.step(row, ids, 0)
+    positions, loc, attn = build_extend_inputs(session.table, [row], [0], [ids.numel()])
+    attn.topk_slots = torch.empty(ids.numel(), model.config.index_topk, dtype=torch.int32)
+    step = model._state(positions, loc, attn, True)
+    with torch.no_grad():
+        x = model.model.embed_tokens(ids)
+        for i in range(model.config.num_hidden_layers):
+            layer = model.model.layers[i]
+            x = x + layer.self_attn(layer.input_layernorm(x), step, session.kv.mla_cache[i], session.kv.index_k_cache[i])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        want = model.model.norm(x)
+    assert torch.equal(got, want)

@@ -230,6 +230,48 @@ def test_norms_strided_rows_and_out(device):
     assert ri.layer_norm(x[:0], w, w, 1e-5).shape == (0, 512)
 
 
+def _add_inputs(m, d, dtype, device):
+    x = _randn(m, d, dtype=dtype, device=device, scale=3.0, seed=5)
+    residual = _randn(m, d, dtype=dtype, device=device, scale=2.0, seed=6) + 1
+    return x, residual, _randn(d, dtype=dtype, device=device, seed=7) + 1
+
+
+def _check_add_rms_norm(m, d, dtype, device):
+    x, residual, w = _add_inputs(m, d, dtype, device)
+    y, s = ri.add_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(s, x + residual), f"M={m} D={d}: the new residual is not torch's x + residual"
+    assert torch.equal(y, ri.rms_norm(x + residual, w, 1e-6)), f"M={m} D={d}: not the unfused norm's bits"
+    want_y, want_s = ref.add_rms_norm(x, residual, w, 1e-6)
+    _assert_close(y, want_y, dtype)
+    assert torch.equal(s, want_s)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("d", [1, 7, 577, 9000])
+def test_add_rms_norm_is_add_then_rms_norm_bitwise(m, d, device):
+    """fp32 here (the interpreter truncates fp32 -> bf16 where torch rounds); bf16 on the GPU."""
+    _check_add_rms_norm(m, d, torch.float32, device)
+
+
+def test_add_rms_norm_row_invariant_strided_and_out(device):
+    dtype, d = torch.float32, 520
+    x, residual, w = _add_inputs(20, d, dtype, device)
+    x[5] = math.nan
+
+    def op(rows):  # rows: [x | residual]
+        return torch.cat(ri.add_rms_norm(rows[:, :d], rows[:, d:], w, 1e-6), dim=-1)
+
+    _assert_row_invariant(op, torch.cat((x, residual), dim=-1), ms=(1, 3, 17), alone=(0, 19), poison={5: math.nan})
+    big = _randn(4, d + 64, dtype=dtype, device=device)
+    out, res_out = torch.full((4, d), 5.0, device=device), torch.full((4, d + 8), 5.0, device=device)
+    y, s = ri.add_rms_norm(big[:, :d], residual[:4], w, 1e-6, out=out, residual_out=res_out[:, 8:])
+    assert y.data_ptr() == out.data_ptr() and s.data_ptr() == res_out[:, 8:].data_ptr()
+    assert torch.equal(s, big[:, :d] + residual[:4]) and torch.all(res_out[:, :8] == 5.0)
+    assert torch.equal(y, ri.rms_norm(big[:, :d] + residual[:4], w, 1e-6))
+    empty_y, empty_s = ri.add_rms_norm(x[:0], residual[:0], w, 1e-6)
+    assert empty_y.shape == empty_s.shape == (0, d)
+
+
 # -------------------------------------------------------------------------------------------------
 # configuration and argument errors
 
@@ -271,6 +313,12 @@ def _t(*shape, dtype=torch.float32):
     (lambda: ri.rms_norm(_t(4, 0), _t(0), 1e-6), "x: expected at least one column"),
     (lambda: ri.rms_norm(_t(4, 8), _t(8), 1e-6, out=_t(3, 8)), r"out: expected shape \(4, 8\)"),
     (lambda: ri.layer_norm(_t(4, 8), _t(8), None, 1e-5), "bias: expected a tensor"),
+    (lambda: ri.add_rms_norm(_t(4, 8), None, _t(8), 1e-6), "residual: expected a tensor"),
+    (lambda: ri.add_rms_norm(_t(4, 8), _t(3, 8), _t(8), 1e-6), r"residual: expected shape \(4, 8\)"),
+    (lambda: ri.add_rms_norm(_t(4, 8), _t(4, 8), _t(8), 1e-6, residual_out=_t(4, 7)),
+     r"residual_out: expected shape \(4, 8\)"),
+    (lambda: (lambda r: ri.add_rms_norm(_t(4, 8), r, _t(8), 1e-6, residual_out=r))(_t(4, 8)),
+     "residual_out: must not share storage"),
     (lambda: ri.layer_norm(_t(4, 8), _t(8), _t(9), 1e-5), r"bias: expected shape \(8,\)"),
     (lambda: ri.GemmConfig(16, 48, 64, 1, 4, 1), "config.block_n"),
     (lambda: ri.GemmConfig(8, 64, 64, 1, 4, 1), "config.block_m"),
@@ -341,6 +389,18 @@ def test_gpu_norms_row_invariant(dtype, d):
     for op, want in _norm_ops(dtype, d, device):
         _assert_close(op(x)[clean], want(x[clean]), dtype)
         _assert_row_invariant(op, x, ms=GPU_MS, alone=(0, 17, 255))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [7, 577, 6144, 9000])
+def test_gpu_add_rms_norm_is_add_then_rms_norm_bitwise(dtype, d):
+    device = torch.device("cuda")
+    for m in GPU_MS:
+        _check_add_rms_norm(m, d, dtype, device)
+    x, residual, w = _add_inputs(256, d, dtype, device)
+    _assert_row_invariant(lambda rows: torch.cat(ri.add_rms_norm(rows[:, :d], rows[:, d:], w, 1e-6), -1),
+                          torch.cat((x, residual), dim=-1), ms=GPU_MS, alone=(0, 17, 255), poison={})
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from torch import nn
 
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
-from dsaspec.layers.linear import COLUMN, ROW, make_linear
+from dsaspec.layers.linear import COLUMN, ROW, fuse_linears, make_linear
 
 
 class MLP(nn.Module):
@@ -27,10 +27,17 @@ class MLP(nn.Module):
         self.gate_proj = make_linear(config.hidden_size, width, device, dtype, split=COLUMN, **tp)
         self.up_proj = make_linear(config.hidden_size, width, device, dtype, split=COLUMN, **tp)
         self.down_proj = make_linear(width, config.hidden_size, device, dtype, split=ROW, **tp)
+        self.gate_up = None
+
+    def fuse_projections(self) -> None:
+        """One GEMM for this rank's ``gate_proj`` and ``up_proj`` shards
+        (:func:`~dsaspec.layers.linear.fuse_linears`; nothing changes where it refuses them)."""
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial output (the sum over the group is the layer's output)."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if self.gate_up is None else self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.partial(x))

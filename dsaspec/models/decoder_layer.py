@@ -26,6 +26,13 @@ class DecoderLayer(nn.Module):
         ffn = MoE if config.is_moe_layer(layer) else MLP
         self.mlp = ffn(config, group, device, dtype)
 
-    def forward(self, x, step: ForwardState, mla_cache, index_k_cache):
-        x = x + self.self_attn(self.input_layernorm(x), step, mla_cache, index_k_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, step: ForwardState, mla_cache, index_k_cache, residual=None):
+        """The layer over ``x + residual`` (``x`` alone when ``residual`` is None) -> ``(ffn, residual)``,
+        whose sum is the layer's output: the residual adds run fused into the next norm (this
+        layer's post-attention norm, the next layer's input norm or the final norm)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, step, mla_cache, index_k_cache), residual)
+        return self.mlp(h), residual

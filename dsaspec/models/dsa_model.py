@@ -32,9 +32,10 @@ from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.dsa_ops import dsa_ops
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionWorkspace, build_extend_inputs
-from dsaspec.layers.attention.mla import ForwardState
+from dsaspec.layers.attention.mla import ForwardState, MLAAttention
 from dsaspec.layers.fp8_linear import Fp8Linear, convert_to_fp8
 from dsaspec.layers.linear import Shard
+from dsaspec.layers.mlp import MLP
 from dsaspec.layers.moe import CheckpointPart, RoutedExperts, set_fused_moe
 from dsaspec.layers.norm import RMSNorm
 from dsaspec.layers.rotary import Rotary
@@ -84,6 +85,11 @@ class DSAModel(nn.Module):
         ``topk_single_launch``, and the engine and workers built over it take the rest from
         ``model.options`` unless given their own.
 
+    The projections that read one input share one GEMM (:meth:`MLAAttention.fuse_projections`,
+    :meth:`MLP.fuse_projections`); their parameters keep the checkpoint names and are views of the
+    fused weights, so build the model on the device it runs on (moving or converting it afterwards
+    is refused at the next forward).
+
     With ``config.quantization`` (FP8 block-scaled weights) the projections it converts are
     :class:`~dsaspec.layers.fp8_linear.Fp8Linear` (e4m3 ``weight`` + fp32 ``weight_scale_inv``, the
     checkpoint's tensors; the Triton FP8 GEMM with ``use_triton``, else torch); their parameters
@@ -121,6 +127,9 @@ class DSAModel(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp_group, dtype)
         self.rotary = Rotary(config, device)
         self.requires_grad_(False)
+        for module in list(self.modules()):
+            if isinstance(module, (MLAAttention, MLP)):
+                module.fuse_projections()
         for module in self.modules():
             if isinstance(module, RowInvariant):
                 module.row_invariant = row_invariant
@@ -128,7 +137,7 @@ class DSAModel(nn.Module):
 
     @property
     def use_triton(self) -> bool:
-        """Whether the DSA ops, the FP8 GEMMs and (with ``options.fused_moe``, not row-invariant) the
+        """Whether the DSA ops, the FP8 GEMMs, the RMSNorms and (with ``options.fused_moe``, not row-invariant) the
         routed experts run as Triton kernels; assignable."""
         return self._use_triton
 
@@ -137,7 +146,7 @@ class DSAModel(nn.Module):
         self._use_triton = value
         set_fused_moe(self, value and self.options.fused_moe, self.row_invariant)
         for module in self.modules():
-            if isinstance(module, Fp8Linear):
+            if isinstance(module, (Fp8Linear, RMSNorm)):
                 module.use_triton = value
 
     @property
@@ -284,10 +293,10 @@ class DSAModel(nn.Module):
         """
         self._check(input_ids, positions, out_cache_loc, attn, kv, self.config.num_hidden_layers)
         step = self._state(positions, out_cache_loc, attn, check_values)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i in range(self.config.num_hidden_layers):
-            x = self.model.layers[i](x, step, kv.mla_cache[i], kv.index_k_cache[i])
-        return self.model.norm(x)
+            x, residual = self.model.layers[i](x, step, kv.mla_cache[i], kv.index_k_cache[i], residual)
+        return self.model.norm(x, residual)[0]
 
     def forward_mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                     out_cache_loc: torch.Tensor, kv: KVPool, attn: AttentionInputs, *,
@@ -320,8 +329,8 @@ class DSAModel(nn.Module):
         step = self._state(positions, out_cache_loc, attn, check_values, seed_slots)
         embedded = layer.enorm(self.model.embed_tokens(input_ids))
         x = layer.eh_proj(torch.cat((embedded, layer.hnorm(hidden.to(embedded.dtype))), dim=-1))
-        x = layer(x, step, kv.mla_cache[0], kv.index_k_cache[0])
-        return layer.shared_head.norm(x)
+        x, residual = layer(x, step, kv.mla_cache[0], kv.index_k_cache[0])
+        return layer.shared_head.norm(x, residual)[0]
 
     def attention_workspace(self, rows: int) -> AttentionWorkspace | None:
         """The Triton ops' workspaces for steps of ``rows`` rows (allocate once, before graph

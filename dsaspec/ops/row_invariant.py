@@ -14,7 +14,7 @@ number of rows; here nothing that shapes the arithmetic depends on M:
   arrives last at a tile (an atomic tile counter, which it resets to 0) sums them in split order
   0, 1, ..., S-1 and writes the tile: the order of arrival decides who sums, never the order of
   the sum. fp32 operands use ``input_precision="ieee"`` (FMA, no TF32).
-* Norms (``rms_norm``, ``layer_norm``): one program per row, blocks and warps chosen from the row
+* Norms (``rms_norm``, ``add_rms_norm``, ``layer_norm``): one program per row, blocks and warps chosen from the row
   width only.
 
 The decode GEMMs are weight-bandwidth bound (M of 1..256, weights of 1..2000 MB), so a
@@ -281,10 +281,20 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
 
 
 @triton.jit
-def _norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, D, stride_x, stride_y, eps,
-                 LAYER_NORM: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_load(x_row, r_row, idx, mask, ADD: tl.constexpr):
+    """fp32 of ``x`` at ``idx``; with ``ADD``, of ``x + r`` rounded to ``x``'s dtype (torch's add)."""
+    x = tl.load(x_row + idx, mask=mask, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(r_row + idx, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _norm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, D, stride_x, stride_r, stride_s, stride_y, eps,
+                 LAYER_NORM: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
     y_row = y_ptr + row * stride_y
     offs = tl.arange(0, BLOCK)
     if LAYER_NORM:
@@ -297,20 +307,23 @@ def _norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, D, stride_x, stride_y, eps,
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, D, BLOCK):
         mask = start + offs < D
-        x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _norm_load(x_row, r_row, start + offs, mask, ADD)
+        if ADD:
+            tl.store(s_ptr + row * stride_s + start + offs, x.to(s_ptr.dtype.element_ty), mask=mask)
         centred = tl.where(mask, x - mean, 0.0)
         squares += centred * centred
     rstd = tl.rsqrt(tl.sum(squares, axis=0) / D + eps)
     for start in range(0, D, BLOCK):
         mask = start + offs < D
-        x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _norm_load(x_row, r_row, start + offs, mask, ADD)
         y = (x - mean) * rstd * tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
         if LAYER_NORM:
             y += tl.load(b_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_row + start + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _norm(x, weight, bias, eps, out):
+def _norm(x, weight, bias, eps, out, residual=None, residual_out=None):
+    """``out`` (``(out, residual_out)`` with ``residual``): see :func:`rms_norm`, :func:`add_rms_norm`."""
     _check_dtype("x", x)
     check_tensor("x", x, dtype=x.dtype, ndim=2)
     m, d = x.shape
@@ -322,13 +335,25 @@ def _norm(x, weight, bias, eps, out):
     if out is None:
         out = torch.empty(m, d, dtype=x.dtype, device=x.device)
     check_tensor("out", out, dtype=x.dtype, shape=(m, d), device=x.device)
+    add = residual is not None
+    if add:
+        check_tensor("residual", residual, dtype=x.dtype, shape=(m, d), device=x.device)
+        if residual_out is None:
+            residual_out = torch.empty(m, d, dtype=x.dtype, device=x.device)
+        check_tensor("residual_out", residual_out, dtype=x.dtype, shape=(m, d), device=x.device)
+        shared = residual_out.untyped_storage().data_ptr()
+        if m and shared in (x.untyped_storage().data_ptr(), residual.untyped_storage().data_ptr()):
+            raise ValueError("residual_out: must not share storage with x or residual (the kernel reads "
+                             "them again after writing it)")
     if m == 0:
-        return out
+        return (out, residual_out) if add else out
     block = min(triton.next_power_of_2(d), _NORM_MAX_BLOCK)
-    _norm_kernel[(m,)](x, weight, weight if bias is None else bias, out, d, x.stride(0), out.stride(0),
-                       float(eps), LAYER_NORM=bias is not None, BLOCK=block,
+    _norm_kernel[(m,)](x, residual if add else x, residual_out if add else x, weight,
+                       weight if bias is None else bias, out, d, x.stride(0),
+                       residual.stride(0) if add else 0, residual_out.stride(0) if add else 0, out.stride(0),
+                       float(eps), LAYER_NORM=bias is not None, ADD=add, BLOCK=block,
                        num_warps=min(16, max(1, block // 512)))
-    return out
+    return (out, residual_out) if add else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -347,6 +372,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     ``out``.
     """
     return _norm(x, weight, None, eps, out)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-invariant residual add and RMSNorm in one kernel: ``s = x + residual`` rounded to ``x``'s
+    dtype (torch's add), ``y = rms_norm(s, weight, eps)``; both bitwise what ``x + residual`` then
+    :func:`rms_norm` give (the same kernel, the same reduction).
+
+    Parameters
+    ----------
+    x, residual : Tensor ``[M, D]``, bf16 or fp32 (one dtype), unit last stride, D >= 1.
+    weight : Tensor ``[D]``, ``x``'s dtype and device.
+    eps : float.
+    out : Tensor ``[M, D]`` for ``y``, or None (allocated).
+    residual_out : Tensor ``[M, D]`` for ``s``, not sharing storage with ``x`` or ``residual``, or
+        None (allocated).
+
+    Returns
+    -------
+    ``(out, residual_out)``.
+    """
+    if residual is None:
+        raise ValueError("residual: expected a tensor of shape (M, D), got None")
+    return _norm(x, weight, None, eps, out, residual, residual_out)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,

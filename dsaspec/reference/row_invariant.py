@@ -23,6 +23,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps) * weight.double()).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(s), s)`` with ``s = x + residual`` rounded to ``x``'s dtype."""
+    s = (x.double() + residual.double()).to(x.dtype)
+    return rms_norm(s, weight, eps), s
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """``(x - mean) * rsqrt(var + eps) * weight + bias`` (biased variance) over the last dim, in
     ``x``'s dtype."""

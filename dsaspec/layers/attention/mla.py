@@ -20,7 +20,7 @@ from torch import nn
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.inputs import NO_WORKSPACE, AttentionInputs
-from dsaspec.layers.linear import COLUMN, ROW, bmm, make_linear
+from dsaspec.layers.linear import COLUMN, ROW, bmm, fuse_linears, make_linear
 from dsaspec.layers.norm import LayerNorm, RMSNorm
 from dsaspec.layers.rotary import apply_rope, apply_rope_first
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
@@ -79,17 +79,19 @@ class Indexer(RowInvariant, nn.Module):
         self.k_norm = LayerNorm(config.index_head_dim, config.attn_norm_eps, device, dtype)
         self.weights_proj = make_linear(config.hidden_size, config.index_n_heads, device, dtype)
 
-    def forward(self, x, q_latent, step: ForwardState, index_k_cache):
+    def forward(self, x, q_latent, step: ForwardState, index_k_cache, wk_out=None):
         """Write each row's key into ``index_k_cache[out_cache_loc]``; return the query
         ``[R, index_n_heads, 128]`` (model dtype; both Hadamard-rotated with an FP8 cache) and
         head weights fp32 ``[R, index_n_heads]``
-        (``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``)."""
+        (``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``). ``wk_out``: ``wk(x)``
+        when the caller computed it (fused with the layer's other projections of ``x``)."""
         cfg = self.config
         rows = x.shape[0]
         rope, interleaved = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
         q = self.wq_b(q_latent).view(rows, cfg.index_n_heads, cfg.index_head_dim)
         q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
-        k = apply_rope_first(self.k_norm(self.wk(x)), rope, step.cos, step.sin, interleaved)
+        wk_out = self.wk(x) if wk_out is None else wk_out
+        k = apply_rope_first(self.k_norm(wk_out), rope, step.cos, step.sin, interleaved)
         if is_fp8_cache(index_k_cache):
             q, k = self._rotate(q), self._rotate(k)
         step.ops.store_index_k(index_k_cache, step.out_cache_loc, k, check_values=step.check_values)
@@ -138,6 +140,16 @@ class MLAAttention(RowInvariant, nn.Module):
                                  device, dtype, split=COLUMN, **tp)
         self.o_proj = make_linear(heads * config.v_head_dim, config.hidden_size, device, dtype, split=ROW, **tp)
         self.indexer = Indexer(config, device, dtype) if config.has_indexer(layer) else None
+        self.fused_input = None
+
+    def fuse_projections(self) -> None:
+        """One GEMM for the projections of the layer input: ``q_a_proj``, the indexer's ``wk``
+        (where the layer has an indexer) and ``kv_a_proj_with_mqa``, in that order (the FP8 scale
+        blocks stay whole: 576 is not a multiple of 128); nothing changes where
+        :func:`~dsaspec.layers.linear.fuse_linears` refuses them. The indexer's ``weights_proj``
+        reads the input too but runs in fp32."""
+        parts = [self.q_a_proj] + ([self.indexer.wk] if self.indexer is not None else []) + [self.kv_a_proj_with_mqa]
+        self.fused_input = fuse_linears(parts)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``kv_b_proj``'s weight (dequantized when FP8): ``W_UK [H, qk_nope, 512]`` and
@@ -153,16 +165,22 @@ class MLAAttention(RowInvariant, nn.Module):
         their FP8 layouts, quantized on write) at ``out_cache_loc`` and ``attn.topk_slots`` (if given)."""
         cfg = self.config
         rows, heads = x.shape[0], self.num_heads
-        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        if self.fused_input is None:
+            q_a, wk_out, kv_a = self.q_a_proj(x), None, self.kv_a_proj_with_mqa(x)
+        elif self.indexer is None:
+            (q_a, kv_a), wk_out = self.fused_input(x), None
+        else:
+            q_a, wk_out, kv_a = self.fused_input(x)
+        q_latent = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_latent).view(rows, heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(q_rope, step.cos, step.sin, cfg.rope_interleave)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_rope = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_rope = apply_rope(k_rope, step.cos, step.sin, cfg.rope_interleave)
         step.ops.store_mla(mla_cache, step.out_cache_loc, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1),
                            check_values=step.check_values)
         if self.indexer is not None and not step.seeded:
-            q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache)
+            q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache, wk_out)
             step.selected = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)
 
         w_uk, w_uv = self.absorbed_weights()
