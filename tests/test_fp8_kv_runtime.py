@@ -104,7 +104,7 @@ def test_triton_ops_refuse_fp8_caches(prompts):
     model = DSAModel(get_config("tiny"), dtype=torch.bfloat16, use_triton=True).init_weights(0)
     engine = Engine(model, context_len=CONTEXT, max_batch=1, bucket_sizes=(1,), progress=False,
                     kv_cache_dtype="fp8_e4m3")
-    with pytest.raises(NotImplementedError, match="Triton indexer / sparse MLA on FP8 caches is not implemented yet"):
+    with pytest.raises(NotImplementedError, match="Triton indexer on FP8 index keys is not implemented yet"):
         engine.generate(prompts[:1], 2)
 
 

@@ -222,7 +222,7 @@ def device_and_ops(args) -> tuple[torch.device, bool, torch.dtype]:
     if use_triton and dtype != torch.bfloat16:
         raise UserError(f"--ops triton needs --dtype bf16, got --dtype {args.dtype}")
     if use_triton and args.kv_cache_dtype == "fp8_e4m3":
-        raise UserError("--kv-cache-dtype fp8_e4m3: the Triton indexer / sparse MLA on FP8 caches is not "
+        raise UserError("--kv-cache-dtype fp8_e4m3: the Triton indexer on FP8 index keys is not "
                         "implemented yet; use --ops torch")
     if use_triton and device.type == "cpu" and not flags.triton_interpret():
         raise UserError("--ops triton on --device cpu needs the Triton interpreter: set TRITON_INTERPRET=1")

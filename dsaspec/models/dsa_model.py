@@ -255,8 +255,9 @@ class DSAModel(nn.Module):
             raise ValueError(f"the KV pool has {kv.num_layers} layer(s), this forward needs {layers}")
         if kv.kv_cache_dtype == "fp8_e4m3":
             if self.use_triton:
-                raise NotImplementedError("the Triton indexer / sparse MLA on FP8 caches is not implemented yet "
-                                          "(kv_cache_dtype='fp8_e4m3' runs with the torch ops)")
+                raise NotImplementedError("the Triton indexer on FP8 index keys is not implemented yet "
+                                          "(the Triton sparse MLA reads fp8_ds_mla caches; "
+                                          "kv_cache_dtype='fp8_e4m3' runs with the torch ops)")
         elif kv.mla_cache[0].dtype != self.lm_head.weight.dtype:
             raise ValueError(f"KV pool dtype {kv.mla_cache[0].dtype} != model dtype {self.lm_head.weight.dtype}")
 
@@ -337,7 +338,8 @@ class DSAModel(nn.Module):
         candidates = topk_candidates(rows, self.config.index_topk, device,
                                      num_chunks=1 if topk is None else topk.shape[1])
         heads = self.num_local_heads
-        # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon)
+        # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon); an FP8
+        # cache's Triton configuration splits as many ways (test_fp8_cache_takes_the_triton_configs)
         mla_config = sparse_mla_config(rows, heads, split=True,
                                        device=device if self.sparse_mla_gluon else None)
         return AttentionWorkspace(
