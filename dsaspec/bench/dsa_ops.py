@@ -34,6 +34,8 @@ point's workspace, ``new_nosplit`` the same without it, and baseline the bf16 ro
 1,152, and a target of its own applies from 16 rows (``FP8_BYTES_FACTOR``). The indexer, top-k
 and layer rows stay on the bf16 cache.
 
+With ``--kv-cache-dtype fp8_e4m3``, ``--tune`` times the sparse MLA candidates on the FP8 cache
+too (and ``TUNE_SPARSE_MLA_FP8``), each row's ``config`` naming its ``kv_cache``.
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
 ``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five,
 each with and without candidate lists (``sampled``).
@@ -108,6 +110,13 @@ TUNE_SPARSE_MLA = (
     SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=1, block_dv=128),
     SPARSE_MLA_BASELINE_CONFIG,
 )
+# Also tried on the FP8 cache (--kv-cache-dtype fp8_e4m3): tiles that compile for sm_90 without
+# register spills there (offline ptxas: 32 heads x 512 columns at 190 / 255 registers), where
+# SPARSE_MLA_CONFIG spills about 400 bytes (its dequantized tile passes through registers).
+TUNE_SPARSE_MLA_FP8 = (
+    SparseMLAConfig(block_h=32, block_n=64, num_warps=8, num_stages=3),
+    SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+)
 TUNE_INDEXER = (
     INDEXER_CONFIG,
     IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=2),
@@ -134,7 +143,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="live KV tokens per request, comma-separated")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16",
                    help="fp8_e4m3: also time sparse MLA on the fp8_ds_mla cache, next to each bf16 "
-                        "row (default: bf16 only)")
+                        "row (with --tune: its candidates, TUNE_SPARSE_MLA_FP8 too) (default: bf16 only)")
     p.add_argument("--verify-rows", type=positive_int, default=4, help="N: rows per request in target verify")
     p.add_argument("--preset", choices=sorted(PRESETS), default="glm5",
                    help="model preset giving heads, index heads and top-k")
@@ -634,21 +643,27 @@ def _tune(args) -> int:
     if not points:
         raise UserError("--tune: no tune point (TUNE_POINTS) is within --modes, --bs and --live-kv")
     for mode, bs, live in tqdm(points, desc="dsa-ops tune", unit="point"):
-        point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed)
+        fp8 = args.kv_cache_dtype == "fp8_e4m3"
+        point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed, fp8=fp8)
         _prepare(point)
         candidates = [("indexer", vars(config) | {"programs_per_sm": per_sm, "rows_per_group": groups},
                        _indexer(point, True, config, per_sm * shapes.num_sms, groups))
                       for config in TUNE_INDEXER for per_sm in TUNE_PROGRAMS_PER_SM
                       for groups in dict.fromkeys((point.n, 1))
                       if (per_sm == PROGRAMS_PER_SM and groups == point.n) or config == INDEXER_CONFIG]
-        for config in TUNE_SPARSE_MLA:
+        sparse_mla_tries = [("bf16", config) for config in TUNE_SPARSE_MLA]
+        if fp8:
+            sparse_mla_tries += [("fp8_e4m3", config) for config in TUNE_SPARSE_MLA + TUNE_SPARSE_MLA_FP8]
+        for kv_cache, config in sparse_mla_tries:
             for split in (False, True):
                 workspace = sparse_mla_workspace(point.rows, shapes.heads, device, num_sms=shapes.num_sms,
                                                  config=config) if split else None
                 if split and workspace is None:
                     continue
-                candidates.append(("sparse_mla", vars(config) | {"splits": workspace.shape[2] if split else 1},
-                                   _sparse_mla(point, "slots_new", "out_tune", config, workspace)))
+                candidates.append(("sparse_mla", vars(config) | {"splits": workspace.shape[2] if split else 1,
+                                                                 "kv_cache": kv_cache},
+                                   _sparse_mla(point, "slots_new", "out_tune", config, workspace,
+                                               fp8=kv_cache == "fp8_e4m3")))
         default_chunks = topk_num_chunks(point.rows, shapes.num_sms)
         for chunks in dict.fromkeys([default_chunks] + [max(1, round(default_chunks * factor))
                                                         for factor in TUNE_TOPK_CHUNKS]
@@ -672,9 +687,10 @@ def _tune(args) -> int:
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
             rows.append(row)
         del point
-    for r in rows:  # against the default configuration at the same point (and split choice)
+    for r in rows:  # against the default configuration at the same point (split choice and KV cache)
         same = [d for d in rows if (d["op"], d["mode"], d["bs"], d["live_kv"]) == (r["op"], r["mode"], r["bs"], r["live_kv"])
-                and (d["config"].get("splits", 1) > 1) == (r["config"].get("splits", 1) > 1)]
+                and (d["config"].get("splits", 1) > 1) == (r["config"].get("splits", 1) > 1)
+                and d["config"].get("kv_cache") == r["config"].get("kv_cache")]
         default = same[0].get("us") if same else None
         r["vs_default"] = r["us"] / default if "us" in r and default else None
     md = markdown_table([("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("config", "config"),
