@@ -300,3 +300,20 @@ def test_gpu_cuda_graph_replay_with_new_slots(split):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float().cpu(), _reference(inputs), atol=GPU_ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("capability,refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])
+def test_fp8_cache_needs_compute_capability_8_9(capability, refused, monkeypatch):
+    """Before compute capability 8.9 there are no e4m3 conversions: a clear error, not a compile
+    failure. Checked on the host from the device (a fake CUDA query tensor)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    inputs = fp8_inputs(1, 4, num_slots=8, k=4, valid_counts=[4], device="cpu")
+    q = inputs["q"]
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self is q))
+    out = torch.zeros(1, 4, 512, dtype=torch.bfloat16)
+    if refused:
+        with pytest.raises(ValueError, match=r"kv_cache: an fp8_ds_mla cache needs a GPU of compute "
+                                             r"capability 8.9 or newer"):
+            sparse_mla_decode(**inputs, out=out)
+    else:
+        sparse_mla_decode(**inputs, out=out, config=SPARSE_MLA_CONFIG)

@@ -400,8 +400,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     kv_cache : the MLA cache indexed by slot: bf16 ``[num_slots, 576]`` (latent then rope), or
         uint8 ``[num_slots, 656]`` in the ``fp8_ds_mla`` layout
         (:mod:`dsaspec.ops.kv_cache_layout`), whose latent the Triton kernel dequantizes to bf16
-        as it gathers it (exact: power-of-two scales), then the same bf16 dots. The choice is made
-        on the dtype on the host: graph-safe.
+        as it gathers it (exact: power-of-two scales), then the same bf16 dots (on a GPU of
+        compute capability 8.9 or newer). The choice is made on the dtype on the host:
+        graph-safe.
     slots : int32 ``[R, k]``, selected slots, ``-1`` = none (e.g. from ``topk_slots``). Work per
         row stops after its last valid entry.
     sm_scale : softmax scale applied to the 576-wide dot product.
@@ -430,6 +431,10 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                          f"{kv_cache.shape[0]} slots")
     num_rows, num_heads, _ = q.shape
     fp8 = is_fp8_cache(kv_cache)
+    if fp8 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        raise ValueError(f"kv_cache: an fp8_ds_mla cache needs a GPU of compute capability 8.9 or "
+                         f"newer (e4m3 conversions), got {q.device} of "
+                         f"{torch.cuda.get_device_capability(q.device)}")
     config = config or sparse_mla_config(num_rows, num_heads, workspace is not None, q.device,
                                          fp8_cache=fp8)
     scan = min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1)))
