@@ -45,3 +45,39 @@ def test_targets():
         ("topk", 64, "<= 2x floor", False), ("topk", 64, "(proposed) <= 5x same-bytes torch.amax", False),
         ("topk", 64, "not slower than baseline (x1.05 noise)", True),
         ("indexer", 16, "<= 2x floor", True), ("indexer", 16, "not slower than baseline (x1.05 noise)", True)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
+def test_cpu_run_on_the_fp8_cache(tmp_path):
+    """--kv-cache-dtype fp8_e4m3: a sparse MLA row on the FP8 cache after each bf16 one, checked
+    against the bf16 cache's output and the FP8 reference."""
+    parser = argparse.ArgumentParser()
+    dsa_ops.add_arguments(parser)
+    args = ["--out", str(tmp_path), "--ops", "sparse_mla", "--modes", "decode",
+            "--kv-cache-dtype", "fp8_e4m3"]
+    assert dsa_ops.run(parser.parse_args(args)) == 0
+    rows = json.loads((tmp_path / "dsa_ops.json").read_text())["rows"]
+    assert [r["kv_cache"] for r in rows] == ["bf16", "fp8_e4m3"] * 4
+    assert all(r["matches_baseline"] and r["matches_reference"] for r in rows)
+    assert not any("error" in r for r in rows)
+
+
+def test_fp8_floor_counts_656_bytes_a_slot():
+    """The FP8 row's bytes floor differs from the bf16 one by 1152 - 656 bytes a distinct slot."""
+    shapes = dsa_ops._Shapes(heads=16, index_heads=4, topk=8, sm_scale=0.1, num_sms=8)
+    point = dsa_ops._build_point("decode", 2, 70, 1, shapes, "cpu", seed=0, fp8=True)
+    slots = point.buffer("slots_new", (2, 8), torch.int32)
+    slots.copy_(torch.tensor([[0, 1, 1, 2, -1, -1, -1, -1], [64, 65, 66, 67, 68, 69, 70, 70]]))
+    bf16, flops = dsa_ops._floor_terms(point, "sparse_mla")
+    fp8, fp8_flops = dsa_ops._floor_terms(point, "sparse_mla", "fp8_e4m3")
+    assert bf16 - fp8 == 10 * (1152 - 656) and flops == fp8_flops
+
+
+def test_fp8_target():
+    rows = [dict(_row("sparse_mla", 16, 65536, 30.0, 40.0, 20.0), kv_cache="fp8_e4m3", rows=16,
+                 bytes_floor_us=20.0),
+            dict(_row("sparse_mla", 4, 65536, 30.0, 40.0, 20.0), kv_cache="fp8_e4m3", rows=4,
+                 bytes_floor_us=20.0)]
+    got = [(t["bs"], t["target"], t["met"]) for t in dsa_ops._targets(rows)
+           if t["target"].startswith("FP8")]
+    assert got == [(16, "FP8 cache: <= 1.3x bytes floor", False)]

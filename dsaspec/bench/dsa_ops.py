@@ -25,6 +25,17 @@ CUPTI kernel time, median and spread).
   baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
+``--kv-cache-dtype fp8_e4m3`` adds a sparse MLA row on the ``fp8_ds_mla`` cache after each bf16
+one (column ``KV cache``): the point's cache quantized (``store_mla``) and the bf16 cache replaced
+by its dequantized values, so both rows attend over the same values. There new is the default
+configuration on the FP8 cache (always a Triton one: the Gluon kernel reads bf16 only) with the
+point's workspace, ``new_nosplit`` the same without it, and baseline the bf16 row's new (so
+``speedup`` is bf16 / FP8); its bytes floor gathers 656 B a distinct selected slot instead of
+1,152, and a target of its own applies from 16 rows (``FP8_BYTES_FACTOR``). The indexer, top-k
+and layer rows stay on the bf16 cache.
+
+With ``--kv-cache-dtype fp8_e4m3``, ``--tune`` times the sparse MLA candidates on the FP8 cache
+too (and ``TUNE_SPARSE_MLA_FP8``), each row's ``config`` naming its ``kv_cache``.
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
 ``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five,
 each with and without candidate lists (``sampled``).
@@ -58,6 +69,8 @@ from dsaspec.bench.floors import matmul_tflops
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, nonnegative_int, positive_int, positive_int_list
 from dsaspec.ops.device import sm_count
+from dsaspec.ops.fp8_kv import gather_mla, store_mla
+from dsaspec.ops.kv_cache_layout import MLA_FP8_BYTES
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, IndexerConfig, indexer_logits
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
@@ -68,6 +81,8 @@ from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_c
 from dsaspec.configs.model_config import PRESETS, get_config
 
 OPS = ("indexer", "topk", "sparse_mla", "layer")
+KV_CACHE_DTYPES = ("bf16", "fp8_e4m3")
+FP8_OPS = ("sparse_mla",)  # the ops with a row on the FP8 cache
 MODES = ("decode", "target_verify")
 PAGE = 64
 INDEX_DIM = 128
@@ -75,6 +90,8 @@ NUM_SMS_WITHOUT_CUDA = 8
 # Targets (docs/benchmarking.md, "Targets"): bs 1 at 1k live within this many µs per op; bs >= 16 at 64k
 # live within this factor of the floor; never slower than the baseline (beyond timing noise).
 SMALL_TARGET_US, FLOOR_FACTOR, NOISE = 8.0, 2.0, 1.05
+# Sparse MLA on the FP8 cache (issue 28): within this factor of its bytes floor from this many rows.
+FP8_BYTES_FACTOR, FP8_BYTES_MIN_ROWS = 1.3, 16
 # Proposed for the top-k in place of FLOOR_FACTOR x its bytes floor (docs/dsa-kernels.md): an exact select
 # reads a row up to five times, so at most this many same-bytes torch.amax reads of its logits.
 TOPK_AMAX_FACTOR = 5.0
@@ -92,6 +109,13 @@ TUNE_SPARSE_MLA = (
     SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2, block_dv=128, max_splits=32),
     SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=1, block_dv=128),
     SPARSE_MLA_BASELINE_CONFIG,
+)
+# Also tried on the FP8 cache (--kv-cache-dtype fp8_e4m3): tiles that compile for sm_90 without
+# register spills there (offline ptxas: 32 heads x 512 columns at 190 / 255 registers), where
+# SPARSE_MLA_CONFIG spills about 400 bytes (its dequantized tile passes through registers).
+TUNE_SPARSE_MLA_FP8 = (
+    SparseMLAConfig(block_h=32, block_n=64, num_warps=8, num_stages=3),
+    SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
 )
 TUNE_INDEXER = (
     INDEXER_CONFIG,
@@ -117,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch sizes (requests), comma-separated")
     p.add_argument("--live-kv", type=positive_int_list, default=[1024, 8192, 65536],
                    help="live KV tokens per request, comma-separated")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16",
+                   help="fp8_e4m3: also time sparse MLA on the fp8_ds_mla cache, next to each bf16 "
+                        "row (with --tune: its candidates, TUNE_SPARSE_MLA_FP8 too) (default: bf16 only)")
     p.add_argument("--verify-rows", type=positive_int, default=4, help="N: rows per request in target verify")
     p.add_argument("--preset", choices=sorted(PRESETS), default="glm5",
                    help="model preset giving heads, index heads and top-k")
@@ -151,6 +178,7 @@ class _Point:
     page_table: torch.Tensor  # int32 [R, live]
     index_k: torch.Tensor  # bf16 [slots, 128]
     mla_cache: torch.Tensor  # bf16 [slots, 576]
+    mla_fp8: torch.Tensor | None  # uint8 [slots, 656] holding mla_cache's values, or None
     q_index: torch.Tensor
     weights: torch.Tensor
     q_mla: torch.Tensor
@@ -169,7 +197,8 @@ class _Point:
         return self.buffers[name]
 
 
-def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device, seed: int) -> _Point:
+def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device, seed: int,
+                 fp8: bool = False) -> _Point:
     if mode == "decode":
         n = 1
     if live < n:
@@ -186,9 +215,15 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
 
+    mla_cache, mla_fp8 = randn(num_slots, QK_DIM), None
+    if fp8:
+        every_slot = torch.arange(num_slots, device=device)
+        mla_fp8 = torch.empty(num_slots, MLA_FP8_BYTES, dtype=torch.uint8, device=device)
+        store_mla(mla_fp8, every_slot, mla_cache)
+        mla_cache = gather_mla(mla_fp8, every_slot, out_dtype=torch.bfloat16)  # exact in bf16
     point = _Point(
         mode=mode, bs=bs, live=live, n=n, shapes=shapes, seqlens=lengths, page_table=page_table,
-        index_k=randn(num_slots, INDEX_DIM), mla_cache=randn(num_slots, QK_DIM),
+        index_k=randn(num_slots, INDEX_DIM), mla_cache=mla_cache, mla_fp8=mla_fp8,
         q_index=randn(rows, shapes.index_heads, INDEX_DIM),
         weights=torch.randn(rows, shapes.index_heads, generator=gen, device=device)
         * (INDEX_DIM * shapes.index_heads) ** -0.5,
@@ -263,13 +298,15 @@ def _row_amax(p: _Point, logits: str, out: str):
 
 
 def _sparse_mla(p: _Point, slots: str, out: str, config: SparseMLAConfig | None,
-                workspace: torch.Tensor | None):
-    """Sparse MLA over buffer ``slots`` into buffer ``out`` (``config`` None: the op's default)."""
+                workspace: torch.Tensor | None, fp8: bool = False):
+    """Sparse MLA over buffer ``slots`` into buffer ``out`` (``config`` None: the op's default)
+    on the bf16 cache, or the FP8 one with ``fp8``."""
     slot_buffer = p.buffer(slots, (p.rows, p.shapes.topk), torch.int32)
     result = p.buffer(out, (p.rows, p.shapes.heads, LATENT_DIM), torch.bfloat16)
+    cache = p.mla_fp8 if fp8 else p.mla_cache
 
     def run(check_values: bool = False) -> None:
-        sparse_mla_decode(p.q_mla, p.mla_cache, slot_buffer, p.shapes.sm_scale, result,
+        sparse_mla_decode(p.q_mla, cache, slot_buffer, p.shapes.sm_scale, result,
                           check_values=check_values, workspace=workspace, config=config)
 
     return run
@@ -289,10 +326,14 @@ def _layer(p: _Point, new: bool):
     return run
 
 
-def _variants(p: _Point, op: str) -> dict:
+def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
     """name -> callable for one op at one point (baseline, new, and for sparse MLA new_nosplit).
     Top-k reads the baseline indexer's logits (every row written); sparse MLA the new top-k's
-    slots."""
+    slots; on the FP8 cache its baseline is the bf16 cache's new form."""
+    if kv_cache == "fp8_e4m3":
+        return {"baseline": _sparse_mla(p, "slots_new", "out_fp8_baseline", None, p.workspace),
+                "new": _sparse_mla(p, "slots_new", "out_fp8", None, p.workspace, fp8=True),
+                "new_nosplit": _sparse_mla(p, "slots_new", "out_fp8_nosplit", None, None, fp8=True)}
     if op == "indexer":
         return {"baseline": _indexer(p, False), "new": _indexer(p, True)}
     if op == "topk":
@@ -319,7 +360,7 @@ def _prepare(p: _Point) -> None:
 # floors
 
 
-def _floor_terms(p: _Point, op: str) -> tuple[int, int]:
+def _floor_terms(p: _Point, op: str, kv_cache: str = "bf16") -> tuple[int, int]:
     """(bytes, FLOPs) the op's contract needs at this point (see the module docstring)."""
     if op == "layer":
         terms = [_floor_terms(p, name) for name in ("indexer", "topk", "sparse_mla")]
@@ -340,7 +381,8 @@ def _floor_terms(p: _Point, op: str) -> tuple[int, int]:
     valid = int((slots >= 0).sum())
     ordered = slots.view(p.bs, p.n * s.topk).sort(dim=1).values
     distinct = int((ordered[:, :1] >= 0).sum() + ((ordered[:, 1:] != ordered[:, :-1]) & (ordered[:, 1:] >= 0)).sum())
-    nbytes = (distinct * QK_DIM * 2 + p.rows * s.topk * 4
+    entry = MLA_FP8_BYTES if kv_cache == "fp8_e4m3" else QK_DIM * 2
+    nbytes = (distinct * entry + p.rows * s.topk * 4
               + p.rows * s.heads * (QK_DIM * 2 + LATENT_DIM * 2))
     return nbytes, 2 * s.heads * (QK_DIM + LATENT_DIM) * valid
 
@@ -349,10 +391,23 @@ def _floor_terms(p: _Point, op: str) -> tuple[int, int]:
 # checks after timing
 
 
-def _compare_outputs(p: _Point, op: str, on_gpu: bool) -> dict:
+def _compare_outputs(p: _Point, op: str, on_gpu: bool, kv_cache: str = "bf16") -> dict:
     """New vs baseline outputs of the op (and vs the plain-torch references without CUDA);
     raises on a mismatch, returns the largest differences."""
     s, checks = p.shapes, {}
+    if kv_cache == "fp8_e4m3":  # the same values in both caches: to summation order
+        base = p.buffers["out_fp8_baseline"].float()
+        for name in ("out_fp8", "out_fp8_nosplit"):
+            got = p.buffers[name].float()
+            torch.testing.assert_close(got, base, rtol=2e-2, atol=1e-2)
+            checks[f"{name}_max_abs_diff"] = float((got - base).abs().max())
+        if not on_gpu:
+            from dsaspec.reference.sparse_mla import reference_sparse_mla_decode_fp8
+
+            want = reference_sparse_mla_decode_fp8(p.q_mla, p.mla_fp8, p.buffers["slots_new"], s.sm_scale)
+            torch.testing.assert_close(p.buffers["out_fp8"].float(), want, rtol=1e-2, atol=1e-3)
+            checks["matches_reference"] = True
+        return checks
     if op in ("indexer", "layer"):
         positions = torch.arange(p.live, device=p.seqlens.device)
         written = (positions[None, :] < p.seqlens[:, None]) & (p.seqlens[:, None] > s.topk)
@@ -416,12 +471,12 @@ def _shapes(args, on_gpu: bool) -> _Shapes:
                    QK_DIM ** -0.5, NUM_SMS_WITHOUT_CUDA)
 
 
-def _time_row(p: _Point, op: str, floors, peak_tflops: float, iters: int) -> dict:
+def _time_row(p: _Point, op: str, kv_cache: str, floors, peak_tflops: float, iters: int) -> dict:
     from dsaspec.bench.timing import time_in_graph
 
     timings = {name: time_in_graph(fn, iters=iters, cold_l2=True, graph_diff=False)
-               for name, fn in _variants(p, op).items()}
-    nbytes, flops = _floor_terms(p, op)
+               for name, fn in _variants(p, op, kv_cache).items()}
+    nbytes, flops = _floor_terms(p, op, kv_cache)
     bytes_floor = nbytes / (floors.copy_gbps * 1e3)
     flop_floor = flops / (peak_tflops * 1e6)
     floor = max(bytes_floor, flop_floor, floors.empty_us)
@@ -448,7 +503,7 @@ def _targets(rows: list[dict]) -> list[dict]:
     for r in rows:
         if "new_us" not in r:
             continue
-        where = {k: r[k] for k in ("op", "mode", "bs", "live_kv")}
+        where = {k: r[k] for k in ("op", "mode", "bs", "live_kv")} | {"kv_cache": r.get("kv_cache", "bf16")}
         if r["op"] != "layer" and r["bs"] == 1 and r["live_kv"] == 1024:
             out.append(dict(where, target=f"<= {SMALL_TARGET_US:g} µs", value=r["new_us"],
                             met=r["new_us"] <= SMALL_TARGET_US))
@@ -458,6 +513,10 @@ def _targets(rows: list[dict]) -> list[dict]:
             if "amax_us" in r:
                 out.append(dict(where, target=f"(proposed) <= {TOPK_AMAX_FACTOR:g}x same-bytes torch.amax",
                                 value=r["new_over_amax"], met=r["new_over_amax"] <= TOPK_AMAX_FACTOR))
+        if r.get("kv_cache") == "fp8_e4m3" and r.get("rows", 0) >= FP8_BYTES_MIN_ROWS:
+            factor = r["new_us"] / r["bytes_floor_us"]
+            out.append(dict(where, target=f"FP8 cache: <= {FP8_BYTES_FACTOR:g}x bytes floor", value=factor,
+                            met=factor <= FP8_BYTES_FACTOR))
         out.append(dict(where, target=f"not slower than baseline (x{NOISE:g} noise)", value=r["speedup"],
                         met=r["new_us"] <= NOISE * r["baseline_us"]))
     return out
@@ -489,24 +548,28 @@ def run(args) -> int:
     started = time.monotonic()
     rows, failures = [], 0
     points = [(live, bs, mode) for live in args.live_kv for bs in args.bs for mode in args.modes]
+    kinds = [(op, kv_cache) for op in args.ops for kv_cache in KV_CACHE_DTYPES
+             if kv_cache == "bf16" or (kv_cache == args.kv_cache_dtype and op in FP8_OPS)]
     for live, bs, mode in tqdm(points, desc="dsa-ops", unit="point"):
-        point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed + live + bs)
+        point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed + live + bs,
+                             fp8=args.kv_cache_dtype == "fp8_e4m3")
         _prepare(point)
-        for op in args.ops:
-            row = {"op": op, "mode": mode, "bs": bs, "live_kv": live, "rows": point.rows,
+        for op, kv_cache in kinds:
+            row = {"op": op, "kv_cache": kv_cache, "mode": mode, "bs": bs, "live_kv": live, "rows": point.rows,
                    "num_splits": None if point.workspace is None else point.workspace.shape[2],
                    "topk_chunks": 1 if point.topk_workspace is None else point.topk_workspace.shape[1]}
             try:
                 if on_gpu:
-                    row.update(_time_row(point, op, floors, peak, args.iters))
-                for fn in _variants(point, op).values():
+                    row.update(_time_row(point, op, kv_cache, floors, peak, args.iters))
+                for fn in _variants(point, op, kv_cache).values():
                     fn()
-                row.update(_compare_outputs(point, op, on_gpu))
+                row.update(_compare_outputs(point, op, on_gpu, kv_cache))
                 row["matches_baseline"] = True
             except Exception as err:  # recorded and reported; the other points still run
                 failures += 1
                 row["error"] = f"{type(err).__name__}: {err}"
-                print(f"dsa-ops {op} {mode} bs {bs} live {live}: {row['error']}", file=sys.stderr)
+                print(f"dsa-ops {op} ({kv_cache} cache) {mode} bs {bs} live {live}: {row['error']}",
+                      file=sys.stderr)
             rows.append(row)
         del point
     if on_gpu:
@@ -525,8 +588,8 @@ def run(args) -> int:
                            "sparse_mla_baseline": vars(SPARSE_MLA_BASELINE_CONFIG)},
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
-        cols = [("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("rows", "rows"),
-                ("baseline_us", "baseline µs"), ("new_us", "new µs"), ("speedup", "speedup"),
+        cols = [("op", "op"), ("kv_cache", "KV cache"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"),
+                ("rows", "rows"), ("baseline_us", "baseline µs"), ("new_us", "new µs"), ("speedup", "speedup"),
                 ("new_nosplit_us", "new no-split µs"), ("num_splits", "splits"),
                 ("topk_chunks", "top-k chunks"), ("floor_us", "floor µs"),
                 ("bytes_floor_us", "bytes floor µs"), ("flop_floor_us", "FLOP floor µs"),
@@ -534,15 +597,15 @@ def run(args) -> int:
                 ("spread_new", "spread new"), ("error", "error")]
         table = [dict(r, spread_new=r.get("spread", {}).get("new")) for r in rows]
     else:
-        cols = [("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("rows", "rows"),
-                ("topk_chunks", "top-k chunks"), ("matches_baseline", "new == baseline"), ("matches_reference", "== reference"), ("error", "error")]
+        cols = [("op", "op"), ("kv_cache", "KV cache"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"),
+                ("rows", "rows"), ("topk_chunks", "top-k chunks"), ("matches_baseline", "new == baseline"), ("matches_reference", "== reference"), ("error", "error")]
         table = rows
     md = markdown_table(cols, table)
     if targets:
         met = sum(t["met"] for t in targets)
         md += (f"\n\n## Targets: {met} of {len(targets)} met\n\n"
-               + markdown_table([("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"),
-                                 ("target", "target"), ("value", "value"), ("met", "met")],
+               + markdown_table([("op", "op"), ("kv_cache", "KV cache"), ("mode", "mode"), ("bs", "bs"),
+                                 ("live_kv", "live KV"), ("target", "target"), ("value", "value"), ("met", "met")],
                                 [t for t in targets if not t["met"]] or [{"op": "(all met)"}]))
     write_results("dsa_ops", payload, md, args.out)
     print(f"({time.monotonic() - started:.0f} s)")
@@ -563,21 +626,27 @@ def _tune(args) -> int:
     if not points:
         raise UserError("--tune: no tune point (TUNE_POINTS) is within --modes, --bs and --live-kv")
     for mode, bs, live in tqdm(points, desc="dsa-ops tune", unit="point"):
-        point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed)
+        fp8 = args.kv_cache_dtype == "fp8_e4m3"
+        point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed, fp8=fp8)
         _prepare(point)
         candidates = [("indexer", vars(config) | {"programs_per_sm": per_sm, "rows_per_group": groups},
                        _indexer(point, True, config, per_sm * shapes.num_sms, groups))
                       for config in TUNE_INDEXER for per_sm in TUNE_PROGRAMS_PER_SM
                       for groups in dict.fromkeys((point.n, 1))
                       if (per_sm == PROGRAMS_PER_SM and groups == point.n) or config == INDEXER_CONFIG]
-        for config in TUNE_SPARSE_MLA:
+        sparse_mla_tries = [("bf16", config) for config in TUNE_SPARSE_MLA]
+        if fp8:
+            sparse_mla_tries += [("fp8_e4m3", config) for config in TUNE_SPARSE_MLA + TUNE_SPARSE_MLA_FP8]
+        for kv_cache, config in sparse_mla_tries:
             for split in (False, True):
                 workspace = sparse_mla_workspace(point.rows, shapes.heads, device, num_sms=shapes.num_sms,
                                                  config=config) if split else None
                 if split and workspace is None:
                     continue
-                candidates.append(("sparse_mla", vars(config) | {"splits": workspace.shape[2] if split else 1},
-                                   _sparse_mla(point, "slots_new", "out_tune", config, workspace)))
+                candidates.append(("sparse_mla", vars(config) | {"splits": workspace.shape[2] if split else 1,
+                                                                 "kv_cache": kv_cache},
+                                   _sparse_mla(point, "slots_new", "out_tune", config, workspace,
+                                               fp8=kv_cache == "fp8_e4m3")))
         default_chunks = topk_num_chunks(point.rows, shapes.num_sms)
         for chunks in dict.fromkeys([default_chunks] + [max(1, round(default_chunks * factor))
                                                         for factor in TUNE_TOPK_CHUNKS]
@@ -601,9 +670,10 @@ def _tune(args) -> int:
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
             rows.append(row)
         del point
-    for r in rows:  # against the default configuration at the same point (and split choice)
+    for r in rows:  # against the default configuration at the same point (split choice and KV cache)
         same = [d for d in rows if (d["op"], d["mode"], d["bs"], d["live_kv"]) == (r["op"], r["mode"], r["bs"], r["live_kv"])
-                and (d["config"].get("splits", 1) > 1) == (r["config"].get("splits", 1) > 1)]
+                and (d["config"].get("splits", 1) > 1) == (r["config"].get("splits", 1) > 1)
+                and d["config"].get("kv_cache") == r["config"].get("kv_cache")]
         default = same[0].get("us") if same else None
         r["vs_default"] = r["us"] / default if "us" in r and default else None
     md = markdown_table([("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("config", "config"),

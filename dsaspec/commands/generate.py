@@ -76,7 +76,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, seed_help: str = "seed of
                    help=f"weight and activation dtype ({', '.join(DTYPE_ALIASES)} are accepted too)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"],
                    help="KV cache dtype: bf16 (the model's dtype) or fp8_e4m3 (FlashMLA's fp8_ds_mla and the "
-                        "paged FP8 indexer keys; torch ops only for now); auto: bf16")
+                        "paged FP8 indexer keys); auto: bf16")
     p.add_argument("--ops", default="auto", choices=["auto", "triton", "torch"],
                    help="DSA ops: Triton kernels or torch references (auto: triton on CUDA). The two sum in "
                         "different orders, so in bf16 their tokens can differ where two logits nearly tie, "
@@ -221,9 +221,6 @@ def device_and_ops(args) -> tuple[torch.device, bool, torch.dtype]:
     dtype = DTYPES[args.dtype]
     if use_triton and dtype != torch.bfloat16:
         raise UserError(f"--ops triton needs --dtype bf16, got --dtype {args.dtype}")
-    if use_triton and args.kv_cache_dtype == "fp8_e4m3":
-        raise UserError("--kv-cache-dtype fp8_e4m3: the Triton sparse MLA on FP8 caches is not "
-                        "implemented yet; use --ops torch")
     if use_triton and device.type == "cpu" and not flags.triton_interpret():
         raise UserError("--ops triton on --device cpu needs the Triton interpreter: set TRITON_INTERPRET=1")
     return device, use_triton, dtype

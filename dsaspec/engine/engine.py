@@ -185,7 +185,7 @@ class Engine:
     time_phases : with speculation on CUDA, record each iteration's device time per phase.
     options : RuntimeOptions for the metadata kernels and the exchanges (default: ``model.options``).
     kv_cache_dtype : ``"auto"`` / ``"bf16"`` (caches in the model's dtype) or ``"fp8_e4m3"`` (the
-        FP8 layouts of :mod:`dsaspec.memory`; torch ops only for now) for the target and MTP pools.
+        FP8 layouts of :mod:`dsaspec.memory`) for the target and MTP pools.
     """
 
     def __init__(self, model: DSAModel, *, context_len: int, max_batch: int = 8,

@@ -265,12 +265,7 @@ class DSAModel(nn.Module):
             raise ValueError(f"out_cache_loc must be int64 (index_copy_ indices), got {out_cache_loc.dtype}")
         if kv.num_layers != layers:
             raise ValueError(f"the KV pool has {kv.num_layers} layer(s), this forward needs {layers}")
-        if kv.kv_cache_dtype == "fp8_e4m3":
-            if self.use_triton:
-                raise NotImplementedError("the Triton sparse MLA on FP8 caches is not implemented yet (the "
-                                          "Triton indexer reads them; kv_cache_dtype='fp8_e4m3' runs with "
-                                          "the torch ops)")
-        elif kv.mla_cache[0].dtype != self.lm_head.weight.dtype:
+        if kv.kv_cache_dtype != "fp8_e4m3" and kv.mla_cache[0].dtype != self.lm_head.weight.dtype:
             raise ValueError(f"KV pool dtype {kv.mla_cache[0].dtype} != model dtype {self.lm_head.weight.dtype}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
@@ -350,7 +345,8 @@ class DSAModel(nn.Module):
         candidates = topk_candidates(rows, self.config.index_topk, device,
                                      num_chunks=1 if topk is None else topk.shape[1])
         heads = self.num_local_heads
-        # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon)
+        # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon); an FP8
+        # cache's Triton configuration splits as many ways (test_fp8_cache_takes_the_triton_configs)
         mla_config = sparse_mla_config(rows, heads, split=True,
                                        device=device if self.sparse_mla_gluon else None)
         return AttentionWorkspace(

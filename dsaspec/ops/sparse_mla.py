@@ -15,11 +15,18 @@ split over the third grid dimension and a combine kernel merges the partial soft
 launched as a programmatic dependent of the split kernel, so its launch overlaps the split
 kernel's run.
 
+The cache is bf16 ``[slots, 576]`` or the ``fp8_ds_mla`` bytes (uint8 ``[slots, 656]``: 512 e4m3
+latent codes, 4 fp32 power-of-two scales, 64 bf16 rope values). On the FP8 cache the same kernel
+(constexpr ``FP8`` in its gathers) loads the selected slots' codes and scales and dequantizes the
+latent to bf16 in registers before the same bf16 dots (exact: a power-of-two scale times an
+e4m3 code is a bf16 value), reading 656 bytes a selected slot instead of 1,152.
+
 On Hopper (compute capability 9.x) with a head count that is a multiple of 64, the default
 configuration is :data:`SPARSE_MLA_GLUON_CONFIG` for the single pass at every row count and for
 the split path from :data:`GLUON_MIN_SPLIT_HEAD_BLOCKS` programs without splits: the
 warp-specialized Gluon kernel of :mod:`dsaspec.ops.sparse_mla_gluon` (same contract, same split
-records and combine; its own summation order).
+records and combine; its own summation order). It reads bf16 caches only:
+:func:`sparse_mla_config` gives FP8 caches the Triton configurations.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_count, check_tensor
 from dsaspec.ops.device import sm_count, supports_pdl
+from dsaspec.ops.kv_cache_layout import FP8_GROUP, MLA_FP8_BYTES, is_fp8_cache, mla_fp8_views
 from dsaspec.ops import sparse_mla_gluon
 from dsaspec.ops.sparse_mla_gluon import launch_sparse_mla_gluon, sparse_mla_gluon_supported
 
@@ -129,27 +137,53 @@ def _block_slots(row_slots, block, stop_block, topk, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _gather_rows(kv_ptr, kv_stride, slot, LATENT: tl.constexpr, ROPE: tl.constexpr):
-    """Cache rows ``[latent | rope]`` of the valid slots; zeros (no memory access) elsewhere."""
+def _gather_latent(latent_ptr, latent_stride, scale_ptr, scale_stride, slot, start,
+                   WIDTH: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
+    """Latent columns ``start .. start + WIDTH`` of the valid slots' cache rows, bf16
+    ``[BLOCK_N, WIDTH]``; zeros (no memory access) elsewhere. ``FP8``: the e4m3 codes times the
+    fp32 scale of their 128-column group, rounded to bf16, which is exact (a power-of-two scale
+    times a 4-significant-bit code; bf16 has fp32's exponent range): the dots then see exactly
+    the values the cache holds."""
     valid = slot >= 0
-    kv_row = kv_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * kv_stride
-    kv_latent = tl.load(kv_row + tl.arange(0, LATENT)[None, :], mask=valid[:, None], other=0.0)
-    kv_rope = tl.load(kv_row + LATENT + tl.arange(0, ROPE)[None, :], mask=valid[:, None],
-                      other=0.0)
+    row = tl.where(valid, slot, 0).to(tl.int64)
+    columns = start + tl.arange(0, WIDTH)
+    latent = tl.load(latent_ptr + row[:, None] * latent_stride + columns[None, :],
+                     mask=valid[:, None], other=0.0)
+    if FP8:
+        # one scale load per group and row, spread over the columns by selects (no per-column load)
+        group = columns // GROUP
+        scale = tl.zeros((row.shape[0], WIDTH), dtype=tl.float32)
+        for g in tl.static_range(WIDTH // GROUP):
+            s = tl.load(scale_ptr + row * scale_stride + start // GROUP + g, mask=valid, other=0.0)
+            scale = tl.where(group[None, :] == start // GROUP + g, s[:, None], scale)
+        latent = (latent.to(tl.float32) * scale).to(tl.bfloat16)
+    return latent
+
+
+@triton.jit
+def _gather_rows(latent_ptr, latent_stride, scale_ptr, scale_stride, rope_ptr, rope_stride, slot,
+                 LATENT: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
+                 FP8: tl.constexpr):
+    """Cache rows ``[latent | rope]`` of the valid slots (the latent dequantized with ``FP8``);
+    zeros (no memory access) elsewhere."""
+    kv_latent = _gather_latent(latent_ptr, latent_stride, scale_ptr, scale_stride, slot, 0,
+                               LATENT, GROUP, FP8)
+    valid = slot >= 0
+    rope_row = rope_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * rope_stride
+    kv_rope = tl.load(rope_row + tl.arange(0, ROPE)[None, :], mask=valid[:, None], other=0.0)
     return kv_latent, kv_rope
 
 
 @triton.jit
-def _gather_values(kv_ptr, kv_stride, slot, kv_latent, value_start, LATENT: tl.constexpr,
-                   BLOCK_DV: tl.constexpr):
+def _gather_values(latent_ptr, latent_stride, scale_ptr, scale_stride, slot, kv_latent,
+                   value_start, LATENT: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   GROUP: tl.constexpr, FP8: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_DV]`` value columns ``value_start ..`` of the gathered rows: the
     latent rows themselves when one program holds every column, else a second (cache-hot) load."""
     if BLOCK_DV == LATENT:
         return kv_latent
-    valid = slot >= 0
-    kv_row = kv_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * kv_stride
-    return tl.load(kv_row + value_start + tl.arange(0, BLOCK_DV)[None, :], mask=valid[:, None],
-                   other=0.0)
+    return _gather_latent(latent_ptr, latent_stride, scale_ptr, scale_stride, slot, value_start,
+                          BLOCK_DV, GROUP, FP8)
 
 
 @triton.jit
@@ -173,10 +207,12 @@ def _attend_block(q_latent, q_rope, valid, kv_latent, kv_rope, kv_value, running
 
 
 @triton.jit
-def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, qk_scale_log2,
-                              q_stride_row, q_stride_head, kv_stride, slots_stride,
+def _sparse_mla_decode_kernel(q_ptr, latent_ptr, scale_ptr, rope_ptr, slots_ptr, out_ptr,
+                              workspace_ptr, qk_scale_log2, q_stride_row, q_stride_head,
+                              latent_stride, scale_stride, rope_stride, slots_stride,
                               out_stride_row, out_stride_head, num_heads, topk,
-                              LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+                              LATENT: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
+                              FP8: tl.constexpr, BLOCK_H: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                               SCAN: tl.constexpr, NUM_STAGES: tl.constexpr,
                               UPCAST: tl.constexpr, SPLIT: tl.constexpr, RECORD: tl.constexpr,
@@ -219,9 +255,10 @@ def _sparse_mla_decode_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, 
     stop_block = tl.minimum(first_block + per_split, num_blocks)
     for block in tl.range(first_block, stop_block, num_stages=NUM_STAGES):
         slot = _block_slots(row_slots, block, stop_block, topk, BLOCK_N)
-        kv_latent, kv_rope = _gather_rows(kv_ptr, kv_stride, slot, LATENT, ROPE)
-        kv_value = _gather_values(kv_ptr, kv_stride, slot, kv_latent, value_start, LATENT,
-                                  BLOCK_DV)
+        kv_latent, kv_rope = _gather_rows(latent_ptr, latent_stride, scale_ptr, scale_stride,
+                                          rope_ptr, rope_stride, slot, LATENT, ROPE, GROUP, FP8)
+        kv_value = _gather_values(latent_ptr, latent_stride, scale_ptr, scale_stride, slot,
+                                  kv_latent, value_start, LATENT, BLOCK_DV, GROUP, FP8)
         running_max, denominator, acc = _attend_block(
             q_latent, q_rope, slot >= 0, kv_latent, kv_rope, kv_value, running_max,
             denominator, acc, qk_scale_log2, UPCAST)
@@ -273,17 +310,21 @@ def _block_h(num_heads: int, config: SparseMLAConfig) -> int:
 
 
 def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
-                      device: torch.device | str | None = None) -> SparseMLAConfig:
-    """The default launch configuration of ``R = num_rows`` rows on ``device``.
+                      device: torch.device | str | None = None,
+                      fp8_cache: bool = False) -> SparseMLAConfig:
+    """The default launch configuration of ``R = num_rows`` rows on ``device`` over a bf16 cache,
+    or with ``fp8_cache`` an ``fp8_ds_mla`` one (the Gluon kernel reads bf16 caches only: an FP8
+    cache always takes the Triton configurations).
 
-    Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` a multiple of 64):
+    Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` a multiple of 64,
+    a bf16 cache):
     :data:`SPARSE_MLA_GLUON_CONFIG` without a workspace, and with one (``split``) from
     ``R * H / 64 >= GLUON_MIN_SPLIT_HEAD_BLOCKS``. Elsewhere (and with ``device`` None): with a
     workspace and ``R * cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``,
     :data:`SPARSE_MLA_FEW_ROWS_CONFIG`, else :data:`SPARSE_MLA_CONFIG`. Without a workspace the
     choice never depends on ``R``, so a row's output there does not depend on ``R``."""
     rows = max(num_rows, 1)
-    if device is not None and sparse_mla_gluon_supported(device, num_heads):
+    if not fp8_cache and device is not None and sparse_mla_gluon_supported(device, num_heads):
         head_blocks = num_heads // sparse_mla_gluon.HEADS_PER_PROGRAM
         if not split or rows * head_blocks >= GLUON_MIN_SPLIT_HEAD_BLOCKS:
             return SPARSE_MLA_GLUON_CONFIG
@@ -346,16 +387,22 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                       config: SparseMLAConfig | None = None) -> torch.Tensor:
     """Sparse MQA attention of every query row over its selected slots, in the latent space.
 
-    ``out[r, h] = sum_j p_j * kv_cache[s_j, :512]`` with ``p = softmax_j(sm_scale *
-    q[r, h] . kv_cache[s_j])`` over the valid entries ``s_j = slots[r, j] >= 0``; fp32 softmax
-    and accumulation of bf16 products (on the GPU ``p`` enters the value product as bf16). A row
-    without a valid slot gets zeros. Repeated slots count once per occurrence. Only the cache
-    rows of valid slots are read, and no slot entry after a row's last valid one.
+    ``out[r, h] = sum_j p_j * kv[s_j, :512]`` with ``p = softmax_j(sm_scale * q[r, h] . kv[s_j])``
+    over the valid entries ``s_j = slots[r, j] >= 0``, ``kv`` the cache's 576 values a slot
+    (an ``fp8_ds_mla`` entry's: its latent codes times their group's scale | its rope key);
+    fp32 softmax and accumulation of bf16 products (on the GPU ``p`` enters the value product as
+    bf16). A row without a valid slot gets zeros. Repeated slots count once per occurrence. Only
+    the cache rows of valid slots are read, and no slot entry after a row's last valid one.
 
     Parameters
     ----------
     q : bf16 ``[R, H, 576]``, absorbed queries ``[latent 512 | rope 64]`` (last dim contiguous).
-    kv_cache : bf16 ``[num_slots, 576]``, the MLA cache (latent then rope) indexed by slot.
+    kv_cache : the MLA cache indexed by slot: bf16 ``[num_slots, 576]`` (latent then rope), or
+        uint8 ``[num_slots, 656]`` in the ``fp8_ds_mla`` layout
+        (:mod:`dsaspec.ops.kv_cache_layout`), whose latent the Triton kernel dequantizes to bf16
+        as it gathers it (exact: power-of-two scales), then the same bf16 dots (on a GPU of
+        compute capability 8.9 or newer). The choice is made on the dtype on the host:
+        graph-safe.
     slots : int32 ``[R, k]``, selected slots, ``-1`` = none (e.g. from ``topk_slots``). Work per
         row stops after its last valid entry.
     sm_scale : softmax scale applied to the 576-wide dot product.
@@ -371,8 +418,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         a row's output is
         bitwise independent of ``R`` and of the other rows (for a given ``config`` and device).
     config : launch configuration (default ``sparse_mla_config(R, H, workspace is not None,
-        q.device)``); :data:`SPARSE_MLA_BASELINE_CONFIG` is the earlier kernel (the benchmark's
-        baseline).
+        q.device, fp8_cache)``); :data:`SPARSE_MLA_BASELINE_CONFIG` is the earlier kernel (the
+        benchmark's baseline). The Gluon kernel reads bf16 caches only.
 
     Returns
     -------
@@ -383,11 +430,20 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         raise ValueError(f"slots: slot {int(slots.max())} is out of range for a kv_cache of "
                          f"{kv_cache.shape[0]} slots")
     num_rows, num_heads, _ = q.shape
-    config = config or sparse_mla_config(num_rows, num_heads, workspace is not None, q.device)
+    fp8 = is_fp8_cache(kv_cache)
+    if fp8 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        raise ValueError(f"kv_cache: an fp8_ds_mla cache needs a GPU of compute capability 8.9 or "
+                         f"newer (e4m3 conversions), got {q.device} of "
+                         f"{torch.cuda.get_device_capability(q.device)}")
+    config = config or sparse_mla_config(num_rows, num_heads, workspace is not None, q.device,
+                                         fp8_cache=fp8)
     scan = min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1)))
     qk_scale_log2 = sm_scale * math.log2(math.e)
     pdl = workspace is not None and supports_pdl(q.device)
     if config.kernel == "gluon":
+        if fp8:
+            raise ValueError("config: the Gluon kernel reads bf16 caches only; an fp8_ds_mla "
+                             "kv_cache takes a Triton configuration (kernel='triton')")
         if not sparse_mla_gluon_supported(q.device, num_heads):
             raise ValueError(f"config: the Gluon kernel needs a CUDA device of compute "
                              f"capability 9.x and a head count that is a multiple of 64, got "
@@ -399,13 +455,18 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
             # starts as its programs exit (0.2-0.5 µs less at 4-16 rows, H200)
             _combine(workspace, out, pdl)
         return out
+    if fp8:
+        latent, scale, rope = mla_fp8_views(kv_cache)
+    else:  # no scales: the latent's pointer stands in, never read
+        latent, scale, rope = kv_cache, kv_cache, kv_cache[:, LATENT_DIM:]
     num_splits = 1 if workspace is None else workspace.shape[2]
     grid = (num_rows, _programs_per_row(num_heads, config), num_splits)
     _sparse_mla_decode_kernel[grid](
-        q, kv_cache, slots, out, out if workspace is None else workspace, qk_scale_log2,
-        q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
-        out.stride(1), num_heads, slots.shape[1],
-        LATENT=LATENT_DIM, ROPE=ROPE_DIM, BLOCK_H=_block_h(num_heads, config),
+        q, latent, scale, rope, slots, out, out if workspace is None else workspace,
+        qk_scale_log2, q.stride(0), q.stride(1), latent.stride(0), scale.stride(0),
+        rope.stride(0), slots.stride(0), out.stride(0), out.stride(1), num_heads, slots.shape[1],
+        LATENT=LATENT_DIM, ROPE=ROPE_DIM, GROUP=FP8_GROUP, FP8=fp8,
+        BLOCK_H=_block_h(num_heads, config),
         BLOCK_N=config.block_n, BLOCK_DV=config.block_dv, SCAN=scan,
         NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
         SPLIT=workspace is not None, RECORD=RECORD_WIDTH, PDL=pdl,
@@ -430,7 +491,9 @@ def _check_inputs(q, kv_cache, slots, out, workspace) -> None:
     check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, QK_DIM))
     num_rows, num_heads, _ = q.shape
     device = q.device
-    check_tensor("kv_cache", kv_cache, dtype=torch.bfloat16, shape=(None, QK_DIM), device=device)
+    check_tensor("kv_cache", kv_cache, dtype=(torch.bfloat16, torch.uint8), device=device, ndim=2)
+    width = MLA_FP8_BYTES if is_fp8_cache(kv_cache) else QK_DIM
+    check_tensor("kv_cache", kv_cache, dtype=kv_cache.dtype, shape=(None, width))
     check_tensor("slots", slots, dtype=torch.int32, shape=(num_rows, None), device=device)
     check_tensor("out", out, dtype=torch.bfloat16, shape=(num_rows, num_heads, LATENT_DIM),
                  device=device)

@@ -1,0 +1,319 @@
+"""sparse_mla_decode on the ``fp8_ds_mla`` cache (uint8 ``[slots, 656]``) against the plain-torch
+reference that dequantizes the bytes (fp64 attention), and against the bf16 kernel on the
+dequantized cache (bitwise: the dequantization to bf16 is exact); splits, poisoned unselected
+entries, config routing (the Gluon kernel reads bf16 only), and the Triton ops' wiring.
+
+Tolerance under the interpreter (atol 1e-3, rtol 1e-2): the kernel runs the math in fp32 on
+exactly the values the cache holds, so the error is fp32 summation (about 1e-6) plus the bf16
+rounding of the output, which the interpreter truncates (up to one bf16 ulp, 2**-7 relative).
+On the GPU (GPU_ATOL): bf16 probabilities enter the value product, as on the bf16 cache.
+"""
+
+import re
+
+import pytest
+import torch
+
+from dsaspec.layers.attention import torch_ops
+from dsaspec.layers.attention.dsa_ops import dsa_ops
+from dsaspec.ops.fp8_kv import gather_mla
+from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
+                                    SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
+                                    SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
+                                    sparse_mla_num_splits, sparse_mla_workspace)
+from dsaspec.reference.sparse_mla import reference_sparse_mla_decode_fp8
+
+CONFIGS = {
+    "new": SPARSE_MLA_CONFIG,
+    "few_rows": SPARSE_MLA_FEW_ROWS_CONFIG,
+    "baseline": SPARSE_MLA_BASELINE_CONFIG,
+    # value columns over two and four programs: the value gathers dequantize groups 2-3 / 1..3
+    "value_256": SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=1, block_dv=256),
+    "value_128": SparseMLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, block_dv=128),
+}
+ATOL, RTOL = 1e-3, 1e-2
+GPU_ATOL = 3e-3
+NAN_CODES = (0x7F, 0xFF)  # e4m3fn's NaNs
+
+
+def random_fp8_cache(num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 ``[num_slots, 656]`` ``fp8_ds_mla`` bytes built directly: every finite e4m3 code
+    (subnormals and -0 included), power-of-two scales 2**-9 .. 2**-5 per 128 latent values,
+    random bf16 rope values."""
+    codes = torch.randint(0, 256, (num_slots, 512), generator=gen, dtype=torch.uint8)
+    for nan in NAN_CODES:
+        codes[codes == nan] = 0x7E  # 448 / -448 in their place
+    scales = 2.0 ** torch.randint(-9, -4, (num_slots, 4), generator=gen).float()
+    rope = torch.randn(num_slots, 64, generator=gen).to(torch.bfloat16)
+    return torch.cat((codes, scales.view(torch.uint8), rope.view(torch.uint8)), dim=1)
+
+
+def fp8_inputs(num_rows: int, num_heads: int, num_slots: int, k: int, valid_counts, device,
+               seed: int = 0) -> dict:
+    """Queries, an FP8 cache and per row ``valid_counts[r]`` random (repeating) slots, then -1."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.full((num_rows, k), -1, dtype=torch.int32)
+    for row, count in enumerate(valid_counts):
+        slots[row, :count] = torch.randint(0, num_slots, (count,), generator=gen, dtype=torch.int32)
+    return dict(q=torch.randn(num_rows, num_heads, 576, generator=gen).to(torch.bfloat16).to(device),
+                kv_cache=random_fp8_cache(num_slots, gen).to(device), slots=slots.to(device),
+                sm_scale=576 ** -0.5)
+
+
+def poison_unselected(inputs: dict) -> dict:
+    """Every entry no slot selects set to 0xFF bytes: NaN codes, NaN scales, NaN rope values."""
+    cache = inputs["kv_cache"].clone()
+    selected = torch.zeros(cache.shape[0], dtype=torch.bool, device=cache.device)
+    selected[inputs["slots"][inputs["slots"] >= 0].long()] = True
+    cache[~selected] = 0xFF
+    return dict(inputs, kv_cache=cache)
+
+
+def _run(inputs, workspace=None, config=None, check_values=True):
+    q = inputs["q"]
+    out = torch.full((q.shape[0], q.shape[1], 512), 7.0, dtype=torch.bfloat16, device=q.device)
+    return sparse_mla_decode(**inputs, out=out, workspace=workspace, config=config,
+                             check_values=check_values)
+
+
+def _reference(inputs):
+    return reference_sparse_mla_decode_fp8(inputs["q"].cpu(), inputs["kv_cache"].cpu(),
+                                           inputs["slots"].cpu(), inputs["sm_scale"])
+
+
+def _dequantized(inputs):
+    """The same inputs over a bf16 cache holding the FP8 cache's values (exact in bf16; a NaN
+    entry stays NaN)."""
+    cache = inputs["kv_cache"]
+    slots = torch.arange(cache.shape[0], device=cache.device)
+    return dict(inputs, kv_cache=gather_mla(cache, slots, out_dtype=torch.bfloat16))
+
+
+EDGE_COUNTS = [0, 1, 31, 32, 33, 63, 64]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("num_heads", [8, 16, 64])
+def test_matches_reference(config, num_heads, device):
+    """Ragged valid counts around the block sizes (k = 64), repeated slots, poisoned unselected
+    entries."""
+    inputs = fp8_inputs(len(EDGE_COUNTS), num_heads, num_slots=150, k=64,
+                        valid_counts=EDGE_COUNTS, device=device, seed=num_heads)
+    inputs = poison_unselected(inputs)
+    out = _run(inputs, config=CONFIGS[config])
+    torch.testing.assert_close(out.float().cpu(), _reference(inputs), atol=ATOL, rtol=RTOL)
+    assert torch.all(out[0] == 0)  # no valid slot: zeros
+
+
+@pytest.mark.parametrize("k", [1, 7, 37])
+def test_odd_k_holes_and_repeats(k, device):
+    """Odd k; -1 entries anywhere; a row whose only valid entry is its last; a row that selects
+    one slot k times (its softmax is that slot's value exactly)."""
+    gen = torch.Generator().manual_seed(k)
+    inputs = fp8_inputs(4, 16, num_slots=12, k=k, valid_counts=[k] * 4, device=device, seed=k)
+    slots = inputs["slots"].cpu()
+    slots[0][torch.rand(k, generator=gen) < 0.4] = -1
+    slots[1, :-1] = -1
+    slots[2] = 5
+    inputs = poison_unselected(dict(inputs, slots=slots.to(device)))
+    out = _run(inputs)
+    torch.testing.assert_close(out.float().cpu(), _reference(inputs), atol=ATOL, rtol=RTOL)
+    value = _reference(dict(inputs, slots=torch.full((4, 1), 5, dtype=torch.int32)))[2]
+    torch.testing.assert_close(out[2].float().cpu(), value, atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("poison", ["codes", "scales", "rope"])
+def test_poison_does_not_leak(poison, device):
+    """NaN in one byte field of the unselected entries (slot 0, the stand-in address of every
+    -1 entry, included) never reaches the output; the same NaN in a selected entry does (so
+    the first check could fail)."""
+    inputs = fp8_inputs(3, 8, num_slots=40, k=32, valid_counts=[32, 3, 0], device=device, seed=4)
+    slots = inputs["slots"].clone()
+    slots[slots == 0] = 1
+    field = {"codes": slice(0, 512), "scales": slice(512, 528), "rope": slice(528, 656)}[poison]
+    selected = torch.zeros(40, dtype=torch.bool, device=device)
+    selected[slots[slots >= 0].long()] = True
+    cache = inputs["kv_cache"].clone()
+    cache[~selected, field] = 0xFF
+    inputs = dict(inputs, slots=slots, kv_cache=cache)
+    out = _run(inputs)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float().cpu(), _reference(inputs), atol=ATOL, rtol=RTOL)
+    if poison == "codes" and not cache.is_cuda:
+        return  # the interpreter widens e4m3fn's NaN codes to +-480 (the GPU's cvt gives NaN)
+    cache[slots[1, 0].long(), field] = 0xFF
+    assert _run(dict(inputs, kv_cache=cache))[1].isnan().all()
+
+
+@pytest.mark.parametrize("config", ["new", "few_rows", "value_256", "value_128"])
+@pytest.mark.parametrize("split", [False, True])
+def test_bitwise_equal_to_bf16_kernel_on_dequantized_cache(config, split, device):
+    """Same configuration, same workspace: the FP8 gathers hand the dots exactly the bf16 values
+    the dequantized bf16 cache holds, so the two outputs are equal bit for bit."""
+    inputs = fp8_inputs(4, 16, num_slots=300, k=96, valid_counts=[96, 50, 1, 0], device=device,
+                        seed=7)
+    workspace = sparse_mla_workspace(4, 16, device, num_splits=3) if split else None
+    got = _run(inputs, workspace, CONFIGS[config])
+    want = _run(_dequantized(inputs), workspace, CONFIGS[config])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("config", ["new", "few_rows"])
+@pytest.mark.parametrize("num_splits,num_heads", [(1, 8), (2, 8), (3, 16), (5, 8), (3, 48)])
+def test_split_workspace(num_splits, num_heads, config, device):
+    """Split runs (some empty) combine to the reference and to the single pass; the NaN-filled
+    workspace shows a missing record write."""
+    config = CONFIGS[config]
+    counts = [0, 1, 33, 100, 128, 65]
+    inputs = fp8_inputs(len(counts), num_heads, num_slots=500, k=128, valid_counts=counts,
+                        device=device, seed=num_splits)
+    slots = inputs["slots"].cpu()
+    slots[3, 5:40] = -1  # a hole spanning a whole split
+    inputs = poison_unselected(dict(inputs, slots=slots.to(device)))
+    workspace = sparse_mla_workspace(len(counts), num_heads, device, num_splits=num_splits,
+                                     config=config)
+    workspace.fill_(float("nan"))
+    split = _run(inputs, workspace, config)
+    torch.testing.assert_close(split.float().cpu(), _reference(inputs), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(split.float(), _run(inputs, config=config).float(), atol=ATOL,
+                               rtol=RTOL)
+
+
+def test_row_invariant_without_workspace(device):
+    inputs = fp8_inputs(4, 16, num_slots=200, k=64, valid_counts=[64, 3, 0, 40], device=device,
+                        seed=9)
+    together = _run(inputs)
+    for row in range(4):
+        alone = _run(dict(inputs, q=inputs["q"][row:row + 1].clone(),
+                          slots=inputs["slots"][row:row + 1].clone()))
+        assert torch.equal(alone[0], together[row]), row
+
+
+def test_bad_arguments(device):
+    inputs = fp8_inputs(2, 4, num_slots=10, k=8, valid_counts=[8, 8], device=device)
+    out = torch.zeros(2, 4, 512, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match=re.escape("kv_cache: expected shape ('*', 656), got "
+                                                   "(10, 576)")):
+        sparse_mla_decode(**dict(inputs, kv_cache=inputs["kv_cache"][:, :576]), out=out)
+    with pytest.raises(ValueError, match=re.escape("kv_cache: expected shape ('*', 576), got "
+                                                   "(10, 656)")):
+        sparse_mla_decode(**dict(inputs, kv_cache=torch.zeros(10, 656, dtype=torch.bfloat16,
+                                                              device=device)), out=out)
+    with pytest.raises(ValueError, match=re.escape("kv_cache: expected dtype in (torch.bfloat16, "
+                                                   "torch.uint8), got torch.int8")):
+        sparse_mla_decode(**dict(inputs, kv_cache=inputs["kv_cache"].view(torch.int8)), out=out)
+    with pytest.raises(ValueError, match="slots: slot 10 is out of range for a kv_cache of 10 "
+                                         "slots"):
+        bad = inputs["slots"].clone()
+        bad[0, 0] = 10
+        sparse_mla_decode(**dict(inputs, slots=bad), out=out)
+    with pytest.raises(ValueError, match="config: the Gluon kernel reads bf16 caches only"):
+        sparse_mla_decode(**inputs, out=out, config=SPARSE_MLA_GLUON_CONFIG)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+def test_fp8_cache_takes_the_triton_configs(capability, monkeypatch):
+    """Where the Gluon kernel would run (compute capability 9.x, heads a multiple of 64) an FP8
+    cache takes the Triton configuration the CPU gets, and the workspace sized for the bf16
+    cache's default configuration has the same split count (the runtime sizes one for both)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    for heads in (16, 64, 128):
+        for rows in (1, 2, 4, 16, 96):
+            for split in (False, True):
+                fp8 = sparse_mla_config(rows, heads, split, device="cuda:0", fp8_cache=True)
+                assert fp8 == sparse_mla_config(rows, heads, split) and fp8.kernel == "triton"
+            bf16 = sparse_mla_config(rows, heads, True, device="cuda:0")
+            assert (sparse_mla_num_splits(rows, heads, 132, fp8)
+                    == sparse_mla_num_splits(rows, heads, 132, bf16))
+
+
+@pytest.mark.parametrize("gluon", [True, False])
+def test_triton_ops_read_the_fp8_pool(gluon, device):
+    """The runtime's Triton ops (dsa_ops) run sparse MLA on an FP8 layer cache, with and without
+    the Gluon switch, and agree with the torch ops on the same bytes."""
+    # not poisoned: the torch ops read slot 0 for every -1 entry (weighted by 0)
+    inputs = fp8_inputs(3, 16, num_slots=100, k=40, valid_counts=[40, 9, 0], device=device,
+                        seed=11)
+    want = torch.empty(3, 16, 512)
+    torch_ops.sparse_mla_decode(inputs["q"].cpu(), inputs["kv_cache"].cpu(), inputs["slots"].cpu(),
+                                inputs["sm_scale"], want)
+    out = torch.empty(3, 16, 512, dtype=torch.bfloat16, device=device)
+    workspace = sparse_mla_workspace(3, 16, device, num_splits=2)
+    for ws in (None, workspace):
+        dsa_ops(True, gluon).sparse_mla_decode(inputs["q"], inputs["kv_cache"], inputs["slots"],
+                                               inputs["sm_scale"], out, check_values=False,
+                                               workspace=ws)
+        torch.testing.assert_close(out.float().cpu(), want, atol=ATOL, rtol=RTOL)
+
+
+# ---- GPU: production shapes (64 heads, top-k 2048) ------------------------------------------
+
+
+def _production(num_rows: int, num_heads: int, seed: int, k: int = 2048, num_slots: int = 1 << 17):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, k + 1, (num_rows,), generator=gen)
+    counts[0] = k
+    if num_rows > 1:
+        counts[-1] = 1
+    return fp8_inputs(num_rows, num_heads, num_slots, k, counts.tolist(), "cuda", seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["default", "new", "few_rows", "value_256"])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 16, 96])
+def test_gpu_production_sizes(config, num_rows, split):
+    inputs = _production(num_rows, 64, seed=num_rows)
+    workspace = (sparse_mla_workspace(num_rows, 64, "cuda", num_splits=max(
+        2, sparse_mla_num_splits(num_rows, 64, 132))) if split else None)
+    out = _run(inputs, workspace, CONFIGS.get(config))
+    torch.testing.assert_close(out.float().cpu(), _reference(inputs), atol=GPU_ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_bitwise_equal_to_bf16_kernel(split):
+    inputs = _production(16, 64, seed=2)
+    workspace = sparse_mla_workspace(16, 64, "cuda", num_splits=4) if split else None
+    got = _run(inputs, workspace, SPARSE_MLA_CONFIG)
+    assert torch.equal(got, _run(_dequantized(inputs), workspace, SPARSE_MLA_CONFIG))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_cuda_graph_replay_with_new_slots(split):
+    """Captured once over the FP8 cache with the default configuration, replayed with new slots
+    (1, up to 100, up to 2048 valid per row): each replay matches the reference."""
+    num_rows, num_heads, k, num_slots = 24, 64, 2048, 1 << 17
+    inputs = _production(num_rows, num_heads, seed=5, k=k, num_slots=num_slots)
+    out = torch.zeros(num_rows, num_heads, 512, dtype=torch.bfloat16, device="cuda")
+    workspace = sparse_mla_workspace(num_rows, num_heads, "cuda", num_splits=4) if split else None
+    sparse_mla_decode(**inputs, out=out, workspace=workspace)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sparse_mla_decode(**inputs, out=out, check_values=False, workspace=workspace)
+    gen = torch.Generator().manual_seed(0)
+    for high in (1, 100, k):
+        counts = torch.randint(0, high + 1, (num_rows,), generator=gen).tolist()
+        fresh = fp8_inputs(num_rows, num_heads, num_slots, k, counts, "cpu", seed=high)["slots"]
+        inputs["slots"].copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float().cpu(), _reference(inputs), atol=GPU_ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("capability,refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])
+def test_fp8_cache_needs_compute_capability_8_9(capability, refused, monkeypatch):
+    """Before compute capability 8.9 there are no e4m3 conversions: a clear error, not a compile
+    failure. Checked on the host from the device (a fake CUDA query tensor)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    inputs = fp8_inputs(1, 4, num_slots=8, k=4, valid_counts=[4], device="cpu")
+    q = inputs["q"]
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self is q))
+    out = torch.zeros(1, 4, 512, dtype=torch.bfloat16)
+    if refused:
+        with pytest.raises(ValueError, match=r"kv_cache: an fp8_ds_mla cache needs a GPU of compute "
+                                             r"capability 8.9 or newer"):
+            sparse_mla_decode(**inputs, out=out)
+    else:
+        sparse_mla_decode(**inputs, out=out, config=SPARSE_MLA_CONFIG)
