@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dsaspec.bench import dsa_ops
+from dsaspec.ops.fp8_kv import gather_index_k
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
@@ -81,3 +82,45 @@ def test_fp8_target():
     got = [(t["bs"], t["target"], t["met"]) for t in dsa_ops._targets(rows)
            if t["target"].startswith("FP8")]
     assert got == [(16, "FP8 cache: <= 1.3x bytes floor", False)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
+def test_cpu_run_fp8_indexer(tmp_path):
+    """--kv-cache-dtype fp8_e4m3: an indexer row on the FP8 key cache after each bf16 one, checked
+    against the bf16 row's logits (the same keys) and the fp8_index reference."""
+    parser = argparse.ArgumentParser()
+    dsa_ops.add_arguments(parser)
+    args = ["--out", str(tmp_path), "--ops", "indexer", "--modes", "decode", "--kv-cache-dtype", "fp8_e4m3"]
+    assert dsa_ops.run(parser.parse_args(args)) == 0
+    rows = json.loads((tmp_path / "dsa_ops.json").read_text())["rows"]
+    assert [r["kv_cache"] for r in rows] == ["bf16", "fp8_e4m3"] * 4
+    assert all(r["matches_baseline"] and r["matches_reference"] for r in rows)
+    assert not any("error" in r for r in rows)
+
+
+def test_fp8_indexer_floor_counts_132_bytes_a_token():
+    """The FP8 indexer row's bytes floor differs from the bf16 one by 256 - 132 bytes a key read
+    (the longest row of each request longer than k), everything else the same."""
+    shapes = dsa_ops._Shapes(heads=16, index_heads=4, topk=8, sm_scale=0.1, num_sms=8)
+    point = dsa_ops._build_point("target_verify", 3, 70, 2, shapes, "cpu", seed=0, fp8=True)
+    every_slot = torch.arange(point.index_k.shape[0])
+    assert torch.equal(point.index_k.float(), gather_index_k(point.index_fp8, every_slot))  # the same keys
+    point.seqlens.copy_(torch.tensor([69, 70, 5, 6, 30, 8], dtype=torch.int32))
+    bf16, flops = dsa_ops._floor_terms(point, "indexer")
+    fp8, fp8_flops = dsa_ops._floor_terms(point, "indexer", "fp8_e4m3")
+    assert bf16 - fp8 == (70 + 30) * (256 - 132) and flops == fp8_flops
+    assert fp8 == (69 + 70 + 30) * 8 + (70 + 30) * 132 + 3 * 4 * (256 + 4)
+
+
+def test_fp8_indexer_targets():
+    def fp8_row(bs, new_us, index_heads=64, live=65536, mode="decode"):
+        return dict(_row("indexer", bs, live, new_us, 2 * new_us, new_us), kv_cache="fp8_e4m3",
+                    rows=bs, bytes_floor_us=new_us, index_heads=index_heads, mode=mode)
+
+    rows = [fp8_row(32, 69.0), fp8_row(32, 71.0), fp8_row(64, 129.0), fp8_row(64, 131.0),
+            fp8_row(16, 200.0), fp8_row(32, 71.0, index_heads=32), fp8_row(64, 200.0, live=8192),
+            fp8_row(64, 200.0, mode="target_verify"),
+            dict(_row("indexer", 64, 65536, 200.0, 200.0, 100.0), kv_cache="bf16", rows=64, index_heads=64)]
+    got = [(t["bs"], t["target"], t["met"]) for t in dsa_ops._targets(rows) if t["target"].startswith("FP8")]
+    at_32, at_64 = "FP8 cache, 64 index heads: <= 70 µs", "FP8 cache, 64 index heads: <= 130 µs"
+    assert got == [(32, at_32, True), (32, at_32, False), (64, at_64, True), (64, at_64, False)]

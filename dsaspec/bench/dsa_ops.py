@@ -25,14 +25,21 @@ CUPTI kernel time, median and spread).
   baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
-``--kv-cache-dtype fp8_e4m3`` adds a sparse MLA row on the ``fp8_ds_mla`` cache after each bf16
-one (column ``KV cache``): the point's cache quantized (``store_mla``) and the bf16 cache replaced
+``--kv-cache-dtype fp8_e4m3`` adds an indexer and a sparse MLA row on the FP8 caches after each
+bf16 one (column ``KV cache``). Indexer: the point's keys quantized into the paged FP8 key cache
+(``store_index_k``, 8448-byte pages) and the bf16 keys replaced by their dequantized values; new
+is the new form on the FP8 cache, baseline the bf16 row's new (``speedup`` bf16 / FP8); its bytes
+floor reads 132 B a key token instead of 256 (the FLOP floor at the measured e4m3 matmul peak),
+its logits are checked against the bf16 row's within ``FP8_INDEXER_RTOL`` of their absolute sums
+(the query is quantized to e4m3 too), and decode at 64k live with 64 index heads
+(``--preset deepseek_v32``; glm5 has 32) has the targets ``FP8_INDEXER_TARGET_US``. Sparse MLA:
+the point's cache quantized (``store_mla``) and the bf16 cache replaced
 by its dequantized values, so both rows attend over the same values. There new is the default
 configuration on the FP8 cache (always a Triton one: the Gluon kernel reads bf16 only) with the
 point's workspace, ``new_nosplit`` the same without it, and baseline the bf16 row's new (so
 ``speedup`` is bf16 / FP8); its bytes floor gathers 656 B a distinct selected slot instead of
-1,152, and a target of its own applies from 16 rows (``FP8_BYTES_FACTOR``). The indexer, top-k
-and layer rows stay on the bf16 cache.
+1,152, and a target of its own applies from 16 rows (``FP8_BYTES_FACTOR``). The top-k and layer
+rows stay on the bf16 caches (holding the dequantized values).
 
 With ``--kv-cache-dtype fp8_e4m3``, ``--tune`` times the sparse MLA candidates on the FP8 cache
 too (and ``TUNE_SPARSE_MLA_FP8``), each row's ``config`` naming its ``kv_cache``.
@@ -69,8 +76,8 @@ from dsaspec.bench.floors import matmul_tflops
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, nonnegative_int, positive_int, positive_int_list
 from dsaspec.ops.device import sm_count
-from dsaspec.ops.fp8_kv import gather_mla, store_mla
-from dsaspec.ops.kv_cache_layout import MLA_FP8_BYTES
+from dsaspec.ops.fp8_kv import gather_index_k, gather_mla, store_index_k, store_mla
+from dsaspec.ops.kv_cache_layout import INDEX_FP8_BYTES, INDEX_FP8_PAGE_BYTES, MLA_FP8_BYTES
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, IndexerConfig, indexer_logits
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
@@ -82,7 +89,7 @@ from dsaspec.configs.model_config import PRESETS, get_config
 
 OPS = ("indexer", "topk", "sparse_mla", "layer")
 KV_CACHE_DTYPES = ("bf16", "fp8_e4m3")
-FP8_OPS = ("sparse_mla",)  # the ops with a row on the FP8 cache
+FP8_OPS = ("indexer", "sparse_mla")  # the ops with a row on the FP8 cache
 MODES = ("decode", "target_verify")
 PAGE = 64
 INDEX_DIM = 128
@@ -92,6 +99,12 @@ NUM_SMS_WITHOUT_CUDA = 8
 SMALL_TARGET_US, FLOOR_FACTOR, NOISE = 8.0, 2.0, 1.05
 # Sparse MLA on the FP8 cache (issue 28): within this factor of its bytes floor from this many rows.
 FP8_BYTES_FACTOR, FP8_BYTES_MIN_ROWS = 1.3, 16
+# The indexer on the FP8 key cache (issue 28): decode at 64k live with 64 index heads, bs -> µs (DeepGEMM's
+# FP8 paged MQA logits take 82 / 149 µs there in SGLang's profile).
+FP8_INDEXER_TARGET_US, FP8_INDEXER_TARGET_HEADS, FP8_INDEXER_TARGET_LIVE = {32: 70.0, 64: 130.0}, 64, 65536
+# FP8 vs bf16 indexer logits on the same keys: the e4m3 query's rounding moves a logit by at most 2**-4
+# of its absolute sum (sum_h |w| |q| . |k|), the FP8 MMA's accumulation by about 2**-10; 2**-3 leaves room.
+FP8_INDEXER_RTOL = 2.0 ** -3
 # Proposed for the top-k in place of FLOOR_FACTOR x its bytes floor (docs/dsa-kernels.md): an exact select
 # reads a row up to five times, so at most this many same-bytes torch.amax reads of its logits.
 TOPK_AMAX_FACTOR = 5.0
@@ -142,8 +155,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live-kv", type=positive_int_list, default=[1024, 8192, 65536],
                    help="live KV tokens per request, comma-separated")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16",
-                   help="fp8_e4m3: also time sparse MLA on the fp8_ds_mla cache, next to each bf16 "
-                        "row (with --tune: its candidates, TUNE_SPARSE_MLA_FP8 too) (default: bf16 only)")
+                   help="fp8_e4m3: also time the indexer on the paged FP8 key cache and sparse MLA on "
+                        "the fp8_ds_mla cache, next to each bf16 row (with --tune: the sparse MLA "
+                        "candidates, TUNE_SPARSE_MLA_FP8 too) (default: bf16 only)")
     p.add_argument("--verify-rows", type=positive_int, default=4, help="N: rows per request in target verify")
     p.add_argument("--preset", choices=sorted(PRESETS), default="glm5",
                    help="model preset giving heads, index heads and top-k")
@@ -177,6 +191,7 @@ class _Point:
     seqlens: torch.Tensor  # int32 [R]
     page_table: torch.Tensor  # int32 [R, live]
     index_k: torch.Tensor  # bf16 [slots, 128]
+    index_fp8: torch.Tensor | None  # uint8 [slots / 64, 8448] holding index_k's values, or None
     mla_cache: torch.Tensor  # bf16 [slots, 576]
     mla_fp8: torch.Tensor | None  # uint8 [slots, 656] holding mla_cache's values, or None
     q_index: torch.Tensor
@@ -216,14 +231,18 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
 
     mla_cache, mla_fp8 = randn(num_slots, QK_DIM), None
+    index_k, index_fp8 = randn(num_slots, INDEX_DIM), None
     if fp8:
         every_slot = torch.arange(num_slots, device=device)
         mla_fp8 = torch.empty(num_slots, MLA_FP8_BYTES, dtype=torch.uint8, device=device)
         store_mla(mla_fp8, every_slot, mla_cache)
         mla_cache = gather_mla(mla_fp8, every_slot, out_dtype=torch.bfloat16)  # exact in bf16
+        index_fp8 = torch.empty(pages * bs, INDEX_FP8_PAGE_BYTES, dtype=torch.uint8, device=device)
+        store_index_k(index_fp8, every_slot, index_k)
+        index_k = gather_index_k(index_fp8, every_slot, out_dtype=torch.bfloat16)  # exact in bf16
     point = _Point(
         mode=mode, bs=bs, live=live, n=n, shapes=shapes, seqlens=lengths, page_table=page_table,
-        index_k=randn(num_slots, INDEX_DIM), mla_cache=mla_cache, mla_fp8=mla_fp8,
+        index_k=index_k, index_fp8=index_fp8, mla_cache=mla_cache, mla_fp8=mla_fp8,
         q_index=randn(rows, shapes.index_heads, INDEX_DIM),
         weights=torch.randn(rows, shapes.index_heads, generator=gen, device=device)
         * (INDEX_DIM * shapes.index_heads) ** -0.5,
@@ -238,20 +257,23 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
 
 
 def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs: int | None = None,
-             rows_per_group: int | None = None):
-    """Schedule + logits into ``logits_new`` / ``logits_baseline``. The new form skips rows with
-    live <= k and reads each key block once per request (``rows_per_group`` = N in verify)."""
+             rows_per_group: int | None = None, fp8: bool = False):
+    """Schedule + logits into ``logits_new`` / ``logits_baseline`` (``logits_fp8`` with ``fp8``: on
+    the FP8 key cache). The new form skips rows with live <= k and reads each key block once per
+    request (``rows_per_group`` = N in verify)."""
     s = p.shapes
     skip = s.topk if new else 0
     config = config or (INDEXER_CONFIG if new else INDEXER_BASELINE_CONFIG)
     programs = programs or (PROGRAMS_PER_SM * s.num_sms if new else s.num_sms)
     groups = rows_per_group or (p.n if new else 1)
     schedule = p.buffer(f"schedule_{skip}_{programs}_{groups}", (programs + 1, 2), torch.int32)
-    logits = p.buffer("logits_new" if new else "logits_baseline", (p.rows, p.live), torch.float32)
+    name = "logits_fp8" if fp8 else "logits_new" if new else "logits_baseline"
+    logits = p.buffer(name, (p.rows, p.live), torch.float32)
+    keys = p.index_fp8 if fp8 else p.index_k
 
     def run(check_values: bool = False) -> None:
         indexer_schedule(p.seqlens, programs, schedule, skip_len=skip, rows_per_group=groups)
-        indexer_logits(p.q_index, p.weights, p.index_k, p.page_table, p.seqlens, schedule, logits,
+        indexer_logits(p.q_index, p.weights, keys, p.page_table, p.seqlens, schedule, logits,
                        skip_len=skip, rows_per_group=groups, check_values=check_values,
                        config=config)
 
@@ -329,7 +351,9 @@ def _layer(p: _Point, new: bool):
 def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
     """name -> callable for one op at one point (baseline, new, and for sparse MLA new_nosplit).
     Top-k reads the baseline indexer's logits (every row written); sparse MLA the new top-k's
-    slots; on the FP8 cache its baseline is the bf16 cache's new form."""
+    slots. On the FP8 caches (indexer, sparse MLA) the baseline is the bf16 cache's new form."""
+    if kv_cache == "fp8_e4m3" and op == "indexer":
+        return {"baseline": _indexer(p, True), "new": _indexer(p, True, fp8=True)}
     if kv_cache == "fp8_e4m3":
         return {"baseline": _sparse_mla(p, "slots_new", "out_fp8_baseline", None, p.workspace),
                 "new": _sparse_mla(p, "slots_new", "out_fp8", None, p.workspace, fp8=True),
@@ -371,7 +395,8 @@ def _floor_terms(p: _Point, op: str, kv_cache: str = "bf16") -> tuple[int, int]:
     if op == "indexer":
         per_request = [max(lengths[r * p.n:(r + 1) * p.n]) for r in range(p.bs)]
         key_tokens = sum(length for length in per_request if length > s.topk)
-        nbytes = (sum(long_rows) * (4 + 4) + key_tokens * INDEX_DIM * 2
+        key_bytes = INDEX_FP8_BYTES if kv_cache == "fp8_e4m3" else INDEX_DIM * 2
+        nbytes = (sum(long_rows) * (4 + 4) + key_tokens * key_bytes
                   + len(long_rows) * s.index_heads * (INDEX_DIM * 2 + 4))
         return nbytes, 2 * s.index_heads * INDEX_DIM * sum(long_rows)
     if op == "topk":
@@ -395,6 +420,8 @@ def _compare_outputs(p: _Point, op: str, on_gpu: bool, kv_cache: str = "bf16") -
     """New vs baseline outputs of the op (and vs the plain-torch references without CUDA);
     raises on a mismatch, returns the largest differences."""
     s, checks = p.shapes, {}
+    if kv_cache == "fp8_e4m3" and op == "indexer":
+        return _compare_fp8_indexer(p, on_gpu)
     if kv_cache == "fp8_e4m3":  # the same values in both caches: to summation order
         base = p.buffers["out_fp8_baseline"].float()
         for name in ("out_fp8", "out_fp8_nosplit"):
@@ -435,6 +462,37 @@ def _compare_outputs(p: _Point, op: str, on_gpu: bool, kv_cache: str = "bf16") -
     return checks
 
 
+def _compare_fp8_indexer(p: _Point, on_gpu: bool) -> dict:
+    """The FP8 row's logits (rows longer than k) vs the bf16 row's on the same keys, within
+    ``FP8_INDEXER_RTOL`` of each logit's absolute sum; without CUDA also vs the fp8_index
+    reference, to fp32 summation order (tests/test_indexer_fp8.py's bound)."""
+    from dsaspec.reference.indexer import reference_indexer_logits, reference_indexer_logits_fp8
+
+    s, worst = p.shapes, 0.0
+    long_rows = [row for row, length in enumerate(p.seqlens.tolist()) if length > s.topk]
+    bounds = reference_indexer_logits(p.q_index[long_rows].abs(), p.weights[long_rows].abs(),
+                                      p.index_k.abs(), p.page_table[long_rows], p.seqlens[long_rows])
+    for row, bound in zip(long_rows, bounds):
+        got = p.buffers["logits_fp8"][row, :bound.numel()]
+        error = (got - p.buffers["logits_new"][row, :bound.numel()]).abs()
+        if not bool((error <= FP8_INDEXER_RTOL * bound).all()):
+            raise AssertionError(f"indexer (FP8 cache): row {row}'s logits differ from the bf16 row's by more "
+                                 f"than {FP8_INDEXER_RTOL:g} of their absolute sums")
+        worst = max(worst, float((error / bound.clamp_min(1e-30)).max()))
+    checks = {"logits_fp8_max_rel_to_abs_sum": worst}
+    if not on_gpu:
+        cpu = [t.cpu() for t in (p.q_index, p.weights, p.index_fp8, p.page_table, p.seqlens)]
+        wants = reference_indexer_logits_fp8(*cpu)
+        # twice that test's bound: it sums the quantized query's absolute values, within 2**-4 of these
+        relative = 2 * (INDEX_DIM + s.index_heads + 8) * 2.0 ** -24
+        for row, bound in zip(long_rows, bounds):
+            got = p.buffers["logits_fp8"][row, :bound.numel()].double()
+            if not bool(((got - wants[row]).abs() <= relative * bound.double() + 1e-30).all()):
+                raise AssertionError(f"indexer (FP8 cache): row {row}'s logits differ from the fp8_index reference")
+        checks["matches_reference"] = True
+    return checks
+
+
 def _compare_with_references(p: _Point, op: str) -> None:
     from dsaspec.reference.indexer import reference_indexer_logits
     from dsaspec.reference.sparse_mla import reference_sparse_mla_decode
@@ -471,13 +529,16 @@ def _shapes(args, on_gpu: bool) -> _Shapes:
                    QK_DIM ** -0.5, NUM_SMS_WITHOUT_CUDA)
 
 
-def _time_row(p: _Point, op: str, kv_cache: str, floors, peak_tflops: float, iters: int) -> dict:
+def _time_row(p: _Point, op: str, kv_cache: str, floors, peaks: dict, iters: int) -> dict:
+    """Times, floors and ratios of one row; ``peaks``: measured TFLOP/s by dot dtype (``bf16``,
+    ``fp8_e4m3`` for the FP8 indexer's e4m3 dots)."""
     from dsaspec.bench.timing import time_in_graph
 
     timings = {name: time_in_graph(fn, iters=iters, cold_l2=True, graph_diff=False)
                for name, fn in _variants(p, op, kv_cache).items()}
     nbytes, flops = _floor_terms(p, op, kv_cache)
     bytes_floor = nbytes / (floors.copy_gbps * 1e3)
+    peak_tflops = peaks["fp8_e4m3" if op == "indexer" and kv_cache == "fp8_e4m3" else "bf16"]
     flop_floor = flops / (peak_tflops * 1e6)
     floor = max(bytes_floor, flop_floor, floors.empty_us)
     new, base = timings["new"].median_us, timings["baseline"].median_us
@@ -513,10 +574,16 @@ def _targets(rows: list[dict]) -> list[dict]:
             if "amax_us" in r:
                 out.append(dict(where, target=f"(proposed) <= {TOPK_AMAX_FACTOR:g}x same-bytes torch.amax",
                                 value=r["new_over_amax"], met=r["new_over_amax"] <= TOPK_AMAX_FACTOR))
-        if r.get("kv_cache") == "fp8_e4m3" and r.get("rows", 0) >= FP8_BYTES_MIN_ROWS:
+        if r.get("kv_cache") == "fp8_e4m3" and r["op"] == "sparse_mla" and r.get("rows", 0) >= FP8_BYTES_MIN_ROWS:
             factor = r["new_us"] / r["bytes_floor_us"]
             out.append(dict(where, target=f"FP8 cache: <= {FP8_BYTES_FACTOR:g}x bytes floor", value=factor,
                             met=factor <= FP8_BYTES_FACTOR))
+        if (r.get("kv_cache") == "fp8_e4m3" and r["op"] == "indexer" and r["mode"] == "decode"
+                and r["live_kv"] == FP8_INDEXER_TARGET_LIVE and r.get("index_heads") == FP8_INDEXER_TARGET_HEADS
+                and r["bs"] in FP8_INDEXER_TARGET_US):
+            limit = FP8_INDEXER_TARGET_US[r["bs"]]
+            out.append(dict(where, target=f"FP8 cache, {FP8_INDEXER_TARGET_HEADS} index heads: <= {limit:g} µs",
+                            value=r["new_us"], met=r["new_us"] <= limit))
         out.append(dict(where, target=f"not slower than baseline (x{NOISE:g} noise)", value=r["speedup"],
                         met=r["new_us"] <= NOISE * r["baseline_us"]))
     return out
@@ -538,13 +605,15 @@ def run(args) -> int:
               "--preset and --iters are not used). Outputs are checked against the baseline and the "
               "references; no time is measured (interpreter times mean nothing).")
     device = torch.device("cuda" if on_gpu else "cpu")
-    floors, peak = None, None
+    floors, peaks = None, {}
     if on_gpu:
         from dsaspec.bench.timing import Floors, warm_up_gpu
 
         warm_up_gpu()
         floors = Floors.measure()
-        peak = matmul_tflops()
+        peaks["bf16"] = matmul_tflops()
+        if args.kv_cache_dtype == "fp8_e4m3" and "indexer" in args.ops:
+            peaks["fp8_e4m3"] = matmul_tflops(torch.float8_e4m3fn)
     started = time.monotonic()
     rows, failures = [], 0
     points = [(live, bs, mode) for live in args.live_kv for bs in args.bs for mode in args.modes]
@@ -556,11 +625,12 @@ def run(args) -> int:
         _prepare(point)
         for op, kv_cache in kinds:
             row = {"op": op, "kv_cache": kv_cache, "mode": mode, "bs": bs, "live_kv": live, "rows": point.rows,
+                   "index_heads": shapes.index_heads,
                    "num_splits": None if point.workspace is None else point.workspace.shape[2],
                    "topk_chunks": 1 if point.topk_workspace is None else point.topk_workspace.shape[1]}
             try:
                 if on_gpu:
-                    row.update(_time_row(point, op, kv_cache, floors, peak, args.iters))
+                    row.update(_time_row(point, op, kv_cache, floors, peaks, args.iters))
                 for fn in _variants(point, op, kv_cache).values():
                     fn()
                 row.update(_compare_outputs(point, op, on_gpu, kv_cache))
@@ -581,7 +651,7 @@ def run(args) -> int:
               f"peak, empty kernel node); achieved = floor / new; outputs compared after timing."
               if on_gpu else "Triton interpreter on CPU: outputs checked, no times.")
     payload = {"method": method, "params": bench_params(args),
-               "floors": dict(vars(floors), bf16_tflops=peak) if floors else None,
+               "floors": dict(vars(floors), **{f"{k}_tflops": v for k, v in peaks.items()}) if floors else None,
                "configs": {"indexer": vars(INDEXER_CONFIG), "indexer_baseline": vars(INDEXER_BASELINE_CONFIG),
                            "sparse_mla": vars(SPARSE_MLA_CONFIG),
                            "sparse_mla_few_rows": vars(SPARSE_MLA_FEW_ROWS_CONFIG),
