@@ -149,7 +149,7 @@ def test_unknown_preset():
         get_config("glm6")
 
 
-def test_check_implemented_refuses_quantized_experts():
+def test_check_implemented_refuses_fp8_experts_off_the_blocks():
     dense = get_config("tiny").to_hf_dict()
     check_implemented(dense)
     check_implemented(GLM5_CONFIG_JSON)
@@ -158,8 +158,9 @@ def test_check_implemented_refuses_quantized_experts():
     check_implemented(dense | {"quantization_config": fp8})                 # dense FP8 weights load
     moe = dense | {"n_routed_experts": 8, "moe_intermediate_size": 64, "mlp_layer_types": ["sparse"]}
     check_implemented(moe)                                                    # bf16 experts load
-    with pytest.raises(ValueError, match="8 routed experts and a quantization_config \\(quant_method 'fp8'\\).*"
-                                         "quantized MoE experts are not implemented yet"):
+    check_implemented(moe | {"moe_intermediate_size": 256, "quantization_config": fp8})  # FP8 experts load
+    with pytest.raises(ValueError, match=r"moe_intermediate_size = 64: FP8 routed experts \(quantization_config "
+                                         r"with 8 routed experts\) need a multiple of 128"):
         check_implemented(moe | {"quantization_config": fp8})
 
 

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from dsaspec.ops import fused_moe as moe
+from dsaspec.reference import fp8_gemm as fp8_ref
 from dsaspec.reference.fused_moe import fused_moe as reference
+from dsaspec.reference.fused_moe import fused_moe_fp8 as fp8_reference
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-5, atol=2**-5)}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -353,3 +355,199 @@ def test_gpu_deterministic():
     first = _run(*args)
     for _ in range(3):
         assert torch.equal(_run(*args), first)
+
+
+# -------------------------------------------------------------------------------------------------
+# FP8 block-scaled experts (e4m3 weights, fp32 scale per 128 x 128 block) against
+# reference.fused_moe_fp8. Each stage is checked tightly: the quantized hidden rows and
+# activations are act_quant's bitwise, gate/up and down are within fp32 accumulation (rtol 1e-5)
+# of fp64 from the op's own codes. End to end, an activation the op computes one fp32 ulp away
+# from the fp64 reference can land on the neighbouring e4m3 code (or its block's scale can move by
+# an ulp): one code step of one of I activations, up to 2**-4 of its block's amax, so fp32 is
+# checked within rtol = atol = 1e-3 there (a wrong scale or block index is off by O(1)). bf16:
+# the activation is rounded to bf16 first (truncated under the interpreter), one bf16 ulp off the
+# reference's for many elements, so a few percent of the codes move (2% normwise error seen at
+# T = 1): bf16 is checked normwise, ||out - ref|| <= 2**-4 ||ref||; the fp32 cases pin the math.
+
+
+def _assert_fp8_close(got, want, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-3, atol=1e-3)
+    else:
+        error = float((got.double() - want.double()).norm() / want.double().norm())
+        assert error <= 2**-4, f"normwise relative error {error:.3g} > 2**-4"
+
+
+def _fp8_case(tokens, topk=3, experts=8, hidden_size=256, inter=256, *, dtype, device, seed=0, ids=None):
+    """``_case`` with each expert's projections quantized per 128 x 128 block (reference quantizer)."""
+    hidden, w13, w2, ids, weights = _case(tokens, topk, experts, hidden_size, inter, dtype=torch.float32,
+                                          device="cpu", seed=seed, ids=ids)
+
+    def quantize(w):
+        codes, scales = zip(*(fp8_ref.quantize_weight(w[e]) for e in range(len(w))))
+        return torch.stack(codes).to(device), torch.stack(scales).to(device)
+
+    (w13, s13), (w2, s2) = quantize(w13), quantize(w2)
+    return (hidden.to(dtype).to(device), w13, s13, w2, s2, ids.to(device), weights.to(device))
+
+
+def _run_fp8(hidden, w13, s13, w2, s2, ids, weights, workspace=None, **kwargs):
+    out = torch.empty_like(hidden)
+    return moe.fused_moe(hidden, w13, w2, ids, weights, out, w13_scale=s13, w2_scale=s2,
+                         workspace=workspace, **kwargs)
+
+
+fp8_warnings = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # NaN padding rows
+
+
+@fp8_warnings
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 17, 64, 65])
+def test_fp8_matches_reference(tokens, dtype, device):
+    args = _fp8_case(tokens, dtype=dtype, device=device, seed=tokens)
+    _assert_fp8_close(_run_fp8(*args), fp8_reference(*args), dtype)
+
+
+@fp8_warnings
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("routing", ["one-expert-for-all", "all-pairs-one-expert", "repeats"])
+def test_fp8_routing_extremes_match_reference(routing, scale_fmt, device):
+    """Experts hit by no token, repeated ids in a row, every pair on one expert; both scale formats."""
+    tokens, topk, experts = 19, 4, 16
+    args = _fp8_case(tokens, topk, experts, 128, 256, dtype=torch.float32, device=device,
+                     ids=_routing(routing, tokens, topk, experts))
+    _assert_fp8_close(_run_fp8(*args, scale_fmt=scale_fmt), fp8_reference(*args, scale_fmt=scale_fmt),
+                      torch.float32)
+
+
+@fp8_warnings
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_fp8_quantized_activations_are_act_quant_bitwise(scale_fmt, device):
+    """The workspace's e4m3 hidden rows and activations, codes and scales, are act_quant's
+    (reference) of the hidden rows and of the op's own activation rows, bit for bit; the
+    activations are silu(gate) * up of those hidden codes and the dequantized w13, the down
+    partials the activation codes times the dequantized w2 (fp32 accumulation)."""
+    tokens, topk, experts = 13, 3, 8
+    hidden, w13, s13, w2, s2, ids, weights = args = _fp8_case(tokens, topk, experts, dtype=torch.float32,
+                                                              device=device)
+    workspace = moe.fused_moe_workspace(tokens, topk, experts, 256, 256, device, torch.float32, fp8=True)
+    _run_fp8(*args, workspace=workspace, scale_fmt=scale_fmt)
+    codes, scales = fp8_ref.act_quant(hidden, scale_fmt)
+    assert torch.equal(workspace.hidden_q[:tokens].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(workspace.hidden_scale[:tokens].view(torch.int32), scales.view(torch.int32))
+    rows = torch.tensor([r for r, p in enumerate(workspace.sorted_pairs.tolist()) if p >= 0], device=device)
+    codes, scales = fp8_ref.act_quant(workspace.act[rows], scale_fmt)
+    assert torch.equal(workspace.act_q[rows].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(workspace.act_scale[rows].view(torch.int32), scales.view(torch.int32))
+    pairs = workspace.sorted_pairs[rows].long()
+    experts_of = ids.flatten()[pairs].long()
+    x = fp8_ref.dequantize(*fp8_ref.act_quant(hidden, scale_fmt), 1)[pairs // topk]
+    gate_up = torch.stack([fp8_ref.dequantize(w13[e], s13[e], 128) @ x_p for e, x_p in zip(experts_of.tolist(), x)])
+    gate, up = gate_up.split(256, dim=1)
+    torch.testing.assert_close(workspace.act[rows].double(), gate * torch.sigmoid(gate) * up, rtol=1e-5, atol=1e-6)
+    act = fp8_ref.dequantize(codes, scales, 1)
+    down = torch.stack([fp8_ref.dequantize(w2[e], s2[e], 128) @ a for e, a in zip(experts_of.tolist(), act)])
+    want = down * weights.flatten()[pairs].double()[:, None]
+    torch.testing.assert_close(workspace.partial[pairs].double(), want, rtol=1e-5, atol=1e-6)
+
+
+@fp8_warnings
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_row_invariant_small(dtype, device):
+    """FP8: a token's output bits alone and in a shuffled subset equal its bits in the batch."""
+    hidden, w13, s13, w2, s2, ids, weights = _fp8_case(24, 4, 8, dtype=dtype, device=device)
+    full = _run_fp8(hidden, w13, s13, w2, s2, ids, weights)
+    for t in (0, 7, 23):
+        got = _run_fp8(hidden[t:t + 1], w13, s13, w2, s2, ids[t:t + 1], weights[t:t + 1])
+        assert torch.equal(got[0], full[t]), f"token {t} alone differs from token {t} of 24"
+    perm = torch.randperm(24, generator=torch.Generator().manual_seed(8))[:13].to(device)
+    got = _run_fp8(hidden[perm], w13, s13, w2, s2, ids[perm].contiguous(), weights[perm].contiguous())
+    assert torch.equal(got, full[perm]), "a shuffled subset of the tokens differs"
+
+
+@fp8_warnings
+def test_fp8_poisoned_workspace_changes_nothing(device):
+    experts, topk = 8, 3
+    workspace = moe.fused_moe_workspace(40, topk, experts, 256, 256, device, torch.float32, fp8=True)
+    zeroed = moe.fused_moe_workspace(40, topk, experts, 256, 256, device, torch.float32, fp8=True)
+    for buffer in (zeroed.sorted_pairs, zeroed.block_experts, zeroed.act, zeroed.partial, zeroed.hidden_q,
+                   zeroed.hidden_scale, zeroed.act_q, zeroed.act_scale):
+        buffer.zero_()
+    for tokens, seed in ((40, 5), (17, 6)):
+        for buffer in (workspace.act, workspace.partial, workspace.hidden_scale, workspace.act_scale):
+            buffer.fill_(math.nan)
+        workspace.act_q.view(torch.uint8).fill_(0x7F)                                       # NaN codes
+        args = _fp8_case(tokens, topk, experts, dtype=torch.float32, device=device, seed=seed)
+        assert torch.equal(_run_fp8(*args, workspace=workspace), _run_fp8(*args, workspace=zeroed))
+
+
+FP8_BAD = [
+    ("w13_scale", lambda g: None, "w13_scale: FP8 \\(e4m3\\) experts need their fp32 block scales, got None"),
+    ("w2_scale", lambda g: None, "w2_scale: FP8 \\(e4m3\\) experts need"),
+    ("w13_scale", lambda g: g["w13_scale"][:, :1], r"w13_scale: expected shape \(8, 4, 2\)"),
+    ("w2_scale", lambda g: g["w2_scale"].double(), "w2_scale: expected dtype torch.float32"),
+    ("w13_scale", lambda g: g["w13_scale"].transpose(0, 1).contiguous().transpose(0, 1),
+     "w13_scale: expected a contiguous tensor"),
+    ("w2", lambda g: g["w2"].float(), "w2: expected dtype torch.float8_e4m3fn"),
+    ("scale_fmt", lambda g: "e8m0", "scale_fmt: expected one of"),
+    ("workspace", lambda g: moe.fused_moe_workspace(4, 2, 8, 256, 256, "cpu", torch.float32),
+     "workspace: allocated with fp8=False, but the experts are torch.float8_e4m3fn"),
+]
+
+
+@pytest.mark.parametrize("name,change,message", FP8_BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(FP8_BAD)])
+def test_fp8_bad_arguments_are_named(name, change, message):
+    h, w13, s13, w2, s2, ids, weights = _fp8_case(4, 2, 8, dtype=torch.float32, device="cpu")
+    good = dict(w13=w13, w2=w2, w13_scale=s13, w2_scale=s2, scale_fmt=None, workspace=None)
+    args = {**good, name: change(good)}
+    with pytest.raises(ValueError, match=f"^{message}"):
+        moe.fused_moe(h, args.pop("w13"), args.pop("w2"), ids, weights, torch.empty_like(h), **args)
+
+
+def test_fp8_shapes_off_the_blocks_and_scales_of_bf16_experts_are_refused():
+    h, w13, w2, ids, weights = _case(4, 2, 8, 128, 64, dtype=torch.float32, device="cpu")
+    codes = w13.to(moe.FP8), w2.to(moe.FP8)
+    scales = torch.ones(8, 1, 1), torch.ones(8, 1, 1)
+    with pytest.raises(ValueError, match="^intermediate_size: FP8 experts need a multiple of 128"):
+        moe.fused_moe(h, *codes, ids, weights, torch.empty_like(h), w13_scale=scales[0], w2_scale=scales[1])
+    with pytest.raises(ValueError, match="^w13_scale: block scales go with e4m3 experts; w13 is torch.float32"):
+        moe.fused_moe(h, w13, w2, ids, weights, torch.empty_like(h), w13_scale=scales[0])
+    with pytest.raises(ValueError, match="^hidden_size: FP8 experts need a multiple of 128"):
+        moe.fused_moe_workspace(4, 2, 8, 96, 128, "cpu", torch.float32, fp8=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_gpu_fp8_production_shape_matches_reference(tokens):
+    """GLM-5 / DeepSeek-V3.2 at TP 8 per rank: E = 256, k = 8, H = 7168, I = 256."""
+    args = _fp8_case(tokens, 8, 256, 7168, 256, dtype=torch.bfloat16, device="cuda")
+    _assert_fp8_close(_run_fp8(*args), fp8_reference(*args), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_row_invariant_across_token_counts():
+    hidden, w13, s13, w2, s2, ids, weights = _fp8_case(512, 8, 64, 1024, 256, dtype=torch.bfloat16, device="cuda")
+    full = _run_fp8(hidden, w13, s13, w2, s2, ids, weights)
+    for tokens in (1, 3, 17, 64, 65, 129, 511):
+        got = _run_fp8(hidden[:tokens], w13, s13, w2, s2, ids[:tokens], weights[:tokens])
+        assert torch.equal(got, full[:tokens]), f"T={tokens} differs from T=512"
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_graph_replay_with_new_routing():
+    tokens, topk, experts = 64, 8, 64
+    hidden, w13, s13, w2, s2, ids, weights = _fp8_case(tokens, topk, experts, 1024, 256, dtype=torch.bfloat16,
+                                                       device="cuda")
+    workspace = moe.fused_moe_workspace(tokens, topk, experts, 1024, 256, "cuda", torch.bfloat16, fp8=True)
+    out = torch.empty_like(hidden)
+    kwargs = dict(w13_scale=s13, w2_scale=s2, workspace=workspace)
+    moe.fused_moe(hidden, w13, w2, ids, weights, out, **kwargs)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.fused_moe(hidden, w13, w2, ids, weights, out, check_values=False, **kwargs)
+    for seed in (11, 12):
+        new = _fp8_case(tokens, topk, experts, 1024, 256, dtype=torch.bfloat16, device="cuda", seed=seed)
+        for static, value in zip((hidden, ids, weights), (new[0], new[5], new[6])):
+            static.copy_(value)
+        graph.replay()
+        assert torch.equal(out, _run_fp8(hidden, w13, s13, w2, s2, ids, weights)), f"seed {seed}: replay differs"

@@ -4,10 +4,10 @@ A layer's FFN is a dense SwiGLU or, from ``first_k_dense_replace`` on (and in th
 mixture of experts of the HF configs (``n_routed_experts`` > 0: sigmoid router with the
 ``noaux_tc`` group-limited selection, routed and shared SwiGLU experts); ``n_routed_experts = 0``
 is a dense model. FP8 block-scaled weights (``quantization_config``) are
-:class:`~dsaspec.configs.quantization.Fp8Quantization`; :func:`check_implemented` refuses what is not
-implemented yet (FP8 routed experts). The kernels specialise on the MQA cache shape (``kv_lora_rank`` 512 +
-``qk_rope_head_dim`` 64 = 576 per token) and the indexer head dim (128); ``validate`` refuses
-anything else with a clear error.
+:class:`~dsaspec.configs.quantization.Fp8Quantization`; :func:`check_implemented` refuses what is
+not implemented (FP8 experts off the 128 x 128 blocks). The kernels specialise on the MQA cache
+shape (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576 per token) and the indexer head dim
+(128); ``validate`` refuses anything else with a clear error.
 """
 
 from __future__ import annotations
@@ -382,17 +382,18 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def check_implemented(hf: dict[str, Any]) -> None:
     """Raise ``ValueError`` if HF config ``hf`` (one :meth:`ModelConfig.from_hf_dict` accepts) claims
-    what this runtime does not implement yet: FP8 (or other quantized) routed experts. The dense
-    projections of an FP8 checkpoint load as stored (:class:`~dsaspec.layers.fp8_linear.Fp8Linear`);
-    the experts are bf16 fused tensors, so loading an FP8 MoE checkpoint into them would run another
-    model than the config describes."""
+    what this runtime does not implement: FP8 routed experts whose ``moe_intermediate_size`` or
+    ``hidden_size`` is not a multiple of 128 (each expert's gate, up and down projections are
+    stored in whole 128 x 128 blocks)."""
     quant = hf.get("quantization_config")
     experts = next((hf[k] for k in _EXPERT_KEYS if hf.get(k) is not None), 0)
-    if quant and experts:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(f"the config has {experts} routed experts and a quantization_config (quant_method "
-                         f"{method!r}): quantized MoE experts are not implemented yet (FP8 weights load for "
-                         "dense layers only)")
+    if not (quant and experts):
+        return
+    for key in ("moe_intermediate_size", "hidden_size"):
+        value = hf.get(key)
+        if isinstance(value, int) and value % 128:
+            raise ValueError(f"{key} = {value}: FP8 routed experts (quantization_config with {experts} "
+                             "routed experts) need a multiple of 128 (weight_block_size [128, 128])")
 
 
 def tp_rank_config(config: ModelConfig, tp: int, name: str) -> ModelConfig:

@@ -25,6 +25,7 @@ from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.linear import Linear
 from dsaspec.layers.mlp import MLP
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
+from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, quantize_blocks, quantize_weight
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,63 +76,140 @@ class Router(Linear):
 class RoutedExperts(RowInvariant, nn.Module):
     """``mlp.experts``: ``w13`` ``[E, 2 I_r, hidden]`` (expert e's gate rows then up rows) and ``w2``
     ``[E, hidden, I_r]``, ``I_r = moe_intermediate_size / tp`` (this rank's intermediate features).
+    With ``fp8`` (an FP8 ``quantization_config``) they are e4m3 as the checkpoint stores them, with
+    fp32 ``w13_scale_inv`` ``[E, 2 I_r / 128, hidden / 128]`` (the gate blocks' ``weight_scale_inv``,
+    then the up blocks') and ``w2_scale_inv`` ``[E, hidden / 128, I_r / 128]``; ``I_r`` and
+    ``hidden`` must be multiples of 128.
 
     ``forward(x [T, hidden], topk_ids int32 [T, k], topk_weights fp32 [T, k])`` -> ``[T, hidden]``
     in ``x``'s dtype, this rank's partial of ``sum_j w_j * down_j(silu(gate_j x) * up_j x)``:
     ``dsaspec.ops.fused_moe.fused_moe`` when ``use_fused`` (set by the model: the Triton ops with
-    ``RuntimeOptions.fused_moe``, not row-invariant), else plain torch: a loop over all experts in a fixed order,
-    each on every token, its output times the token's weight for it (0 when not selected) added in
-    fp32. The torch path has static shapes and no host sync (CUDA-graph safe) and computes each
-    token from its own row only, so with the row-invariant GEMM its result does not depend on the
-    other tokens; it costs every expert's weights and FLOPs on every token (a fallback, not fast)."""
+    ``RuntimeOptions.fused_moe``, not row-invariant), else plain torch: a loop over all experts in a
+    fixed order, each on every token, its output times the token's weight for it (the sum over the
+    slots that picked it, 0 when none did) added in fp32. The torch path has static shapes and no
+    host sync (CUDA-graph safe) and computes each token from its own row only, so with the
+    row-invariant GEMM its result does not depend on the other tokens; it costs every expert's
+    weights and FLOPs on every token (a fallback, not fast).
+    FP8 on the torch path: the fused op's math in plain torch, as :class:`Fp8Linear`'s torch path
+    (``x`` and the activation, rounded to ``x``'s dtype, quantized per token per 128 columns with
+    ``scale_fmt`` and dequantized; each expert's weights dequantized; fp32 GEMMs), so it runs on
+    any device and its row invariance is the row-invariant GEMM's."""
 
     use_fused: bool = False
 
-    def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None, *, fp8: bool = False,
+                 scale_fmt: str | None = None, name: str = "mlp.experts"):
         super().__init__()
-        self.group = group
+        self.config, self.group = config, group
         self.num_experts, self.hidden = config.n_routed_experts, config.hidden_size
         self.full_intermediate = config.moe_intermediate_size
         self.intermediate = config.moe_intermediate_size // group.size
+        self.fp8, self.scale_fmt = fp8, scale_fmt
+        if fp8 and (self.intermediate % BLOCK or self.hidden % BLOCK):
+            raise ValueError(f"{name}: FP8 experts need hidden_size and the rank's moe_intermediate_size "
+                             f"(moe_intermediate_size {self.full_intermediate} / tp {group.size} = "
+                             f"{self.intermediate}) to be multiples of {BLOCK} (weight_block_size [128, 128]); "
+                             f"hidden_size is {self.hidden}")
+        weights = torch.float8_e4m3fn if fp8 else dtype
         shape13 = (self.num_experts, 2 * self.intermediate, self.hidden)
-        self.w13 = nn.Parameter(torch.empty(shape13, device=device, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(self.num_experts, self.hidden, self.intermediate, device=device, dtype=dtype))
+        self.w13 = nn.Parameter(torch.empty(shape13, device=device, dtype=weights))
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, self.hidden, self.intermediate, device=device,
+                                           dtype=weights))
+        if fp8:
+            blocks13 = (self.num_experts, 2 * self.intermediate // BLOCK, self.hidden // BLOCK)
+            blocks2 = (self.num_experts, self.hidden // BLOCK, self.intermediate // BLOCK)
+            self.w13_scale_inv = nn.Parameter(torch.empty(blocks13, device=device, dtype=torch.float32))
+            self.w2_scale_inv = nn.Parameter(torch.empty(blocks2, device=device, dtype=torch.float32))
+
+    def to_fp8(self, name: str, scale_fmt: str | None, device=None) -> "RoutedExperts":
+        """FP8 experts of this module's shape and split (module ``name`` in errors), on ``device``."""
+        return RoutedExperts(self.config, self.group, device, self.w13.dtype, fp8=True, scale_fmt=scale_fmt,
+                             name=name)
 
     def checkpoint_parts(self, fused: bool = False) -> dict[str, list[CheckpointPart]]:
         """Where ``w13`` / ``w2`` (the keys) come from in a checkpoint: per expert
         ``{e}.gate_proj.weight`` / ``{e}.up_proj.weight`` ``[I, hidden]`` and
         ``{e}.down_proj.weight`` ``[hidden, I]`` (the official checkpoints, transformers'
         ``save_pretrained``), or with ``fused`` transformers' in-memory ``gate_up_proj`` ``[E, 2I,
-        hidden]`` and ``down_proj`` ``[E, hidden, I]``. A rank takes its intermediate slice
-        ``[rank * I_r, (rank + 1) * I_r)`` of each."""
+        hidden]`` and ``down_proj`` ``[E, hidden, I]`` (bf16 only). A rank takes its intermediate slice
+        ``[rank * I_r, (rank + 1) * I_r)`` of each. FP8 experts also list ``w13_scale_inv`` /
+        ``w2_scale_inv`` from the per-expert ``{e}.{proj}.weight_scale_inv`` (their 128-blocks)."""
+        return self._parts(fused, self.w13, self.w2)
+
+    def _parts(self, fused: bool, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, list[CheckpointPart]]:
         full, local, hidden, experts = self.full_intermediate, self.intermediate, self.hidden, self.num_experts
         mine = slice(self.group.rank * local, (self.group.rank + 1) * local)
         up = slice(full + mine.start, full + mine.stop)
-        gate_t, up_t, every = self.w13[:, :local], self.w13[:, local:], slice(None)
+        gate_t, up_t, every = w13[:, :local], w13[:, local:], slice(None)
         if fused:
             return {"w13": [CheckpointPart("gate_up_proj", (experts, 2 * full, hidden), (every, mine, every), gate_t),
                             CheckpointPart("gate_up_proj", (experts, 2 * full, hidden), (every, up, every), up_t)],
-                    "w2": [CheckpointPart("down_proj", (experts, hidden, full), (every, every, mine), self.w2)]}
-        return {"w13": [CheckpointPart(f"{e}.{proj}.weight", (full, hidden), (mine, every), target[e])
-                        for e in range(experts) for proj, target in (("gate_proj", gate_t), ("up_proj", up_t))],
-                "w2": [CheckpointPart(f"{e}.down_proj.weight", (hidden, full), (every, mine), self.w2[e])
-                       for e in range(experts)]}
+                    "w2": [CheckpointPart("down_proj", (experts, hidden, full), (every, every, mine), w2)]}
+        parts = {"w13": [CheckpointPart(f"{e}.{proj}.weight", (full, hidden), (mine, every), target[e])
+                         for e in range(experts) for proj, target in (("gate_proj", gate_t), ("up_proj", up_t))],
+                 "w2": [CheckpointPart(f"{e}.down_proj.weight", (hidden, full), (every, mine), w2[e])
+                        for e in range(experts)]}
+        if self.fp8:
+            blocks = slice(mine.start // BLOCK, mine.stop // BLOCK)
+            s13, s2, half = self.w13_scale_inv, self.w2_scale_inv, local // BLOCK
+            parts["w13_scale_inv"] = [
+                CheckpointPart(f"{e}.{proj}.weight_scale_inv", (full // BLOCK, hidden // BLOCK), (blocks, every), t)
+                for e in range(experts) for proj, t in (("gate_proj", s13[e, :half]), ("up_proj", s13[e, half:]))]
+            parts["w2_scale_inv"] = [CheckpointPart(f"{e}.down_proj.weight_scale_inv", (hidden // BLOCK, full // BLOCK),
+                                                    (every, blocks), s2[e]) for e in range(experts)]
+        return parts
+
+    @torch.no_grad()
+    def set_from_fused(self, param: str, value: torch.Tensor) -> None:
+        """Set ``w13`` or ``w2`` (``param``) from the whole float tensor in transformers' fused layout
+        (``[E, 2 I, hidden]`` / ``[E, hidden, I]``): this rank's slice, for FP8 experts quantized per
+        128 x 128 block of each expert's projection (the slice of the whole tensor's quantization:
+        the split lies on block boundaries), with its ``_scale_inv``."""
+        target = getattr(self, param)
+        local = torch.empty(target.shape, dtype=torch.float32, device=target.device) if self.fp8 else target
+        for part in self._parts(True, **{"w13": self.w13, "w2": self.w2, param: local})[param]:
+            part.target.copy_(value[part.index])
+        if self.fp8:
+            scale = getattr(self, f"{param}_scale_inv")
+            for e in range(self.num_experts):
+                codes, scales = quantize_weight(local[e])
+                target[e].copy_(codes)
+                scale[e].copy_(scales)
+
+    def _weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s ``w13`` and ``w2`` as the torch path multiplies them (FP8: dequantized, fp32)."""
+        if not self.fp8:
+            return self.w13[e], self.w2[e]
+        return (dequantize_weight(self.w13[e], self.w13_scale_inv[e], torch.float32),
+                dequantize_weight(self.w2[e], self.w2_scale_inv[e], torch.float32))
+
+    def _gemm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the torch path's GEMM reads it (FP8: quantized per token per 128 columns, dequantized)."""
+        if not self.fp8:
+            return x
+        codes, scales = quantize_blocks(x, 1, self.scale_fmt)
+        return codes.float() * scales.repeat_interleave(BLOCK, dim=1)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.use_fused:
             from dsaspec.ops.fused_moe import fused_moe
 
             out = torch.empty_like(x)
+            scales = dict(w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv) if self.fp8 else {}
             # the router's ids are in [0, E) by construction: no host-synced range check (graph-safe)
-            fused_moe(x.contiguous(), self.w13, self.w2, topk_ids, topk_weights, out, check_values=False)
+            fused_moe(x.contiguous(), self.w13, self.w2, topk_ids, topk_weights, out, scale_fmt=self.scale_fmt,
+                      check_values=False, **scales)
             return out
         linear = row_invariant_ops().linear if self.row_invariant else F.linear
         per_expert = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
-        per_expert.scatter_(1, topk_ids.long(), topk_weights)
+        per_expert.scatter_add_(1, topk_ids.long(), topk_weights)  # a repeated id counts per slot
         out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
+        x_in = self._gemm_input(x)
         for e in range(self.num_experts):
-            gate, up = linear(x, self.w13[e]).split(self.intermediate, dim=-1)
-            out += per_expert[:, e:e + 1] * linear(F.silu(gate) * up, self.w2[e]).float()
+            w13, w2 = self._weights(e)
+            gate, up = linear(x_in, w13).split(self.intermediate, dim=-1)
+            act = (F.silu(gate) * up).to(x.dtype)  # rounded to x's dtype, as the fused op
+            out += per_expert[:, e:e + 1] * linear(self._gemm_input(act), w2).float()
         return out.to(x.dtype)
 
 

@@ -92,7 +92,8 @@ class DSAModel(nn.Module):
 
     With ``config.quantization`` (FP8 block-scaled weights) the projections it converts are
     :class:`~dsaspec.layers.fp8_linear.Fp8Linear` (e4m3 ``weight`` + fp32 ``weight_scale_inv``, the
-    checkpoint's tensors; the Triton FP8 GEMM with ``use_triton``, else torch); their parameters
+    checkpoint's tensors; the Triton FP8 GEMM with ``use_triton``, else torch), and so are the
+    routed experts (:class:`~dsaspec.layers.moe.RoutedExperts` with ``fp8``); their parameters
     are uninitialised until :meth:`init_weights` or a checkpoint load. Tensor-parallel splits of
     those layers must lie on 128-feature boundaries. A config
     :func:`~dsaspec.configs.model_config.check_implemented` refuses (FP8 routed experts) raises its
@@ -209,14 +210,18 @@ class DSAModel(nn.Module):
         norm biases and the MoE correction bias ``N(0, 0.1^2)``. Every tensor is drawn at its
         checkpoint shape (the experts as transformers' fused ``[E, 2I, hidden]`` / ``[E, hidden,
         I]``) and a TP rank keeps its shard, so the ranks of any TP size hold the shards of the
-        TP 1 model of the same seed. An FP8 projection holds the block quantization of the value its
-        bf16 twin (same config without ``quantization``, same seed) draws."""
+        TP 1 model of the same seed. An FP8 projection (or expert) holds the block quantization of
+        the value its bf16 twin (same config without ``quantization``, same seed) draws."""
         device = next(self.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
         shards, parts = self.shards(), self.checkpoint_parts(fused=True)
         fp8 = {f"{name}.weight": module for name, module in self.named_modules() if isinstance(module, Fp8Linear)}
+        experts = {f"{prefix}.{param}": module for prefix, module in self.routed_experts().items()
+                   for param in ("w13", "w2")}
         for name, param in self.named_parameters():
             if name.endswith(".weight_scale_inv") and name[: -len("_scale_inv")] in fp8:
+                continue
+            if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in experts:
                 continue
             shard = shards.get(name)
             shape = param.shape if shard is None else shard.full_shape(param.shape)
@@ -233,8 +238,7 @@ class DSAModel(nn.Module):
                 value = 1.0 + noise * 0.1
             part = value if shard is None else value[shard.index(value.dim())]
             if name in parts:
-                for expert_part in parts[name]:
-                    expert_part.target.copy_(value[expert_part.index])
+                experts[name].set_from_fused(name.rpartition(".")[2], value)
             elif name in fp8:
                 fp8[name].set_dense(part)
             elif shard is None:

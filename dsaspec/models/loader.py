@@ -14,8 +14,10 @@ the sharded tensors (``safe_open(...).get_slice``), from the same checkpoint as 
 
 FP8 checkpoints (``quantization_config`` fp8 / e4m3 / [128, 128]) store each quantized projection
 as ``X.weight`` (F8_E4M3) and ``X.weight_scale_inv`` (F32, one per 128 x 128 block); they are
-loaded as stored into :class:`~dsaspec.layers.fp8_linear.Fp8Linear`, and every tensor's dtype is
-checked against what the config declares.
+loaded as stored into :class:`~dsaspec.layers.fp8_linear.Fp8Linear`, the routed experts'
+per-expert ``gate_proj`` / ``up_proj`` / ``down_proj`` weights and scales into the FP8
+:class:`~dsaspec.layers.moe.RoutedExperts` (``w13`` / ``w2`` e4m3, ``w13_scale_inv`` /
+``w2_scale_inv``), and every tensor's dtype is checked against what the config declares.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from safetensors.torch import save_file
 
 from dsaspec.errors import UserError
 from dsaspec.configs.model_config import ModelConfig, check_implemented
-from dsaspec.layers.fp8_linear import Fp8Linear
 from dsaspec.models.dsa_model import DSAModel
 
 CONFIG_FILE = "config.json"
@@ -113,7 +114,7 @@ def _open_safetensors(file: Path):
 def load_config(path: str | Path) -> ModelConfig:
     """The :class:`ModelConfig` of checkpoint directory ``path`` (its ``config.json``). Raises
     ``UserError`` naming the file for a bad config (an unknown ``quantization_config`` included)
-    or one claiming what is not implemented yet (quantized MoE experts:
+    or one claiming what is not implemented (FP8 experts off the 128 x 128 blocks:
     :func:`~dsaspec.configs.model_config.check_implemented`)."""
     path = Path(path)
     if not path.is_dir():
@@ -150,11 +151,17 @@ def _bf16_reason(model: DSAModel) -> str:
     return "it is one of the modules kept unquantized (ALWAYS_BF16 or quantization_config.modules_to_not_convert)"
 
 
-def _check_fp8_pairs(model: DSAModel, files: dict[str, str], path: Path) -> None:
-    """Every FP8 weight of the model has its scale in the checkpoint and every scale in the
-    checkpoint belongs to an FP8 weight of the model."""
-    fp8 = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    params = model.state_dict()
+def _held_dtypes(model: DSAModel, parts: dict) -> dict[str, torch.dtype]:
+    """The dtype the model holds each checkpoint tensor in: the parameters', the experts' parts'."""
+    held = {name: p.dtype for name, p in model.state_dict().items() if name not in parts}
+    held.update((part.name, part.target.dtype) for group in parts.values() for part in group)
+    return held
+
+
+def _check_fp8_pairs(held: dict[str, torch.dtype], files: dict[str, str], path: Path, model: DSAModel) -> None:
+    """Every FP8 weight of the model (a projection's or an expert's) has its scale in the
+    checkpoint and every scale in the checkpoint belongs to an FP8 weight of the model."""
+    fp8 = {name for name, dtype in held.items() if dtype == torch.float8_e4m3fn}
     for weight in sorted(fp8):
         scale = weight[: -len(".weight")] + SCALE_SUFFIX
         if weight in files and scale not in files:
@@ -164,14 +171,13 @@ def _check_fp8_pairs(model: DSAModel, files: dict[str, str], path: Path) -> None
         weight = scale[: -len(SCALE_SUFFIX)] + ".weight"
         if weight not in files:
             raise UserError(f"{path / files[scale]}: scale {scale} has no weight {weight}")
-        if weight not in fp8 and weight in params:
+        if weight not in fp8 and weight in held:
             raise UserError(f"{path / files[scale]}: {weight} is stored FP8 (it has {scale}), but the model "
-                            f"holds it in {params[weight].dtype}: {_bf16_reason(model)}")
+                            f"holds it in {held[weight]}: {_bf16_reason(model)}")
 
 
-def _check_dtype(params: dict[str, torch.Tensor], name: str, dtype: str, file: Path) -> None:
-    """The checkpoint dtype of tensor ``name`` against the parameter's."""
-    param = params[name].dtype
+def _check_dtype(param: torch.dtype, name: str, dtype: str, file: Path) -> None:
+    """The checkpoint dtype of tensor ``name`` against the dtype ``param`` the model holds it in."""
     if param == torch.float8_e4m3fn and dtype != FP8_DTYPE:
         raise UserError(f"{file}: tensor {name} is {dtype}, but the config's quantization_config declares it "
                         f"FP8: expected {FP8_DTYPE}")
@@ -192,9 +198,11 @@ def _check_values(name: str, tensor: torch.Tensor, file: Path) -> None:
 
 def _expert_parts(model: DSAModel, files: dict[str, str]) -> dict:
     """The fused expert parameters' parts in the layout the checkpoint has, per parameter:
-    transformers' fused tensors where all of them are present, else the per-expert tensors."""
+    transformers' fused tensors where all of them are present (bf16 experts), else the per-expert
+    tensors (FP8 experts: always, the official layout)."""
     fused = model.checkpoint_parts(fused=True)
-    return {name: fused[name] if all(p.name in files for p in fused[name]) else parts
+    return {name: fused[name] if name in fused and parts[0].target.dtype != torch.float8_e4m3fn
+            and all(p.name in files for p in fused[name]) else parts
             for name, parts in model.checkpoint_parts().items()}
 
 
@@ -205,11 +213,11 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     sharded tensor (``model.shards()``, the experts' parts; vocab padding zero). FP8 weights and
     their scales are copied as stored; experts come from per-expert or transformers' fused tensors,
     whichever the checkpoint has. Raises ``UserError`` (a ``ValueError``) naming the tensor and the
-    file for an FP8 weight without its ``weight_scale_inv``, a scale without its weight or for a
-    module the model holds in bf16, a dtype that is not what the config declares (a bf16 tensor
-    where FP8 is declared, an FP8 one where it is not, a scale not F32), block scales that are not
-    finite and positive; and listing missing tensors (e.g. experts of a config that claims MoE over
-    dense tensors), unexpected ones (experts of a config that says dense, ...), shapes that differ
+    file for an FP8 weight (a projection's or an expert's) without its ``weight_scale_inv``, a scale
+    without its weight or for a module the model holds in bf16, a dtype that is not what the config
+    declares (a bf16 tensor where FP8 is declared, an FP8 one where it is not, a scale not F32),
+    block scales that are not finite and positive; and listing missing tensors (e.g. experts of a
+    config that claims MoE over dense tensors), unexpected ones (experts of a config that says dense, ...), shapes that differ
     from the unsharded model's and unreadable files. Nothing is copied unless these checks pass,
     except the check for NaN codes in FP8 weights, made as each weight is copied. Returns ``model``."""
     path = Path(path)
@@ -218,9 +226,10 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     parts = _expert_parts(model, files)
     expected = {name: shape for name, shape in model.checkpoint_shapes().items() if name in params}
     expected.update((part.name, part.full_shape) for group in parts.values() for part in group)
+    held = _held_dtypes(model, parts)
     shards = model.shards()
     duplicates = _shared_duplicates(model.config)
-    _check_fp8_pairs(model, files, path)
+    _check_fp8_pairs(held, files, path, model)
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(n for n in set(files) - set(expected) if not duplicates.fullmatch(n))
     if missing or unexpected:
@@ -238,11 +247,7 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
                 if shape != expected[name]:
                     raise UserError(f"{path / file}: tensor {name} has shape {shape}, the model expects "
                                     f"{expected[name]}")
-                if name in params:
-                    _check_dtype(params, name, tensor.get_dtype(), path / file)
-                elif tensor.get_dtype() not in _FLOAT_DTYPES:      # an expert part: bf16 / fp32 weights
-                    raise UserError(f"{path / file}: tensor {name} is {tensor.get_dtype()}; the experts are "
-                                    f"held in {model.lm_head.weight.dtype} (expected one of {list(_FLOAT_DTYPES)})")
+                _check_dtype(held[name], name, tensor.get_dtype(), path / file)
                 if name.endswith(SCALE_SUFFIX):
                     _check_values(name, f.get_tensor(name), path / file)
     targets: dict[str, list] = {}
@@ -254,7 +259,10 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
             for name in names:
                 if name in targets:
                     for part in targets[name]:
-                        part.target.copy_(f.get_slice(name)[part.index])
+                        value = f.get_slice(name)[part.index]
+                        if value.dtype == torch.float8_e4m3fn:
+                            _check_values(name, value, path / file)
+                        part.target.copy_(value)
                     continue
                 shard = shards.get(name)
                 part = f.get_tensor(name) if shard is None else f.get_slice(name)[shard.index(len(expected[name]))]

@@ -21,6 +21,15 @@ row of a tile meets the weight tile in a ``tl.dot`` of fixed shape (each output 
 own row and column), K blocks are accumulated in order and the combine order is fixed. So a
 token's output bits depend only on its own hidden row, ids and weights: not on T, on the other
 tokens, or on where its pairs land in the sorted segments. The result is deterministic.
+
+FP8 block-scaled experts (``w13`` / ``w2`` e4m3 with fp32 ``weight_scale_inv`` per 128 x 128 block
+of each expert's projection, the official checkpoints' format, :mod:`dsaspec.ops.fp8_gemm`): the
+same launches with a constexpr ``FP8`` switch in the two GEMM kernels, plus two
+:func:`~dsaspec.ops.fp8_gemm.act_quant` launches (the hidden rows before gate/up, the activations
+before down: per token per 128 columns). Each 128-column K block is one e4m3 ``tl.dot`` with fp32
+accumulation, scaled by ``a_scale[row, kb] * w_scale[expert, n // 128, kb]`` and added in fp32 in K
+order, as :func:`~dsaspec.ops.fp8_gemm.fp8_gemm` does. Row invariance holds as above (the
+quantization is per row).
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
 from dsaspec.ops.device import sm_count
+from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS, act_quant
 
 BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's segment
 _DTYPES = (torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
 _ALIGN_ELEMENTS = 16384  # pairs x experts compared at once by the align program
 _STAGE_BYTES = 160 * 1024  # shared memory of a GEMM's pipeline stages (the H200 has 227 KB)
 _COMBINE_ELEMENTS = 1024  # outputs per combine program
@@ -62,31 +73,54 @@ class FusedMoEWorkspace:
     block_experts: torch.Tensor  # int32 [max_blocks]: expert of each block, -1 = unused
     act: torch.Tensor  # dtype [max_blocks * BLOCK_M, I]: silu(gate) * up per sorted row
     partial: torch.Tensor  # fp32 [max_tokens * k, H]: weighted down projection per pair
+    fp8: bool = False  # for FP8 experts: the quantized activations below are allocated
+    hidden_q: torch.Tensor | None = None  # e4m3 [max_tokens, H]: act_quant of the hidden rows
+    hidden_scale: torch.Tensor | None = None  # fp32 [max_tokens, H / 128]
+    act_q: torch.Tensor | None = None  # e4m3 [max_blocks * BLOCK_M, I]: act_quant of act
+    act_scale: torch.Tensor | None = None  # fp32 [max_blocks * BLOCK_M, I / 128]
 
 
 def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_size: int,
-                        intermediate_size: int, device, dtype: torch.dtype) -> FusedMoEWorkspace:
+                        intermediate_size: int, device, dtype: torch.dtype, *,
+                        fp8: bool = False) -> FusedMoEWorkspace:
     """Allocate the buffers of :func:`fused_moe` for calls of up to ``max_tokens`` tokens with
     ``topk`` experts per token out of ``num_experts``, hidden size H, intermediate size I and
-    activations of ``dtype`` (bf16 or fp32). Allocate once, before capture; a graph replays with
-    the same workspace. Sizes: ``max_blocks(T * k, E) * 16`` rows of I activations and ``T * k``
-    fp32 rows of H (at T = 512, k = 8, H = 7168: 117 MB).
+    activations of ``dtype`` (bf16 or fp32); ``fp8``: for FP8 experts (also the e4m3 codes and
+    scales of the quantized hidden rows and activations; H and I multiples of 128). Allocate
+    once, before capture; a graph replays with the same workspace. Sizes: ``max_blocks(T * k, E) *
+    16`` rows of I activations and ``T * k`` fp32 rows of H (at T = 512, k = 8, H = 7168: 117 MB).
 
-    Raises ``TypeError`` / ``ValueError`` naming the argument unless the counts are ints >= 1
-    and ``dtype`` is bf16 or fp32."""
+    Raises ``TypeError`` / ``ValueError`` naming the argument unless the counts are ints >= 1,
+    ``dtype`` is bf16 or fp32 and, with ``fp8``, H and I are multiples of 128."""
     for name, value in (("max_tokens", max_tokens), ("topk", topk), ("num_experts", num_experts),
                         ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
         check_count(name, value)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
+    if fp8:
+        _check_fp8_dims(hidden_size, intermediate_size)
     pairs = max_tokens * topk
-    blocks = max_blocks(pairs, num_experts)
+    rows = max_blocks(pairs, num_experts) * BLOCK_M
+    quantized = {}
+    if fp8:
+        quantized = dict(
+            hidden_q=torch.empty(max_tokens, hidden_size, dtype=FP8, device=device),
+            hidden_scale=torch.empty(max_tokens, hidden_size // FP8_BLOCK, dtype=torch.float32, device=device),
+            act_q=torch.empty(rows, intermediate_size, dtype=FP8, device=device),
+            act_scale=torch.empty(rows, intermediate_size // FP8_BLOCK, dtype=torch.float32, device=device))
     return FusedMoEWorkspace(
         max_tokens, topk, num_experts, hidden_size, intermediate_size, dtype,
-        sorted_pairs=torch.empty(blocks * BLOCK_M, dtype=torch.int32, device=device),
-        block_experts=torch.empty(blocks, dtype=torch.int32, device=device),
-        act=torch.empty(blocks * BLOCK_M, intermediate_size, dtype=dtype, device=device),
-        partial=torch.empty(pairs, hidden_size, dtype=torch.float32, device=device))
+        sorted_pairs=torch.empty(rows, dtype=torch.int32, device=device),
+        block_experts=torch.empty(rows // BLOCK_M, dtype=torch.int32, device=device),
+        act=torch.empty(rows, intermediate_size, dtype=dtype, device=device),
+        partial=torch.empty(pairs, hidden_size, dtype=torch.float32, device=device), fp8=fp8, **quantized)
+
+
+def _check_fp8_dims(hidden_size: int, intermediate_size: int) -> None:
+    for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if value % FP8_BLOCK:
+            raise ValueError(f"{name}: FP8 experts need a multiple of {FP8_BLOCK} (the 128 x 128 weight "
+                             f"blocks, gate and up rows in separate blocks), got {value}")
 
 
 @dataclass(frozen=True)
@@ -98,13 +132,17 @@ class _Tile:
 
 
 def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.device,
-          weight_tiles: int = 1) -> _Tile:
-    """Tile of a grouped GEMM with N outputs and reduction K (never a function of T): bf16 tiles
-    of ``BLOCK_N x 128``, fp32 (FMA) ``BLOCK_N x 32``, with ``BLOCK_N`` the widest of 128/64/32/16
-    that still gives a one-token call (k blocks) about two programs per SM (off-GPU: the widest,
-    so the interpreter runs few programs); up to 4 (bf16) or 3 (fp32) stages of the activation
-    tile and ``weight_tiles`` weight tiles within ``_STAGE_BYTES`` of shared memory."""
-    if dtype == torch.float32:
+          weight_tiles: int = 1, fp8: bool = False) -> _Tile:
+    """Tile of a grouped GEMM with N outputs and reduction K (never a function of T): bf16 and
+    FP8 (e4m3 operands, one 128-column scale block per K step) tiles of ``BLOCK_N x 128``, fp32
+    (FMA) ``BLOCK_N x 32``, with ``BLOCK_N`` the widest of 128/64/32/16 that still gives a one-token
+    call (k blocks) about two programs per SM (off-GPU: the widest, so the interpreter runs few
+    programs); up to 4 (bf16, FP8) or 3 (fp32) stages of the activation tile and ``weight_tiles``
+    weight tiles within ``_STAGE_BYTES`` of shared memory."""
+    if fp8:
+        dtype = FP8
+        block_k, widths, num_warps, max_stages = FP8_BLOCK, (128, 64, 32, 16), 4, 4
+    elif dtype == torch.float32:
         block_k, widths, num_warps, max_stages = 32, (32, 16), 4, 3
     else:
         block_k, widths, num_warps, max_stages = 128, (128, 64, 32, 16), 4, 4
@@ -116,7 +154,7 @@ def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.devic
             break
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(block_k, max(16, triton.next_power_of_2(k_dim)))
-    stage = (BLOCK_M + weight_tiles * block_n) * block_k * (4 if dtype == torch.float32 else 2)
+    stage = (BLOCK_M + weight_tiles * block_n) * block_k * dtype.itemsize
     return _Tile(block_n, block_k, num_warps, max(1, min(max_stages, _STAGE_BYTES // stage)))
 
 
@@ -163,10 +201,12 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_b
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
-def _gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
-                    num_blocks, H, I, stride_xt, stride_we, stride_wn, stride_act,
-                    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
+                    num_blocks, H, I, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn,
+                    stride_act, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+    # FP8: x and w are e4m3 codes, xs [T, H / BLOCK_K] and ws [E, 2I / BLOCK_K, H / BLOCK_K] their
+    # scales, BLOCK_K = 128 and BLOCK_N divides 128 (one weight scale per tile and K block)
     # blocks vary fastest: the programs that read one weight tile run together (L2 reuse)
     pid = tl.program_id(0)
     block = pid % num_blocks
@@ -185,6 +225,9 @@ def _gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_expert + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
     u_ptrs = g_ptrs + I * stride_wn
+    xs_ptrs = xs_ptr + tokens * stride_xst
+    gs_ptr = ws_ptr + expert.to(tl.int64) * stride_wse + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
+    us_ptr = gs_ptr + (I // BLOCK_K) * stride_wsn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
@@ -196,8 +239,14 @@ def _gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
             x = x.to(tl.float32)
             g = g.to(tl.float32)
             u = u.to(tl.float32)
-        gate = tl.dot(x, g, gate, input_precision="ieee")
-        up = tl.dot(x, u, up, input_precision="ieee")
+        if FP8:
+            kb = k // BLOCK_K
+            x_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)[:, None]
+            gate += tl.dot(x, g) * (x_s * tl.load(gs_ptr + kb))
+            up += tl.dot(x, u) * (x_s * tl.load(us_ptr + kb))
+        else:
+            gate = tl.dot(x, g, gate, input_precision="ieee")
+            up = tl.dot(x, u, up, input_precision="ieee")
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -207,10 +256,12 @@ def _gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
-def _down_kernel(act_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr, partial_ptr,
-                 num_blocks, H, I, stride_act, stride_we, stride_wn, stride_partial,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr):
+def _down_kernel(act_ptr, as_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr,
+                 partial_ptr, num_blocks, H, I, stride_act, stride_as, stride_we, stride_wn, stride_wse,
+                 stride_wsn, stride_partial, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+    # FP8: act and w are e4m3 codes, as [rows, I / BLOCK_K] and ws [E, ceil(H / BLOCK_K), I / BLOCK_K]
+    # their scales (as in _gate_up_kernel)
     pid = tl.program_id(0)
     block = pid % num_blocks
     pid_n = pid // num_blocks
@@ -226,6 +277,8 @@ def _down_kernel(act_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, weights_pt
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + ks[None, :]
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
               + ks[:, None])
+    as_ptrs = as_ptr + rows.to(tl.int64) * stride_as
+    s_ptr = ws_ptr + expert.to(tl.int64) * stride_wse + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, I, BLOCK_K):
         k_ok = (k + ks) < I
@@ -234,7 +287,12 @@ def _down_kernel(act_ptr, w_ptr, sorted_pairs_ptr, block_experts_ptr, weights_pt
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision="ieee")
+        if FP8:
+            kb = k // BLOCK_K
+            a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)[:, None]
+            acc += tl.dot(a, w) * (a_s * tl.load(s_ptr + kb))
+        else:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
@@ -263,17 +321,32 @@ def _combine_kernel(partial_ptr, ids_ptr, out_ptr, T, H, stride_partial, stride_
              total.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
 
 
-def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, workspace) -> None:
+def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace) -> bool:
+    """Check the arguments; returns whether the experts are FP8."""
     check_tensor("hidden", hidden, dtype=_DTYPES, ndim=2)
     tokens, h = hidden.shape
     dtype, device = hidden.dtype, hidden.device
-    check_tensor("w13", w13, dtype=dtype, ndim=3, device=device)
+    check_tensor("w13", w13, dtype=(dtype, FP8), ndim=3, device=device)
+    fp8 = w13.dtype == FP8
     experts, two_i, _ = w13.shape
     if experts < 1 or two_i < 2 or two_i % 2 or w13.shape[2] != h:
         raise ValueError(f"w13: expected shape (E >= 1, 2 * I >= 2, {h}) (gate rows then up rows), "
                          f"got {tuple(w13.shape)}")
     inter = two_i // 2
-    check_tensor("w2", w2, dtype=dtype, shape=(experts, h, inter), device=device)
+    check_tensor("w2", w2, dtype=w13.dtype, shape=(experts, h, inter), device=device)
+    if fp8:
+        _check_fp8_dims(h, inter)
+        for name, scale, shape in (("w13_scale", w13_scale, (experts, two_i // FP8_BLOCK, h // FP8_BLOCK)),
+                                   ("w2_scale", w2_scale, (experts, h // FP8_BLOCK, inter // FP8_BLOCK))):
+            if scale is None:
+                raise ValueError(f"{name}: FP8 (e4m3) experts need their fp32 block scales, got None")
+            check_tensor(name, scale, dtype=torch.float32, shape=shape, device=device)
+            if not scale.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {scale.stride()}")
+    else:
+        for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if scale is not None:
+                raise ValueError(f"{name}: block scales go with e4m3 experts; w13 is {w13.dtype}")
     check_tensor("topk_ids", topk_ids, dtype=torch.int32, shape=(tokens, None), device=device)
     topk = topk_ids.shape[1]
     if topk < 1:
@@ -284,7 +357,7 @@ def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, workspace) -> No
             raise ValueError(f"{name}: expected a contiguous tensor, got strides {tensor.stride()}")
     check_tensor("out", out, dtype=dtype, shape=(tokens, h), device=device)
     if workspace is None:
-        return
+        return fp8
     if not isinstance(workspace, FusedMoEWorkspace):
         raise TypeError(f"workspace: expected a FusedMoEWorkspace (fused_moe_workspace), got "
                         f"{type(workspace).__name__}")
@@ -293,12 +366,16 @@ def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, workspace) -> No
     if got != (topk, experts, h, inter, dtype) or tokens > workspace.max_tokens:
         raise ValueError(f"workspace: sized for <= {workspace.max_tokens} tokens, (k, E, H, I, dtype) = "
                          f"{got}; this call has {tokens} tokens, {(topk, experts, h, inter, dtype)}")
+    if workspace.fp8 != fp8:
+        raise ValueError(f"workspace: allocated with fp8={workspace.fp8}, but the experts are {w13.dtype}")
     if workspace.partial.device != device:
         raise ValueError(f"workspace: expected device {device}, got {workspace.partial.device}")
+    return fp8
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, out: torch.Tensor, *,
+              topk_weights: torch.Tensor, out: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, scale_fmt: str | None = None,
               workspace: FusedMoEWorkspace | None = None, check_values: bool = True) -> torch.Tensor:
     """Routed-expert MLP: ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x) *
     (w13[e, I:] @ x))``, ``x = hidden[t]``, ``e = topk_ids[t, j]``; fp32 accumulation, the
@@ -306,16 +383,26 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     order j = 0..k-1 and cast once. A token's output is bitwise independent of T and of the other
     tokens (module docstring). Repeated ids within a row are allowed: each slot counts on its own.
 
+    FP8 experts (``w13`` / ``w2`` e4m3 with ``w13_scale`` / ``w2_scale``): ``W = w * scale`` per
+    128 x 128 block of each expert's projection; ``x`` and the activation are quantized per token per
+    128 columns (:func:`~dsaspec.ops.fp8_gemm.act_quant`, ``scale_fmt``) before their GEMMs, whose
+    128-column blocks are scaled and summed in fp32.
+
     Parameters
     ----------
     hidden : ``[T, H]`` bf16 or fp32, unit last stride. T = 0 writes nothing.
-    w13 : ``[E, 2 * I, H]``, hidden's dtype and device, unit last stride: gate rows, then up rows.
-    w2 : ``[E, H, I]``, same, unit last stride.
+    w13 : ``[E, 2 * I, H]``, hidden's dtype (or e4m3) and device, unit last stride: gate rows, then
+        up rows.
+    w2 : ``[E, H, I]``, w13's dtype, hidden's device, unit last stride.
     topk_ids : int32 ``[T, k]``, k >= 1, contiguous, each in ``[0, E)``.
     topk_weights : fp32 ``[T, k]``, contiguous.
     out : ``[T, H]``, hidden's dtype, unit last stride; written (every entry). May be ``hidden``.
+    w13_scale, w2_scale : with e4m3 experts (H and I multiples of 128), fp32 contiguous ``[E, 2I /
+        128, H / 128]`` (the gate blocks' ``weight_scale_inv``, then the up blocks') and ``[E,
+        H / 128, I / 128]``; else None.
+    scale_fmt : the activation scales, None (fp32) or ``"ue8m0"`` (powers of two), FP8 only.
     workspace : from :func:`fused_moe_workspace` for >= T tokens and this call's (k, E, H, I,
-        dtype); None allocates one (not for graph capture).
+        dtype, fp8); None allocates one (not for graph capture).
     check_values : also check that every id is in ``[0, E)`` (a host sync, so not inside CUDA
         graphs). Shapes, dtypes and devices are always checked. Graph replay relies on the caller
         for the range; an id outside it contributes nothing (reads and writes nothing).
@@ -324,7 +411,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     -------
     ``out``.
     """
-    _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, workspace)
+    fp8 = _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace)
+    if scale_fmt not in SCALE_FORMATS:
+        raise ValueError(f"scale_fmt: expected one of {SCALE_FORMATS}, got {scale_fmt!r}")
     tokens, h = hidden.shape
     experts, inter = w13.shape[0], w13.shape[1] // 2
     topk = topk_ids.shape[1]
@@ -335,27 +424,35 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     if tokens == 0:
         return out
     if workspace is None:
-        workspace = fused_moe_workspace(tokens, topk, experts, h, inter, hidden.device, hidden.dtype)
+        workspace = fused_moe_workspace(tokens, topk, experts, h, inter, hidden.device, hidden.dtype, fp8=fp8)
     pairs = tokens * topk
     blocks = max_blocks(pairs, experts)
     e_pad = triton.next_power_of_2(experts)
     _align_kernel[(1,)](topk_ids, workspace.sorted_pairs, workspace.block_experts, pairs, blocks,
                         NUM_EXPERTS=experts, E_PAD=e_pad, CHUNK=max(16, _ALIGN_ELEMENTS // e_pad),
                         FILL=1024, BLOCK_M=BLOCK_M, num_warps=8)
-    upcast = not hidden.is_cuda
+    upcast = not hidden.is_cuda and not fp8
     act, partial = workspace.act, workspace.partial
-    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2)
+    x, x_scale, w13_s, a, a_scale, w2_s = hidden, hidden, w13, act, act, w2  # unread without FP8
+    if fp8:
+        x, x_scale = act_quant(hidden, scale_fmt, out=workspace.hidden_q[:tokens],
+                               scale_out=workspace.hidden_scale[:tokens])
+        a, a_scale, w13_s, w2_s = workspace.act_q, workspace.act_scale, w13_scale, w2_scale
+    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8)
     _gate_up_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
-        hidden, w13, workspace.sorted_pairs, workspace.block_experts, act, blocks, h, inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=upcast,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
-    tile = _tile(h, inter, topk, hidden.dtype, hidden.device)
+        x, x_scale, w13, w13_s, workspace.sorted_pairs, workspace.block_experts, act, blocks, h, inter,
+        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
+        act.stride(0), TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        UPCAST=upcast, FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if fp8:  # every row of the blocks in use: padding rows are quantized too and never read
+        rows = blocks * BLOCK_M
+        act_quant(act[:rows], scale_fmt, out=a[:rows], scale_out=a_scale[:rows])
+    tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8)
     _down_kernel[(blocks * triton.cdiv(h, tile.block_n),)](
-        act, w2, workspace.sorted_pairs, workspace.block_experts, topk_weights, partial, blocks,
-        h, inter, act.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=upcast,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        a, a_scale, w2, w2_s, workspace.sorted_pairs, workspace.block_experts, topk_weights, partial,
+        blocks, h, inter, a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0),
+        w2_s.stride(1), partial.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        UPCAST=upcast, FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages)
     block_h = min(_COMBINE_ELEMENTS, triton.next_power_of_2(h))
     block_t = min(triton.next_power_of_2(tokens), _COMBINE_ELEMENTS // block_h)
     _combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(h, block_h))](

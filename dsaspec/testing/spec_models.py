@@ -31,19 +31,24 @@ def generated_tokens(engine: Engine, requests, max_new, **kwargs) -> list[list[i
 
 @torch.no_grad()
 def predictable(model: DSAModel, branch_scale: float) -> DSAModel:
-    """Scale every residual branch (o_proj, the FFN's down projections) by ``branch_scale`` and make
+    """Scale every residual branch (o_proj, the FFN's down projections; FP8 ones through their
+    block scales) by ``branch_scale`` and make
     the MTP layer read only the embedding of its token (``eh_proj = [I | 0]``, ``enorm = 1``,
     ``shared_head.norm = the final norm``): the target's next token then mostly depends on the
     current token alone, and the MTP layer mostly predicts it. Returns ``model`` (changed in place)."""
     hidden = model.config.hidden_size
+
+    def scale(module, weight: str) -> None:   # FP8 weights: their block scales
+        getattr(module, f"{weight}_scale_inv" if hasattr(module, f"{weight}_scale_inv") else weight).mul_(branch_scale)
+
     for layer in model.model.layers:
-        layer.self_attn.o_proj.weight.mul_(branch_scale)
+        scale(layer.self_attn.o_proj, "weight")
         mlp = layer.mlp
         if hasattr(mlp, "experts"):      # MoE: the routed and the shared experts' down projections
-            mlp.experts.w2.mul_(branch_scale)
-            mlp.shared_experts.down_proj.weight.mul_(branch_scale)
+            scale(mlp.experts, "w2")
+            scale(mlp.shared_experts.down_proj, "weight")
         else:
-            mlp.down_proj.weight.mul_(branch_scale)
+            scale(mlp.down_proj, "weight")
     mtp = model.mtp_layer
     mtp.eh_proj.weight.zero_()
     mtp.eh_proj.weight[:, :hidden] = torch.eye(hidden)
