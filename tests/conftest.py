@@ -32,12 +32,16 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_multi = pytest.mark.skip(reason="needs >= 2 CUDA devices under torchrun (WORLD_SIZE >= 2)")
+    skip_interpreter = pytest.mark.skip(reason="calibrated for the Triton interpreter; the gpu-marked tests run here")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and (not HAS_CUDA or world < 2):
             item.add_marker(skip_multi)
+        # A module marked ``interpreter`` as a whole keeps its gpu-marked tests on a CUDA host.
+        if "interpreter" in item.keywords and "gpu" not in item.keywords and HAS_CUDA:
+            item.add_marker(skip_interpreter)
 
 
 @pytest.fixture

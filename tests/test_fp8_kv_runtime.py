@@ -18,6 +18,9 @@ from dsaspec.testing.spec_models import random_prompts
 
 from test_cli import assert_one_line_error
 
+# CPU models and engines (the metadata kernels under the interpreter).
+pytestmark = pytest.mark.interpreter
+
 CONTEXT = 192
 PROMPT_LENS = (5, 70, 62)           # 70 > top-k 64: sparse selection; 62: decode crosses a page
 MAX_NEW = 8

@@ -13,6 +13,9 @@ from dsaspec.layers.linear import FusedLinear, Linear, fuse_linears
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.ops import row_invariant as ri
 
+# CPU models (the row-invariant GEMM under the interpreter).
+pytestmark = pytest.mark.interpreter
+
 
 def _fused_groups(model):
     return [(name, module) for name, module in model.named_modules() if isinstance(module, FusedLinear)]
@@ -101,6 +104,32 @@ def test_fp8_fused_scales_follow_the_rows():
 def test_parts_no_longer_viewing_the_fused_weight_are_refused():
     a, b = Linear(8, 4, bias=False), Linear(8, 4, bias=False)
     fused = fuse_linears([a, b])
-    a.weight.data = a.weight.data.clone()   # what model.to(...) does to every parameter
+    a.weight.data = a.weight.data.clone()   # what moving a part on its own does
     with pytest.raises(RuntimeError, match="no longer view the fused weight"):
         fused(torch.zeros(2, 8))
+
+
+def _views_its_fused_weight(fused) -> bool:
+    base = fused.gemm.weight
+    return all(p.weight.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for p in fused._parts) \
+        and torch.equal(base, torch.cat([p.weight for p in fused._parts]))
+
+
+@pytest.mark.parametrize("quantization", [None, Fp8Quantization()], ids=["bf16", "fp8"])
+def test_moving_the_model_fuses_again(quantization):
+    """A move of the model (every tensor to new storage, as ``.to(device)`` does; and ``.float()``
+    for bf16 weights) moves the parts and the fused tensors apart; afterwards every fused layer
+    views its parts' moved values again and computes the parts' outputs."""
+    config = get_config("tiny", quantization=quantization)
+    model = DSAModel(config, dtype=torch.bfloat16).init_weights(0)
+    fused = [m for m in model.modules() if isinstance(m, FusedLinear)]
+    assert fused and all(_views_its_fused_weight(f) for f in fused)
+    model._apply(lambda t: t.clone())
+    if quantization is None:
+        model.float()
+        assert all(f.gemm.weight.dtype == torch.float32 for f in fused)
+    assert all(_views_its_fused_weight(f) for f in fused)
+    x = torch.randn(3, config.hidden_size, dtype=fused[0]._parts[0].dtype if quantization else torch.float32)
+    for f in fused:
+        for got, part in zip(f(x), f._parts):
+            torch.testing.assert_close(got, part(x))

@@ -19,6 +19,9 @@ from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.reference.fp8_gemm import act_quant
 from dsaspec.reference.indexer import reference_indexer_logits_fp8
 
+# The unmarked tests hold the interpreter's fp32 tolerance; the gpu-marked ones the tensor cores'.
+pytestmark = pytest.mark.interpreter
+
 PAGE, PAGE_BYTES = 64, 8448
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193]
 SENTINEL = 12345.0

@@ -23,6 +23,9 @@ from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFI
                                     sparse_mla_num_splits, sparse_mla_workspace)
 from dsaspec.reference.sparse_mla import reference_sparse_mla_decode_fp8
 
+# The unmarked tests hold the interpreter's tolerances; the gpu-marked ones the GPU's.
+pytestmark = pytest.mark.interpreter
+
 CONFIGS = {
     "new": SPARSE_MLA_CONFIG,
     "few_rows": SPARSE_MLA_FEW_ROWS_CONFIG,

@@ -66,18 +66,47 @@ class FusedLinear(nn.Module):
     """Projections of one input as one GEMM: ``forward(x)`` returns the parts' outputs, column
     views of one ``[M, sum N_i]`` product (:func:`fuse_linears` builds it)."""
 
-    def __init__(self, gemm: nn.Module, parts: list[nn.Module]):
+    def __init__(self, gemm: nn.Module, parts: list[nn.Module], names: tuple[str, ...]):
         super().__init__()
         self.gemm = gemm
         self.sizes = [part.out_features for part in parts]
         self._parts = tuple(parts)  # a tuple: registered where they live, under their checkpoint names
-        self._views = [(part.weight.data_ptr(), gemm.weight.data_ptr()) for part in parts]
+        self._names = names
+        self.refuse()
+
+    def refuse(self) -> None:
+        """(Re)build the fused tensors (``names``: the weight, and the FP8 block scales) from the
+        parts' current ones, on their device, and make each part's parameters row views of them."""
+        for name in self._names:
+            fused = torch.cat([getattr(p, name).detach() for p in self._parts])
+            self.gemm.register_buffer(name, fused, persistent=False)
+            start = 0
+            for p in self._parts:
+                param = getattr(p, name)
+                param.data = fused[start:start + param.shape[0]]
+                start += param.shape[0]
+        self._views = [(part.weight.data_ptr(), self.gemm.weight.data_ptr()) for part in self._parts]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if [(p.weight.data_ptr(), self.gemm.weight.data_ptr()) for p in self._parts] != self._views:
-            raise RuntimeError("FusedLinear: the parts' weights no longer view the fused weight (the model "
-                               "was moved or converted after it was built); build the model where it runs")
+            raise RuntimeError("FusedLinear: the parts' weights no longer view the fused weight (a part's "
+                               "tensor was replaced, or a part moved on its own); move the module holding "
+                               "the parts and the fused layer, which fuses them again")
         return self.gemm(x).split(self.sizes, dim=-1)
+
+
+class HoldsFusedLinear:
+    """For a module holding :class:`FusedLinear` children next to their parts: a move or
+    conversion of it (``.to``, ``.cuda``, ``.float`` ..., directly or through a parent) moves the
+    parts and the fused tensors separately, so afterwards each fused child is rebuilt from its
+    parts (:meth:`FusedLinear.refuse`)."""
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        for child in self.children():
+            if isinstance(child, FusedLinear):
+                child.refuse()
+        return module
 
 
 def fuse_linears(parts: list[nn.Module]) -> FusedLinear | None:
@@ -90,7 +119,8 @@ def fuse_linears(parts: list[nn.Module]) -> FusedLinear | None:
     The fused layer holds the parts' weights (and block scales) one after the other along the
     output features, as non-persistent buffers; each part's parameters become row views of them,
     so whatever writes the parts (``init_weights``, a checkpoint load) writes the fused layer, and
-    the state dict keeps the parts' names and shapes. A TP rank fuses its own shards."""
+    the state dict keeps the parts' names and shapes. A TP rank fuses its own shards. The module
+    holding the parts and the fused layer must be a :class:`HoldsFusedLinear`."""
     from dsaspec.layers.fp8_linear import Fp8Linear
     from dsaspec.ops.fp8_gemm import BLOCK
 
@@ -106,21 +136,13 @@ def fuse_linears(parts: list[nn.Module]) -> FusedLinear | None:
             return None
         names = ("weight", "weight_scale_inv")
     out_features = sum(p.out_features for p in parts)
-    device = first.weight.device
     if kind is Linear:
         gemm = Linear(first.in_features, out_features, bias=False, device="meta", dtype=first.weight.dtype)
     else:
         gemm = Fp8Linear(first.in_features, out_features, "meta", dtype=first.dtype, scale_fmt=first.scale_fmt)
     for name in names:
-        fused = torch.cat([getattr(p, name).detach() for p in parts]).to(device)
         delattr(gemm, name)
-        gemm.register_buffer(name, fused, persistent=False)
-        start = 0
-        for p in parts:
-            param = getattr(p, name)
-            param.data = fused[start:start + param.shape[0]]
-            start += param.shape[0]
-    return FusedLinear(gemm, parts)
+    return FusedLinear(gemm, parts, names)
 
 
 COLUMN, ROW = "column", "row"

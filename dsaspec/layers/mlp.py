@@ -9,10 +9,10 @@ from torch import nn
 
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
-from dsaspec.layers.linear import COLUMN, ROW, fuse_linears, make_linear
+from dsaspec.layers.linear import COLUMN, ROW, HoldsFusedLinear, fuse_linears, make_linear
 
 
-class MLP(nn.Module):
+class MLP(HoldsFusedLinear, nn.Module):
     """Dense SwiGLU: ``down(silu(gate(x)) * up(x))`` of ``intermediate_size`` features (default
     ``config.intermediate_size``); over a TP group the intermediate features are split
     (``gate_proj`` / ``up_proj`` column parallel, ``down_proj`` row parallel) and one all-reduce

@@ -20,7 +20,7 @@ from torch import nn
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.inputs import NO_WORKSPACE, AttentionInputs
-from dsaspec.layers.linear import COLUMN, ROW, bmm, fuse_linears, make_linear
+from dsaspec.layers.linear import COLUMN, ROW, HoldsFusedLinear, bmm, fuse_linears, make_linear
 from dsaspec.layers.norm import LayerNorm, RMSNorm
 from dsaspec.layers.rotary import apply_rope, apply_rope_first
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
@@ -114,7 +114,7 @@ class Indexer(RowInvariant, nn.Module):
         return rotated.to(x.dtype).view(x.shape)
 
 
-class MLAAttention(RowInvariant, nn.Module):
+class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
     """Multi-head latent attention with DSA, run in the absorbed (MQA) form over the 576-wide cache.
     Layer ``layer`` owns an indexer unless the config makes it a shared-indexer layer.
 
