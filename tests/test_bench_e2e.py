@@ -17,13 +17,14 @@ def runs(iter_ms_per_run: list[list[float]], accept_len: float) -> list[dict]:
              "tokens": []} for ms in iter_ms_per_run]
 
 
-def row(concurrency: int, base: list, new: list, num_steps: int = 3, accept: str = "3.0") -> dict:
+def row(concurrency: int, base: list, new: list, num_steps: int = 3, accept: str = "3.0",
+        kv_cache_dtype: str = "bf16") -> dict:
     """A GPU row from baseline / new runs ``(iter_ms_per_run, accept_len)``."""
     args = SimpleNamespace(tp=1, prompt_len=1024, iterations=len(new[0][0]))
     floors = (FloorModel(get_config("glm5-fp8-tp8-rank"), act_bytes=2), Rates(4000.0, 2.0, 700.0, 1400.0))
     return e2e._row("glm5-fp8-tp8-rank", num_steps, 4096, accept, concurrency,
                     {"baseline": runs(*base), "new": runs(*new)}, True, SimpleNamespace(ttft_ms=47.6), True, args,
-                    floors)
+                    floors, kv_cache_dtype)
 
 
 def test_upstream_table_rows_come_from_their_own_pair():
@@ -35,7 +36,8 @@ def test_upstream_table_rows_come_from_their_own_pair():
             row(1, ([[40.0] * 2], 4.0), ([[25.0] * 2], 4.0), num_steps=4)]
     three, four = e2e.upstream_tables(rows)
     assert three.splitlines() == [
-        "## glm5-fp8-tp8-rank, S = 3 (EAGLE 3/1/4), accept 3.0, context 4096: tok/s/user, baseline → new", "",
+        "## glm5-fp8-tp8-rank, S = 3 (EAGLE 3/1/4), KV cache bf16, accept 3.0, context 4096: tok/s/user, "
+        "baseline → new", "",
         "| concurrency | tok/s/user baseline | new | gain | spread baseline / new | output tok/s baseline → new "
         "| median TTFT ms | accept length |",
         "|---|---|---|---|---|---|---|---|",
@@ -43,7 +45,7 @@ def test_upstream_table_rows_come_from_their_own_pair():
         "| 1 | 181.8 | 312.5 | +71.9% | 18.18% / 0.00% | 182 → 312 | 48 | 2.00 / 2.50 |",
         # baseline 20 / 3 ms, new 16 / 3 ms a token; 2 requests
         "| 2 | 150.0 | 187.5 | +25.0% | 0.00% / 0.00% | 300 → 375 | 48 | 3.00 |"]
-    assert four.splitlines()[0].startswith("## glm5-fp8-tp8-rank, S = 4 (EAGLE 4/1/5), accept 3.0")
+    assert four.splitlines()[0].startswith("## glm5-fp8-tp8-rank, S = 4 (EAGLE 4/1/5), KV cache bf16, accept 3.0")
     assert four.splitlines()[4] == "| 1 | 100.0 | 160.0 | +60.0% | 0.00% / 0.00% | 100 → 160 | 48 | 4.00 |"
 
 
@@ -55,7 +57,7 @@ def test_several_chains_in_one_run_on_cpu(tmp_path):
     assert payload["params"]["num_steps"] == [4, 5]
     assert sorted({r["num_steps"] for r in payload["rows"]}) == [4, 5]
     assert len(payload["rows"]) == 2 * 2 * 2 and all(r["tokens_identical"] for r in payload["rows"])
-    assert "| tiny | 5 | 128 | 3.0 | 2 | True |" in (tmp_path / "e2e.md").read_text()
+    assert "| tiny | 5 | 128 | bf16 | 3.0 | 2 | True |" in (tmp_path / "e2e.md").read_text()
 
 
 def test_rank_presets_are_choices_and_an_unbuildable_preset_is_refused_first(capsys, monkeypatch):
@@ -74,3 +76,50 @@ def test_rank_presets_are_choices_and_an_unbuildable_preset_is_refused_first(cap
     assert status == 2 and not built
     assert err == ["dsaspec: error: --presets deepseek-v32-fp8-tp8-rank: quantized MoE experts are not "
                    "implemented yet"]
+
+
+def test_each_cache_dtype_has_its_own_table_and_targets():
+    """Rows of both cache dtypes at the same point: one upstream table each, and each row's context
+    target against the reference context of its own dtype."""
+    rows = [row(1, ([[10.0]], 1.0), ([[8.0]], 1.0)), row(1, ([[10.0]], 1.0), ([[5.0]], 1.0), kv_cache_dtype="fp8_e4m3")]
+    bf16, fp8 = e2e.upstream_tables(rows)
+    assert "KV cache bf16," in bf16.splitlines()[0] and "KV cache fp8_e4m3," in fp8.splitlines()[0]
+    assert bf16.splitlines()[4].startswith("| 1 | 100.0 | 125.0 |") and fp8.splitlines()[4].startswith("| 1 | 100.0 | 200.0 |")
+    e2e._add_targets(rows, 4096)
+    assert [r["new_vs_reference_context"] for r in rows] == [1.0, 1.0]
+
+
+def test_both_cache_dtypes_in_one_run_and_the_capacity_table(tmp_path, monkeypatch):
+    """--kv-cache-dtype fp8_e4m3,bf16,auto: the pools of each run in their dtype (auto is bf16,
+    once), rows carry it, tokens identical within each; capacity at a stated budget from the
+    pools' bytes (tiny in fp32: 3 layers x (576 + 128) x 4 B against 3 x 788 B a token)."""
+    def small(args):
+        args.presets, args.contexts, args.concurrency, args.prompt_len, args.iterations = ["tiny"], [128], [2], 70, 3
+
+    monkeypatch.setattr(e2e, "_apply_cpu_sizes", small)
+    built, for_model = [], e2e.KVPool.for_model.__func__
+    monkeypatch.setattr(e2e.KVPool, "for_model", classmethod(
+        lambda cls, *a, **k: built.append((str(k["device"]), k.get("kv_cache_dtype", "bf16"))) or for_model(cls, *a, **k)))
+    assert cli.main(["bench", "e2e", "--kv-cache-dtype", "fp8_e4m3,bf16,auto", "--accept", "3.0",
+                     "--kv-budget-gb", "1", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "e2e.json").read_text())
+    assert payload["params"]["kv_cache_dtype"] == ["fp8_e4m3", "bf16"]
+    # the capacity table's byte counts (meta), then the target + MTP pools of each run
+    assert built == [("meta", "fp8_e4m3")] * 2 + [("meta", "bf16")] * 2 + [("cpu", "fp8_e4m3")] * 2 + [("cpu", "bf16")] * 2
+    assert [r["kv_cache_dtype"] for r in payload["rows"]] == ["fp8_e4m3", "bf16"]
+    assert all(r["tokens_identical"] for r in payload["rows"])
+    capacity = {r["kv_cache_dtype"]: r for r in payload["capacity"]}
+    for dtype, per_token in (("bf16", 3 * 704 * 4), ("fp8_e4m3", 3 * 788)):
+        tokens = 10 ** 9 // (64 * per_token) * 64
+        assert capacity[dtype]["bytes_per_token"] == per_token and capacity[dtype]["tokens"] == tokens
+        assert capacity[dtype]["requests_at_context"] == {"128": tokens // 128}
+    text = (tmp_path / "e2e.md").read_text()
+    assert f"| tiny | fp8_e4m3 | 788 | 3 | 2364 | 423012 | 1.00 (--kv-budget-gb) | {10 ** 9 // (64 * 2364) * 64} |" in text
+    assert "| tiny | 3 | 128 | fp8_e4m3 | 3.0 | 2 | True |" in text
+
+
+def test_cache_dtype_and_budget_options_are_checked(capsys):
+    from test_cli import assert_one_line_error
+
+    assert_one_line_error(capsys, ["bench", "e2e", "--kv-cache-dtype", "bf16,fp8"], "--kv-cache-dtype", "fp8_e4m3")
+    assert_one_line_error(capsys, ["bench", "e2e", "--kv-budget-gb", "0"], "--kv-budget-gb", "positive number")

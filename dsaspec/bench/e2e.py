@@ -39,6 +39,15 @@ argmax exchange; its per-iteration gain is set against ``bench draft-step``'s sa
 (``draft_step.json`` in the same results folder) times the S draft LM-head evaluations of an
 iteration. Rows carry ``tp``; rank 0 writes ``e2e_tp{N}.{json,md,png}``.
 
+KV caches: ``--kv-cache-dtype`` takes ``bf16`` (the model's dtype), ``fp8_e4m3`` (FlashMLA's
+``fp8_ds_mla`` and the paged FP8 indexer keys, docs/fp8-kv-cache.md) or both, comma-separated: each
+point runs on each, rows carry ``kv_cache_dtype``, the tokens are compared within a cache dtype
+(FP8 caches change the model's numerics). The capacity table gives, per preset and cache dtype,
+the KV bytes a token (every target layer and the MTP layer: 1,408 or 788 bytes a slot and layer
+for a bf16 model) and how many tokens fit a stated budget: ``--kv-budget-gb``, else the device's
+free memory after the weights (measured once the model is built; activations, workspaces and
+graphs come on top), with the requests of each configured context that fit it.
+
 Without CUDA: the ``tiny`` preset in fp32 with the torch ops, small sizes; only token identity is
 checked, no time is reported.
 """
@@ -60,9 +69,11 @@ from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
+from dsaspec.commands.generate import available_bytes, required_bytes
 from dsaspec.bench.floors import ITERATION, FloorModel, Rates, iteration_rows
 from dsaspec.configs.model_config import PRESETS, check_implemented, get_config
-from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
+from dsaspec.memory import KV_CACHE_DTYPES, PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots, \
+    resolve_kv_cache_dtype
 from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
@@ -102,6 +113,16 @@ def _accept_modes(text: str) -> list[str]:
 _accept_modes.__name__ = "accept mode list"
 
 
+def _budget_gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GB, got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presets", type=choice_list(sorted(PRESETS)), default=["e2e", "bench"],
                    help="model presets, comma-separated (random weights); the first is the headline table")
@@ -118,6 +139,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-steps", type=positive_int_list, default=[CHAINS[0]],
                    help="draft steps S of the chains to run, comma-separated (N = S + 1 verified tokens, topk 1); "
                         "the upstream PR's: 4 (EAGLE 4/1/5), 5 (EAGLE 5/1/6)")
+    p.add_argument("--kv-cache-dtype", type=choice_list(KV_CACHE_DTYPES), default=["bf16"],
+                   help="KV cache dtypes, comma-separated: bf16 (the model's dtype; auto is bf16) and/or fp8_e4m3")
+    p.add_argument("--kv-budget-gb", type=_budget_gb, default=None,
+                   help="memory budget of the capacity table, GB (default: the device's free memory after the "
+                        "weights)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights, prompts and simulated draws")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: the model sharded over this many GPUs, one process each (started "
@@ -144,7 +170,7 @@ class _Setup:
 
 
 def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, device, paths,
-           options: RuntimeOptions, num_steps: int) -> _Setup:
+           options: RuntimeOptions, num_steps: int, kv_cache_dtype: str) -> _Setup:
     spec = SpecConfig(num_steps=num_steps)
     count = len(prompts)
     pool = ReqToTokenPool(count, context_len, num_draft_tokens=spec.num_draft_tokens, device=device)
@@ -152,8 +178,9 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
     allocator = PageAllocator(PAGE_SIZE * (1 + count * -(-written // PAGE_SIZE)))
     slots = RequestSlots(pool, allocator)
     dtype = model.lm_head.weight.dtype
-    target_kv = KVPool.for_model(model.config, allocator.num_slots, dtype=dtype, device=device)
-    mtp_kv = KVPool.for_model(model.config, allocator.num_slots, mtp=True, dtype=dtype, device=device)
+    pools = dict(dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+    target_kv = KVPool.for_model(model.config, allocator.num_slots, **pools)
+    mtp_kv = KVPool.for_model(model.config, allocator.num_slots, mtp=True, **pools)
     workers = {}
     if device.type != "cuda":
         options = options.replace(metadata_program_budget=8)     # few bounded programs under the interpreter
@@ -246,6 +273,7 @@ def run(args) -> int:
     if not on_gpu:
         _apply_cpu_sizes(args)
     args.concurrency = sorted(set(args.concurrency))
+    args.kv_cache_dtype = list(dict.fromkeys(map(resolve_kv_cache_dtype, args.kv_cache_dtype)))
     args.contexts = sorted(set(args.contexts), reverse=True)
     written = args.prompt_len + (args.iterations + 1) * (args.num_steps[-1] + 1)
     if args.contexts[-1] < written:
@@ -266,7 +294,7 @@ def run(args) -> int:
 
         warm_up_gpu()
     rates = Rates.measure(device)
-    rows, mismatches = [], []
+    rows, mismatches, capacity = [], [], []
     for preset in args.presets:
         model = DSAModel(get_config(preset), device=None if group else device,
                          dtype=torch.bfloat16 if on_gpu else torch.float32, use_triton=on_gpu,
@@ -274,12 +302,15 @@ def run(args) -> int:
         generator = torch.Generator().manual_seed(args.seed + 1)
         prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
                    for _ in range(max(args.concurrency))]
-        floors = (FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(), tp=args.tp), rates)
-        for num_steps, context_len in [(s, c) for s in args.num_steps for c in args.contexts]:
-            setup = _build(model, context_len, prompts, args, device, paths, options, num_steps)
+        capacity += capacity_rows(preset, model, args, device)
+        for num_steps, context_len, kv_dtype in [(s, c, d) for s in args.num_steps for c in args.contexts
+                                                 for d in args.kv_cache_dtype]:
+            floors = (FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(), kv_cache_dtype=kv_dtype,
+                                 tp=args.tp), rates)
+            setup = _build(model, context_len, prompts, args, device, paths, options, num_steps, kv_dtype)
             points = [(accept, c) for accept in args.accept for c in args.concurrency]
-            for accept, concurrency in tqdm(points, desc=f"{preset} S {num_steps} context {context_len}", unit="point",
-                                            disable=not leader):
+            for accept, concurrency in tqdm(points, desc=f"{preset} S {num_steps} context {context_len} {kv_dtype}",
+                                            unit="point", disable=not leader):
                 runs = {path: [] for path in paths}
                 tokens = {path: _run(setup.workers[path], setup, concurrency, accept, args, timed=False)["tokens"]
                           for path in paths}                      # warm-up, and the tokens to compare
@@ -291,9 +322,9 @@ def run(args) -> int:
                             identical &= result["tokens"] == tokens[path]
                             runs[path].append(result)
                 if not identical:
-                    mismatches.append((preset, num_steps, context_len, accept, concurrency))
+                    mismatches.append((preset, num_steps, context_len, kv_dtype, accept, concurrency))
                 rows.append(_row(preset, num_steps, context_len, accept, concurrency, runs, identical, setup, on_gpu,
-                                 args, floors))
+                                 args, floors, kv_dtype))
             del setup
         del model
         if on_gpu:
@@ -320,8 +351,8 @@ def run(args) -> int:
     method += (" Floors (new path): dsaspec/bench/floors.py at the run's mean live length, rates measured in the "
                "same run.")
     payload = {"method": method, "params": bench_params(args), "floors": vars(rates), "kill_switches": list(KILL_SWITCHES),
-               "paths": {path: SWITCHES[path] for path in paths}, "rows": rows}
-    markdown = _markdown(rows, on_gpu, args, markdown_table)
+               "paths": {path: SWITCHES[path] for path in paths}, "capacity": capacity, "rows": rows}
+    markdown = _markdown(rows, on_gpu, args, markdown_table) + "\n\n" + capacity_markdown(capacity, markdown_table)
     name = "e2e" if args.tp == 1 else f"e2e_tp{args.tp}"
     write_results(name, payload, markdown, args.out, figure=_figure(rows, args) if on_gpu else None)
     if mismatches:
@@ -330,9 +361,10 @@ def run(args) -> int:
     return 0
 
 
-def _row(preset, num_steps, context_len, accept, concurrency, runs, identical, setup, on_gpu, args, floors) -> dict:
+def _row(preset, num_steps, context_len, accept, concurrency, runs, identical, setup, on_gpu, args, floors,
+         kv_cache_dtype="bf16") -> dict:
     row = {"preset": preset, "tp": args.tp, "num_steps": num_steps, "concurrency": concurrency, "context": context_len,
-           "accept": accept,
+           "kv_cache_dtype": kv_cache_dtype, "accept": accept,
            "tokens_identical": identical, "accept_len": None, "baseline_tok_s_user": None, "new_tok_s_user": None,
            "speedup": None, "baseline_ms_per_iter": None, "new_ms_per_iter": None, "ttft_ms": setup.ttft_ms}
     new = _summary(runs["new"], concurrency) if on_gpu else None
@@ -385,9 +417,9 @@ def _add_exchange_prediction(rows: list[dict], draft_step_json: Path) -> None:
 
 def _add_targets(rows: list[dict], reference_context: int) -> None:
     """new / baseline >= 0.99 everywhere; new per-token latency at each context over the reference
-    context's (same preset, chain, accept mode and concurrency) <= 1.02."""
+    context's (same preset, cache dtype, chain, accept mode and concurrency) <= 1.02."""
     def key(r):
-        return r["preset"], r["num_steps"], r["accept"], r["concurrency"]
+        return r["preset"], r["kv_cache_dtype"], r["num_steps"], r["accept"], r["concurrency"]
 
     reference = {key(r): r for r in rows if r["context"] == reference_context}
     for row in rows:
@@ -404,18 +436,19 @@ def chain_label(num_steps: int) -> str:
 
 
 def upstream_tables(rows: list[dict]) -> list[str]:
-    """The upstream PR's table form, one Markdown table per preset, chain, accept mode and context
+    """The upstream PR's table form, one Markdown table per preset, chain, KV cache dtype, accept mode and context
     of a GPU run's rows (in their order), one line per concurrency (ascending): tok/s/user baseline,
     new, gain = new / baseline - 1, spread baseline / new, output tok/s baseline → new, the median
     TTFT (one prefill serves both paths) and the accept length (``baseline / new`` where they
     differ at two decimals)."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["preset"], r["tp"], r["num_steps"], r["accept"], r["context"]), []).append(r)
+        groups.setdefault((r["preset"], r["tp"], r["num_steps"], r["kv_cache_dtype"], r["accept"], r["context"]),
+                          []).append(r)
     tables = []
-    for (preset, tp, num_steps, accept, context), mine in groups.items():
-        lines = [f"## {preset}{f' at TP {tp}' if tp > 1 else ''}, {chain_label(num_steps)}, accept {accept}, "
-                 f"context {context}: tok/s/user, baseline → new", "",
+    for (preset, tp, num_steps, kv_dtype, accept, context), mine in groups.items():
+        lines = [f"## {preset}{f' at TP {tp}' if tp > 1 else ''}, {chain_label(num_steps)}, KV cache {kv_dtype}, "
+                 f"accept {accept}, context {context}: tok/s/user, baseline → new", "",
                  "| concurrency | tok/s/user baseline | new | gain | spread baseline / new "
                  "| output tok/s baseline → new | median TTFT ms | accept length |", "|---|---|---|---|---|---|---|---|"]
         for r in sorted(mine, key=lambda r: r["concurrency"]):
@@ -432,7 +465,8 @@ def upstream_tables(rows: list[dict]) -> list[str]:
 
 def _markdown(rows, on_gpu, args, markdown_table) -> str:
     if not on_gpu:
-        return markdown_table([("preset", "preset"), ("num_steps", "S"), ("context", "context"), ("accept", "accept"),
+        return markdown_table([("preset", "preset"), ("num_steps", "S"), ("context", "context"),
+                               ("kv_cache_dtype", "KV cache"), ("accept", "accept"),
                                ("concurrency", "concurrency"), ("tokens_identical", "baseline == new tokens")], rows)
     parts = upstream_tables(rows)
     for preset, num_steps in [(p, s) for p in args.presets for s in args.num_steps]:
@@ -444,7 +478,8 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
         name = f"{preset}{f' at TP {tp}' if tp > 1 else ''}, {chain_label(num_steps)}"
         title = f"## {name}: all columns, baseline → new\n\n"
         parts.append(title + markdown_table([
-            ("context", "context"), ("accept", "accept mode"), ("concurrency", "concurrency"), ("al", "accept len"),
+            ("context", "context"), ("kv_cache_dtype", "KV cache"), ("accept", "accept mode"),
+            ("concurrency", "concurrency"), ("al", "accept len"),
             ("b_tps", "baseline tok/s/user"), ("n_tps", "new tok/s/user"), ("speedup", "speedup"),
             ("baseline_ms_per_iter", "baseline ms/iter"), ("new_ms_per_iter", "new ms/iter"),
             ("b_out", "baseline output tok/s"), ("n_out", "new output tok/s"), ("ttft_ms", "TTFT ms"),
@@ -453,8 +488,8 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
         if tp > 1:
             parts.append(f"### {name}: the argmax exchange alone (gather = new with "
                          f"{EXCHANGE_SWITCH}=0)\n\n" + markdown_table([
-                             ("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"),
-                             ("gather_tok_s_user", "gather tok/s/user"), ("new_tok_s_user", "new tok/s/user"),
+                             ("context", "context"), ("kv_cache_dtype", "KV cache"), ("accept", "accept"),
+                             ("concurrency", "concurrency"), ("gather_tok_s_user", "gather tok/s/user"), ("new_tok_s_user", "new tok/s/user"),
                              ("exchange_speedup", "new / gather"), ("gather_ms_per_iter", "gather ms/iter"),
                              ("new_ms_per_iter", "new ms/iter"), ("exchange_saved_ms_per_iter", "saved ms/iter"),
                              ("saved_draft", "saved in draft ms"), ("saved_extend", "saved in extend ms"),
@@ -465,12 +500,14 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
         phase_rows = [dict(r, path=path, **{f"{p}_ms": r[path]["phases_ms"][p] for p in PHASES},
                            iter_ms=r[path]["ms_per_iter"]) for r in mine for path in SWITCHES if path in r]
         parts.append(f"### {name}: iteration split by phase (device time, CUDA events, median ms)\n\n" + markdown_table(
-            [("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"), ("path", "path")]
+            [("context", "context"), ("kv_cache_dtype", "KV cache"), ("accept", "accept"), ("concurrency", "concurrency"),
+             ("path", "path")]
             + [(f"{p}_ms", p) for p in PHASES] + [("iter_ms", "iteration (host wall)")], phase_rows))
         parts.append(f"### {name}: new path against its floor (dsaspec/bench/floors.py; phases: CUDA events, "
                      "iteration: host wall)\n\n" + _floor_markdown(mine, markdown_table))
         parts.append(f"### {name}: targets\n\n" + markdown_table(
-            [("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"), ("speedup", "new / baseline"),
+            [("context", "context"), ("kv_cache_dtype", "KV cache"), ("accept", "accept"), ("concurrency", "concurrency"),
+             ("speedup", "new / baseline"),
              ("new_not_slower", f">= {NOISE}"), ("predicted_speedup_metadata", "predicted by metadata phase"),
              ("predicted_speedup_phases", "predicted by all phases"),
              ("new_vs_reference_context", f"new / context {args.contexts[-1]}"),
@@ -489,8 +526,8 @@ def _floor_markdown(rows, markdown_table) -> str:
         flat.append(dict(r, **{f"{p}_ratio": table[p]["measured_over_floor"] for p in PHASES},
                          iter_ms=total["measured_us"] / 1e3, floor_ms=total["floor_us"] / 1e3,
                          ratio=total["measured_over_floor"], bytes_ratio=total["measured_over_bytes_floor"]))
-    return markdown_table([("context", "context"), ("accept", "accept"), ("concurrency", "concurrency"),
-                           ("floor_live", "live KV")] + [(f"{p}_ratio", f"{p} / floor") for p in PHASES]
+    return markdown_table([("context", "context"), ("kv_cache_dtype", "KV cache"), ("accept", "accept"),
+                           ("concurrency", "concurrency"), ("floor_live", "live KV")] + [(f"{p}_ratio", f"{p} / floor") for p in PHASES]
                           + [("iter_ms", "iteration ms"), ("floor_ms", "iteration floor ms"),
                              ("ratio", "iteration / floor"), ("bytes_ratio", "iteration / bytes floor")], flat)
 
@@ -507,14 +544,16 @@ def _figure(rows, args):
     for i, (preset, num_steps) in enumerate(panels):
         for j, accept in enumerate(accepts):
             ax = axes[i][j]
-            for context in args.contexts:
+            for context, kv_dtype in [(c, d) for c in args.contexts for d in args.kv_cache_dtype]:
                 mine = sorted((r for r in rows if r["preset"] == preset and r["num_steps"] == num_steps
-                               and r["accept"] == accept and r["context"] == context), key=lambda r: r["concurrency"])
+                               and r["accept"] == accept and r["context"] == context
+                               and r["kv_cache_dtype"] == kv_dtype), key=lambda r: r["concurrency"])
                 xs = [r["concurrency"] for r in mine]
-                ax.plot(xs, [r["baseline_tok_s_user"] for r in mine], "o--", label=f"baseline, context {context}")
-                ax.plot(xs, [r["new_tok_s_user"] for r in mine], "o-", label=f"new, context {context}")
+                label = f"context {context}, {kv_dtype}"
+                ax.plot(xs, [r["baseline_tok_s_user"] for r in mine], "o--", label=f"baseline, {label}")
+                ax.plot(xs, [r["new_tok_s_user"] for r in mine], "o-", label=f"new, {label}")
                 if mine and "gather" in mine[0]:
-                    ax.plot(xs, [r["gather_tok_s_user"] for r in mine], "x:", label=f"gather, context {context}")
+                    ax.plot(xs, [r["gather_tok_s_user"] for r in mine], "x:", label=f"gather, {label}")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrency")
             ax.set_ylabel("tok/s/user")
@@ -523,3 +562,45 @@ def _figure(rows, args):
             ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def capacity_rows(preset: str, model: DSAModel, args, device: torch.device) -> list[dict]:
+    """Per cache dtype of ``args.kv_cache_dtype``: the KV bytes a token of ``model`` (target layers
+    + MTP layer, in its pools' layouts; :func:`~dsaspec.commands.generate.required_bytes`), the
+    budget (``--kv-budget-gb``, else ``device``'s free memory now, after the weights), the tokens
+    that fit it and, per configured context, the requests that fit at that context."""
+    if args.kv_budget_gb is not None:
+        budget, source = int(args.kv_budget_gb * 1e9), "--kv-budget-gb"
+    else:
+        free = available_bytes(device)
+        if free is None:
+            raise UserError(f"the free memory of {device} is unknown: give --kv-budget-gb")
+        budget, source = free[0], f"free on {device} after the weights"
+    config = model.config
+    layers = config.num_hidden_layers + config.num_nextn_predict_layers
+    rows = []
+    for kv_dtype in args.kv_cache_dtype:
+        per_page = required_bytes(config, model.lm_head.weight.dtype, max_batch=1, context_len=1,
+                                  num_slots=PAGE_SIZE, mtp=config.num_nextn_predict_layers > 0,
+                                  kv_cache_dtype=kv_dtype)["kv"]
+        tokens = budget // per_page * PAGE_SIZE                                 # whole pages
+        rows.append({"preset": preset, "kv_cache_dtype": kv_dtype, "layers": layers,
+                     "bytes_per_slot_and_layer": per_page / PAGE_SIZE / layers, "bytes_per_token": per_page / PAGE_SIZE,
+                     "budget_bytes": budget, "budget": source, "tokens": tokens,
+                     "tokens_per_gb": 1e9 * PAGE_SIZE / per_page,
+                     "requests_at_context": {context: tokens // context for context in args.contexts}})
+    return rows
+
+
+def capacity_markdown(rows: list[dict], markdown_table) -> str:
+    """The capacity table: one line a preset and cache dtype."""
+    contexts = sorted({c for r in rows for c in r["requests_at_context"]}, reverse=True)
+    flat = [dict(r, budget_gb=f"{r['budget_bytes'] / 1e9:.2f} ({r['budget']})",
+                 per_slot=f"{r['bytes_per_slot_and_layer']:.0f}", per_token=f"{r['bytes_per_token']:.0f}",
+                 per_gb=f"{r['tokens_per_gb']:.0f}",
+                 **{f"at_{c}": r["requests_at_context"][c] for c in contexts}) for r in rows]
+    return "## KV capacity\n\n" + markdown_table(
+        [("preset", "preset"), ("kv_cache_dtype", "KV cache"), ("per_slot", "bytes a slot and layer"),
+         ("layers", "layers (+ MTP)"), ("per_token", "bytes a token"), ("per_gb", "tokens per GB"),
+         ("budget_gb", "budget GB"), ("tokens", "tokens that fit")]
+        + [(f"at_{c}", f"requests at context {c}") for c in contexts], flat)

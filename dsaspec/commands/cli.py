@@ -26,6 +26,7 @@ BENCHMARKS = {
     "dsa-ops": "dsa_ops",
     "moe": "moe",
     "e2e": "e2e",
+    "kv-accuracy": "kv_accuracy",
 }
 
 
