@@ -13,7 +13,7 @@ from dsaspec.cli_parsing import defaults_of
 from dsaspec.configs.model_config import (DENSE_FFN, PRESETS, ModelConfig, check_implemented, get_config,
                                           tp_rank_config)
 from dsaspec.configs.quantization import Fp8Quantization
-from dsaspec.layers.fp8_linear import convert_to_fp8
+from dsaspec.layers.fp8_convert import convert_to_fp8
 from dsaspec.layers.moe import RoutedExperts
 from dsaspec.layers.vocab_parallel import padded_vocab_size
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool

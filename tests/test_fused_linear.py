@@ -1,4 +1,4 @@
-"""One GEMM for the projections that read one input (``layers.linear.fuse_linears``): the parts'
+"""One GEMM for the projections that read one input (``layers.fused_linear.fuse_linears``): the parts'
 parameters view the fused weight (and FP8 scales), the fused outputs are the parts' outputs, and what
 cannot be fused is refused.
 """
@@ -9,7 +9,8 @@ import torch
 from dsaspec.configs.model_config import get_config
 from dsaspec.configs.quantization import Fp8Quantization
 from dsaspec.layers.fp8_linear import Fp8Linear
-from dsaspec.layers.linear import FusedLinear, Linear, fuse_linears
+from dsaspec.layers.fused_linear import FusedLinear, fuse_linears
+from dsaspec.layers.linear import Linear
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.ops import row_invariant as ri
 

@@ -69,7 +69,7 @@ from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
-from dsaspec.commands.generate import available_bytes, required_bytes
+from dsaspec.models.footprint import available_bytes, required_bytes
 from dsaspec.bench.floors import ITERATION, FloorModel, Rates, iteration_rows
 from dsaspec.configs.model_config import PRESETS, check_implemented, get_config
 from dsaspec.memory import KV_CACHE_DTYPES, PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots, \
@@ -566,7 +566,7 @@ def _figure(rows, args):
 
 def capacity_rows(preset: str, model: DSAModel, args, device: torch.device) -> list[dict]:
     """Per cache dtype of ``args.kv_cache_dtype``: the KV bytes a token of ``model`` (target layers
-    + MTP layer, in its pools' layouts; :func:`~dsaspec.commands.generate.required_bytes`), the
+    + MTP layer, in its pools' layouts; :func:`~dsaspec.models.footprint.required_bytes`), the
     budget (``--kv-budget-gb``, else ``device``'s free memory now, after the weights), the tokens
     that fit it and, per configured context, the requests that fit at that context."""
     if args.kv_budget_gb is not None:

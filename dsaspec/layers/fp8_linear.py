@@ -8,9 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaspec.configs.quantization import Fp8Quantization
 from dsaspec.layers.linear import Linear, Shard
-from dsaspec.layers.moe import RoutedExperts
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
 from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, quantize_blocks, quantize_weight
 
@@ -85,23 +83,3 @@ class Fp8Linear(RowInvariant, nn.Module):
         w = dequantize_weight(self.weight, self.weight_scale_inv, torch.float32)
         y = row_invariant_ops().linear(a, w) if self.row_invariant else F.linear(a, w)
         return y.to(x.dtype)
-
-
-def convert_to_fp8(root: nn.Module, quant: Fp8Quantization, device=None) -> list[str]:
-    """Replace every :class:`~dsaspec.layers.linear.Linear` of ``root`` that ``quant`` converts
-    (by its name under ``root``: HF names when ``root`` is the model) with an :class:`Fp8Linear` of
-    the same shape and split on ``device``, and every
-    :class:`~dsaspec.layers.moe.RoutedExperts` it converts (``...mlp.experts``) with FP8 experts.
-    Returns the converted names."""
-    converted = []
-    for name, module in list(root.named_modules()):
-        if isinstance(module, Linear) and quant.converts(name):
-            replacement = Fp8Linear.like(module, name, quant.scale_fmt, device)
-        elif isinstance(module, RoutedExperts) and not module.fp8 and quant.converts(name):
-            replacement = module.to_fp8(name, quant.scale_fmt, device)
-        else:
-            continue
-        parent, _, attr = name.rpartition(".")
-        setattr(root.get_submodule(parent), attr, replacement)
-        converted.append(name)
-    return converted

@@ -9,7 +9,8 @@ from torch import nn
 
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
-from dsaspec.layers.linear import COLUMN, ROW, HoldsFusedLinear, fuse_linears, make_linear
+from dsaspec.layers.fused_linear import HoldsFusedLinear, fuse_linears
+from dsaspec.layers.linear import COLUMN, ROW, make_linear
 
 
 class MLP(HoldsFusedLinear, nn.Module):
@@ -31,7 +32,7 @@ class MLP(HoldsFusedLinear, nn.Module):
 
     def fuse_projections(self) -> None:
         """One GEMM for this rank's ``gate_proj`` and ``up_proj`` shards
-        (:func:`~dsaspec.layers.linear.fuse_linears`; nothing changes where it refuses them)."""
+        (:func:`~dsaspec.layers.fused_linear.fuse_linears`; nothing changes where it refuses them)."""
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.dsa_ops import dsa_ops
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionWorkspace, build_extend_inputs
 from dsaspec.layers.attention.mla import ForwardState, MLAAttention
-from dsaspec.layers.fp8_linear import Fp8Linear, convert_to_fp8
+from dsaspec.layers.fp8_convert import convert_to_fp8
+from dsaspec.layers.fp8_linear import Fp8Linear
 from dsaspec.layers.linear import Shard
 from dsaspec.layers.mlp import MLP
 from dsaspec.layers.moe import CheckpointPart, RoutedExperts, set_fused_moe
@@ -87,8 +88,8 @@ class DSAModel(nn.Module):
 
     The projections that read one input share one GEMM (:meth:`MLAAttention.fuse_projections`,
     :meth:`MLP.fuse_projections`); their parameters keep the checkpoint names and are views of the
-    fused weights, so build the model on the device it runs on (moving or converting it afterwards
-    is refused at the next forward).
+    fused weights; moving or converting the model (``.to``, ``.cuda`` ...) fuses them again
+    (:class:`~dsaspec.layers.fused_linear.HoldsFusedLinear`).
 
     With ``config.quantization`` (FP8 block-scaled weights) the projections it converts are
     :class:`~dsaspec.layers.fp8_linear.Fp8Linear` (e4m3 ``weight`` + fp32 ``weight_scale_inv``, the

@@ -20,7 +20,8 @@ from torch import nn
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.inputs import NO_WORKSPACE, AttentionInputs
-from dsaspec.layers.linear import COLUMN, ROW, HoldsFusedLinear, bmm, fuse_linears, make_linear
+from dsaspec.layers.fused_linear import HoldsFusedLinear, fuse_linears
+from dsaspec.layers.linear import COLUMN, ROW, bmm, make_linear
 from dsaspec.layers.norm import LayerNorm, RMSNorm
 from dsaspec.layers.rotary import apply_rope, apply_rope_first
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
@@ -146,7 +147,7 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         """One GEMM for the projections of the layer input: ``q_a_proj``, the indexer's ``wk``
         (where the layer has an indexer) and ``kv_a_proj_with_mqa``, in that order (the FP8 scale
         blocks stay whole: 576 is not a multiple of 128); nothing changes where
-        :func:`~dsaspec.layers.linear.fuse_linears` refuses them. The indexer's ``weights_proj``
+        :func:`~dsaspec.layers.fused_linear.fuse_linears` refuses them. The indexer's ``weights_proj``
         reads the input too but runs in fp32."""
         parts = [self.q_a_proj] + ([self.indexer.wk] if self.indexer is not None else []) + [self.kv_a_proj_with_mqa]
         self.fused_input = fuse_linears(parts)
