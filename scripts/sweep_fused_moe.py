@@ -1,10 +1,12 @@
 """Sweep the fused MoE's grouped-GEMM tiles on one GPU at decode / verify token counts: for each
 (T tokens, intermediate size I) and each candidate tile (BLOCK_N, BLOCK_K, stages, warps), applied
 to both grouped GEMMs, the per-kernel device times of a cold-L2 CUDA-graph replay (CUPTI medians),
-next to the default tile's. E 256 experts, k 8, H 7168, bf16, the inputs of ``dsaspec bench moe``.
-Prints the best tile per kernel and point; writes ``sweep_fused_moe.json`` to the folder given.
+next to the default tile's. E 256 experts, k 8, H 7168, bf16 activations, the inputs of ``dsaspec
+bench moe``; ``--weight-dtype fp8``: its FP8 experts (e4m3, 128 x 128 block scales), whose K step is
+the 128-column scale block, so only ``BLOCK_K`` 128 is tried. Prints the best tile per kernel and
+point; writes ``sweep_fused_moe.json`` to the folder given.
 
-    python3 scripts/sweep_fused_moe.py $OUT [--tokens 1,2,4,8,16,64] [--intermediate 256]
+    python3 scripts/sweep_fused_moe.py $OUT [--tokens 1,2,4,8,16,64] [--intermediate 256] [--weight-dtype fp8]
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from types import SimpleNamespace
 
 import torch
 
-from dsaspec.bench.moe import _inputs
+from dsaspec.bench.moe import _inputs, quantize_experts
 from dsaspec.bench.timing import replay_events, warm_up_gpu
 from dsaspec.ops import fused_moe as moe
 
 KERNELS = {"gate_up": "_gate_up_kernel", "down": "_down_kernel", "align": "_align_kernel",
-           "combine": "_combine_kernel"}
+           "combine": "_combine_kernel", "act_quant": "_act_quant_kernel"}  # act_quant: FP8 only
 SMEM_BYTES = 220 * 1024
 
 
@@ -44,29 +46,36 @@ def main() -> int:
     parser.add_argument("--tokens", default="1,2,4,8,16,64")
     parser.add_argument("--intermediate", default="256")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16")
     args = parser.parse_args()
+    fp8 = args.weight_dtype == "fp8"
     shape = SimpleNamespace(hidden=7168, experts=256, topk=8, seed=0)
     default_tile = moe._tile
     candidates = [moe._Tile(bn, bk, w, st) for bn, bk, st, w in
-                  itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 6), (2, 4))]
+                  itertools.product((16, 32, 64), (128,) if fp8 else (64, 128, 256), (3, 4, 6), (2, 4))]
+    itemsize = 1 if fp8 else 2
     warm_up_gpu()
     results = []
     for inter, tokens in itertools.product([int(i) for i in args.intermediate.split(",")],
                                            [int(t) for t in args.tokens.split(",")]):
         hidden, w13, w2, ids, weights = _inputs(tokens, shape, inter, "cuda", torch.bfloat16)
-        workspace = moe.fused_moe_workspace(tokens, 8, 256, 7168, inter, "cuda", torch.bfloat16)
+        scales = {}
+        if fp8:
+            (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
+        workspace = moe.fused_moe_workspace(tokens, 8, 256, 7168, inter, "cuda", torch.bfloat16, fp8=fp8)
         out = torch.empty_like(hidden)
-        want = moe.fused_moe(hidden, w13, w2, ids, weights, out.clone(), workspace=workspace)
+        want = moe.fused_moe(hidden, w13, w2, ids, weights, out.clone(), workspace=workspace, **scales)
 
         def run():
-            moe.fused_moe(hidden, w13, w2, ids, weights, out, workspace=workspace, check_values=False)
+            moe.fused_moe(hidden, w13, w2, ids, weights, out, workspace=workspace, check_values=False, **scales)
 
         moe._tile = default_tile
-        point = {"tokens": tokens, "intermediate": inter, "default": _kernel_medians(run, args.iters), "tiles": []}
+        point = {"tokens": tokens, "intermediate": inter, "weight_dtype": args.weight_dtype,
+                 "default": _kernel_medians(run, args.iters), "tiles": []}
         for tile in candidates:
-            def fixed(n, k_dim, topk, dtype, device, weight_tiles=1, tile=tile):
+            def fixed(n, k_dim, topk, dtype, device, weight_tiles=1, fp8=False, tile=tile):
                 return tile
-            if (16 + 2 * tile.block_n) * tile.block_k * 2 * tile.num_stages > SMEM_BYTES:
+            if (16 + 2 * tile.block_n) * tile.block_k * itemsize * tile.num_stages > SMEM_BYTES:
                 continue
             moe._tile = fixed
             try:

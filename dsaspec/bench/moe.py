@@ -1,22 +1,32 @@
-"""Fused MoE (routed experts) at decode / verify token counts: fused op vs a plain-torch baseline and the bytes floor.
+"""Fused MoE (routed experts) at decode / verify token counts: fused op vs a baseline and the bytes floor.
 
-A point is (T tokens, intermediate size I): ``E`` experts of ``[2I, H]`` gate/up and ``[H, I]``
-down bf16 weights, ``k`` distinct experts per token drawn uniformly at random (seeded), fp32
-routing weights. new: ``fused_moe`` with a workspace (four launches); baseline: the gather form of
-the torch-native MoE fallbacks: each token's k expert matrices gathered by id
-(``w13[topk_ids]``, ``w2[topk_ids]``) and contracted with ``einsum`` (graph-safe, no host sync;
-skipped, recorded as ``baseline_skipped``, where its gathered weights exceed
-``--baseline-max-gb``). Times are per layer, from CUDA-graph replays with a cold L2
-(dsaspec/bench/timing.py: CUPTI, median and spread).
+A point is (T tokens, intermediate size I, expert weight dtype): ``E`` experts of ``[2I, H]``
+gate/up and ``[H, I]`` down weights, ``k`` distinct experts per token drawn uniformly at random
+(seeded), fp32 routing weights. ``--weight-dtype bf16``: bf16 weights; new: ``fused_moe`` with a
+workspace (four launches); baseline: the gather form of the torch-native MoE fallbacks: each
+token's k expert matrices gathered by id (``w13[topk_ids]``, ``w2[topk_ids]``) and contracted with
+``einsum`` (graph-safe, no host sync; skipped, recorded as ``baseline_skipped``, where its gathered
+weights exceed ``--baseline-max-gb``). ``--weight-dtype fp8``: the same bf16 weights quantized per
+expert per 128 x 128 block (:func:`dsaspec.ops.fp8_gemm.quantize_weight`: e4m3 codes, fp32
+scales); new: ``fused_moe`` on them (FP8 workspace, six launches); baseline: the bf16 fused op on
+the bf16 weights at the same point, since the question an FP8 row answers is whether FP8 experts
+beat the bf16 ones in the same op (a torch dequantize-and-gather form would only add passes to the
+bf16 gather baseline, so beating it would say nothing). Times are per layer, from CUDA-graph
+replays with a cold L2 (dsaspec/bench/timing.py: CUPTI, median and spread).
 
 Floor: the bytes a call must move at the measured copy bandwidth: the weights of the experts the
-routing hits (each distinct expert's gate/up and down matrices once), the hidden rows read, the
-output written and the ids and weights; ``floor_us = max(bytes floor, empty kernel node)``. Next
-to it a same-bytes device-to-device copy timed the same way. Target (issue 33): within 1.3x of the
-bytes floor from 1 to 64 tokens; and never slower than the baseline. After timing, the fused
-output is compared with the baseline's (bf16 rounding) and, at T <= 8, with the fp64 reference.
-Without CUDA: fixed small sizes under the Triton interpreter, both outputs checked against the
-reference, no times.
+routing hits (each distinct expert's gate/up and down matrices once: 2 bytes a bf16 weight; 1 byte
+an FP8 code plus its blocks' fp32 scales), the hidden rows read, the output written and the ids
+and weights; for FP8 also the e4m3 codes and fp32 scales of the quantized hidden rows and of the
+``T * k`` activation rows, each written and read once (at most 0.1% of the floor at the default
+sizes); ``floor_us = max(bytes floor, empty kernel node)``. Next to it a same-bytes
+device-to-device copy timed the same way. Target (issue 33), for both weight dtypes: within 1.3x
+of the bytes floor from 1 to 64 tokens; and never slower than the baseline. After timing, a bf16
+fused output is compared with the gather baseline's (bf16 rounding) and, at T <= 8, with the fp64
+reference; an FP8 one, at T <= 8, with the fp64 FP8 reference (dequantized weights, quantized
+activations; normwise within 2**-4 in bf16), its normwise distance to the bf16 output recorded.
+Without CUDA: fixed small sizes under the Triton interpreter at fp32, every output checked against
+its reference, no times.
 """
 
 from __future__ import annotations
@@ -28,15 +38,20 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.bench.timing import COLD_L2_METHOD
-from dsaspec.cli_parsing import format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
-from dsaspec.ops.fused_moe import fused_moe, fused_moe_workspace
-from dsaspec.reference.fused_moe import fused_moe as reference_fused_moe
+from dsaspec.cli_parsing import (choice_list, format_value, nonnegative_int, positive_int, positive_int_list,
+                                 use_cpu_sizes)
+from dsaspec.errors import UserError
+from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, quantize_weight
+from dsaspec.ops.fused_moe import FP8, fused_moe, fused_moe_workspace
+from dsaspec.reference.fused_moe import fused_moe as reference_fused_moe, fused_moe_fp8 as reference_fused_moe_fp8
 
 FLOOR_FACTOR, NOISE = 1.3, 1.05
 TARGET_MAX_TOKENS = 64
 REFERENCE_MAX_TOKENS = 8
-# Without CUDA: tokens, experts, k, H, I.
-CPU_SIZES = dict(tokens=[1, 3, 8], experts=16, topk=4, hidden=64, intermediate=[32])
+WEIGHT_DTYPES = ("bf16", "fp8")
+BASELINES = {"bf16": "torch gather", "fp8": "bf16 fused"}
+# Without CUDA: tokens, experts, k, H, I (FP8 blocks need H and I multiples of 128).
+CPU_SIZES = dict(tokens=[1, 3, 8], experts=8, topk=2, hidden=128, intermediate=[128])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=positive_int, default=7168, help="hidden size H")
     p.add_argument("--intermediate", type=positive_int_list, default=[256, 2048],
                    help="expert intermediate sizes I, comma-separated (256: one rank of 2048 split over TP 8)")
+    p.add_argument("--weight-dtype", type=choice_list(WEIGHT_DTYPES), default=list(WEIGHT_DTYPES),
+                   help="expert weights, comma-separated: bf16, fp8 (e4m3 + fp32 scale per 128 x 128 block, "
+                        "quantized from the same bf16 weights; H and I multiples of 128)")
     p.add_argument("--baseline-max-gb", type=positive_int, default=16,
                    help="skip the baseline where its gathered expert weights exceed this many GB")
     p.add_argument("--iters", type=positive_int, default=100, help="timed graph replays per measurement")
@@ -78,11 +96,53 @@ def baseline_moe(hidden, w13, w2, ids, weights, out) -> torch.Tensor:
     return out
 
 
-def bytes_moved(hidden, w13, w2, ids, weights) -> int:
-    """Weights of the distinct experts hit, the hidden rows, the output, the ids and weights."""
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's matrix of ``w [E, N, K]`` quantized per 128 x 128 block
+    (:func:`~dsaspec.ops.fp8_gemm.quantize_weight`): e4m3 ``[E, N, K]``, fp32 ``[E, N / 128, K / 128]``."""
+    experts, n, k = w.shape
+    codes = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scales = torch.empty(experts, -(-n // FP8_BLOCK), k // FP8_BLOCK, dtype=torch.float32, device=w.device)
+    for e in range(experts):
+        codes[e], scales[e] = quantize_weight(w[e])
+    return codes, scales
+
+
+def bytes_moved(hidden, w13, w2, ids, weights, w13_scale=None, w2_scale=None) -> int:
+    """Weights of the distinct experts hit (at their element size, plus their block scales with
+    FP8), the hidden rows, the output, the ids and weights; with FP8 scales also the e4m3 codes and
+    fp32 scales (one per 128 columns) of the hidden rows and the ``T * k`` activation rows, each
+    written and read once."""
     hit = int(torch.unique(ids).numel())
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-    return hit * expert_bytes + 2 * hidden.numel() * hidden.element_size() + ids.numel() * 4 + weights.numel() * 4
+    expert_bytes = w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
+    total = 2 * hidden.numel() * hidden.element_size() + ids.numel() * 4 + weights.numel() * 4
+    if w13_scale is not None:
+        expert_bytes += (w13_scale[0].numel() + w2_scale[0].numel()) * 4
+        rows_cols = hidden.numel() + ids.numel() * w2.shape[2]  # [T, H] and [T * k, I]
+        total += 2 * (rows_cols + rows_cols // FP8_BLOCK * 4)
+    return hit * expert_bytes + total
+
+
+def _normwise(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def _check_fp8(new_out, base_out, fp8_in, tokens: int, on_gpu: bool) -> dict:
+    """FP8 output vs the fp64 FP8 reference (fp32: within 1e-3; bf16: normwise 2**-4, an activation
+    one ulp off the reference's can move to the neighbouring e4m3 code) at T <= 8 or on CPU, and
+    normwise within 2**-2 of the bf16 output (the e4m3 rounding of weights and activations: about
+    6% at the CPU sizes)."""
+    checks = {"normwise_diff_baseline": _normwise(new_out, base_out)}
+    if checks["normwise_diff_baseline"] > 2**-2:
+        raise AssertionError(f"FP8 fused MoE at T {tokens}: normwise distance to the bf16 output "
+                             f"{checks['normwise_diff_baseline']:.3g} > 2**-2")
+    if tokens <= REFERENCE_MAX_TOKENS or not on_gpu:
+        want = reference_fused_moe_fp8(*fp8_in)
+        if new_out.dtype == torch.float32:
+            torch.testing.assert_close(new_out.double(), want.double(), rtol=1e-3, atol=1e-3)
+        elif (error := _normwise(new_out, want)) > 2**-4:
+            raise AssertionError(f"FP8 fused MoE at T {tokens}: normwise error {error:.3g} > 2**-4")
+        checks["matches_reference"] = True
+    return checks
 
 
 def _check(new_out, base_out, args_in, tokens: int, on_gpu: bool) -> dict:
@@ -105,13 +165,13 @@ def _targets(rows: list[dict]) -> list[dict]:
     for r in rows:
         if "new_us" not in r:
             continue
-        where = {"tokens": r["tokens"], "intermediate": r["intermediate"]}
+        where = {"tokens": r["tokens"], "intermediate": r["intermediate"], "weight_dtype": r["weight_dtype"]}
         if r["tokens"] <= TARGET_MAX_TOKENS:
             out.append(dict(where, target=f"<= {FLOOR_FACTOR:g}x bytes floor", value=r["new_over_floor"],
                             met=r["new_over_floor"] <= FLOOR_FACTOR))
         if r.get("baseline_us") is not None:
-            out.append(dict(where, target=f"not slower than baseline (x{NOISE:g} noise)", value=r["speedup"],
-                            met=r["new_us"] <= NOISE * r["baseline_us"]))
+            out.append(dict(where, target=f"not slower than {r['baseline']} (x{NOISE:g} noise)",
+                            value=r["speedup"], met=r["new_us"] <= NOISE * r["baseline_us"]))
     return out
 
 
@@ -130,6 +190,54 @@ def _time(new, baseline, nbytes: int, floors, iters: int) -> dict:
             "spread": {"new": timing.spread}, "detail": {"new": timing.summary()}}
 
 
+def _row(args, weight_dtype: str, args_in: tuple, floors) -> dict:
+    """One point with ``weight_dtype`` experts made from ``args_in`` (``_inputs``): timed against
+    its baseline where ``floors`` (CUDA) is given, then checked."""
+    hidden, w13, w2, ids, weights = args_in
+    tokens, inter = hidden.shape[0], w2.shape[2]
+    shape = (tokens, args.topk, args.experts, args.hidden, inter, hidden.device, hidden.dtype)
+    bf16_workspace = fused_moe_workspace(*shape)
+    bf16_out, base_out = torch.empty_like(hidden), torch.empty_like(hidden)
+
+    def bf16_fused():
+        fused_moe(*args_in, bf16_out, workspace=bf16_workspace, check_values=False)
+
+    if weight_dtype == "fp8":
+        (w13_q, w13_s), (w2_q, w2_s) = quantize_experts(w13), quantize_experts(w2)
+        fp8_in = (hidden, w13_q, w13_s, w2_q, w2_s, ids, weights)
+        fp8_workspace = fused_moe_workspace(*shape, fp8=True)
+        new_out = torch.empty_like(hidden)
+        fp8_args = (hidden, w13_q, w2_q, ids, weights, new_out)
+        fused_moe(*fp8_args, w13_scale=w13_s, w2_scale=w2_s, workspace=fp8_workspace)  # eager checks once
+
+        def new():
+            fused_moe(*fp8_args, w13_scale=w13_s, w2_scale=w2_s, workspace=fp8_workspace, check_values=False)
+
+        baseline, nbytes = bf16_fused, bytes_moved(hidden, w13_q, w2_q, ids, weights, w13_s, w2_s)
+    else:
+        fused_moe(*args_in, bf16_out, workspace=bf16_workspace)  # eager checks once
+        new, new_out, baseline = bf16_fused, bf16_out, None
+        gathered = tokens * args.topk * (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        if gathered <= args.baseline_max_gb * 1e9:
+            def baseline():
+                baseline_moe(*args_in, base_out)
+        nbytes = bytes_moved(*args_in)
+    row = {"tokens": tokens, "intermediate": inter, "weight_dtype": weight_dtype,
+           "baseline": BASELINES[weight_dtype], "experts_hit": int(torch.unique(ids).numel()),
+           "baseline_skipped": baseline is None}
+    if floors is not None:
+        row.update(_time(new, baseline, nbytes, floors, args.iters))
+    new()
+    if baseline is not None:
+        baseline()
+    on_gpu = floors is not None
+    if weight_dtype == "fp8":
+        row.update(_check_fp8(new_out, bf16_out, fp8_in, tokens, on_gpu))
+    else:
+        row.update(_check(new_out, base_out if baseline is not None else None, args_in, tokens, on_gpu))
+    return row
+
+
 def run(args) -> int:
     from dsaspec.bench.results import bench_params, markdown_table, write_results
 
@@ -142,6 +250,13 @@ def run(args) -> int:
               "against the reference; no time is measured (interpreter times mean nothing).")
         if ignored:
             print(ignored)
+    args.weight_dtype = list(dict.fromkeys(args.weight_dtype))
+    if "fp8" in args.weight_dtype:
+        bad = [f"--{name} {value}" for name, value in [("hidden", args.hidden)]
+               + [("intermediate", i) for i in args.intermediate] if value % FP8_BLOCK]
+        if bad:
+            raise UserError(f"--weight-dtype fp8 needs multiples of {FP8_BLOCK} (the weight blocks), got "
+                            + ", ".join(bad))
     device = torch.device("cuda" if on_gpu else "cpu")
     floors = None
     if on_gpu:
@@ -154,31 +269,8 @@ def run(args) -> int:
     points = [(inter, tokens) for inter in args.intermediate for tokens in args.tokens]
     for inter, tokens in tqdm(points, desc="moe", unit="point"):
         args_in = _inputs(tokens, args, inter, device, dtype)
-        hidden, w13, w2, ids, weights = args_in
-        workspace = fused_moe_workspace(tokens, args.topk, args.experts, args.hidden, inter, device, dtype)
-        new_out, base_out = torch.empty_like(hidden), torch.empty_like(hidden)
-        fused_moe(*args_in, new_out, workspace=workspace)  # eager checks once
-
-        def new():
-            fused_moe(*args_in, new_out, workspace=workspace, check_values=False)
-
-        gathered = tokens * args.topk * (w13[0].numel() + w2[0].numel()) * w13.element_size()
-        baseline = None
-        if gathered <= args.baseline_max_gb * 1e9:
-            def baseline():
-                baseline_moe(*args_in, base_out)
-
-        nbytes = bytes_moved(*args_in)
-        row = {"tokens": tokens, "intermediate": inter, "experts_hit": int(torch.unique(ids).numel()),
-               "baseline_skipped": baseline is None}
-        if on_gpu:
-            row.update(_time(new, baseline, nbytes, floors, args.iters))
-        new()
-        if baseline is not None:
-            baseline()
-        row.update(_check(new_out, base_out if baseline is not None else None, args_in, tokens, on_gpu))
-        rows.append(row)
-        del args_in, hidden, w13, w2, workspace
+        rows.extend(_row(args, weight_dtype, args_in, floors) for weight_dtype in args.weight_dtype)
+        del args_in
     if on_gpu:
         torch.cuda.synchronize()
     targets = _targets(rows)
@@ -187,21 +279,22 @@ def run(args) -> int:
     payload = {"method": method, "params": bench_params(args), "floors": vars(floors) if floors else None,
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
-        cols = [("tokens", "T"), ("intermediate", "I"), ("experts_hit", "experts hit"),
-                ("baseline_us", "baseline µs"), ("new_us", "fused µs"), ("speedup", "speedup"),
+        cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"),
+                ("experts_hit", "experts hit"), ("baseline", "baseline"), ("baseline_us", "baseline µs"),
+                ("new_us", "fused µs"), ("speedup", "speedup"),
                 ("floor_us", "floor µs"), ("new_over_floor", "fused / floor"), ("copy_us", "same-bytes copy µs"),
                 ("new_gbps", "fused GB/s"), ("spread_new", "spread fused")]
         table = [dict(r, spread_new=r["spread"]["new"]) for r in rows]
     else:
-        cols = [("tokens", "T"), ("intermediate", "I"), ("experts_hit", "experts hit"),
+        cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"), ("experts_hit", "experts hit"),
                 ("matches_reference", "== reference")]
         table = rows
     md = markdown_table(cols, table)
     if targets:
         met = sum(t["met"] for t in targets)
         md += (f"\n\n## Targets: {met} of {len(targets)} met\n\n"
-               + markdown_table([("tokens", "T"), ("intermediate", "I"), ("target", "target"),
-                                 ("value", "value"), ("met", "met")],
+               + markdown_table([("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"),
+                                 ("target", "target"), ("value", "value"), ("met", "met")],
                                 [t for t in targets if not t["met"]] or [{"tokens": "(all met)"}]))
     write_results("moe", payload, md, args.out)
     return 0 if all(t["met"] for t in targets) else 1
