@@ -78,7 +78,8 @@ from dsaspec.cli_parsing import choice_list, nonnegative_int, positive_int, posi
 from dsaspec.ops.device import sm_count
 from dsaspec.ops.fp8_kv import gather_index_k, gather_mla, store_index_k, store_mla
 from dsaspec.ops.kv_cache_layout import INDEX_FP8_BYTES, INDEX_FP8_PAGE_BYTES, MLA_FP8_BYTES
-from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, IndexerConfig, indexer_logits
+from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG, IndexerConfig,
+                                 indexer_logits)
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SparseMLAConfig, sparse_mla_decode,
@@ -123,12 +124,14 @@ TUNE_SPARSE_MLA = (
     SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=1, block_dv=128),
     SPARSE_MLA_BASELINE_CONFIG,
 )
-# Also tried on the FP8 cache (--kv-cache-dtype fp8_e4m3): tiles that compile for sm_90 without
-# register spills there (offline ptxas: 32 heads x 512 columns at 190 / 255 registers), where
-# SPARSE_MLA_CONFIG spills about 400 bytes (its dequantized tile passes through registers).
+# Also tried on the FP8 cache (--kv-cache-dtype fp8_e4m3): the 64-head tiles with the fewest register
+# spills there (sm_90 ptxas, scripts/compile_fp8_dsa.py: 0, 12 and 8 bytes), where SPARSE_MLA_CONFIG
+# spills 376 (its dequantized tile passes through registers beside the 512-column accumulator); 32-head
+# tiles spill more and lose the warpgroup MMA (mma.sync).
 TUNE_SPARSE_MLA_FP8 = (
-    SparseMLAConfig(block_h=32, block_n=64, num_warps=8, num_stages=3),
-    SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    SparseMLAConfig(block_h=64, block_n=16, num_warps=4, num_stages=2, block_dv=256),
+    SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2, block_dv=256),
+    SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, block_dv=256),
 )
 TUNE_INDEXER = (
     INDEXER_CONFIG,
@@ -263,7 +266,7 @@ def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs
     request (``rows_per_group`` = N in verify)."""
     s = p.shapes
     skip = s.topk if new else 0
-    config = config or (INDEXER_CONFIG if new else INDEXER_BASELINE_CONFIG)
+    config = config or (None if new else INDEXER_BASELINE_CONFIG)  # None: the cache's default
     programs = programs or (PROGRAMS_PER_SM * s.num_sms if new else s.num_sms)
     groups = rows_per_group or (p.n if new else 1)
     schedule = p.buffer(f"schedule_{skip}_{programs}_{groups}", (programs + 1, 2), torch.int32)
@@ -652,7 +655,8 @@ def run(args) -> int:
               if on_gpu else "Triton interpreter on CPU: outputs checked, no times.")
     payload = {"method": method, "params": bench_params(args),
                "floors": dict(vars(floors), **{f"{k}_tflops": v for k, v in peaks.items()}) if floors else None,
-               "configs": {"indexer": vars(INDEXER_CONFIG), "indexer_baseline": vars(INDEXER_BASELINE_CONFIG),
+               "configs": {"indexer": vars(INDEXER_CONFIG), "indexer_fp8": vars(INDEXER_FP8_CONFIG),
+                           "indexer_baseline": vars(INDEXER_BASELINE_CONFIG),
                            "sparse_mla": vars(SPARSE_MLA_CONFIG),
                            "sparse_mla_few_rows": vars(SPARSE_MLA_FEW_ROWS_CONFIG),
                            "sparse_mla_baseline": vars(SPARSE_MLA_BASELINE_CONFIG)},

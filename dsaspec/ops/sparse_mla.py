@@ -150,13 +150,15 @@ def _gather_latent(latent_ptr, latent_stride, scale_ptr, scale_stride, slot, sta
     latent = tl.load(latent_ptr + row[:, None] * latent_stride + columns[None, :],
                      mask=valid[:, None], other=0.0)
     if FP8:
-        # one scale load per group and row, spread over the columns by selects (no per-column load)
-        group = columns // GROUP
-        scale = tl.zeros((row.shape[0], WIDTH), dtype=tl.float32)
-        for g in tl.static_range(WIDTH // GROUP):
-            s = tl.load(scale_ptr + row * scale_stride + start // GROUP + g, mask=valid, other=0.0)
-            scale = tl.where(group[None, :] == start // GROUP + g, s[:, None], scale)
-        latent = (latent.to(tl.float32) * scale).to(tl.bfloat16)
+        # the row's scales of these columns as one [BLOCK_N, GROUPS] load, broadcast over each
+        # group's GROUP codes (a [BLOCK_N, WIDTH] fp32 scale tile would hold registers the
+        # accumulator needs)
+        GROUPS: tl.constexpr = WIDTH // GROUP
+        groups = start // GROUP + tl.arange(0, GROUPS)
+        scale = tl.load(scale_ptr + row[:, None] * scale_stride + groups[None, :],
+                        mask=valid[:, None], other=0.0)
+        codes = tl.reshape(latent.to(tl.float32), (row.shape[0], GROUPS, GROUP))
+        latent = tl.reshape(codes * scale[:, :, None], (row.shape[0], WIDTH)).to(tl.bfloat16)
     return latent
 
 

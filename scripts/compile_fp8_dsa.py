@@ -1,0 +1,127 @@
+"""Compile the DSA kernels that read FP8 KV caches (the indexer logits and the Triton sparse MLA) for
+sm_90 without a GPU and print, per kernel and configuration, what decides their speed: registers,
+spilled bytes, shared memory, the tensor-core instructions in the SASS (``QGMMA ... E4M3``: an e4m3
+wgmma; ``HGMMA ... BF16``: a bf16 one) and the global load forms (``LDGSTS.E.BYPASS.128``: 16-byte
+``cp.async``; ``LDL`` / ``STL``: spill traffic). The bf16-cache forms are printed beside them.
+
+Each case goes through the real host wrapper (``indexer_logits``, ``sparse_mla_decode``) on small CPU
+tensors of the production widths (64 heads, 2048 selected slots); the launch is intercepted and
+compiled as Triton's JIT would specialize it on a CUDA device (``UPCAST`` off, the interpreter's fp32
+upcast), for ``GPUTarget("cuda", 90, 32)`` with the wheel's ptxas and nvdisasm.
+
+    python3 scripts/compile_fp8_dsa.py [--sweep]
+
+``--sweep`` also compiles the FP8 candidates (indexer pipelining depths and warps; sparse MLA tiles)
+and marks the ones that spill. Needs no GPU and no driver.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from dsaspec.testing.offline_compile import compile_instead_of_launch, compile_only_environment, fresh_cache_dir
+
+CACHE_DIR = compile_only_environment()  # before triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+
+from dsaspec.cli_parsing import Parser  # noqa: E402
+from dsaspec.errors import UserError  # noqa: E402
+from dsaspec.ops import indexer, sparse_mla  # noqa: E402
+from dsaspec.ops.indexer import IndexerConfig  # noqa: E402
+from dsaspec.ops.kv_cache_layout import INDEX_FP8_PAGE_BYTES, INDEX_HEAD_DIM, MLA_FP8_BYTES  # noqa: E402
+from dsaspec.ops.sparse_mla import LATENT_DIM, QK_DIM, SparseMLAConfig, sparse_mla_config  # noqa: E402
+
+HEADS, TOPK, ROWS, PROGRAMS = 64, 2048, 64, 264
+SASS_OPS = re.compile(r"\b((?:QGMMA|HGMMA|HMMA|LDGSTS|LDG|LDL|STL|F2FP)(?:\.[A-Z0-9_x]+)*)")
+INDEXER_SWEEP = [IndexerConfig(tokens_as_m=True, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4, 6, 8)]
+SPARSE_MLA_SWEEP = [SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=s, block_dv=dv)
+                    for h, n, w, s, dv in ((64, 64, 8, 2, 512), (64, 32, 8, 2, 512), (64, 32, 8, 1, 512),
+                                           (64, 64, 8, 2, 256), (64, 32, 8, 2, 256), (64, 32, 4, 2, 256),
+                                           (64, 32, 4, 2, 128), (64, 64, 4, 1, 128), (32, 64, 8, 3, 512),
+                                           (32, 32, 8, 2, 512), (32, 64, 8, 2, 512), (32, 32, 4, 2, 512))]
+
+
+def _compile(kernel, launch) -> dict:
+    """Compile ``kernel`` as ``launch()`` would launch it on a CUDA device; registers, spills,
+    shared memory and the SASS instruction counts of :data:`SASS_OPS`."""
+    record: dict = {}
+    fresh_cache_dir()  # cold: a cached kernel would come without its ptxas log
+    with compile_instead_of_launch(kernel, record, keep_compiled=True):
+        offline = kernel.run
+        kernel.run = lambda *args, **kwargs: offline(*args, **(kwargs | {"UPCAST": False}))
+        launch()
+    compiled = record["compiled"]
+    cubin = CACHE_DIR / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return dict(regs=record["regs"], spill=record["spill_stores"] or 0, shared=compiled.metadata.shared,
+                sass=collections.Counter(SASS_OPS.findall(sass)))
+
+
+def compile_indexer(fp8: bool, config: IndexerConfig | None = None, rows_per_group: int = 1) -> dict:
+    """One decode-shaped (``rows_per_group`` 1) or verify-shaped launch of the indexer logits
+    (``config`` default: the cache's default)."""
+    q = torch.zeros(ROWS, HEADS, INDEX_HEAD_DIM, dtype=torch.bfloat16)
+    keys = (torch.zeros(16, INDEX_FP8_PAGE_BYTES, dtype=torch.uint8) if fp8
+            else torch.zeros(1024, INDEX_HEAD_DIM, dtype=torch.bfloat16))
+    width = 1024 + 16
+    launch = lambda: indexer.indexer_logits(  # noqa: E731
+        q, torch.zeros(ROWS, HEADS), keys, torch.zeros(ROWS, width, dtype=torch.int32),
+        torch.ones(ROWS, dtype=torch.int32), torch.zeros(PROGRAMS + 1, 2, dtype=torch.int32),
+        torch.zeros(ROWS, width), rows_per_group=rows_per_group, check_values=False, config=config)
+    return _compile(indexer._indexer_logits_kernel, launch)
+
+
+def compile_sparse_mla(fp8: bool, config: SparseMLAConfig | None = None) -> dict:
+    """One launch of the Triton sparse MLA kernel without a workspace (``config`` default: the
+    Triton configuration ``sparse_mla_decode`` takes there)."""
+    q = torch.zeros(ROWS, HEADS, QK_DIM, dtype=torch.bfloat16)
+    cache = (torch.zeros(4096, MLA_FP8_BYTES, dtype=torch.uint8) if fp8
+             else torch.zeros(4096, QK_DIM, dtype=torch.bfloat16))
+    config = config or sparse_mla_config(ROWS, HEADS, split=False, fp8_cache=fp8)
+    launch = lambda: sparse_mla.sparse_mla_decode(  # noqa: E731
+        q, cache, torch.zeros(ROWS, TOPK, dtype=torch.int32), 0.1,
+        torch.zeros(ROWS, HEADS, LATENT_DIM, dtype=torch.bfloat16), check_values=False, config=config)
+    return _compile(sparse_mla._sparse_mla_decode_kernel, launch)
+
+
+def _line(name: str, result: dict) -> str:
+    mma = {op: n for op, n in result["sass"].items() if "GMMA" in op or "HMMA" in op}
+    loads = {op: n for op, n in result["sass"].items() if op.startswith(("LDG", "LDL", "STL"))}
+    e4m3 = any("E4M3" in op for op in mma)
+    return (f"{name}: {result['regs']} regs, {result['spill']} B spilled, {result['shared']} B shared, "
+            f"e4m3 wgmma {'yes' if e4m3 else 'no'}; MMA {mma}; loads {loads}")
+
+
+def main() -> int:
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also compile the FP8 candidate configurations")
+    try:
+        args = parser.parse_args()
+    except UserError as err:
+        print(f"compile_fp8_dsa: error: {err}", file=sys.stderr)
+        return 2
+    knobs.nvidia.dump_ptxas_log = True
+    for fp8 in (False, True):
+        cache = "fp8" if fp8 else "bf16"
+        for group in (1, 8):
+            print(_line(f"indexer {cache} default G={group}", compile_indexer(fp8, None, group)), flush=True)
+        print(_line(f"sparse_mla {cache} default", compile_sparse_mla(fp8)), flush=True)
+    if args.sweep:
+        for config in INDEXER_SWEEP:
+            print(_line(f"indexer fp8 {config}", compile_indexer(True, config)), flush=True)
+        for config in SPARSE_MLA_SWEEP:
+            print(_line(f"sparse_mla fp8 {config}", compile_sparse_mla(True, config)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
