@@ -205,6 +205,7 @@ def test_indexer_rotates_for_fp8_caches_only():
 
     from dsaspec.configs.model_config import get_config
     from dsaspec.layers.attention import torch_ops
+    from dsaspec.layers.attention.dsa_ops import dsa_ops
     from dsaspec.layers.attention.mla import Indexer, hadamard_matrix
 
     config = get_config("tiny")
@@ -217,7 +218,7 @@ def test_indexer_rotates_for_fp8_caches_only():
     q_latent = torch.randn(rows, config.q_lora_rank, generator=gen)
     angles = torch.randn(rows, config.qk_rope_head_dim // 2, generator=gen)
     loc = torch.arange(rows) * 7 + 3
-    step = SimpleNamespace(cos=angles.cos(), sin=angles.sin(), out_cache_loc=loc, ops=torch_ops,
+    step = SimpleNamespace(cos=angles.cos(), sin=angles.sin(), out_cache_loc=loc, ops=dsa_ops(False, False),
                            check_values=True)
     plain_cache = torch.zeros(2 * PAGE, 128)
     fp8_cache = torch.zeros(2, PAGE_BYTES, dtype=torch.uint8)

@@ -12,7 +12,9 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
     """The four DSA ops (``indexer_schedule``, ``indexer_logits``, ``topk_slots``,
     ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check_values``)
     and the two cache writes (``store_mla``, ``store_index_k``: a copy, or quantize-on-write into
-    an FP8 cache):
+    an FP8 cache), and the indexer's fused query/key epilogues (``index_q_rope``,
+    ``store_index_k_normed`` of :mod:`dsaspec.ops.index_rope`; ``None`` on the torch path, where
+    the indexer runs its torch ops):
     the Triton kernels when ``use_triton`` (sparse MLA's Gluon kernel where its default
     configuration takes it, unless ``sparse_mla_gluon`` is off; on an ``fp8_ds_mla`` layer cache
     always the Triton kernel, chosen from the cache's dtype on the host), else the runtime's plain-torch
@@ -22,15 +24,18 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
         from dsaspec.ops.indexer_schedule import indexer_schedule
         from dsaspec.ops.sparse_mla import sparse_mla_decode
         from dsaspec.ops.fp8_kv import store_index_k, store_mla
+        from dsaspec.ops.index_rope import index_q_rope, store_index_k_normed
         from dsaspec.ops.topk import topk_slots
         if not sparse_mla_gluon:
             sparse_mla_decode = _sparse_mla_decode_triton_only
     else:
         from dsaspec.layers.attention.torch_ops import (indexer_logits, indexer_schedule, sparse_mla_decode,
                                                         store_index_k, store_mla, topk_slots)
+        index_q_rope = store_index_k_normed = None
     return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
                            topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode,
-                           store_mla=store_mla, store_index_k=store_index_k)
+                           store_mla=store_mla, store_index_k=store_index_k, index_q_rope=index_q_rope,
+                           store_index_k_normed=store_index_k_normed)
 
 
 def _sparse_mla_decode_triton_only(q, kv_cache, slots, sm_scale, out, *, workspace=None, **kwargs):

@@ -90,12 +90,19 @@ class Indexer(RowInvariant, nn.Module):
         rows = x.shape[0]
         rope, interleaved = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
         q = self.wq_b(q_latent).view(rows, cfg.index_n_heads, cfg.index_head_dim)
-        q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
         wk_out = self.wk(x) if wk_out is None else wk_out
-        k = apply_rope_first(self.k_norm(wk_out), rope, step.cos, step.sin, interleaved)
-        if is_fp8_cache(index_k_cache):
-            q, k = self._rotate(q), self._rotate(k)
-        step.ops.store_index_k(index_k_cache, step.out_cache_loc, k, check_values=step.check_values)
+        fp8 = is_fp8_cache(index_k_cache)
+        if step.ops.index_q_rope is not None:   # the Triton ops: one kernel each for q and k
+            q = step.ops.index_q_rope(q, step.cos, step.sin, rope, interleaved, rotate=fp8)
+            step.ops.store_index_k_normed(index_k_cache, step.out_cache_loc, wk_out, self.k_norm.weight,
+                                          self.k_norm.bias, self.k_norm.eps, step.cos, step.sin, rope,
+                                          interleaved, check_values=step.check_values)
+        else:
+            q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
+            k = apply_rope_first(self.k_norm(wk_out), rope, step.cos, step.sin, interleaved)
+            if fp8:
+                q, k = self._rotate(q), self._rotate(k)
+            step.ops.store_index_k(index_k_cache, step.out_cache_loc, k, check_values=step.check_values)
         if self.row_invariant:
             weights = row_invariant_ops().linear(x.float(), self.weights_proj.weight.float())
         else:

@@ -1,0 +1,187 @@
+"""The indexer's fused query/key epilogues (dsaspec.ops.index_rope) against the plain-torch
+reference: the query's RoPE exactly; the key's LayerNorm (sums in another order) and the
+rotation within a stated tolerance; every row's bits independent of the batch; the Indexer's
+Triton path against its torch path."""
+
+import pytest
+import torch
+
+from dsaspec.ops.index_rope import index_q_rope, store_index_k_normed
+from dsaspec.reference.fp8_kv import read_index_k, write_index_k
+from dsaspec.reference.index_rope import reference_index_k, reference_index_q_rope
+
+pytestmark = pytest.mark.interpreter
+
+ROW_COUNTS = [1, 3, 17, 64]
+PAGE_BYTES = 64 * 132
+EPS = 1e-5
+
+
+def _angles(rows, rope_dim, gen, device):
+    angles = torch.rand(rows, rope_dim // 2, generator=gen) * 100
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+def _keys(rows, dtype, gen, device):
+    k = (torch.randn(rows, 128, generator=gen) * 3 + 1).to(dtype).to(device)
+    w = torch.randn(128, generator=gen).to(dtype).to(device)
+    b = torch.randn(128, generator=gen).to(dtype).to(device)
+    return k, w, b
+
+
+def _ulps(dtype):
+    """One unit in the last place, relative: the LayerNorm's / rotation's sums may round the
+    other way before the model-dtype rounding."""
+    return 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("heads,rope_dim", [(4, 64), (3, 32)])
+def test_q_rope_exact(dtype, interleaved, rows, heads, rope_dim, device):
+    gen = torch.Generator().manual_seed(rows * 10 + heads)
+    q = torch.randn(rows, heads, 128, generator=gen).to(dtype).to(device)
+    cos, sin = _angles(rows, rope_dim, gen, device)
+    got = index_q_rope(q, cos, sin, rope_dim, interleaved, rotate=False)
+    want = reference_index_q_rope(q.cpu(), cos.cpu(), sin.cpu(), rope_dim, interleaved, rotate=False)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_q_rope_rotated(dtype, rows, device):
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, 5, 128, generator=gen).to(dtype).to(device)
+    cos, sin = _angles(rows, 64, gen, device)
+    got = index_q_rope(q, cos, sin, 64, True, rotate=True).cpu().float()
+    want = reference_index_q_rope(q.cpu(), cos.cpu(), sin.cpu(), 64, True, rotate=True).float()
+    torch.testing.assert_close(got, want, rtol=_ulps(dtype), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_k_dense_cache(dtype, interleaved, rows, device):
+    """Written rows hold the reference key (one ulp), the other slots stay untouched."""
+    gen = torch.Generator().manual_seed(rows + 100)
+    k, w, b = _keys(rows, dtype, gen, device)
+    cos, sin = _angles(rows, 64, gen, device)
+    loc = torch.randperm(2 * rows + 5, generator=gen)[:rows].to(device)
+    cache = torch.full((2 * rows + 5, 128), 7.0, dtype=dtype, device=device)
+    store_index_k_normed(cache, loc, k, w, b, EPS, cos, sin, 64, interleaved)
+    want = reference_index_k(k.cpu(), w.cpu(), b.cpu(), EPS, cos.cpu(), sin.cpu(), 64, interleaved, rotate=False)
+    cache = cache.cpu()
+    torch.testing.assert_close(cache[loc.cpu()].float(), want.float(), rtol=_ulps(dtype), atol=1e-5)
+    untouched = torch.ones(cache.shape[0], dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert torch.all(cache[untouched] == 7.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_k_fp8_cache(dtype, rows, device):
+    """The rotated key quantized at its slot: the reference quantization of the reference key,
+    to one e4m3 step (a key one ulp apart may round to the neighbouring code); other bytes
+    untouched."""
+    gen = torch.Generator().manual_seed(rows + 200)
+    k, w, b = _keys(rows, dtype, gen, device)
+    cos, sin = _angles(rows, 64, gen, device)
+    pages = 3
+    loc = torch.randperm(pages * 64, generator=gen)[:rows].to(device)
+    cache = torch.zeros(pages, PAGE_BYTES, dtype=torch.uint8, device=device)
+    store_index_k_normed(cache, loc, k, w, b, EPS, cos, sin, 64, False)
+    key = reference_index_k(k.cpu(), w.cpu(), b.cpu(), EPS, cos.cpu(), sin.cpu(), 64, False, rotate=True)
+    expected = write_index_k(torch.zeros(pages, PAGE_BYTES, dtype=torch.uint8), loc.cpu(), key)
+    got, want = read_index_k(cache.cpu(), loc.cpu()), read_index_k(expected, loc.cpu())
+    step = want.abs().amax(dim=1, keepdim=True) / 8
+    assert torch.all((got - want).abs() <= step)
+    mismatched = (cache.cpu() != expected).float().mean().item()
+    assert mismatched < 0.01
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rows_independent_of_batch(fp8, device):
+    """A row's query and cache entry are the same bits alone as in a batch of 17."""
+    gen = torch.Generator().manual_seed(5)
+    rows = 17
+    q = torch.randn(rows, 4, 128, generator=gen).to(torch.bfloat16).to(device)
+    k, w, b = _keys(rows, torch.bfloat16, gen, device)
+    cos, sin = _angles(rows, 64, gen, device)
+    loc = torch.arange(rows, device=device) * 3
+
+    def cache():
+        if fp8:
+            return torch.zeros(1, PAGE_BYTES, dtype=torch.uint8, device=device)
+        return torch.zeros(64, 128, dtype=torch.bfloat16, device=device)
+
+    batch_q = index_q_rope(q, cos, sin, 64, True, rotate=fp8)
+    batch = cache()
+    store_index_k_normed(batch, loc, k, w, b, EPS, cos, sin, 64, True)
+    for r in (0, 7, 16):
+        one = slice(r, r + 1)
+        assert torch.equal(index_q_rope(q[one], cos[one], sin[one], 64, True, rotate=fp8), batch_q[one])
+        alone = cache()
+        store_index_k_normed(alone, loc[one], k[one], w, b, EPS, cos[one], sin[one], 64, True)
+        if fp8:
+            entry = slice(128 * 3 * r, 128 * 3 * r + 128)
+            scale = slice(8192 + 4 * 3 * r, 8192 + 4 * 3 * r + 4)
+            assert torch.equal(alone[0, entry], batch[0, entry])
+            assert torch.equal(alone[0, scale], batch[0, scale])
+        else:
+            assert torch.equal(alone[3 * r], batch[3 * r])
+
+
+def test_bad_inputs(device):
+    q = torch.zeros(2, 4, 128, device=device)
+    cos = sin = torch.zeros(2, 32, device=device)
+    with pytest.raises(ValueError, match="q: expected rows of 128"):
+        index_q_rope(torch.zeros(2, 4, 64, device=device), cos, sin, 64, True, rotate=False)
+    with pytest.raises(ValueError, match="cos: expected shape"):
+        index_q_rope(q, torch.zeros(3, 32, device=device), sin, 64, True, rotate=False)
+    with pytest.raises(ValueError, match="rope_dim"):
+        index_q_rope(q, cos, sin, 63, True, rotate=False)
+    k, w = torch.zeros(2, 128, device=device), torch.ones(128, device=device)
+    loc = torch.tensor([0, 9], device=device)
+    with pytest.raises(ValueError, match=r"loc: slots must lie in \[0, 8\)"):
+        store_index_k_normed(torch.zeros(8, 128, device=device), loc, k, w, w, EPS, cos, sin, 64, True)
+    with pytest.raises(ValueError, match="cache: expected dtype"):
+        store_index_k_normed(torch.zeros(16, 128, dtype=torch.bfloat16, device=device), loc, k, w, w, EPS,
+                             cos, sin, 64, True)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_indexer_triton_path_matches_torch_path(fp8):
+    """The Indexer with the Triton ops (fused epilogues) against its torch ops, bf16 model."""
+    from types import SimpleNamespace
+
+    from dsaspec.configs.model_config import get_config
+    from dsaspec.layers.attention.dsa_ops import dsa_ops
+    from dsaspec.layers.attention.mla import Indexer
+
+    config = get_config("tiny")
+    gen = torch.Generator().manual_seed(1)
+    indexer = Indexer(config, dtype=torch.bfloat16)
+    for param in indexer.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    rows = 3
+    x = torch.randn(rows, config.hidden_size, generator=gen).to(torch.bfloat16)
+    q_latent = torch.randn(rows, config.q_lora_rank, generator=gen).to(torch.bfloat16)
+    cos, sin = _angles(rows, config.qk_rope_head_dim, gen, "cpu")
+    loc = torch.tensor([70, 3, 12])
+    results = []
+    for use_triton in (False, True):
+        step = SimpleNamespace(cos=cos, sin=sin, out_cache_loc=loc, ops=dsa_ops(use_triton, False),
+                               check_values=True)
+        cache = (torch.zeros(2, PAGE_BYTES, dtype=torch.uint8) if fp8
+                 else torch.zeros(128, 128, dtype=torch.bfloat16))
+        q, weights = indexer(x, q_latent, step, cache)
+        keys = read_index_k(cache, loc) if fp8 else cache[loc].float()
+        results.append((q.float(), weights, keys))
+    (q0, w0, k0), (q1, w1, k1) = results
+    assert torch.equal(w0, w1)
+    torch.testing.assert_close(q1, q0, rtol=2.0 ** -7, atol=1e-5)
+    if fp8:
+        assert torch.all((k1 - k0).abs() <= k0.abs().amax(dim=1, keepdim=True) / 8)
+    else:
+        torch.testing.assert_close(k1, k0, rtol=2.0 ** -7, atol=1e-5)
