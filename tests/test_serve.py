@@ -232,7 +232,7 @@ def test_concurrent_clients_equal_generate(model, text):
 
         with ThreadPoolExecutor(6) as pool:
             got = list(pool.map(one, range(6)))
-        _until(lambda: _all_free(server.loop.engine), "pages to be freed")
+        assert _all_free(server.loop.engine)          # every response has ended: nothing left to wait for
         status, metrics = get(port, "/metrics")
         _, info = get(port, "/get_server_info")
         _, models = get(port, "/v1/models")
@@ -248,15 +248,46 @@ def test_concurrent_clients_equal_generate(model, text):
     assert json.loads(models)["data"][0]["id"] == "tiny-test" and health == 200
 
 
+def test_metrics_count_a_request_as_ended_before_its_last_delivery(model):
+    """Each deliver callback reads the metrics: when A ends by length and when B, cancelled from A's
+    last delivery, is aborted, the gauges and counters already count the step or cancel that ended it."""
+    metrics = ServerMetrics()
+    loop = EngineLoop(_engine(model), max_waiting=4, metrics=metrics)
+    names = ("dsaspec_num_running_requests", "dsaspec_kv_pages_used", "dsaspec_generation_tokens_total")
+    seen, done, handles = {}, threading.Event(), {}
+
+    def receiver(name):
+        def deliver(d):
+            seen.setdefault((name, d.finish_reason), tuple(metrics.registry.get_sample_value(n) for n in names))
+            if d.finish_reason is not None and name == "a":
+                loop.cancel(handles["b"])
+            elif d.finish_reason is not None:
+                done.set()
+        return deliver
+
+    handles["a"] = loop.submit([1, 2, 3], 3, receiver("a"))
+    handles["b"] = loop.submit([4, 5], 200, receiver("b"))
+    loop.start()
+    try:
+        assert done.wait(WAIT_S), "request b was not cancelled"
+    finally:
+        loop.stop(WAIT_S)
+    both_running = seen["b", None]                   # b's prefill token: a and b admitted
+    assert both_running[0] == 2.0 and both_running[1] > 0
+    running, kv_used, tokens = seen["a", "length"]   # a's 3 tokens and b's first 3, in 3 steps
+    assert (running, tokens) == (1.0, 6.0) and 0 < kv_used < both_running[1]
+    assert seen["b", "abort"] == (0.0, 0.0, 6.0)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(model, text):
+    abort = 'dsaspec_requests_total{finish_reason="abort"} 1.0'
     with serving(model, text) as (port, server):
         engine = server.loop.engine
         sock = open_stream(port, {"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True})
         assert not _all_free(engine)
-        sock.close()
-        _until(lambda: _all_free(engine), "the disconnected request's pages to be freed")
-        _, metrics = get(port, "/metrics")
-        assert 'dsaspec_requests_total{finish_reason="abort"} 1.0' in metrics.decode()
+        sock.close()                                 # no response to order against: wait for the metrics
+        _until(lambda: _all_free(engine) and abort in get(port, "/metrics")[1].decode(),
+               "the disconnected request's pages to be freed and its abort counted")
         assert _ids(port, {"prompt": [4, 5], "max_tokens": 2})["choices"][0]["finish_reason"] == "length"
 
 

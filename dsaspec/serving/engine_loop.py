@@ -8,6 +8,8 @@ row and pages (submitted, not yet admitted); beyond that :meth:`EngineLoop.submi
 :class:`Overloaded`. Each request's tokens go to its ``deliver`` callback, called on the engine
 thread once for its prefill token (as soon as it is prefilled, before the decode step of that
 iteration), then once per decode step that gives it tokens; the last delivery says how it ended.
+The metrics are updated before the deliveries of each step, so a client that has its request's last
+delivery finds ``/metrics`` counting the request as ended (not running, its KV pages free).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class EngineLoop:
         self._num_waiting = 0
         self._stopping: str | None = None            # why submissions are refused
         self._handles: dict[int, Handle] = {}          # core id -> handle, waiting or running
+        self._outbox: list[tuple[Callable[[Delivery], None], Delivery]] = []   # sent by _send
         self._thread = threading.Thread(target=self._run, name="dsaspec-engine", daemon=True)
         self.failure: BaseException | None = None
         self.accepted_tokens = self.accept_steps = 0
@@ -144,6 +147,7 @@ class EngineLoop:
                     stopping = self._stopping
                 for command, handle in commands:
                     self._apply(command, handle)
+                self._send()
                 if stopping is not None:
                     break
                 if self.core.has_work:
@@ -166,7 +170,6 @@ class EngineLoop:
         if handle.state in ("waiting", "running"):   # commands apply in order: an add precedes its cancel
             self.core.cancel(handle.core_id)
             self._end(handle, CANCELLED)
-        self._update_gauges()
 
     def _left_waiting(self) -> None:
         with self._cond:
@@ -181,16 +184,16 @@ class EngineLoop:
             self.metrics.requests.labels(reason).inc()
             if handle.num_tokens > 1:
                 self.metrics.tpot.observe((handle.last_at - handle.first_at) / (handle.num_tokens - 1))
-        _safe(handle.deliver, Delivery(list(tokens), reason, error))
+        self._outbox.append((handle.deliver, Delivery(list(tokens), reason, error)))
 
     def _step(self) -> None:
         """Admit (prefill) and deliver the new requests' first tokens, then run the decode step
         and deliver its tokens: a request's first token does not wait for the decode step."""
         self._deliver(self.core.admit())
+        self._send()
         began = time.perf_counter()
         out = self.core.decode()
         now = time.perf_counter()
-        self._deliver(out)
         if out.batch:
             self.accepted_tokens += sum(out.accept_lens)
             self.accept_steps += len(out.accept_lens)
@@ -198,11 +201,12 @@ class EngineLoop:
             if self.metrics is not None:
                 self.metrics.batch.set(out.batch)
                 self.metrics.accept.set(self.mean_accept_length)
-        self._update_gauges()
+        self._deliver(out)
+        self._send()
 
     def _deliver(self, out) -> None:
-        """Each request's tokens of ``out`` to its receiver (the last delivery of one that ended
-        carries its finish reason)."""
+        """Queue each request's tokens of ``out`` for its receiver (the last delivery of one that
+        ended carries its finish reason) and count them in the metrics."""
         now = time.perf_counter()
         metrics = self.metrics
         for core_id, tokens in out.new_tokens.items():
@@ -220,18 +224,23 @@ class EngineLoop:
             handle.num_tokens += len(tokens)
             finish = out.finished.get(core_id)
             if finish is None:
-                _safe(handle.deliver, Delivery(tokens))
+                self._outbox.append((handle.deliver, Delivery(tokens)))
             else:
                 self._end(handle, finish, tokens=tokens)
         if metrics is not None:
             metrics.generation_tokens.inc(out.num_tokens)
 
-    def _update_gauges(self) -> None:
+    def _send(self) -> None:
+        """Update the gauges, then send the queued deliveries: once a client has a delivery, the
+        gauges show the scheduler's state after the step (or command) that made it."""
         if self.metrics is not None:
             allocator = self.engine.allocator
             self.metrics.running.set(len(self.core.running))
             self.metrics.waiting.set(self._num_waiting)
             self.metrics.kv_used.set(allocator.num_pages - 1 - allocator.num_free_pages)
+        outbox, self._outbox = self._outbox, []
+        for deliver, delivery in outbox:
+            _safe(deliver, delivery)
 
     def _abort_all(self, why: str) -> None:
         self.core.abort()
@@ -240,7 +249,7 @@ class EngineLoop:
             self._inbox.clear()
         for handle in [*self._handles.values(), *pending]:
             self._end(handle, CANCELLED, why)
-        self._update_gauges()
+        self._send()
 
 
 def _safe(deliver: Callable[[Delivery], None], delivery: Delivery) -> None:
