@@ -78,3 +78,23 @@ def to_cpu(inputs: dict) -> dict:
     """The same inputs with every tensor on the CPU (for the references)."""
     return {name: value.cpu() if torch.is_tensor(value) else value
             for name, value in inputs.items()}
+
+
+SENTINEL = 12345.0  # what the indexer tests' ``out`` holds before the call
+
+
+def launch_indexer(inputs: dict, num_sms: int, out_width: int, skip_len=0, config=None, check_values=True,
+                   rows_per_group=1) -> torch.Tensor:
+    """``indexer_logits`` over ``inputs`` (bf16 or FP8 keys) with its schedule for ``num_sms``
+    programs, into ``[rows, out_width]`` logits prefilled with :data:`SENTINEL`; ``config`` None:
+    the op's default for the cache dtype."""
+    from dsaspec.ops.indexer import indexer_logits
+    from dsaspec.ops.indexer_schedule import indexer_schedule
+
+    seqlens = inputs["seqlens"]
+    schedule = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=seqlens.device)
+    indexer_schedule(seqlens, num_sms, schedule, skip_len=skip_len, rows_per_group=rows_per_group)
+    out = torch.full((seqlens.numel(), out_width), SENTINEL, device=seqlens.device)
+    indexer_logits(**inputs, schedule=schedule, out=out, skip_len=skip_len,
+                   rows_per_group=rows_per_group, check_values=check_values, config=config)
+    return out

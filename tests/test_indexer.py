@@ -4,25 +4,13 @@ rows the schedule skips (live <= skip_len) are never written."""
 import pytest
 import torch
 
-from dsa_inputs import random_indexer_inputs, to_cpu
+from dsa_inputs import SENTINEL, launch_indexer, random_indexer_inputs, to_cpu
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.reference.indexer import reference_indexer_logits
 
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129]
-SENTINEL = 12345.0  # what `out` holds before the call
 CONFIGS = {"new": INDEXER_CONFIG, "baseline": INDEXER_BASELINE_CONFIG}
-
-
-def _launch(inputs, num_sms, out_width, skip_len=0, config=INDEXER_CONFIG, check_values=True,
-            rows_per_group=1):
-    seqlens = inputs["seqlens"]
-    schedule = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=seqlens.device)
-    indexer_schedule(seqlens, num_sms, schedule, skip_len=skip_len, rows_per_group=rows_per_group)
-    out = torch.full((seqlens.numel(), out_width), SENTINEL, device=seqlens.device)
-    indexer_logits(**inputs, schedule=schedule, out=out, skip_len=skip_len,
-                   rows_per_group=rows_per_group, check_values=check_values, config=config)
-    return out
 
 
 def _assert_matches(out, inputs, rtol, atol, skip_len=0):
@@ -48,7 +36,7 @@ def test_edge_lengths(config, num_heads, num_sms, device):
     seqlens = EDGE_LENGTHS + [5, 0]
     inputs = random_indexer_inputs(seqlens, num_heads, width=200, num_slots=300, device=device,
                                    seed=num_heads * 10 + num_sms)
-    out = _launch(inputs, num_sms, out_width=256, config=CONFIGS[config])
+    out = launch_indexer(inputs, num_sms, out_width=256, config=CONFIGS[config])
     _assert_matches(out, inputs, rtol=1e-5, atol=1e-5)
 
 
@@ -59,7 +47,7 @@ def test_skipped_rows_untouched(skip_len, num_sms, device):
     seqlens = EDGE_LENGTHS + [skip_len, skip_len + 1, 200, 2]
     inputs = random_indexer_inputs(seqlens, 8, width=210, num_slots=150, device=device,
                                    seed=skip_len)
-    out = _launch(inputs, num_sms, out_width=256, skip_len=skip_len)
+    out = launch_indexer(inputs, num_sms, out_width=256, skip_len=skip_len)
     _assert_matches(out, inputs, rtol=1e-5, atol=1e-5, skip_len=skip_len)
 
 
@@ -71,7 +59,7 @@ def test_skipped_rows_never_read(device):
     expected = reference_indexer_logits(**to_cpu(inputs))
     inputs["page_table_1"][1] = 2**30
     inputs["q"][1] = float("nan")
-    out = _launch(inputs, num_sms=3, out_width=192, skip_len=64, check_values=False)
+    out = launch_indexer(inputs, num_sms=3, out_width=192, skip_len=64, check_values=False)
     assert torch.all(out[1].cpu() == SENTINEL)
     for row in (0, 2):
         torch.testing.assert_close(out[row, :seqlens[row]].cpu(), expected[row], rtol=1e-5,
@@ -90,7 +78,7 @@ def test_row_groups(rows_per_group, num_heads, skip_len, device):
     inputs = random_indexer_inputs(seqlens, num_heads, width=210, num_slots=300, device=device,
                                    seed=rows_per_group + skip_len, rows_per_group=rows_per_group)
     for num_sms in (1, 3):
-        out = _launch(inputs, num_sms, out_width=256, skip_len=skip_len,
+        out = launch_indexer(inputs, num_sms, out_width=256, skip_len=skip_len,
                       rows_per_group=rows_per_group, check_values=False)
         _assert_matches(out, inputs, rtol=1e-5, atol=1e-5, skip_len=skip_len)
 
@@ -109,7 +97,7 @@ def test_row_groups_checked(device):
     inputs["page_table_1"][1, 70] = (inputs["page_table_1"][0, 70] + 1) % 90
     with pytest.raises(ValueError, match=r"page_table_1: rows 0..1 form a group \(rows_per_group"
                                          r"=2\) but their live prefixes differ"):
-        _launch(inputs, 2, out_width=80, rows_per_group=2)
+        launch_indexer(inputs, 2, out_width=80, rows_per_group=2)
     with pytest.raises(ValueError, match="rows_per_group: expected a divisor >= 1 of the 4 rows, "
                                          "got 3"):
         indexer_logits(**inputs, schedule=torch.zeros(3, 2, dtype=torch.int32, device=device),
@@ -132,7 +120,7 @@ def test_out_of_range_slots_checked(bad_slot, rows_per_group, device):
     table[0, 75:] = bad
     table[1, 70:] = bad  # beyond row 1's live length, inside its group's (read from row 0)
     table[2:] = bad  # rows the schedule skips (live <= skip_len)
-    out = _launch(inputs, num_sms=3, out_width=128, skip_len=skip_len,
+    out = launch_indexer(inputs, num_sms=3, out_width=128, skip_len=skip_len,
                   rows_per_group=rows_per_group)
     for row in (0, 1):
         torch.testing.assert_close(out[row, :len(expected[row])].cpu(), expected[row],
@@ -141,7 +129,7 @@ def test_out_of_range_slots_checked(bad_slot, rows_per_group, device):
     with pytest.raises(ValueError, match=rf"page_table_1: slot {bad} at row 0, position 74 "
                                          rf"\(within the live length\) is out of range for a "
                                          rf"k_cache of 90 slots; expected 0 <= slot < 90"):
-        _launch(inputs, num_sms=3, out_width=128, skip_len=skip_len,
+        launch_indexer(inputs, num_sms=3, out_width=128, skip_len=skip_len,
                 rows_per_group=rows_per_group)
 
 
@@ -150,13 +138,13 @@ def test_random_rows_repeated_slots(seed, device):
     gen = torch.Generator().manual_seed(seed)
     seqlens = torch.randint(0, 300, (9,), generator=gen).tolist()
     inputs = random_indexer_inputs(seqlens, 8, width=333, num_slots=17, device=device, seed=seed)
-    out = _launch(inputs, num_sms=5, out_width=320, skip_len=[0, 100, 64][seed])
+    out = launch_indexer(inputs, num_sms=5, out_width=320, skip_len=[0, 100, 64][seed])
     _assert_matches(out, inputs, rtol=1e-5, atol=1e-5, skip_len=[0, 100, 64][seed])
 
 
 def test_out_narrower_than_block_edge(device):
     inputs = random_indexer_inputs([65, 70, 3], 4, width=80, num_slots=50, device=device)
-    out = _launch(inputs, num_sms=2, out_width=70)
+    out = launch_indexer(inputs, num_sms=2, out_width=70)
     _assert_matches(out, inputs, rtol=1e-5, atol=1e-5)
 
 
@@ -169,7 +157,7 @@ def test_strided_views(device):
     w_big = torch.zeros(3, 16, device=device)
     w_big[:, :8] = inputs["weights"]
     views = dict(inputs, q=q_big[:, 1:9], k_cache=k_big[:, 128:], weights=w_big[:, :8])
-    out = _launch(views, num_sms=4, out_width=192)
+    out = launch_indexer(views, num_sms=4, out_width=192)
     _assert_matches(out, inputs, rtol=1e-5, atol=1e-5)
 
 
@@ -212,7 +200,7 @@ def test_gpu_production_sizes(config, num_rows, longest, skip_len):
     inputs = random_indexer_inputs(seqlens.tolist(), 32, width=GPU_WIDTH, num_slots=1 << 20,
                                    device=device, seed=1)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    out = _launch(inputs, num_sms, out_width=GPU_WIDTH, skip_len=skip_len,
+    out = launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=skip_len,
                   config=CONFIGS[config])
     # bf16 products are exact in fp32; only the accumulation order differs from the reference.
     _assert_matches(out, inputs, rtol=1e-4, atol=1e-4, skip_len=skip_len)
@@ -231,7 +219,7 @@ def test_gpu_row_groups(config, rows_per_group):
     inputs = random_indexer_inputs(seqlens, 32, width=GPU_WIDTH, num_slots=1 << 20, device=device,
                                    seed=2, rows_per_group=rows_per_group)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    out = _launch(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
+    out = launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
                   rows_per_group=rows_per_group, config=CONFIGS[config])
     _assert_matches(out, inputs, rtol=1e-4, atol=1e-4, skip_len=2048)
 

@@ -13,8 +13,8 @@ keep fewer accumulator bits than fp32), so the GPU tests allow ``2**-10`` of tha
 import pytest
 import torch
 
-from dsa_inputs import random_indexer_inputs
-from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, indexer_logits
+from dsa_inputs import SENTINEL, launch_indexer, random_indexer_inputs
+from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG, indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.reference.fp8_gemm import act_quant
 from dsaspec.reference.indexer import reference_indexer_logits_fp8
@@ -24,8 +24,7 @@ pytestmark = pytest.mark.interpreter
 
 PAGE, PAGE_BYTES = 64, 8448
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193]
-SENTINEL = 12345.0
-CONFIGS = {"new": INDEXER_CONFIG, "baseline": INDEXER_BASELINE_CONFIG}
+CONFIGS = {"new": INDEXER_FP8_CONFIG, "bf16_default": INDEXER_CONFIG, "baseline": INDEXER_BASELINE_CONFIG}
 
 
 def fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=0, rows_per_group=1):
@@ -50,17 +49,6 @@ def fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=0, rows_per_gr
     pool[pages, 8192 + 4 * offsets + torch.arange(4)] = scales.contiguous().view(torch.uint8)
     cpu = dict(inputs, q=q.to(torch.bfloat16), k_cache=pool)
     return {name: value.to(device) for name, value in cpu.items()}
-
-
-def _launch(inputs, num_sms, out_width, skip_len=0, config=INDEXER_CONFIG, check_values=True,
-            rows_per_group=1):
-    seqlens = inputs["seqlens"]
-    schedule = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=seqlens.device)
-    indexer_schedule(seqlens, num_sms, schedule, skip_len=skip_len, rows_per_group=rows_per_group)
-    out = torch.full((seqlens.numel(), out_width), SENTINEL, device=seqlens.device)
-    indexer_logits(**inputs, schedule=schedule, out=out, skip_len=skip_len,
-                   rows_per_group=rows_per_group, check_values=check_values, config=config)
-    return out
 
 
 def _reference(inputs):
@@ -101,7 +89,7 @@ def test_edge_lengths(config, num_heads, num_sms, device):
     seqlens = EDGE_LENGTHS + [5, 0, 256]
     inputs = fp8_inputs(seqlens, num_heads, width=260, num_pages=9, device=device,
                         seed=num_heads + num_sms)
-    out = _launch(inputs, num_sms, out_width=320, config=CONFIGS[config])
+    out = launch_indexer(inputs, num_sms, out_width=320, config=CONFIGS[config])
     _assert_matches(out, inputs)
 
 
@@ -112,7 +100,7 @@ def test_mixed_lengths_repeated_slots(seed, device):
     seqlens = torch.randint(0, 300, (7,), generator=gen).tolist()
     skip_len = [0, 100, 64][seed]
     inputs = fp8_inputs(seqlens, 8, width=333, num_pages=3, device=device, seed=seed)
-    out = _launch(inputs, num_sms=5, out_width=320, skip_len=skip_len)
+    out = launch_indexer(inputs, num_sms=5, out_width=320, skip_len=skip_len)
     _assert_matches(out, inputs, skip_len=skip_len)
 
 
@@ -127,7 +115,7 @@ def test_skipped_and_padded_rows(skip_len, device):
         if length <= skip_len:
             inputs["page_table_1"][row] = 2**30
             inputs["q"][row] = float("nan")
-    out = _launch(inputs, num_sms=3, out_width=256, skip_len=skip_len, check_values=False)
+    out = launch_indexer(inputs, num_sms=3, out_width=256, skip_len=skip_len, check_values=False)
     _assert_matches(out, inputs, skip_len=skip_len, reference=reference)
 
 
@@ -138,7 +126,7 @@ def test_row_groups(rows_per_group, num_heads, device):
     seqlens = lengths[:len(lengths) // rows_per_group * rows_per_group]
     inputs = fp8_inputs(seqlens, num_heads, width=210, num_pages=5, device=device,
                         seed=rows_per_group, rows_per_group=rows_per_group)
-    out = _launch(inputs, 3, out_width=256, skip_len=64, rows_per_group=rows_per_group,
+    out = launch_indexer(inputs, 3, out_width=256, skip_len=64, rows_per_group=rows_per_group,
                   check_values=False)
     _assert_matches(out, inputs, skip_len=64)
 
@@ -152,7 +140,7 @@ def test_bad_key_poisons_only_its_token(device):
     pool = inputs["k_cache"]
     pool[page, 128 * offset:128 * offset + 128] = 0
     pool[page, 8192 + 4 * offset:8196 + 4 * offset] = torch.tensor([float("nan")]).view(torch.uint8).to(device)
-    out = _launch(inputs, 2, out_width=192).cpu()
+    out = launch_indexer(inputs, 2, out_width=192).cpu()
     table = inputs["page_table_1"].cpu()
     for row, length in enumerate((70, 129)):
         bad = table[row, :length] == slot
@@ -255,7 +243,7 @@ def test_gpu_production_sizes(config, num_rows, longest, skip_len):
     seqlens[-1] = 2048
     inputs = _gpu_inputs(seqlens.tolist())
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out = _launch(inputs, num_sms, out_width=GPU_WIDTH, skip_len=skip_len, config=CONFIGS[config])
+    out = launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=skip_len, config=CONFIGS[config])
     _assert_matches(out, inputs, skip_len=skip_len, relative=GPU_TOLERANCE)
 
 
@@ -268,7 +256,7 @@ def test_gpu_row_groups(rows_per_group):
         seqlens += [live + j for j in range(rows_per_group)]
     inputs = _gpu_inputs(seqlens, rows_per_group=rows_per_group, seed=2)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out = _launch(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
+    out = launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
                   rows_per_group=rows_per_group, check_values=False)
     _assert_matches(out, inputs, skip_len=2048, relative=GPU_TOLERANCE)
 
