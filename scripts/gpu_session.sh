@@ -2,7 +2,9 @@
 # One lent-GPU session: runs the named steps in order, logs and results under $OUT (default ./gpu_out).
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
-#   e2e-quick, decode, diagnose, draft-step
+#   e2e-quick, decode, diagnose, draft-step, fp8-tests, fp8-dsa-ops, fp8-dsa-tune, moe-fp8, kv-accuracy,
+#   e2e-rank-glm5, e2e-rank-v32; pack (last: everything under $OUT into $OUT/out.tgz, since a device call
+#   returns at most 8 files)
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,22 @@ for step in "$@"; do
         tp-e2e-quick) python3 -m dsaspec bench e2e --tp 2 --presets e2e --contexts 1048576 --concurrency 1,4,16,32 \
                           --accept 3.0 --iterations 12 --runs 4 --out "$OUT" ;;
         tp-e2e)       python3 -m dsaspec bench e2e --tp 2 --out "$OUT" ;;
+        fp8-tests)    python3 -m pytest -q -p no:cacheprovider -rfE --tb=line -n 8 tests/test_fused_moe.py \
+                          tests/test_indexer_fp8.py tests/test_sparse_mla_fp8.py tests/test_fp8_checkpoint.py \
+                          tests/test_fp8_gemm.py tests/test_index_rope.py 2>&1 | tee "$OUT/fp8_tests.log" ;;
+        fp8-dsa-ops)  python3 -m dsaspec bench dsa-ops --ops indexer,sparse_mla --modes decode,target_verify \
+                          --bs 1,32,64 --live-kv 8192,65536 --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_glm5" &&
+                      python3 -m dsaspec bench dsa-ops --preset deepseek_v32 --ops indexer --modes decode \
+                          --bs 1,32,64 --live-kv 8192,65536 --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_v32" ;;
+        fp8-dsa-tune) python3 -m dsaspec bench dsa-ops --tune --ops sparse_mla --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_tune" ;;
+        moe-fp8)      python3 -m dsaspec bench moe --weight-dtype bf16,fp8 --intermediate 256,2048 --out "$OUT" ;;
+        kv-accuracy)  python3 -m dsaspec bench kv-accuracy --out "$OUT" ;;
+        e2e-rank-glm5) python3 -m dsaspec bench e2e --presets glm5-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
+                          --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_glm5" ;;
+        e2e-rank-v32) python3 -m dsaspec bench e2e --presets deepseek-v32-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
+                          --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_v32" ;;
+        pack)         (cd "$OUT" && tar -czf /tmp/out.tgz --exclude=out.tgz . && find . -mindepth 1 -delete \
+                          && mv /tmp/out.tgz out.tgz) ;;
         *) echo "unknown step $step"; status=2; continue ;;
     esac
     rc=${PIPESTATUS[0]}  # the step's command, not the tee after it
