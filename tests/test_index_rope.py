@@ -179,7 +179,7 @@ def test_indexer_triton_path_matches_torch_path(fp8):
         keys = read_index_k(cache, loc) if fp8 else cache[loc].float()
         results.append((q.float(), weights, keys))
     (q0, w0, k0), (q1, w1, k1) = results
-    assert torch.equal(w0, w1)
+    torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)   # fused kernel: its own fp32 sum order
     torch.testing.assert_close(q1, q0, rtol=2.0 ** -7, atol=1e-5)
     if fp8:
         assert torch.all((k1 - k0).abs() <= k0.abs().amax(dim=1, keepdim=True) / 8)

@@ -103,12 +103,13 @@ class Indexer(RowInvariant, nn.Module):
             if fp8:
                 q, k = self._rotate(q), self._rotate(k)
             step.ops.store_index_k(index_k_cache, step.out_cache_loc, k, check_values=step.check_values)
+        if step.ops.index_weights is not None:
+            return q, step.ops.index_weights(x, self.weights_proj.weight, cfg.index_weight_scale)
         if self.row_invariant:
             weights = row_invariant_ops().linear(x.float(), self.weights_proj.weight.float())
         else:
             weights = F.linear(x.float(), self.weights_proj.weight.float())
-        weights = weights * cfg.index_weight_scale
-        return q, weights
+        return q, weights * cfg.index_weight_scale
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ H`` over the last dim (fp32 math, ``x``'s dtype back), ``H`` symmetric."""
@@ -183,10 +184,16 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         q = self.q_b_proj(q_latent).view(rows, heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(q_rope, step.cos, step.sin, cfg.rope_interleave)
-        latent, k_rope = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        k_rope = apply_rope(k_rope, step.cos, step.sin, cfg.rope_interleave)
-        step.ops.store_mla(mla_cache, step.out_cache_loc, torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1),
-                           check_values=step.check_values)
+        if step.ops.store_mla_normed is not None:   # the Triton ops: norm + RoPE + store in one kernel
+            step.ops.store_mla_normed(mla_cache, step.out_cache_loc, kv_a, self.kv_a_layernorm.weight,
+                                      self.kv_a_layernorm.eps, step.cos, step.sin, cfg.rope_interleave,
+                                      check_values=step.check_values)
+        else:
+            latent, k_rope = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            k_rope = apply_rope(k_rope, step.cos, step.sin, cfg.rope_interleave)
+            step.ops.store_mla(mla_cache, step.out_cache_loc,
+                               torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1),
+                               check_values=step.check_values)
         if self.indexer is not None and not step.seeded:
             q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache, wk_out)
             step.selected = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)

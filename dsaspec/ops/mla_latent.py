@@ -1,0 +1,102 @@
+"""The MLA latent epilogue in one kernel (Triton): ``kv_a_layernorm`` (RMSNorm) on the 512-wide
+latent, RoPE on the 64-wide key, and the cache write at the row's slot.
+
+Per row ``[latent 512 | k_rope 64]`` of ``kv_a`` (model dtype; ``round`` rounds fp32 to the model
+dtype, to nearest even):
+
+    latent = round(x * rsqrt(sum(x * x) / 512 + eps) * w)       (fp32, no FMA)
+    k_rope = round(RoPE(k_rope))    (pairs (2i, 2i+1) when interleaved, else (i, i + 32);
+                                     fp32 x*cos - x'*sin, x*sin + x'*cos, no FMA)
+
+then a copy into a dense cache ``[slots, 576]`` (rounded once more to the cache's dtype, as
+``Tensor.to``), or the ``fp8_ds_mla`` write of :mod:`dsaspec.ops.fp8_kv`: the latent quantized per
+128 values with a ue8m0 scale (:mod:`dsaspec.ops.e4m3`), the rope key as bf16. RoPE is
+bit-identical to the torch ops; the norm's sum of squares runs in its own order (one ulp of the
+model dtype). One program owns one row: a row's bits never depend on the other rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.e4m3 import quantize_rows
+from dsaspec.ops.fp8_kv import _bf16_bits
+from dsaspec.ops.index_rope import _round
+from dsaspec.ops.kv_cache_layout import FP8_GROUP, MLA_LATENT_DIM, MLA_ROPE_DIM, is_fp8_cache, mla_fp8_views
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_WIDTH = MLA_LATENT_DIM + MLA_ROPE_DIM
+
+
+@triton.jit
+def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, loc_ptr, out_ptr, scale_ptr, rope_ptr, eps,
+                       stride_kv, stride_cos, stride_out, stride_scale, stride_rope, GROUPS: tl.constexpr,
+                       GROUP: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+                       FP8: tl.constexpr, BF16: tl.constexpr, CACHE_BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(loc_ptr + row).to(tl.int64)
+    x_row = kv_ptr + row * stride_kv
+    latent_cols = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(x_row + latent_cols).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (GROUPS * GROUP) + eps)
+    latent = _round(x * rstd * tl.load(w_ptr + latent_cols).to(tl.float32), BF16)
+
+    r = tl.arange(0, ROPE)
+    if INTERLEAVED:
+        partner, pair, first = r ^ 1, r // 2, (r % 2) == 0
+    else:
+        half: tl.constexpr = ROPE // 2
+        first = r < half
+        partner, pair = tl.where(first, r + half, r - half), r % half
+    k = tl.load(x_row + GROUPS * GROUP + r).to(tl.float32)
+    kp = tl.load(x_row + GROUPS * GROUP + partner).to(tl.float32)
+    cos = tl.load(cos_ptr + row * stride_cos + pair)
+    sin = tl.load(sin_ptr + row * stride_cos + pair)
+    k_rope = _round(k * cos + kp * tl.where(first, -sin, sin), BF16)
+
+    if FP8:
+        q, s = quantize_rows(latent, True)
+        tl.store(out_ptr + slot * stride_out + latent_cols, q.to(out_ptr.dtype.element_ty))
+        tl.store(scale_ptr + slot * stride_scale + tl.arange(0, GROUPS), s)
+        tl.store(rope_ptr + slot * stride_rope + r, _bf16_bits(k_rope))
+    else:
+        tl.store(out_ptr + slot * stride_out + latent_cols,
+                 _round(latent, CACHE_BF16).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + slot * stride_out + GROUPS * GROUP + r,
+                 _round(k_rope, CACHE_BF16).to(out_ptr.dtype.element_ty))
+
+
+def store_mla_normed(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, check_values: bool = True) -> None:
+    """RMSNorm (``weight`` ``[512]``, ``eps``) of the latent and RoPE (``cos``/``sin`` fp32
+    ``[R, 32]``) of the rope key of ``kv`` ``[R, 576]`` (bf16 or fp32, the ``kv_a`` projection
+    before ``kv_a_layernorm``; unit last stride, any row stride), written at slots ``loc`` ``[R]``
+    of ``cache``: a dense cache ``[slots, 576]`` (bf16 or fp32) or an ``fp8_ds_mla`` cache (uint8
+    ``[slots, 656]``, quantized on write). ``check_values``: ``loc`` in range (host sync)."""
+    check_tensor("kv", kv, dtype=_FLOAT_DTYPES, shape=(None, _WIDTH), device=cos.device)
+    rows = kv.shape[0]
+    check_tensor("weight", weight, dtype=_FLOAT_DTYPES, shape=(MLA_LATENT_DIM,), device=kv.device)
+    check_tensor("loc", loc, dtype=_INDEX_DTYPES, shape=(rows,), device=kv.device)
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, dtype=(torch.float32,), shape=(rows, MLA_ROPE_DIM // 2), device=kv.device)
+    if cos.stride() != sin.stride():
+        raise ValueError(f"sin: expected the strides of cos {cos.stride()}, got {sin.stride()}")
+    fp8 = is_fp8_cache(cache)
+    if fp8:
+        out, scale, rope = mla_fp8_views(cache)
+    else:
+        check_tensor("cache", cache, dtype=_FLOAT_DTYPES, shape=(None, _WIDTH), device=kv.device)
+        out = scale = rope = cache
+    if check_values and rows and (int(loc.min()) < 0 or int(loc.max()) >= cache.shape[0]):
+        raise ValueError(f"loc: slots must lie in [0, {cache.shape[0]}), got [{int(loc.min())}, {int(loc.max())}]")
+    if not rows:
+        return
+    _mla_latent_kernel[(rows,)](
+        kv, weight, cos, sin, loc, out, scale, rope.view(torch.int16) if fp8 else rope, float(eps), kv.stride(0),
+        cos.stride(0), out.stride(0), scale.stride(0), rope.stride(0), GROUPS=MLA_LATENT_DIM // FP8_GROUP,
+        GROUP=FP8_GROUP, ROPE=MLA_ROPE_DIM, INTERLEAVED=interleaved, FP8=fp8, BF16=kv.dtype == torch.bfloat16,
+        CACHE_BF16=cache.dtype == torch.bfloat16, enable_fp_fusion=False)

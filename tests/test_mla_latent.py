@@ -1,0 +1,248 @@
+"""The fused MLA latent epilogue (dsaspec.ops.mla_latent) and the indexer's fused head weights
+(dsaspec.ops.index_weights) against the plain-torch references: RoPE exactly, the RMSNorm (its sum
+of squares in another order) to one ulp of the model dtype, the FP8 write to one e4m3 step; the
+head weights within a bound of the fp32 sums' rounding; every row's bits independent of the batch;
+MLAAttention's and the Indexer's Triton paths against their torch paths."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dsaspec.ops.index_weights import index_weights
+from dsaspec.ops.mla_latent import store_mla_normed
+from dsaspec.reference.fp8_kv import read_mla, write_mla
+from dsaspec.reference.mla_latent import reference_index_weights, reference_mla_latent
+
+pytestmark = pytest.mark.interpreter
+
+ROW_COUNTS = [1, 3, 17, 64]
+EPS = 1e-6
+POISON = 0xA5
+
+
+def _inputs(rows, dtype, gen, device):
+    kv = (torch.randn(rows, 576, generator=gen) * 2 + 0.5).to(dtype)
+    w = (torch.rand(512, generator=gen) + 0.5).to(dtype)
+    angles = torch.rand(rows, 32, generator=gen) * 100
+    return kv.to(device), w.to(device), angles.cos().to(device), angles.sin().to(device)
+
+
+def _ulps(dtype):
+    """One unit in the last place, relative: the sum of squares may round the other way."""
+    return 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_dense_cache(dtype, cache_dtype, interleaved, rows, device):
+    """Written rows: the reference's rope key exactly, its latent to one ulp, rounded to the
+    cache's dtype; the other slots untouched."""
+    gen = torch.Generator().manual_seed(rows)
+    kv, w, cos, sin = _inputs(rows, dtype, gen, device)
+    slots = 2 * rows + 5
+    loc = torch.randperm(slots, generator=gen)[:rows].to(device)
+    cache = torch.full((slots, 576), 7.0, dtype=cache_dtype, device=device)
+    store_mla_normed(cache, loc, kv, w, EPS, cos, sin, interleaved)
+    want = reference_mla_latent(kv.cpu(), w.cpu(), EPS, cos.cpu(), sin.cpu(), interleaved).to(cache_dtype)
+    cache = cache.cpu()
+    got = cache[loc.cpu()]
+    assert torch.equal(got[:, 512:], want[:, 512:])
+    torch.testing.assert_close(got[:, :512].float(), want[:, :512].float(), rtol=_ulps(cache_dtype), atol=1e-6)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert torch.all(cache[untouched] == 7.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_fp8_cache(dtype, rows, device):
+    """The reference rows quantized by the reference fp8_ds_mla write: the rope key's bytes
+    exactly, the latent to one e4m3 step (a latent one ulp apart may round to the next code);
+    other slots' bytes untouched."""
+    gen = torch.Generator().manual_seed(rows + 50)
+    kv, w, cos, sin = _inputs(rows, dtype, gen, device)
+    slots = 2 * rows + 3
+    loc = torch.randperm(slots, generator=gen)[:rows].to(device)
+    cache = torch.full((slots, 656), POISON, dtype=torch.uint8, device=device)
+    store_mla_normed(cache, loc, kv, w, EPS, cos, sin, True)
+    want_rows = reference_mla_latent(kv.cpu(), w.cpu(), EPS, cos.cpu(), sin.cpu(), True)
+    expected = write_mla(torch.full((slots, 656), POISON, dtype=torch.uint8), loc.cpu(), want_rows)
+    cache = cache.cpu()
+    assert torch.equal(cache[:, 528:], expected[:, 528:])
+    got, want = read_mla(cache, loc.cpu()), read_mla(expected, loc.cpu())
+    step = want[:, :512].abs().reshape(rows, 4, 128).amax(-1).repeat_interleave(128, dim=1) / 8
+    assert torch.all((got[:, :512] - want[:, :512]).abs() <= step)
+    assert (cache != expected).float().mean().item() < 0.01
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert torch.all(cache[untouched] == POISON)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_latent_rows_independent_of_batch(fp8, device):
+    """A row's cache entry is the same bits written alone as in a batch of 17."""
+    gen = torch.Generator().manual_seed(3)
+    kv, w, cos, sin = _inputs(17, torch.bfloat16, gen, device)
+    loc = torch.arange(17, device=device) * 2
+
+    def cache():
+        if fp8:
+            return torch.zeros(34, 656, dtype=torch.uint8, device=device)
+        return torch.zeros(34, 576, dtype=torch.bfloat16, device=device)
+
+    batch = cache()
+    store_mla_normed(batch, loc, kv, w, EPS, cos, sin, True)
+    for r in (0, 8, 16):
+        one = slice(r, r + 1)
+        alone = cache()
+        store_mla_normed(alone, loc[one], kv[one], w, EPS, cos[one], sin[one], True)
+        assert torch.equal(alone[2 * r], batch[2 * r])
+
+
+def test_latent_bad_inputs(device):
+    kv, w = torch.zeros(2, 576, device=device), torch.ones(512, device=device)
+    cos = sin = torch.zeros(2, 32, device=device)
+    loc = torch.tensor([0, 9], device=device)
+    dense = torch.zeros(8, 576, device=device)
+    with pytest.raises(ValueError, match=r"loc: slots must lie in \[0, 8\)"):
+        store_mla_normed(dense, loc, kv, w, EPS, cos, sin, True)
+    with pytest.raises(ValueError, match=r"loc: slots must lie in \[0, 8\)"):
+        store_mla_normed(torch.zeros(8, 656, dtype=torch.uint8, device=device), loc, kv, w, EPS, cos, sin, True)
+    loc = torch.tensor([0, 1], device=device)
+    with pytest.raises(ValueError, match="kv: expected shape"):
+        store_mla_normed(dense, loc, torch.zeros(2, 512, device=device), w, EPS, cos, sin, True)
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        store_mla_normed(dense, loc, kv, torch.ones(576, device=device), EPS, cos, sin, True)
+    with pytest.raises(ValueError, match="cos: expected shape"):
+        store_mla_normed(dense, loc, kv, w, EPS, torch.zeros(3, 32, device=device), sin, True)
+    with pytest.raises(ValueError, match="loc: expected shape"):
+        store_mla_normed(dense, loc[:1], kv, w, EPS, cos, sin, True)
+    with pytest.raises(ValueError, match="cache: expected shape"):
+        store_mla_normed(torch.zeros(8, 512, device=device), loc, kv, w, EPS, cos, sin, True)
+    with pytest.raises(ValueError, match="mla cache: expected uint8"):
+        store_mla_normed(torch.zeros(8, 600, dtype=torch.uint8, device=device), loc, kv, w, EPS, cos, sin, True)
+
+
+def _weights_bound(x, weight, scale):
+    """Twice K fp32 roundings of the largest partial sum, at most: ``2 K 2**-24 sum |x w| scale``
+    would be the worst case; blocked sums stay far below it, so the test asks for 16 ulps of
+    ``sum |x w|``, which a weight read as bf16 (2**-9 a product) exceeds."""
+    return 16 * 2.0 ** -24 * (x.abs().double() @ weight.abs().float().double().T).float() * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("heads,hidden", [(4, 256), (64, 6144), (20, 300)])
+def test_index_weights(dtype, rows, heads, hidden, device):
+    gen = torch.Generator().manual_seed(rows * 7 + heads)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    weight = torch.randn(heads, hidden, generator=gen).to(device)
+    scale = 128 ** -0.5 * heads ** -0.5
+    got = index_weights(x, weight, scale).cpu()
+    assert got.dtype == torch.float32 and got.shape == (rows, heads)
+    want = reference_index_weights(x.cpu(), weight.cpu(), scale)
+    assert torch.all((got - want).abs() <= _weights_bound(x.cpu(), weight.cpu(), scale))
+
+
+def test_index_weights_rows_independent_of_batch(device):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(17, 6144, generator=gen).to(torch.bfloat16).to(device)
+    weight = torch.randn(64, 6144, generator=gen).to(device)
+    batch = index_weights(x, weight, 0.01)
+    for r in (0, 9, 16):
+        assert torch.equal(index_weights(x[r:r + 1], weight, 0.01), batch[r:r + 1])
+
+
+def test_index_weights_bad_inputs(device):
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        index_weights(torch.zeros(2, 256, device=device), torch.zeros(4, 128, device=device), 1.0)
+    with pytest.raises(ValueError, match="x: expected dtype"):
+        index_weights(torch.zeros(2, 256, dtype=torch.float16, device=device), torch.zeros(4, 256, device=device),
+                      1.0)
+    with pytest.raises(ValueError, match="x: expected 2 dimensions"):
+        index_weights(torch.zeros(2, 1, 256, device=device), torch.zeros(4, 256, device=device), 1.0)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(*args, **kwargs):
+    raise _Stop
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_triton_path_writes_the_torch_paths_entries(fp8):
+    """MLAAttention (tiny, bf16) with the Triton ops against its torch ops: the cache entries
+    its forward writes before the attention (stopped there), to one ulp / one e4m3 step."""
+    from dsaspec.configs.model_config import get_config
+    from dsaspec.distributed.tp_group import TPGroup
+    from dsaspec.layers.attention.dsa_ops import dsa_ops
+    from dsaspec.layers.attention.mla import MLAAttention
+
+    config = get_config("tiny")
+    gen = torch.Generator().manual_seed(2)
+    attn = MLAAttention(config, 0, TPGroup.single(), dtype=torch.bfloat16)
+    for param in attn.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1 + (1.0 if param.dim() == 1 else 0.0))
+    rows = 3
+    x = torch.randn(rows, config.hidden_size, generator=gen).to(torch.bfloat16)
+    angles = torch.rand(rows, 32, generator=gen) * 100
+    loc = torch.tensor([11, 2, 7])
+    entries = []
+    for use_triton in (False, True):
+        ops = SimpleNamespace(**vars(dsa_ops(use_triton, False)))
+        ops.sparse_mla_decode = _stop
+        step = SimpleNamespace(cos=angles.cos(), sin=angles.sin(), out_cache_loc=loc, ops=ops, check_values=True,
+                               seeded=True, selected=None, attn=SimpleNamespace(workspace=None))
+        cache = torch.zeros(16, 656, dtype=torch.uint8) if fp8 else torch.zeros(16, 576, dtype=torch.bfloat16)
+        with pytest.raises(_Stop):
+            attn(x, step, cache, None)
+        entries.append(read_mla(cache, loc) if fp8 else cache[loc].float())
+    want, got = entries
+    assert torch.equal(got[:, 512:], want[:, 512:])
+    if fp8:
+        step = want[:, :512].abs().reshape(rows, 4, 128).amax(-1).repeat_interleave(128, dim=1) / 8
+        assert torch.all((got[:, :512] - want[:, :512]).abs() <= step)
+    else:
+        torch.testing.assert_close(got[:, :512], want[:, :512], rtol=2.0 ** -7, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rows", [1, 17, 64])
+def test_gpu_kernels_match_references(fp8, rows):
+    """On the GPU: the latent epilogue (rope exact, latent one ulp / one e4m3 step, poison
+    untouched) and the 64-head, 6144-wide head weights within the rounding bound."""
+    gen = torch.Generator().manual_seed(rows)
+    kv, w, cos, sin = _inputs(rows, torch.bfloat16, gen, "cuda")
+    loc = torch.randperm(2 * rows, generator=gen)[:rows].cuda()
+    width = 656 if fp8 else 576
+    dtype = torch.uint8 if fp8 else torch.bfloat16
+    cache = torch.full((2 * rows, width), POISON if fp8 else 7.0, dtype=dtype, device="cuda")
+    store_mla_normed(cache, loc, kv, w, EPS, cos, sin, True)
+    want_rows = reference_mla_latent(kv.cpu(), w.cpu(), EPS, cos.cpu(), sin.cpu(), True)
+    cache, loc = cache.cpu(), loc.cpu()
+    untouched = torch.ones(2 * rows, dtype=torch.bool)
+    untouched[loc] = False
+    if fp8:
+        expected = write_mla(torch.full((2 * rows, 656), POISON, dtype=torch.uint8), loc, want_rows)
+        assert torch.equal(cache[:, 528:], expected[:, 528:])
+        got, want = read_mla(cache, loc), read_mla(expected, loc)
+        step = want[:, :512].abs().reshape(rows, 4, 128).amax(-1).repeat_interleave(128, dim=1) / 8
+        assert torch.all((got[:, :512] - want[:, :512]).abs() <= step)
+        assert torch.all(cache[untouched] == POISON)
+    else:
+        assert torch.equal(cache[loc][:, 512:], want_rows[:, 512:])
+        torch.testing.assert_close(cache[loc][:, :512].float(), want_rows[:, :512].float(), rtol=2.0 ** -7,
+                                   atol=1e-6)
+        assert torch.all(cache[untouched] == 7.0)
+    x = torch.randn(rows, 6144, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(64, 6144, generator=gen)
+    scale = 128 ** -0.5 * 64 ** -0.5
+    got_w = index_weights(x.cuda(), weight.cuda(), scale).cpu()
+    assert torch.all((got_w - reference_index_weights(x, weight, scale)).abs() <= _weights_bound(x, weight, scale))
+    assert torch.equal(index_weights(x[:1].cuda(), weight.cuda(), scale).cpu(), got_w[:1])
