@@ -47,7 +47,7 @@ for step in "$@"; do
         tp-e2e)       python3 -m dsaspec bench e2e --tp 2 --out "$OUT" ;;
         fp8-tests)    python3 -m pytest -q -p no:cacheprovider -rfE --tb=line -n 8 tests/test_fused_moe.py \
                           tests/test_indexer_fp8.py tests/test_sparse_mla_fp8.py tests/test_fp8_checkpoint.py \
-                          tests/test_fp8_gemm.py tests/test_mla_latent.py 2>&1 | tee "$OUT/fp8_tests.log" ;;
+                          tests/test_fp8_gemm.py tests/test_mla_latent.py tests/test_index_rope.py 2>&1 | tee "$OUT/fp8_tests.log" ;;
         fp8-dsa-ops)  python3 -m dsaspec bench dsa-ops --ops indexer,sparse_mla --modes decode,target_verify \
                           --bs 1,32,64 --live-kv 8192,65536 --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_glm5" &&
                       python3 -m dsaspec bench dsa-ops --preset deepseek_v32 --ops indexer --modes decode \

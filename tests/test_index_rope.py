@@ -132,6 +132,23 @@ def test_rows_independent_of_batch(fp8, device):
             assert torch.equal(alone[3 * r], batch[3 * r])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_gpu_epilogues_hold_the_same_contracts(rows):
+    """Natively on a GPU (FMA contraction off, as the kernel launches): the query RoPE exact and
+    rotated within one ulp, keys within one ulp (dense cache) or one e4m3 step (FP8 cache) of the
+    reference, rows independent of the batch; bf16, GLM-5's 32 index heads."""
+    device = torch.device("cuda")
+    for interleaved in (True, False):
+        test_q_rope_exact(torch.bfloat16, interleaved, rows, 32, 64, device)
+        test_k_dense_cache(torch.bfloat16, interleaved, rows, device)
+    test_q_rope_rotated(torch.bfloat16, rows, device)
+    if rows <= 3 * 64:
+        test_k_fp8_cache(torch.bfloat16, rows, device)
+    for fp8 in (False, True):
+        test_rows_independent_of_batch(fp8, device)
+
+
 def test_bad_inputs(device):
     q = torch.zeros(2, 4, 128, device=device)
     cos = sin = torch.zeros(2, 32, device=device)
