@@ -45,6 +45,20 @@ def _round(x, BF16: tl.constexpr):
 
 
 @triton.jit
+def rope_pairs(c, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """For rope columns ``c``: the column each is rotated with, the index of its angle, and whether
+    its sin term is negated (the first of its pair): ``(c ^ 1, c // 2, c even)`` interleaved, else
+    ``(c +- ROPE / 2, c % (ROPE / 2), c < ROPE / 2)``."""
+    if INTERLEAVED:
+        partner, pair, first = c ^ 1, c // 2, (c % 2) == 0
+    else:
+        half: tl.constexpr = ROPE // 2
+        first = c < half
+        partner, pair = tl.where(first, c + half, c - half), c % half
+    return partner, pair, first
+
+
+@triton.jit
 def _load_normed(x_ptr, rows, cols, live, stride_x, mean, rstd, w_ptr, b_ptr, NORM: tl.constexpr,
                  BF16: tl.constexpr):
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=live[:, None],
@@ -65,14 +79,8 @@ def _index_rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, out_ptr, loc_ptr, 
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < N
     c = tl.arange(0, DIM)
-    # RoPE partner of column c and the sign of its sin term; past the rope dims c is its own
-    # partner with cos 1, sin 0
-    if INTERLEAVED:
-        partner, pair, first = c ^ 1, c // 2, (c % 2) == 0
-    else:
-        half: tl.constexpr = ROPE // 2
-        first = c < half
-        partner, pair = tl.where(first, c + half, c - half), c % half
+    # past the rope dims c is its own partner with cos 1, sin 0
+    partner, pair, first = rope_pairs(c, ROPE, INTERLEAVED)
     in_rope = c < ROPE
     partner = tl.where(in_rope, partner, c)
     mean = tl.zeros((ROWS,), tl.float32)

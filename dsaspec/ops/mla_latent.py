@@ -24,7 +24,7 @@ import triton.language as tl
 from dsaspec.ops.checks import check_tensor
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_kv import _bf16_bits
-from dsaspec.ops.index_rope import _round
+from dsaspec.ops.index_rope import _round, rope_pairs
 from dsaspec.ops.kv_cache_layout import FP8_GROUP, MLA_LATENT_DIM, MLA_ROPE_DIM, is_fp8_cache, mla_fp8_views
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
@@ -46,12 +46,7 @@ def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, loc_ptr, out_ptr, scale_
     latent = _round(x * rstd * tl.load(w_ptr + latent_cols).to(tl.float32), BF16)
 
     r = tl.arange(0, ROPE)
-    if INTERLEAVED:
-        partner, pair, first = r ^ 1, r // 2, (r % 2) == 0
-    else:
-        half: tl.constexpr = ROPE // 2
-        first = r < half
-        partner, pair = tl.where(first, r + half, r - half), r % half
+    partner, pair, first = rope_pairs(r, ROPE, INTERLEAVED)
     k = tl.load(x_row + GROUPS * GROUP + r).to(tl.float32)
     kp = tl.load(x_row + GROUPS * GROUP + partner).to(tl.float32)
     cos = tl.load(cos_ptr + row * stride_cos + pair)
