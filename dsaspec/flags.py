@@ -64,7 +64,7 @@ def topk_single_launch() -> bool:
 
 def sparse_mla_gluon() -> bool:
     """``DSASPEC_SPARSE_MLA_GLUON``: the runtime's sparse MLA takes the warp-specialized Gluon
-    kernel where it runs (compute capability 9.x, heads a multiple of 64) and is faster, per
+    kernel where it runs (compute capability 9.x, 8, 16, 32 or a multiple of 64 heads) and is faster, per
     ``sparse_mla_config`` (default on). Off keeps the Triton kernel everywhere: its summation
     order, for comparing tokens against it. Read when the model is built."""
     return _switch("DSASPEC_SPARSE_MLA_GLUON")

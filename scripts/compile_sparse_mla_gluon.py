@@ -2,15 +2,18 @@
 it is meant to be: no register spills, shared memory within the H100/H200 limit, and in the SASS
 the gathers (``LDGSTS``: ``cp.async``), the tensor-core dots (``HGMMA``: wgmma), the
 copy-completion mbarrier arrive (``ARRIVES.LDGSTSBAR``) and the register split between the
-partitions (``USETMAXREG``).
+partitions (``USETMAXREG``); in the PTX, every global store predicated (the output and record
+stores are masked to the program's real heads: with 8-32 heads the other head slots are
+padding).
 
-Both forms (single pass and split records), and the split form with the phase stamps
-(``trace``), go through the real host launch
+Both forms (single pass and split records) at each of ``--heads`` (default 8, 16, 32: one padded
+program of 64 head slots; 64 and 128: one and two full ones), and the split form of 64 heads with
+the phase stamps (``trace``), go through the real host launch
 (``launch_sparse_mla_gluon``) on small CPU tensors; the launch is intercepted and compiled for
 ``GPUTarget("cuda", 90, 32)`` with the wheel's ptxas, as Triton's JIT would specialize it. Runs on
 a CPU-only machine (the CPU tests run it in a subprocess); exits 1 when a check fails.
 
-    python3 scripts/compile_sparse_mla_gluon.py
+    python3 scripts/compile_sparse_mla_gluon.py [--heads 8,16,32,64,128]
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsaspec.testing.offline_compile import compile_instead_of_launch, compile_only_environment
+from dsaspec.testing.offline_compile import (compile_instead_of_launch, compile_only_environment,
+                                             fresh_cache_dir)
 
 CACHE_DIR = compile_only_environment()  # before triton is imported
 
@@ -32,58 +36,70 @@ from triton import knobs  # noqa: E402
 from dsaspec.errors import UserError  # noqa: E402
 from dsaspec.ops import sparse_mla_gluon  # noqa: E402
 from dsaspec.ops.sparse_mla import LATENT_DIM, QK_DIM, RECORD_WIDTH  # noqa: E402
-from dsaspec.cli_parsing import Parser  # noqa: E402
+from dsaspec.cli_parsing import Parser, positive_int_list  # noqa: E402
 
 REQUIRED = ("LDGSTS", "HGMMA", "ARRIVES.LDGSTSBAR", "USETMAXREG")
 MAX_SHARED_BYTES = 232448  # dynamic shared memory per block on compute capability 9.0 (227 KiB)
+HEADS = (8, 16, 32, 64, 128)
 
 
-def compile_form(split: bool, traced: bool = False) -> dict:
-    """Registers, spills, shared memory, warps and the counts of :data:`REQUIRED` in the SASS of
-    one form (``split``: with a 3-split workspace; ``traced``: with the phase stamps) of the
-    kernel."""
-    rows, heads, splits = 4, 64, 3
+def compile_form(heads: int, split: bool, traced: bool = False) -> dict:
+    """Registers, spills, shared memory, warps, the counts of :data:`REQUIRED` in the SASS and of
+    unpredicated global stores in the PTX of one form (``heads`` per row; ``split``: with a 3-split
+    workspace; ``traced``: with the phase stamps) of the kernel."""
+    rows, splits = 4, 3
     q = torch.zeros(rows, heads, QK_DIM, dtype=torch.bfloat16)
     out = torch.zeros(rows, heads, LATENT_DIM, dtype=torch.bfloat16)
     workspace = torch.zeros(rows, heads, splits, RECORD_WIDTH) if split else None
     record: dict = {}
+    fresh_cache_dir()  # cold: a cached kernel (same specialization) comes without its ptxas log
     with compile_instead_of_launch(sparse_mla_gluon._sparse_mla_gluon_kernel, record,
                                    keep_compiled=True):
         sparse_mla_gluon.launch_sparse_mla_gluon(
             q, torch.zeros(4096, QK_DIM, dtype=torch.bfloat16), torch.zeros(rows, 2048, dtype=torch.int32),
             out, workspace, 0.1, scan=2048, record_width=RECORD_WIDTH,
-            trace=torch.zeros(rows * splits, 2 * len(sparse_mla_gluon.TRACE_STAMPS),
+            trace=torch.zeros(rows * -(-heads // 64) * splits,
+                              2 * len(sparse_mla_gluon.TRACE_STAMPS),
                               dtype=torch.int64) if traced else None)
     compiled = record["compiled"]
-    cubin = CACHE_DIR / f"sparse_mla_gluon_{int(split)}{int(traced)}.cubin"
+    cubin = CACHE_DIR / f"sparse_mla_gluon_{heads}_{int(split)}{int(traced)}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
     found = collections.Counter(re.findall(r"\b(?:LDGSTS|HGMMA|ARRIVES\.LDGSTSBAR|USETMAXREG)\b", sass))
-    return dict(regs=record["regs"], spill_stores=record["spill_stores"] or 0,
+    unmasked = len(re.findall(r"^\s*st\.global", compiled.asm["ptx"], flags=re.MULTILINE))
+    return dict(regs=record["regs"], spill_stores=record["spill_stores"] or 0, unmasked=unmasked,
                 shared=compiled.metadata.shared, warps=compiled.metadata.num_warps,
                 sass={name: found[name] for name in REQUIRED})
 
 
 def main() -> int:
     parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=positive_int_list, default=list(HEADS),
+                        help="head counts per row, comma-separated (default: 8,16,32,64,128)")
     try:
-        parser.parse_args()
+        args = parser.parse_args()
     except UserError as err:
         print(f"compile_sparse_mla_gluon: error: {err}", file=sys.stderr)
         return 2
     knobs.nvidia.dump_ptxas_log = True
     failures = []
-    for split, traced in ((False, False), (True, False), (True, True)):
-        form = ("split" if split else "single pass") + (" with stamps" if traced else "")
-        result = compile_form(split, traced)
+    forms = [(heads, split, False) for heads in args.heads for split in (False, True)]
+    for heads, split, traced in forms + [(64, True, True)]:
+        form = f"{heads} heads, " + ("split" if split else "single pass") + (
+            " with stamps" if traced else "")
+        result = compile_form(heads, split, traced)
         print(f"{form}: {result['regs']} registers, {result['spill_stores']} B spilled, "
-              f"{result['shared']} B shared memory, {result['warps']} warps; SASS {result['sass']}")
+              f"{result['shared']} B shared memory, {result['warps']} warps; SASS {result['sass']}; "
+              f"{result['unmasked']} unpredicated global stores",
+              flush=True)
         if result["spill_stores"]:
             failures.append(f"{form}: spills {result['spill_stores']} B")
         if result["shared"] > MAX_SHARED_BYTES:
             failures.append(f"{form}: {result['shared']} B of shared memory > {MAX_SHARED_BYTES}")
+        if result["unmasked"]:
+            failures.append(f"{form}: {result['unmasked']} global stores without a predicate")
         failures += [f"{form}: no {name} in the SASS" for name in REQUIRED if not result["sass"][name]]
     for failure in failures:
         print(f"compile_sparse_mla_gluon: {failure}")

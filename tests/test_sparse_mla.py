@@ -15,6 +15,7 @@ from dsaspec.ops.sparse_mla import (FEW_ROWS_HEAD_BLOCKS, GLUON_MIN_SPLIT_HEAD_B
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
                                     SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
                                     sparse_mla_num_splits, sparse_mla_workspace)
+from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import topk_slots
 from dsaspec.reference.indexer import reference_indexer_logits
 from dsaspec.reference.sparse_mla import reference_sparse_mla_decode
@@ -226,20 +227,33 @@ def test_default_config_by_rows():
 
 @pytest.mark.parametrize("capability,gluon", [((9, 0), True), ((8, 0), False), ((10, 0), False)])
 def test_default_config_where_gluon_runs(capability, gluon, monkeypatch):
-    """On compute capability 9.x with heads a multiple of 64, the single pass takes the Gluon
-    kernel at every R (so a row's output still does not depend on R) and the split path from
-    GLUON_MIN_SPLIT_HEAD_BLOCKS programs; elsewhere, and on the CPU, the Triton configurations."""
+    """On compute capability 9.x with 8, 16, 32 or a multiple of 64 heads, the single pass takes
+    the Gluon kernel at every R (so a row's output still does not depend on R) and the split path
+    from GLUON_MIN_SPLIT_HEAD_BLOCKS programs (rows x cdiv(H, 64): 2 rows of 8-32 heads, 1 of 128);
+    elsewhere, other head counts, and on the CPU, the Triton configurations."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    for heads in (32, 48, 64, 128):
+    for heads in (8, 16, 24, 32, 48, 64, 96, 128):
         for rows in range(1, 9):
             triton_split = sparse_mla_config(rows, heads, split=True)
-            runs = gluon and heads % 64 == 0
-            split_gluon = runs and rows * heads // 64 >= GLUON_MIN_SPLIT_HEAD_BLOCKS
+            runs = gluon and heads in (8, 16, 32, 64, 128)
+            split_gluon = runs and rows * -(-heads // 64) >= GLUON_MIN_SPLIT_HEAD_BLOCKS
             assert sparse_mla_config(rows, heads, split=False, device="cuda:0") == (
                 SPARSE_MLA_GLUON_CONFIG if runs else SPARSE_MLA_CONFIG)
             assert sparse_mla_config(rows, heads, split=True, device="cuda:0") == (
                 SPARSE_MLA_GLUON_CONFIG if split_gluon else triton_split)
             assert sparse_mla_config(rows, heads, split=True, device="cpu") == triton_split
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+def test_gluon_supported_head_counts(capability, monkeypatch):
+    """The Gluon kernel runs for 8, 16, 32 heads (one padded program) and positive multiples of
+    64, on compute capability 9.x CUDA devices only; never for other counts, 0, or the CPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    for heads in (1, 4, 8, 12, 16, 24, 32, 40, 48, 63, 64, 65, 96, 128, 192, 256, 0, -64):
+        expected = capability[0] == 9 and heads in (8, 16, 32, 64, 128, 192, 256)
+        assert sparse_mla_gluon_supported("cuda:0", heads) is expected, heads
+        assert sparse_mla_gluon_supported(torch.device("cuda"), heads) is expected, heads
+        assert sparse_mla_gluon_supported("cpu", heads) is False
 
 
 def test_config_rejects_bad_values():

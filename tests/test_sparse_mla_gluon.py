@@ -1,9 +1,12 @@
 """sparse_mla_decode with the Gluon kernel (SPARSE_MLA_GLUON_CONFIG, Hopper only) against the
 fp32 reference: edge valid counts around its 64-slot blocks, holes and repeats, a poisoned cache,
-padded rows, production sizes with and without splits, row invariance (bitwise); the default
+padded rows, production sizes with and without splits, row invariance (bitwise); 8, 16 and 32
+heads (one program of 64 head slots, the rest padding: nothing written outside the real heads);
+the default
 workspace and configuration on Hopper; the phase stamps (ordered, outputs unchanged); off Hopper,
-a clear error; on any machine, the sm_90 compile (no spills, shared memory within the limit, the
-pipeline's instructions in the SASS) and the stamps' argument check.
+a clear error; on any machine, the sm_90 compile at 8-128 heads (no spills, shared memory within
+the limit, the pipeline's instructions in the SASS, every global store predicated) and the stamps'
+argument check.
 (CUDA-graph replay with new slots: test_sparse_mla.py, for both kernels.)"""
 
 import math
@@ -44,20 +47,21 @@ def _compare(inputs, workspace=None, atol=GPU_ATOL):
 
 
 def test_refuses_what_it_cannot_run(device):
-    """Off Hopper, or with a head count that is not a multiple of 64, a clear error names the
-    config."""
-    inputs = random_sparse_mla_inputs(2, 32, num_slots=10, k=8, valid_counts=[8, 8],
+    """Off Hopper, or with a head count other than 8, 16, 32 or a multiple of 64, a clear error
+    names the config."""
+    inputs = random_sparse_mla_inputs(2, 48, num_slots=10, k=8, valid_counts=[8, 8],
                                       device=device)
     with pytest.raises(ValueError, match="config: the Gluon kernel needs a CUDA device of "
-                                         "compute capability 9.x and a head count that is a "
-                                         "multiple of 64, got .* and 32 heads"):
+                                         "compute capability 9.x and 8, 16, 32 or a multiple of "
+                                         "64 heads, got .* and 48 heads"):
         _run(inputs)
 
 
 def test_compiles_for_sm90_as_designed():
-    """Without a GPU: every form (single pass, split, split with stamps) compiles for sm_90 with
-    no spills, within the shared-memory limit,
-    with cp.async gathers, wgmma, copy-completion arrives and the register split in the SASS
+    """Without a GPU: every form (single pass and split at 8, 16, 32, 64 and 128 heads, split
+    with stamps) compiles for sm_90 with no spills, within the shared-memory limit, with cp.async
+    gathers, wgmma, copy-completion arrives and the register split in the SASS and only
+    predicated global stores (masked to the real heads)
     (scripts/compile_sparse_mla_gluon.py, in a subprocess: it compiles instead of interpreting)."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
@@ -125,8 +129,48 @@ def test_gpu_holes_repeats_and_padded_rows():
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("num_splits", [None, 2, 3])
+@pytest.mark.parametrize("num_heads", [8, 16, 32])
+def test_gpu_few_heads_padded_program(num_heads, num_splits):
+    """8 / 16 / 32 heads, one program of 64 head slots: odd valid counts around the 64-slot
+    blocks, -1 holes (a whole block of them), a graph padding row (the dummy slot 0: its value
+    exactly), a NaN-poisoned cache. ``q`` and ``out`` are views of 64-head buffers whose other
+    heads hold NaN / a sentinel, and the workspace the first rows of a larger NaN buffer: the
+    padding heads' outputs and records are written nowhere (the sentinel and NaN tail stay)."""
+    counts = [0, 1, 63, 65, 127, 129, 200, 255, 256]
+    rows = len(counts) + 1
+    inputs = random_sparse_mla_inputs(rows, num_heads, num_slots=3000, k=256,
+                                      valid_counts=counts + [1], device="cuda", seed=num_heads)
+    slots = inputs["slots"].cpu()
+    slots[7, 64:128] = -1
+    slots[8, 1::3] = -1
+    slots[-1, 0] = 0
+    inputs = poison_unselected(dict(inputs, slots=slots.to("cuda")))
+    wide_q = torch.full((rows, 64, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    wide_q[:, :num_heads] = inputs["q"]
+    inputs["q"] = wide_q[:, :num_heads]
+    wide_out = torch.full((rows, 64, 512), 7.0, dtype=torch.bfloat16, device="cuda")
+    workspace = tail = None
+    if num_splits is not None:
+        records = torch.full((rows + 1, num_heads, num_splits, RECORD_WIDTH), float("nan"),
+                             device="cuda")
+        workspace, tail = records[:rows], records[rows:]
+    out = sparse_mla_decode(**inputs, out=wide_out[:, :num_heads], workspace=workspace,
+                            config=SPARSE_MLA_GLUON_CONFIG)
+    expected = reference_sparse_mla_decode(**to_cpu(inputs))
+    torch.testing.assert_close(out.float().cpu(), expected, atol=GPU_ATOL, rtol=1e-2)
+    torch.testing.assert_close(out[-1].float(),
+                               inputs["kv_cache"][0, :512].float().expand(num_heads, 512),
+                               atol=0, rtol=0)
+    assert torch.equal(wide_out[:, num_heads:], torch.full_like(wide_out[:, num_heads:], 7.0))
+    if tail is not None:
+        assert tail.isnan().all()
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("num_heads", [64, 128])
+@pytest.mark.parametrize("num_heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("num_rows", [1, 16, 96])
 def test_gpu_production_sizes(num_rows, num_heads, split):
     inputs = production_sparse_mla_inputs(num_rows, num_heads, seed=num_rows)
@@ -140,14 +184,16 @@ def test_gpu_production_sizes(num_rows, num_heads, split):
 @needs_hopper
 def test_gpu_default_is_gluon_with_its_workspace():
     """On Hopper the default single pass and the default split path of 16 rows take the Gluon
-    kernel, with the default workspace sized for its programs (one per SM)."""
-    assert sparse_mla_config(1, 64, split=False, device="cuda") == SPARSE_MLA_GLUON_CONFIG
-    assert sparse_mla_config(16, 64, split=True, device="cuda") == SPARSE_MLA_GLUON_CONFIG
+    kernel (64 heads, and 16 heads as one padded program), with the default workspace sized for
+    its programs (one per SM)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    workspace = sparse_mla_workspace(16, 64, "cuda")
-    assert workspace.shape[2] == min(SPARSE_MLA_GLUON_CONFIG.max_splits, sms // 16)
-    inputs = production_sparse_mla_inputs(16, 64, seed=9)
-    out = torch.empty(16, 64, 512, dtype=torch.bfloat16, device="cuda")
+    for heads in (64, 16):
+        assert sparse_mla_config(1, heads, split=False, device="cuda") == SPARSE_MLA_GLUON_CONFIG
+        assert sparse_mla_config(16, heads, split=True, device="cuda") == SPARSE_MLA_GLUON_CONFIG
+        workspace = sparse_mla_workspace(16, heads, "cuda")
+        assert workspace.shape[2] == min(SPARSE_MLA_GLUON_CONFIG.max_splits, sms // 16)
+    inputs = production_sparse_mla_inputs(16, 16, seed=9)
+    out = torch.empty(16, 16, 512, dtype=torch.bfloat16, device="cuda")
     sparse_mla_decode(**inputs, out=out, workspace=workspace)
     torch.testing.assert_close(out.float().cpu(), reference_sparse_mla_decode(**to_cpu(inputs)),
                                atol=GPU_ATOL, rtol=1e-2)

@@ -21,11 +21,13 @@ latent codes, 4 fp32 power-of-two scales, 64 bf16 rope values). On the FP8 cache
 latent to bf16 in registers before the same bf16 dots (exact: a power-of-two scale times an
 e4m3 code is a bf16 value), reading 656 bytes a selected slot instead of 1,152.
 
-On Hopper (compute capability 9.x) with a head count that is a multiple of 64, the default
-configuration is :data:`SPARSE_MLA_GLUON_CONFIG` for the single pass at every row count and for
-the split path from :data:`GLUON_MIN_SPLIT_HEAD_BLOCKS` programs without splits: the
-warp-specialized Gluon kernel of :mod:`dsaspec.ops.sparse_mla_gluon` (same contract, same split
-records and combine; its own summation order). It reads bf16 caches only:
+On Hopper (compute capability 9.x) with a head count of 8, 16 or 32 (a GLM-5 or DeepSeek-V3.2
+rank's share at TP 2 to 8: one program of 64 head slots, the rest padding) or a multiple of 64,
+the default configuration is :data:`SPARSE_MLA_GLUON_CONFIG` for the single pass at every row
+count and for the split path from :data:`GLUON_MIN_SPLIT_HEAD_BLOCKS` programs without splits
+(rows x ``cdiv(H, 64)`` head blocks): the warp-specialized Gluon kernel of
+:mod:`dsaspec.ops.sparse_mla_gluon` (same contract, same split records and combine; its own
+summation order). It reads bf16 caches only:
 :func:`sparse_mla_config` gives FP8 caches the Triton configurations.
 """
 
@@ -80,7 +82,8 @@ class SparseMLAConfig:
     max_splits : split-slot runs per row at most (with a workspace).
     kernel : ``"triton"`` (any device, the interpreter included) or ``"gluon"`` (the
         warp-specialized kernel of :mod:`dsaspec.ops.sparse_mla_gluon`: compute capability 9.x,
-        heads a multiple of 64, and only its own tiles, those of :data:`SPARSE_MLA_GLUON_CONFIG`).
+        8, 16 or 32 heads or a multiple of 64, and only its own tiles, those of
+        :data:`SPARSE_MLA_GLUON_CONFIG`).
     """
 
     block_h: int
@@ -318,16 +321,16 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
     or with ``fp8_cache`` an ``fp8_ds_mla`` one (the Gluon kernel reads bf16 caches only: an FP8
     cache always takes the Triton configurations).
 
-    Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` a multiple of 64,
-    a bf16 cache):
+    Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` in 8, 16, 32 or a
+    multiple of 64: :func:`sparse_mla_gluon_supported`; a bf16 cache):
     :data:`SPARSE_MLA_GLUON_CONFIG` without a workspace, and with one (``split``) from
-    ``R * H / 64 >= GLUON_MIN_SPLIT_HEAD_BLOCKS``. Elsewhere (and with ``device`` None): with a
+    ``R * cdiv(H, 64) >= GLUON_MIN_SPLIT_HEAD_BLOCKS``. Elsewhere (and with ``device`` None): with a
     workspace and ``R * cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``,
     :data:`SPARSE_MLA_FEW_ROWS_CONFIG`, else :data:`SPARSE_MLA_CONFIG`. Without a workspace the
     choice never depends on ``R``, so a row's output there does not depend on ``R``."""
     rows = max(num_rows, 1)
     if not fp8_cache and device is not None and sparse_mla_gluon_supported(device, num_heads):
-        head_blocks = num_heads // sparse_mla_gluon.HEADS_PER_PROGRAM
+        head_blocks = triton.cdiv(num_heads, sparse_mla_gluon.HEADS_PER_PROGRAM)
         if not split or rows * head_blocks >= GLUON_MIN_SPLIT_HEAD_BLOCKS:
             return SPARSE_MLA_GLUON_CONFIG
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads, SPARSE_MLA_FEW_ROWS_CONFIG))
@@ -448,7 +451,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                              "kv_cache takes a Triton configuration (kernel='triton')")
         if not sparse_mla_gluon_supported(q.device, num_heads):
             raise ValueError(f"config: the Gluon kernel needs a CUDA device of compute "
-                             f"capability 9.x and a head count that is a multiple of 64, got "
+                             f"capability 9.x and 8, 16, 32 or a multiple of 64 heads, got "
                              f"{q.device} and {num_heads} heads")
         launch_sparse_mla_gluon(q, kv_cache, slots, out, workspace, qk_scale_log2, scan=scan,
                                 record_width=RECORD_WIDTH)

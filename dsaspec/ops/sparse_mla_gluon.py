@@ -3,8 +3,12 @@
 Same math and contract as :func:`dsaspec.ops.sparse_mla.sparse_mla_decode` (each query row
 attends to its own selected cache slots, ``-1`` = none, in the 576-wide latent space), written in
 Triton's Gluon dialect so that the gathers and the tensor-core dots run on separate warps
-(docs/dsa-kernels.md, "Gathers and the dots"). A program takes one row, 64 of its heads and one
-split of its slot blocks:
+(docs/dsa-kernels.md, "Gathers and the dots"). A program takes one row, 64 head slots and one
+split of its slot blocks. With fewer than 64 heads left (8, 16 or 32 heads a rank, see
+:func:`sparse_mla_gluon_supported`) the missing heads are padding: their query rows are
+zero-filled in shared memory (scores 0, a finite softmax) and their outputs never stored. The
+kernel is gather-bound and a row gathers the same cache rows whatever its head count, so the
+padded wgmma rows cost tensor-core time it has to spare.
 
 - the gather partition (4 warps) copies the program's queries into shared memory with
   ``cp.async`` while it finds the split's blocks (a scan of the row's slot ids up to its last
@@ -39,6 +43,7 @@ Gluon kernels do not run under Triton's interpreter and wgmma exists only on com
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -49,6 +54,7 @@ from dsaspec.ops.checks import check_tensor
 
 
 HEADS_PER_PROGRAM = 64  # the wgmma M dimension of one warpgroup
+FEW_HEADS = (8, 16, 32)  # head counts below 64 that run as one padded program
 BLOCK_N = 64  # selected slots per ring slot and softmax step
 STAGES = 2  # ring slots: 2 x 64 x 576 x 2 B = 144 KiB, with the queries and probabilities 224 KiB
 ATTEND_WARPS = 8
@@ -104,13 +110,14 @@ def _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _gather_partition(q_ptr, q_stride_head, q_latent, q_rope, kv_ptr, kv_stride, row_slots, topk,
-                      latent_ring, rope_ring, full, empty, trace_ptr, LATENT: gl.constexpr,
-                      ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr,
-                      TRACE: gl.constexpr):
-    """The queries into shared memory, then block ``first_block + i``'s cache rows into ring slot
-    ``i % STAGES`` once it is free."""
+def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr, kv_stride,
+                      row_slots, topk, latent_ring, rope_ring, full, empty, trace_ptr,
+                      LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
+                      WARPS: gl.constexpr, TRACE: gl.constexpr):
+    """The queries into shared memory (the first ``real_heads`` of them, zeros in the padding
+    head slots), then block ``first_block + i``'s cache rows into ring slot ``i % STAGES`` once
+    it is free."""
     # 16-byte copies: a warp covers half a latent row, or four rope rows
     latent_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
@@ -121,10 +128,12 @@ def _gather_partition(q_ptr, q_stride_head, q_latent, q_rope, kv_ptr, kv_stride,
     first_index, first_ids = _slot_ids(row_slots, topk, 0, SCAN, WARPS)
     q_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, latent_layout)).to(gl.int64)
     async_copy.async_copy_global_to_shared(
-        q_latent, q_ptr + q_heads[:, None] * q_stride_head + latent_columns[None, :])
+        q_latent, q_ptr + q_heads[:, None] * q_stride_head + latent_columns[None, :],
+        mask=(q_heads < real_heads)[:, None])
     q_rope_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rope_layout)).to(gl.int64)
     async_copy.async_copy_global_to_shared(
-        q_rope, q_ptr + q_rope_heads[:, None] * q_stride_head + rope_columns[None, :])
+        q_rope, q_ptr + q_rope_heads[:, None] * q_stride_head + rope_columns[None, :],
+        mask=(q_rope_heads < real_heads)[:, None])
     first_block, stop_block = _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N,
                                             SCAN, WARPS)
     _stamp(trace_ptr, 6, TRACE)
@@ -157,12 +166,12 @@ def _gather_partition(q_ptr, q_stride_head, q_latent, q_rope, kv_ptr, kv_stride,
 @gluon.jit
 def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
                       row_slots, topk, qk_scale_log2, out_ptr, out_stride_head, record_ptr,
-                      record_stride_head, trace_ptr, SPLIT: gl.constexpr, LATENT: gl.constexpr,
-                      ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr,
-                      TRACE: gl.constexpr):
+                      record_stride_head, real_heads, trace_ptr, SPLIT: gl.constexpr,
+                      LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
+                      WARPS: gl.constexpr, TRACE: gl.constexpr):
     """The online softmax over the split's blocks as their slots fill (the queries arrive with
-    the first); writes the program's heads."""
+    the first); writes the program's first ``real_heads`` heads."""
     _stamp(trace_ptr, 1, TRACE)
     first_index, first_ids = _slot_ids(row_slots, topk, 0, SCAN, WARPS)
     first_block, stop_block = _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N,
@@ -217,11 +226,12 @@ def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full
         heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, out_layout))
         columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, out_layout))
         records = record_ptr + heads.to(gl.int64) * record_stride_head
-        gl.store(records[:, None] + columns[None, :], result)
+        gl.store(records[:, None] + columns[None, :], result, mask=(heads < real_heads)[:, None])
         log_sum = gl.where(seen, running_max + gl.log2(gl.where(seen, denominator, 1.0)),
                            float("-inf"))
         sum_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, score_layout))
-        gl.store(record_ptr + sum_heads.to(gl.int64) * record_stride_head + LATENT, log_sum)
+        gl.store(record_ptr + sum_heads.to(gl.int64) * record_stride_head + LATENT, log_sum,
+                 mask=sum_heads < real_heads)
     else:
         # through ring slot 0 (idle now: every issued block was consumed), so that a warp stores
         # 512 contiguous bytes at a time instead of the wgmma layout's 8-row pieces of 4 bytes
@@ -232,7 +242,8 @@ def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full
         heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows_layout))
         columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, rows_layout))
         rows = out_ptr + heads.to(gl.int64) * out_stride_head
-        gl.store(rows[:, None] + columns[None, :], staging.load(rows_layout))
+        gl.store(rows[:, None] + columns[None, :], staging.load(rows_layout),
+                 mask=(heads < real_heads)[:, None])
     _stamp(trace_ptr, 5, TRACE)
 
 
@@ -255,6 +266,7 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
     trace_ptr += ((row * gl.num_programs(1) + gl.program_id(1)) * num_splits + split) * 2 * STAMPS
     _stamp(trace_ptr, 0, TRACE)
     q_head = q_ptr + row * q_stride_row + head_start.to(gl.int64) * q_stride_head
+    real_heads = num_heads - head_start  # of the program's BLOCK_H head slots; the rest is padding
 
     swizzled: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                   rank=2)
@@ -277,28 +289,33 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
     gl.warp_specialize(
         [(_attend_partition, (q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
                               row_slots, topk, qk_scale_log2, out_row, out_stride_head, record,
-                              num_splits * RECORD, trace_ptr, SPLIT, LATENT, ROPE, BLOCK_H, BLOCK_N,
-                              STAGES, SCAN, gl.num_warps(), TRACE)),
-         (_gather_partition, (q_head, q_stride_head, q_latent, q_rope, kv_ptr, kv_stride,
-                              row_slots, topk, latent_ring, rope_ring, full, empty, trace_ptr,
-                              LATENT, ROPE, BLOCK_H, BLOCK_N, STAGES, SCAN, GATHER_WARPS, TRACE))],
+                              num_splits * RECORD, real_heads, trace_ptr, SPLIT, LATENT, ROPE,
+                              BLOCK_H, BLOCK_N, STAGES, SCAN, gl.num_warps(), TRACE)),
+         (_gather_partition, (q_head, q_stride_head, real_heads, q_latent, q_rope, kv_ptr,
+                              kv_stride, row_slots, topk, latent_ring, rope_ring, full, empty,
+                              trace_ptr, LATENT, ROPE, BLOCK_H, BLOCK_N, STAGES, SCAN,
+                              GATHER_WARPS, TRACE))],
         [GATHER_WARPS], [GATHER_REGISTERS])
 
 
 def sparse_mla_gluon_supported(device: torch.device | str, num_heads: int) -> bool:
     """Whether the Gluon kernel runs on ``device`` for ``num_heads`` heads: a CUDA device of compute
-    capability 9.x (wgmma) and a head count that is a multiple of 64."""
+    capability 9.x (wgmma) and a head count in :data:`FEW_HEADS` (one program of 64 head slots,
+    padded) or a positive multiple of 64 (no padding). Those are the head counts a rank holds for
+    GLM-5 (64 heads) and DeepSeek-V3.2 (128) from TP 1 to TP 8, and the ones the GPU tests cover;
+    any count of at most 64 would pad the same way, but is not offered untested."""
     device = torch.device(device)
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-            and num_heads % HEADS_PER_PROGRAM == 0)
+            and (num_heads in FEW_HEADS
+                 or (num_heads > 0 and num_heads % HEADS_PER_PROGRAM == 0)))
 
 
 def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                             out: torch.Tensor, workspace: torch.Tensor | None,
                             qk_scale_log2: float, *, scan: int, record_width: int,
                             trace: torch.Tensor | None = None) -> None:
-    """Launch the kernel over grid ``(R, H / 64, num_splits)``: with ``workspace`` (fp32 ``[R, H,
-    num_splits, record_width]``) it writes each split's normalised ``[512]`` output and its
+    """Launch the kernel over grid ``(R, cdiv(H, 64), num_splits)``: with ``workspace`` (fp32
+    ``[R, H, num_splits, record_width]``) it writes each split's normalised ``[512]`` output and its
     log2-sum-exp2 at index 512 of the split's record, without it the bf16 ``out`` directly.
     ``qk_scale_log2`` is the softmax scale times ``log2(e)``; ``scan`` the slot ids per step of
     the last-valid scan (a power of two). ``trace`` (int64 ``[programs, 2 * len(TRACE_STAMPS)]``,
@@ -308,7 +325,7 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
     (:func:`dsaspec.ops.sparse_mla.sparse_mla_decode`)."""
     num_rows, num_heads, _ = q.shape
     num_splits = 1 if workspace is None else workspace.shape[2]
-    grid = (num_rows, num_heads // HEADS_PER_PROGRAM, num_splits)
+    grid = (num_rows, triton.cdiv(num_heads, HEADS_PER_PROGRAM), num_splits)
     if trace is not None:
         check_tensor("trace", trace, dtype=torch.int64,
                      shape=(grid[0] * grid[1] * grid[2], 2 * len(TRACE_STAMPS)), device=q.device)
