@@ -63,6 +63,30 @@ def test_cpu_run_on_the_fp8_cache(tmp_path):
     assert not any("error" in r for r in rows)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
+def test_cpu_run_at_other_head_counts(tmp_path, monkeypatch):
+    """--heads 8,32: every point once per head count (column heads), its sparse MLA query of that
+    many heads, each variant (the Triton default's too) checked against the baseline and the
+    reference."""
+    built, build = [], dsa_ops._build_point
+
+    def recording_build(*args, **kwargs):
+        point = build(*args, **kwargs)
+        built.append(point.q_mla.shape[1])
+        return point
+
+    monkeypatch.setattr(dsa_ops, "_build_point", recording_build)
+    parser = argparse.ArgumentParser()
+    dsa_ops.add_arguments(parser)
+    args = ["--out", str(tmp_path), "--ops", "sparse_mla", "--modes", "decode", "--heads", "8,32"]
+    assert dsa_ops.run(parser.parse_args(args)) == 0
+    rows = json.loads((tmp_path / "dsa_ops.json").read_text())["rows"]
+    assert [r["heads"] for r in rows] == built == [8] * 4 + [32] * 4
+    assert all(r["matches_baseline"] and r["matches_reference"] for r in rows)
+    assert all("out_triton_max_abs_diff" in r for r in rows)
+    assert not any("error" in r for r in rows)
+
+
 def test_fp8_floor_counts_656_bytes_a_slot():
     """The FP8 row's bytes floor differs from the bf16 one by 1152 - 656 bytes a distinct slot."""
     shapes = dsa_ops._Shapes(heads=16, index_heads=4, topk=8, sm_scale=0.1, num_sms=8)

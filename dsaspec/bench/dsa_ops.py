@@ -1,7 +1,9 @@
 """DSA decode ops per layer (indexer incl. schedule, top-k, sparse MLA, the three together): new vs baseline kernels.
 
 Shapes from ``--preset`` (GLM-5: 64 heads, a 576-wide MLA cache whose first 512 values are the
-latent, 32 index heads x 128, top-k 2048). A point is (mode, bs, live_kv): ``bs`` requests with
+latent, 32 index heads x 128, top-k 2048); ``--heads`` times other query head counts (a rank's
+share under tensor parallelism, e.g. 64,32,16,8: column ``heads``), the index heads staying the
+preset's. A point is (heads, mode, bs, live_kv): ``bs`` requests with
 ``live_kv`` tokens each, in 64-token pages placed at random in one KV pool allocated for the
 point; decode has one row per request (length ``live_kv``), target verify ``--verify-rows`` N rows
 per request (lengths ``live_kv - N + 1 .. live_kv``, one page table per request). Times are per
@@ -21,8 +23,10 @@ CUPTI kernel time, median and spread).
 - ``sparse_mla``: ``sparse_mla_decode`` on the new top-k's slots. new: the default configuration
   (``sparse_mla_config``) with the workspace ``sparse_mla_workspace`` allocates for R rows (split +
   combine; none when the rows fill the GPU); ``new_nosplit``: without a workspace (the row-invariant
-  path, ``SPARSE_MLA_CONFIG``);
-  baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
+  path); ``triton``: the Triton kernel's default configuration (``sparse_mla_config`` without a
+  device) with the workspace it allocates, what runs where the Gluon kernel does not (the same as
+  new off Hopper); baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime
+  ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
 ``--kv-cache-dtype fp8_e4m3`` adds an indexer and a sparse MLA row on the FP8 caches after each
@@ -67,7 +71,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -82,8 +86,8 @@ from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXE
                                  indexer_logits)
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
-                                    SPARSE_MLA_FEW_ROWS_CONFIG, SparseMLAConfig, sparse_mla_decode,
-                                    sparse_mla_workspace)
+                                    SPARSE_MLA_FEW_ROWS_CONFIG, SparseMLAConfig, sparse_mla_config,
+                                    sparse_mla_decode, sparse_mla_workspace)
 from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_chunks,
                               topk_single_launch_fits, topk_slots, topk_workspace)
 from dsaspec.configs.model_config import PRESETS, get_config
@@ -164,6 +168,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-rows", type=positive_int, default=4, help="N: rows per request in target verify")
     p.add_argument("--preset", choices=sorted(PRESETS), default="glm5",
                    help="model preset giving heads, index heads and top-k")
+    p.add_argument("--heads", type=positive_int_list, default=None,
+                   help="query heads per rank, comma-separated, each a separate set of points (e.g. "
+                        "64,32,16,8: GLM-5 at TP 1 / 2 / 4 / 8); the index heads stay the preset's "
+                        "(default: the preset's heads; 16 without CUDA; not with --tune)")
     p.add_argument("--iters", type=positive_int, default=100, help="timed graph replays per measurement")
     p.add_argument("--tune", action="store_true",
                    help="instead: time the candidate kernel configurations (TUNE_* in this module) of "
@@ -201,6 +209,7 @@ class _Point:
     weights: torch.Tensor
     q_mla: torch.Tensor
     workspace: torch.Tensor | None  # sparse MLA
+    triton_workspace: torch.Tensor | None  # sparse MLA's Triton default configuration
     topk_workspace: torch.Tensor | None
     buffers: dict = field(default_factory=dict)
 
@@ -251,6 +260,8 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
         * (INDEX_DIM * shapes.index_heads) ** -0.5,
         q_mla=randn(rows, shapes.heads, QK_DIM),
         workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms),
+        triton_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
+                                              config=sparse_mla_config(rows, shapes.heads, True)),
         topk_workspace=topk_workspace(rows, device, num_sms=shapes.num_sms))
     return point
 
@@ -352,7 +363,8 @@ def _layer(p: _Point, new: bool):
 
 
 def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
-    """name -> callable for one op at one point (baseline, new, and for sparse MLA new_nosplit).
+    """name -> callable for one op at one point (baseline, new, and for sparse MLA new_nosplit and,
+    on the bf16 cache, triton).
     Top-k reads the baseline indexer's logits (every row written); sparse MLA the new top-k's
     slots. On the FP8 caches (indexer, sparse MLA) the baseline is the bf16 cache's new form."""
     if kv_cache == "fp8_e4m3" and op == "indexer":
@@ -370,9 +382,11 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
             variants["amax"] = _row_amax(p, "logits_baseline", "amax")
         return variants
     if op == "sparse_mla":
+        triton = sparse_mla_config(p.rows, p.shapes.heads, p.triton_workspace is not None)
         return {"baseline": _sparse_mla(p, "slots_new", "out_baseline", SPARSE_MLA_BASELINE_CONFIG, None),
                 "new": _sparse_mla(p, "slots_new", "out_new", None, p.workspace),
-                "new_nosplit": _sparse_mla(p, "slots_new", "out_nosplit", None, None)}
+                "new_nosplit": _sparse_mla(p, "slots_new", "out_nosplit", None, None),
+                "triton": _sparse_mla(p, "slots_new", "out_triton", triton, p.triton_workspace)}
     return {"baseline": _layer(p, False), "new": _layer(p, True)}
 
 
@@ -448,7 +462,7 @@ def _compare_outputs(p: _Point, op: str, on_gpu: bool, kv_cache: str = "bf16") -
         raise AssertionError("topk: new and baseline slots differ on the same logits")
     if op == "sparse_mla":
         base = p.buffers["out_baseline"].float()
-        for name in ("out_new", "out_nosplit"):
+        for name in ("out_new", "out_nosplit", "out_triton"):
             got = p.buffers[name].float()
             torch.testing.assert_close(got, base, rtol=2e-2, atol=1e-2)
             checks[f"{name}_max_abs_diff"] = float((got - base).abs().max())
@@ -552,8 +566,9 @@ def _time_row(p: _Point, op: str, kv_cache: str, floors, peaks: dict, iters: int
         "spread": {name: t.spread for name, t in timings.items()},
         "detail": {name: t.summary() for name, t in timings.items()},
     }
-    if "new_nosplit" in timings:
-        row["new_nosplit_us"] = timings["new_nosplit"].median_us
+    for name in ("new_nosplit", "triton"):
+        if name in timings:
+            row[f"{name}_us"] = timings[name].median_us
     if "amax" in timings:
         row["amax_us"] = timings["amax"].median_us
         row["new_over_amax"] = new / row["amax_us"]
@@ -567,7 +582,8 @@ def _targets(rows: list[dict]) -> list[dict]:
     for r in rows:
         if "new_us" not in r:
             continue
-        where = {k: r[k] for k in ("op", "mode", "bs", "live_kv")} | {"kv_cache": r.get("kv_cache", "bf16")}
+        where = ({k: r[k] for k in ("op", "mode", "bs", "live_kv")}
+                 | {"kv_cache": r.get("kv_cache", "bf16"), "heads": r.get("heads")})
         if r["op"] != "layer" and r["bs"] == 1 and r["live_kv"] == 1024:
             out.append(dict(where, target=f"<= {SMALL_TARGET_US:g} µs", value=r["new_us"],
                             met=r["new_us"] <= SMALL_TARGET_US))
@@ -597,6 +613,8 @@ def run(args) -> int:
 
     on_gpu = torch.cuda.is_available()
     if args.tune:
+        if args.heads:
+            raise UserError("--heads: not used by --tune (it times the preset's heads)")
         if not on_gpu:
             raise UserError("--tune needs a CUDA device (it times kernels)")
         return _tune(args)
@@ -604,8 +622,8 @@ def run(args) -> int:
     if not on_gpu:
         args.bs, args.live_kv = CPU_SIZES["bs"], CPU_SIZES["live_kv"]
         print(f"No CUDA: the Triton interpreter at fixed small sizes (bs {args.bs}, live KV {args.live_kv}, "
-              f"{shapes.heads} heads, {shapes.index_heads} index heads, top-k {shapes.topk}; --bs, --live-kv, "
-              "--preset and --iters are not used). Outputs are checked against the baseline and the "
+              f"{','.join(map(str, args.heads or [shapes.heads]))} heads, {shapes.index_heads} index heads, top-k {shapes.topk}; --bs, --live-kv, "
+              "--preset and --iters are not used; --heads is). Outputs are checked against the baseline and the "
               "references; no time is measured (interpreter times mean nothing).")
     device = torch.device("cuda" if on_gpu else "cpu")
     floors, peaks = None, {}
@@ -619,16 +637,17 @@ def run(args) -> int:
             peaks["fp8_e4m3"] = matmul_tflops(torch.float8_e4m3fn)
     started = time.monotonic()
     rows, failures = [], 0
-    points = [(live, bs, mode) for live in args.live_kv for bs in args.bs for mode in args.modes]
+    points = [(heads, live, bs, mode) for heads in args.heads or [shapes.heads] for live in args.live_kv
+              for bs in args.bs for mode in args.modes]
     kinds = [(op, kv_cache) for op in args.ops for kv_cache in KV_CACHE_DTYPES
              if kv_cache == "bf16" or (kv_cache == args.kv_cache_dtype and op in FP8_OPS)]
-    for live, bs, mode in tqdm(points, desc="dsa-ops", unit="point"):
-        point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed + live + bs,
-                             fp8=args.kv_cache_dtype == "fp8_e4m3")
+    for heads, live, bs, mode in tqdm(points, desc="dsa-ops", unit="point"):
+        point = _build_point(mode, bs, live, args.verify_rows, replace(shapes, heads=heads), device,
+                             args.seed + live + bs, fp8=args.kv_cache_dtype == "fp8_e4m3")
         _prepare(point)
         for op, kv_cache in kinds:
             row = {"op": op, "kv_cache": kv_cache, "mode": mode, "bs": bs, "live_kv": live, "rows": point.rows,
-                   "index_heads": shapes.index_heads,
+                   "heads": heads, "index_heads": shapes.index_heads,
                    "num_splits": None if point.workspace is None else point.workspace.shape[2],
                    "topk_chunks": 1 if point.topk_workspace is None else point.topk_workspace.shape[1]}
             try:
@@ -662,23 +681,24 @@ def run(args) -> int:
                            "sparse_mla_baseline": vars(SPARSE_MLA_BASELINE_CONFIG)},
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
-        cols = [("op", "op"), ("kv_cache", "KV cache"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"),
-                ("rows", "rows"), ("baseline_us", "baseline µs"), ("new_us", "new µs"), ("speedup", "speedup"),
-                ("new_nosplit_us", "new no-split µs"), ("num_splits", "splits"),
+        cols = [("op", "op"), ("kv_cache", "KV cache"), ("heads", "heads"), ("mode", "mode"), ("bs", "bs"),
+                ("live_kv", "live KV"), ("rows", "rows"), ("baseline_us", "baseline µs"), ("new_us", "new µs"),
+                ("speedup", "speedup"), ("new_nosplit_us", "new no-split µs"), ("triton_us", "Triton default µs"), ("num_splits", "splits"),
                 ("topk_chunks", "top-k chunks"), ("floor_us", "floor µs"),
                 ("bytes_floor_us", "bytes floor µs"), ("flop_floor_us", "FLOP floor µs"),
                 ("achieved", "achieved"), ("amax_us", "same-bytes amax µs"), ("new_over_amax", "new / amax"),
                 ("spread_new", "spread new"), ("error", "error")]
         table = [dict(r, spread_new=r.get("spread", {}).get("new")) for r in rows]
     else:
-        cols = [("op", "op"), ("kv_cache", "KV cache"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"),
-                ("rows", "rows"), ("topk_chunks", "top-k chunks"), ("matches_baseline", "new == baseline"), ("matches_reference", "== reference"), ("error", "error")]
+        cols = [("op", "op"), ("kv_cache", "KV cache"), ("heads", "heads"), ("mode", "mode"), ("bs", "bs"),
+                ("live_kv", "live KV"), ("rows", "rows"), ("topk_chunks", "top-k chunks"), ("matches_baseline", "new == baseline"), ("matches_reference", "== reference"), ("error", "error")]
         table = rows
     md = markdown_table(cols, table)
     if targets:
         met = sum(t["met"] for t in targets)
         md += (f"\n\n## Targets: {met} of {len(targets)} met\n\n"
-               + markdown_table([("op", "op"), ("kv_cache", "KV cache"), ("mode", "mode"), ("bs", "bs"),
+               + markdown_table([("op", "op"), ("kv_cache", "KV cache"), ("heads", "heads"), ("mode", "mode"),
+                                 ("bs", "bs"),
                                  ("live_kv", "live KV"), ("target", "target"), ("value", "value"), ("met", "met")],
                                 [t for t in targets if not t["met"]] or [{"op": "(all met)"}]))
     write_results("dsa_ops", payload, md, args.out)
