@@ -11,8 +11,8 @@ upcast), for ``GPUTarget("cuda", 90, 32)`` with the wheel's ptxas and nvdisasm.
 
     python3 scripts/compile_fp8_dsa.py [--sweep]
 
-``--sweep`` also compiles the FP8 candidates (indexer pipelining depths and warps; sparse MLA tiles)
-and marks the ones that spill. Needs no GPU and no driver.
+``--sweep`` also compiles the FP8 candidates (indexer pipelining depths and warps; sparse MLA tiles),
+printing their spills and marking those over the sm_90 shared-memory limit. Needs no GPU and no driver.
 """
 
 from __future__ import annotations
@@ -43,9 +43,13 @@ SASS_OPS = re.compile(r"\b((?:QGMMA|HGMMA|HMMA|LDGSTS|LDG|LDL|STL|F2FP)(?:\.[A-Z
 INDEXER_SWEEP = [IndexerConfig(tokens_as_m=True, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4, 6, 8)]
 SPARSE_MLA_SWEEP = [SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=s, block_dv=dv)
                     for h, n, w, s, dv in ((64, 64, 8, 2, 512), (64, 32, 8, 2, 512), (64, 32, 8, 1, 512),
-                                           (64, 64, 8, 2, 256), (64, 32, 8, 2, 256), (64, 32, 4, 2, 256),
-                                           (64, 32, 4, 2, 128), (64, 64, 4, 1, 128), (32, 64, 8, 3, 512),
-                                           (32, 32, 8, 2, 512), (32, 64, 8, 2, 512), (32, 32, 4, 2, 512))]
+                                           (64, 16, 8, 2, 512), (64, 64, 8, 2, 256), (64, 32, 8, 2, 256),
+                                           (64, 32, 8, 3, 256), (64, 16, 8, 2, 256), (64, 16, 8, 3, 256),
+                                           (64, 32, 4, 2, 256), (64, 32, 4, 1, 256), (64, 16, 4, 2, 256),
+                                           (64, 32, 4, 2, 128), (64, 64, 4, 1, 128), (16, 32, 4, 2, 512),
+                                           (32, 64, 8, 3, 512), (32, 32, 8, 2, 512), (32, 64, 8, 2, 512),
+                                           (32, 32, 4, 2, 512))]
+SM90_SHARED = 232448  # bytes of shared memory one block may hold on sm_90 (227 KiB)
 
 
 def _compile(kernel, launch) -> dict:
@@ -97,7 +101,9 @@ def _line(name: str, result: dict) -> str:
     mma = {op: n for op, n in result["sass"].items() if "GMMA" in op or "HMMA" in op}
     loads = {op: n for op, n in result["sass"].items() if op.startswith(("LDG", "LDL", "STL"))}
     e4m3 = any("E4M3" in op for op in mma)
-    return (f"{name}: {result['regs']} regs, {result['spill']} B spilled, {result['shared']} B shared, "
+    too_big = " (over the sm_90 limit: cannot launch)" if result["shared"] > SM90_SHARED else ""
+    return (f"{name}: {result['regs']} regs, {result['spill']} B spilled, "
+            f"{result['shared']} B shared{too_big}, "
             f"e4m3 wgmma {'yes' if e4m3 else 'no'}; MMA {mma}; loads {loads}")
 
 

@@ -9,7 +9,11 @@ rounding of the output, which the interpreter truncates (up to one bf16 ulp, 2**
 On the GPU (GPU_ATOL): bf16 probabilities enter the value product, as on the bf16 cache.
 """
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,6 +196,23 @@ def test_row_invariant_without_workspace(device):
         assert torch.equal(alone[0], together[row]), row
 
 
+def test_compiles_for_sm90_without_spills():
+    """Without a GPU: on the FP8 cache the default tiles compile for sm_90 without register
+    spills and gather the rope values by 16-byte cp.async like the codes (no 2-byte loads, which
+    stay outside the software pipeline); scripts/compile_fp8_dsa.py's compile, in a subprocess
+    (it compiles instead of interpreting)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    code = ("import compile_fp8_dsa as c; from triton import knobs; knobs.nvidia.dump_ptxas_log = True; "
+            "r = c.compile_sparse_mla(True); print(r['regs'], r['spill'], r['sass']['LDG.E.U16'], "
+            "r['sass']['LDGSTS.E.BYPASS.128'])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=root / "scripts")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    regs, spilled, rope_scalar_loads, copies = map(int, proc.stdout.split()[-4:])
+    assert 0 < regs <= 255 and spilled == 0 and rope_scalar_loads == 0 and copies > 0, proc.stdout
+
+
 def test_bad_arguments(device):
     inputs = fp8_inputs(2, 4, num_slots=10, k=8, valid_counts=[8, 8], device=device)
     out = torch.zeros(2, 4, 512, dtype=torch.bfloat16, device=device)
@@ -202,6 +223,11 @@ def test_bad_arguments(device):
                                                    "(10, 656)")):
         sparse_mla_decode(**dict(inputs, kv_cache=torch.zeros(10, 656, dtype=torch.bfloat16,
                                                               device=device)), out=out)
+    with pytest.raises(ValueError, match="kv_cache: an fp8_ds_mla cache's row stride must be a "
+                                         "multiple of 16 bytes, got 660"):
+        padded = torch.zeros(10, 660, dtype=torch.uint8, device=device)
+        padded[:, :656] = inputs["kv_cache"]
+        sparse_mla_decode(**dict(inputs, kv_cache=padded[:, :656]), out=out)
     with pytest.raises(ValueError, match=re.escape("kv_cache: expected dtype in (torch.bfloat16, "
                                                    "torch.uint8), got torch.int8")):
         sparse_mla_decode(**dict(inputs, kv_cache=inputs["kv_cache"].view(torch.int8)), out=out)

@@ -128,14 +128,15 @@ TUNE_SPARSE_MLA = (
     SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=1, block_dv=128),
     SPARSE_MLA_BASELINE_CONFIG,
 )
-# Also tried on the FP8 cache (--kv-cache-dtype fp8_e4m3): the 64-head tiles with the fewest register
-# spills there (sm_90 ptxas, scripts/compile_fp8_dsa.py: 0, 12 and 8 bytes), where SPARSE_MLA_CONFIG
-# spills 376 (its dequantized tile passes through registers beside the 512-column accumulator); 32-head
-# tiles spill more and lose the warpgroup MMA (mma.sync).
+# Also tried on the FP8 cache (--kv-cache-dtype fp8_e4m3): 64-head tiles that compile for sm_90 without
+# spills there (scripts/compile_fp8_dsa.py --sweep), SPARSE_MLA_CONFIG's included: 8 warps with 256
+# value columns (173-193 registers), 16 slots a block on 8 warps, and 4 warps with 256 columns (255).
 TUNE_SPARSE_MLA_FP8 = (
+    SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, block_dv=256),
+    SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, block_dv=256),
+    SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, block_dv=256),
+    SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, block_dv=512),
     SparseMLAConfig(block_h=64, block_n=16, num_warps=4, num_stages=2, block_dv=256),
-    SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2, block_dv=256),
-    SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, block_dv=256),
 )
 TUNE_INDEXER = (
     INDEXER_CONFIG,

@@ -174,7 +174,14 @@ def _gather_rows(latent_ptr, latent_stride, scale_ptr, scale_stride, rope_ptr, r
     kv_latent = _gather_latent(latent_ptr, latent_stride, scale_ptr, scale_stride, slot, 0,
                                LATENT, GROUP, FP8)
     valid = slot >= 0
-    rope_row = rope_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * rope_stride
+    rope_row = tl.where(valid, slot, 0).to(tl.int64) * rope_stride
+    if FP8:
+        # an fp8_ds_mla row stride of 656 bytes (328 bf16) is no multiple of 16 elements, so
+        # Triton assumes 2-byte alignment: scalar loads outside the software pipeline. Rows are
+        # 16-byte aligned (the host checks the stride): with the hint the rope values go by
+        # 16-byte cp.async like the latent codes.
+        rope_row = tl.multiple_of(rope_row, 8)
+    rope_row = rope_ptr + rope_row[:, None]
     kv_rope = tl.load(rope_row + tl.arange(0, ROPE)[None, :], mask=valid[:, None], other=0.0)
     return kv_latent, kv_rope
 
@@ -404,9 +411,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     q : bf16 ``[R, H, 576]``, absorbed queries ``[latent 512 | rope 64]`` (last dim contiguous).
     kv_cache : the MLA cache indexed by slot: bf16 ``[num_slots, 576]`` (latent then rope), or
         uint8 ``[num_slots, 656]`` in the ``fp8_ds_mla`` layout
-        (:mod:`dsaspec.ops.kv_cache_layout`), whose latent the Triton kernel dequantizes to bf16
-        as it gathers it (exact: power-of-two scales), then the same bf16 dots (on a GPU of
-        compute capability 8.9 or newer). The choice is made on the dtype on the host:
+        (:mod:`dsaspec.ops.kv_cache_layout`; row stride a multiple of 16 bytes), whose latent
+        the Triton kernel dequantizes to bf16 as it gathers it (exact: power-of-two scales),
+        then the same bf16 dots (on a GPU of compute capability 8.9 or newer). The choice is made on the dtype on the host:
         graph-safe.
     slots : int32 ``[R, k]``, selected slots, ``-1`` = none (e.g. from ``topk_slots``). Work per
         row stops after its last valid entry.
@@ -499,6 +506,9 @@ def _check_inputs(q, kv_cache, slots, out, workspace) -> None:
     check_tensor("kv_cache", kv_cache, dtype=(torch.bfloat16, torch.uint8), device=device, ndim=2)
     width = MLA_FP8_BYTES if is_fp8_cache(kv_cache) else QK_DIM
     check_tensor("kv_cache", kv_cache, dtype=kv_cache.dtype, shape=(None, width))
+    if is_fp8_cache(kv_cache) and kv_cache.stride(0) % 16:
+        raise ValueError(f"kv_cache: an fp8_ds_mla cache's row stride must be a multiple of 16 "
+                         f"bytes, got {kv_cache.stride(0)}")
     check_tensor("slots", slots, dtype=torch.int32, shape=(num_rows, None), device=device)
     check_tensor("out", out, dtype=torch.bfloat16, shape=(num_rows, num_heads, LATENT_DIM),
                  device=device)
