@@ -104,10 +104,19 @@ def test_attention_metadata_does_not_depend_on_the_cache_dtype(model, prompts, m
 
 
 @torch.no_grad()
-def test_triton_ops_on_fp8_caches_match_the_torch_ops(prompts):
+def test_triton_ops_on_fp8_caches_match_the_torch_ops(prompts, monkeypatch):
     """The Triton indexer and sparse MLA on the FP8 pools against the torch ops on the same bytes:
     the bf16 prefill logits agree to bf16 rounding, and generation runs plain and speculative (the
-    Triton kernels' summation order is not the torch ops', so only the logits are compared)."""
+    Triton kernels' summation order is not the torch ops', so only the logits are compared), with
+    the attention workspaces sized for the FP8 cache's sparse-MLA configuration."""
+    sized_for_fp8 = []
+    original = DSAModel.attention_workspace
+
+    def recording(self, rows, fp8_cache=False):
+        sized_for_fp8.append(fp8_cache)
+        return original(self, rows, fp8_cache)
+
+    monkeypatch.setattr(DSAModel, "attention_workspace", recording)
     triton_model = DSAModel(get_config("tiny"), dtype=torch.bfloat16, use_triton=True).init_weights(0)
     torch_model = DSAModel(get_config("tiny"), dtype=torch.bfloat16).init_weights(0)
     for prompt in prompts[1:]:
@@ -116,6 +125,7 @@ def test_triton_ops_on_fp8_caches_match_the_torch_ops(prompts):
     engine = Engine(triton_model, context_len=CONTEXT, max_batch=1, bucket_sizes=(1,), progress=False,
                     speculative=SpecConfig(num_steps=2), kv_cache_dtype="fp8_e4m3")
     assert len(engine.generate(prompts[1:2], 3)[0].token_ids) == 3
+    assert sized_for_fp8 and all(sized_for_fp8)
 
 
 def test_required_bytes_counts_fp8_caches():

@@ -98,7 +98,8 @@ class DecodeWorker(BucketWorker):
     def _capture_bucket(self, bucket: int) -> None:
         self.backend.capture(bucket, Mode.DECODE)
         attn = self._attn[bucket] = self.backend.attention_inputs(
-            bucket, Mode.DECODE, workspace=self.model.attention_workspace(bucket))
+            bucket, Mode.DECODE, workspace=self.model.attention_workspace(
+                bucket, fp8_cache=self.target_kv.kv_cache_dtype == "fp8_e4m3"))
         batch = self._static.view(bucket)
         self.load([], bucket)                   # every row padding: valid metadata to capture over
         self.prepare(bucket)

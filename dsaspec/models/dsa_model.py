@@ -332,9 +332,10 @@ class DSAModel(nn.Module):
         x, residual = layer(x, step, kv.mla_cache[0], kv.index_k_cache[0])
         return layer.shared_head.norm(x, residual)[0]
 
-    def attention_workspace(self, rows: int) -> AttentionWorkspace | None:
-        """The Triton ops' workspaces for steps of ``rows`` rows (allocate once, before graph
-        capture), or None with the torch ops. The sparse-MLA split is left out in the row-invariant
+    def attention_workspace(self, rows: int, fp8_cache: bool = False) -> AttentionWorkspace | None:
+        """The Triton ops' workspaces for steps of ``rows`` rows over bf16 caches, or with
+        ``fp8_cache`` over ``fp8_e4m3`` ones (allocate once, before graph capture), or None with
+        the torch ops. The sparse-MLA split is left out in the row-invariant
         mode (its summation order depends on the rows); either part is None where rows enough to
         fill the GPU need no split."""
         if not self.use_triton:
@@ -350,10 +351,11 @@ class DSAModel(nn.Module):
         candidates = topk_candidates(rows, self.config.index_topk, device,
                                      num_chunks=1 if topk is None else topk.shape[1])
         heads = self.num_local_heads
-        # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon); an FP8
-        # cache's Triton configuration splits as many ways (test_fp8_cache_takes_the_triton_configs)
+        # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon, the
+        # cache dtype): the Gluon and Triton configurations split differently
         mla_config = sparse_mla_config(rows, heads, split=True,
-                                       device=device if self.sparse_mla_gluon else None)
+                                       device=device if self.sparse_mla_gluon else None,
+                                       fp8_cache=fp8_cache)
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, heads, device,
                                                                             config=mla_config),

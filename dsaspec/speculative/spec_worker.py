@@ -225,7 +225,8 @@ class SpecWorker(BucketWorker):
         """The DSA ops' workspaces (sparse-MLA split, top-k chunks) of ``rows``-row forwards,
         shared by every phase (they run one after another)."""
         if rows not in self._workspaces:
-            self._workspaces[rows] = self.model.attention_workspace(rows)
+            self._workspaces[rows] = self.model.attention_workspace(
+                rows, fp8_cache=self.target_kv.kv_cache_dtype == "fp8_e4m3")
         return self._workspaces[rows]
 
     def _bucket_batch(self, bucket: int) -> _Batch:
