@@ -6,7 +6,9 @@ entries, config routing (the Gluon kernel reads bf16 only), and the Triton ops' 
 Tolerance under the interpreter (atol 1e-3, rtol 1e-2): the kernel runs the math in fp32 on
 exactly the values the cache holds, so the error is fp32 summation (about 1e-6) plus the bf16
 rounding of the output, which the interpreter truncates (up to one bf16 ulp, 2**-7 relative).
-On the GPU (GPU_ATOL): bf16 probabilities enter the value product, as on the bf16 cache.
+On the GPU: bf16 probabilities enter the value product, as on the bf16 cache: each probability is
+off by at most 2**-8 of itself, so an output is off by at most 2**-8 sum_j p_j |v_j| (the values
+in the cache reach 14, so no fixed atol fits), plus its own bf16 rounding (2**-8 relative).
 """
 
 import os
@@ -39,7 +41,6 @@ CONFIGS = {
     "value_128": SparseMLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, block_dv=128),
 }
 ATOL, RTOL = 1e-3, 1e-2
-GPU_ATOL = 3e-3
 NAN_CODES = (0x7F, 0xFF)  # e4m3fn's NaNs
 
 
@@ -86,6 +87,17 @@ def _run(inputs, workspace=None, config=None, check_values=True):
 def _reference(inputs):
     return reference_sparse_mla_decode_fp8(inputs["q"].cpu(), inputs["kv_cache"].cpu(),
                                            inputs["slots"].cpu(), inputs["sm_scale"])
+
+
+def _assert_within_gpu_rounding(out, inputs):
+    """``out`` (bf16, on the GPU) against the reference within the bf16-probability bound of the
+    module docstring (and 1e-5 for fp32 sums)."""
+    args = (inputs["q"].cpu(), inputs["kv_cache"].cpu(), inputs["slots"].cpu(), inputs["sm_scale"])
+    want = reference_sparse_mla_decode_fp8(*args)
+    magnitude = reference_sparse_mla_decode_fp8(*args, absolute_values=True)
+    error = (out.float().cpu() - want).abs()
+    bound = 2.0 ** -8 * (magnitude + want.abs()) + 1e-5
+    assert torch.all(error <= bound), f"worst error over bound: {float((error / bound).max()):.3f}"
 
 
 def _dequantized(inputs):
@@ -291,8 +303,7 @@ def test_gpu_production_sizes(config, num_rows, split):
     inputs = _production(num_rows, 64, seed=num_rows)
     workspace = (sparse_mla_workspace(num_rows, 64, "cuda", num_splits=max(
         2, sparse_mla_num_splits(num_rows, 64, 132))) if split else None)
-    out = _run(inputs, workspace, CONFIGS.get(config))
-    torch.testing.assert_close(out.float().cpu(), _reference(inputs), atol=GPU_ATOL, rtol=RTOL)
+    _assert_within_gpu_rounding(_run(inputs, workspace, CONFIGS.get(config)), inputs)
 
 
 @pytest.mark.gpu
@@ -324,7 +335,7 @@ def test_gpu_cuda_graph_replay_with_new_slots(split):
         inputs["slots"].copy_(fresh)
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(out.float().cpu(), _reference(inputs), atol=GPU_ATOL, rtol=RTOL)
+        _assert_within_gpu_rounding(out, inputs)
 
 
 @pytest.mark.parametrize("capability,refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])

@@ -34,10 +34,12 @@ def _fp8_ds_mla_values(entries: torch.Tensor) -> torch.Tensor:
 
 
 def reference_sparse_mla_decode_fp8(q: torch.Tensor, kv_bytes: torch.Tensor, slots: torch.Tensor,
-                                    sm_scale: float) -> torch.Tensor:
+                                    sm_scale: float, absolute_values: bool = False) -> torch.Tensor:
     """fp32 ``[R, H, 512]`` (computed in fp64): :func:`reference_sparse_mla_decode` over an
     ``fp8_ds_mla`` cache (uint8 ``[num_slots, 656]``), each selected entry dequantized from its
-    bytes (latent code * its group's scale | rope); only the selected entries are read."""
+    bytes (latent code * its group's scale | rope); only the selected entries are read. With
+    ``absolute_values``: ``sum_j p_j |v_j|`` instead (same probabilities), the magnitude that
+    bounds a rounding of the probabilities in the value product."""
     num_rows, num_heads, _ = q.shape
     out = torch.zeros(num_rows, num_heads, 512, dtype=torch.float64, device=q.device)
     for row in range(num_rows):
@@ -46,5 +48,6 @@ def reference_sparse_mla_decode_fp8(q: torch.Tensor, kv_bytes: torch.Tensor, slo
             continue
         keys = _fp8_ds_mla_values(kv_bytes[chosen])  # [n, 576]
         probs = torch.softmax(sm_scale * (q[row].double() @ keys.T), dim=-1)  # [H, n]
-        out[row] = probs @ keys[:, :512]
+        values = keys[:, :512]
+        out[row] = probs @ (values.abs() if absolute_values else values)
     return out.float()
