@@ -469,6 +469,7 @@ def test_inconsistent_fp8_expert_tensors_name_the_tensor_and_file(fp8_moe_checkp
         load_checkpoint(path, dtype=torch.float32)
 
 
+@pytest.mark.interpreter  # a CPU model; its FP8 GEMMs and fused MoE run under the interpreter
 @pytest.mark.parametrize("path", ["torch", "torch-row-invariant", "fused"])
 def test_fp8_expert_paths_match_the_reference(path):
     """Layer 1's FP8 routed experts on each path against reference.fused_moe_fp8 over the module's

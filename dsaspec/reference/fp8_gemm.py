@@ -23,7 +23,10 @@ def _quantize_groups(groups: torch.Tensor, amax: torch.Tensor, ue8m0: bool):
     """Codes and scales of fp32 ``groups`` given their per-group ``amax`` (broadcastable); a code
     that rounds to zero is +0."""
     finite = torch.isfinite(amax)
-    scale = torch.clamp(torch.where(finite, amax, 0.0), min=MIN_AMAX) / FP8_MAX
+    amax = torch.clamp(torch.where(finite, amax, 0.0), min=MIN_AMAX)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which can
+    # be one ulp off the correctly rounded amax / 448
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if ue8m0:
         scale = _power_of_two_ceil(scale)
     codes = torch.clamp(groups / scale, -FP8_MAX, FP8_MAX)
