@@ -21,12 +21,18 @@ RESULTS_ROOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def _git_commit() -> str | None:
+    """HEAD of the checkout this package runs from; None outside one (an exported tree inside
+    another repository's work tree would otherwise report that repository's HEAD)."""
+    root = Path(__file__).resolve().parents[2]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10, cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=root)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    lines = out.stdout.split()
+    if out.returncode or len(lines) != 2 or Path(lines[0]).resolve() != root:
+        return None
+    return lines[1]
 
 
 def machine_info() -> dict:

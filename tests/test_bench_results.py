@@ -1,0 +1,31 @@
+"""Provenance in the benchmarks' JSON: the commit recorded is the checkout's own HEAD, and nothing
+for a tree exported into another repository's work tree (as a GPU run's snapshot is)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from dsaspec.bench.results import _git_commit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args, cwd):
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_commit_of_this_checkout():
+    assert _git_commit() == _git("rev-parse", "--short", "HEAD", cwd=ROOT)
+
+
+def test_no_commit_for_a_tree_inside_another_repository(tmp_path):
+    _git("init", "-q", cwd=tmp_path)
+    _git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "outer", cwd=tmp_path)
+    inner = tmp_path / "snapshot"
+    shutil.copytree(ROOT / "dsaspec", inner / "dsaspec", ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run([sys.executable, "-c", "from dsaspec.bench.results import _git_commit; print(_git_commit())"],
+                         cwd=inner, env={"PYTHONPATH": str(inner), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
