@@ -2,9 +2,10 @@
 # One lent-GPU session: runs the named steps in order, logs and results under $OUT (default ./gpu_out).
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
-#   e2e-quick, decode, diagnose, draft-step, fp8-tests, fp8-dsa-ops, fp8-dsa-tune, moe-fp8, kv-accuracy,
-#   e2e-rank-glm5, e2e-rank-v32; pack (last: everything under $OUT into $OUT/out.tgz, since a device call
-#   returns at most 8 files)
+#   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
+#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, moe-fp8, kv-accuracy, e2e-rank-glm5, e2e-rank-v32; pack (last: everything under $OUT into $OUT/out.tgz, since a device call
+#   returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
+#   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,9 +46,13 @@ for step in "$@"; do
         tp-e2e-quick) python3 -m dsaspec bench e2e --tp 2 --presets e2e --contexts 1048576 --concurrency 1,4,16,32 \
                           --accept 3.0 --iterations 12 --runs 4 --out "$OUT" ;;
         tp-e2e)       python3 -m dsaspec bench e2e --tp 2 --out "$OUT" ;;
-        fp8-tests)    python3 -m pytest -q -p no:cacheprovider -rfE --tb=line -n 8 tests/test_fused_moe.py \
-                          tests/test_indexer_fp8.py tests/test_sparse_mla_fp8.py tests/test_fp8_checkpoint.py \
-                          tests/test_fp8_gemm.py tests/test_mla_latent.py tests/test_index_rope.py 2>&1 | tee "$OUT/fp8_tests.log" ;;
+        fp8-tests)    python3 -m pytest -v -p no:cacheprovider -rfE --tb=line -n 8 --timeout 300 tests/test_fused_moe.py \
+                          tests/test_fp8_checkpoint.py tests/test_fp8_gemm.py 2>&1 | tee "$OUT/fp8_tests.log" &&
+                      python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=line -n 8 --timeout 300 \
+                          tests/test_indexer_fp8.py tests/test_sparse_mla_fp8.py tests/test_mla_latent.py \
+                          tests/test_index_rope.py tests/test_sparse_mla_gluon.py 2>&1 | tee -a "$OUT/fp8_tests.log" ;;
+        heads-per-rank) python3 -m dsaspec bench dsa-ops --ops sparse_mla --modes decode,target_verify --bs 1,16,32,64 \
+                          --live-kv 65536 --heads 64,32,16,8 --out "$OUT/heads_per_rank" ;;
         fp8-dsa-ops)  python3 -m dsaspec bench dsa-ops --ops indexer,sparse_mla --modes decode,target_verify \
                           --bs 1,32,64 --live-kv 8192,65536 --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_glm5" &&
                       python3 -m dsaspec bench dsa-ops --preset deepseek_v32 --ops indexer --modes decode \
