@@ -353,11 +353,11 @@ def test_bench_decode_phases_count_the_time_each_kernel_adds():
         ("gemm_b", 24_000, 26_000),
         (marker, 27_000, 28_000), ("inner", 29_000, 30_000), ("tail", 29_500, 31_000),   # step 1
         (marker, 32_000, 33_000), ("_sparse_mla_decode_kernel", 34_000, 35_000)]
-    per_step = decode.attribute_phases(events, ["attn", "ffn"], steps=2)
+    per_step = decode.attribute_phases(events, [("attn", None), ("ffn", None)], steps=2)
     assert per_step[0] == {"attn": 8.0, "sparse_mla": 11.0, "ffn": 2.0}
     assert per_step[1] == {"attn": 2.0, "sparse_mla": 1.0}
     # a kernel lying wholly inside an earlier one adds nothing
-    inside = decode.attribute_phases([(marker, 0, 1), ("long", 2, 100), ("short", 10, 20)], ["r"], 1)
+    inside = decode.attribute_phases([(marker, 0, 1), ("long", 2, 100), ("short", 10, 20)], [("r", None)], 1)
     assert inside == [{"r": 0.098}]
 
 

@@ -18,13 +18,16 @@ reversed every other run); spread = (max - min) / median of the per-run medians.
 contexts).
 
 Per-phase breakdown: a second runner per configuration is captured with an empty marker kernel
-launched at module boundaries (forward hooks), so the graph's kernels can be attributed to the
-module that launched them; DSA kernels are attributed by name (``PHASE_PATTERNS``). Phase time =
-the GPU time its kernels add in one step (CUPTI, torch.profiler), median over ``--profile-steps``
-steps: each kernel counts from the later of its start and the end of every earlier kernel, so a
-kernel that starts early and waits (a programmatic dependent launch, e.g. sparse MLA's combine)
-counts only the time after its predecessor; the phases of a step add up to its GPU busy time
-(``kernel_sum_us``, column "GPU busy"). The marker kernels themselves are excluded.
+launched at module boundaries (forward hooks on the phase modules and on every leaf module), so the
+graph's kernels can be attributed to the module that launched them; DSA kernels are attributed by
+name (``PHASE_PATTERNS``). Phase time = the GPU time its kernels add in one step (CUPTI,
+torch.profiler), median over ``--profile-steps`` steps: each kernel counts from the later of its
+start and the end of every earlier kernel, so a kernel that starts early and waits (a programmatic
+dependent launch, e.g. sparse MLA's combine) counts only the time after its predecessor; the phases
+of a step add up to its GPU busy time (``kernel_sum_us``, column "GPU busy"). The marker kernels
+themselves are excluded. Per phase the kernels by name and innermost module (``layers.*``: summed
+over the layers), with their launches and median µs per step, the ``TOP_KERNELS`` largest
+(``kernel_table``, ``short_kernel_name``).
 
 Without CUDA: the ``tiny`` preset in fp32 with the torch reference ops (the metadata kernels run under the
 Triton interpreter), small contexts, a few steps; only token identity is checked, no time is
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -60,6 +64,12 @@ FULL_CONTEXT = 1 << 20
 KERNELS = (CONTEXT_WIDE, BOUNDED)            # baseline first
 MARKER = "_empty_kernel"
 TPOT_TARGET = 1.05                           # bounded TPOT at a long context / at the reference context
+TOP_KERNELS = 8                              # kernels a phase in the kernel table, the rest summed
+KERNEL_NAME_WIDTH = 40
+_LAYER_INDEX = re.compile(r"\blayers\.\d+(?=\.|$)")
+_IDENTIFIER = re.compile(r"(?<!\w)([A-Za-z_]\w*)\s*(::|<)?")
+_CPP_WORDS = frozenset({"bool", "char", "const", "double", "float", "half", "int", "long", "short", "signed",
+                        "unsigned", "void", "operator", "lambda", "true", "false", "BFloat16", "Half"})
 
 # DSA-op kernels land in a phase by name: every Triton and Gluon kernel of these modules (read from the modules,
 # so a new kernel cannot be missed)
@@ -131,35 +141,50 @@ class _Context:
 
 class PhaseMarkers:
     """Launches an empty kernel at module boundaries of the model while installed, so a profile of
-    the (captured) forward can be cut into the modules' regions."""
+    the (captured) forward can be cut into regions; each label is ``(phase, module path or None)``."""
 
     def __init__(self, model: DSAModel):
         self.model = model
-        self.labels: list[str] = []
+        self.labels: list[tuple[str, str | None]] = []
         self._dummy = torch.zeros(1, device=model.lm_head.weight.device)
 
-    def mark(self, label: str) -> None:
+    def mark(self, phase: str, module: str | None = None) -> None:
         """Launch one marker kernel and remember its label."""
         from dsaspec.ops.empty import empty_kernel
 
-        self.labels.append(label)
+        self.labels.append((phase, module))
         empty_kernel(self._dummy)
 
     @contextlib.contextmanager
     def installed(self):
-        """Forward hooks on the rotary, attention, indexer, FFN and LM-head modules."""
+        """Forward hooks on the attention, indexer, FFN and LM-head modules (their phases), and on
+        every leaf module (a GEMM, a norm, the rotary table): a leaf opens a region of its
+        enclosing module's phase under its own path and returns to the enclosing module's region."""
         hooks = []
+        paths = {module: path for path, module in self.model.named_modules()}
 
-        def at(module, before: str, after: str) -> None:
-            hooks.append(module.register_forward_pre_hook(lambda *_: self.mark(before)))
-            hooks.append(module.register_forward_hook(lambda *_: self.mark(after)))
+        def at(module, before: tuple, after: tuple) -> None:
+            hooks.append(module.register_forward_pre_hook(lambda *_: self.mark(*before)))
+            hooks.append(module.register_forward_hook(lambda *_: self.mark(*after)))
 
-        at(self.model.rotary, "other", "other")
+        other = ("other", None)
+        regions = {}                          # phase module path -> its region's label
         for layer in self.model.model.layers:
-            at(layer.self_attn, "attention_proj", "other")
-            at(layer.self_attn.indexer, "indexer", "attention_proj")
-            at(layer.mlp, "ffn", "other")
-        at(self.model.lm_head, "lm_head", "sampling")
+            attn = regions[paths[layer.self_attn]] = ("attention_proj", paths[layer.self_attn])
+            at(layer.self_attn, attn, other)
+            if layer.self_attn.indexer is not None:
+                index = regions[paths[layer.self_attn.indexer]] = ("indexer", paths[layer.self_attn.indexer])
+                at(layer.self_attn.indexer, index, attn)
+            ffn = regions[paths[layer.mlp]] = ("ffn", paths[layer.mlp])
+            at(layer.mlp, ffn, other)
+        head = regions[paths[self.model.lm_head]] = ("lm_head", paths[self.model.lm_head])
+        at(self.model.lm_head, head, ("sampling", None))
+        for module, path in paths.items():
+            if path in regions or next(module.children(), None) is not None:
+                continue
+            enclosing = max((p for p in regions if path.startswith(p + ".")), key=len, default=None)
+            outer = other if enclosing is None else regions[enclosing]
+            at(module, (outer[0], path), outer)
         try:
             yield self
         finally:
@@ -174,27 +199,99 @@ def _phase_by_name(name: str) -> str | None:
     return None
 
 
-def attribute_phases(events, sequence: list[str], steps: int) -> list[dict]:
-    """Per-step phase times (µs) from CUPTI events ``(name, start_ns, end_ns)`` sorted by start:
-    marker ``k`` opens region ``sequence[k % len(sequence)]`` of step ``k // len(sequence)``; a
-    kernel goes to its name's phase, else to its region's, with the part of its interval after
-    the end of every earlier kernel (time it adds; none when it lies within earlier ones).
-    Raises if the markers do not match."""
-    per_step = [defaultdict(float) for _ in range(steps)]
+def attribute_kernels(events, sequence: list[tuple[str, str | None]], steps: int) -> list[dict]:
+    """Per step, ``{(phase, module, name): [launches, µs]}`` from CUPTI events ``(name, start_ns,
+    end_ns)`` sorted by start: marker ``k`` opens region ``sequence[k % len(sequence)]`` (a
+    ``(phase, module path)`` label) of step ``k // len(sequence)``; a kernel goes to its name's
+    phase, else to its region's, under its region's module (``layers.<i>`` read as ``layers.*``, so
+    a kernel of every layer is one key), with the part of its interval after the end of every
+    earlier kernel (time it adds; none when it lies within earlier ones). Raises if the markers do
+    not match."""
+    per_step = [defaultdict(lambda: [0, 0.0]) for _ in range(steps)]
+    modules = [label[1] and _LAYER_INDEX.sub("layers.*", label[1]) for label in sequence]
     seen, region, step, busy_until = 0, None, 0, float("-inf")
     for name, start, end in events:
         if MARKER in name:
-            region, step = sequence[seen % len(sequence)], seen // len(sequence)
+            region, step = seen % len(sequence), seen // len(sequence)
             seen += 1
             continue
         added = max(0, end - max(start, busy_until))
         busy_until = max(busy_until, end)
         if region is None or step >= steps:
             continue
-        per_step[step][_phase_by_name(name) or region] += added / 1e3
+        entry = per_step[step][(_phase_by_name(name) or sequence[region][0], modules[region], name)]
+        entry[0] += 1
+        entry[1] += added / 1e3
     if seen != steps * len(sequence):
         raise RuntimeError(f"phase markers: expected {steps * len(sequence)} in the profile, found {seen}")
     return [dict(s) for s in per_step]
+
+
+def phase_sums(kernels: dict) -> dict[str, float]:
+    """One step's µs per phase from its :func:`attribute_kernels` entry."""
+    out: dict[str, float] = defaultdict(float)
+    for (phase, _, _), (_, us) in kernels.items():
+        out[phase] += us
+    return dict(out)
+
+
+def attribute_phases(events, sequence: list[tuple[str, str | None]], steps: int) -> list[dict]:
+    """Per-step phase times (µs): :func:`attribute_kernels` summed by phase."""
+    return [phase_sums(s) for s in attribute_kernels(events, sequence, steps)]
+
+
+def short_kernel_name(name: str, width: int = KERNEL_NAME_WIDTH) -> str:
+    """A readable stem of a CUPTI kernel name, at most ``width`` chars: a plain name (Triton's
+    function name, cuBLAS' ``nvjet_...`` / ``sm90_xmma_...``) as it is; a demangled C++ signature as
+    its function's unqualified name, and for a template ``<`` its first named argument ``>``: the
+    first that is neither a namespace, a builtin type nor a template itself, else the first
+    template (the functor of an ATen elementwise kernel, a CUTLASS kernel's stem; where the
+    function's name does not fit beside it, the argument alone)."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    cut = min((i for i in (name.find("<"), name.find("(")) if i >= 0), default=len(name))
+    short = name[:cut].rsplit("::", 1)[-1].strip()
+    if cut < len(name) and name[cut] == "<":
+        depth, end = 0, len(name)
+        for end, char in enumerate(name[cut:], cut):
+            depth += (char == "<") - (char == ">")
+            if depth == 0:
+                break
+        named = [(m.group(1), m.group(2)) for m in _IDENTIFIER.finditer(name, cut + 1, end)
+                 if m.group(2) != "::" and m.group(1) not in _CPP_WORDS and not m.group(1).startswith("__")]
+        pick = next((n for n, follow in named if follow != "<"), None) or next((n for n, _ in named), None)
+        if pick is not None:
+            room = width - len(pick) - 2
+            if room >= len(short):
+                short = f"{short}<{pick}>"
+            elif room >= 8:
+                short = f"{short[:room - 1]}…<{pick}>"
+            else:
+                short = pick
+    return short if len(short) <= width else short[:width - 1] + "…"
+
+
+def kernel_table(per_step: list[dict], top: int = TOP_KERNELS) -> list[dict]:
+    """Rows ``{phase, module, kernel (short name), name (full), count, us}`` from
+    :func:`attribute_kernels`' steps: per key its median launches and median µs per step (0 in a
+    step without it); per phase (in ``PHASE_PATTERNS`` order) the ``top`` largest by µs, the rest
+    summed into one row ``kernel = "<n> others"`` (``name`` and ``module`` None)."""
+    keys = sorted({key for step in per_step for key in step}, key=lambda k: (k[0], k[1] or "", k[2]))
+    by_phase: dict[str, list[dict]] = defaultdict(list)
+    for phase, module, name in keys:
+        entries = [step.get((phase, module, name), (0, 0.0)) for step in per_step]
+        by_phase[phase].append({"phase": phase, "module": module, "kernel": short_kernel_name(name), "name": name,
+                                "count": statistics.median_low(e[0] for e in entries),
+                                "us": statistics.median(e[1] for e in entries)})
+    order = list(PHASE_PATTERNS)
+    rows = []
+    for phase in sorted(by_phase, key=lambda p: (order.index(p) if p in order else len(order), p)):
+        ranked = sorted(by_phase[phase], key=lambda r: -r["us"])
+        rows += ranked[:top]
+        rest = ranked[top:]
+        if rest:
+            rows.append({"phase": phase, "module": None, "kernel": f"{len(rest)} others", "name": None,
+                         "count": sum(r["count"] for r in rest), "us": sum(r["us"] for r in rest)})
+    return rows
 
 
 def _build_context(model, context_len: int, prompts: list[torch.Tensor], args, device) -> _Context:
@@ -261,7 +358,7 @@ def _profile(model, context: _Context, kernel: str, args) -> dict[int, dict]:
         markers.labels.clear()
         runner.run(backend.bucket_sizes[0], use_graph=False)     # all-padding inputs from capture
         graph_sequence = list(markers.labels)
-    sequence = ["metadata"] + graph_sequence + ["feedback"]
+    sequence = [("metadata", None)] + graph_sequence + [("feedback", None)]
     out = {}
     for bs in args.bs:
         decode_run(runner, context, bs, 2, markers=markers)   # warm
@@ -269,10 +366,12 @@ def _profile(model, context: _Context, kernel: str, args) -> dict[int, dict]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             decode_run(runner, context, bs, args.profile_steps, markers=markers)
             torch.cuda.synchronize()
-        per_step = attribute_phases(device_events(prof), sequence, args.profile_steps)
+        kernels = attribute_kernels(device_events(prof), sequence, args.profile_steps)
+        per_step = [phase_sums(s) for s in kernels]
         phases = {p: statistics.median(s.get(p, 0.0) for s in per_step) for p in PHASE_PATTERNS}
         out[bs] = {"phases_us": phases,
-                   "kernel_sum_us": statistics.median(sum(s.values()) for s in per_step)}
+                   "kernel_sum_us": statistics.median(sum(s.values()) for s in per_step),
+                   "kernels": kernel_table(kernels)}
     del runner
     return out
 
@@ -473,7 +572,23 @@ def _markdown(rows, on_gpu, reference_context, markdown_table) -> str:
     return (f"## TPOT (median step, CUDA events)\n\n{tpot}\n\n## Cost follows live work: TPOT over the "
             f"{reference_context}-token context (target: bounded <= {TPOT_TARGET:.2f})\n\n{target}\n\n"
             f"## Per-phase breakdown (CUPTI kernel durations per step, median)\n\n{phase_table}\n\n"
-            f"Phase attribution:\n\n{patterns}\n\n{_floor_markdown(rows, markdown_table)}")
+            f"Phase attribution:\n\n{patterns}\n\n{_kernel_markdown(rows, markdown_table)}"
+            f"{_floor_markdown(rows, markdown_table)}")
+
+
+def _kernel_markdown(rows, markdown_table) -> str:
+    """The bounded runs' kernel table (:func:`kernel_table`) at bs 1 and the largest bs of the
+    first row's context; empty without one."""
+    context = rows[0]["context_len"]
+    sizes = sorted(r["bs"] for r in rows if r["context_len"] == context)
+    shown = [dict(k, bs=r["bs"]) for r in rows if r["context_len"] == context and r["bs"] in (sizes[0], sizes[-1])
+             and r["phases"][BOUNDED] is not None for k in r["phases"][BOUNDED]["kernels"]]
+    if not shown:
+        return ""
+    table = markdown_table([("bs", "bs"), ("phase", "phase"), ("module", "module"), ("kernel", "kernel"),
+                            ("count", "launches / step"), ("us", "µs / step")], shown)
+    return (f"## Kernels per phase (bounded, context {context}, bs {sizes[0]} and {sizes[-1]}; median per step, "
+            f"top {TOP_KERNELS} a phase; full names in the JSON)\n\n{table}\n\n")
 
 
 def _floor_markdown(rows, markdown_table) -> str:
