@@ -4,11 +4,13 @@ the gathers (``LDGSTS``: ``cp.async``), the tensor-core dots (``HGMMA``: wgmma),
 copy-completion mbarrier arrive (``ARRIVES.LDGSTSBAR``) and the register split between the
 partitions (``USETMAXREG``); in the PTX, every global store predicated (the output and record
 stores are masked to the program's real heads: with 8-32 heads the other head slots are
-padding).
+padding). On the ``fp8_ds_mla`` cache (each of ``sparse_mla_gluon.FP8_TILES``) the SASS holds the
+e4m3 conversion (``F2FP.F16.E4M3.UNPACK_B``) in place of the copy-completion arrive (the ring
+slot is signalled after the dequantizing stores).
 
-Both forms (single pass and split records) at each of ``--heads`` (default 8, 16, 32: one padded
-program of 64 head slots; 64 and 128: one and two full ones), and the split form of 64 heads with
-the phase stamps (``trace``), go through the real host launch
+Both forms (single pass and split records) over each cache at each of ``--heads`` (default 8,
+16, 32: one padded program of 64 head slots; 64 and 128: one and two full ones), and the split
+form of 64 heads with the phase stamps (``trace``, bf16 and the first FP8 tiles), go through the real host launch
 (``launch_sparse_mla_gluon``) on small CPU tensors; the launch is intercepted and compiled for
 ``GPUTarget("cuda", 90, 32)`` with the wheel's ptxas, as Triton's JIT would specialize it. Runs on
 a CPU-only machine (the CPU tests run it in a subprocess); exits 1 when a check fails.
@@ -35,43 +37,52 @@ from triton import knobs  # noqa: E402
 
 from dsaspec.errors import UserError  # noqa: E402
 from dsaspec.ops import sparse_mla_gluon  # noqa: E402
+from dsaspec.ops.kv_cache_layout import MLA_FP8_BYTES  # noqa: E402
 from dsaspec.ops.sparse_mla import LATENT_DIM, QK_DIM, RECORD_WIDTH  # noqa: E402
 from dsaspec.cli_parsing import Parser, positive_int_list  # noqa: E402
 
 REQUIRED = ("LDGSTS", "HGMMA", "ARRIVES.LDGSTSBAR", "USETMAXREG")
+REQUIRED_FP8 = ("LDGSTS", "HGMMA", "F2FP.F16.E4M3.UNPACK_B", "USETMAXREG")
+SASS_NAMES = re.compile(r"\b(?:%s)\b" % "|".join(
+    re.escape(name) for name in dict.fromkeys(REQUIRED + REQUIRED_FP8)))
 MAX_SHARED_BYTES = 232448  # dynamic shared memory per block on compute capability 9.0 (227 KiB)
 HEADS = (8, 16, 32, 64, 128)
 
 
-def compile_form(heads: int, split: bool, traced: bool = False) -> dict:
-    """Registers, spills, shared memory, warps, the counts of :data:`REQUIRED` in the SASS and of
-    unpredicated global stores in the PTX of one form (``heads`` per row; ``split``: with a 3-split
-    workspace; ``traced``: with the phase stamps) of the kernel."""
+def compile_form(heads: int, split: bool, traced: bool = False,
+                 fp8_tiles: tuple[int, int] | None = None) -> dict:
+    """Registers, spills, shared memory, warps, the counts of :data:`REQUIRED` (bf16 cache) or
+    :data:`REQUIRED_FP8` in the SASS and of unpredicated global stores in the PTX of one form
+    (``heads`` per row; ``split``: with a 3-split workspace; ``traced``: with the phase stamps;
+    ``fp8_tiles``: ``(block_n, stages)`` on an ``fp8_ds_mla`` cache) of the kernel."""
     rows, splits = 4, 3
     q = torch.zeros(rows, heads, QK_DIM, dtype=torch.bfloat16)
     out = torch.zeros(rows, heads, LATENT_DIM, dtype=torch.bfloat16)
     workspace = torch.zeros(rows, heads, splits, RECORD_WIDTH) if split else None
+    cache = (torch.zeros(4096, MLA_FP8_BYTES, dtype=torch.uint8) if fp8_tiles
+             else torch.zeros(4096, QK_DIM, dtype=torch.bfloat16))
+    block_n, stages = fp8_tiles or (sparse_mla_gluon.BLOCK_N, sparse_mla_gluon.STAGES)
     record: dict = {}
     fresh_cache_dir()  # cold: a cached kernel (same specialization) comes without its ptxas log
     with compile_instead_of_launch(sparse_mla_gluon._sparse_mla_gluon_kernel, record,
                                    keep_compiled=True):
         sparse_mla_gluon.launch_sparse_mla_gluon(
-            q, torch.zeros(4096, QK_DIM, dtype=torch.bfloat16), torch.zeros(rows, 2048, dtype=torch.int32),
-            out, workspace, 0.1, scan=2048, record_width=RECORD_WIDTH,
+            q, cache, torch.zeros(rows, 2048, dtype=torch.int32), out, workspace, 0.1, scan=2048,
+            record_width=RECORD_WIDTH, block_n=block_n, stages=stages,
             trace=torch.zeros(rows * -(-heads // 64) * splits,
                               2 * len(sparse_mla_gluon.TRACE_STAMPS),
                               dtype=torch.int64) if traced else None)
     compiled = record["compiled"]
-    cubin = CACHE_DIR / f"sparse_mla_gluon_{heads}_{int(split)}{int(traced)}.cubin"
+    cubin = CACHE_DIR / f"sparse_mla_gluon_{heads}_{int(split)}{int(traced)}_{block_n}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
-    found = collections.Counter(re.findall(r"\b(?:LDGSTS|HGMMA|ARRIVES\.LDGSTSBAR|USETMAXREG)\b", sass))
+    found = collections.Counter(SASS_NAMES.findall(sass))
     unmasked = len(re.findall(r"^\s*st\.global", compiled.asm["ptx"], flags=re.MULTILINE))
     return dict(regs=record["regs"], spill_stores=record["spill_stores"] or 0, unmasked=unmasked,
                 shared=compiled.metadata.shared, warps=compiled.metadata.num_warps,
-                sass={name: found[name] for name in REQUIRED})
+                sass={name: found[name] for name in (REQUIRED_FP8 if fp8_tiles else REQUIRED)})
 
 
 def main() -> int:
@@ -85,11 +96,15 @@ def main() -> int:
         return 2
     knobs.nvidia.dump_ptxas_log = True
     failures = []
-    forms = [(heads, split, False) for heads in args.heads for split in (False, True)]
-    for heads, split, traced in forms + [(64, True, True)]:
+    caches = [None, *sparse_mla_gluon.FP8_TILES]
+    forms = [(heads, split, False, tiles) for tiles in caches for heads in args.heads
+             for split in (False, True)]
+    stamped = [(64, True, True, None), (64, True, True, caches[1])]
+    for heads, split, traced, tiles in forms + stamped:
         form = f"{heads} heads, " + ("split" if split else "single pass") + (
-            " with stamps" if traced else "")
-        result = compile_form(heads, split, traced)
+            " with stamps" if traced else "") + (
+            f", fp8 cache (block_n {tiles[0]}, {tiles[1]} stages)" if tiles else "")
+        result = compile_form(heads, split, traced, tiles)
         print(f"{form}: {result['regs']} registers, {result['spill_stores']} B spilled, "
               f"{result['shared']} B shared memory, {result['warps']} warps; SASS {result['sass']}; "
               f"{result['unmasked']} unpredicated global stores",
@@ -100,7 +115,8 @@ def main() -> int:
             failures.append(f"{form}: {result['shared']} B of shared memory > {MAX_SHARED_BYTES}")
         if result["unmasked"]:
             failures.append(f"{form}: {result['unmasked']} global stores without a predicate")
-        failures += [f"{form}: no {name} in the SASS" for name in REQUIRED if not result["sass"][name]]
+        failures += [f"{form}: no {name} in the SASS" for name, count in result["sass"].items()
+                     if not count]
     for failure in failures:
         print(f"compile_sparse_mla_gluon: {failure}")
     if not failures:

@@ -87,6 +87,19 @@ def test_cpu_run_at_other_head_counts(tmp_path, monkeypatch):
     assert not any("error" in r for r in rows)
 
 
+@pytest.mark.parametrize("gluon_runs", [False, True])
+def test_fp8_row_times_the_gluon_fp8_tiles_where_they_run(gluon_runs, monkeypatch):
+    """The FP8 sparse MLA row times the Gluon kernel's FP8 tiles (columns gluon_fp8_us,
+    gluon_fp8_narrow_us) beside the default where the Gluon kernel runs, and only there."""
+    monkeypatch.setattr(dsa_ops, "sparse_mla_gluon_supported", lambda device, heads: gluon_runs)
+    shapes = dsa_ops._Shapes(heads=16, index_heads=4, topk=8, sm_scale=0.1, num_sms=8)
+    point = dsa_ops._build_point("decode", 2, 70, 1, shapes, "cpu", seed=0, fp8=True)
+    variants = dsa_ops._variants(point, "sparse_mla", "fp8_e4m3")
+    gluon = {"gluon_fp8", "gluon_fp8_narrow"}
+    assert set(variants) == {"baseline", "new", "new_nosplit"} | (gluon if gluon_runs else set())
+    assert set(dsa_ops._variants(point, "sparse_mla")) == {"baseline", "new", "new_nosplit", "triton"}
+
+
 def test_fp8_floor_counts_656_bytes_a_slot():
     """The FP8 row's bytes floor differs from the bf16 one by 1152 - 656 bytes a distinct slot."""
     shapes = dsa_ops._Shapes(heads=16, index_heads=4, topk=8, sm_scale=0.1, num_sms=8)

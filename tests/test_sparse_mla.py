@@ -265,9 +265,10 @@ def test_config_rejects_bad_values():
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, kernel="cuda")
     with pytest.raises(ValueError, match=re.escape("kernel: the Gluon kernel's tiles (block_h, "
                                                    "block_n, num_warps, num_stages, block_dv) "
-                                                   "are (64, 64, 8, 2, 512), got (64, 32, 8, 2, "
-                                                   "512)")):
-        SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, kernel="gluon")
+                                                   "are one of ((64, 64, 8, 2, 512), (64, 64, 8, "
+                                                   "1, 512), (64, 32, 8, 2, 512)), got (64, 32, "
+                                                   "8, 1, 512)")):
+        SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, kernel="gluon")
 
 
 def test_decode_chain_indexer_topk_attention(device):

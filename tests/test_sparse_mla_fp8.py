@@ -1,7 +1,10 @@
 """sparse_mla_decode on the ``fp8_ds_mla`` cache (uint8 ``[slots, 656]``) against the plain-torch
 reference that dequantizes the bytes (fp64 attention), and against the bf16 kernel on the
 dequantized cache (bitwise: the dequantization to bf16 is exact); splits, poisoned unselected
-entries, config routing (the Gluon kernel reads bf16 only), and the Triton ops' wiring.
+entries, config routing (the Gluon kernel's FP8 tiles are chosen explicitly until
+GLUON_FP8_DEFAULT_CONFIG names one), and the Triton ops' wiring. On Hopper the Gluon kernel's FP8
+tiles (gpu-marked): against the reference at 8-128 heads, split or not, and bitwise against the
+bf16 Gluon kernel on the dequantized cache with the same 64-slot blocks.
 
 Tolerance under the interpreter (atol 1e-3, rtol 1e-2): the kernel runs the math in fp32 on
 exactly the values the cache holds, so the error is fp32 summation (about 1e-6) plus the bf16
@@ -23,10 +26,13 @@ import torch
 from dsaspec.layers.attention import torch_ops
 from dsaspec.layers.attention.dsa_ops import dsa_ops
 from dsaspec.ops.fp8_kv import gather_mla
+from dsaspec.ops import sparse_mla
 from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
-                                    SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
-                                    sparse_mla_num_splits, sparse_mla_workspace)
+                                    SPARSE_MLA_GLUON_FP8_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SparseMLAConfig,
+                                    sparse_mla_config, sparse_mla_decode, sparse_mla_num_splits,
+                                    sparse_mla_workspace)
 from dsaspec.reference.sparse_mla import reference_sparse_mla_decode_fp8
 
 # The unmarked tests hold the interpreter's tolerances; the gpu-marked ones the GPU's.
@@ -109,6 +115,11 @@ def _dequantized(inputs):
 
 
 EDGE_COUNTS = [0, 1, 31, 32, 33, 63, 64]
+GLUON_FP8 = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
+             "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG}
+needs_hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+    reason="the Gluon kernel needs a compute-capability-9 GPU")
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -248,8 +259,21 @@ def test_bad_arguments(device):
         bad = inputs["slots"].clone()
         bad[0, 0] = 10
         sparse_mla_decode(**dict(inputs, slots=bad), out=out)
-    with pytest.raises(ValueError, match="config: the Gluon kernel reads bf16 caches only"):
+    with pytest.raises(ValueError, match=re.escape(
+            "config: the Gluon kernel's tiles (block_h, block_n, num_warps, num_stages, block_dv) "
+            "on an fp8_ds_mla kv_cache are one of ((64, 64, 8, 1, 512), (64, 32, 8, 2, 512)), got "
+            "(64, 64, 8, 2, 512)")):
         sparse_mla_decode(**inputs, out=out, config=SPARSE_MLA_GLUON_CONFIG)
+    with pytest.raises(ValueError, match=re.escape(
+            "config: the Gluon kernel's tiles (block_h, block_n, num_warps, num_stages, block_dv) "
+            "on a bf16 kv_cache are one of ((64, 64, 8, 2, 512),), got (64, 32, 8, 2, 512)")):
+        sparse_mla_decode(**_dequantized(inputs), out=out,
+                          config=SPARSE_MLA_GLUON_FP8_NARROW_CONFIG)
+    for config in GLUON_FP8.values():  # the right tiles, but 4 heads (and here no Hopper GPU)
+        with pytest.raises(ValueError, match="config: the Gluon kernel needs a CUDA device of "
+                                             "compute capability 9.x and 8, 16, 32 or a "
+                                             "multiple of 64 heads, got .* and 4 heads"):
+            sparse_mla_decode(**inputs, out=out, config=config)
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
@@ -262,6 +286,31 @@ def test_fp8_cache_takes_the_triton_configs(capability, monkeypatch):
             for split in (False, True):
                 fp8 = sparse_mla_config(rows, heads, split, device="cuda:0", fp8_cache=True)
                 assert fp8 == sparse_mla_config(rows, heads, split) and fp8.kernel == "triton"
+
+
+@pytest.mark.parametrize("fp8_default", [False, True])
+def test_gluon_fp8_dispatch(fp8_default, monkeypatch):
+    """With GLUON_FP8_DEFAULT_CONFIG set, an FP8 cache takes it wherever a bf16 cache takes
+    SPARSE_MLA_GLUON_CONFIG (compute capability 9.x, 8-32 heads or a multiple of 64; a split of
+    at least two 64-head programs), else the Triton config the CPU gets; unset, always the
+    Triton config. A bf16 cache's choice does not depend on it."""
+    default = SPARSE_MLA_GLUON_FP8_NARROW_CONFIG if fp8_default else None
+    monkeypatch.setattr(sparse_mla, "GLUON_FP8_DEFAULT_CONFIG", default)
+    for capability in ((9, 0), (8, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        for heads in (8, 16, 48, 64, 128):
+            for rows in (1, 2, 16):
+                for split in (False, True):
+                    bf16 = sparse_mla_config(rows, heads, split, device="cuda:0")
+                    fp8 = sparse_mla_config(rows, heads, split, device="cuda:0", fp8_cache=True)
+                    triton = sparse_mla_config(rows, heads, split)
+                    if bf16 == SPARSE_MLA_GLUON_CONFIG and fp8_default:
+                        assert fp8 == default, (capability, heads, rows, split)
+                    else:
+                        assert fp8 == triton, (capability, heads, rows, split)
+                    gluon = capability == (9, 0) and heads != 48 and (
+                        not split or rows * -(-heads // 64) >= 2)
+                    assert (bf16 == SPARSE_MLA_GLUON_CONFIG) == gluon, (capability, heads, rows)
 
 
 @pytest.mark.parametrize("gluon", [True, False])
@@ -296,14 +345,17 @@ def _production(num_rows: int, num_heads: int, seed: int, k: int = 2048, num_slo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "new", "few_rows", "value_256"])
+@pytest.mark.parametrize("config", ["default", "new", "few_rows", "value_256", *GLUON_FP8])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_rows", [1, 16, 96])
 def test_gpu_production_sizes(config, num_rows, split):
+    if config in GLUON_FP8 and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel needs a compute-capability-9 GPU")
     inputs = _production(num_rows, 64, seed=num_rows)
     workspace = (sparse_mla_workspace(num_rows, 64, "cuda", num_splits=max(
         2, sparse_mla_num_splits(num_rows, 64, 132))) if split else None)
-    _assert_within_gpu_rounding(_run(inputs, workspace, CONFIGS.get(config)), inputs)
+    config = {**CONFIGS, **GLUON_FP8}.get(config)
+    _assert_within_gpu_rounding(_run(inputs, workspace, config), inputs)
 
 
 @pytest.mark.gpu
@@ -316,18 +368,24 @@ def test_gpu_bitwise_equal_to_bf16_kernel(split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", ["default", *GLUON_FP8])
 @pytest.mark.parametrize("split", [False, True])
-def test_gpu_cuda_graph_replay_with_new_slots(split):
-    """Captured once over the FP8 cache with the default configuration, replayed with new slots
-    (1, up to 100, up to 2048 valid per row): each replay matches the reference."""
+def test_gpu_cuda_graph_replay_with_new_slots(split, config):
+    """Captured once over the FP8 cache with the default configuration (or a Gluon one),
+    replayed with new slots (1, up to 100, up to 2048 valid per row): each replay matches the
+    reference."""
+    if config in GLUON_FP8 and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel needs a compute-capability-9 GPU")
+    config = GLUON_FP8.get(config)
     num_rows, num_heads, k, num_slots = 24, 64, 2048, 1 << 17
     inputs = _production(num_rows, num_heads, seed=5, k=k, num_slots=num_slots)
     out = torch.zeros(num_rows, num_heads, 512, dtype=torch.bfloat16, device="cuda")
     workspace = sparse_mla_workspace(num_rows, num_heads, "cuda", num_splits=4) if split else None
-    sparse_mla_decode(**inputs, out=out, workspace=workspace)
+    sparse_mla_decode(**inputs, out=out, workspace=workspace, config=config)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sparse_mla_decode(**inputs, out=out, check_values=False, workspace=workspace)
+        sparse_mla_decode(**inputs, out=out, check_values=False, workspace=workspace,
+                          config=config)
     gen = torch.Generator().manual_seed(0)
     for high in (1, 100, k):
         counts = torch.randint(0, high + 1, (num_rows,), generator=gen).tolist()
@@ -336,6 +394,59 @@ def test_gpu_cuda_graph_replay_with_new_slots(split):
         graph.replay()
         torch.cuda.synchronize()
         _assert_within_gpu_rounding(out, inputs)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("config", GLUON_FP8)
+@pytest.mark.parametrize("num_splits", [None, 2, 3])
+@pytest.mark.parametrize("num_heads", [8, 16, 32, 64, 128])
+def test_gpu_gluon_edge_counts_holes_and_poison(config, num_heads, num_splits):
+    """The Gluon kernel's FP8 tiles: odd valid counts around both block sizes (32 and 64), -1
+    holes (a whole 64-slot block of them, every third entry), repeats, a graph padding row (the
+    dummy slot 0: its dequantized value exactly), unselected entries poisoned with NaN bytes,
+    split runs (some empty) from a NaN-filled workspace. ``out`` is a view of a 64-head buffer
+    (8-32 heads: one padded program) and the workspace the first rows of a NaN buffer: nothing is
+    written outside them."""
+    counts = [0, 1, 31, 33, 63, 65, 127, 129, 200, 255, 256]
+    rows = len(counts) + 1
+    inputs = fp8_inputs(rows, num_heads, num_slots=3000, k=256, valid_counts=counts + [1],
+                        device="cuda", seed=num_heads)
+    slots = inputs["slots"].cpu()
+    slots[8, 64:128] = -1
+    slots[9, 1::3] = -1
+    slots[-1, 0] = 0
+    inputs = poison_unselected(dict(inputs, slots=slots.to("cuda")))
+    heads = max(num_heads, 64)
+    wide_out = torch.full((rows, heads, 512), 7.0, dtype=torch.bfloat16, device="cuda")
+    workspace = tail = None
+    if num_splits is not None:
+        records = torch.full((rows + 1, num_heads, num_splits, sparse_mla.RECORD_WIDTH),
+                             float("nan"), device="cuda")
+        workspace, tail = records[:rows], records[rows:]
+    out = sparse_mla_decode(**inputs, out=wide_out[:, :num_heads], workspace=workspace,
+                            config=GLUON_FP8[config])
+    _assert_within_gpu_rounding(out, inputs)
+    padding_row = _dequantized(inputs)["kv_cache"][0, :512]
+    assert torch.equal(out[-1], padding_row.expand(num_heads, 512))
+    assert torch.equal(wide_out[:, num_heads:], torch.full_like(wide_out[:, num_heads:], 7.0))
+    if tail is not None:
+        assert tail.isnan().all()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("num_heads", [16, 64, 128])
+def test_gpu_gluon_bitwise_equal_to_bf16_gluon_kernel(num_heads, split):
+    """SPARSE_MLA_GLUON_FP8_CONFIG (64-slot blocks, the bf16 kernel's dots in the same order) on
+    the FP8 cache equals SPARSE_MLA_GLUON_CONFIG on the dequantized bf16 cache, bitwise: the
+    dequantization to bf16 is exact. (The 32-slot tiles sum in another order: the reference
+    tests above cover them.)"""
+    inputs = poison_unselected(_production(16, num_heads, seed=2))
+    workspace = sparse_mla_workspace(16, num_heads, "cuda", num_splits=4) if split else None
+    got = _run(inputs, workspace, SPARSE_MLA_GLUON_FP8_CONFIG)
+    assert torch.equal(got, _run(_dequantized(inputs), workspace, SPARSE_MLA_GLUON_CONFIG))
 
 
 @pytest.mark.parametrize("capability,refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])

@@ -58,10 +58,11 @@ def test_refuses_what_it_cannot_run(device):
 
 
 def test_compiles_for_sm90_as_designed():
-    """Without a GPU: every form (single pass and split at 8, 16, 32, 64 and 128 heads, split
-    with stamps) compiles for sm_90 with no spills, within the shared-memory limit, with cp.async
-    gathers, wgmma, copy-completion arrives and the register split in the SASS and only
-    predicated global stores (masked to the real heads)
+    """Without a GPU: every form (single pass and split at 8, 16, 32, 64 and 128 heads on the
+    bf16 cache and with each FP8 tile set on the fp8_ds_mla cache, split with stamps) compiles
+    for sm_90 with no spills, within the shared-memory limit, with cp.async gathers, wgmma,
+    copy-completion arrives (FP8: the e4m3 conversion) and the register split in the SASS and
+    only predicated global stores (masked to the real heads)
     (scripts/compile_sparse_mla_gluon.py, in a subprocess: it compiles instead of interpreting)."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))

@@ -39,9 +39,11 @@ its logits are checked against the bf16 row's within ``FP8_INDEXER_RTOL`` of the
 (``--preset deepseek_v32``; glm5 has 32) has the targets ``FP8_INDEXER_TARGET_US``. Sparse MLA:
 the point's cache quantized (``store_mla``) and the bf16 cache replaced
 by its dequantized values, so both rows attend over the same values. There new is the default
-configuration on the FP8 cache (always a Triton one: the Gluon kernel reads bf16 only) with the
-point's workspace, ``new_nosplit`` the same without it, and baseline the bf16 row's new (so
-``speedup`` is bf16 / FP8); its bytes floor gathers 656 B a distinct selected slot instead of
+configuration on the FP8 cache (a Triton one until ``GLUON_FP8_DEFAULT_CONFIG`` names a Gluon
+one) with the point's workspace, ``new_nosplit`` the same without it, where the Gluon kernel runs
+``gluon_fp8`` / ``gluon_fp8_narrow`` the Gluon kernel on the FP8 cache with the point's workspace
+(``SPARSE_MLA_GLUON_FP8_CONFIG``, ``SPARSE_MLA_GLUON_FP8_NARROW_CONFIG``), and baseline the bf16
+row's new (so ``speedup`` is bf16 / FP8); its bytes floor gathers 656 B a distinct selected slot instead of
 1,152, and a target of its own applies from 16 rows (``FP8_BYTES_FACTOR``). The top-k and layer
 rows stay on the bf16 caches (holding the dequantized values).
 
@@ -86,8 +88,10 @@ from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXE
                                  indexer_logits)
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
-                                    SPARSE_MLA_FEW_ROWS_CONFIG, SparseMLAConfig, sparse_mla_config,
+                                    SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SparseMLAConfig, sparse_mla_config,
                                     sparse_mla_decode, sparse_mla_workspace)
+from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_chunks,
                               topk_single_launch_fits, topk_slots, topk_workspace)
 from dsaspec.configs.model_config import PRESETS, get_config
@@ -130,8 +134,11 @@ TUNE_SPARSE_MLA = (
 )
 # Also tried on the FP8 cache (--kv-cache-dtype fp8_e4m3): 64-head tiles that compile for sm_90 without
 # spills there (scripts/compile_fp8_dsa.py --sweep), SPARSE_MLA_CONFIG's included: 8 warps with 256
-# value columns (173-193 registers), 16 slots a block on 8 warps, and 4 warps with 256 columns (255).
+# value columns (173-193 registers), 16 slots a block on 8 warps, and 4 warps with 256 columns (255);
+# and the Gluon kernel's FP8 tiles (Hopper only: elsewhere their rows record the refusal).
 TUNE_SPARSE_MLA_FP8 = (
+    SPARSE_MLA_GLUON_FP8_CONFIG,
+    SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
     SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, block_dv=256),
     SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, block_dv=256),
     SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, block_dv=256),
@@ -363,17 +370,27 @@ def _layer(p: _Point, new: bool):
     return run
 
 
+# The Gluon kernel's FP8 tiles, timed beside the FP8 default where the Gluon kernel runs.
+GLUON_FP8_VARIANTS = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
+                      "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG}
+
+
 def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
     """name -> callable for one op at one point (baseline, new, and for sparse MLA new_nosplit and,
-    on the bf16 cache, triton).
+    on the bf16 cache, triton; on the FP8 cache, where the Gluon kernel runs, the
+    :data:`GLUON_FP8_VARIANTS`).
     Top-k reads the baseline indexer's logits (every row written); sparse MLA the new top-k's
     slots. On the FP8 caches (indexer, sparse MLA) the baseline is the bf16 cache's new form."""
     if kv_cache == "fp8_e4m3" and op == "indexer":
         return {"baseline": _indexer(p, True), "new": _indexer(p, True, fp8=True)}
     if kv_cache == "fp8_e4m3":
-        return {"baseline": _sparse_mla(p, "slots_new", "out_fp8_baseline", None, p.workspace),
-                "new": _sparse_mla(p, "slots_new", "out_fp8", None, p.workspace, fp8=True),
-                "new_nosplit": _sparse_mla(p, "slots_new", "out_fp8_nosplit", None, None, fp8=True)}
+        variants = {"baseline": _sparse_mla(p, "slots_new", "out_fp8_baseline", None, p.workspace),
+                    "new": _sparse_mla(p, "slots_new", "out_fp8", None, p.workspace, fp8=True),
+                    "new_nosplit": _sparse_mla(p, "slots_new", "out_fp8_nosplit", None, None, fp8=True)}
+        if sparse_mla_gluon_supported(p.q_mla.device, p.shapes.heads):
+            for name, config in GLUON_FP8_VARIANTS.items():
+                variants[name] = _sparse_mla(p, "slots_new", f"out_{name}", config, p.workspace, fp8=True)
+        return variants
     if op == "indexer":
         return {"baseline": _indexer(p, False), "new": _indexer(p, True)}
     if op == "topk":
@@ -442,7 +459,9 @@ def _compare_outputs(p: _Point, op: str, on_gpu: bool, kv_cache: str = "bf16") -
         return _compare_fp8_indexer(p, on_gpu)
     if kv_cache == "fp8_e4m3":  # the same values in both caches: to summation order
         base = p.buffers["out_fp8_baseline"].float()
-        for name in ("out_fp8", "out_fp8_nosplit"):
+        for name in ("out_fp8", "out_fp8_nosplit", *(f"out_{v}" for v in GLUON_FP8_VARIANTS)):
+            if name not in p.buffers:  # the Gluon variants, off Hopper
+                continue
             got = p.buffers[name].float()
             torch.testing.assert_close(got, base, rtol=2e-2, atol=1e-2)
             checks[f"{name}_max_abs_diff"] = float((got - base).abs().max())
@@ -567,7 +586,7 @@ def _time_row(p: _Point, op: str, kv_cache: str, floors, peaks: dict, iters: int
         "spread": {name: t.spread for name, t in timings.items()},
         "detail": {name: t.summary() for name, t in timings.items()},
     }
-    for name in ("new_nosplit", "triton"):
+    for name in ("new_nosplit", "triton", *GLUON_FP8_VARIANTS):
         if name in timings:
             row[f"{name}_us"] = timings[name].median_us
     if "amax" in timings:
@@ -679,12 +698,14 @@ def run(args) -> int:
                            "indexer_baseline": vars(INDEXER_BASELINE_CONFIG),
                            "sparse_mla": vars(SPARSE_MLA_CONFIG),
                            "sparse_mla_few_rows": vars(SPARSE_MLA_FEW_ROWS_CONFIG),
-                           "sparse_mla_baseline": vars(SPARSE_MLA_BASELINE_CONFIG)},
+                           "sparse_mla_baseline": vars(SPARSE_MLA_BASELINE_CONFIG),
+                           **{f"sparse_mla_{name}": vars(config) for name, config in GLUON_FP8_VARIANTS.items()}},
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
         cols = [("op", "op"), ("kv_cache", "KV cache"), ("heads", "heads"), ("mode", "mode"), ("bs", "bs"),
                 ("live_kv", "live KV"), ("rows", "rows"), ("baseline_us", "baseline µs"), ("new_us", "new µs"),
-                ("speedup", "speedup"), ("new_nosplit_us", "new no-split µs"), ("triton_us", "Triton default µs"), ("num_splits", "splits"),
+                ("speedup", "speedup"), ("new_nosplit_us", "new no-split µs"), ("triton_us", "Triton default µs"),
+                ("gluon_fp8_us", "Gluon FP8 µs"), ("gluon_fp8_narrow_us", "Gluon FP8 32-slot µs"), ("num_splits", "splits"),
                 ("topk_chunks", "top-k chunks"), ("floor_us", "floor µs"),
                 ("bytes_floor_us", "bytes floor µs"), ("flop_floor_us", "FLOP floor µs"),
                 ("achieved", "achieved"), ("amax_us", "same-bytes amax µs"), ("new_over_amax", "new / amax"),

@@ -27,8 +27,10 @@ the default configuration is :data:`SPARSE_MLA_GLUON_CONFIG` for the single pass
 count and for the split path from :data:`GLUON_MIN_SPLIT_HEAD_BLOCKS` programs without splits
 (rows x ``cdiv(H, 64)`` head blocks): the warp-specialized Gluon kernel of
 :mod:`dsaspec.ops.sparse_mla_gluon` (same contract, same split records and combine; its own
-summation order). It reads bf16 caches only:
-:func:`sparse_mla_config` gives FP8 caches the Triton configurations.
+summation order). On an FP8 cache its gathers dequantize each block into the bf16 ring
+(:data:`SPARSE_MLA_GLUON_FP8_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`), selected with
+``config=``; :func:`sparse_mla_config` gives FP8 caches the Triton configurations until
+:data:`GLUON_FP8_DEFAULT_CONFIG` names one.
 """
 
 from __future__ import annotations
@@ -60,10 +62,13 @@ RECORD_WIDTH = 520
 COMBINE_FEW_HEAD_ROWS = 256
 
 
-def _gluon_tiles() -> tuple[int, int, int, int, int]:
-    """The Gluon kernel's fixed tiles as ``(block_h, block_n, num_warps, num_stages, block_dv)``."""
-    return (sparse_mla_gluon.HEADS_PER_PROGRAM, sparse_mla_gluon.BLOCK_N,
-            sparse_mla_gluon.ATTEND_WARPS, sparse_mla_gluon.STAGES, LATENT_DIM)
+def _gluon_tiles(fp8: bool = False) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The Gluon kernel's tiles ``(block_h, block_n, num_warps, num_stages, block_dv)`` on a bf16
+    cache (one), or with ``fp8`` on an ``fp8_ds_mla`` one (:data:`sparse_mla_gluon.FP8_TILES`)."""
+    blocks = sparse_mla_gluon.FP8_TILES if fp8 else (
+        (sparse_mla_gluon.BLOCK_N, sparse_mla_gluon.STAGES),)
+    return tuple((sparse_mla_gluon.HEADS_PER_PROGRAM, block_n, sparse_mla_gluon.ATTEND_WARPS,
+                  stages, LATENT_DIM) for block_n, stages in blocks)
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,9 @@ class SparseMLAConfig:
     max_splits : split-slot runs per row at most (with a workspace).
     kernel : ``"triton"`` (any device, the interpreter included) or ``"gluon"`` (the
         warp-specialized kernel of :mod:`dsaspec.ops.sparse_mla_gluon`: compute capability 9.x,
-        8, 16 or 32 heads or a multiple of 64, and only its own tiles, those of
-        :data:`SPARSE_MLA_GLUON_CONFIG`).
+        8, 16 or 32 heads or a multiple of 64, and only its own tiles: those of
+        :data:`SPARSE_MLA_GLUON_CONFIG` on a bf16 cache, of :data:`SPARSE_MLA_GLUON_FP8_CONFIG`
+        or :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG` on an ``fp8_ds_mla`` one).
     """
 
     block_h: int
@@ -101,11 +107,15 @@ class SparseMLAConfig:
             raise ValueError(f"max_splits: expected >= 1, got {self.max_splits}")
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel: expected 'triton' or 'gluon', got {self.kernel!r}")
-        gluon_tiles = _gluon_tiles()
-        tiles = (self.block_h, self.block_n, self.num_warps, self.num_stages, self.block_dv)
-        if self.kernel == "gluon" and tiles != gluon_tiles:
+        gluon_tiles = _gluon_tiles() + _gluon_tiles(fp8=True)
+        if self.kernel == "gluon" and self.tiles not in gluon_tiles:
             raise ValueError(f"kernel: the Gluon kernel's tiles (block_h, block_n, num_warps, "
-                             f"num_stages, block_dv) are {gluon_tiles}, got {tiles}")
+                             f"num_stages, block_dv) are one of {gluon_tiles}, got {self.tiles}")
+
+    @property
+    def tiles(self) -> tuple[int, int, int, int, int]:
+        """``(block_h, block_n, num_warps, num_stages, block_dv)``."""
+        return self.block_h, self.block_n, self.num_warps, self.num_stages, self.block_dv
 
 
 # Fastest of the --tune sweep (benchmarks/results/h200/dsa_ops_tune_wide.md) from 16 rows up, split or
@@ -121,7 +131,15 @@ SPARSE_MLA_FEW_ROWS_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4
 FEW_ROWS_HEAD_BLOCKS = 4  # R * cdiv(H, block_h) up to which the split path takes the few-rows config
 # The Gluon kernel (dsaspec.ops.sparse_mla_gluon): 64 heads per program against blocks of 64 slots,
 # one program per SM (224 KiB of shared memory), 8 attend warps beside 4 gather warps.
-SPARSE_MLA_GLUON_CONFIG = SparseMLAConfig(*_gluon_tiles(), kernel="gluon")
+SPARSE_MLA_GLUON_CONFIG = SparseMLAConfig(*_gluon_tiles()[0], kernel="gluon")
+# The Gluon kernel on an fp8_ds_mla cache (the gathers dequantize into the bf16 ring): blocks of 64
+# slots, one ring slot and one staging stage (the bf16 kernel's dots: bitwise its output on the
+# dequantized cache), or blocks of 32, two of each (dequantizing overlaps the dots).
+SPARSE_MLA_GLUON_FP8_CONFIG, SPARSE_MLA_GLUON_FP8_NARROW_CONFIG = (
+    SparseMLAConfig(*tiles, kernel="gluon") for tiles in _gluon_tiles(fp8=True))
+# What sparse_mla_config gives an FP8 cache where the Gluon kernel runs: None (the Triton configs)
+# until the Gluon FP8 configs are measured (`dsaspec bench dsa-ops --kv-cache-dtype fp8_e4m3`).
+GLUON_FP8_DEFAULT_CONFIG: SparseMLAConfig | None = None
 # Programs without splits (rows x 64-head blocks) from which the split path takes the Gluon kernel;
 # at one (one row of 64 heads) the Triton few-rows config is faster: 9.8 against 14.5 us at 1k live,
 # 12.3 against 17.4 at 64k; from two rows on the Gluon kernel
@@ -325,21 +343,23 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
                       device: torch.device | str | None = None,
                       fp8_cache: bool = False) -> SparseMLAConfig:
     """The default launch configuration of ``R = num_rows`` rows on ``device`` over a bf16 cache,
-    or with ``fp8_cache`` an ``fp8_ds_mla`` one (the Gluon kernel reads bf16 caches only: an FP8
-    cache always takes the Triton configurations).
+    or with ``fp8_cache`` an ``fp8_ds_mla`` one.
 
     Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` in 8, 16, 32 or a
-    multiple of 64: :func:`sparse_mla_gluon_supported`; a bf16 cache):
-    :data:`SPARSE_MLA_GLUON_CONFIG` without a workspace, and with one (``split``) from
+    multiple of 64: :func:`sparse_mla_gluon_supported`): :data:`SPARSE_MLA_GLUON_CONFIG` (bf16
+    cache) or :data:`GLUON_FP8_DEFAULT_CONFIG` (FP8 cache; None: the Triton configurations)
+    without a workspace, and with one (``split``) from
     ``R * cdiv(H, 64) >= GLUON_MIN_SPLIT_HEAD_BLOCKS``. Elsewhere (and with ``device`` None): with a
     workspace and ``R * cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``,
     :data:`SPARSE_MLA_FEW_ROWS_CONFIG`, else :data:`SPARSE_MLA_CONFIG`. Without a workspace the
     choice never depends on ``R``, so a row's output there does not depend on ``R``."""
     rows = max(num_rows, 1)
-    if not fp8_cache and device is not None and sparse_mla_gluon_supported(device, num_heads):
+    gluon = GLUON_FP8_DEFAULT_CONFIG if fp8_cache else SPARSE_MLA_GLUON_CONFIG
+    if (gluon is not None and device is not None
+            and sparse_mla_gluon_supported(device, num_heads)):
         head_blocks = triton.cdiv(num_heads, sparse_mla_gluon.HEADS_PER_PROGRAM)
         if not split or rows * head_blocks >= GLUON_MIN_SPLIT_HEAD_BLOCKS:
-            return SPARSE_MLA_GLUON_CONFIG
+            return gluon
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads, SPARSE_MLA_FEW_ROWS_CONFIG))
     if split and rows * head_blocks <= FEW_ROWS_HEAD_BLOCKS:
         return SPARSE_MLA_FEW_ROWS_CONFIG
@@ -431,7 +451,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         bitwise independent of ``R`` and of the other rows (for a given ``config`` and device).
     config : launch configuration (default ``sparse_mla_config(R, H, workspace is not None,
         q.device, fp8_cache)``); :data:`SPARSE_MLA_BASELINE_CONFIG` is the earlier kernel (the
-        benchmark's baseline). The Gluon kernel reads bf16 caches only.
+        benchmark's baseline). A Gluon config must have the tiles of the cache's dtype
+        (:data:`SPARSE_MLA_GLUON_CONFIG` for bf16, :data:`SPARSE_MLA_GLUON_FP8_CONFIG` or
+        :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG` for ``fp8_ds_mla``).
 
     Returns
     -------
@@ -453,15 +475,18 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     qk_scale_log2 = sm_scale * math.log2(math.e)
     pdl = workspace is not None and supports_pdl(q.device)
     if config.kernel == "gluon":
-        if fp8:
-            raise ValueError("config: the Gluon kernel reads bf16 caches only; an fp8_ds_mla "
-                             "kv_cache takes a Triton configuration (kernel='triton')")
+        cache_tiles = _gluon_tiles(fp8)
+        if config.tiles not in cache_tiles:
+            raise ValueError(f"config: the Gluon kernel's tiles (block_h, block_n, num_warps, "
+                             f"num_stages, block_dv) on {'an fp8_ds_mla' if fp8 else 'a bf16'} "
+                             f"kv_cache are one of {cache_tiles}, got {config.tiles}")
         if not sparse_mla_gluon_supported(q.device, num_heads):
             raise ValueError(f"config: the Gluon kernel needs a CUDA device of compute "
                              f"capability 9.x and 8, 16, 32 or a multiple of 64 heads, got "
                              f"{q.device} and {num_heads} heads")
         launch_sparse_mla_gluon(q, kv_cache, slots, out, workspace, qk_scale_log2, scan=scan,
-                                record_width=RECORD_WIDTH)
+                                record_width=RECORD_WIDTH, block_n=config.block_n,
+                                stages=config.num_stages)
         if workspace is not None:
             # a programmatic dependent: the Gluon kernel does not trigger early, so the combine
             # starts as its programs exit (0.2-0.5 µs less at 4-16 rows, H200)

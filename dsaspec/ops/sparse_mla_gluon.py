@@ -15,7 +15,9 @@ padded wgmma rows cost tensor-core time it has to spare.
   valid one), then copies the ``BLOCK_N`` selected cache rows of each block into a ring of
   ``STAGES`` shared-memory slots (latent and rope apart); a slot's arrival is signalled on its
   ``full`` mbarrier by one copy-completion arrive per gather thread (the first block's also
-  covers the queries); an invalid slot's row is zero-filled, never read;
+  covers the queries); an invalid slot's row is zero-filled, never read. On an ``fp8_ds_mla``
+  cache (constexpr ``FP8``, tiles :data:`FP8_TILES`) it copies the slots' bytes into staging
+  stages instead and dequantizes each block into its ring slot (bf16, exact), then signals it;
 - the attend partition (8 warps, two warpgroups, each owning half of the score columns and half
   of the 512 value columns) per block waits for its slot, runs the QK dot of the 64 heads against
   it as wgmma (latent, then rope), the online softmax (fp32, log2 domain), stores the
@@ -51,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.kv_cache_layout import FP8_GROUP, MLA_LATENT_DIM, is_fp8_cache
 
 
 HEADS_PER_PROGRAM = 64  # the wgmma M dimension of one warpgroup
@@ -59,6 +62,11 @@ BLOCK_N = 64  # selected slots per ring slot and softmax step
 STAGES = 2  # ring slots: 2 x 64 x 576 x 2 B = 144 KiB, with the queries and probabilities 224 KiB
 ATTEND_WARPS = 8
 GATHER_WARPS = 4
+# The FP8 cache's (block_n, stages): the gathers stage each block's cache bytes (656 a slot) in
+# ``stages`` staging stages and dequantize them into the bf16 ring. 64 slots a block (the bf16
+# kernel's dots and summation order) leaves room for one ring slot and one staging stage (193 KiB);
+# 32 slots a block for two of each (189 KiB), dequantizing one block while the other is attended.
+FP8_TILES = ((64, 1), (32, 2))
 # Registers per gather thread after the partitions' setmaxnreg split; the attend warps get the rest
 # of the SM's 64K (the launch bound is 65536 / (12 warps x 32) = 168 for every warp before it).
 GATHER_REGISTERS = 88
@@ -110,14 +118,110 @@ def _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
+def _copy_fp8_block(codes, scales, rope, kv_ptr, kv_stride, row_slots, topk, block, stop_block,
+                    LATENT: gl.constexpr, ROPE: gl.constexpr, GROUPS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+    """``cp.async`` of block ``block``'s ``fp8_ds_mla`` cache rows (codes, scales, rope bytes) into
+    one staging stage; invalid slots, and every slot when ``block >= stop_block``, zero-filled."""
+    # 16-byte copies of the codes (a warp a row) and the rope values (a warp four rows); a row's
+    # 16 scale bytes by the threads of one row
+    code_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [WARPS, 1], [1, 0])
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    ROW_THREADS: gl.constexpr = 32 * WARPS // BLOCK_N
+    scale_layout: gl.constexpr = gl.BlockedLayout([1, GROUPS // ROW_THREADS],
+                                                  [32 // ROW_THREADS, ROW_THREADS],
+                                                  [WARPS, 1], [1, 0])
+    code_index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, code_layout))
+    slot = gl.load(row_slots + code_index, mask=(code_index < topk) & (block < stop_block),
+                   other=-1)
+    row = kv_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * kv_stride
+    code_columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, code_layout))
+    async_copy.async_copy_global_to_shared(codes, row[:, None] + code_columns[None, :],
+                                           mask=(slot >= 0)[:, None])
+    scale_slot = gl.convert_layout(slot, gl.SliceLayout(1, scale_layout))
+    scale_row = (kv_ptr + LATENT + gl.where(scale_slot >= 0, scale_slot, 0).to(gl.int64)
+                 * kv_stride).to(gl.pointer_type(gl.float32), bitcast=True)
+    scale_columns = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scale_layout))
+    async_copy.async_copy_global_to_shared(scales, scale_row[:, None] + scale_columns[None, :],
+                                           mask=(scale_slot >= 0)[:, None])
+    rope_slot = gl.convert_layout(slot, gl.SliceLayout(1, rope_layout))
+    rope_row = (kv_ptr + LATENT + 4 * GROUPS + gl.where(rope_slot >= 0, rope_slot, 0).to(gl.int64)
+                * kv_stride).to(gl.pointer_type(gl.bfloat16), bitcast=True)
+    rope_columns = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
+    async_copy.async_copy_global_to_shared(rope, rope_row[:, None] + rope_columns[None, :],
+                                           mask=(rope_slot >= 0)[:, None])
+
+
+@gluon.jit
+def _dequantize_block(codes, scales, rope, latent_out, rope_out, LATENT: gl.constexpr,
+                      GROUPS: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+    """A staging stage's codes times their group's scale, as bf16 into a latent ring slot (exact:
+    a power-of-two scale times an e4m3 code is a bf16 value, as in the Triton kernel's
+    ``_gather_latent``), and its rope values into the rope ring slot."""
+    GROUP: gl.constexpr = LATENT // GROUPS
+    # a quarter block a step: each step's store is a barrier of the gather warps (the compiler
+    # orders stores to one ring slot), and 16 rows at 32-slot blocks spill 12 B (sm_90)
+    ROWS: gl.constexpr = BLOCK_N // 4
+    layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, GROUPS, 32 // GROUPS], [WARPS, 1, 1],
+                                            [2, 1, 0])
+    grouped_codes = codes.reshape([BLOCK_N, GROUPS, GROUP])
+    grouped_scales = scales.reshape([BLOCK_N, GROUPS, 1])
+    for r in gl.static_range(BLOCK_N // ROWS):
+        code = grouped_codes.slice(r * ROWS, ROWS, dim=0).load(layout)
+        scale = grouped_scales.slice(r * ROWS, ROWS, dim=0).load(layout)
+        value = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
+        latent_out.slice(r * ROWS, ROWS, dim=0).store(
+            gl.reshape(value.to(gl.bfloat16), [ROWS, LATENT]))
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    rope_out.store(rope.load(rope_layout))
+
+
+@gluon.jit
+def _gather_fp8_blocks(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, codes,
+                       scales, rope, latent_ring, rope_ring, full, empty, trace_ptr,
+                       LATENT: gl.constexpr, ROPE: gl.constexpr, GROUPS: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+                       TRACE: gl.constexpr):
+    """The split's blocks from an ``fp8_ds_mla`` cache: ``cp.async`` into ``STAGES`` staging stages
+    (``STAGES`` blocks ahead; one commit group a block, the first also holding the queries'
+    copies), then each block dequantized into its ring slot once that is free, signalled on
+    ``full`` by one arrive after every gather thread's stores."""
+    for k in gl.static_range(STAGES):
+        _copy_fp8_block(codes.index(k), scales.index(k), rope.index(k), kv_ptr, kv_stride,
+                        row_slots, topk, first_block + k, stop_block, LATENT, ROPE, GROUPS,
+                        BLOCK_N, WARPS)
+        async_copy.commit_group()
+    if first_block < stop_block:
+        _stamp(trace_ptr, 7, TRACE)
+    for block in range(first_block, stop_block):
+        i = block - first_block
+        stage = i % STAGES
+        async_copy.wait_group(STAGES - 1)  # this thread's copies of the block have landed
+        gl.thread_barrier()  # ... and every gather thread's
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        _dequantize_block(codes.index(stage), scales.index(stage), rope.index(stage),
+                          latent_ring.index(stage), rope_ring.index(stage), LATENT, GROUPS,
+                          BLOCK_N, WARPS)
+        fence_async_shared()  # the bf16 stores, before the wgmma reads them
+        gl.thread_barrier()  # every gather thread stored (and is done with the staging stage)
+        mbarrier.arrive(full.index(stage), count=1)
+        _copy_fp8_block(codes.index(stage), scales.index(stage), rope.index(stage), kv_ptr,
+                        kv_stride, row_slots, topk, block + STAGES, stop_block, LATENT, ROPE,
+                        GROUPS, BLOCK_N, WARPS)
+        async_copy.commit_group()
+
+
+@gluon.jit
 def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr, kv_stride,
-                      row_slots, topk, latent_ring, rope_ring, full, empty, trace_ptr,
-                      LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
+                      row_slots, topk, latent_ring, rope_ring, codes, scales, rope, full, empty,
+                      trace_ptr, LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
-                      WARPS: gl.constexpr, TRACE: gl.constexpr):
+                      FP8: gl.constexpr, GROUPS: gl.constexpr, WARPS: gl.constexpr,
+                      TRACE: gl.constexpr):
     """The queries into shared memory (the first ``real_heads`` of them, zeros in the padding
     head slots), then block ``first_block + i``'s cache rows into ring slot ``i % STAGES`` once
-    it is free."""
+    it is free: by ``cp.async`` from a bf16 cache, through the staging stages ``codes, scales,
+    rope`` (:func:`_gather_fp8_blocks`) from an ``fp8_ds_mla`` one."""
     # 16-byte copies: a warp covers half a latent row, or four rope rows
     latent_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
@@ -137,27 +241,32 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
     first_block, stop_block = _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N,
                                             SCAN, WARPS)
     _stamp(trace_ptr, 6, TRACE)
-    for block in range(first_block, stop_block):
-        i = block - first_block
-        stage = i % STAGES
-        # the slot ids load while the slot may still be in use
-        index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, latent_layout))
-        slot = gl.load(row_slots + index, mask=index < topk, other=-1)
-        rope_index = block * BLOCK_N + gl.arange(0, BLOCK_N,
-                                                 layout=gl.SliceLayout(1, rope_layout))
-        rope_slot = gl.load(row_slots + rope_index, mask=rope_index < topk, other=-1)
-        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-        row = kv_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * kv_stride
-        async_copy.async_copy_global_to_shared(
-            latent_ring.index(stage), row[:, None] + latent_columns[None, :],
-            mask=(slot >= 0)[:, None])
-        rope_row = kv_ptr + gl.where(rope_slot >= 0, rope_slot, 0).to(gl.int64) * kv_stride
-        async_copy.async_copy_global_to_shared(
-            rope_ring.index(stage), rope_row[:, None] + rope_columns[None, :],
-            mask=(rope_slot >= 0)[:, None])
-        async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
-        if i == 0:
-            _stamp(trace_ptr, 7, TRACE)
+    if FP8:
+        _gather_fp8_blocks(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, codes,
+                           scales, rope, latent_ring, rope_ring, full, empty, trace_ptr, LATENT,
+                           ROPE, GROUPS, BLOCK_N, STAGES, WARPS, TRACE)
+    else:
+        for block in range(first_block, stop_block):
+            i = block - first_block
+            stage = i % STAGES
+            # the slot ids load while the slot may still be in use
+            index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, latent_layout))
+            slot = gl.load(row_slots + index, mask=index < topk, other=-1)
+            rope_index = block * BLOCK_N + gl.arange(0, BLOCK_N,
+                                                     layout=gl.SliceLayout(1, rope_layout))
+            rope_slot = gl.load(row_slots + rope_index, mask=rope_index < topk, other=-1)
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            row = kv_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * kv_stride
+            async_copy.async_copy_global_to_shared(
+                latent_ring.index(stage), row[:, None] + latent_columns[None, :],
+                mask=(slot >= 0)[:, None])
+            rope_row = kv_ptr + gl.where(rope_slot >= 0, rope_slot, 0).to(gl.int64) * kv_stride
+            async_copy.async_copy_global_to_shared(
+                rope_ring.index(stage), rope_row[:, None] + rope_columns[None, :],
+                mask=(rope_slot >= 0)[:, None])
+            async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
+            if i == 0:
+                _stamp(trace_ptr, 7, TRACE)
     # no cp.async in flight at exit (the queries' copies, when the split has no block)
     async_copy.commit_group()
     async_copy.wait_group(0)
@@ -219,20 +328,28 @@ def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full
     seen = denominator > 0
     result = acc / gl.convert_layout(gl.where(seen, denominator, 1.0),
                                      gl.SliceLayout(1, out_layout))[:, None]
-    if SPLIT:
-        # the split's normalised output, then its log2-sum-exp2 (-inf when it saw no valid slot);
-        # written from the wgmma layout (staged through shared memory it was slower: the records'
-        # DRAM writes bound this store)
+    if SPLIT or BLOCK_N < BLOCK_H:
+        # from the wgmma layout: the split's normalised output (staged through shared memory it
+        # was slower: the records' DRAM writes bound this store), or the output when a ring slot
+        # is too small to stage it
         heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, out_layout))
         columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, out_layout))
-        records = record_ptr + heads.to(gl.int64) * record_stride_head
-        gl.store(records[:, None] + columns[None, :], result, mask=(heads < real_heads)[:, None])
+        if SPLIT:
+            rows = record_ptr + heads.to(gl.int64) * record_stride_head
+            gl.store(rows[:, None] + columns[None, :], result,
+                     mask=(heads < real_heads)[:, None])
+        else:
+            rows = out_ptr + heads.to(gl.int64) * out_stride_head
+            gl.store(rows[:, None] + columns[None, :], result.to(gl.bfloat16),
+                     mask=(heads < real_heads)[:, None])
+    if SPLIT:
+        # the split's log2-sum-exp2 (-inf when it saw no valid slot)
         log_sum = gl.where(seen, running_max + gl.log2(gl.where(seen, denominator, 1.0)),
                            float("-inf"))
         sum_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, score_layout))
         gl.store(record_ptr + sum_heads.to(gl.int64) * record_stride_head + LATENT, log_sum,
                  mask=sum_heads < real_heads)
-    else:
+    elif BLOCK_N == BLOCK_H:
         # through ring slot 0 (idle now: every issued block was consumed), so that a warp stores
         # 512 contiguous bytes at a time instead of the wgmma layout's 8-row pieces of 4 bytes
         staging = latent_ring.index(0)
@@ -253,9 +370,10 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
                              out_stride_row, out_stride_head, num_heads, topk, trace_ptr,
                              LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
-                             SPLIT: gl.constexpr, RECORD: gl.constexpr,
-                             GATHER_WARPS: gl.constexpr, GATHER_REGISTERS: gl.constexpr,
-                             TRACE: gl.constexpr, STAMPS: gl.constexpr):
+                             SPLIT: gl.constexpr, RECORD: gl.constexpr, FP8: gl.constexpr,
+                             GROUPS: gl.constexpr, GATHER_WARPS: gl.constexpr,
+                             GATHER_REGISTERS: gl.constexpr, TRACE: gl.constexpr,
+                             STAMPS: gl.constexpr):
     """Program ``(row, head block, split)``: shared memory and its barriers, then the gather and
     attend partitions (each finds the split's blocks itself, so the gathers start at once)."""
     row = gl.program_id(0).to(gl.int64)
@@ -274,12 +392,23 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], swizzled)
     latent_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, LATENT], swizzled)
     rope_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE], swizzled)
-    probs_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], swizzled)
+    probs_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
+                                                                               gl.bfloat16))
+    # the FP8 staging stages of the gathered cache rows (the cache's bytes); one row for a bf16
+    # cache, never used
+    STAGED_STAGES: gl.constexpr = STAGES if FP8 else 1
+    STAGED_ROWS: gl.constexpr = BLOCK_N if FP8 else 1
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    codes = gl.allocate_shared_memory(gl.uint8, [STAGED_STAGES, STAGED_ROWS, LATENT], plain)
+    scales = gl.allocate_shared_memory(gl.float32, [STAGED_STAGES, STAGED_ROWS, GROUPS], plain)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGED_STAGES, STAGED_ROWS, ROPE], plain)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for stage in gl.static_range(STAGES):
-        # one copy-completion arrive per gather thread; one arrive of the attend partition
-        mbarrier.init(full.index(stage), count=GATHER_WARPS * 32)
+        # one copy-completion arrive per gather thread (bf16 cache) or one arrive after the
+        # dequantizing stores (FP8); one arrive of the attend partition
+        mbarrier.init(full.index(stage), count=1 if FP8 else GATHER_WARPS * 32)
         mbarrier.init(empty.index(stage), count=1)
     fence_async_shared()  # the barrier inits, before the copy-completion arrives use them
     gl.thread_barrier()
@@ -292,9 +421,9 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
                               num_splits * RECORD, real_heads, trace_ptr, SPLIT, LATENT, ROPE,
                               BLOCK_H, BLOCK_N, STAGES, SCAN, gl.num_warps(), TRACE)),
          (_gather_partition, (q_head, q_stride_head, real_heads, q_latent, q_rope, kv_ptr,
-                              kv_stride, row_slots, topk, latent_ring, rope_ring, full, empty,
-                              trace_ptr, LATENT, ROPE, BLOCK_H, BLOCK_N, STAGES, SCAN,
-                              GATHER_WARPS, TRACE))],
+                              kv_stride, row_slots, topk, latent_ring, rope_ring, codes, scales,
+                              rope, full, empty, trace_ptr, LATENT, ROPE, BLOCK_H, BLOCK_N,
+                              STAGES, SCAN, FP8, GROUPS, GATHER_WARPS, TRACE))],
         [GATHER_WARPS], [GATHER_REGISTERS])
 
 
@@ -313,8 +442,12 @@ def sparse_mla_gluon_supported(device: torch.device | str, num_heads: int) -> bo
 def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                             out: torch.Tensor, workspace: torch.Tensor | None,
                             qk_scale_log2: float, *, scan: int, record_width: int,
+                            block_n: int = BLOCK_N, stages: int = STAGES,
                             trace: torch.Tensor | None = None) -> None:
-    """Launch the kernel over grid ``(R, cdiv(H, 64), num_splits)``: with ``workspace`` (fp32
+    """Launch the kernel over grid ``(R, cdiv(H, 64), num_splits)`` on a bf16 ``kv_cache``
+    ``[slots, 576]`` or an ``fp8_ds_mla`` one (uint8 ``[slots, 656]``, row stride a multiple of 16
+    bytes), ``block_n`` slots a block and ``stages`` ring slots (:data:`FP8_TILES` for FP8,
+    ``(BLOCK_N, STAGES)`` for bf16): with ``workspace`` (fp32
     ``[R, H, num_splits, record_width]``) it writes each split's normalised ``[512]`` output and its
     log2-sum-exp2 at index 512 of the split's record, without it the bf16 ``out`` directly.
     ``qk_scale_log2`` is the softmax scale times ``log2(e)``; ``scan`` the slot ids per step of
@@ -336,6 +469,7 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), num_heads, slots.shape[1], out if trace is None else trace,
         LATENT=out.shape[2], ROPE=q.shape[2] - out.shape[2], BLOCK_H=HEADS_PER_PROGRAM,
-        BLOCK_N=BLOCK_N, STAGES=STAGES, SCAN=scan, SPLIT=workspace is not None,
-        RECORD=record_width, GATHER_WARPS=GATHER_WARPS, GATHER_REGISTERS=GATHER_REGISTERS,
+        BLOCK_N=block_n, STAGES=stages, SCAN=scan, SPLIT=workspace is not None,
+        RECORD=record_width, FP8=is_fp8_cache(kv_cache), GROUPS=MLA_LATENT_DIM // FP8_GROUP,
+        GATHER_WARPS=GATHER_WARPS, GATHER_REGISTERS=GATHER_REGISTERS,
         TRACE=trace is not None, STAMPS=len(TRACE_STAMPS), num_warps=ATTEND_WARPS)
