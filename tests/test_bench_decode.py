@@ -4,6 +4,7 @@ phase counted and ranked per step on synthetic CUPTI events, the leaf-module mar
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -122,19 +123,122 @@ def test_phase_markers_label_leaf_modules():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def _row(context_len, bs, us):
+def _row(context_len, bs, us, kv_cache_dtype="bf16"):
     kernels = [{"phase": "ffn", "module": "model.layers.*.mlp.down_proj", "kernel": "nvjet_down", "name": "nvjet_down",
                 "count": 2, "us": us}]
-    return {"context_len": context_len, "bs": bs,
+    return {"kv_cache_dtype": kv_cache_dtype, "context_len": context_len, "bs": bs,
             "phases": {BOUNDED: {"kernels": kernels}, CONTEXT_WIDE: {"kernels": [dict(kernels[0], us=-1.0)]}}}
 
 
 def test_kernel_markdown_shows_bounded_bs_extremes_of_the_first_context():
-    """One table: the bounded runs' kernels at the smallest and largest bs of the first row's context."""
-    rows = [_row(4096, bs, float(bs)) for bs in (1, 4, 32)] + [_row(128, 1, 99.0)]
+    """One table: the bounded runs' kernels of each cache dtype at the smallest and largest bs of
+    the first row's context."""
+    rows = ([_row(4096, bs, float(bs), dtype) for dtype in ("bf16", "fp8_e4m3") for bs in (1, 4, 32)]
+            + [_row(128, 1, 99.0)])
     text = decode._kernel_markdown(rows, markdown_table)
     assert "context 4096, bs 1 and 32" in text
     body = [line for line in text.splitlines() if line.startswith("| ") and "nvjet_down" in line]
-    assert body == ["| 1 | ffn | model.layers.*.mlp.down_proj | nvjet_down | 2 | 1.00 |",
-                    "| 32 | ffn | model.layers.*.mlp.down_proj | nvjet_down | 2 | 32.00 |"]
+    assert body == [f"| {dtype} | {bs} | ffn | model.layers.*.mlp.down_proj | nvjet_down | 2 | {bs}.00 |"
+                    for dtype in ("bf16", "fp8_e4m3") for bs in (1, 32)]
     assert decode._kernel_markdown([dict(_row(4096, 1, 1.0), phases={BOUNDED: None})], markdown_table) == ""
+
+
+def test_token_agreement_first_differing_step_and_fraction():
+    """The first step where any request's token differs, the agreeing fraction; None when equal."""
+    reference = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    other = reference.clone()
+    assert decode.token_agreement(reference, other) == {"first_difference": None, "agreement": 1.0}
+    other[1, 1], other[2, 0] = 0, 0
+    assert decode.token_agreement(reference, other) == {"first_difference": 1, "agreement": 4 / 6}
+    with pytest.raises(ValueError, match="shapes"):
+        decode.token_agreement(reference, other[:2])
+
+
+def test_kv_cache_dtype_option_refuses_a_bad_value(capsys):
+    from test_cli import assert_one_line_error
+
+    assert_one_line_error(capsys, ["bench", "decode", "--kv-cache-dtype", "bf16,fp8"], "--kv-cache-dtype", "fp8_e4m3")
+
+
+def _record_pools(monkeypatch) -> list:
+    """KVPool.for_model records (dtype, a weak reference to the pool's MLA cache) of each pool it builds."""
+    import weakref
+
+    built, for_model = [], decode.KVPool.for_model.__func__
+
+    def recording(cls, *args, **kwargs):
+        pool = for_model(cls, *args, **kwargs)
+        built.append((pool.kv_cache_dtype, weakref.ref(pool._mla)))
+        return pool
+
+    monkeypatch.setattr(decode.KVPool, "for_model", classmethod(recording))
+    return built
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU run of bench decode")
+def test_both_cache_dtypes_one_at_a_time_with_their_floors(tmp_path, monkeypatch):
+    """--kv-cache-dtype fp8_e4m3,bf16,auto: each context's pool in its dtype, one dtype's pools
+    gone before the next are built; rows of both (auto is bf16), bounded == context-wide within
+    each, FP8 against bf16 tokens reported; each row's floors from its dtype's entry bytes (FP8:
+    smaller sparse MLA and indexer-logit bytes)."""
+    from dsaspec.bench.floors import FloorModel
+    from dsaspec.commands import cli
+
+    built = _record_pools(monkeypatch)
+    freed_before_bf16 = []
+    run_measure = decode._measure
+    monkeypatch.setattr(decode, "_measure", lambda *a: freed_before_bf16.append(
+        [ref() is None for _, ref in built]) or run_measure(*a))
+    assert cli.main(["bench", "decode", "--kv-cache-dtype", "fp8_e4m3,bf16,auto", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "decode.json").read_text())
+    contexts, bs = payload["params"]["contexts"], payload["params"]["bs"]
+    assert payload["params"]["kv_cache_dtype"] == ["fp8_e4m3", "bf16"]
+    assert [d for d, _ in built] == ["fp8_e4m3"] * len(contexts) + ["bf16"] * len(contexts)
+    assert freed_before_bf16 == [[], [True] * len(contexts)]
+    rows = payload["rows"]
+    assert [(r["kv_cache_dtype"], r["context_len"], r["bs"]) for r in rows] == [
+        (d, c, b) for d in ("fp8_e4m3", "bf16") for c in contexts for b in bs]
+    assert all(r["tokens_identical"] and r["tokens_identical_to_reference_context"] for r in rows)
+    assert all((r["vs_bf16"] is None) == (r["kv_cache_dtype"] == "bf16") for r in rows)
+    config, live = get_config("tiny"), payload["params"]["live"] + payload["params"]["steps"] // 2
+    by_key = {(r["kv_cache_dtype"], r["context_len"], r["bs"]): {t["phase"]: t["bytes"] for t in r["floor_table"]}
+              for r in rows}
+    for (dtype, context_len, b), floor_bytes in by_key.items():
+        costs = FloorModel(config, act_bytes=4, kv_cache_dtype=dtype).decode_step(b, live)
+        assert all(floor_bytes[phase] == cost.bytes for phase, cost in costs.items())
+        if dtype == "fp8_e4m3":
+            bf16 = by_key[("bf16", context_len, b)]
+            assert floor_bytes["sparse_mla"] < bf16["sparse_mla"] and floor_bytes["indexer_logits"] < bf16["indexer_logits"]
+    text = (tmp_path / "decode.md").read_text()
+    assert f"| fp8_e4m3 | {contexts[0]} | {bs[0]} | {payload['params']['live']} |" in text
+    assert "first step != bf16" in text and "may differ from the bf16 cache's" in text
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU run of bench decode")
+def test_tokens_are_compared_within_a_cache_dtype(tmp_path, monkeypatch, capsys):
+    """FP8 tokens unlike bf16's do not fail a run; bounded != context-wide on the FP8 cache fails
+    its rows only (exit 1, named), and the FP8 rows give the first step that differs from bf16."""
+    from dsaspec.commands import cli
+
+    run = decode.decode_run
+
+    def fp8_differs(runner, context, bs, steps, **kwargs):
+        tokens = run(runner, context, bs, steps, **kwargs)
+        if context.kv.kv_cache_dtype == "fp8_e4m3":
+            tokens[1:] += 1                       # from step 1 on
+            if runner is context.runners[BOUNDED] and context.context_len == max(a.contexts):
+                tokens[-1] += 1
+        return tokens
+
+    a = argparse.Namespace(contexts=None)
+    apply_sizes = decode._apply_cpu_sizes
+    monkeypatch.setattr(decode, "_apply_cpu_sizes", lambda args: apply_sizes(args) or setattr(a, "contexts", args.contexts))
+    monkeypatch.setattr(decode, "decode_run", fp8_differs)
+    assert cli.main(["bench", "decode", "--kv-cache-dtype", "bf16,fp8_e4m3", "--out", str(tmp_path)]) == 1
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    longest = max(a.contexts)
+    for r in rows:
+        assert r["tokens_identical"] == (r["kv_cache_dtype"] == "bf16" or r["context_len"] != longest), r
+        if r["kv_cache_dtype"] == "fp8_e4m3":
+            assert r["vs_bf16"]["first_difference"] == 1
+    assert f"('fp8_e4m3', {longest}, 1)" in capsys.readouterr().out
