@@ -242,3 +242,15 @@ def test_tokens_are_compared_within_a_cache_dtype(tmp_path, monkeypatch, capsys)
         if r["kv_cache_dtype"] == "fp8_e4m3":
             assert r["vs_bf16"]["first_difference"] == 1
     assert f"('fp8_e4m3', {longest}, 1)" in capsys.readouterr().out
+
+
+def test_context_ratios_use_the_reference_of_the_same_cache_dtype():
+    """TPOT over the reference context's of the same cache dtype and bs."""
+    def row(dtype, context_len, us):
+        side = {"median_us": us, "run_medians_us": [us]}
+        return {"kv_cache_dtype": dtype, "context_len": context_len, "bs": 1, "detail": {"baseline": side, "new": side}}
+
+    rows = [row("bf16", 1024, 110.0), row("bf16", 128, 100.0), row("fp8_e4m3", 1024, 90.0), row("fp8_e4m3", 128, 60.0)]
+    decode._add_context_ratios(rows, 128)
+    assert [r["vs_reference_context"]["tpot_ratio"]["new"] for r in rows] == [1.1, 1.0, 1.5, 1.0]
+    assert [r["vs_reference_context"]["new_within_target"] for r in rows] == [False, True, False, True]
