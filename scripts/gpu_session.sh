@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
-#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, moe-fp8, kv-accuracy, e2e-rank-glm5, e2e-rank-v32; pack (last: everything under $OUT into $OUT/out.tgz, since a device call
+#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, moe-fp8, kv-accuracy, e2e-rank-glm5, e2e-rank-v32, decode-fp8; pack (last: everything under $OUT into $OUT/out.tgz, since a device call
 #   returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
@@ -64,6 +64,8 @@ for step in "$@"; do
                           --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_glm5" ;;
         e2e-rank-v32) python3 -m dsaspec bench e2e --presets deepseek-v32-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
                           --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_v32" ;;
+        decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
+                          --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/decode_fp8" ;;
         pack)         (cd "$OUT" && tar -czf /tmp/out.tgz --exclude=out.tgz . && find . -mindepth 1 -delete \
                           && mv /tmp/out.tgz out.tgz) ;;
         *) echo "unknown step $step"; status=2; continue ;;
