@@ -208,7 +208,7 @@ def test_both_cache_dtypes_one_at_a_time_with_their_floors(tmp_path, monkeypatch
         assert all(floor_bytes[phase] == cost.bytes for phase, cost in costs.items())
         if dtype == "fp8_e4m3":
             bf16 = by_key[("bf16", context_len, b)]
-            assert floor_bytes["sparse_mla"] < bf16["sparse_mla"] and floor_bytes["indexer_logits"] < bf16["indexer_logits"]
+            assert all(floor_bytes[phase] < bf16[phase] for phase in ("sparse_mla", "indexer_logits"))
     text = (tmp_path / "decode.md").read_text()
     assert f"| fp8_e4m3 | {contexts[0]} | {bs[0]} | {payload['params']['live']} |" in text
     assert "first step != bf16" in text and "may differ from the bf16 cache's" in text
@@ -232,7 +232,8 @@ def test_tokens_are_compared_within_a_cache_dtype(tmp_path, monkeypatch, capsys)
 
     a = argparse.Namespace(contexts=None)
     apply_sizes = decode._apply_cpu_sizes
-    monkeypatch.setattr(decode, "_apply_cpu_sizes", lambda args: apply_sizes(args) or setattr(a, "contexts", args.contexts))
+    monkeypatch.setattr(decode, "_apply_cpu_sizes",
+                        lambda args: apply_sizes(args) or setattr(a, "contexts", args.contexts))
     monkeypatch.setattr(decode, "decode_run", fp8_differs)
     assert cli.main(["bench", "decode", "--kv-cache-dtype", "bf16,fp8_e4m3", "--out", str(tmp_path)]) == 1
     rows = json.loads((tmp_path / "decode.json").read_text())["rows"]

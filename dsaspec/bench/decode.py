@@ -616,12 +616,14 @@ def _markdown(rows, on_gpu, reference_context, markdown_table) -> str:
                          b_ratio=vs["tpot_ratio"]["new"], b_overlap=vs["run_ranges_overlap"]["new"],
                          target=vs["new_within_target"]))
     tpot = markdown_table([
-        ("kv_cache_dtype", "KV cache"), ("context_len", "context"), ("bs", "bs"), ("cw_ms", "context-wide TPOT ms"), ("b_ms", "bounded TPOT ms"),
+        ("kv_cache_dtype", "KV cache"), ("context_len", "context"), ("bs", "bs"), ("cw_ms", "context-wide TPOT ms"),
+        ("b_ms", "bounded TPOT ms"),
         ("speedup", "speedup"), ("cw_tps", "context-wide tok/s/user"), ("b_tps", "bounded tok/s/user"),
         ("cw_spread", "spread cw"), ("b_spread", "spread bounded"), ("floor_ms", "floor ms"),
         ("tokens_identical", "tokens identical")] + vs_cols, flat)
     target = markdown_table([
-        ("kv_cache_dtype", "KV cache"), ("context_len", "context"), ("bs", "bs"), ("cw_ratio", f"context-wide / {reference_context}"),
+        ("kv_cache_dtype", "KV cache"), ("context_len", "context"), ("bs", "bs"),
+        ("cw_ratio", f"context-wide / {reference_context}"),
         ("b_ratio", f"bounded / {reference_context}"), ("b_overlap", "bounded run ranges overlap"),
         ("target", f"bounded within {TPOT_TARGET - 1:.0%}"),
         ("tokens_identical_to_reference_context", "tokens == reference context")], flat)
@@ -657,7 +659,8 @@ def _kernel_markdown(rows, markdown_table) -> str:
              and r["phases"][BOUNDED] is not None for k in r["phases"][BOUNDED]["kernels"]]
     if not shown:
         return ""
-    table = markdown_table([("kv_cache_dtype", "KV cache"), ("bs", "bs"), ("phase", "phase"), ("module", "module"), ("kernel", "kernel"),
+    table = markdown_table([("kv_cache_dtype", "KV cache"), ("bs", "bs"), ("phase", "phase"), ("module", "module"),
+                            ("kernel", "kernel"),
                             ("count", "launches / step"), ("us", "µs / step")], shown)
     return (f"## Kernels per phase (bounded, context {context}, bs {sizes[0]} and {sizes[-1]}; median per step, "
             f"top {TOP_KERNELS} a phase; full names in the JSON)\n\n{table}\n\n")
