@@ -113,3 +113,18 @@ def test_readme_needs_its_markers():
         summary.readme_with_tables("# dsaspec\n", "table")
     text = f"a\n{summary.BEGIN}\nold\n{summary.END}\nb\n"
     assert summary.readme_with_tables(text, "new") == f"a\n{summary.BEGIN}\n\nnew\n\n{summary.END}\nb\n"
+
+
+def test_decode_tables_take_the_bf16_rows_and_name_the_others():
+    """A decode run over both cache dtypes: the generated tables are the bf16 rows' (the FP8 rows
+    would otherwise overwrite the same context x bs cells) and say which dtypes the file adds."""
+    payload = json.loads((summary.RESULTS_ROOT / "h200" / "decode.json").read_text())
+    bf16 = [dict(r, kv_cache_dtype="bf16") for r in payload["rows"]]
+    fp8 = [dict(r, kv_cache_dtype="fp8_e4m3", baseline_us=r["baseline_us"] * 7, new_us=r["new_us"] * 7)
+           for r in payload["rows"]]
+    alone = "\n".join(summary._decode(dict(payload, rows=bf16)))
+    assert "fp8_e4m3" not in alone
+    for rows in (fp8 + bf16, bf16 + fp8):
+        both = "\n".join(summary._decode(dict(payload, rows=rows)))
+        assert "fp8_e4m3 rows in the file" in both
+        assert both.replace(", bf16 KV caches (fp8_e4m3 rows in the file)", "") == alone

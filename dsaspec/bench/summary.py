@@ -81,8 +81,12 @@ def _verify_step(payload: dict) -> list[str]:
 
 
 def _decode(payload: dict) -> list[str]:
-    rows, p = payload["rows"], payload["params"]
-    what = f"`{p['preset']}` preset, {p['live']} live tokens"
+    p = payload["params"]
+    # the bf16-cache rows (runs before --kv-cache-dtype have no such field); other dtypes: the file
+    rows = [r for r in payload["rows"] if r.get("kv_cache_dtype", "bf16") == "bf16"]
+    others = sorted({r.get("kv_cache_dtype", "bf16") for r in payload["rows"]} - {"bf16"})
+    what = f"`{p['preset']}` preset, {p['live']} live tokens" + (
+        f", bf16 KV caches ({', '.join(others)} rows in the file)" if others else "")
     keys, cols, groups = _pivot(rows, ("context_len",), "bs",
                                 lambda r: f"{r['baseline_us'] / 1e3:.2f} → {r['new_us'] / 1e3:.2f}")
     parts = [_table(f"Runtime decode TPOT (ms), {what}: context-wide → bounded metadata", ["context configured"],
