@@ -24,10 +24,9 @@ tokens, or on where its pairs land in the sorted segments. The result is determi
 
 FP8 block-scaled experts (``w13`` / ``w2`` e4m3 with fp32 ``weight_scale_inv`` per 128 x 128 block
 of each expert's projection, the official checkpoints' format, :mod:`dsaspec.ops.fp8_gemm`): the
-same four launches with a constexpr ``FP8`` switch in the two GEMM kernels, which quantize the rows
-they read one 128-column K block at a time (the hidden rows in gate/up, the activations in down;
-per token per 128 columns, :func:`~dsaspec.ops.e4m3.quantize_rows`, the codes and scales of
-:func:`~dsaspec.ops.fp8_gemm.act_quant`). Each K block is one e4m3 ``tl.dot`` with fp32
+same launches with a constexpr ``FP8`` switch in the two GEMM kernels, plus two
+:func:`~dsaspec.ops.fp8_gemm.act_quant` launches (the hidden rows before gate/up, the activations
+before down: per token per 128 columns). Each 128-column K block is one e4m3 ``tl.dot`` with fp32
 accumulation, scaled by ``a_scale[row, kb] * w_scale[expert, n // 128, kb]`` and added in fp32 in K
 order, as :func:`~dsaspec.ops.fp8_gemm.fp8_gemm` does. Row invariance holds as above (the
 quantization is per row).
@@ -43,8 +42,7 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
 from dsaspec.ops.device import sm_count
-from dsaspec.ops.e4m3 import quantize_rows
-from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS
+from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS, act_quant
 
 BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's segment
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -75,7 +73,11 @@ class FusedMoEWorkspace:
     block_experts: torch.Tensor  # int32 [max_blocks]: expert of each block, -1 = unused
     act: torch.Tensor  # dtype [max_blocks * BLOCK_M, I]: silu(gate) * up per sorted row
     partial: torch.Tensor  # fp32 [max_tokens * k, H]: weighted down projection per pair
-    fp8: bool = False  # for FP8 experts (H and I checked to be multiples of 128)
+    fp8: bool = False  # for FP8 experts: the quantized activations below are allocated
+    hidden_q: torch.Tensor | None = None  # e4m3 [max_tokens, H]: act_quant of the hidden rows
+    hidden_scale: torch.Tensor | None = None  # fp32 [max_tokens, H / 128]
+    act_q: torch.Tensor | None = None  # e4m3 [max_blocks * BLOCK_M, I]: act_quant of act
+    act_scale: torch.Tensor | None = None  # fp32 [max_blocks * BLOCK_M, I / 128]
 
 
 def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_size: int,
@@ -83,8 +85,8 @@ def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_siz
                         fp8: bool = False) -> FusedMoEWorkspace:
     """Allocate the buffers of :func:`fused_moe` for calls of up to ``max_tokens`` tokens with
     ``topk`` experts per token out of ``num_experts``, hidden size H, intermediate size I and
-    activations of ``dtype`` (bf16 or fp32); ``fp8``: for FP8 experts (H and I multiples of 128;
-    the same buffers: the GEMMs quantize in registers). Allocate
+    activations of ``dtype`` (bf16 or fp32); ``fp8``: for FP8 experts (also the e4m3 codes and
+    scales of the quantized hidden rows and activations; H and I multiples of 128). Allocate
     once, before capture; a graph replays with the same workspace. Sizes: ``max_blocks(T * k, E) *
     16`` rows of I activations and ``T * k`` fp32 rows of H (at T = 512, k = 8, H = 7168: 117 MB).
 
@@ -99,12 +101,19 @@ def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_siz
         _check_fp8_dims(hidden_size, intermediate_size)
     pairs = max_tokens * topk
     rows = max_blocks(pairs, num_experts) * BLOCK_M
+    quantized = {}
+    if fp8:
+        quantized = dict(
+            hidden_q=torch.empty(max_tokens, hidden_size, dtype=FP8, device=device),
+            hidden_scale=torch.empty(max_tokens, hidden_size // FP8_BLOCK, dtype=torch.float32, device=device),
+            act_q=torch.empty(rows, intermediate_size, dtype=FP8, device=device),
+            act_scale=torch.empty(rows, intermediate_size // FP8_BLOCK, dtype=torch.float32, device=device))
     return FusedMoEWorkspace(
         max_tokens, topk, num_experts, hidden_size, intermediate_size, dtype,
         sorted_pairs=torch.empty(rows, dtype=torch.int32, device=device),
         block_experts=torch.empty(rows // BLOCK_M, dtype=torch.int32, device=device),
         act=torch.empty(rows, intermediate_size, dtype=dtype, device=device),
-        partial=torch.empty(pairs, hidden_size, dtype=torch.float32, device=device), fp8=fp8)
+        partial=torch.empty(pairs, hidden_size, dtype=torch.float32, device=device), fp8=fp8, **quantized)
 
 
 def _check_fp8_dims(hidden_size: int, intermediate_size: int) -> None:
@@ -129,10 +138,9 @@ def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.devic
     (FMA) ``BLOCK_N x 32``, with ``BLOCK_N`` the widest of 128/64/32/16 that still gives a one-token
     call (k blocks) about two programs per SM (off-GPU: the widest, so the interpreter runs few
     programs); up to 4 (bf16, FP8) or 3 (fp32) stages of the activation tile and ``weight_tiles``
-    weight tiles within ``_STAGE_BYTES`` of shared memory (FP8: e4m3 weight tiles, activation
-    tiles of ``dtype``, quantized in registers)."""
-    weight_dtype = FP8 if fp8 else dtype
+    weight tiles within ``_STAGE_BYTES`` of shared memory."""
     if fp8:
+        dtype = FP8
         block_k, widths, num_warps, max_stages = FP8_BLOCK, (128, 64, 32, 16), 4, 4
     elif dtype == torch.float32:
         block_k, widths, num_warps, max_stages = 32, (32, 16), 4, 3
@@ -146,7 +154,7 @@ def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.devic
             break
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(block_k, max(16, triton.next_power_of_2(k_dim)))
-    stage = (BLOCK_M * dtype.itemsize + weight_tiles * block_n * weight_dtype.itemsize) * block_k
+    stage = (BLOCK_M + weight_tiles * block_n) * block_k * dtype.itemsize
     return _Tile(block_n, block_k, num_warps, max(1, min(max_stages, _STAGE_BYTES // stage)))
 
 
@@ -193,13 +201,12 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_b
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
-def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
-                    num_blocks, H, I, stride_xt, stride_we, stride_wn, stride_wse, stride_wsn,
+def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
+                    num_blocks, H, I, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn,
                     stride_act, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr):
-    # FP8: w is e4m3 codes, ws [E, 2I / BLOCK_K, H / BLOCK_K] their scales, BLOCK_K = 128 and
-    # BLOCK_N divides 128 (one weight scale per tile and K block); each K block of x is quantized
-    # here (act_quant's codes and scales, UE8M0 its scale_fmt)
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+    # FP8: x and w are e4m3 codes, xs [T, H / BLOCK_K] and ws [E, 2I / BLOCK_K, H / BLOCK_K] their
+    # scales, BLOCK_K = 128 and BLOCK_N divides 128 (one weight scale per tile and K block)
     # blocks vary fastest: the programs that read one weight tile run together (L2 reuse)
     pid = tl.program_id(0)
     block = pid % num_blocks
@@ -218,6 +225,7 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, a
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_expert + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
     u_ptrs = g_ptrs + I * stride_wn
+    xs_ptrs = xs_ptr + tokens * stride_xst
     gs_ptr = ws_ptr + expert.to(tl.int64) * stride_wse + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
     us_ptr = gs_ptr + (I // BLOCK_K) * stride_wsn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -233,10 +241,9 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, a
             u = u.to(tl.float32)
         if FP8:
             kb = k // BLOCK_K
-            codes, x_s = quantize_rows(x.to(tl.float32), UE8M0)
-            x = codes.to(g.dtype)
-            gate += tl.dot(x, g) * (x_s[:, None] * tl.load(gs_ptr + kb))
-            up += tl.dot(x, u) * (x_s[:, None] * tl.load(us_ptr + kb))
+            x_s = tl.load(xs_ptrs + kb, mask=row_ok, other=0.0)[:, None]
+            gate += tl.dot(x, g) * (x_s * tl.load(gs_ptr + kb))
+            up += tl.dot(x, u) * (x_s * tl.load(us_ptr + kb))
         else:
             gate = tl.dot(x, g, gate, input_precision="ieee")
             up = tl.dot(x, u, up, input_precision="ieee")
@@ -249,12 +256,12 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, a
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
-def _down_kernel(act_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr,
-                 partial_ptr, num_blocks, H, I, stride_act, stride_we, stride_wn, stride_wse,
+def _down_kernel(act_ptr, as_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr,
+                 partial_ptr, num_blocks, H, I, stride_act, stride_as, stride_we, stride_wn, stride_wse,
                  stride_wsn, stride_partial, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr):
-    # FP8: w is e4m3 codes, ws [E, ceil(H / BLOCK_K), I / BLOCK_K] their scales; act quantized per
-    # K block here (as x in _gate_up_kernel)
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+    # FP8: act and w are e4m3 codes, as [rows, I / BLOCK_K] and ws [E, ceil(H / BLOCK_K), I / BLOCK_K]
+    # their scales (as in _gate_up_kernel)
     pid = tl.program_id(0)
     block = pid % num_blocks
     pid_n = pid // num_blocks
@@ -270,6 +277,7 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, we
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + ks[None, :]
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
               + ks[:, None])
+    as_ptrs = as_ptr + rows.to(tl.int64) * stride_as
     s_ptr = ws_ptr + expert.to(tl.int64) * stride_wse + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, I, BLOCK_K):
@@ -281,8 +289,8 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, we
             w = w.to(tl.float32)
         if FP8:
             kb = k // BLOCK_K
-            codes, a_s = quantize_rows(a.to(tl.float32), UE8M0)
-            acc += tl.dot(codes.to(w.dtype), w) * (a_s[:, None] * tl.load(s_ptr + kb))
+            a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)[:, None]
+            acc += tl.dot(a, w) * (a_s * tl.load(s_ptr + kb))
         else:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         a_ptrs += BLOCK_K
@@ -377,8 +385,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
 
     FP8 experts (``w13`` / ``w2`` e4m3 with ``w13_scale`` / ``w2_scale``): ``W = w * scale`` per
     128 x 128 block of each expert's projection; ``x`` and the activation are quantized per token per
-    128 columns as :func:`~dsaspec.ops.fp8_gemm.act_quant` does (``scale_fmt``), inside their
-    GEMMs, whose 128-column blocks are scaled and summed in fp32.
+    128 columns (:func:`~dsaspec.ops.fp8_gemm.act_quant`, ``scale_fmt``) before their GEMMs, whose
+    128-column blocks are scaled and summed in fp32.
 
     Parameters
     ----------
@@ -425,20 +433,26 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
                         FILL=1024, BLOCK_M=BLOCK_M, num_warps=8)
     upcast = not hidden.is_cuda and not fp8
     act, partial = workspace.act, workspace.partial
-    w13_s, w2_s = (w13_scale, w2_scale) if fp8 else (w13, w2)  # unread without FP8
-    ue8m0 = scale_fmt == "ue8m0"
+    x, x_scale, w13_s, a, a_scale, w2_s = hidden, hidden, w13, act, act, w2  # unread without FP8
+    if fp8:
+        x, x_scale = act_quant(hidden, scale_fmt, out=workspace.hidden_q[:tokens],
+                               scale_out=workspace.hidden_scale[:tokens])
+        a, a_scale, w13_s, w2_s = workspace.act_q, workspace.act_scale, w13_scale, w2_scale
     tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8)
     _gate_up_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
-        hidden, w13, w13_s, workspace.sorted_pairs, workspace.block_experts, act, blocks, h, inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
+        x, x_scale, w13, w13_s, workspace.sorted_pairs, workspace.block_experts, act, blocks, h, inter,
+        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
         act.stride(0), TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        UPCAST=upcast, FP8=fp8, UE8M0=ue8m0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        UPCAST=upcast, FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if fp8:  # every row of the blocks in use: padding rows are quantized too and never read
+        rows = blocks * BLOCK_M
+        act_quant(act[:rows], scale_fmt, out=a[:rows], scale_out=a_scale[:rows])
     tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8)
     _down_kernel[(blocks * triton.cdiv(h, tile.block_n),)](
-        act, w2, w2_s, workspace.sorted_pairs, workspace.block_experts, topk_weights, partial,
-        blocks, h, inter, act.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0),
+        a, a_scale, w2, w2_s, workspace.sorted_pairs, workspace.block_experts, topk_weights, partial,
+        blocks, h, inter, a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0),
         w2_s.stride(1), partial.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        UPCAST=upcast, FP8=fp8, UE8M0=ue8m0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        UPCAST=upcast, FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages)
     block_h = min(_COMBINE_ELEMENTS, triton.next_power_of_2(h))
     block_t = min(triton.next_power_of_2(tokens), _COMBINE_ELEMENTS // block_h)
     _combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(h, block_h))](
