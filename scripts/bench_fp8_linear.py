@@ -3,7 +3,8 @@
 preset and M rows: per shape and M, the median per-replay span of a cold-L2 CUDA-graph replay
 (first to last device activity, so the gap between the two launches counts) and the graph-difference
 time, both forms' bits checked equal. Writes ``fp8_linear.json`` and ``fp8_linear.md`` to the folder
-given and prints the table; the M where fused stops winning sets ``FUSED_QUANT_MAX_M``.
+given and prints the table; where fused stops winning (in M and in K) sets ``FUSED_QUANT_MAX_M``
+and ``FUSED_QUANT_MAX_K``.
 
     python3 scripts/bench_fp8_linear.py OUT [--preset deepseek-v32-fp8-tp8-rank] [--rows 1,4,16,64,256]
 """
@@ -78,6 +79,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fp8_linear.json").write_text(json.dumps(dict(
         preset=args.preset, scale_fmt=scale_fmt, fused_quant_max_m=op.FUSED_QUANT_MAX_M,
+        fused_quant_max_k=op.FUSED_QUANT_MAX_K,
         device=torch.cuda.get_device_name(), results=results), indent=2) + "\n")
     (args.out / "fp8_linear.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

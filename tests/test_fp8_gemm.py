@@ -186,18 +186,18 @@ def test_fused_quant_non_finite_block_gives_a_nan_row(value, device):
     assert torch.isfinite(y[[0, 1, 2, 4]]).all(), "the other rows must not notice"
 
 
-def test_fp8_linear_fuses_up_to_the_threshold(monkeypatch, device):
+def test_fp8_linear_fuses_up_to_the_thresholds(monkeypatch, device):
     launches = []
     two_launch = op.act_quant
     monkeypatch.setattr(op, "act_quant", lambda *args, **kwargs: launches.append(1) or two_launch(*args, **kwargs))
-    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(64, 128, "cpu")))
-    limit = op.FUSED_QUANT_MAX_M
-    x = _activations(limit + 1, 128, torch.bfloat16, device, seed=2)
-    small = op.fp8_linear(x[:limit], w, w_s)
-    assert not launches, f"M = {limit} should quantize inside the GEMM"
-    large = op.fp8_linear(x, w, w_s)
-    assert launches == [1], f"M = {limit + 1} should run act_quant then fp8_gemm"
-    assert torch.equal(large[:limit], small), "the first rows depend on the dispatch"
+    max_m, max_k = op.FUSED_QUANT_MAX_M, op.FUSED_QUANT_MAX_K
+    x = _activations(max_m + 1, max_k + 128, torch.bfloat16, device, seed=2)
+    for rows, k, fused in ((max_m, max_k, True), (max_m + 1, max_k, False), (1, max_k + 128, False)):
+        w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(64, k, "cpu")))
+        launches.clear()
+        y = op.fp8_linear(x[:rows, :k], w, w_s)
+        assert launches == ([] if fused else [1]), f"M {rows}, K {k}: expected fused={fused}"
+        assert torch.equal(y, op.fp8_linear(x[:rows, :k], w, w_s, fuse_quant=not fused)), "the forms differ"
 
 
 @pytest.mark.parametrize("fuse", [True, False])
