@@ -2,8 +2,8 @@
 ``act_quant`` then ``fp8_gemm`` (two launches) on one GPU, at the FP8 linear shapes of a per-rank
 preset and M rows: per shape and M, the median per-replay span of a cold-L2 CUDA-graph replay
 (first to last device activity, so the gap between the two launches counts) and the graph-difference
-time, both forms' bits checked equal. Writes ``fp8_linear.json`` and ``fp8_linear.md`` to the folder
-given and prints the table; where fused stops winning (in M and in K) sets ``FUSED_QUANT_MAX_M``
+time, both forms' bits checked equal. Writes ``fp8_linear_<preset>.json`` and ``.md`` to the
+folder given and prints the table; where fused stops winning (in M and in K) sets ``FUSED_QUANT_MAX_M``
 and ``FUSED_QUANT_MAX_K``.
 
     python3 scripts/bench_fp8_linear.py OUT [--preset deepseek-v32-fp8-tp8-rank] [--rows 1,4,16,64,256]
@@ -41,8 +41,9 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="fp8_linear: fused activation quantization vs two launches.")
-    parser.add_argument("out", type=Path, help="folder for fp8_linear.json / .md")
-    parser.add_argument("--preset", default="deepseek-v32-fp8-tp8-rank", choices=sorted(PRESETS))
+    parser.add_argument("out", type=Path, help="folder for fp8_linear_<preset>.json / .md")
+    fp8_presets = sorted(name for name, config in PRESETS.items() if config.quantization is not None)
+    parser.add_argument("--preset", default="deepseek-v32-fp8-tp8-rank", choices=fp8_presets)
     parser.add_argument("--rows", default="1,4,16,64,256", help="comma-separated M")
     parser.add_argument("--iters", type=int, default=100)
     args = parser.parse_args()
@@ -77,11 +78,11 @@ def main() -> int:
         lines.append(f"| {p['layer']} | {p['n']} | {p['k']} | {p['m']} | {p['two_launch']['median_us']:.2f} | "
                      f"{p['fused']['median_us']:.2f} | {p['speedup']:.2f} | {p['bitwise_equal']} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fp8_linear.json").write_text(json.dumps(dict(
+    (args.out / f"fp8_linear_{args.preset}.json").write_text(json.dumps(dict(
         preset=args.preset, scale_fmt=scale_fmt, fused_quant_max_m=op.FUSED_QUANT_MAX_M,
         fused_quant_max_k=op.FUSED_QUANT_MAX_K,
         device=torch.cuda.get_device_name(), results=results), indent=2) + "\n")
-    (args.out / "fp8_linear.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"fp8_linear_{args.preset}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(p["bitwise_equal"] for p in results) else 1
 
