@@ -143,6 +143,85 @@ def test_fp8_linear_is_act_quant_then_gemm(device):
         _check_gemm(y, a, a_s, w, w_s)
 
 
+def _linear_both_ways(x, w, w_s, fmt):
+    """fp8_linear of ``x`` fused and as two launches; asserts the bits are equal, returns one."""
+    fused = op.fp8_linear(x, w, w_s, fmt, fuse_quant=True)
+    two = op.fp8_linear(x, w, w_s, fmt, fuse_quant=False)
+    assert fused.dtype == two.dtype == x.dtype
+    assert torch.equal(fused.isnan(), two.isnan()), "NaN positions differ"
+    assert torch.equal(fused.view(torch.uint8), two.view(torch.uint8)), "fused != act_quant + fp8_gemm"
+    return fused
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m,k", [(m, k) for k in (128, 384) for m in (1, 2, 15, 16, 17, 64, 65, 256)]
+                         + [(m, 7168) for m in (1, 16, 17, 65)])
+def test_fused_quant_is_the_two_launch_path_bitwise(m, k, fmt, device):
+    # strided rows: x is a column slice of a wider buffer whose extra columns are NaN
+    x_buf = torch.full((m, k + 128), math.nan, dtype=torch.bfloat16, device=device)
+    x_buf[:, :k] = _activations(m, k, torch.bfloat16, device, seed=m * k)
+    x = x_buf[:, :k]
+    n = 200 if k < 7168 else 72
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(n, k, "cpu", seed=k)))
+    y = _linear_both_ways(x, w, w_s, fmt)
+    _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [3, 40])
+def test_fused_quant_fp32_activations_bitwise(m, fmt, device):
+    x = _activations(m, 384, torch.float32, device, seed=m)
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(130, 384, "cpu")))
+    y = _linear_both_ways(x, w, w_s, fmt)
+    _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_fused_quant_non_finite_block_gives_a_nan_row(value, device):
+    x = _activations(5, 384, torch.bfloat16, device, seed=7)
+    x[3, 300] = value
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(100, 384, "cpu")))
+    y = _linear_both_ways(x, w, w_s, None)
+    assert y[3].isnan().all(), "a row with a non-finite block must come out NaN"
+    assert torch.isfinite(y[[0, 1, 2, 4]]).all(), "the other rows must not notice"
+
+
+def test_fp8_linear_fuses_up_to_the_thresholds(monkeypatch, device):
+    launches = []
+    two_launch = op.act_quant
+    monkeypatch.setattr(op, "act_quant", lambda *args, **kwargs: launches.append(1) or two_launch(*args, **kwargs))
+    max_m, max_k = op.FUSED_QUANT_MAX_M, op.FUSED_QUANT_MAX_K
+    x = _activations(max_m + 1, max_k + 128, torch.bfloat16, device, seed=2)
+    for rows, k, fused in ((max_m, max_k, True), (max_m + 1, max_k, False), (1, max_k + 128, False)):
+        w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(64, k, "cpu")))
+        launches.clear()
+        y = op.fp8_linear(x[:rows, :k], w, w_s)
+        assert launches == ([] if fused else [1]), f"M {rows}, K {k}: expected fused={fused}"
+        assert torch.equal(y, op.fp8_linear(x[:rows, :k], w, w_s, fuse_quant=not fused)), "the forms differ"
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_fp8_linear_bad_arguments_are_named(fuse, device):
+    x = torch.zeros(4, 256, dtype=torch.bfloat16, device=device)
+    w = torch.zeros(128, 256, dtype=torch.float8_e4m3fn, device=device)
+    w_s = torch.ones(1, 2, device=device)
+    cases = [
+        ((x.half(), w, w_s), {}, "x: expected dtype in"),
+        ((x[:, :200], w[:, :200], w_s), {}, "x: K = 200 must be a positive multiple of 128"),
+        ((x[:0], w, w_s), {}, r"x.shape\[0\] \(M\): expected >= 1"),
+        ((x.t().contiguous().t(), w, w_s), {}, "x: the last dimension must be contiguous"),
+        ((x, w, w_s, "e8m0"), {}, "scale_fmt: expected one of"),
+        ((x, w[:, :128], w_s), {}, r"w: expected shape \(128, 256\)"),
+        ((x, w.bfloat16(), w_s), {}, "w: expected dtype torch.float8_e4m3fn"),
+        ((x, w, torch.ones(1, 3, device=device)), {}, r"w_scale: expected shape \(1, 2\)"),
+        ((x, w, w_s), {"out": torch.empty(4, 64, dtype=torch.bfloat16, device=device)}, "out: expected shape"),
+        ((x, w, w_s), {"out": torch.empty(4, 128, dtype=torch.float16, device=device)}, "out: expected dtype"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            op.fp8_linear(*args, fuse_quant=fuse, **kwargs)
+
+
 @pytest.mark.parametrize("n,k", [(128, 128), (200, 256), (576, 384), (64, 128)])
 def test_quantize_weight_matches_reference_bitwise(n, k, device):
     w = _weight(n, k, "cpu", seed=n)
@@ -210,3 +289,15 @@ def test_fp8_gemm_production_shapes_gpu(m, n, k):
     y = op.fp8_gemm(a, a_s, w, w_s)
     _check_gemm(y, a, a_s, w, w_s)
     assert torch.equal(op.fp8_gemm(a[:1], a_s[:1], w, w_s), y[:1]), "row 0 depends on the batch"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [1, 4, 16, 17, 64, 65, 256])
+@pytest.mark.parametrize("n,k", [(576, 7168), (2048, 6144), (7168, 2048), (3072, 1536)])
+def test_fused_quant_production_shapes_gpu(m, n, k, fmt):
+    x = _activations(m, k, torch.bfloat16, "cuda", seed=m + n)
+    w, w_s = op.quantize_weight(_weight(n, k, "cuda"))
+    y = _linear_both_ways(x, w, w_s, fmt)
+    _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
+    assert torch.equal(op.fp8_linear(x[:1], w, w_s, fmt), y[:1]), "row 0 depends on the batch"
