@@ -3,8 +3,9 @@
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
-#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, moe-fp8, kv-accuracy, e2e-rank-glm5, e2e-rank-v32, decode-fp8; pack (last: everything under $OUT into $OUT/out.tgz, since a device call
-#   returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
+#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, moe-fp8, fp8-linear, kv-accuracy, e2e-rank-glm5,
+#   e2e-rank-v32, decode-fp8; pack (last: everything under $OUT into $OUT/out.tgz, since a device
+#   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
 set -uo pipefail
@@ -59,6 +60,8 @@ for step in "$@"; do
                           --bs 1,32,64 --live-kv 8192,65536 --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_v32" ;;
         fp8-dsa-tune) python3 -m dsaspec bench dsa-ops --tune --ops sparse_mla --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_tune" ;;
         moe-fp8)      python3 -m dsaspec bench moe --weight-dtype bf16,fp8 --intermediate 256,2048 --out "$OUT" ;;
+        fp8-linear)   python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset deepseek-v32-fp8-tp8-rank &&
+                      python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset glm5-fp8-tp8-rank ;;
         kv-accuracy)  python3 -m dsaspec bench kv-accuracy --out "$OUT" ;;
         e2e-rank-glm5) python3 -m dsaspec bench e2e --presets glm5-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
                           --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_glm5" ;;
