@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
-#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, moe-fp8, fp8-linear, kv-accuracy, e2e-rank-glm5,
+#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, gluon-fp8-sanitize, moe-fp8, fp8-linear, kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-v32, decode-fp8; pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
@@ -60,6 +60,12 @@ for step in "$@"; do
                           --bs 1,32,64 --live-kv 8192,65536 --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_v32" ;;
         fp8-dsa-tune) python3 -m dsaspec bench dsa-ops --tune --ops sparse_mla --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_tune" ;;
         moe-fp8)      python3 -m dsaspec bench moe --weight-dtype bf16,fp8 --intermediate 256,2048 --out "$OUT" ;;
+        gluon-fp8-sanitize) for tool in memcheck racecheck; do
+                          compute-sanitizer --tool $tool --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
+                              "tests/test_sparse_mla_fp8.py::test_gpu_gluon_edge_counts_holes_and_poison[64-None-gluon_fp8]" \
+                              "tests/test_sparse_mla_fp8.py::test_gpu_gluon_edge_counts_holes_and_poison[16-3-gluon_fp8_narrow]" \
+                              > "$OUT/${tool}_gluon_fp8.log" 2>&1; tail -3 "$OUT/${tool}_gluon_fp8.log"
+                      done ;;
         fp8-linear)   python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset deepseek-v32-fp8-tp8-rank &&
                       python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset glm5-fp8-tp8-rank ;;
         kv-accuracy)  python3 -m dsaspec bench kv-accuracy --out "$OUT" ;;
