@@ -8,6 +8,7 @@ Lists are comma-separated everywhere (``--bs 1,4,16``); defaults are shown in th
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Callable, Iterable
 
 from dsaspec.errors import UserError
@@ -55,6 +56,16 @@ class Parser(argparse.ArgumentParser):
             raise UserError(f"unrecognized arguments: {' '.join(extras)} "
                             f"(see {getattr(namespace, _LEFT_BY)} --help)")
         return namespace
+
+
+def parse_or_exit(parser: Parser, args=None) -> argparse.Namespace:
+    """``parser.parse_args(args)`` for a script's ``main``: a :class:`UserError` (a bad option) is
+    printed as one line, ``<prog>: error: <message>``, and the process exits with status 2."""
+    try:
+        return parser.parse_args(args)
+    except UserError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def format_value(value) -> str:

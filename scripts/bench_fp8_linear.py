@@ -11,16 +11,18 @@ and ``FUSED_QUANT_MAX_K``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
 
+from dsaspec.bench.results import markdown_table, write_results
 from dsaspec.bench.timing import time_in_graph, warm_up_gpu
+from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int, positive_int_list
 from dsaspec.configs.model_config import PRESETS
 from dsaspec.ops import fp8_gemm as op
+
+METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; both forms "
+          "of fp8_linear on the same inputs, their bits compared")
 
 
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
@@ -40,19 +42,15 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="fp8_linear: fused activation quantization vs two launches.")
-    parser.add_argument("out", type=Path, help="folder for fp8_linear_<preset>.json / .md")
+    parser = Parser(prog="bench_fp8_linear", description="fp8_linear: fused activation quantization vs two launches.")
+    parser.add_argument("out", help="folder for fp8_linear_<preset>.json / .md")
     fp8_presets = sorted(name for name, config in PRESETS.items() if config.quantization is not None)
     parser.add_argument("--preset", default="deepseek-v32-fp8-tp8-rank", choices=fp8_presets)
-    parser.add_argument("--rows", default="1,4,16,64,256", help="comma-separated M")
-    parser.add_argument("--iters", type=int, default=100)
-    args = parser.parse_args()
-    try:
-        rows = [int(m) for m in args.rows.split(",")]
-    except ValueError:
-        parser.error(f"--rows: expected comma-separated ints, got {args.rows!r}")
+    parser.add_argument("--rows", type=positive_int_list, default=[1, 4, 16, 64, 256], help="M values, comma-separated")
+    parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
+    args = parse_or_exit(parser)
     if not torch.cuda.is_available():
-        print("error: needs a CUDA device", file=sys.stderr)
+        print("bench_fp8_linear: error: needs a CUDA device", file=sys.stderr)
         return 2
     config = PRESETS[args.preset]
     scale_fmt = config.quantization.scale_fmt
@@ -61,7 +59,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in linear_shapes(config).items():
         w, w_s = op.quantize_weight(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
-        for m in rows:
+        for m in args.rows:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             outs = {fused: torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for fused in (True, False)}
             point = dict(layer=name, n=n, k=k, m=m)
@@ -72,18 +70,15 @@ def main() -> int:
             point["bitwise_equal"] = torch.equal(outs[True].view(torch.int16), outs[False].view(torch.int16))
             point["speedup"] = point["two_launch"]["median_us"] / point["fused"]["median_us"]
             results.append(point)
-    lines = [f"# fp8_linear fused quantization vs two launches ({args.preset}, scale_fmt {scale_fmt})", "",
-             "| layer | N | K | M | two launches µs | fused µs | speedup | bitwise |", "|---|---|---|---|---|---|---|---|"]
-    for p in results:
-        lines.append(f"| {p['layer']} | {p['n']} | {p['k']} | {p['m']} | {p['two_launch']['median_us']:.2f} | "
-                     f"{p['fused']['median_us']:.2f} | {p['speedup']:.2f} | {p['bitwise_equal']} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"fp8_linear_{args.preset}.json").write_text(json.dumps(dict(
-        preset=args.preset, scale_fmt=scale_fmt, fused_quant_max_m=op.FUSED_QUANT_MAX_M,
-        fused_quant_max_k=op.FUSED_QUANT_MAX_K,
-        device=torch.cuda.get_device_name(), results=results), indent=2) + "\n")
-    (args.out / f"fp8_linear_{args.preset}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    table = markdown_table([("layer", "layer"), ("n", "N"), ("k", "K"), ("m", "M"), ("two_launch_us", "two launches µs"),
+                            ("fused_us", "fused µs"), ("speedup", "speedup"), ("bitwise_equal", "bitwise")],
+                           [dict(p, two_launch_us=p["two_launch"]["median_us"], fused_us=p["fused"]["median_us"])
+                            for p in results])
+    write_results(f"fp8_linear_{args.preset}", dict(
+        method=METHOD, params=dict(preset=args.preset, scale_fmt=scale_fmt, rows=args.rows, iters=args.iters),
+        fused_quant_max_m=op.FUSED_QUANT_MAX_M, fused_quant_max_k=op.FUSED_QUANT_MAX_K, results=results),
+        f"fp8_linear, {args.preset} (scale_fmt {scale_fmt}): fused quantization vs two launches\n\n{table}",
+        args.out)
     return 0 if all(p["bitwise_equal"] for p in results) else 1
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from dsaspec.testing.offline_compile import compile_instead_of_launch, compile_only_environment, fresh_cache_dir
@@ -31,8 +30,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 
-from dsaspec.cli_parsing import Parser  # noqa: E402
-from dsaspec.errors import UserError  # noqa: E402
+from dsaspec.cli_parsing import Parser, parse_or_exit  # noqa: E402
 from dsaspec.ops import indexer, sparse_mla  # noqa: E402
 from dsaspec.ops.indexer import IndexerConfig  # noqa: E402
 from dsaspec.ops.kv_cache_layout import INDEX_FP8_PAGE_BYTES, INDEX_HEAD_DIM, MLA_FP8_BYTES  # noqa: E402
@@ -110,11 +108,7 @@ def _line(name: str, result: dict) -> str:
 def main() -> int:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also compile the FP8 candidate configurations")
-    try:
-        args = parser.parse_args()
-    except UserError as err:
-        print(f"compile_fp8_dsa: error: {err}", file=sys.stderr)
-        return 2
+    args = parse_or_exit(parser)
     knobs.nvidia.dump_ptxas_log = True
     for fp8 in (False, True):
         cache = "fp8" if fp8 else "bf16"

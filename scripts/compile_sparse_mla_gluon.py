@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from dsaspec.testing.offline_compile import (compile_instead_of_launch, compile_only_environment,
@@ -35,11 +34,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 
-from dsaspec.errors import UserError  # noqa: E402
 from dsaspec.ops import sparse_mla_gluon  # noqa: E402
 from dsaspec.ops.kv_cache_layout import MLA_FP8_BYTES  # noqa: E402
 from dsaspec.ops.sparse_mla import LATENT_DIM, QK_DIM, RECORD_WIDTH  # noqa: E402
-from dsaspec.cli_parsing import Parser, positive_int_list  # noqa: E402
+from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int_list  # noqa: E402
 
 REQUIRED = ("LDGSTS", "HGMMA", "ARRIVES.LDGSTSBAR", "USETMAXREG")
 REQUIRED_FP8 = ("LDGSTS", "HGMMA", "F2FP.F16.E4M3.UNPACK_B", "USETMAXREG")
@@ -89,11 +87,7 @@ def main() -> int:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=positive_int_list, default=list(HEADS),
                         help="head counts per row, comma-separated (default: 8,16,32,64,128)")
-    try:
-        args = parser.parse_args()
-    except UserError as err:
-        print(f"compile_sparse_mla_gluon: error: {err}", file=sys.stderr)
-        return 2
+    args = parse_or_exit(parser)
     knobs.nvidia.dump_ptxas_log = True
     failures = []
     caches = [None, *sparse_mla_gluon.FP8_TILES]

@@ -1,0 +1,38 @@
+"""The scripts' command lines: a bad option is one line ``<prog>: error: ...`` and exit status 2
+(``cli_parsing.parse_or_exit``), never a usage block or a traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_parse_or_exit_is_one_line_and_status_2(capsys):
+    parser = Parser(prog="tool")
+    parser.add_argument("--n", type=positive_int, default=1)
+    assert parse_or_exit(parser, ["--n", "3"]).n == 3
+    with pytest.raises(SystemExit) as exit_info:
+        parse_or_exit(parser, ["--n", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tool: error: argument --n:"), err
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["scripts/bench_fp8_linear.py", "out", "--rows", "4,0"], "--rows"),
+    (["scripts/bench_fp8_linear.py", "out", "--iters", "0"], "--iters"),
+    (["scripts/bench_fp8_linear.py", "out", "--preset", "tiny"], "--preset"),
+    (["scripts/compile_sparse_mla_gluon.py", "--heads", "8,x"], "--heads"),
+    (["scripts/compile_fp8_dsa.py", "--bogus"], "--bogus"),
+])
+def test_script_bad_options(argv, named):
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and ": error: " in lines[0] and named in lines[0], proc.stderr
