@@ -98,3 +98,21 @@ def launch_indexer(inputs: dict, num_sms: int, out_width: int, skip_len=0, confi
     indexer_logits(**inputs, schedule=schedule, out=out, skip_len=skip_len,
                    rows_per_group=rows_per_group, check_values=check_values, config=config)
     return out
+
+
+def random_tiny_indexer(dtype: torch.dtype, seed: int, rows: int):
+    """The ``tiny`` preset's Indexer with parameters drawn normal (std 0.1) and its inputs ``x``
+    ``[rows, hidden]`` and ``q_latent`` ``[rows, q_lora_rank]`` standard normal, all in ``dtype``,
+    from one generator seeded ``seed`` (in that order). Returns ``(config, indexer, x, q_latent,
+    generator)``; the generator continues the stream for the caller's further draws."""
+    from dsaspec.configs.model_config import get_config
+    from dsaspec.layers.attention.mla import Indexer
+
+    config = get_config("tiny")
+    gen = torch.Generator().manual_seed(seed)
+    indexer = Indexer(config, dtype=dtype)
+    for param in indexer.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    x = torch.randn(rows, config.hidden_size, generator=gen).to(dtype)
+    q_latent = torch.randn(rows, config.q_lora_rank, generator=gen).to(dtype)
+    return config, indexer, x, q_latent, gen

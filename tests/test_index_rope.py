@@ -10,6 +10,8 @@ from dsaspec.ops.index_rope import index_q_rope, store_index_k_normed
 from dsaspec.reference.fp8_kv import read_index_k, write_index_k
 from dsaspec.reference.index_rope import reference_index_k, reference_index_q_rope
 
+from dsa_inputs import random_tiny_indexer
+
 pytestmark = pytest.mark.interpreter
 
 ROW_COUNTS = [1, 3, 17, 64]
@@ -172,18 +174,10 @@ def test_indexer_triton_path_matches_torch_path(fp8):
     """The Indexer with the Triton ops (fused epilogues) against its torch ops, bf16 model."""
     from types import SimpleNamespace
 
-    from dsaspec.configs.model_config import get_config
     from dsaspec.layers.attention.dsa_ops import dsa_ops
-    from dsaspec.layers.attention.mla import Indexer
 
-    config = get_config("tiny")
-    gen = torch.Generator().manual_seed(1)
-    indexer = Indexer(config, dtype=torch.bfloat16)
-    for param in indexer.parameters():
-        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1)
     rows = 3
-    x = torch.randn(rows, config.hidden_size, generator=gen).to(torch.bfloat16)
-    q_latent = torch.randn(rows, config.q_lora_rank, generator=gen).to(torch.bfloat16)
+    config, indexer, x, q_latent, gen = random_tiny_indexer(torch.bfloat16, seed=1, rows=rows)
     cos, sin = _angles(rows, config.qk_rope_head_dim, gen, "cpu")
     loc = torch.tensor([70, 3, 12])
     results = []

@@ -13,7 +13,7 @@ keep fewer accumulator bits than fp32), so the GPU tests allow ``2**-10`` of tha
 import pytest
 import torch
 
-from dsa_inputs import SENTINEL, launch_indexer, random_indexer_inputs
+from dsa_inputs import SENTINEL, launch_indexer, random_indexer_inputs, random_tiny_indexer
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG, indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.reference.fp8_gemm import act_quant
@@ -191,19 +191,12 @@ def test_indexer_rotates_for_fp8_caches_only():
     key; with a bf16 cache neither is rotated. The head weights do not change."""
     from types import SimpleNamespace
 
-    from dsaspec.configs.model_config import get_config
     from dsaspec.layers.attention import torch_ops
     from dsaspec.layers.attention.dsa_ops import dsa_ops
-    from dsaspec.layers.attention.mla import Indexer, hadamard_matrix
+    from dsaspec.layers.attention.mla import hadamard_matrix
 
-    config = get_config("tiny")
-    gen = torch.Generator().manual_seed(0)
-    indexer = Indexer(config, dtype=torch.float32)
-    for param in indexer.parameters():
-        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1)
     rows = 5
-    x = torch.randn(rows, config.hidden_size, generator=gen)
-    q_latent = torch.randn(rows, config.q_lora_rank, generator=gen)
+    config, indexer, x, q_latent, gen = random_tiny_indexer(torch.float32, seed=0, rows=rows)
     angles = torch.randn(rows, config.qk_rope_head_dim // 2, generator=gen)
     loc = torch.arange(rows) * 7 + 3
     step = SimpleNamespace(cos=angles.cos(), sin=angles.sin(), out_cache_loc=loc, ops=dsa_ops(False, False),
