@@ -116,3 +116,29 @@ def random_tiny_indexer(dtype: torch.dtype, seed: int, rows: int):
     x = torch.randn(rows, config.hidden_size, generator=gen).to(dtype)
     q_latent = torch.randn(rows, config.q_lora_rank, generator=gen).to(dtype)
     return config, indexer, x, q_latent, gen
+
+
+OUT_SENTINEL = 7.0  # what a wide output buffer holds where no head of the launch may write
+
+
+def sentinel_out_and_workspace(rows: int, num_heads: int, num_splits: int | None, record_width: int,
+                               heads: int = 64, device="cuda"):
+    """A sparse-MLA launch's buffers that show stray writes: ``out`` a view of the first
+    ``num_heads`` heads of a bf16 ``[rows, max(heads, num_heads), 512]`` buffer filled with
+    :data:`OUT_SENTINEL`, and (``num_splits`` not None) the workspace the first ``rows`` rows of a
+    NaN fp32 buffer one row longer. Returns ``(wide_out, out, workspace, tail)`` (``workspace``,
+    ``tail`` None without splits); :func:`assert_nothing_written_outside` checks them after."""
+    wide_out = torch.full((rows, max(heads, num_heads), 512), OUT_SENTINEL, dtype=torch.bfloat16, device=device)
+    workspace = tail = None
+    if num_splits is not None:
+        records = torch.full((rows + 1, num_heads, num_splits, record_width), float("nan"), device=device)
+        workspace, tail = records[:rows], records[rows:]
+    return wide_out, wide_out[:, :num_heads], workspace, tail
+
+
+def assert_nothing_written_outside(wide_out: torch.Tensor, num_heads: int, tail: torch.Tensor | None) -> None:
+    """The heads beyond ``num_heads`` still hold the sentinel and the row after the workspace is
+    still NaN."""
+    assert torch.equal(wide_out[:, num_heads:], torch.full_like(wide_out[:, num_heads:], OUT_SENTINEL))
+    if tail is not None:
+        assert tail.isnan().all()

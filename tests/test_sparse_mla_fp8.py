@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsa_inputs import assert_nothing_written_outside, sentinel_out_and_workspace
 from dsaspec.layers.attention import torch_ops
 from dsaspec.layers.attention.dsa_ops import dsa_ops
 from dsaspec.ops.fp8_kv import gather_mla
@@ -417,21 +418,13 @@ def test_gpu_gluon_edge_counts_holes_and_poison(config, num_heads, num_splits):
     slots[9, 1::3] = -1
     slots[-1, 0] = 0
     inputs = poison_unselected(dict(inputs, slots=slots.to("cuda")))
-    heads = max(num_heads, 64)
-    wide_out = torch.full((rows, heads, 512), 7.0, dtype=torch.bfloat16, device="cuda")
-    workspace = tail = None
-    if num_splits is not None:
-        records = torch.full((rows + 1, num_heads, num_splits, sparse_mla.RECORD_WIDTH),
-                             float("nan"), device="cuda")
-        workspace, tail = records[:rows], records[rows:]
-    out = sparse_mla_decode(**inputs, out=wide_out[:, :num_heads], workspace=workspace,
-                            config=GLUON_FP8[config])
+    wide_out, out, workspace, tail = sentinel_out_and_workspace(rows, num_heads, num_splits,
+                                                                sparse_mla.RECORD_WIDTH)
+    out = sparse_mla_decode(**inputs, out=out, workspace=workspace, config=GLUON_FP8[config])
     _assert_within_gpu_rounding(out, inputs)
     padding_row = _dequantized(inputs)["kv_cache"][0, :512]
     assert torch.equal(out[-1], padding_row.expand(num_heads, 512))
-    assert torch.equal(wide_out[:, num_heads:], torch.full_like(wide_out[:, num_heads:], 7.0))
-    if tail is not None:
-        assert tail.isnan().all()
+    assert_nothing_written_outside(wide_out, num_heads, tail)
 
 
 @pytest.mark.gpu

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsa_inputs import (poison_unselected, production_sparse_mla_inputs,
-                        random_sparse_mla_inputs, to_cpu)
+from dsa_inputs import (assert_nothing_written_outside, poison_unselected, production_sparse_mla_inputs,
+                        random_sparse_mla_inputs, sentinel_out_and_workspace, to_cpu)
 from dsaspec.ops import sparse_mla_gluon
 from dsaspec.ops.sparse_mla import (RECORD_WIDTH, SPARSE_MLA_GLUON_CONFIG, sparse_mla_config,
                                     sparse_mla_decode, sparse_mla_num_splits,
@@ -150,22 +150,14 @@ def test_gpu_few_heads_padded_program(num_heads, num_splits):
     wide_q = torch.full((rows, 64, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
     wide_q[:, :num_heads] = inputs["q"]
     inputs["q"] = wide_q[:, :num_heads]
-    wide_out = torch.full((rows, 64, 512), 7.0, dtype=torch.bfloat16, device="cuda")
-    workspace = tail = None
-    if num_splits is not None:
-        records = torch.full((rows + 1, num_heads, num_splits, RECORD_WIDTH), float("nan"),
-                             device="cuda")
-        workspace, tail = records[:rows], records[rows:]
-    out = sparse_mla_decode(**inputs, out=wide_out[:, :num_heads], workspace=workspace,
-                            config=SPARSE_MLA_GLUON_CONFIG)
+    wide_out, out, workspace, tail = sentinel_out_and_workspace(rows, num_heads, num_splits, RECORD_WIDTH)
+    out = sparse_mla_decode(**inputs, out=out, workspace=workspace, config=SPARSE_MLA_GLUON_CONFIG)
     expected = reference_sparse_mla_decode(**to_cpu(inputs))
     torch.testing.assert_close(out.float().cpu(), expected, atol=GPU_ATOL, rtol=1e-2)
     torch.testing.assert_close(out[-1].float(),
                                inputs["kv_cache"][0, :512].float().expand(num_heads, 512),
                                atol=0, rtol=0)
-    assert torch.equal(wide_out[:, num_heads:], torch.full_like(wide_out[:, num_heads:], 7.0))
-    if tail is not None:
-        assert tail.isnan().all()
+    assert_nothing_written_outside(wide_out, num_heads, tail)
 
 
 @pytest.mark.gpu
