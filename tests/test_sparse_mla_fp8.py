@@ -1,8 +1,8 @@
 """sparse_mla_decode on the ``fp8_ds_mla`` cache (uint8 ``[slots, 656]``) against the plain-torch
 reference that dequantizes the bytes (fp64 attention), and against the bf16 kernel on the
 dequantized cache (bitwise: the dequantization to bf16 is exact); splits, poisoned unselected
-entries, config routing (the Gluon kernel's FP8 tiles are chosen explicitly until
-GLUON_FP8_DEFAULT_CONFIG names one), and the Triton ops' wiring. On Hopper the Gluon kernel's FP8
+entries, config routing (GLUON_FP8_DEFAULT_CONFIG, the Gluon kernel's 64-slot FP8 tiles, where
+the Gluon kernel runs), and the Triton ops' wiring. On Hopper the Gluon kernel's FP8
 tiles (gpu-marked): against the reference at 8-128 heads, split or not, and bitwise against the
 bf16 Gluon kernel on the dequantized cache with the same 64-slot blocks.
 
@@ -278,15 +278,23 @@ def test_bad_arguments(device):
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
-def test_fp8_cache_takes_the_triton_configs(capability, monkeypatch):
-    """Where the Gluon kernel would run (compute capability 9.x, 16 heads or a multiple of 64) an
-    FP8 cache takes the Triton configuration the CPU gets."""
+def test_fp8_cache_default_is_the_64_slot_gluon_config(capability, monkeypatch):
+    """Where the Gluon kernel runs (compute capability 9.x, 8-32 heads or a multiple of 64) an FP8
+    cache takes SPARSE_MLA_GLUON_FP8_CONFIG wherever a bf16 cache takes the Gluon kernel; elsewhere
+    the Triton configuration the CPU gets."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    for heads in (16, 64, 128):
+    for heads in (16, 48, 64, 128):
         for rows in (1, 2, 4, 16, 96):
             for split in (False, True):
                 fp8 = sparse_mla_config(rows, heads, split, device="cuda:0", fp8_cache=True)
-                assert fp8 == sparse_mla_config(rows, heads, split) and fp8.kernel == "triton"
+                bf16 = sparse_mla_config(rows, heads, split, device="cuda:0")
+                if bf16.kernel == "gluon":
+                    assert capability == (9, 0) and heads != 48
+                    assert fp8 is SPARSE_MLA_GLUON_FP8_CONFIG
+                else:
+                    assert fp8 == sparse_mla_config(rows, heads, split) and fp8.kernel == "triton"
+    assert sparse_mla_config(16, 64, False, device="cuda:0", fp8_cache=True).kernel == (
+        "gluon" if capability == (9, 0) else "triton")
 
 
 @pytest.mark.parametrize("fp8_default", [False, True])

@@ -39,8 +39,8 @@ its logits are checked against the bf16 row's within ``FP8_INDEXER_RTOL`` of the
 (``--preset deepseek_v32``; glm5 has 32) has the targets ``FP8_INDEXER_TARGET_US``. Sparse MLA:
 the point's cache quantized (``store_mla``) and the bf16 cache replaced
 by its dequantized values, so both rows attend over the same values. There new is the default
-configuration on the FP8 cache (a Triton one until ``GLUON_FP8_DEFAULT_CONFIG`` names a Gluon
-one) with the point's workspace, ``new_nosplit`` the same without it, where the Gluon kernel runs
+configuration on the FP8 cache (``GLUON_FP8_DEFAULT_CONFIG`` where the Gluon kernel runs, else a
+Triton one) with the point's workspace, ``new_nosplit`` the same without it, where the Gluon kernel runs
 ``gluon_fp8`` / ``gluon_fp8_narrow`` the Gluon kernel on the FP8 cache with the point's workspace
 (``SPARSE_MLA_GLUON_FP8_CONFIG``, ``SPARSE_MLA_GLUON_FP8_NARROW_CONFIG``), and baseline the bf16
 row's new (so ``speedup`` is bf16 / FP8); its bytes floor gathers 656 B a distinct selected slot instead of

@@ -28,9 +28,8 @@ count and for the split path from :data:`GLUON_MIN_SPLIT_HEAD_BLOCKS` programs w
 (rows x ``cdiv(H, 64)`` head blocks): the warp-specialized Gluon kernel of
 :mod:`dsaspec.ops.sparse_mla_gluon` (same contract, same split records and combine; its own
 summation order). On an FP8 cache its gathers dequantize each block into the bf16 ring
-(:data:`SPARSE_MLA_GLUON_FP8_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`), selected with
-``config=``; :func:`sparse_mla_config` gives FP8 caches the Triton configurations until
-:data:`GLUON_FP8_DEFAULT_CONFIG` names one.
+(:data:`SPARSE_MLA_GLUON_FP8_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`); :func:`sparse_mla_config` gives FP8 caches
+:data:`GLUON_FP8_DEFAULT_CONFIG` (the 64-slot one) where it gives bf16 caches the Gluon kernel.
 """
 
 from __future__ import annotations
@@ -137,9 +136,12 @@ SPARSE_MLA_GLUON_CONFIG = SparseMLAConfig(*_gluon_tiles()[0], kernel="gluon")
 # dequantized cache), or blocks of 32, two of each (dequantizing overlaps the dots).
 SPARSE_MLA_GLUON_FP8_CONFIG, SPARSE_MLA_GLUON_FP8_NARROW_CONFIG = (
     SparseMLAConfig(*tiles, kernel="gluon") for tiles in _gluon_tiles(fp8=True))
-# What sparse_mla_config gives an FP8 cache where the Gluon kernel runs: None (the Triton configs)
-# until the Gluon FP8 configs are measured (`dsaspec bench dsa-ops --kv-cache-dtype fp8_e4m3`).
-GLUON_FP8_DEFAULT_CONFIG: SparseMLAConfig | None = None
+# What sparse_mla_config gives an FP8 cache where the Gluon kernel runs (None: the Triton configs).
+# The 64-slot config was the fastest of the three at every point of `bench dsa-ops --kv-cache-dtype
+# fp8_e4m3` (GLM-5, 64 heads, 64k live): 49.5 / 82.1 us at 32 / 64 decode rows, 139.2 / 268.7 at
+# 128 / 256 verify rows, against 53.2 / 91.4 / 163.8 / 319.1 (32-slot) and 64.3 / 108.6 / 193.4 /
+# 373.7 (Triton); benchmarks/results/h200/dsa_ops_fp8_kv.json.
+GLUON_FP8_DEFAULT_CONFIG: SparseMLAConfig | None = SPARSE_MLA_GLUON_FP8_CONFIG
 # Programs without splits (rows x 64-head blocks) from which the split path takes the Gluon kernel;
 # at one (one row of 64 heads) the Triton few-rows config is faster: 9.8 against 14.5 us at 1k live,
 # 12.3 against 17.4 at 64k; from two rows on the Gluon kernel
@@ -347,7 +349,7 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
 
     Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` in 8, 16, 32 or a
     multiple of 64: :func:`sparse_mla_gluon_supported`): :data:`SPARSE_MLA_GLUON_CONFIG` (bf16
-    cache) or :data:`GLUON_FP8_DEFAULT_CONFIG` (FP8 cache; None: the Triton configurations)
+    cache) or :data:`GLUON_FP8_DEFAULT_CONFIG` (FP8 cache; None would mean the Triton configurations)
     without a workspace, and with one (``split``) from
     ``R * cdiv(H, 64) >= GLUON_MIN_SPLIT_HEAD_BLOCKS``. Elsewhere (and with ``device`` None): with a
     workspace and ``R * cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``,
