@@ -90,7 +90,7 @@ def _weight(n, k, device, seed=1):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) / math.sqrt(k)
     w[: min(n, 128), :128] *= 1e-3                   # a block of small weights: its own scale
-    return w
+    return w.to(device)
 
 
 def _check_gemm(y, a, a_s, w, w_s):
