@@ -8,8 +8,10 @@
 # (default e2e), MACHINE (default h200), CONCURRENCY (default "1 2 4 8 16 32"), LEN (default 1024),
 # PORT (default 30000), WORK (a folder to keep the server log, client outputs and e2e run in;
 # default a temporary one, removed at exit), HEALTH_S (seconds to wait for /health, default 1800), CONTEXT (the
-# served --context-len, default 1048576). E2E=1: then, with the server stopped, `dsaspec bench e2e`
-# at the same preset, context, prompt length and concurrencies (NUM_STEPS draft steps, default 3;
+# served --context-len, default 1048576), BASELINE (an earlier run's report JSON, the kill switches off: its
+# tok/s/user and the speedup join the table). E2E=1: then, with the server stopped, `dsaspec bench e2e`
+# at the same preset, context and concurrencies, prompt E2E_PROMPT_LEN (default LEN + LEN / 2, the mean
+# live length over a served request's decode) (NUM_STEPS draft steps, default 3;
 # accept: $DSASPEC_SIMULATE_ACCEPT_LEN, which the server reads too, else the real acceptance), and
 # the rows gain the in-process per-token latency and the server's overhead over it. The serve
 # options given must decode as bench e2e does (e.g. --speculative-algorithm NEXTN
@@ -27,6 +29,7 @@ HEALTH_S=${HEALTH_S:-1800}
 CONTEXT=${CONTEXT:-1048576}
 E2E=${E2E:-0}
 NUM_STEPS=${NUM_STEPS:-3}
+E2E_PROMPT_LEN=${E2E_PROMPT_LEN:-$((LEN + LEN / 2))}
 CLIENT_PATH="${SGLANG_CLIENT:+$SGLANG_CLIENT:}$PWD"
 if ! PYTHONPATH="$CLIENT_PATH" "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None or u.find_spec('sglang.benchmark.serving') is None)" >/dev/null 2>&1; then
     echo "bench_serving.sh: SGLang's client is not importable (set SGLANG_CLIENT to its pip --target folder; docs/serving.md)" >&2
@@ -66,9 +69,10 @@ done
 kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; server=
 if [ "$E2E" = 1 ]; then
     PYTHONPATH="$PWD" timeout 3600 env -u DSASPEC_SIMULATE_ACCEPT_LEN "$PYTHON" -m dsaspec.commands.cli bench e2e --presets "$PRESET" \
-        --contexts "$CONTEXT" --concurrency "$(printf '%s\n' $CONCURRENCY | paste -sd,)" --prompt-len "$LEN" \
+        --contexts "$CONTEXT" --concurrency "$(printf '%s\n' $CONCURRENCY | paste -sd,)" --prompt-len "$E2E_PROMPT_LEN" \
         --num-steps "$NUM_STEPS" --accept "${DSASPEC_SIMULATE_ACCEPT_LEN:-real}" --out "$work/e2e" \
         > "$work/e2e.log" 2>&1 || { echo "bench_serving.sh: bench e2e failed:" >&2; tail -5 "$work/e2e.log" >&2; exit 1; }
 fi
 mkdir -p "benchmarks/results/$MACHINE"
-PYTHONPATH="$PWD" "$PYTHON" scripts/serving_report.py "$work" "benchmarks/results/$MACHINE" "$NAME" "$PRESET" "$LEN" "$CONTEXT" $CONCURRENCY
+PYTHONPATH="$PWD" "$PYTHON" scripts/serving_report.py "$work" "benchmarks/results/$MACHINE" "$NAME" "$PRESET" "$LEN" "$CONTEXT" $CONCURRENCY \
+    ${BASELINE:+--baseline "$BASELINE"}

@@ -1,55 +1,147 @@
 """The serving table of scripts/bench_serving.sh: SGLang's client outputs (``WORK/c<C>.jsonl``) and,
 where ``WORK/e2e/e2e.json`` exists, the in-process ``bench e2e`` figures at the same points and the
-server's overhead over them; writes ``OUT/NAME.{json,md}`` and prints the Markdown.
+server's overhead over them; with ``--baseline`` (an earlier report's JSON, the kill switches off)
+the baseline's tok/s/user and the speedup. Writes ``OUT/NAME.{json,md,png}`` and prints the Markdown.
 
-    python3 scripts/serving_report.py WORK OUT NAME PRESET LEN CONTEXT C [C ...]
+    python3 scripts/serving_report.py WORK OUT NAME PRESET LEN CONTEXT C [C ...] [--baseline FILE]
+
+Per token, the server's median TPOT is compared with bench e2e's new-path latency per token (median
+iteration / accept length). So is the median ITL: SGLang's client splits a streamed chunk's gap
+evenly over the chunk's tokens when the server reports an accept length, so its ITL is per token;
+without an accept length it is per chunk and is compared with the median iteration.
 """
 import json
+import os
 import sys
 
-work, out, name, preset, length, context, *cs = sys.argv[1:]
-e2e = {}
-try:
-    e2e = {r["concurrency"]: r for r in json.load(open(f"{work}/e2e/e2e.json"))["rows"]
-           if r["preset"] == preset and r["context"] == int(context)}
-except FileNotFoundError:
-    pass
-rows = []
-for c in cs:
-    r = json.loads(open(f"{work}/c{c}.jsonl").read().splitlines()[-1])
-    rows.append({"concurrency": int(c), "num_prompts": r["completed"],
-                 "tok_s_user": 1000 / r["median_tpot_ms"], "output_tok_s": r["output_throughput"],
-                 "median_ttft_ms": r["median_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
-                 "median_tpot_ms": r["median_tpot_ms"], "median_itl_ms": r["median_itl_ms"],
-                 "p99_itl_ms": r["p99_itl_ms"], "accept_length": r.get("accept_length")})
-    point = e2e.get(int(c)) or {}
-    if point.get("new_tok_s_user"):   # in-process: per token = median iteration / accept; one chunk per iteration
-        e2e_token_ms = 1000 / point["new_tok_s_user"]
-        rows[-1].update(e2e_ms_per_token=e2e_token_ms, e2e_ms_per_iter=point["new_ms_per_iter"],
-                        overhead_tpot=r["median_tpot_ms"] / e2e_token_ms - 1,
-                        overhead_itl=r["median_itl_ms"] / point["new_ms_per_iter"] - 1)
-    elif point:
-        rows[-1].update(e2e_ms_per_token=None, e2e_ms_per_iter=None, overhead_tpot=None, overhead_itl=None)
-setup = {"preset": preset, "input_len": int(length), "output_len": int(length), "client": "sglang 0.5.23 bench_serving, "
-         "backend sglang-oai, dataset random-ids, range ratio 1, num-prompts max(6C, 16), C warm-up requests",
-         "overhead": "with E2E=1: overhead_tpot = median TPOT / (1000 / bench e2e's new tok/s/user) - 1 (includes "
-         "the stalls of other requests' prefills); overhead_itl = median ITL / bench e2e's median iteration - 1 "
-         "(a streamed chunk per iteration)"}
-json.dump({"setup": setup, "rows": rows}, open(f"{out}/{name}.json", "w"), indent=2)
-lines = [f"# dsaspec serve, {preset}: SGLang's client, input {length} / output {length}", "",
-         "| C | tok/s/user | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | accept |",
-         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-for r in rows:
-    acc = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
-    lines.append(f"| {r['concurrency']} | {r['tok_s_user']:.1f} | {r['output_tok_s']:.1f} | {r['median_ttft_ms']:.1f} | "
-                 f"{r['p99_ttft_ms']:.1f} | {r['median_itl_ms']:.2f} | {r['p99_itl_ms']:.2f} | {acc} |")
-if any("overhead_itl" in r for r in rows):
-    pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"
-    ms = lambda v: "-" if v is None else f"{v:.2f}"
-    lines += ["", "In-process (`dsaspec bench e2e`, new path) at the same points, and the server's overhead:", "",
-              "| C | e2e ms/token | e2e ms/iteration | server TPOT p50 / e2e - 1 | server ITL p50 / e2e iteration - 1 |",
-              "| ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['concurrency']} | {ms(r.get('e2e_ms_per_token'))} | {ms(r.get('e2e_ms_per_iter'))} | "
-              f"{pct(r.get('overhead_tpot'))} | {pct(r.get('overhead_itl'))} |" for r in rows if "overhead_itl" in r]
-open(f"{out}/{name}.md", "w").write("\n".join(lines) + "\n")
-print("\n".join(lines))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int  # noqa: E402
+
+
+def _parser() -> Parser:
+    p = Parser(prog="serving_report.py", description="The serving table of scripts/bench_serving.sh.")
+    p.add_argument("work", help="the run's folder: c<C>.jsonl per concurrency, e2e/e2e.json with E2E=1")
+    p.add_argument("out", help="the folder NAME.{json,md,png} are written to")
+    p.add_argument("name")
+    p.add_argument("preset")
+    p.add_argument("length", type=positive_int, help="input = output tokens per request")
+    p.add_argument("context", type=positive_int, help="the served --context-len")
+    p.add_argument("concurrency", type=positive_int, nargs="+")
+    p.add_argument("--baseline", default=None, help="the baseline run's report JSON (kill switches off)")
+    return p
+
+
+def _client_row(path: str, concurrency: int) -> dict:
+    r = json.loads(open(path).read().splitlines()[-1])
+    return {"concurrency": concurrency, "num_prompts": r["completed"],
+            "tok_s_user": 1000 / r["median_tpot_ms"], "output_tok_s": r["output_throughput"],
+            "median_ttft_ms": r["median_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
+            "median_tpot_ms": r["median_tpot_ms"], "median_itl_ms": r["median_itl_ms"],
+            "p99_itl_ms": r["p99_itl_ms"], "accept_length": r.get("accept_length")}
+
+
+def _with_e2e(row: dict, point: dict) -> None:
+    """Adds the in-process figures of ``point`` (a bench e2e row) and the server's overhead."""
+    if not point.get("new_tok_s_user"):
+        row.update(e2e_ms_per_token=None, e2e_ms_per_iter=None, overhead_tpot=None, overhead_itl=None)
+        return
+    per_token = 1000 / point["new_tok_s_user"]
+    per_itl = per_token if row["accept_length"] else point["new_ms_per_iter"]
+    row.update(e2e_ms_per_token=per_token, e2e_ms_per_iter=point["new_ms_per_iter"],
+               overhead_tpot=row["median_tpot_ms"] / per_token - 1,
+               overhead_itl=row["median_itl_ms"] / per_itl - 1)
+
+
+def _plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    cs = [r["concurrency"] for r in rows]
+    ax.plot(cs, [r["tok_s_user"] for r in rows], "o-", label="dsaspec serve (new)")
+    base = [(r["concurrency"], r["baseline_tok_s_user"]) for r in rows if r.get("baseline_tok_s_user")]
+    if base:
+        ax.plot(*zip(*base), "s--", label="dsaspec serve (baseline)")
+    e2e = [(r["concurrency"], 1000 / r["e2e_ms_per_token"]) for r in rows if r.get("e2e_ms_per_token")]
+    if e2e:
+        ax.plot(*zip(*e2e), "^:", label="in-process bench e2e (new)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("tok/s/user (1000 / median TPOT)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _markdown(rows: list[dict], preset: str, length: int, e2e_prompt_len) -> str:
+    lines = [f"# dsaspec serve, {preset}: SGLang's client, input {length} / output {length}", "",
+             "| C | tok/s/user | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | accept |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        acc = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
+        lines.append(f"| {r['concurrency']} | {r['tok_s_user']:.1f} | {r['output_tok_s']:.1f} | "
+                     f"{r['median_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | {r['median_itl_ms']:.2f} | "
+                     f"{r['p99_itl_ms']:.2f} | {acc} |")
+    pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"   # noqa: E731
+    ms = lambda v: "-" if v is None else f"{v:.2f}"            # noqa: E731
+    if any("baseline_tok_s_user" in r for r in rows):
+        lines += ["", "Baseline (kill switches off) vs new, the same client and method:", "",
+                  "| C | baseline tok/s/user | new tok/s/user | speedup |", "| ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['concurrency']} | {r['baseline_tok_s_user']:.1f} | {r['tok_s_user']:.1f} | "
+                  f"{r['speedup']:.3f} |" for r in rows if "baseline_tok_s_user" in r]
+    if any("overhead_itl" in r for r in rows):
+        mean = ", the mean live length over a served request's decode" if e2e_prompt_len == length + length // 2 else ""
+        lines += ["", f"In-process (`dsaspec bench e2e`, new path, prompt {e2e_prompt_len} tokens{mean}) at the same "
+                  "points, and the server's overhead per token:", "",
+                  "| C | e2e ms/token | e2e ms/iteration | server TPOT p50 / e2e - 1 | server ITL p50 / e2e - 1 |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['concurrency']} | {ms(r.get('e2e_ms_per_token'))} | {ms(r.get('e2e_ms_per_iter'))} | "
+                  f"{pct(r.get('overhead_tpot'))} | {pct(r.get('overhead_itl'))} |" for r in rows if "overhead_itl" in r]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    args = parse_or_exit(_parser(), argv)
+    e2e, e2e_prompt_len = {}, None
+    try:
+        report = json.load(open(f"{args.work}/e2e/e2e.json"))
+        e2e = {r["concurrency"]: r for r in report["rows"]
+               if r["preset"] == args.preset and r["context"] == args.context}
+        e2e_prompt_len = report["params"].get("prompt_len")
+    except FileNotFoundError:
+        pass
+    baseline = {}
+    if args.baseline is not None:
+        baseline = {r["concurrency"]: r for r in json.load(open(args.baseline))["rows"]}
+    rows = []
+    for c in args.concurrency:
+        row = _client_row(f"{args.work}/c{c}.jsonl", c)
+        if c in e2e:
+            _with_e2e(row, e2e[c])
+        if c in baseline:
+            row.update(baseline_tok_s_user=baseline[c]["tok_s_user"],
+                       speedup=row["tok_s_user"] / baseline[c]["tok_s_user"])
+        rows.append(row)
+    setup = {"preset": args.preset, "input_len": args.length, "output_len": args.length,
+             "context": args.context, "e2e_prompt_len": e2e_prompt_len, "baseline": args.baseline,
+             "client": "sglang 0.5.23 bench_serving, backend sglang-oai, dataset random-ids, range ratio 1, "
+                       "num-prompts max(6C, 16), C warm-up requests",
+             "overhead": "with E2E=1: overhead_tpot = median TPOT / bench e2e's new ms per token - 1 (includes "
+                         "the stalls of other requests' prefills); overhead_itl = median ITL / the same - 1 (the "
+                         "client's ITL is per token when the server reports an accept length, else per chunk: "
+                         "then against the median iteration)"}
+    os.makedirs(args.out, exist_ok=True)
+    json.dump({"setup": setup, "rows": rows}, open(f"{args.out}/{args.name}.json", "w"), indent=2)
+    text = _markdown(rows, args.preset, args.length, e2e_prompt_len)
+    open(f"{args.out}/{args.name}.md", "w").write(text)
+    _plot(rows, f"{args.out}/{args.name}.png", f"dsaspec serve, {args.preset}, {args.length} in / out")
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
