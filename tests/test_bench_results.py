@@ -1,5 +1,6 @@
-"""Provenance in the benchmarks' JSON: the commit recorded is the checkout's own HEAD, and nothing
-for a tree exported into another repository's work tree (as a GPU run's snapshot is)."""
+"""Provenance in the benchmarks' JSON: the commit recorded is the checkout's own HEAD, the
+commit a ``git archive`` export came from (as a GPU run's snapshot is), and nothing for a tree
+copied into another repository's work tree."""
 
 import shutil
 import subprocess
@@ -29,3 +30,17 @@ def test_no_commit_for_a_tree_inside_another_repository(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"
+
+
+def test_commit_of_a_git_archive_inside_another_repository(tmp_path):
+    _git("init", "-q", cwd=tmp_path)
+    _git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "outer", cwd=tmp_path)
+    inner = tmp_path / "snapshot"
+    inner.mkdir()
+    archive = subprocess.run(["git", "archive", "HEAD", "dsaspec"], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(inner)], input=archive, check=True)
+    out = subprocess.run([sys.executable, "-c", "from dsaspec.bench.results import _git_commit; print(_git_commit())"],
+                         cwd=inner, env={"PYTHONPATH": str(inner), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == _git("rev-parse", "--short", "HEAD", cwd=ROOT)

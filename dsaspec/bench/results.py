@@ -20,18 +20,29 @@ from dsaspec.errors import UserError
 RESULTS_ROOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
+def _archived_commit() -> str | None:
+    """The commit ``git archive`` wrote into ``archive_commit.txt`` (export-subst in .gitattributes);
+    None in a checkout or a copy, where the file holds its unexpanded placeholder."""
+    try:
+        text = Path(__file__).with_name("archive_commit.txt").read_text().strip()
+    except OSError:
+        return None
+    return None if text.startswith("$Format") or not text else text
+
+
 def _git_commit() -> str | None:
-    """HEAD of the checkout this package runs from; None outside one (an exported tree inside
-    another repository's work tree would otherwise report that repository's HEAD)."""
+    """HEAD of the checkout this package runs from, else the commit of the ``git archive`` it was
+    exported from (a GPU run's snapshot); None for any other tree (one copied inside another
+    repository's work tree would otherwise report that repository's HEAD)."""
     root = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10, cwd=root)
     except (OSError, subprocess.SubprocessError):
-        return None
+        return _archived_commit()
     lines = out.stdout.split()
     if out.returncode or len(lines) != 2 or Path(lines[0]).resolve() != root:
-        return None
+        return _archived_commit()
     return lines[1]
 
 
