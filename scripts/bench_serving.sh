@@ -47,8 +47,12 @@ from dsaspec.configs.model_config import get_config
 from dsaspec.testing.tokenizer import build_word_tokenizer
 build_word_tokenizer(sys.argv[1], get_config(sys.argv[2]).vocab_size)" "$work/tokenizer" "$PRESET"
 max_c=$(printf '%s\n' $CONCURRENCY | sort -n | tail -1)
+# the KV pool: max_c requests of LEN + LEN tokens and 64 positions of speculative slack each, in pages
+# of 64, plus the reserved page (the default pool, every row at the context's full width, would need
+# ~800 GB for 32 rows of 1M); a --num-slots among the serve options wins (the last one given)
+num_slots=$((64 * (1 + max_c * ((2 * LEN + 64 + 63) / 64))))
 PYTHONPATH="$PWD" "$PYTHON" -m dsaspec.commands.cli serve --preset "$PRESET" --tokenizer "$work/tokenizer" \
-    --host 127.0.0.1 --port "$PORT" --max-batch "$max_c" --context-len "$CONTEXT" "$@" > "$work/server.log" 2>&1 &
+    --host 127.0.0.1 --port "$PORT" --max-batch "$max_c" --context-len "$CONTEXT" --num-slots "$num_slots" "$@" > "$work/server.log" 2>&1 &
 server=$!
 deadline=$((SECONDS + HEALTH_S))
 until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
