@@ -1,13 +1,15 @@
-"""Compile the DSA kernels that read FP8 KV caches (the indexer logits and the Triton sparse MLA) for
+"""Compile the DSA kernels that read FP8 KV caches (the indexer logits and the Triton sparse MLA) and
+the indexer epilogue that writes one (its rotated query and key variants beside the plain ones) for
 sm_90 without a GPU and print, per kernel and configuration, what decides their speed: registers,
 spilled bytes, shared memory, the tensor-core instructions in the SASS (``QGMMA ... E4M3``: an e4m3
 wgmma; ``HGMMA ... BF16``: a bf16 one) and the global load forms (``LDGSTS.E.BYPASS.128``: 16-byte
 ``cp.async``; ``LDL`` / ``STL``: spill traffic). The bf16-cache forms are printed beside them.
 
-Each case goes through the real host wrapper (``indexer_logits``, ``sparse_mla_decode``) on small CPU
-tensors of the production widths (64 heads, 2048 selected slots); the launch is intercepted and
-compiled as Triton's JIT would specialize it on a CUDA device (``UPCAST`` off, the interpreter's fp32
-upcast), for ``GPUTarget("cuda", 90, 32)`` with the wheel's ptxas and nvdisasm.
+Each case goes through the real host wrapper (``indexer_logits``, ``sparse_mla_decode``,
+``index_q_rope``, ``store_index_k_normed``) on small CPU tensors of the production widths (64 heads,
+2048 selected slots; 32 index heads); the launch is intercepted and compiled as Triton's JIT would
+specialize it on a CUDA device (``UPCAST`` off, the interpreter's fp32 upcast), for
+``GPUTarget("cuda", 90, 32)`` with the wheel's ptxas and nvdisasm.
 
     python3 scripts/compile_fp8_dsa.py [--sweep]
 
@@ -31,12 +33,13 @@ import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 
 from dsaspec.cli_parsing import Parser, parse_or_exit  # noqa: E402
-from dsaspec.ops import indexer, sparse_mla  # noqa: E402
+from dsaspec.ops import index_rope, indexer, sparse_mla  # noqa: E402
 from dsaspec.ops.indexer import IndexerConfig  # noqa: E402
 from dsaspec.ops.kv_cache_layout import INDEX_FP8_PAGE_BYTES, INDEX_HEAD_DIM, MLA_FP8_BYTES  # noqa: E402
 from dsaspec.ops.sparse_mla import LATENT_DIM, QK_DIM, SparseMLAConfig, sparse_mla_config  # noqa: E402
 
 HEADS, TOPK, ROWS, PROGRAMS = 64, 2048, 64, 264
+SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/", re.MULTILINE)
 SASS_OPS = re.compile(r"\b((?:QGMMA|HGMMA|HMMA|LDGSTS|LDG|LDL|STL|F2FP)(?:\.[A-Z0-9_x]+)*)")
 INDEXER_SWEEP = [IndexerConfig(tokens_as_m=True, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4, 6, 8)]
 SPARSE_MLA_SWEEP = [SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=s, block_dv=dv)
@@ -47,17 +50,19 @@ SPARSE_MLA_SWEEP = [SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stage
                                            (64, 32, 4, 2, 128), (64, 64, 4, 1, 128), (16, 32, 4, 2, 512),
                                            (32, 64, 8, 3, 512), (32, 32, 8, 2, 512), (32, 64, 8, 2, 512),
                                            (32, 32, 4, 2, 512))]
+INDEX_ROPE_KINDS = ("q", "q_rotated", "k_dense", "k_fp8")   # compile_index_rope's variants
 SM90_SHARED = 232448  # bytes of shared memory one block may hold on sm_90 (227 KiB)
 
 
-def _compile(kernel, launch) -> dict:
-    """Compile ``kernel`` as ``launch()`` would launch it on a CUDA device; registers, spills,
-    shared memory and the SASS instruction counts of :data:`SASS_OPS`."""
+def _compile(kernel, launch, overrides=(("UPCAST", False),)) -> dict:
+    """Compile ``kernel`` as ``launch()`` would launch it on a CUDA device (with the constexpr
+    ``overrides`` a CUDA host would pick); registers, spills, shared memory, the SASS instruction
+    counts of :data:`SASS_OPS` and the SASS length (``instructions``)."""
     record: dict = {}
     fresh_cache_dir()  # cold: a cached kernel would come without its ptxas log
     with compile_instead_of_launch(kernel, record, keep_compiled=True):
         offline = kernel.run
-        kernel.run = lambda *args, **kwargs: offline(*args, **(kwargs | {"UPCAST": False}))
+        kernel.run = lambda *args, **kwargs: offline(*args, **(kwargs | dict(overrides)))
         launch()
     compiled = record["compiled"]
     cubin = CACHE_DIR / "kernel.cubin"
@@ -65,7 +70,7 @@ def _compile(kernel, launch) -> dict:
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     return dict(regs=record["regs"], spill=record["spill_stores"] or 0, shared=compiled.metadata.shared,
-                sass=collections.Counter(SASS_OPS.findall(sass)))
+                sass=collections.Counter(SASS_OPS.findall(sass)), instructions=len(SASS_LINE.findall(sass)))
 
 
 def compile_indexer(fp8: bool, config: IndexerConfig | None = None, rows_per_group: int = 1) -> dict:
@@ -95,6 +100,24 @@ def compile_sparse_mla(fp8: bool, config: SparseMLAConfig | None = None) -> dict
     return _compile(sparse_mla._sparse_mla_decode_kernel, launch)
 
 
+def compile_index_rope(kind: str) -> dict:
+    """One launch of the indexer epilogue kernel, bf16 model, GLM-5's 32 index heads: ``kind``
+    ``q`` (RoPE), ``q_rotated`` (RoPE, Hadamard), ``k_dense`` (LayerNorm, RoPE, copy into a bf16
+    cache) or ``k_fp8`` (LayerNorm, RoPE, Hadamard, quantize into the FP8 paged cache)."""
+    cos = sin = torch.zeros(ROWS, 32)
+    if kind.startswith("q"):
+        q = torch.zeros(ROWS, 32, INDEX_HEAD_DIM, dtype=torch.bfloat16)
+        launch = lambda: index_rope.index_q_rope(q, cos, sin, 64, True, rotate=kind == "q_rotated")  # noqa: E731
+    else:
+        cache = (torch.zeros(16, INDEX_FP8_PAGE_BYTES, dtype=torch.uint8) if kind == "k_fp8"
+                 else torch.zeros(1024, INDEX_HEAD_DIM, dtype=torch.bfloat16))
+        k = torch.zeros(ROWS, INDEX_HEAD_DIM, dtype=torch.bfloat16)
+        w = torch.ones(INDEX_HEAD_DIM, dtype=torch.bfloat16)
+        launch = lambda: index_rope.store_index_k_normed(  # noqa: E731
+            cache, torch.zeros(ROWS, dtype=torch.int64), k, w, w, 1e-6, cos, sin, 64, True, check_values=False)
+    return _compile(index_rope._index_rope_kernel, launch, overrides=())
+
+
 def _line(name: str, result: dict) -> str:
     mma = {op: n for op, n in result["sass"].items() if "GMMA" in op or "HMMA" in op}
     loads = {op: n for op, n in result["sass"].items() if op.startswith(("LDG", "LDL", "STL"))}
@@ -102,7 +125,8 @@ def _line(name: str, result: dict) -> str:
     too_big = " (over the sm_90 limit: cannot launch)" if result["shared"] > SM90_SHARED else ""
     return (f"{name}: {result['regs']} regs, {result['spill']} B spilled, "
             f"{result['shared']} B shared{too_big}, "
-            f"e4m3 wgmma {'yes' if e4m3 else 'no'}; MMA {mma}; loads {loads}")
+            f"{result['instructions']} SASS instructions, e4m3 wgmma {'yes' if e4m3 else 'no'}; "
+            f"MMA {mma}; loads {loads}")
 
 
 def main() -> int:
@@ -115,6 +139,8 @@ def main() -> int:
         for group in (1, 8):
             print(_line(f"indexer {cache} default G={group}", compile_indexer(fp8, None, group)), flush=True)
         print(_line(f"sparse_mla {cache} default", compile_sparse_mla(fp8)), flush=True)
+    for kind in INDEX_ROPE_KINDS:
+        print(_line(f"index_rope {kind}", compile_index_rope(kind)), flush=True)
     if args.sweep:
         for config in INDEXER_SWEEP:
             print(_line(f"indexer fp8 {config}", compile_indexer(True, config)), flush=True)

@@ -1,7 +1,14 @@
 """The indexer's fused query/key epilogues (dsaspec.ops.index_rope) against the plain-torch
-reference: the query's RoPE exactly; the key's LayerNorm (sums in another order) and the
-rotation within a stated tolerance; every row's bits independent of the batch; the Indexer's
-Triton path against its torch path."""
+reference: the query's RoPE and Hadamard rotation exactly (the reference's transform is the
+kernel's: the same fp32 butterflies in the same order), the reference's rotation against
+``y @ H`` in float64; the key's LayerNorm (sums in another order) within a stated tolerance;
+every row's bits independent of the batch; the Indexer's Triton path against its torch path;
+the sm_90 compile without spills."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,13 +59,27 @@ def test_q_rope_exact(dtype, interleaved, rows, heads, rope_dim, device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", ROW_COUNTS)
-def test_q_rope_rotated(dtype, rows, device):
+def test_q_rope_rotated_exact(dtype, rows, device):
     gen = torch.Generator().manual_seed(rows)
     q = torch.randn(rows, 5, 128, generator=gen).to(dtype).to(device)
     cos, sin = _angles(rows, 64, gen, device)
-    got = index_q_rope(q, cos, sin, 64, True, rotate=True).cpu().float()
-    want = reference_index_q_rope(q.cpu(), cos.cpu(), sin.cpu(), 64, True, rotate=True).float()
-    torch.testing.assert_close(got, want, rtol=_ulps(dtype), atol=1e-6)
+    got = index_q_rope(q, cos, sin, 64, True, rotate=True)
+    want = reference_index_q_rope(q.cpu(), cos.cpu(), sin.cpu(), 64, True, rotate=True)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_reference_rotation_is_the_hadamard_matmul():
+    """The reference's butterflies equal ``y @ H * 128 ** -0.5`` (float64, H[i, j] =
+    (-1) ** popcount(i & j)) to fp32 rounding: 7 rounded stages and the scale."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(64, 2, 128, generator=gen)
+    cos, sin = torch.ones(64, 32), torch.zeros(64, 32)
+    got = reference_index_q_rope(q, cos, sin, 64, True, rotate=True).double()
+    h = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(128)] for i in range(128)],
+                     dtype=torch.float64)
+    want = q.double() @ h * 128 ** -0.5
+    limit = 8 * 2.0 ** -24 * (q.double().abs() @ h.abs() * 128 ** -0.5)
+    assert torch.all((got - want).abs() <= limit)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -137,14 +158,14 @@ def test_rows_independent_of_batch(fp8, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 64, 256])
 def test_gpu_epilogues_hold_the_same_contracts(rows):
-    """Natively on a GPU (FMA contraction off, as the kernel launches): the query RoPE exact and
-    rotated within one ulp, keys within one ulp (dense cache) or one e4m3 step (FP8 cache) of the
+    """Natively on a GPU (FMA contraction off, as the kernel launches): the query RoPE'd and
+    rotated exactly, keys within one ulp (dense cache) or one e4m3 step (FP8 cache) of the
     reference, rows independent of the batch; bf16, GLM-5's 32 index heads."""
     device = torch.device("cuda")
     for interleaved in (True, False):
         test_q_rope_exact(torch.bfloat16, interleaved, rows, 32, 64, device)
         test_k_dense_cache(torch.bfloat16, interleaved, rows, device)
-    test_q_rope_rotated(torch.bfloat16, rows, device)
+    test_q_rope_rotated_exact(torch.bfloat16, rows, device)
     if rows <= 3 * 64:
         test_k_fp8_cache(torch.bfloat16, rows, device)
     for fp8 in (False, True):
@@ -196,3 +217,28 @@ def test_indexer_triton_path_matches_torch_path(fp8):
         assert torch.all((k1 - k0).abs() <= k0.abs().amax(dim=1, keepdim=True) / 8)
     else:
         torch.testing.assert_close(k1, k0, rtol=2.0 ** -7, atol=1e-5)
+
+
+def test_compiles_for_sm90_without_spills():
+    """Without a GPU: every variant of the kernel (query with and without the rotation, key into
+    a dense or an FP8 cache) compiles for sm_90 without spills or local memory, the rotated ones
+    in at most 3x the instructions of the plain query (the rotation by a [128, 128] register
+    tile spilled 5.5 - 6.4 KB, 6048 / 7840 instructions); scripts/compile_fp8_dsa.py's compile,
+    in a subprocess (it compiles instead of interpreting)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    code = ("import compile_fp8_dsa as c; from triton import knobs; knobs.nvidia.dump_ptxas_log = True\n"
+            "for kind in c.INDEX_ROPE_KINDS:\n"
+            "    r = c.compile_index_rope(kind)\n"
+            "    local = sum(n for op, n in r['sass'].items() if op.startswith(('LDL', 'STL')))\n"
+            "    print(kind, r['regs'], r['spill'], local, r['instructions'])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=root / "scripts")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.split("\n")[-5:-1]
+    results = {kind: tuple(map(int, rest)) for kind, *rest in map(str.split, lines)}
+    assert sorted(results) == ["k_dense", "k_fp8", "q", "q_rotated"], proc.stdout
+    for kind, (regs, spilled, local, _) in results.items():
+        assert 0 < regs <= 255 and spilled == 0 and local == 0, proc.stdout
+    assert results["q_rotated"][3] <= 3 * results["q"][3], proc.stdout
+    assert results["k_fp8"][3] <= 3 * results["k_dense"][3], proc.stdout

@@ -7,14 +7,16 @@ Per row ``x`` (model dtype; ``round`` rounds fp32 to the model dtype, to nearest
     key:    y = round(LayerNorm(x) * w + b)    (fp32 statistics, biased variance)
     both:   y = round(RoPE(y))                 (pairs (2i, 2i+1) when interleaved, else (i, i + rope/2);
                                                 fp32 x*cos - x'*sin, x*sin + x'*cos, no FMA)
-    rotate: y = round(y @ H)                   (H the Sylvester Hadamard matrix times 128**-0.5,
-                                                fp32 products and sums)
+    rotate: y = round(s * 128**-0.5)           (s = y @ H with H the Sylvester +-1 Hadamard matrix:
+                                                the fast Walsh-Hadamard transform, 7 stages of fp32
+                                                adds/subtracts, then one fp32 multiply)
 
 The key is then written at its slot: a copy into a dense cache ``[slots, 128]`` (model dtype), or
 quantized (e4m3, one ue8m0 scale a token, the rule of :mod:`dsaspec.ops.e4m3`) into the FP8 paged
 cache. RoPE alone is bit-identical to the torch ops; the LayerNorm's sums and the rotation's
-sums run in their own order. A program owns 16 whole rows, so a row's bits never depend on the
-other rows.
+sums run in their own order (the torch ops rotate by an fp32 matmul with ``H * 128**-0.5``), so
+a LayerNorm'd or rotated value may differ from them by one ulp of the model dtype. A program owns
+16 whole rows, so a row's bits never depend on the other rows.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dsaspec.ops.checks import check_tensor
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.kv_cache_layout import INDEX_HEAD_DIM, PAGE_SIZE, index_k_fp8_views, is_fp8_cache
 
-_ROWS = 16                # rows per program (tl.dot's smallest M)
+_ROWS = 16                # rows per program
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _OUT, _DENSE, _FP8 = 0, 1, 2   # where a row goes: an output tensor, a dense cache, the FP8 cache
@@ -101,14 +103,14 @@ def _index_rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, out_ptr, loc_ptr, 
     sin = tl.where(first[None, :], -sin, sin)
     y = _round(x * cos + xp * sin, BF16)
     if ROTATE:
-        # H[i, j] = (-1) ** popcount(i & j) * 128 ** -0.5
-        k = tl.arange(0, DIM)
-        bits = k[:, None] & c[None, :]
-        parity = tl.zeros((DIM, DIM), tl.int32)
-        for shift in tl.static_range(7):
-            parity ^= (bits >> shift) & 1
-        h = tl.where(parity == 0, 0.08838834764831845, -0.08838834764831845)
-        y = _round(tl.dot(y, h, input_precision="ieee"), BF16)
+        # y @ H by the fast Walsh-Hadamard transform: a stage adds and subtracts the column pairs
+        # that differ in bit 0, then rotates the column bits right by one (the pair's bit becomes
+        # bit 6), so after 7 stages every bit is done and the columns are back in order.
+        tl.static_assert(DIM == 128)
+        for _ in tl.static_range(7):
+            a, b = tl.split(tl.reshape(y, (ROWS, DIM // 2, 2)))
+            y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, DIM))
+        y = _round(y * 0.08838834764831845, BF16)
     if DEST == 0:
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + c[None, :],
                  y.to(out_ptr.dtype.element_ty), mask=live[:, None])

@@ -22,22 +22,25 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, 
     return out
 
 
-def _hadamard(n: int) -> torch.Tensor:
-    """Sylvester's ``n x n`` Hadamard matrix times ``n ** -0.5``, fp32: ``H[i, j] = (-1) ** popcount(i & j)``."""
-    i = torch.arange(n)
-    parity = torch.zeros(n, n, dtype=torch.int64)
-    bits = i[:, None] & i[None, :]
-    while bits.any():
-        parity ^= bits & 1
-        bits = bits >> 1
-    return (1 - 2 * parity).float() * n ** -0.5
+def _rotate(y: torch.Tensor) -> torch.Tensor:
+    """``y @ H * n ** -0.5`` per row of fp32 ``y`` ``[..., n]``, ``H`` Sylvester's +-1 Hadamard
+    matrix (``H[i, j] = (-1) ** popcount(i & j)``), by the fast Walsh-Hadamard transform: for bit
+    0, 1, ..., log2(n) - 1 in turn, the values at ``j`` (that bit clear) and ``j + 2 ** bit``
+    become their fp32 sum and difference; then one fp32 multiply by ``n ** -0.5``."""
+    n, half = y.shape[-1], 1
+    while half < n:
+        pairs = y.reshape(*y.shape[:-1], n // (2 * half), 2, half)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((low + high, low - high), dim=-2).reshape(y.shape)
+        half *= 2
+    return y * torch.tensor(n ** -0.5, dtype=torch.float32)
 
 
 def reference_index_q_rope(q, cos, sin, rope_dim: int, interleaved: bool, rotate: bool) -> torch.Tensor:
     """``q`` ``[R, H, 128]`` -> RoPE'd (then rotated) query, ``q``'s dtype."""
     y = _rope(q.float(), cos.float(), sin.float(), rope_dim, interleaved).to(q.dtype)
     if rotate:
-        y = (y.float() @ _hadamard(q.shape[-1]).to(q.device)).to(q.dtype)
+        y = _rotate(y.float()).to(q.dtype)
     return y
 
 
