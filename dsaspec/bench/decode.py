@@ -106,8 +106,9 @@ PHASE_PATTERNS = {
                       "cache write, W_UK/W_UV absorption bmm, o_proj)",
     "ffn": "kernels of module mlp (gate/up/down GEMMs, SiLU*mul)",
     "lm_head": "kernels of module lm_head (the vocab GEMM)",
-    "sampling": "kernels after lm_head in the graph (fp32 cast of the logits, argmax, the token and length "
-                "written back to the rows' carry)",
+    "sampling": "kernels after lm_head in the graph (the greedy token from the bf16 logits and, in the same "
+                "launch, the token and length written back to the rows' carry; TP 1: argmax_partials + "
+                "draft_finalize)",
     "other": "everything else in the graph (RoPE cos/sin, embedding, layer norms, residual adds, final norm)",
     "feedback": "bench bookkeeping after the graph (the step's tokens copied out)",
 }

@@ -11,8 +11,9 @@ bucket holding it:
     prepare           positions = L[rows], input ids = pending[rows], seq_lens = positions + 1,
                       out_cache_loc = req_to_token[rows, positions], backend.replay (metadata +
                       indexer schedule)                                            (eager, no sync)
-    graph replay      the captured forward -> logits -> argmax into ``next_tokens``, then
-                      L[rows] += 1, pending[rows] = next token, the dummy row's carry reset
+    graph replay      the captured forward -> LM head -> greedy token into ``next_tokens``, with
+                      L[rows] += 1, pending[rows] = next token and the dummy row's carry reset in
+                      the same launch (``greedy_target_tokens`` with a ``CarryWrite``)
 
 then one device-to-host copy of the tokens. Padded rows read the dummy table row (all
 ``SINK_SLOT``) at position 0 with length 1 and write their cache entry to ``SINK_SLOT``, so they never
@@ -32,6 +33,7 @@ from dsaspec.executor.worker import BucketWorker, RowCarry, StepResult, greedy_t
 from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.attention.inputs import AttentionInputs
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
+from dsaspec.ops.argmax_exchange import CarryWrite
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.forward_mode import Mode
 
@@ -142,11 +144,9 @@ class DecodeWorker(BucketWorker):
         """The forward, the greedy tokens, and the carry written back (the dummy row's reset)."""
         hidden = self.model(batch.input_ids, batch.positions, batch.out_cache_loc, self.target_kv, attn,
                             check_values=check_values)
-        greedy_target_tokens(self.model, hidden, out=batch.next_tokens)
         state = self.state
-        state.seq_lens[batch.rows] = batch.seq_lens
-        state.bonus[batch.rows] = batch.next_tokens
-        state.reset_dummy()
+        greedy_target_tokens(self.model, hidden, out=batch.next_tokens, carry=CarryWrite(
+            batch.rows, batch.seq_lens, state.seq_lens, state.bonus, state.dummy_row, state.pad_len))
 
     @torch.no_grad()
     def run(self, bucket: int, *, use_graph: bool | None = None) -> torch.Tensor:

@@ -31,6 +31,7 @@ from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.logits_processor import LogitsProcessor
 from dsaspec.memory import KVPool
 from dsaspec.models.dsa_model import DSAModel
+from dsaspec.ops.argmax_exchange import CarryWrite, draft_finalize, greedy_tokens
 
 
 @dataclass
@@ -64,19 +65,24 @@ class Worker(Protocol):
 
 
 def greedy_target_tokens(model: DSAModel, hidden: torch.Tensor, processor: LogitsProcessor | None = None, *,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, carry: CarryWrite | None = None) -> torch.Tensor:
     """The target's greedy token of each row, int64 ``[rows]``: the argmax of the fp32 logits of
-    ``hidden`` ``[rows, hidden_size]`` (lowest index among equal maxima).
+    ``hidden`` ``[rows, hidden_size]`` (lowest index among equal maxima, the first NaN above all).
 
-    Without ``processor``, or at TP 1 in row-invariant mode: ``argmax(model.logits(hidden))``, plain
-    decoding's path (row-invariant speculation must reproduce it bit for bit). Otherwise
-    ``processor.target_tokens`` over the model's head (the argmax exchange where it is opted in;
-    the same tokens by its contract). ``out``: int64 ``[rows]`` the tokens are written to. No host
-    sync (graph-safe with graph-safe ops).
+    Without ``processor``, or in row-invariant mode, at TP 1: ``greedy_tokens`` over the LM head's
+    local logits (bit for bit ``argmax(model.logits(hidden))`` without the fp32 copy; plain
+    decoding's path, which row-invariant speculation reproduces). Without ``processor`` at TP > 1:
+    ``argmax(model.logits(hidden))``. Otherwise ``processor.target_tokens`` over the model's head
+    (the argmax exchange where it is opted in; the same tokens by its contract). ``out``: int64
+    ``[rows]`` the tokens are written to. ``carry``: the rows' carry written with the tokens in the
+    same launch (``draft_finalize``). No host sync (graph-safe with graph-safe ops).
     """
-    if processor is None or (model.tp_size == 1 and model.row_invariant):
-        return torch.argmax(model.logits(hidden), dim=-1, out=out)
-    tokens = processor.target_tokens(hidden)
+    if model.tp_size == 1 and (processor is None or model.row_invariant):
+        out = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device) if out is None else out
+        return greedy_tokens(model.lm_head(hidden), out, vocab_size=model.lm_head.vocab_size, carry=carry)
+    tokens = torch.argmax(model.logits(hidden), dim=-1) if processor is None else processor.target_tokens(hidden)
+    if carry is not None:
+        return draft_finalize(tokens=tokens if out is None else out, argmax_tokens=tokens, carry=carry)
     return tokens if out is None else out.copy_(tokens)
 
 

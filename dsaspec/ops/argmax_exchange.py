@@ -21,6 +21,8 @@ PyTorch definition is ``dsaspec.reference.argmax_exchange``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -306,6 +308,21 @@ def argmax_partials(
     return out
 
 
+class CarryWrite(NamedTuple):
+    """The rows' carry update ``draft_finalize`` can fuse (plain decoding's step): for row ``i`` of
+    table row ``r = table_rows[i]``: ``carry_lens[r] = lens[i]``, ``carry_tokens[r] = tokens[i]``; the
+    dummy row ``dummy_row`` (which every padded row names) is set to ``(pad_len, 0)`` whether or not a
+    row names it. int64 tensors: ``table_rows`` / ``lens`` ``[rows]`` contiguous, ``carry_lens`` /
+    ``carry_tokens`` ``[table rows]`` contiguous (written)."""
+
+    table_rows: torch.Tensor
+    lens: torch.Tensor
+    carry_lens: torch.Tensor
+    carry_tokens: torch.Tensor
+    dummy_row: int
+    pad_len: int
+
+
 @triton.jit
 def _draft_finalize_kernel(
     reduced_ptr,  # [rows, slots, 4] fp32, or unused
@@ -315,12 +332,19 @@ def _draft_finalize_kernel(
     tokens_ptr,
     topk_p_ptr,
     positions_out_ptr,
+    table_rows_ptr,  # [rows] int64, or unused
+    lens_ptr,  # [rows] int64, or unused
+    carry_lens_ptr,  # [table rows] int64, or unused
+    carry_tokens_ptr,  # [table rows] int64, or unused
     reduced_row_stride,
     slots,
+    dummy_row,
+    pad_len,
     FROM_PARTIALS: tl.constexpr,
     HAS_MAP: tl.constexpr,
     HAS_TOPK_P: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
+    HAS_CARRY: tl.constexpr,
     SLOTS_P2: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -346,6 +370,18 @@ def _draft_finalize_kernel(
         tl.store(topk_p_ptr + row, 1.0)
     if HAS_POSITIONS:
         tl.store(positions_out_ptr + row, tl.load(positions_ptr + row) + 1)
+    if HAS_CARRY:
+        # Padded rows all name the dummy row: each writes its reset values, so their order is moot;
+        # program 0 resets it even when no row names it.
+        table_row = tl.load(table_rows_ptr + row)
+        is_dummy = table_row == dummy_row
+        reset_len = tl.zeros([], tl.int64) + pad_len  # pad_len may arrive as a constexpr (0 or 1)
+        no_token = tl.zeros([], tl.int64)
+        tl.store(carry_lens_ptr + table_row, tl.where(is_dummy, reset_len, tl.load(lens_ptr + row).to(tl.int64)))
+        tl.store(carry_tokens_ptr + table_row, tl.where(is_dummy, no_token, token.to(tl.int64)))
+        if row == 0:
+            tl.store(carry_lens_ptr + dummy_row, reset_len)
+            tl.store(carry_tokens_ptr + dummy_row, no_token)
 
 
 def draft_finalize(
@@ -357,9 +393,11 @@ def draft_finalize(
     reduced: torch.Tensor | None = None,
     argmax_tokens: torch.Tensor | None = None,
     token_map: torch.Tensor | None = None,
+    carry: CarryWrite | None = None,
 ) -> torch.Tensor:
     """Greedy tokens and the greedy (topk = 1) draft bookkeeping: token, ``topk_p = 1.0``, ``positions + 1``;
-    one warp per row. Target verify uses it for the token alone (no ``topk_p``, no positions).
+    one warp per row. Target verify uses it for the token alone (no ``topk_p``, no positions), plain
+    decoding for the token and its ``carry`` write-back.
 
     With ``reduced`` (the all-reduced exchange buffer): ``token = index of max key, lowest global
     index on ties``, i.e. ``torch.argmax`` of the gathered fp32 logits. With ``argmax_tokens`` (the
@@ -380,15 +418,17 @@ def draft_finalize(
         ``reduced`` / ``argmax_tokens``.
     argmax_tokens : Tensor ``[rows]`` int64 (e.g. ``torch.argmax`` output; may be ``tokens``).
     token_map : optional Tensor ``[map_size]`` int32/int64, contiguous.
+    carry : optional CarryWrite; the (mapped) tokens and ``carry.lens`` written to the rows' carry.
 
     Arguments are validated on the host (shapes, dtypes, strides, devices; no device sync), on every
     call: inside a captured CUDA graph that happens once, at capture.
 
-    Precondition not checked (it is device data): every token, before mapping, indexes
+    Preconditions not checked (they are device data): every token, before mapping, indexes
     ``token_map``: ``0 <= token < map_size``. The kernel's ``token_map[token]`` load is unmasked. It
     holds when ``map_size >= vocab_size`` and ``reduced`` comes from ``argmax_partials`` with that
     ``vocab_size``, or ``argmax_tokens`` is an argmax over ``vocab_size`` columns
-    (``LogitsProcessor.forward`` checks the map's size).
+    (``LogitsProcessor.forward`` checks the map's size). With ``carry``: every ``table_rows`` entry
+    indexes the carry, and no entry but ``dummy_row`` repeats (the workers' ``check_rows`` on the host).
 
     Returns
     -------
@@ -421,8 +461,13 @@ def draft_finalize(
                                   or token_map.stride(0) != 1):
         raise ValueError(f"token_map must be a contiguous 1-D int32/int64 tensor, got {tuple(token_map.shape)} "
                          f"{token_map.dtype} strides {token_map.stride()}")
+    if carry is not None:
+        _check_carry(carry, rows)
     others = {"topk_p": topk_p, "positions": positions, "positions_out": positions_out, "reduced": reduced,
               "argmax_tokens": argmax_tokens, "token_map": token_map}
+    if carry is not None:
+        others.update({f"carry.{name}": getattr(carry, name) for name in ("table_rows", "lens", "carry_lens",
+                                                                           "carry_tokens")})
     for name, t in others.items():
         if t is not None and t.device != tokens.device:
             raise ValueError(f"{name} must be on tokens' device {tokens.device}, got {t.device}")
@@ -434,12 +479,78 @@ def draft_finalize(
         argmax_tokens if argmax_tokens is not None else tokens,
         positions if has_positions else tokens, token_map if token_map is not None else tokens, tokens,
         topk_p if topk_p is not None else tokens,
-        positions_out if has_positions else tokens, reduced.stride(0) if reduced is not None else 0, slots,
+        positions_out if has_positions else tokens,
+        *(carry[:4] if carry is not None else (tokens,) * 4),
+        reduced.stride(0) if reduced is not None else 0, slots,
+        carry.dummy_row if carry is not None else 0, carry.pad_len if carry is not None else 0,
         FROM_PARTIALS=reduced is not None, HAS_MAP=token_map is not None, HAS_TOPK_P=topk_p is not None,
-        HAS_POSITIONS=has_positions,
+        HAS_POSITIONS=has_positions, HAS_CARRY=carry is not None,
         SLOTS_P2=max(2, triton.next_power_of_2(slots)), num_warps=1,
     )
     return tokens
+
+
+def _check_carry(carry: CarryWrite, rows: int) -> None:
+    for name in ("table_rows", "lens", "carry_lens", "carry_tokens"):
+        t = getattr(carry, name)
+        size = rows if name in ("table_rows", "lens") else None
+        if (t.dim() != 1 or (size is not None and t.shape[0] != size) or t.dtype != torch.int64
+                or t.stride(0) != 1):
+            raise ValueError(f"carry.{name} must be a contiguous 1-D int64 tensor"
+                             f"{'' if size is None else f' with one entry per row of tokens ({size})'}, got "
+                             f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    table_rows = carry.carry_lens.shape[0]
+    if carry.carry_tokens.shape[0] != table_rows:
+        raise ValueError(f"carry.carry_tokens must have carry.carry_lens' {table_rows} entries, got "
+                         f"{carry.carry_tokens.shape[0]}")
+    if not 0 <= carry.dummy_row < table_rows:
+        raise ValueError(f"carry.dummy_row must be in [0, {table_rows}), got {carry.dummy_row}")
+    if not 0 <= carry.pad_len < 2**62:
+        raise ValueError(f"carry.pad_len must be in [0, 2**62), got {carry.pad_len}")
+
+
+def greedy_tokens(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    vocab_size: int,
+    carry: CarryWrite | None = None,
+    split_columns: int = DEFAULT_SPLIT_COLUMNS,
+) -> torch.Tensor:
+    """``tokens = torch.argmax(logits[:, :vocab_size].float(), dim=-1)`` from one replicated head's
+    logits, bit for bit (lowest index among equal maxima, the first NaN above everything, -0 == +0),
+    without the fp32 copy: ``argmax_partials`` over one shard, then ``draft_finalize`` (two launches),
+    which also writes ``carry`` when given. Rows are independent (row-invariant). Graph-safe: the
+    partials buffer ``[rows, splits, 4]`` fp32 is allocated per call (from a graph's pool inside a
+    capture), no host sync.
+
+    Parameters
+    ----------
+    logits : Tensor ``[rows, >= vocab_size]`` bf16 or fp32, unit column stride; columns past
+        ``vocab_size`` (padding) are never read.
+    tokens : Tensor ``[rows]`` int64, contiguous; written.
+    vocab_size : int, ``1 <= vocab_size <= logits.shape[1]``.
+    carry : optional CarryWrite (see ``draft_finalize``).
+    split_columns : int; columns per program of the partials (see ``exchange_layout``).
+
+    Arguments are validated on the host (no device sync), on every call.
+
+    Returns
+    -------
+    ``tokens``.
+    """
+    if logits.dim() != 2 or not 1 <= vocab_size <= logits.shape[1]:
+        raise ValueError(f"logits must be [rows, >= vocab_size={vocab_size}] with vocab_size >= 1, got "
+                         f"{tuple(logits.shape)}")
+    rows = logits.shape[0]
+    if tuple(tokens.shape) != (rows,) or tokens.dtype != torch.int64 or tokens.stride(0) != 1:
+        raise ValueError(f"tokens must be a contiguous int64 [{rows}] (one entry per row of logits), got "
+                         f"{tuple(tokens.shape)} {tokens.dtype} strides {tokens.stride()}")
+    valid = logits[:, :vocab_size]
+    splits, _ = exchange_layout(vocab_size, split_columns)
+    reduced = torch.empty(rows, splits, LANES, dtype=torch.float32, device=logits.device)
+    argmax_partials(valid, reduced, rank=0, tp_size=1, vocab_size=vocab_size, split_columns=split_columns)
+    return draft_finalize(tokens=tokens, reduced=reduced, carry=carry)
 
 
 @triton.jit
