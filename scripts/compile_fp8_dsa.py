@@ -13,8 +13,9 @@ specialize it on a CUDA device (``UPCAST`` off, the interpreter's fp32 upcast), 
 
     python3 scripts/compile_fp8_dsa.py [--sweep]
 
-``--sweep`` also compiles the FP8 candidates (indexer pipelining depths and warps; sparse MLA tiles),
-printing their spills and marking those over the sm_90 shared-memory limit. Needs no GPU and no driver.
+``--sweep`` also compiles the FP8 candidates (the indexer's ``TUNE_INDEXER_FP8`` of ``bench dsa-ops
+--tune``, at 64 and at 32 index heads: DeepSeek-V3.2, GLM-5; sparse MLA tiles), printing their spills
+and marking those over the sm_90 shared-memory limit. Needs no GPU and no driver.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 
+from dsaspec.bench.dsa_ops import TUNE_INDEXER_FP8  # noqa: E402
 from dsaspec.cli_parsing import Parser, parse_or_exit  # noqa: E402
 from dsaspec.ops import index_rope, indexer, sparse_mla  # noqa: E402
 from dsaspec.ops.indexer import IndexerConfig  # noqa: E402
@@ -41,7 +43,6 @@ from dsaspec.ops.sparse_mla import LATENT_DIM, QK_DIM, SparseMLAConfig, sparse_m
 HEADS, TOPK, ROWS, PROGRAMS = 64, 2048, 64, 264
 SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/", re.MULTILINE)
 SASS_OPS = re.compile(r"\b((?:QGMMA|HGMMA|HMMA|LDGSTS|LDG|LDL|STL|F2FP)(?:\.[A-Z0-9_x]+)*)")
-INDEXER_SWEEP = [IndexerConfig(tokens_as_m=True, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4, 6, 8)]
 SPARSE_MLA_SWEEP = [SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=s, block_dv=dv)
                     for h, n, w, s, dv in ((64, 64, 8, 2, 512), (64, 32, 8, 2, 512), (64, 32, 8, 1, 512),
                                            (64, 16, 8, 2, 512), (64, 64, 8, 2, 256), (64, 32, 8, 2, 256),
@@ -73,15 +74,16 @@ def _compile(kernel, launch, overrides=(("UPCAST", False),)) -> dict:
                 sass=collections.Counter(SASS_OPS.findall(sass)), instructions=len(SASS_LINE.findall(sass)))
 
 
-def compile_indexer(fp8: bool, config: IndexerConfig | None = None, rows_per_group: int = 1) -> dict:
-    """One decode-shaped (``rows_per_group`` 1) or verify-shaped launch of the indexer logits
-    (``config`` default: the cache's default)."""
-    q = torch.zeros(ROWS, HEADS, INDEX_HEAD_DIM, dtype=torch.bfloat16)
+def compile_indexer(fp8: bool, config: IndexerConfig | None = None, rows_per_group: int = 1,
+                    heads: int = HEADS) -> dict:
+    """One decode-shaped (``rows_per_group`` 1) or verify-shaped launch of the indexer logits with
+    ``heads`` index heads (``config`` default: the cache's default)."""
+    q = torch.zeros(ROWS, heads, INDEX_HEAD_DIM, dtype=torch.bfloat16)
     keys = (torch.zeros(16, INDEX_FP8_PAGE_BYTES, dtype=torch.uint8) if fp8
             else torch.zeros(1024, INDEX_HEAD_DIM, dtype=torch.bfloat16))
     width = 1024 + 16
     launch = lambda: indexer.indexer_logits(  # noqa: E731
-        q, torch.zeros(ROWS, HEADS), keys, torch.zeros(ROWS, width, dtype=torch.int32),
+        q, torch.zeros(ROWS, heads), keys, torch.zeros(ROWS, width, dtype=torch.int32),
         torch.ones(ROWS, dtype=torch.int32), torch.zeros(PROGRAMS + 1, 2, dtype=torch.int32),
         torch.zeros(ROWS, width), rows_per_group=rows_per_group, check_values=False, config=config)
     return _compile(indexer._indexer_logits_kernel, launch)
@@ -142,8 +144,10 @@ def main() -> int:
     for kind in INDEX_ROPE_KINDS:
         print(_line(f"index_rope {kind}", compile_index_rope(kind)), flush=True)
     if args.sweep:
-        for config in INDEXER_SWEEP:
-            print(_line(f"indexer fp8 {config}", compile_indexer(True, config)), flush=True)
+        for heads in (HEADS, 32):
+            for config in TUNE_INDEXER_FP8:
+                print(_line(f"indexer fp8 {heads} heads {config}", compile_indexer(True, config, heads=heads)),
+                      flush=True)
         for config in SPARSE_MLA_SWEEP:
             print(_line(f"sparse_mla fp8 {config}", compile_sparse_mla(True, config)), flush=True)
     return 0

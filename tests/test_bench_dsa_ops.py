@@ -161,3 +161,54 @@ def test_fp8_indexer_targets():
     got = [(t["bs"], t["target"], t["met"]) for t in dsa_ops._targets(rows) if t["target"].startswith("FP8")]
     at_32, at_64 = "FP8 cache, 64 index heads: <= 70 µs", "FP8 cache, 64 index heads: <= 130 µs"
     assert got == [(32, at_32, True), (32, at_32, False), (64, at_64, True), (64, at_64, False)]
+
+
+def _fp8_tune_point(mode="target_verify"):
+    """A small point on the FP8 key cache with the default FP8 configuration's logits written."""
+    shapes = dsa_ops._Shapes(heads=16, index_heads=4, topk=8, sm_scale=0.1, num_sms=4)
+    point = dsa_ops._build_point(mode, 2, 150, 2, shapes, "cpu", seed=0, fp8=True)
+    dsa_ops._indexer(point, True, fp8=True)(check_values=True)
+    return point
+
+
+def test_fp8_indexer_tune_candidates_match_the_default():
+    """Every FP8 tune candidate (configuration x programs per SM) writes the default's logits,
+    bitwise under the interpreter, and the list starts with the default."""
+    point = _fp8_tune_point()
+    candidates = dsa_ops._fp8_indexer_tune_candidates(point)
+    first = candidates[0][0]
+    assert first == vars(dsa_ops.INDEXER_FP8_CONFIG) | {"programs_per_sm": dsa_ops.PROGRAMS_PER_SM,
+                                                         "rows_per_group": 2, "kv_cache": "fp8_e4m3"}
+    assert len(candidates) == len(dsa_ops.TUNE_INDEXER_FP8) * len(dsa_ops.TUNE_FP8_PROGRAMS_PER_SM)
+    assert len({tuple(sorted(config.items())) for config, _ in candidates}) == len(candidates)
+    for config, fn in candidates:
+        assert dsa_ops._check_fp8_indexer_candidate(point, fn, on_gpu=False) == 0.0, config
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_fp8_indexer_tune_check_catches_other_logits(on_gpu):
+    """The candidate check fails a candidate that writes nothing or the bf16 cache's logits
+    (the unquantized query: beyond 2**-9 of the absolute sums), in both its modes; the default
+    itself passes the GPU mode's tolerance."""
+    point = _fp8_tune_point()
+    default = dsa_ops._indexer(point, True, fp8=True, out="logits_fp8_tune")
+    assert dsa_ops._check_fp8_indexer_candidate(point, default, on_gpu) == 0.0
+    bf16 = dsa_ops._indexer(point, True, out="logits_fp8_tune")
+    for wrong in (lambda: None, bf16):
+        with pytest.raises(AssertionError, match="differ from INDEXER_FP8_CONFIG"):
+            dsa_ops._check_fp8_indexer_candidate(point, wrong, on_gpu)
+
+
+def test_tune_winners():
+    """The fastest error-free row per op, KV cache, split choice and point."""
+    def row(us, kv_cache=None, bs=32, splits=None, error=None, name="c"):
+        config = {"name": name} | ({"kv_cache": kv_cache} if kv_cache else {}) | ({"splits": splits} if splits else {})
+        r = {"op": "indexer", "mode": "decode", "bs": bs, "live_kv": 65536, "config": config}
+        return r | ({"error": error} if error else {"us": us})
+
+    rows = [row(10.0, name="default"), row(9.0, name="b"), row(None, error="shared memory"),
+            row(20.0, "fp8_e4m3", name="fp8_default"), row(15.0, "fp8_e4m3", name="fp8_b"),
+            row(16.0, "fp8_e4m3", name="fp8_c"), row(5.0, bs=64, name="other_point"),
+            row(3.0, splits=4, name="split"), row(4.0, splits=8, name="split_b")]
+    got = [r["config"]["name"] for r in dsa_ops._tune_winners(rows)]
+    assert got == ["b", "fp8_b", "other_point", "split"]

@@ -10,10 +10,16 @@ the absolute values. On the GPU the FP8 MMA's accumulation is looser (Hopper's F
 keep fewer accumulator bits than fp32), so the GPU tests allow ``2**-10`` of that sum.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from dsa_inputs import SENTINEL, launch_indexer, random_indexer_inputs, random_tiny_indexer
+from dsaspec.bench.dsa_ops import TUNE_INDEXER_FP8
 from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG, indexer_logits
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.reference.fp8_gemm import act_quant
@@ -279,3 +285,24 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         _assert_matches(out, inputs, skip_len=skip_len, relative=GPU_TOLERANCE)
+
+
+def test_tune_candidates_compile_for_sm90_without_spills():
+    """Without a GPU: every FP8 candidate ``bench dsa-ops --tune`` times (``TUNE_INDEXER_FP8``)
+    compiles for sm_90 at 64 index heads with e4m3 wgmmas, no register spills and within the
+    shared memory of a block; scripts/compile_fp8_dsa.py's compile, in a subprocess (it compiles
+    instead of interpreting)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    code = ("import compile_fp8_dsa as c; from triton import knobs; knobs.nvidia.dump_ptxas_log = True\n"
+            "for config in c.TUNE_INDEXER_FP8:\n"
+            "    r = c.compile_indexer(True, config)\n"
+            "    print(r['regs'], r['spill'], r['shared'], c.SM90_SHARED,"
+            " sum(n for op, n in r['sass'].items() if 'E4M3' in op))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=root / "scripts")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [tuple(map(int, line.split())) for line in proc.stdout.splitlines() if line[:1].isdigit()]
+    assert len(results) == len(TUNE_INDEXER_FP8), proc.stdout
+    for config, (regs, spilled, shared, limit, e4m3) in zip(TUNE_INDEXER_FP8, results):
+        assert 0 < regs <= 255 and spilled == 0 and shared <= limit and e4m3 > 0, (config, proc.stdout)

@@ -48,7 +48,11 @@ row's new (so ``speedup`` is bf16 / FP8); its bytes floor gathers 656 B a distin
 rows stay on the bf16 caches (holding the dequantized values).
 
 With ``--kv-cache-dtype fp8_e4m3``, ``--tune`` times the sparse MLA candidates on the FP8 cache
-too (and ``TUNE_SPARSE_MLA_FP8``), each row's ``config`` naming its ``kv_cache``.
+too (and ``TUNE_SPARSE_MLA_FP8``), each row's ``config`` naming its ``kv_cache``, and the indexer
+on the FP8 key cache: ``TUNE_INDEXER_FP8`` at ``TUNE_FP8_PROGRAMS_PER_SM`` programs per SM, each candidate's logits
+checked against ``INDEXER_FP8_CONFIG``'s (bitwise under the interpreter, within
+``FP8_INDEXER_TUNE_RTOL`` of their absolute sums on the GPU; a mismatch is the row's error).
+After timing, ``--tune`` prints and writes the fastest error-free configuration per op and point.
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
 ``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five,
 each with and without candidate lists (``sampled``).
@@ -153,13 +157,34 @@ TUNE_INDEXER = (
     IndexerConfig(tokens_as_m=False, num_warps=4, num_stages=1),
     INDEXER_BASELINE_CONFIG,
 )
+# On the FP8 key cache (--kv-cache-dtype fp8_e4m3), INDEXER_FP8_CONFIG first: deeper pipelines and other warp
+# counts, which keep more key bytes in flight (a block is 8.4 KB); all compile for sm_90 without spills
+# (scripts/compile_fp8_dsa.py --sweep, 64 index heads: 124-128 registers on 8 warps, 190-191 on 4, 92 on 16;
+# 35-80 KB shared memory).
+TUNE_INDEXER_FP8 = (
+    INDEXER_FP8_CONFIG,
+    IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=8),
+    IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=10),
+    IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=12),
+    IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=16),
+    IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=6),
+    IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=8),
+    IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=12),
+    IndexerConfig(tokens_as_m=True, num_warps=16, num_stages=10),
+)
 TUNE_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 1, 3)  # indexer programs (schedule entries) per SM, the default first
+# FP8 indexer programs per SM, the default first: more resident programs, more gathers in flight.
+TUNE_FP8_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 3, 4)
+# Two FP8 indexer configurations on the GPU: each within the FP8 GPU tests' 2**-10 of a logit's absolute
+# sum from the fp8_index reference (tests/test_indexer_fp8.py), so within twice that of each other.
+FP8_INDEXER_TUNE_RTOL = 2.0 ** -9
 TUNE_TOPK_CHUNKS = (0.25, 0.5, 1, 2)  # top-k chunks per row, as multiples of topk_workspace's count
 TUNE_TOPK_FEW_CHUNKS = (2, 4)  # also tried where the rule gives one program per row (many rows)
 TUNE_POINTS = (("decode", 1, 1024), ("target_verify", 1, 65536), ("decode", 4, 8192),
                ("decode", 16, 65536), ("target_verify", 64, 1024), ("decode", 1, 65536),
                ("target_verify", 32, 65536), ("target_verify", 64, 65536), ("decode", 32, 65536),
-               ("decode", 64, 65536), ("target_verify", 16, 8192))
+               ("decode", 64, 65536), ("target_verify", 16, 8192), ("decode", 1, 8192),
+               ("decode", 16, 8192), ("decode", 32, 8192), ("decode", 64, 8192))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -172,7 +197,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16",
                    help="fp8_e4m3: also time the indexer on the paged FP8 key cache and sparse MLA on "
                         "the fp8_ds_mla cache, next to each bf16 row (with --tune: the sparse MLA "
-                        "candidates, TUNE_SPARSE_MLA_FP8 too) (default: bf16 only)")
+                        "candidates, TUNE_SPARSE_MLA_FP8 too, and TUNE_INDEXER_FP8) (default: bf16 only)")
     p.add_argument("--verify-rows", type=positive_int, default=4, help="N: rows per request in target verify")
     p.add_argument("--preset", choices=sorted(PRESETS), default="glm5",
                    help="model preset giving heads, index heads and top-k")
@@ -279,17 +304,17 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
 
 
 def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs: int | None = None,
-             rows_per_group: int | None = None, fp8: bool = False):
-    """Schedule + logits into ``logits_new`` / ``logits_baseline`` (``logits_fp8`` with ``fp8``: on
-    the FP8 key cache). The new form skips rows with live <= k and reads each key block once per
-    request (``rows_per_group`` = N in verify)."""
+             rows_per_group: int | None = None, fp8: bool = False, out: str | None = None):
+    """Schedule + logits into buffer ``out`` (default ``logits_new`` / ``logits_baseline``, and
+    ``logits_fp8`` with ``fp8``: on the FP8 key cache). The new form skips rows with live <= k and
+    reads each key block once per request (``rows_per_group`` = N in verify)."""
     s = p.shapes
     skip = s.topk if new else 0
     config = config or (None if new else INDEXER_BASELINE_CONFIG)  # None: the cache's default
     programs = programs or (PROGRAMS_PER_SM * s.num_sms if new else s.num_sms)
     groups = rows_per_group or (p.n if new else 1)
     schedule = p.buffer(f"schedule_{skip}_{programs}_{groups}", (programs + 1, 2), torch.int32)
-    name = "logits_fp8" if fp8 else "logits_new" if new else "logits_baseline"
+    name = out or ("logits_fp8" if fp8 else "logits_new" if new else "logits_baseline")
     logits = p.buffer(name, (p.rows, p.live), torch.float32)
     keys = p.index_fp8 if fp8 else p.index_k
 
@@ -528,6 +553,65 @@ def _compare_fp8_indexer(p: _Point, on_gpu: bool) -> dict:
                 raise AssertionError(f"indexer (FP8 cache): row {row}'s logits differ from the fp8_index reference")
         checks["matches_reference"] = True
     return checks
+
+
+def _fp8_indexer_tune_candidates(p: _Point) -> list[tuple[dict, object]]:
+    """(config, callable) per FP8 indexer candidate: :data:`TUNE_INDEXER_FP8` at
+    :data:`TUNE_FP8_PROGRAMS_PER_SM` programs per SM, the default (``INDEXER_FP8_CONFIG``,
+    ``PROGRAMS_PER_SM``) first; each writes buffer ``logits_fp8_tune`` with the new form's skip and
+    row groups."""
+    return [(vars(config) | {"programs_per_sm": per_sm, "rows_per_group": p.n, "kv_cache": "fp8_e4m3"},
+             _indexer(p, True, config, per_sm * p.shapes.num_sms, fp8=True, out="logits_fp8_tune"))
+            for per_sm in TUNE_FP8_PROGRAMS_PER_SM for config in TUNE_INDEXER_FP8]
+
+
+def _check_fp8_indexer_candidate(p: _Point, candidate, on_gpu: bool) -> float:
+    """Run ``candidate`` (from :func:`_fp8_indexer_tune_candidates`) once on a NaN-filled
+    ``logits_fp8_tune`` and compare it with ``logits_fp8`` (the default configuration's) wherever
+    the contract writes (rows longer than k, up to their 64-token block edge): bitwise without CUDA
+    (the interpreter's summation order does not depend on the configuration), else within
+    :data:`FP8_INDEXER_TUNE_RTOL` of each logit's absolute sum, ``-inf`` past the live length.
+    Raises AssertionError naming the first row that differs; returns the largest absolute
+    difference of the live logits."""
+    p.buffer("logits_fp8_tune", (p.rows, p.live), torch.float32).fill_(float("nan"))
+    candidate()
+    got, want, worst = p.buffers["logits_fp8_tune"], p.buffers["logits_fp8"], 0.0
+    if on_gpu and "fp8_tune_bounds" not in p.buffers:  # sum_h |w_h| (|q_h| . |k|), once a point
+        from dsaspec.reference.indexer import reference_indexer_logits
+
+        bounds = p.buffer("fp8_tune_bounds", (p.rows, p.live), torch.float32)
+        for row, bound in enumerate(reference_indexer_logits(p.q_index.abs(), p.weights.abs(), p.index_k.abs(),
+                                                             p.page_table, p.seqlens)):
+            bounds[row, :bound.numel()] = bound
+    for row, length in enumerate(p.seqlens.tolist()):
+        if length <= p.shapes.topk:
+            continue
+        edge = min(-(-length // PAGE) * PAGE, p.live)
+        a, b = got[row, :edge], want[row, :edge]
+        if on_gpu:
+            bound = FP8_INDEXER_TUNE_RTOL * p.buffers["fp8_tune_bounds"][row, :length]
+            close = (a[:length] - b[:length]).abs() <= bound
+            same = bool(close.all()) and bool(torch.isneginf(a[length:]).all())
+        else:
+            same = torch.equal(a, b)
+        if not same:
+            raise AssertionError(f"indexer (FP8 cache): row {row}'s logits differ from INDEXER_FP8_CONFIG's")
+        worst = max(worst, float((a[:length] - b[:length]).abs().max()))
+    return worst
+
+
+def _tune_winners(rows: list[dict]) -> list[dict]:
+    """The fastest error-free row per (op, KV cache, split or not, mode, bs, live_kv), in the order
+    the points first appear, with its ``vs_default``."""
+    best: dict = {}
+    for r in rows:
+        if "us" not in r:
+            continue
+        key = (r["op"], r["config"].get("kv_cache"), r["config"].get("splits", 1) > 1, r["mode"], r["bs"],
+               r["live_kv"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    return list(best.values())
 
 
 def _compare_with_references(p: _Point, op: str) -> None:
@@ -775,6 +859,9 @@ def _tune(args) -> int:
                     candidates.append(("topk", {"chunks": chunks, "single_launch": single, "sampled": sampled},
                                        _topk(point, True, "logits_baseline", "slots_tune", chunks, single,
                                              sampled=sampled)))
+        if fp8 and "indexer" in args.ops:
+            _indexer(point, True, fp8=True)(check_values=True)  # logits_fp8: what every candidate must match
+            candidates += [("indexer", config, fn) for config, fn in _fp8_indexer_tune_candidates(point)]
         for op, config, fn in candidates:
             if op not in args.ops:
                 continue
@@ -782,6 +869,8 @@ def _tune(args) -> int:
             try:
                 timing = time_in_graph(fn, iters=args.iters, cold_l2=True, graph_diff=False)
                 row.update(us=timing.median_us, spread=timing.spread)
+                if op == "indexer" and config.get("kv_cache") == "fp8_e4m3":
+                    row["max_abs_diff"] = _check_fp8_indexer_candidate(point, fn, True)
             except Exception as err:  # e.g. a configuration that does not fit in shared memory
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
             rows.append(row)
@@ -792,8 +881,13 @@ def _tune(args) -> int:
                 and d["config"].get("kv_cache") == r["config"].get("kv_cache")]
         default = same[0].get("us") if same else None
         r["vs_default"] = r["us"] / default if "us" in r and default else None
-    md = markdown_table([("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("config", "config"),
-                         ("us", "µs"), ("vs_default", "vs default"), ("spread", "spread"), ("error", "error")], rows)
+    cols = [("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("config", "config"),
+            ("us", "µs"), ("vs_default", "vs default")]
+    winners = _tune_winners(rows)
+    md = (markdown_table(cols + [("spread", "spread"), ("max_abs_diff", "max abs diff vs default"),
+                                 ("error", "error")], rows)
+          + "\n\n## Fastest per point\n\n" + markdown_table(cols, winners))
+    print(f"Fastest per point:\n{markdown_table(cols, winners)}")
     write_results("dsa_ops_tune", {"method": "new forms only, as in dsa_ops", "params": bench_params(args),
-                                   "rows": rows}, md, args.out)
+                                   "rows": rows, "winners": winners}, md, args.out)
     return 0
