@@ -3,7 +3,8 @@
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
-#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, gluon-fp8-sanitize, moe-fp8, fp8-linear, kv-accuracy, e2e-rank-glm5,
+#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE),
+#   gluon-fp8-sanitize, moe-fp8, fp8-linear, kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-v32, decode-fp8; pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
@@ -59,6 +60,13 @@ for step in "$@"; do
                       python3 -m dsaspec bench dsa-ops --preset deepseek_v32 --ops indexer --modes decode \
                           --bs 1,32,64 --live-kv 8192,65536 --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_v32" ;;
         fp8-dsa-tune) python3 -m dsaspec bench dsa-ops --tune --ops sparse_mla --kv-cache-dtype fp8_e4m3 --out "$OUT/fp8_tune" ;;
+        fp8-idx-tune) python3 -m dsaspec bench dsa-ops --tune --ops indexer --modes decode --bs 1,16,32,64 \
+                          --live-kv 8192,65536 --kv-cache-dtype fp8_e4m3 --iters 50 --out "$OUT/fp8_idx_tune" ;;
+        epilogue-tests) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 4 --timeout 300 \
+                          tests/test_greedy_tokens.py tests/test_index_rope.py \
+                          tests/test_engine.py::test_gpu_graph_decode_matches_eager_decode \
+                          tests/test_spec_engine.py::test_gpu_speculative_equals_plain_row_invariant \
+                          2>&1 | tee "$OUT/epilogue_tests.log" ;;
         moe-fp8)      python3 -m dsaspec bench moe --weight-dtype bf16,fp8 --intermediate 256,2048 --out "$OUT" ;;
         gluon-fp8-sanitize) for tool in memcheck racecheck; do
                           compute-sanitizer --tool $tool --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
