@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dsaspec.engine.engine import EOS, LENGTH
-from dsaspec.serving.engine_loop import Delivery, EngineLoop, Overloaded
+from dsaspec.serving.engine_loop import Delivery, EngineLoop, Overloaded, deliver_all
 from dsaspec.serving.text import TemplateError, TextCodec
 
 FINISH_REASONS = {LENGTH: "length", EOS: "stop", "abort": "abort"}
@@ -216,11 +216,9 @@ class Server:
                 stops |= self.text.eos_token_ids
         except BadRequest as err:
             return _error(400, str(err), "invalid_request_error", err.param)
-        aio = asyncio.get_running_loop()
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
-        try:
-            handle = self.loop.submit(ids, limit, lambda d: aio.call_soon_threadsafe(queue.put_nowait, d),
-                                      stop_token_ids=sorted(stops))
+        try:   # put_nowait runs on this event loop: build_app's lifespan dispatches the deliveries to it
+            handle = self.loop.submit(ids, limit, queue.put_nowait, stop_token_ids=sorted(stops))
         except Overloaded as err:
             return _error(503, str(err), "service_unavailable")
         except (TypeError, ValueError) as err:       # bad token ids, or a request that can never fit
@@ -365,12 +363,14 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(server: Server) -> Starlette:
-    """The Starlette app of ``server``; its lifespan starts the engine loop and, at shutdown,
-    stops it (every row and page freed)."""
+    """The Starlette app of ``server``; its lifespan starts the engine loop, each step's deliveries
+    handed to the app's event loop in one ``call_soon_threadsafe``, and, at shutdown, stops it
+    (every row and page freed)."""
 
     @asynccontextmanager
     async def lifespan(app):
-        server.loop.start()
+        aio = asyncio.get_running_loop()
+        server.loop.start(lambda batch: aio.call_soon_threadsafe(deliver_all, batch))
         try:
             yield
         finally:
