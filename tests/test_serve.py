@@ -315,18 +315,36 @@ def test_each_steps_deliveries_go_out_in_one_dispatch_in_order(model):
 
 
 def test_the_server_fans_deliveries_out_on_its_event_loop(model, text, monkeypatch):
-    """The app hands each dispatch to its event loop's thread (asyncio queues are not
-    thread-safe), not to the engine thread."""
+    """Every delivery is made on the app's event loop (asyncio queues are not thread-safe), not
+    on the engine thread nor the dispatch thread."""
+    import asyncio
+
     import dsaspec.serving.api as api
 
-    threads, fan_out = [], api.deliver_all
-    monkeypatch.setattr(api, "deliver_all", lambda batch: (threads.append(threading.current_thread()),
+    loops, fan_out = [], api.deliver_all
+    monkeypatch.setattr(api, "deliver_all", lambda batch: (loops.append(asyncio._get_running_loop()),
                                                            fan_out(batch)))
     with serving(model, text) as (port, server):
         events = stream(port, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True})
-        engine_thread = server.loop._thread
-    assert events[-1] == "[DONE]" and threads
-    assert all(t is not engine_thread and t is not threading.main_thread() for t in threads)
+    assert events[-1] == "[DONE]" and loops and all(loop is not None for loop in loops)
+
+
+def test_event_loop_dispatch_keeps_order_and_sends_what_is_queued_at_close():
+    import asyncio
+
+    from dsaspec.serving.api import EventLoopDispatch
+
+    aio, got = asyncio.new_event_loop(), []
+    try:
+        dispatch = EventLoopDispatch(aio)
+        with dispatch._cond:                         # both batches queued before its thread takes them
+            dispatch([(got.append, 1), (got.append, 2)])
+            dispatch([(got.append, 3)])
+        dispatch.close()
+        aio.run_until_complete(asyncio.sleep(0))
+    finally:
+        aio.close()
+    assert got == [1, 2, 3]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(model, text):

@@ -11,8 +11,8 @@ iteration), then once per decode step that gives it tokens; the last delivery sa
 The metrics are updated before the deliveries of each step, so a client that has its request's last
 delivery finds ``/metrics`` counting the request as ended (not running, its KV pages free).
 The deliveries of one step (or command) go out together, in order, through one ``dispatch`` call
-(:meth:`EngineLoop.start`): a server hands the whole list to its event loop in one wake-up
-instead of one per request, so the engine thread spends little time contending for the GIL.
+(:meth:`EngineLoop.start`), which a server uses to hand them to its event loop in one wake-up
+(:class:`~dsaspec.serving.api.EventLoopDispatch`).
 """
 
 from __future__ import annotations
