@@ -279,6 +279,74 @@ def test_metrics_count_a_request_as_ended_before_its_last_delivery(model):
     assert seen["b", "abort"] == (0.0, 0.0, 6.0)
 
 
+def test_each_steps_deliveries_go_out_in_one_dispatch_in_order(model):
+    """Two requests running together: each decode step's deliveries reach ``dispatch`` as one
+    list holding both requests, and each request's deliveries, in dispatch order, are its tokens."""
+    prompts, limits = [[1, 2, 3], [4, 5]], [5, 4]
+    expected = [r.token_ids for r in _engine(model).generate(prompts, limits)]
+    batches, got, done = [], {0: [], 1: []}, threading.Semaphore(0)
+
+    def receiver(i):
+        def deliver(d):
+            got[i].append(d)
+            if d.finish_reason is not None:
+                done.release()
+        return deliver
+
+    loop = EngineLoop(_engine(model), max_waiting=4)
+    for i in (0, 1):
+        loop.submit(prompts[i], limits[i], receiver(i))
+
+    def dispatch(batch):
+        batches.append([deliver for deliver, _ in batch])
+        for deliver, delivery in batch:
+            deliver(delivery)
+
+    loop.start(dispatch)
+    try:
+        for _ in (0, 1):
+            assert done.acquire(timeout=WAIT_S), "a request did not end"
+    finally:
+        loop.stop(WAIT_S)
+    assert max(len(b) for b in batches) == 2, batches  # one dispatch per step, not one per request
+    for i in (0, 1):
+        assert [t for d in got[i] for t in d.tokens] == expected[i]
+        assert [d.finish_reason for d in got[i]][-1] == "length" and all(d.finish_reason is None for d in got[i][:-1])
+
+
+def test_the_server_fans_deliveries_out_on_its_event_loop(model, text, monkeypatch):
+    """Every delivery is made on the app's event loop (asyncio queues are not thread-safe), not
+    on the engine thread nor the dispatch thread."""
+    import asyncio
+
+    import dsaspec.serving.api as api
+
+    loops, fan_out = [], api.deliver_all
+    monkeypatch.setattr(api, "deliver_all", lambda batch: (loops.append(asyncio._get_running_loop()),
+                                                           fan_out(batch)))
+    with serving(model, text) as (port, server):
+        events = stream(port, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True})
+    assert events[-1] == "[DONE]" and loops and all(loop is not None for loop in loops)
+
+
+def test_event_loop_dispatch_keeps_order_and_sends_what_is_queued_at_close():
+    import asyncio
+
+    from dsaspec.serving.api import EventLoopDispatch
+
+    aio, got = asyncio.new_event_loop(), []
+    try:
+        dispatch = EventLoopDispatch(aio)
+        with dispatch._cond:                         # both batches queued before its thread takes them
+            dispatch([(got.append, 1), (got.append, 2)])
+            dispatch([(got.append, 3)])
+        dispatch.close()
+        aio.run_until_complete(asyncio.sleep(0))
+    finally:
+        aio.close()
+    assert got == [1, 2, 3]
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(model, text):
     abort = 'dsaspec_requests_total{finish_reason="abort"} 1.0'
     with serving(model, text) as (port, server):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -24,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dsaspec.engine.engine import EOS, LENGTH
-from dsaspec.serving.engine_loop import Delivery, EngineLoop, Overloaded
+from dsaspec.serving.engine_loop import Delivery, EngineLoop, Overloaded, deliver_all
 from dsaspec.serving.text import TemplateError, TextCodec
 
 FINISH_REASONS = {LENGTH: "length", EOS: "stop", "abort": "abort"}
@@ -216,11 +217,9 @@ class Server:
                 stops |= self.text.eos_token_ids
         except BadRequest as err:
             return _error(400, str(err), "invalid_request_error", err.param)
-        aio = asyncio.get_running_loop()
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
-        try:
-            handle = self.loop.submit(ids, limit, lambda d: aio.call_soon_threadsafe(queue.put_nowait, d),
-                                      stop_token_ids=sorted(stops))
+        try:   # put_nowait runs on this event loop: build_app's lifespan dispatches the deliveries to it
+            handle = self.loop.submit(ids, limit, queue.put_nowait, stop_token_ids=sorted(stops))
         except Overloaded as err:
             return _error(503, str(err), "service_unavailable")
         except (TypeError, ValueError) as err:       # bad token ids, or a request that can never fit
@@ -364,17 +363,70 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+class EventLoopDispatch:
+    """The engine loop's ``dispatch`` for an asyncio event loop ``aio``: every delivery is made on
+    ``aio``, in order, through a thread of its own that wakes ``aio``.
+
+    Called on the engine thread, it only queues the step's deliveries and notifies that thread,
+    which needs the GIL to run and so gets it when the engine thread next lets go of it: while it
+    waits for the device. There the thread hands every batch queued so far to ``aio`` in one
+    ``call_soon_threadsafe``, and the event loop's work (a chunk per request) overlaps the step on
+    the device instead of delaying the host work of the next step. :meth:`close` sends what is
+    queued and ends the thread.
+    """
+
+    def __init__(self, aio: asyncio.AbstractEventLoop):
+        self.aio = aio
+        self._cond = threading.Condition()
+        self._queued: list = []
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="dsaspec-dispatch", daemon=True)
+        self._thread.start()
+
+    def __call__(self, batch) -> None:
+        with self._cond:
+            self._queued.append(batch)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queued and not self._closing:
+                    self._cond.wait()
+                batches, self._queued = self._queued, []
+            if not batches:
+                return                               # closing, nothing left to send
+            try:
+                self.aio.call_soon_threadsafe(_deliver_batches, batches)
+            except RuntimeError:                     # the event loop is closed: nobody reads them
+                pass
+
+
+def _deliver_batches(batches) -> None:
+    for batch in batches:
+        deliver_all(batch)
+
+
 def build_app(server: Server) -> Starlette:
-    """The Starlette app of ``server``; its lifespan starts the engine loop and, at shutdown,
-    stops it (every row and page freed)."""
+    """The Starlette app of ``server``; its lifespan starts the engine loop, its deliveries handed
+    to the app's event loop through an :class:`EventLoopDispatch`, and, at shutdown, stops it
+    (every row and page freed)."""
 
     @asynccontextmanager
     async def lifespan(app):
-        server.loop.start()
+        dispatch = EventLoopDispatch(asyncio.get_running_loop())
+        server.loop.start(dispatch)
         try:
             yield
         finally:
             server.loop.stop()
+            dispatch.close()
 
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),

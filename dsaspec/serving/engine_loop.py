@@ -5,11 +5,14 @@ Submissions and cancellations wait in an inbox that the thread drains at every i
 so a request joins the running batch at the next step (continuous batching) and a cancelled one
 frees its row and KV pages before the next step runs. At most ``max_waiting`` requests wait for a
 row and pages (submitted, not yet admitted); beyond that :meth:`EngineLoop.submit` raises
-:class:`Overloaded`. Each request's tokens go to its ``deliver`` callback, called on the engine
-thread once for its prefill token (as soon as it is prefilled, before the decode step of that
+:class:`Overloaded`. Each request's tokens go to its ``deliver`` callback, called (through the
+dispatch below) once for its prefill token (as soon as it is prefilled, before the decode step of that
 iteration), then once per decode step that gives it tokens; the last delivery says how it ended.
 The metrics are updated before the deliveries of each step, so a client that has its request's last
 delivery finds ``/metrics`` counting the request as ended (not running, its KV pages free).
+The deliveries of one step (or command) go out together, in order, through one ``dispatch`` call
+(:meth:`EngineLoop.start`), which a server uses to hand them to its event loop in one wake-up
+(:class:`~dsaspec.serving.api.EventLoopDispatch`).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class EngineLoop:
         self._stopping: str | None = None            # why submissions are refused
         self._handles: dict[int, Handle] = {}          # core id -> handle, waiting or running
         self._outbox: list[tuple[Callable[[Delivery], None], Delivery]] = []   # sent by _send
+        self._dispatch = deliver_all
         self._thread = threading.Thread(target=self._run, name="dsaspec-engine", daemon=True)
         self.failure: BaseException | None = None
         self.accepted_tokens = self.accept_steps = 0
@@ -83,7 +87,14 @@ class EngineLoop:
             metrics.kv_total.set(engine.allocator.num_pages - 1)
 
     # ---- any thread ------------------------------------------------------------------------
-    def start(self) -> "EngineLoop":
+    def start(self, dispatch: Callable[[list[tuple[Callable[[Delivery], None], Delivery]]], None] | None = None,
+              ) -> "EngineLoop":
+        """Start the engine thread. ``dispatch`` is called on it with each step's (or command's)
+        deliveries, a list of ``(deliver, Delivery)`` in order, to call every ``deliver(delivery)``
+        in that order on any thread (default :func:`deliver_all`: on the engine thread); a
+        ``RuntimeError`` it raises (a receiver's event loop closed) is ignored."""
+        if dispatch is not None:
+            self._dispatch = dispatch
         self._thread.start()
         return self
 
@@ -239,8 +250,11 @@ class EngineLoop:
             self.metrics.waiting.set(self._num_waiting)
             self.metrics.kv_used.set(allocator.num_pages - 1 - allocator.num_free_pages)
         outbox, self._outbox = self._outbox, []
-        for deliver, delivery in outbox:
-            _safe(deliver, delivery)
+        if outbox:
+            try:
+                self._dispatch(outbox)
+            except RuntimeError:                     # the receivers' event loop is closed
+                pass
 
     def _abort_all(self, why: str) -> None:
         self.core.abort()
@@ -252,9 +266,11 @@ class EngineLoop:
         self._send()
 
 
-def _safe(deliver: Callable[[Delivery], None], delivery: Delivery) -> None:
-    """Deliver; a receiver that is gone (its event loop closed) does not stop the engine."""
-    try:
-        deliver(delivery)
-    except RuntimeError:
-        pass
+def deliver_all(batch: list[tuple[Callable[[Delivery], None], Delivery]]) -> None:
+    """Call every ``deliver(delivery)`` of ``batch`` in order; a receiver that raises
+    ``RuntimeError`` (its event loop closed) does not keep the others from theirs."""
+    for deliver, delivery in batch:
+        try:
+            deliver(delivery)
+        except RuntimeError:
+            pass
