@@ -182,16 +182,29 @@ def run_server(engine, args, c):
 MODES = {"core": run_core, "loop": run_loop, "server": run_server}
 
 
+def _float_at_least(low: float, strict: bool):
+    """argparse type: a number >= ``low`` (> ``low`` when ``strict``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value > low if strict else value >= low):
+            raise argparse.ArgumentTypeError(f"expected a number {'>' if strict else '>='} {low:g}, got {text!r}")
+        return value
+    return parse
+
+
 def main(argv=None) -> int:
-    from dsaspec.cli_parsing import positive_int
+    from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int
     from dsaspec.commands.serve import nonnegative_float
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="serving_overhead.py", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt", type=positive_int, default=32)
     p.add_argument("--max-tokens", type=positive_int, default=256)
-    p.add_argument("--accept", type=nonnegative_float, default=3.0, help="tokens per row per step (simulated accept length)")
+    p.add_argument("--accept", type=_float_at_least(1, strict=False), default=3.0, help="tokens per row per step (simulated accept length)")
     p.add_argument("--host-ms", type=nonnegative_float, default=2.0,
                    help="the stand-in step's host time (ms), Python holding the GIL")
     p.add_argument("--step-ms", type=nonnegative_float, default=8.0,
@@ -200,14 +213,10 @@ def main(argv=None) -> int:
                    help="step the model (speculative, simulated acceptance) instead of the stand-in (slow: the "
                         "Triton interpreter)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
-    p.add_argument("--switch-interval", type=nonnegative_float, default=None,
+    p.add_argument("--switch-interval", type=_float_at_least(0, strict=True), default=None,
                    help="sys.setswitchinterval seconds for this process (default: Python's)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    args = p.parse_args(argv)
-    if args.accept < 1:
-        p.error(f"--accept: expected a number >= 1, got {args.accept:g}")
-    if args.switch_interval == 0:
-        p.error("--switch-interval: expected a number > 0, got 0")
+    args = parse_or_exit(p, argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     engine = build_engine(args)
