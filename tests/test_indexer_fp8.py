@@ -18,9 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsa_inputs import SENTINEL, launch_indexer, random_indexer_inputs, random_tiny_indexer
+from dataclasses import replace
+
+from dsa_inputs import (POISON_SLOT, SENTINEL, launch_indexer, random_indexer_inputs,
+                        random_tiny_indexer)
 from dsaspec.bench.dsa_ops import TUNE_INDEXER_FP8
-from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG, indexer_logits
+from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
+                                 INDEXER_FP8_PAGED_CONFIG, indexer_logits)
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.reference.fp8_gemm import act_quant
 from dsaspec.reference.indexer import reference_indexer_logits_fp8
@@ -33,13 +37,17 @@ EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193]
 CONFIGS = {"new": INDEXER_FP8_CONFIG, "bf16_default": INDEXER_CONFIG, "baseline": INDEXER_BASELINE_CONFIG}
 
 
-def fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=0, rows_per_group=1):
+def fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=0, rows_per_group=1,
+               table=None):
     """Random indexer inputs over an FP8 pool of ``num_pages`` pages: the slots the live page-table
     prefixes name hold quantized random keys (magnitudes spread over 2**-6 .. 2**6, so the
     scales differ per token); every other byte of the pool is 0xFF (NaN codes, NaN scales). The
-    queries' heads have spread magnitudes too, one head all zeros."""
+    queries' heads have spread magnitudes too, one head all zeros. ``table``: this int32
+    ``[R, width]`` page table instead of random slots."""
     inputs = random_indexer_inputs(seqlens, num_heads, width, num_pages * PAGE, "cpu", seed=seed,
                                    rows_per_group=rows_per_group)
+    if table is not None:
+        inputs["page_table_1"] = table
     gen = torch.Generator().manual_seed(seed + 1)
     q = inputs["q"].float() * 2.0 ** torch.randint(-6, 7, (len(seqlens), num_heads, 1), generator=gen)
     q[:, 0] = 0.0
@@ -55,6 +63,22 @@ def fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=0, rows_per_gr
     pool[pages, 8192 + 4 * offsets + torch.arange(4)] = scales.contiguous().view(torch.uint8)
     cpu = dict(inputs, q=q.to(torch.bfloat16), k_cache=pool)
     return {name: value.to(device) for name, value in cpu.items()}
+
+
+def paged_table(seqlens, width, num_pages, seed, rows_per_group=1):
+    """int32 ``[R, width]`` page-consistent table as the page allocator writes it: position ``t``
+    of a group at ``64 * pages[t // 64] + t % 64`` for random (repeating) pages, the group's
+    first row up to its longest member, the others to their own length; POISON_SLOT beyond."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    table = torch.full((len(seqlens), width), POISON_SLOT, dtype=torch.int32)
+    for first in range(0, len(seqlens), rows_per_group):
+        members = [max(length, 0) for length in seqlens[first:first + rows_per_group]]
+        pages = torch.randint(0, num_pages, (-(-width // PAGE),), generator=gen, dtype=torch.int32)
+        slots = (pages[:, None] * PAGE + torch.arange(PAGE, dtype=torch.int32)).flatten()[:width]
+        for offset, length in enumerate(members):
+            table[first + offset, :max(members) if offset == 0 else length] = \
+                slots[:max(members) if offset == 0 else length]
+    return table
 
 
 def _reference(inputs):
@@ -178,6 +202,89 @@ def test_bad_arguments(device):
         indexer_logits(**inputs, schedule=schedule, out=out)
 
 
+PAGE_LENGTHS = [1, 63, 64, 65, 127, 128, 129, 0, 200, 5]
+
+
+@pytest.mark.parametrize("num_heads,num_sms", [(4, 1), (32, 3)])
+def test_page_blocks_equal_the_gather_form(num_heads, num_sms, device):
+    """On page-consistent tables the page-granular read gives the gather form's logits bitwise
+    (odd lengths, partial last pages, pool bytes outside the live slots NaN)."""
+    inputs = fp8_inputs(PAGE_LENGTHS, num_heads, width=210, num_pages=9, device=device,
+                        seed=num_heads, table=paged_table(PAGE_LENGTHS, 210, 9, num_heads))
+    gathered = launch_indexer(inputs, num_sms, out_width=256, config=INDEXER_FP8_CONFIG)
+    paged = launch_indexer(inputs, num_sms, out_width=256, config=INDEXER_FP8_PAGED_CONFIG)
+    assert torch.equal(paged, gathered)
+    _assert_matches(paged, inputs)
+
+
+def test_page_blocks_equal_the_gather_form_in_groups(device):
+    """Target-verify groups of 4 (skip_len 64), mixed lengths, the eager checks on."""
+    seqlens = [61, 62, 63, 64, 126, 127, 128, 129, 1, 2, 3, 4, 197, 198, 199, 200]
+    inputs = fp8_inputs(seqlens, 8, width=210, num_pages=7, device=device, seed=3,
+                        rows_per_group=4, table=paged_table(seqlens, 210, 7, 3, rows_per_group=4))
+    runs = [launch_indexer(inputs, 3, out_width=256, skip_len=64, rows_per_group=4, config=config)
+            for config in (INDEXER_FP8_CONFIG, INDEXER_FP8_PAGED_CONFIG)]
+    assert torch.equal(runs[1], runs[0])
+    _assert_matches(runs[1], inputs, skip_len=64)
+
+
+def test_page_blocks_on_bf16_keys(device):
+    inputs = random_indexer_inputs(PAGE_LENGTHS, 8, 210, 6 * PAGE, device, seed=4)
+    inputs["page_table_1"] = paged_table(PAGE_LENGTHS, 210, 6, seed=4).to(device)
+    gathered = launch_indexer(inputs, 2, out_width=256)
+    paged = launch_indexer(inputs, 2, out_width=256, config=replace(INDEXER_CONFIG, page_blocks=True))
+    assert torch.equal(paged, gathered)
+
+
+@pytest.mark.parametrize("position,slot", [(70, None), (130, "next_page"), (0, "shifted"),
+                                           (199, "other_page")])
+def test_page_blocks_check_refuses_inconsistent_tables(position, slot, device):
+    """check_values refuses a live entry off its block's page (a swapped slot, a page change
+    inside a block, a block not starting at a page start, a partial last block), naming
+    page_table_1; rows at or below skip_len are not checked."""
+    seqlens = [200, 40]
+    inputs = fp8_inputs(seqlens, 4, width=210, num_pages=9, device=device, seed=5,
+                        table=paged_table(seqlens, 210, 9, 5))
+    table = inputs["page_table_1"]
+    if slot is None:
+        table[0, position], table[0, position + 1] = table[0, position + 1].clone(), table[0, position].clone()
+    elif slot == "next_page":
+        table[0, position:192] = (table[0, position:192] + PAGE) % (9 * PAGE)
+    elif slot == "shifted":
+        table[0, :64] = table[0, :64] // PAGE * PAGE + torch.arange(1, 65, device=device) % PAGE
+    else:
+        table[0, position] = (table[0, position] + PAGE) % (9 * PAGE)
+    expected = int(table[0, position - position % PAGE] // PAGE * PAGE + position % PAGE)
+    with pytest.raises(ValueError, match=rf"page_table_1: slot {int(table[0, position])} at row 0, "
+                                         rf"position {position} breaks the page-granular read "
+                                         rf"\(config.page_blocks\): expected slot {expected}"):
+        launch_indexer(inputs, 2, out_width=256, config=INDEXER_FP8_PAGED_CONFIG)
+    launch_indexer(inputs, 2, out_width=256, config=INDEXER_FP8_CONFIG)  # the gather form reads it
+    launch_indexer(inputs, 2, out_width=256, skip_len=200, config=INDEXER_FP8_PAGED_CONFIG)
+
+
+def test_page_allocator_tables_are_page_consistent(device):
+    """The runtime's tables (RequestSlots: admissions, growth, a release and a re-admission over
+    reused pages) pass the page_blocks check, and both forms agree bitwise on them."""
+    from dsaspec.memory import PageAllocator, ReqToTokenPool, RequestSlots
+
+    pool = ReqToTokenPool(max_reqs=4, context_len=300, num_draft_tokens=4)
+    slots = RequestSlots(pool, PageAllocator(12 * PAGE))
+    rows = [slots.admit(length) for length in (130, 1, 64)]
+    slots.extend(rows[1], 100)
+    slots.release(rows[0])
+    rows[0] = slots.admit(200, reserve=5)
+    slots.extend(rows[2], 250)
+    seqlens = [205, 100, 250, 64]
+    table = pool.req_to_token[rows + [rows[2]]]
+    inputs = fp8_inputs(seqlens, 8, width=pool.width, num_pages=12, device=device, seed=6,
+                        table=table)
+    runs = [launch_indexer(inputs, 2, out_width=320, config=config)
+            for config in (INDEXER_FP8_CONFIG, INDEXER_FP8_PAGED_CONFIG)]
+    assert torch.equal(runs[1], runs[0])
+    _assert_matches(runs[1], inputs)
+
+
 def test_torch_ops_match_the_reference(device):
     """The runtime's torch ops quantize the query the same way (eager CPU runs on FP8 caches)."""
     from dsaspec.layers.attention import torch_ops
@@ -258,6 +365,26 @@ def test_gpu_row_groups(rows_per_group):
     out = launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
                   rows_per_group=rows_per_group, check_values=False)
     _assert_matches(out, inputs, skip_len=2048, relative=GPU_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_group", [1, 4])
+def test_gpu_page_blocks(rows_per_group):
+    """The page-granular read on page-consistent tables, 2k .. 64k live: the gather form's logits
+    bitwise, within the GPU tolerance of the reference."""
+    gen = torch.Generator().manual_seed(10 + rows_per_group)
+    seqlens = []
+    for live in torch.randint(2_000, 65_000, (16,), generator=gen).tolist() + [2048]:
+        seqlens += [live + j for j in range(rows_per_group)]
+    table = paged_table(seqlens, GPU_WIDTH, 1 << 12, seed=4, rows_per_group=rows_per_group)
+    inputs = fp8_inputs(seqlens, 64, width=GPU_WIDTH, num_pages=1 << 12, device="cuda", seed=4,
+                        rows_per_group=rows_per_group, table=table)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    runs = [launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
+                           rows_per_group=rows_per_group, config=config)
+            for config in (INDEXER_FP8_CONFIG, INDEXER_FP8_PAGED_CONFIG)]
+    assert torch.equal(runs[1], runs[0])
+    _assert_matches(runs[1], inputs, skip_len=2048, relative=GPU_TOLERANCE)
 
 
 @pytest.mark.gpu

@@ -88,8 +88,8 @@ from dsaspec.cli_parsing import choice_list, nonnegative_int, positive_int, posi
 from dsaspec.ops.device import sm_count
 from dsaspec.ops.fp8_kv import gather_index_k, gather_mla, store_index_k, store_mla
 from dsaspec.ops.kv_cache_layout import INDEX_FP8_BYTES, INDEX_FP8_PAGE_BYTES, MLA_FP8_BYTES
-from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG, IndexerConfig,
-                                 indexer_logits)
+from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
+                                 INDEXER_FP8_PAGED_CONFIG, IndexerConfig, indexer_logits)
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG,
@@ -171,6 +171,9 @@ TUNE_INDEXER_FP8 = (
     IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=8),
     IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=12),
     IndexerConfig(tokens_as_m=True, num_warps=16, num_stages=10),
+    INDEXER_FP8_PAGED_CONFIG,  # a page per block: the point's tables are page-consistent
+    replace(INDEXER_FP8_PAGED_CONFIG, num_stages=10),
+    replace(INDEXER_FP8_PAGED_CONFIG, num_warps=4),
 )
 TUNE_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 1, 3)  # indexer programs (schedule entries) per SM, the default first
 # FP8 indexer programs per SM, the default first: more resident programs, more gathers in flight.

@@ -42,11 +42,16 @@ class IndexerConfig:
     num_warps : warps per program.
     num_stages : software-pipelining depth of the loop over a row's blocks (key gathers in
         flight ahead of the dot).
+    page_blocks : read each 64-position block as one page: one page-table entry (the block's
+        first) names the page, then the block's keys (and FP8 scales) are one contiguous run
+        instead of 64 gathers. Needs page-consistent tables (:func:`indexer_logits`,
+        ``page_table_1``), which the runtime's page allocator writes.
     """
 
     tokens_as_m: bool
     num_warps: int
     num_stages: int
+    page_blocks: bool = False
 
 
 INDEXER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=3)
@@ -55,6 +60,9 @@ INDEXER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=3)
 # the bf16 kernel's time, 175 against 185 µs at bs 32 / 64k, H200); 8 warps halve the registers
 # (sm_90 ptxas: 124 against 191 at 6 stages, decode; scripts/compile_fp8_dsa.py).
 INDEXER_FP8_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=6)
+# The same, a page per block (contiguous 8 KB codes + 256 B scales): a tune candidate until timed.
+INDEXER_FP8_PAGED_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=6,
+                                         page_blocks=True)
 # The earlier kernel (heads as M, Triton's default pipelining depth): the benchmark's baseline.
 INDEXER_BASELINE_CONFIG = IndexerConfig(tokens_as_m=False, num_warps=4, num_stages=3)
 
@@ -82,12 +90,16 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, k_scale_ptr, page_ta
                            out_width, skip_len, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                            GROUP_P2: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_KV: tl.constexpr,
                            TOKENS_AS_M: tl.constexpr, NUM_STAGES: tl.constexpr,
-                           UPCAST: tl.constexpr, FP8: tl.constexpr, PAGE: tl.constexpr):
+                           UPCAST: tl.constexpr, FP8: tl.constexpr, PAGE: tl.constexpr,
+                           PAGE_BLOCKS: tl.constexpr):
     # FP8: k_cache_ptr is the e4m3 codes and k_scale_ptr the fp32 scales of a paged cache (strides
     # per page); otherwise k_cache_ptr is a bf16 [slots, HEAD_DIM] cache and k_scale_ptr unused.
     # A unit is GROUP consecutive rows sharing one page table (one row when GROUP == 1); its
     # (member, head) pairs are the columns of one dot per key block, column member * HEADS_P2 +
-    # head (padding columns have zero queries and weights).
+    # head (padding columns have zero queries and weights). PAGE_BLOCKS: block b of a row is page
+    # page_table[row, 64 b] // 64 (the caller's precondition), its tokens that page's 64 slots.
+    if PAGE_BLOCKS:
+        tl.static_assert(BLOCK_KV == PAGE, "page_blocks needs 64-position blocks of 64-slot pages")
     BLOCK_C: tl.constexpr = GROUP_P2 * HEADS_P2
     sm = tl.program_id(0)
     unit = tl.load(schedule_ptr + sm * 2)
@@ -131,12 +143,18 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, k_scale_ptr, page_ta
         for kv_block in tl.range(block, stop, num_stages=NUM_STAGES):
             positions = kv_block * BLOCK_KV + tokens
             live = positions < unit_len
-            slots = tl.load(page_table_ptr + first_row * page_table_stride + positions,
-                            mask=live, other=0)
-            slots = slots.to(tl.int64)
-            if FP8:
+            if PAGE_BLOCKS:
+                page = tl.load(page_table_ptr + first_row * page_table_stride
+                               + kv_block * BLOCK_KV).to(tl.int64) // PAGE
+                offset = tokens
+                slots = page * PAGE + tokens
+            else:
+                slots = tl.load(page_table_ptr + first_row * page_table_stride + positions,
+                                mask=live, other=0)
+                slots = slots.to(tl.int64)
                 page = slots // PAGE
                 offset = slots % PAGE
+            if FP8:
                 key_rows = page * k_cache_stride + offset * HEAD_DIM
                 key_scale = tl.load(k_scale_ptr + page * k_scale_stride + offset, mask=live,
                                     other=0.0)
@@ -206,6 +224,10 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         ``s % 64`` of page ``s // 64``, docs/fp8-kv-cache.md).
     page_table_1 : int32 ``[R, W]``, logical position -> slot; only ``[r, :seqlens[r])`` of the
         scheduled rows is read (with groups: each group's first row, up to its longest member).
+        With ``config.page_blocks`` it must be page-consistent: every live 64-position block
+        ``[64 b, 64 b + 64)`` holds the slots ``64 p + 0 .. 63`` of one page ``p`` (a partial
+        last block their prefix), as the page allocator (:mod:`dsaspec.memory`) writes them;
+        only each block's first entry is then read.
     seqlens : int32 ``[R]``, causal length of each row (``seqlens_expanded``).
     schedule : int32 ``[num_sms + 1, 2]``, from ``indexer_schedule(seqlens, num_sms, out,
         skip_len=skip_len, rows_per_group=rows_per_group)`` with the same ``seqlens``,
@@ -225,13 +247,15 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     check_values : also check (a host sync, so not inside CUDA graphs) that every length fits
         ``W`` and ``W_out``, that the schedule was built for ``R / G`` units, that the rows
         of a group share their page-table prefix and that every slot read (the live prefix
-        named under ``page_table_1``) is a row of ``k_cache``, ``0 <= slot < num_slots``.
-        Shapes, dtypes, devices and strides are always checked. With ``False`` (graph replay)
-        these are preconditions the caller guarantees (a longer row reads past its page-table
-        row, an out-of-range slot outside ``k_cache``).
+        named under ``page_table_1``) is a row of ``k_cache``, ``0 <= slot < num_slots``, and
+        with ``config.page_blocks`` that the read prefixes are page-consistent. Shapes, dtypes,
+        devices and strides are always checked. With ``False`` (graph replay) these are
+        preconditions the caller guarantees (a longer row reads past its page-table row, an
+        out-of-range slot outside ``k_cache``, a block that is not one page the wrong keys).
     config : launch configuration (default :data:`INDEXER_CONFIG`, on an FP8 cache
         :data:`INDEXER_FP8_CONFIG`); :data:`INDEXER_BASELINE_CONFIG` is the earlier kernel (the
-        benchmark's baseline).
+        benchmark's baseline); :data:`INDEXER_FP8_PAGED_CONFIG` reads a page per block (bitwise
+        equal logits on page-consistent tables).
 
     Returns
     -------
@@ -254,6 +278,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         _check_groups(page_table_1, seqlens, schedule, rows_per_group, skip_len)
         num_slots = k_cache.shape[0] * (PAGE_SIZE if fp8 else 1)
         _check_slots(page_table_1, seqlens, num_slots, rows_per_group, skip_len)
+        if config.page_blocks:
+            _check_pages(page_table_1, seqlens, rows_per_group, skip_len)
     group_p2 = triton.next_power_of_2(rows_per_group)
     heads_p2 = max(triton.next_power_of_2(num_heads), 16 // group_p2)  # a dot needs N >= 16
     num_programs = schedule.shape[0] - 1
@@ -265,7 +291,7 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         GROUP=rows_per_group, HEAD_DIM=head_dim, GROUP_P2=group_p2, HEADS_P2=heads_p2,
         BLOCK_KV=INDEXER_BLOCK_KV,
         TOKENS_AS_M=config.tokens_as_m, NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
-        FP8=fp8, PAGE=PAGE_SIZE, num_warps=config.num_warps)
+        FP8=fp8, PAGE=PAGE_SIZE, PAGE_BLOCKS=config.page_blocks, num_warps=config.num_warps)
     return out
 
 
@@ -337,3 +363,23 @@ def _check_slots(page_table_1, seqlens, num_slots, rows_per_group, skip_len) -> 
                          f"{unit * rows_per_group}, position {position} (within the live "
                          f"length) is out of range for a k_cache of {num_slots} slots; expected "
                          f"0 <= slot < {num_slots}")
+
+
+def _check_pages(page_table_1, seqlens, rows_per_group, skip_len) -> None:
+    """Value check (host sync) of ``page_blocks``: every live entry of each unit's first row is
+    its block's page, ``64 * (page_table_1[r, 64 b] // 64) + t % 64`` at position ``t``."""
+    if seqlens.numel() == 0:
+        return
+    lengths = torch.where(seqlens > skip_len, seqlens, 0).view(-1, rows_per_group).amax(1)
+    longest = int(lengths.max())
+    read = page_table_1[::rows_per_group, :longest]
+    position = torch.arange(longest, device=seqlens.device)
+    offset = position % PAGE_SIZE
+    expected = read[:, position - offset] // PAGE_SIZE * PAGE_SIZE + offset
+    bad = (position < lengths[:, None]) & (read != expected)
+    if bool(bad.any()):
+        unit, at = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"page_table_1: slot {int(read[unit, at])} at row {unit * rows_per_group}, "
+                         f"position {at} breaks the page-granular read (config.page_blocks): "
+                         f"expected slot {int(expected[unit, at])}, each live {PAGE_SIZE}-position "
+                         f"block one page, slot = page * {PAGE_SIZE} + position % {PAGE_SIZE}")
