@@ -354,3 +354,15 @@ def test_gpu_kernels_match_references(fp8, rows):
     got_w = index_weights(x.cuda(), weight.cuda(), scale).cpu()
     assert torch.all((got_w - reference_index_weights(x, weight, scale)).abs() <= _weights_bound(x, weight, scale))
     assert torch.equal(index_weights(x[:1].cuda(), weight.cuda(), scale).cpu(), got_w[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,heads", [(1, 64), (32, 64), (64, 8)])
+def test_gpu_mla_query_exact(rows, heads):
+    """On the GPU: the absorbed query bit for bit the reference's (bf16, both RoPE layouts)."""
+    gen = torch.Generator().manual_seed(rows + heads)
+    q_absorbed, q_rope, cos, sin = _query_inputs(rows, heads, torch.bfloat16, gen, "cuda")
+    for interleaved in (True, False):
+        got = mla_query(q_absorbed, q_rope, cos, sin, interleaved).cpu()
+        assert torch.equal(got, reference_mla_query(q_absorbed.cpu(), q_rope.cpu(), cos.cpu(), sin.cpu(),
+                                                    interleaved))
