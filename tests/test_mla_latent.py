@@ -1,18 +1,22 @@
-"""The fused MLA latent epilogue (dsaspec.ops.mla_latent) and the indexer's fused head weights
-(dsaspec.ops.index_weights) against the plain-torch references: RoPE exactly, the RMSNorm (its sum
-of squares in another order) to one ulp of the model dtype, the FP8 write to one e4m3 step; the
-head weights within a bound of the fp32 sums' rounding; every row's bits independent of the batch;
-MLAAttention's and the Indexer's Triton paths against their torch paths."""
+"""The fused MLA latent epilogue and absorbed query (dsaspec.ops.mla_latent) and the indexer's
+fused head weights (dsaspec.ops.index_weights) against the plain-torch references: RoPE and the
+query exactly, the RMSNorm (its sum of squares in another order) to one ulp of the model dtype,
+the FP8 write to one e4m3 step; the head weights within a bound of the fp32 sums' rounding; every
+row's bits independent of the batch; MLAAttention's and the Indexer's Triton paths against their
+torch paths, and the aten ops left on MLAAttention's Triton path."""
+
+import collections
 
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsaspec.ops.index_weights import index_weights
-from dsaspec.ops.mla_latent import store_mla_normed
+from dsaspec.ops.mla_latent import mla_query, store_mla_normed
 from dsaspec.reference.fp8_kv import read_mla, write_mla
-from dsaspec.reference.mla_latent import reference_index_weights, reference_mla_latent
+from dsaspec.reference.mla_latent import reference_index_weights, reference_mla_latent, reference_mla_query
 
 pytestmark = pytest.mark.interpreter
 
@@ -126,6 +130,50 @@ def test_latent_bad_inputs(device):
         store_mla_normed(torch.zeros(8, 600, dtype=torch.uint8, device=device), loc, kv, w, EPS, cos, sin, True)
 
 
+def _query_inputs(rows, heads, dtype, gen, device):
+    """``q_absorbed`` as the transposed per-head GEMM output, ``q_rope`` a slice of ``q_b_proj``'s."""
+    q_absorbed = (torch.randn(heads, rows, 512, generator=gen) * 3).to(dtype).to(device).transpose(0, 1)
+    q = (torch.randn(rows, heads, 192, generator=gen) * 3).to(dtype).to(device)
+    angles = torch.rand(rows, 32, generator=gen) * 100
+    return q_absorbed, q[..., 128:], angles.cos().to(device), angles.sin().to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rows,heads", [(1, 4), (3, 16), (17, 2)])
+def test_mla_query_exact(dtype, interleaved, rows, heads, device):
+    gen = torch.Generator().manual_seed(rows * 31 + heads)
+    q_absorbed, q_rope, cos, sin = _query_inputs(rows, heads, dtype, gen, device)
+    got = mla_query(q_absorbed, q_rope, cos, sin, interleaved)
+    assert got.shape == (rows, heads, 576) and got.dtype == dtype and got.is_contiguous()
+    want = reference_mla_query(q_absorbed.cpu(), q_rope.cpu(), cos.cpu(), sin.cpu(), interleaved)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_mla_query_rows_independent_of_batch(device):
+    gen = torch.Generator().manual_seed(5)
+    q_absorbed, q_rope, cos, sin = _query_inputs(9, 4, torch.bfloat16, gen, device)
+    batch = mla_query(q_absorbed, q_rope, cos, sin, True)
+    for r in (0, 8):
+        one = slice(r, r + 1)
+        assert torch.equal(mla_query(q_absorbed[one], q_rope[one], cos[one], sin[one], True), batch[one])
+
+
+def test_mla_query_bad_inputs(device):
+    gen = torch.Generator().manual_seed(6)
+    q_absorbed, q_rope, cos, sin = _query_inputs(2, 4, torch.bfloat16, gen, device)
+    with pytest.raises(ValueError, match="q_absorbed: expected dtype"):
+        mla_query(q_absorbed.float(), q_rope, cos, sin, True)
+    with pytest.raises(ValueError, match="q_absorbed: expected shape"):
+        mla_query(q_absorbed[:, :3], q_rope, cos, sin, True)
+    with pytest.raises(ValueError, match="q_rope: expected shape"):
+        mla_query(q_absorbed, q_rope[..., :32], cos, sin, True)
+    with pytest.raises(ValueError, match="cos: expected shape"):
+        mla_query(q_absorbed, q_rope, cos[:1], sin, True)
+    with pytest.raises(ValueError, match="sin: expected dtype"):
+        mla_query(q_absorbed, q_rope, cos, sin.double(), True)
+
+
 def _weights_bound(x, weight, scale):
     """Twice K fp32 roundings of the largest partial sum, at most: ``2 K 2**-24 sum |x w| scale``
     would be the worst case; blocked sums stay far below it, so the test asks for 16 ulps of
@@ -170,38 +218,51 @@ class _Stop(Exception):
     pass
 
 
-def _stop(*args, **kwargs):
-    raise _Stop
+def _tiny_attention(gen):
+    from dsaspec.configs.model_config import get_config
+    from dsaspec.distributed.tp_group import TPGroup
+    from dsaspec.layers.attention.mla import MLAAttention
+
+    config = get_config("tiny")
+    attn = MLAAttention(config, 0, TPGroup.single(), dtype=torch.bfloat16)
+    for param in attn.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1 + (1.0 if param.dim() == 1 else 0.0))
+    return attn
+
+
+def _step(ops, angles, loc):
+    return SimpleNamespace(cos=angles.cos(), sin=angles.sin(), out_cache_loc=loc, ops=ops, check_values=True,
+                           seeded=True, selected=None, attn=SimpleNamespace(workspace=None))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_attention_triton_path_writes_the_torch_paths_entries(fp8):
     """MLAAttention (tiny, bf16) with the Triton ops against its torch ops: the cache entries
-    its forward writes before the attention (stopped there), to one ulp / one e4m3 step."""
-    from dsaspec.configs.model_config import get_config
-    from dsaspec.distributed.tp_group import TPGroup
+    its forward writes before the attention (stopped there), to one ulp / one e4m3 step, and
+    the attention's query exactly."""
     from dsaspec.layers.attention.dsa_ops import dsa_ops
-    from dsaspec.layers.attention.mla import MLAAttention
 
-    config = get_config("tiny")
     gen = torch.Generator().manual_seed(2)
-    attn = MLAAttention(config, 0, TPGroup.single(), dtype=torch.bfloat16)
-    for param in attn.parameters():
-        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1 + (1.0 if param.dim() == 1 else 0.0))
+    attn = _tiny_attention(gen)
     rows = 3
-    x = torch.randn(rows, config.hidden_size, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, attn.config.hidden_size, generator=gen).to(torch.bfloat16)
     angles = torch.rand(rows, 32, generator=gen) * 100
     loc = torch.tensor([11, 2, 7])
-    entries = []
+    entries, queries = [], []
+
+    def stop(q, *args, **kwargs):
+        queries.append(q)
+        raise _Stop
+
     for use_triton in (False, True):
         ops = SimpleNamespace(**vars(dsa_ops(use_triton, False)))
-        ops.sparse_mla_decode = _stop
-        step = SimpleNamespace(cos=angles.cos(), sin=angles.sin(), out_cache_loc=loc, ops=ops, check_values=True,
-                               seeded=True, selected=None, attn=SimpleNamespace(workspace=None))
+        ops.sparse_mla_decode = stop
         cache = torch.zeros(16, 656, dtype=torch.uint8) if fp8 else torch.zeros(16, 576, dtype=torch.bfloat16)
         with pytest.raises(_Stop):
-            attn(x, step, cache, None)
+            attn(x, _step(ops, angles, loc), cache, None)
         entries.append(read_mla(cache, loc) if fp8 else cache[loc].float())
+    assert queries[0].shape == (rows, attn.num_heads, 576)
+    assert torch.equal(queries[1], queries[0])
     want, got = entries
     assert torch.equal(got[:, 512:], want[:, 512:])
     if fp8:
@@ -209,6 +270,53 @@ def test_attention_triton_path_writes_the_torch_paths_entries(fp8):
         assert torch.all((got[:, :512] - want[:, :512]).abs() <= step)
     else:
         torch.testing.assert_close(got[:, :512], want[:, :512], rtol=2.0 ** -7, atol=1e-6)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops that are not views (or allocations) while ``counting``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.counting = collections.Counter(), True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if self.counting and not func.is_view and name not in ("empty", "empty_strided"):
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_attention_triton_path_aten_ops():
+    """One decode row of MLAAttention (tiny, bf16, fused input projection) with the Triton ops:
+    besides the ops (one call each) and ``q_a_layernorm`` (one kernel on the GPU) only its five
+    GEMMs run as aten ops: no elementwise RoPE, dtype copy or concatenation."""
+    from dsaspec.layers.attention.dsa_ops import dsa_ops
+
+    gen = torch.Generator().manual_seed(3)
+    attn = _tiny_attention(gen)
+    attn.fuse_projections()
+    x = torch.randn(1, attn.config.hidden_size, generator=gen).to(torch.bfloat16)
+    angles, loc = torch.rand(1, 32, generator=gen) * 100, torch.tensor([5])
+    mode = _CountOps()
+
+    def uncounted(name, fn):
+        def call(*args, **kwargs):
+            mode.counting = False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                mode.counting = True
+                mode.ops["op " + name] += 1
+        return call
+
+    ops = SimpleNamespace(**{name: uncounted(name, fn) for name, fn in vars(dsa_ops(True, False)).items()})
+    ops.sparse_mla_decode = uncounted("sparse_mla_decode", lambda *args, **kwargs: None)
+    attn.q_a_layernorm.forward = uncounted("q_a_layernorm", attn.q_a_layernorm.forward)
+    step, cache = _step(ops, angles, loc), torch.zeros(8, 576, dtype=torch.bfloat16)
+    with torch.no_grad(), mode:
+        attn(x, step, cache, None)
+    assert dict(mode.ops) == {"mm": 3, "bmm": 2, "op q_a_layernorm": 1, "op store_mla_normed": 1,
+                              "op mla_query": 1, "op sparse_mla_decode": 1}
 
 
 @pytest.mark.gpu
@@ -246,3 +354,15 @@ def test_gpu_kernels_match_references(fp8, rows):
     got_w = index_weights(x.cuda(), weight.cuda(), scale).cpu()
     assert torch.all((got_w - reference_index_weights(x, weight, scale)).abs() <= _weights_bound(x, weight, scale))
     assert torch.equal(index_weights(x[:1].cuda(), weight.cuda(), scale).cpu(), got_w[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,heads", [(1, 64), (32, 64), (64, 8)])
+def test_gpu_mla_query_exact(rows, heads):
+    """On the GPU: the absorbed query bit for bit the reference's (bf16, both RoPE layouts)."""
+    gen = torch.Generator().manual_seed(rows + heads)
+    q_absorbed, q_rope, cos, sin = _query_inputs(rows, heads, torch.bfloat16, gen, "cuda")
+    for interleaved in (True, False):
+        got = mla_query(q_absorbed, q_rope, cos, sin, interleaved).cpu()
+        assert torch.equal(got, reference_mla_query(q_absorbed.cpu(), q_rope.cpu(), cos.cpu(), sin.cpu(),
+                                                    interleaved))

@@ -575,3 +575,21 @@ def test_residual_adds_fused_into_the_norms_are_the_unfused_layer(row_invariant)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         want = model.model.norm(x)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("scaling", [None, {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                            "mscale": 1.0, "mscale_all_dim": 0.0}])
+def test_rotary_tables(scaling):
+    """Rotary's cos/sin: the fp64 angles ``float64(position) * inv_freq``, their cos/sin times the
+    YaRN factor (left out when 1), rounded to fp32 once; positions up to 2**20."""
+    from dsaspec.layers.rotary import Rotary, rope_inv_freq
+
+    config = get_config("tiny").replace(rope_scaling=scaling)
+    inv_freq, factor = rope_inv_freq(config)
+    assert (factor == 1.0) == (scaling is None)
+    positions = torch.tensor([0, 1, 7, 4095, 65537, 2 ** 20 - 1])
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = Rotary(config)(positions)
+    assert cos.dtype == sin.dtype == torch.float32
+    assert torch.equal(cos, (angles.cos() * factor).float())
+    assert torch.equal(sin, (angles.sin() * factor).float())

@@ -49,9 +49,12 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int ``[R]`` -> ``(cos, sin)`` fp32 ``[R, rope_dim // 2]``."""
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
-        return ((angles.cos() * self.cos_sin_factor).float(),
-                (angles.sin() * self.cos_sin_factor).float())
+        # the multiply promotes the positions to fp64 itself; a factor of 1 is left out (exact)
+        angles = positions[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos(), angles.sin()
+        if self.cos_sin_factor != 1.0:
+            cos, sin = cos * self.cos_sin_factor, sin * self.cos_sin_factor
+        return cos.float(), sin.float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """The MLA latent epilogue in one kernel (Triton): ``kv_a_layernorm`` (RMSNorm) on the 512-wide
-latent, RoPE on the 64-wide key, and the cache write at the row's slot.
+latent, RoPE on the 64-wide key, and the cache write at the row's slot; and the absorbed query in
+one kernel: the 512-wide absorbed ``q_nope`` and the RoPE'd 64-wide ``q_rope`` of every head
+written side by side (``[R, H, 576]``, the sparse attention's query), RoPE bit-identical to the
+torch ops'.
 
 Per row ``[latent 512 | k_rope 64]`` of ``kv_a`` (model dtype; ``round`` rounds fp32 to the model
 dtype, to nearest even):
@@ -63,6 +66,52 @@ def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, loc_ptr, out_ptr, scale_
                  _round(latent, CACHE_BF16).to(out_ptr.dtype.element_ty))
         tl.store(out_ptr + slot * stride_out + GROUPS * GROUP + r,
                  _round(k_rope, CACHE_BF16).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _mla_query_kernel(a_ptr, q_ptr, cos_ptr, sin_ptr, out_ptr, stride_ar, stride_ah, stride_qr, stride_qh,
+                      stride_cos, stride_or, stride_oh, LATENT: tl.constexpr, ROPE: tl.constexpr,
+                      INTERLEAVED: tl.constexpr, BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    out_row = out_ptr + row * stride_or + head * stride_oh
+    c = tl.arange(0, LATENT)
+    tl.store(out_row + c, tl.load(a_ptr + row * stride_ar + head * stride_ah + c))
+    r = tl.arange(0, ROPE)
+    partner, pair, first = rope_pairs(r, ROPE, INTERLEAVED)
+    q_row = q_ptr + row * stride_qr + head * stride_qh
+    x = tl.load(q_row + r).to(tl.float32)
+    xp = tl.load(q_row + partner).to(tl.float32)
+    cos = tl.load(cos_ptr + row * stride_cos + pair)
+    sin = tl.load(sin_ptr + row * stride_cos + pair)
+    y = _round(x * cos + xp * tl.where(first, -sin, sin), BF16)
+    tl.store(out_row + LATENT + r, y.to(out_ptr.dtype.element_ty))
+
+
+def mla_query(q_absorbed: torch.Tensor, q_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              interleaved: bool) -> torch.Tensor:
+    """The absorbed query ``[R, H, 576]`` (a new contiguous tensor in ``q_rope``'s dtype):
+    ``q_absorbed`` ``[R, H, 512]`` copied, then ``q_rope`` ``[R, H, 64]`` rotated by its row's
+    ``cos``/``sin`` fp32 ``[R, 32]`` (pairs ``(2i, 2i+1)`` when ``interleaved``, else
+    ``(i, i + 32)``; fp32 ``x*cos - x'*sin``, ``x*sin + x'*cos`` without FMA, rounded to the
+    dtype once). Both bf16 or both fp32, any strides with a unit last stride (``q_absorbed`` the
+    transposed per-head GEMM output, ``q_rope`` a slice of ``q_b_proj``'s output)."""
+    check_tensor("q_rope", q_rope, dtype=_FLOAT_DTYPES, shape=(None, None, MLA_ROPE_DIM), device=cos.device)
+    rows, heads = q_rope.shape[:2]
+    check_tensor("q_absorbed", q_absorbed, dtype=(q_rope.dtype,), shape=(rows, heads, MLA_LATENT_DIM),
+                 device=cos.device)
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, dtype=(torch.float32,), shape=(rows, MLA_ROPE_DIM // 2), device=cos.device)
+    if cos.stride() != sin.stride():
+        raise ValueError(f"sin: expected the strides of cos {cos.stride()}, got {sin.stride()}")
+    out = torch.empty(rows, heads, _WIDTH, dtype=q_rope.dtype, device=q_rope.device)
+    if rows and heads:
+        _mla_query_kernel[(rows, heads)](
+            q_absorbed, q_rope, cos, sin, out, q_absorbed.stride(0), q_absorbed.stride(1), q_rope.stride(0),
+            q_rope.stride(1), cos.stride(0), out.stride(0), out.stride(1), LATENT=MLA_LATENT_DIM,
+            ROPE=MLA_ROPE_DIM, INTERLEAVED=interleaved, BF16=q_rope.dtype == torch.bfloat16,
+            enable_fp_fusion=False)
+    return out
 
 
 def store_mla_normed(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -1,6 +1,6 @@
-"""Pure PyTorch definitions of two fused MLA/indexer kernels: the latent epilogue
+"""Pure PyTorch definitions of three fused MLA/indexer kernels: the latent epilogue
 (``dsaspec.ops.mla_latent``: ``kv_a_layernorm`` and RoPE of a ``kv_a`` row, each rounded to the
-input's dtype) and the indexer's head weights (``dsaspec.ops.index_weights``: fp32
+input's dtype), the absorbed query (the same module: ``q_absorbed`` and the RoPE'd ``q_rope``) and the indexer's head weights (``dsaspec.ops.index_weights``: fp32
 ``weights_proj`` and its scale)."""
 
 from __future__ import annotations
@@ -25,6 +25,25 @@ def reference_mla_latent(kv, weight, eps: float, cos, sin, interleaved: bool) ->
     else:
         k_rope = torch.cat((first, second), dim=-1)
     return torch.cat((latent.to(kv.dtype), k_rope.to(kv.dtype)), dim=-1)
+
+
+def reference_mla_query(q_absorbed, q_rope, cos, sin, interleaved: bool) -> torch.Tensor:
+    """``q_absorbed`` ``[R, H, 512]``, ``q_rope`` ``[R, H, 64]`` -> ``[R, H, 576]`` in
+    ``q_rope``'s dtype: ``q_absorbed`` then ``q_rope`` rotated by its row's ``cos``/``sin``
+    ``[R, 32]`` in fp32 (pairs ``(2i, 2i+1)`` when ``interleaved``, else ``(i, i + 32)``)."""
+    k = q_rope.float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    if interleaved:
+        a, b = k[..., 0::2], k[..., 1::2]
+    else:
+        a, b = k[..., :32], k[..., 32:]
+    first, second = a * c - b * s, a * s + b * c
+    rotated = torch.empty_like(k)
+    if interleaved:
+        rotated[..., 0::2], rotated[..., 1::2] = first, second
+    else:
+        rotated[..., :32], rotated[..., 32:] = first, second
+    return torch.cat((q_absorbed.to(q_rope.dtype), rotated.to(q_rope.dtype)), dim=-1)
 
 
 def reference_index_weights(x, weight, scale: float) -> torch.Tensor:

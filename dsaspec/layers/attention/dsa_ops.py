@@ -15,7 +15,8 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
     an FP8 cache), and the fused epilogues: the indexer's query/key (``index_q_rope``,
     ``store_index_k_normed`` of :mod:`dsaspec.ops.index_rope`), its head weights
     (``index_weights``, :mod:`dsaspec.ops.index_weights`) and the MLA latent's norm + RoPE + store
-    (``store_mla_normed``, :mod:`dsaspec.ops.mla_latent`); ``None`` on the torch path, where the
+    (``store_mla_normed``, :mod:`dsaspec.ops.mla_latent`) and the absorbed query's assembly with
+    its RoPE (``mla_query``, the same module); ``None`` on the torch path, where the
     layers run their torch ops:
     the Triton kernels when ``use_triton`` (sparse MLA's Gluon kernel where its default
     configuration takes it, unless ``sparse_mla_gluon`` is off; on an ``fp8_ds_mla`` layer cache
@@ -28,19 +29,19 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
         from dsaspec.ops.fp8_kv import store_index_k, store_mla
         from dsaspec.ops.index_rope import index_q_rope, store_index_k_normed
         from dsaspec.ops.index_weights import index_weights
-        from dsaspec.ops.mla_latent import store_mla_normed
+        from dsaspec.ops.mla_latent import mla_query, store_mla_normed
         from dsaspec.ops.topk import topk_slots
         if not sparse_mla_gluon:
             sparse_mla_decode = _sparse_mla_decode_triton_only
     else:
         from dsaspec.layers.attention.torch_ops import (indexer_logits, indexer_schedule, sparse_mla_decode,
                                                         store_index_k, store_mla, topk_slots)
-        index_q_rope = store_index_k_normed = index_weights = store_mla_normed = None
+        index_q_rope = store_index_k_normed = index_weights = store_mla_normed = mla_query = None
     return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
                            topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode,
                            store_mla=store_mla, store_index_k=store_index_k, index_q_rope=index_q_rope,
                            store_index_k_normed=store_index_k_normed, index_weights=index_weights,
-                           store_mla_normed=store_mla_normed)
+                           store_mla_normed=store_mla_normed, mla_query=mla_query)
 
 
 def _sparse_mla_decode_triton_only(q, kv_cache, slots, sm_scale, out, *, workspace=None, **kwargs):

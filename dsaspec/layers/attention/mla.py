@@ -183,7 +183,6 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         q_latent = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_latent).view(rows, heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_rope = apply_rope(q_rope, step.cos, step.sin, cfg.rope_interleave)
         if step.ops.store_mla_normed is not None:   # the Triton ops: norm + RoPE + store in one kernel
             step.ops.store_mla_normed(mla_cache, step.out_cache_loc, kv_a, self.kv_a_layernorm.weight,
                                       self.kv_a_layernorm.eps, step.cos, step.sin, cfg.rope_interleave,
@@ -200,7 +199,11 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
 
         w_uk, w_uv = self.absorbed_weights()
         q_absorbed = bmm(q_nope.transpose(0, 1), w_uk, self.row_invariant).transpose(0, 1)  # [R, H, 512]
-        q_mqa = torch.cat((q_absorbed, q_rope), dim=-1).contiguous()              # [R, H, 576]
+        if step.ops.mla_query is not None:   # the Triton ops: the copy and q's RoPE in one kernel
+            q_mqa = step.ops.mla_query(q_absorbed, q_rope, step.cos, step.sin, cfg.rope_interleave)
+        else:
+            q_rope = apply_rope(q_rope, step.cos, step.sin, cfg.rope_interleave)
+            q_mqa = torch.cat((q_absorbed, q_rope), dim=-1)                       # [R, H, 576]
         o_latent = torch.empty(rows, heads, cfg.kv_lora_rank, device=x.device, dtype=x.dtype)
         workspace = step.attn.workspace or NO_WORKSPACE
         step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
