@@ -63,8 +63,8 @@ def test_carry_write_matches_index_assignments(pad_len, named, device):
     n = table_rows.shape[0]
     lens = torch.arange(100, 100 + n, dtype=torch.int64, device=device)
     logits = adversarial_logits(n, 300, 320, 1, torch.bfloat16, seed=n).to(device)
-    carry_lens = torch.arange(-10, 0, dtype=torch.int64, device=device)
-    carry_tokens = torch.arange(-20, -10, dtype=torch.int64, device=device)
+    carry_lens = torch.arange(-table, 0, dtype=torch.int64, device=device)
+    carry_tokens = torch.arange(-2 * table, -table, dtype=torch.int64, device=device)
     expected_lens, expected_tokens = carry_lens.clone(), carry_tokens.clone()
     tokens = torch.empty(n, dtype=torch.int64, device=device)
     greedy_tokens(logits, tokens, vocab_size=300,
