@@ -5,14 +5,11 @@ kernel's: the same fp32 butterflies in the same order), the reference's rotation
 every row's bits independent of the batch; the Indexer's Triton path against its torch path;
 the sm_90 compile without spills."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from compile_scripts import run_in_scripts
 from dsaspec.ops.index_rope import index_q_rope, store_index_k_normed
 from dsaspec.reference.fp8_kv import read_index_k, write_index_k
 from dsaspec.reference.index_rope import reference_index_k, reference_index_q_rope
@@ -225,20 +222,15 @@ def test_compiles_for_sm90_without_spills():
     in at most 3x the instructions of the plain query (the rotation by a [128, 128] register
     tile spilled 5.5 - 6.4 KB, 6048 / 7840 instructions); scripts/compile_fp8_dsa.py's compile,
     in a subprocess (it compiles instead of interpreting)."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = ("import compile_fp8_dsa as c; from triton import knobs; knobs.nvidia.dump_ptxas_log = True\n"
-            "for kind in c.INDEX_ROPE_KINDS:\n"
-            "    r = c.compile_index_rope(kind)\n"
-            "    local = sum(n for op, n in r['sass'].items() if op.startswith(('LDL', 'STL')))\n"
-            "    print(kind, r['regs'], r['spill'], local, r['instructions'])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=root / "scripts")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.split("\n")[-5:-1]
+    out = run_in_scripts("compile_fp8_dsa",
+                         "for kind in c.INDEX_ROPE_KINDS:\n"
+                         "    r = c.compile_index_rope(kind)\n"
+                         "    local = sum(n for op, n in r['sass'].items() if op.startswith(('LDL', 'STL')))\n"
+                         "    print(kind, r['regs'], r['spill'], local, r['instructions'])")
+    lines = out.split("\n")[-5:-1]
     results = {kind: tuple(map(int, rest)) for kind, *rest in map(str.split, lines)}
-    assert sorted(results) == ["k_dense", "k_fp8", "q", "q_rotated"], proc.stdout
+    assert sorted(results) == ["k_dense", "k_fp8", "q", "q_rotated"], out
     for kind, (regs, spilled, local, _) in results.items():
-        assert 0 < regs <= 255 and spilled == 0 and local == 0, proc.stdout
-    assert results["q_rotated"][3] <= 3 * results["q"][3], proc.stdout
-    assert results["k_fp8"][3] <= 3 * results["k_dense"][3], proc.stdout
+        assert 0 < regs <= 255 and spilled == 0 and local == 0, out
+    assert results["q_rotated"][3] <= 3 * results["q"][3], out
+    assert results["k_fp8"][3] <= 3 * results["k_dense"][3], out

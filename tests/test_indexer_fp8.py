@@ -10,10 +10,6 @@ the absolute values. On the GPU the FP8 MMA's accumulation is looser (Hopper's F
 keep fewer accumulator bits than fp32), so the GPU tests allow ``2**-10`` of that sum.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +18,7 @@ from dataclasses import replace
 
 from dsa_inputs import (POISON_SLOT, SENTINEL, launch_indexer, random_indexer_inputs,
                         random_tiny_indexer)
+from compile_scripts import run_in_scripts
 from dsaspec.bench.dsa_ops import TUNE_INDEXER_FP8
 from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
                                  INDEXER_FP8_PAGED_CONFIG, indexer_logits)
@@ -419,17 +416,12 @@ def test_tune_candidates_compile_for_sm90_without_spills():
     compiles for sm_90 at 64 index heads with e4m3 wgmmas, no register spills and within the
     shared memory of a block; scripts/compile_fp8_dsa.py's compile, in a subprocess (it compiles
     instead of interpreting)."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = ("import compile_fp8_dsa as c; from triton import knobs; knobs.nvidia.dump_ptxas_log = True\n"
-            "for config in c.TUNE_INDEXER_FP8:\n"
-            "    r = c.compile_indexer(True, config)\n"
-            "    print(r['regs'], r['spill'], r['shared'], c.SM90_SHARED,"
-            " sum(n for op, n in r['sass'].items() if 'E4M3' in op))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=root / "scripts")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = [tuple(map(int, line.split())) for line in proc.stdout.splitlines() if line[:1].isdigit()]
-    assert len(results) == len(TUNE_INDEXER_FP8), proc.stdout
+    out = run_in_scripts("compile_fp8_dsa",
+                         "for config in c.TUNE_INDEXER_FP8:\n"
+                         "    r = c.compile_indexer(True, config)\n"
+                         "    print(r['regs'], r['spill'], r['shared'], c.SM90_SHARED,"
+                         " sum(n for op, n in r['sass'].items() if 'E4M3' in op))")
+    results = [tuple(map(int, line.split())) for line in out.splitlines() if line[:1].isdigit()]
+    assert len(results) == len(TUNE_INDEXER_FP8), out
     for config, (regs, spilled, shared, limit, e4m3) in zip(TUNE_INDEXER_FP8, results):
-        assert 0 < regs <= 255 and spilled == 0 and shared <= limit and e4m3 > 0, (config, proc.stdout)
+        assert 0 < regs <= 255 and spilled == 0 and shared <= limit and e4m3 > 0, (config, out)

@@ -14,16 +14,13 @@ off by at most 2**-8 of itself, so an output is off by at most 2**-8 sum_j p_j |
 in the cache reach 14, so no fixed atol fits), plus its own bf16 rounding (2**-8 relative).
 """
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from dsa_inputs import assert_nothing_written_outside, sentinel_out_and_workspace
+from compile_scripts import run_in_scripts
 from dsaspec.layers.attention import torch_ops
 from dsaspec.layers.attention.dsa_ops import dsa_ops
 from dsaspec.ops.fp8_kv import gather_mla
@@ -225,16 +222,10 @@ def test_compiles_for_sm90_without_spills():
     spills and gather the rope values by 16-byte cp.async like the codes (no 2-byte loads, which
     stay outside the software pipeline); scripts/compile_fp8_dsa.py's compile, in a subprocess
     (it compiles instead of interpreting)."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = ("import compile_fp8_dsa as c; from triton import knobs; knobs.nvidia.dump_ptxas_log = True; "
-            "r = c.compile_sparse_mla(True); print(r['regs'], r['spill'], r['sass']['LDG.E.U16'], "
-            "r['sass']['LDGSTS.E.BYPASS.128'])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=root / "scripts")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    regs, spilled, rope_scalar_loads, copies = map(int, proc.stdout.split()[-4:])
-    assert 0 < regs <= 255 and spilled == 0 and rope_scalar_loads == 0 and copies > 0, proc.stdout
+    out = run_in_scripts("compile_fp8_dsa", "r = c.compile_sparse_mla(True); "
+                         "print(r['regs'], r['spill'], r['sass']['LDG.E.U16'], r['sass']['LDGSTS.E.BYPASS.128'])")
+    regs, spilled, rope_scalar_loads, copies = map(int, out.split()[-4:])
+    assert 0 < regs <= 255 and spilled == 0 and rope_scalar_loads == 0 and copies > 0, out
 
 
 def test_bad_arguments(device):

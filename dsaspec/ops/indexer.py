@@ -347,15 +347,21 @@ def _check_groups(page_table_1, seqlens, schedule, rows_per_group, skip_len) -> 
                          f"{rows_per_group}) but their live prefixes differ from the first row's")
 
 
+def _entries_read(page_table_1, seqlens, rows_per_group, skip_len):
+    """The page-table entries the kernel dereferences, ``[units, longest]`` (each unit's first row),
+    and the mask of the live ones (up to the unit's longest member longer than ``skip_len``)."""
+    lengths = torch.where(seqlens > skip_len, seqlens, 0).view(-1, rows_per_group).amax(1)
+    longest = int(lengths.max())
+    position = torch.arange(longest, device=seqlens.device)
+    return page_table_1[::rows_per_group, :longest], position < lengths[:, None]
+
+
 def _check_slots(page_table_1, seqlens, num_slots, rows_per_group, skip_len) -> None:
     """Value check (host sync): every page-table entry the kernel dereferences (each unit's first
     row, up to its longest member longer than ``skip_len``) is a row of ``k_cache``."""
     if seqlens.numel() == 0:
         return
-    lengths = torch.where(seqlens > skip_len, seqlens, 0).view(-1, rows_per_group).amax(1)
-    longest = int(lengths.max())
-    read = page_table_1[::rows_per_group, :longest]
-    live = torch.arange(longest, device=seqlens.device) < lengths[:, None]
+    read, live = _entries_read(page_table_1, seqlens, rows_per_group, skip_len)
     bad = live & ((read < 0) | (read >= num_slots))
     if bool(bad.any()):
         unit, position = (int(i) for i in bad.nonzero()[0])
@@ -370,13 +376,11 @@ def _check_pages(page_table_1, seqlens, rows_per_group, skip_len) -> None:
     its block's page, ``64 * (page_table_1[r, 64 b] // 64) + t % 64`` at position ``t``."""
     if seqlens.numel() == 0:
         return
-    lengths = torch.where(seqlens > skip_len, seqlens, 0).view(-1, rows_per_group).amax(1)
-    longest = int(lengths.max())
-    read = page_table_1[::rows_per_group, :longest]
-    position = torch.arange(longest, device=seqlens.device)
+    read, live = _entries_read(page_table_1, seqlens, rows_per_group, skip_len)
+    position = torch.arange(read.shape[1], device=seqlens.device)
     offset = position % PAGE_SIZE
     expected = read[:, position - offset] // PAGE_SIZE * PAGE_SIZE + offset
-    bad = (position < lengths[:, None]) & (read != expected)
+    bad = live & (read != expected)
     if bool(bad.any()):
         unit, at = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"page_table_1: slot {int(read[unit, at])} at row {unit * rows_per_group}, "

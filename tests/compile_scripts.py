@@ -1,0 +1,24 @@
+"""Running the offline sm_90 compile scripts of ``scripts/`` from a test, in a subprocess (they
+compile instead of interpreting, which must be chosen before triton is imported)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_in_scripts(script: str, code: str, timeout: int = 600) -> str:
+    """In ``scripts/``, with this checkout first on PYTHONPATH: ``import <script> as c`` (which
+    chooses compiling before triton is imported), ``knobs.nvidia.dump_ptxas_log = True`` (the
+    scripts read registers and spills from ptxas's log), then ``code``; asserts the process exits
+    0 and returns its stdout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    program = f"import {script} as c\nfrom triton import knobs\nknobs.nvidia.dump_ptxas_log = True\n{code}"
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT / "scripts")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
