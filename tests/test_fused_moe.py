@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from compile_scripts import run_in_scripts
 from dsaspec.ops import fused_moe as moe
 from dsaspec.reference import fp8_gemm as fp8_ref
 from dsaspec.reference.fused_moe import fused_moe as reference
@@ -196,15 +197,105 @@ def test_row_invariant_small(dtype, device):
     _assert_row_invariant(hidden, w13, w2, ids, weights, alone=(0, 7, 23))
 
 
-def _assert_row_invariant(hidden, w13, w2, ids, weights, alone):
-    full = _run(hidden, w13, w2, ids, weights)
+def _assert_row_invariant(hidden, w13, w2, ids, weights, alone, **kwargs):
+    full = _run(hidden, w13, w2, ids, weights, **kwargs)
     for t in alone:
-        got = _run(hidden[t:t + 1], w13, w2, ids[t:t + 1], weights[t:t + 1])
+        got = _run(hidden[t:t + 1], w13, w2, ids[t:t + 1], weights[t:t + 1], **kwargs)
         assert torch.equal(got[0], full[t]), f"token {t} alone differs from token {t} of {len(ids)}"
     perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(8))[: len(ids) // 2 + 1]
     perm = perm.to(hidden.device)
-    got = _run(hidden[perm], w13, w2, ids[perm].contiguous(), weights[perm].contiguous())
+    got = _run(hidden[perm], w13, w2, ids[perm].contiguous(), weights[perm].contiguous(), **kwargs)
     assert torch.equal(got, full[perm]), "a shuffled subset of the tokens differs"
+
+
+# split-K of gate/up: H = 400 is 13 fp32 K blocks (32 columns) and 4 bf16 ones (128), so splits
+# 2, 3, 4 change the summation order (split 3 of 4 blocks leaves the last split empty)
+SPLIT_H = 400
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 2, 3, 4])
+@pytest.mark.parametrize("routing", [None, "all-pairs-one-expert", "repeats"])
+def test_split_k_matches_reference(routing, split_k, dtype, device):
+    """Odd T, random / one-expert / repeated ids (experts hit by one token in the random case)."""
+    tokens, topk, experts = 7, 3, 16
+    ids = None if routing is None else _routing(routing, tokens, topk, experts)
+    args = _case(tokens, topk, experts, SPLIT_H, 24, dtype=dtype, device=device, ids=ids)
+    _assert_close(_run(*args, split_k=split_k), reference(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_k_row_invariant(dtype, device):
+    hidden, w13, w2, ids, weights = _case(13, 4, 8, SPLIT_H, 32, dtype=dtype, device=device)
+    _assert_row_invariant(hidden, w13, w2, ids, weights, alone=(0, 6, 12), split_k=3)
+
+
+def test_split_k_partials_are_the_k_ranges(device):
+    """Split s of gate/up holds the fp32 sums over its K blocks [s * ceil(13 / 3), ...) of 32
+    columns (5, 5, 3 blocks), gate in columns [0, I), up in [I, 2I); act is silu(gate) * up of
+    their sums."""
+    tokens, topk, experts, inter = 6, 2, 8, 24
+    hidden, w13, w2, ids, weights = args = _case(tokens, topk, experts, SPLIT_H, inter, dtype=torch.float32,
+                                                 device=device)
+    workspace = moe.fused_moe_workspace(tokens, topk, experts, SPLIT_H, inter, device, torch.float32, split_k=3)
+    _run(*args, workspace=workspace, split_k=3)
+    rows = torch.tensor([r for r, p in enumerate(workspace.sorted_pairs.tolist()) if p >= 0], device=device)
+    pairs = workspace.sorted_pairs[rows].long()
+    w = w13[ids.flatten()[pairs].long()].double()  # [rows, 2I, H]
+    x = hidden[pairs // topk].double()
+    for s, (start, end) in enumerate([(0, 160), (160, 320), (320, SPLIT_H)]):
+        want = torch.einsum("rnh,rh->rn", w[..., start:end], x[:, start:end])
+        torch.testing.assert_close(workspace.gate_up[s, rows].double(), want, rtol=1e-5, atol=1e-6)
+    gate, up = workspace.gate_up[:, rows].double().sum(0).split(inter, dim=1)
+    torch.testing.assert_close(workspace.act[rows].double(), gate * torch.sigmoid(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("split_k", [2, 9])
+def test_split_k_poisoned_workspace_changes_nothing(split_k, device):
+    """NaN partials of every split (a workspace for 9 splits, reused at T = 11, 4, 11) change
+    nothing; split 9 of 13 K blocks (span 2) leaves 2 splits without a block, which add zeros."""
+    experts, topk, inter = 8, 3, 16
+    workspace = moe.fused_moe_workspace(11, topk, experts, SPLIT_H, inter, device, torch.float32, split_k=9)
+    for tokens, seed in ((11, 1), (4, 2), (11, 3)):
+        workspace.gate_up.fill_(math.nan)
+        workspace.act.fill_(math.nan)
+        args = _case(tokens, topk, experts, SPLIT_H, inter, dtype=torch.float32, device=device, seed=seed)
+        fresh = moe.fused_moe_workspace(tokens, topk, experts, SPLIT_H, inter, device, torch.float32,
+                                        split_k=split_k)
+        fresh.gate_up.zero_()
+        got = _run(*args, workspace=workspace, split_k=split_k)
+        assert torch.equal(got, _run(*args, workspace=fresh, split_k=split_k))
+        _assert_close(got, reference(*args), torch.float32)
+
+
+def test_split_k_is_checked(device):
+    args = _case(4, 2, 8, 32, 16, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="^split_k: expected >= 1, got 0"):
+        _run(*args, split_k=0)
+    with pytest.raises(TypeError, match="^split_k: expected an int"):
+        _run(*args, split_k=2.0)
+    workspace = moe.fused_moe_workspace(4, 2, 8, 32, 16, device, torch.float32, split_k=2)
+    with pytest.raises(ValueError, match="^workspace: allocated for split_k <= 2, this call has split_k 4"):
+        _run(*args, workspace=workspace, split_k=4)
+    plain = moe.fused_moe_workspace(4, 2, 8, 32, 16, device, torch.float32)
+    assert plain.gate_up is None
+    with pytest.raises(ValueError, match="^workspace: allocated for split_k <= 1"):
+        _run(*args, workspace=plain, split_k=2)
+
+
+def test_split_k_kernels_compile_for_sm90_without_spills():
+    """Without a GPU: gate/up at split 1, 2, 4 and the split reduce, bf16 and FP8 experts at the
+    TP 8 rank's shapes (k 8, H 7168, I 256, H200 tiles), compile for sm_90 with no register spills
+    and within a block's shared memory (scripts/compile_fused_moe.py, in a subprocess)."""
+    out = run_in_scripts("compile_fused_moe",
+                         "for fp8 in (False, True):\n"
+                         "    for kernel, split in [('gate_up', s) for s in c.SPLITS] + [('split_reduce', 4)]:\n"
+                         "        r = c.compile_moe(kernel, fp8, split)\n"
+                         "        print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED)")
+    results = [tuple(map(int, line.split())) for line in out.splitlines() if line[:1].isdigit()]
+    assert len(results) == 2 * (len((1, 2, 4)) + 1), out
+    for regs, spilled, shared, limit in results:
+        assert 0 < regs <= 255 and spilled == 0 and shared <= limit, out
 
 
 def test_unchecked_out_of_range_ids_contribute_nothing(device):
@@ -272,9 +363,9 @@ def test_zero_experts_per_token_is_refused(device):
 
 @pytest.mark.parametrize("name,value,error", [
     ("max_tokens", 0, ValueError), ("topk", True, TypeError), ("num_experts", 2.0, TypeError),
-    ("hidden_size", -1, ValueError), ("intermediate_size", None, TypeError)])
+    ("hidden_size", -1, ValueError), ("intermediate_size", None, TypeError), ("split_k", 0, ValueError)])
 def test_workspace_counts_are_checked(name, value, error, device):
-    kwargs = dict(max_tokens=4, topk=2, num_experts=8, hidden_size=32, intermediate_size=16)
+    kwargs = dict(max_tokens=4, topk=2, num_experts=8, hidden_size=32, intermediate_size=16, split_k=1)
     kwargs[name] = value
     with pytest.raises(error, match=f"^{name}: expected"):
         moe.fused_moe_workspace(**kwargs, device=device, dtype=torch.float32)
@@ -481,6 +572,20 @@ def test_fp8_poisoned_workspace_changes_nothing(device):
         assert torch.equal(_run_fp8(*args, workspace=workspace), _run_fp8(*args, workspace=zeroed))
 
 
+@fp8_warnings
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_fp8_split_k_matches_reference_and_is_row_invariant(split_k, dtype, device):
+    """H = 512: 4 FP8 K blocks; split 3 spans 2, 2 and none."""
+    hidden, w13, s13, w2, s2, ids, weights = args = _fp8_case(9, 3, 8, 512, 128, dtype=dtype, device=device,
+                                                              ids=_routing("repeats", 9, 3, 8))
+    full = _run_fp8(*args, split_k=split_k)
+    _assert_fp8_close(full, fp8_reference(*args), dtype)
+    for t in (0, 8):
+        got = _run_fp8(hidden[t:t + 1], w13, s13, w2, s2, ids[t:t + 1], weights[t:t + 1], split_k=split_k)
+        assert torch.equal(got[0], full[t]), f"token {t} alone differs from token {t} of 9"
+
+
 FP8_BAD = [
     ("w13_scale", lambda g: None, "w13_scale: FP8 \\(e4m3\\) experts need their fp32 block scales, got None"),
     ("w2_scale", lambda g: None, "w2_scale: FP8 \\(e4m3\\) experts need"),
@@ -551,3 +656,44 @@ def test_gpu_fp8_graph_replay_with_new_routing():
             static.copy_(value)
         graph.replay()
         assert torch.equal(out, _run_fp8(hidden, w13, s13, w2, s2, ids, weights)), f"seed {seed}: replay differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("split_k", [2, 4, 7])
+def test_gpu_split_k_production_shape(split_k, fp8):
+    """E = 256, k = 8, H = 7168, I = 256 (a TP 8 rank's experts): split-K gate/up matches the
+    reference at T = 1, 8 and token 0's bits are the same at T = 1..64; graph replay equals eager."""
+    dtype = torch.bfloat16
+    if fp8:
+        hidden, w13, s13, w2, s2, ids, weights = _fp8_case(64, 8, 256, 7168, 256, dtype=dtype, device="cuda")
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    else:
+        hidden, w13, w2, ids, weights = _case(64, 8, 256, 7168, 256, dtype=dtype, device="cuda")
+        s13 = s2 = None
+        scales = {}
+
+    def run(tokens, **kwargs):
+        out = torch.empty_like(hidden[:tokens])
+        return moe.fused_moe(hidden[:tokens], w13, w2, ids[:tokens], weights[:tokens], out, split_k=split_k,
+                             **scales, **kwargs)
+
+    full = run(64)
+    for tokens in (1, 8):
+        if fp8:
+            want = fp8_reference(hidden[:tokens], w13, s13, w2, s2, ids[:tokens], weights[:tokens])
+            _assert_fp8_close(full[:tokens], want, dtype)
+        else:
+            _assert_close(full[:tokens], reference(hidden[:tokens], w13, w2, ids[:tokens], weights[:tokens]), dtype)
+    for tokens in (1, 2, 3, 17, 63):
+        assert torch.equal(run(tokens), full[:tokens]), f"T={tokens} differs from T=64"
+    workspace = moe.fused_moe_workspace(8, 8, 256, 7168, 256, "cuda", dtype, fp8=fp8, split_k=split_k)
+    out = torch.empty_like(hidden[:8])
+    moe.fused_moe(hidden[:8], w13, w2, ids[:8], weights[:8], out, workspace=workspace, split_k=split_k, **scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.fused_moe(hidden[:8], w13, w2, ids[:8], weights[:8], out, workspace=workspace, split_k=split_k,
+                      check_values=False, **scales)
+    out.zero_()
+    graph.replay()
+    assert torch.equal(out, full[:8]), "graph replay differs from eager"

@@ -11,14 +11,21 @@ with a workspace from :func:`fused_moe_workspace`):
    // BLOCK_M`` blocks; programs of unused blocks return at once.
 2. gate/up: one grouped GEMM launch; a program takes one block and ``BLOCK_N`` columns of both the
    gate and the up rows of its expert, accumulates both in fp32 and writes ``silu(gate) * up``
-   rounded to the hidden dtype (the one intermediate rounding).
+   rounded to the hidden dtype (the one intermediate rounding). With ``split_k = S > 1``: S
+   programs per tile, split ``s`` over the K blocks ``[s * ceil(nk / S), (s + 1) * ceil(nk / S))``
+   of the ``nk = ceil(H / BLOCK_K)``, each writing its fp32 gate and up sums to row ``s`` of an
+   ``[S, rows, 2I]`` workspace buffer; a reduce launch adds the S partials in order s = 0..S-1 in
+   fp32 and writes ``silu(gate) * up`` rounded once (five launches). This is for small I, where
+   one split leaves the SMs idle behind long serial K loops.
 3. down: one grouped GEMM launch, fp32 accumulation, the pair's routing weight multiplied in fp32,
    written as fp32 to the pair's row ``p`` of a ``[P, H]`` partial buffer.
 4. combine: ``out[t] = sum_{j = 0..k-1} partial[t * k + j]`` in that order, fp32, one cast.
 
 Row invariance: the tiles and warps are chosen from ``(N, K, k, dtype, device)``, never from T, a
 row of a tile meets the weight tile in a ``tl.dot`` of fixed shape (each output element from its
-own row and column), K blocks are accumulated in order and the combine order is fixed. So a
+own row and column), K blocks are accumulated in order, the split partials are added in order
+and the combine order is fixed. ``split_k`` changes the summation order, so it must be fixed per
+shape (E, k, H, I, dtype), never chosen from T: then the invariance holds at every split. So a
 token's output bits depend only on its own hidden row, ids and weights: not on T, on the other
 tokens, or on where its pairs land in the sorted segments. The result is deterministic.
 
@@ -78,22 +85,27 @@ class FusedMoEWorkspace:
     hidden_scale: torch.Tensor | None = None  # fp32 [max_tokens, H / 128]
     act_q: torch.Tensor | None = None  # e4m3 [max_blocks * BLOCK_M, I]: act_quant of act
     act_scale: torch.Tensor | None = None  # fp32 [max_blocks * BLOCK_M, I / 128]
+    split_k: int = 1  # the most gate/up K splits a call may use
+    gate_up: torch.Tensor | None = None  # fp32 [split_k, max_blocks * BLOCK_M, 2I] (split_k > 1)
 
 
 def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_size: int,
                         intermediate_size: int, device, dtype: torch.dtype, *,
-                        fp8: bool = False) -> FusedMoEWorkspace:
+                        fp8: bool = False, split_k: int = 1) -> FusedMoEWorkspace:
     """Allocate the buffers of :func:`fused_moe` for calls of up to ``max_tokens`` tokens with
     ``topk`` experts per token out of ``num_experts``, hidden size H, intermediate size I and
     activations of ``dtype`` (bf16 or fp32); ``fp8``: for FP8 experts (also the e4m3 codes and
-    scales of the quantized hidden rows and activations; H and I multiples of 128). Allocate
-    once, before capture; a graph replays with the same workspace. Sizes: ``max_blocks(T * k, E) *
-    16`` rows of I activations and ``T * k`` fp32 rows of H (at T = 512, k = 8, H = 7168: 117 MB).
+    scales of the quantized hidden rows and activations; H and I multiples of 128); ``split_k``:
+    for calls of up to that many gate/up K splits (fp32 partials). Allocate once, before capture;
+    a graph replays with the same workspace. Sizes: ``max_blocks(T * k, E) * 16`` rows of I
+    activations and ``T * k`` fp32 rows of H (at T = 512, k = 8, H = 7168: 117 MB), with
+    ``split_k > 1`` also ``split_k`` fp32 partials of those rows x 2I (I = 256, split 4: 65 MB).
 
     Raises ``TypeError`` / ``ValueError`` naming the argument unless the counts are ints >= 1,
     ``dtype`` is bf16 or fp32 and, with ``fp8``, H and I are multiples of 128."""
     for name, value in (("max_tokens", max_tokens), ("topk", topk), ("num_experts", num_experts),
-                        ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+                        ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                        ("split_k", split_k)):
         check_count(name, value)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
@@ -108,12 +120,16 @@ def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_siz
             hidden_scale=torch.empty(max_tokens, hidden_size // FP8_BLOCK, dtype=torch.float32, device=device),
             act_q=torch.empty(rows, intermediate_size, dtype=FP8, device=device),
             act_scale=torch.empty(rows, intermediate_size // FP8_BLOCK, dtype=torch.float32, device=device))
+    if split_k > 1:
+        quantized["gate_up"] = torch.empty(split_k, rows, 2 * intermediate_size, dtype=torch.float32,
+                                           device=device)
     return FusedMoEWorkspace(
         max_tokens, topk, num_experts, hidden_size, intermediate_size, dtype,
         sorted_pairs=torch.empty(rows, dtype=torch.int32, device=device),
         block_experts=torch.empty(rows // BLOCK_M, dtype=torch.int32, device=device),
         act=torch.empty(rows, intermediate_size, dtype=dtype, device=device),
-        partial=torch.empty(pairs, hidden_size, dtype=torch.float32, device=device), fp8=fp8, **quantized)
+        partial=torch.empty(pairs, hidden_size, dtype=torch.float32, device=device), fp8=fp8,
+        split_k=split_k, **quantized)
 
 
 def _check_fp8_dims(hidden_size: int, intermediate_size: int) -> None:
@@ -203,14 +219,19 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_b
 @triton.jit(do_not_specialize=["num_blocks"])
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
                     num_blocks, H, I, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn,
-                    stride_act, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+                    stride_act, k_span, stride_split, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                    UPCAST: tl.constexpr, FP8: tl.constexpr):
     # FP8: x and w are e4m3 codes, xs [T, H / BLOCK_K] and ws [E, 2I / BLOCK_K, H / BLOCK_K] their
     # scales, BLOCK_K = 128 and BLOCK_N divides 128 (one weight scale per tile and K block)
     # blocks vary fastest: the programs that read one weight tile run together (L2 reuse)
+    # SPLIT > 1: this program sums K in [split * k_span, (split + 1) * k_span) (k_span a multiple
+    # of BLOCK_K) and writes fp32 gate / up to act_ptr + split * stride_split (columns I + c: up)
     pid = tl.program_id(0)
     block = pid % num_blocks
-    pid_n = pid // num_blocks
+    split = pid // num_blocks % SPLIT
+    pid_n = pid // num_blocks // SPLIT
+    k_start = split * k_span
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:
         return
@@ -221,16 +242,16 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_expert
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + (k_start + ks)[None, :]
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
-    g_ptrs = w_expert + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    g_ptrs = w_expert + cols.to(tl.int64)[None, :] * stride_wn + (k_start + ks)[:, None]
     u_ptrs = g_ptrs + I * stride_wn
     xs_ptrs = xs_ptr + tokens * stride_xst
     gs_ptr = ws_ptr + expert.to(tl.int64) * stride_wse + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
     us_ptr = gs_ptr + (I // BLOCK_K) * stride_wsn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, H, BLOCK_K):
+    for k in range(k_start, tl.minimum(H, k_start + k_span), BLOCK_K):
         k_ok = (k + ks) < H
         x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -250,9 +271,34 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_expert
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    act = gate / (1.0 + tl.exp(-gate)) * up
     act_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
-    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT == 1:
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask)
+    else:
+        act_ptrs += split.to(tl.int64) * stride_split
+        tl.store(act_ptrs, gate, mask=mask)
+        tl.store(act_ptrs + I, up, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _split_reduce_kernel(gate_up_ptr, sorted_pairs_ptr, act_ptr, num_rows, I, stride_split, stride_row,
+                         stride_act, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # act[r, c] = silu(sum_s gate_up[s, r, c]) * sum_s gate_up[s, r, I + c], s = 0..SPLIT-1 in order
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pairs = tl.load(sorted_pairs_ptr + rows, mask=rows < num_rows, other=-1)
+    mask = (pairs >= 0)[:, None] & (cols < I)[None, :]  # padding rows' partials were never written
+    ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
+    gate = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    up = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        gate += tl.load(ptrs + s * stride_split, mask=mask, other=0.0)
+        up += tl.load(ptrs + s * stride_split + I, mask=mask, other=0.0)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
@@ -321,8 +367,10 @@ def _combine_kernel(partial_ptr, ids_ptr, out_ptr, T, H, stride_partial, stride_
              total.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
 
 
-def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace) -> bool:
+def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace,
+                  split_k) -> bool:
     """Check the arguments; returns whether the experts are FP8."""
+    check_count("split_k", split_k)
     check_tensor("hidden", hidden, dtype=_DTYPES, ndim=2)
     tokens, h = hidden.shape
     dtype, device = hidden.dtype, hidden.device
@@ -368,6 +416,9 @@ def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_sc
                          f"{got}; this call has {tokens} tokens, {(topk, experts, h, inter, dtype)}")
     if workspace.fp8 != fp8:
         raise ValueError(f"workspace: allocated with fp8={workspace.fp8}, but the experts are {w13.dtype}")
+    if split_k > 1 and workspace.split_k < split_k:
+        raise ValueError(f"workspace: allocated for split_k <= {workspace.split_k}, this call has "
+                         f"split_k {split_k}")
     if workspace.partial.device != device:
         raise ValueError(f"workspace: expected device {device}, got {workspace.partial.device}")
     return fp8
@@ -376,7 +427,8 @@ def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_sc
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, out: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, scale_fmt: str | None = None,
-              workspace: FusedMoEWorkspace | None = None, check_values: bool = True) -> torch.Tensor:
+              workspace: FusedMoEWorkspace | None = None, split_k: int = 1,
+              check_values: bool = True) -> torch.Tensor:
     """Routed-expert MLP: ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x) *
     (w13[e, I:] @ x))``, ``x = hidden[t]``, ``e = topk_ids[t, j]``; fp32 accumulation, the
     activation rounded once to the hidden dtype, the k weighted expert outputs summed in fp32 in
@@ -402,7 +454,11 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         H / 128, I / 128]``; else None.
     scale_fmt : the activation scales, None (fp32) or ``"ue8m0"`` (powers of two), FP8 only.
     workspace : from :func:`fused_moe_workspace` for >= T tokens and this call's (k, E, H, I,
-        dtype, fp8); None allocates one (not for graph capture).
+        dtype, fp8) and ``split_k``; None allocates one (not for graph capture).
+    split_k : gate/up programs per output tile, each over a contiguous ``1 / split_k`` of the K
+        blocks, their fp32 sums added in order (module docstring). It changes the summation order:
+        fix it per shape (E, k, H, I, dtype), never per T, or a token's bits depend on T. Splits
+        beyond the K blocks add zeros.
     check_values : also check that every id is in ``[0, E)`` (a host sync, so not inside CUDA
         graphs). Shapes, dtypes and devices are always checked. Graph replay relies on the caller
         for the range; an id outside it contributes nothing (reads and writes nothing).
@@ -411,7 +467,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     -------
     ``out``.
     """
-    fp8 = _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace)
+    fp8 = _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace,
+                        split_k)
     if scale_fmt not in SCALE_FORMATS:
         raise ValueError(f"scale_fmt: expected one of {SCALE_FORMATS}, got {scale_fmt!r}")
     tokens, h = hidden.shape
@@ -424,7 +481,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     if tokens == 0:
         return out
     if workspace is None:
-        workspace = fused_moe_workspace(tokens, topk, experts, h, inter, hidden.device, hidden.dtype, fp8=fp8)
+        workspace = fused_moe_workspace(tokens, topk, experts, h, inter, hidden.device, hidden.dtype, fp8=fp8,
+                                        split_k=split_k)
     pairs = tokens * topk
     blocks = max_blocks(pairs, experts)
     e_pad = triton.next_power_of_2(experts)
@@ -439,11 +497,21 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
                                scale_out=workspace.hidden_scale[:tokens])
         a, a_scale, w13_s, w2_s = workspace.act_q, workspace.act_scale, w13_scale, w2_scale
     tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8)
-    _gate_up_kernel[(blocks * triton.cdiv(inter, tile.block_n),)](
-        x, x_scale, w13, w13_s, workspace.sorted_pairs, workspace.block_experts, act, blocks, h, inter,
+    k_span = triton.cdiv(triton.cdiv(h, tile.block_k), split_k) * tile.block_k
+    gate_up = workspace.gate_up if split_k > 1 else act
+    split_stride = gate_up.stride(0) if split_k > 1 else 0
+    _gate_up_kernel[(blocks * split_k * triton.cdiv(inter, tile.block_n),)](
+        x, x_scale, w13, w13_s, workspace.sorted_pairs, workspace.block_experts, gate_up, blocks, h, inter,
         x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
-        act.stride(0), TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        UPCAST=upcast, FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        gate_up.stride(-2), k_span, split_stride, TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, SPLIT=split_k, UPCAST=upcast, FP8=fp8, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    if split_k > 1:
+        rows = blocks * BLOCK_M
+        block_c = min(_COMBINE_ELEMENTS // BLOCK_M, triton.next_power_of_2(inter))
+        _split_reduce_kernel[(blocks, triton.cdiv(inter, block_c))](
+            gate_up, workspace.sorted_pairs, act, rows, inter, gate_up.stride(0), gate_up.stride(1),
+            act.stride(0), SPLIT=split_k, BLOCK_R=BLOCK_M, BLOCK_C=block_c, num_warps=4)
     if fp8:  # every row of the blocks in use: padding rows are quantized too and never read
         rows = blocks * BLOCK_M
         act_quant(act[:rows], scale_fmt, out=a[:rows], scale_out=a_scale[:rows])
