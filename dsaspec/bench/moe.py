@@ -25,8 +25,10 @@ of the bytes floor from 1 to 64 tokens; and never slower than the baseline. Afte
 fused output is compared with the gather baseline's (bf16 rounding) and, at T <= 8, with the fp64
 reference; an FP8 one, at T <= 8, with the fp64 FP8 reference (dequantized weights, quantized
 activations; normwise within 2**-4 in bf16), its normwise distance to the bf16 output recorded.
-Without CUDA: fixed small sizes under the Triton interpreter at fp32, every output checked against
-its reference, no times.
+``--split-k 1,4``: each point and weight dtype once per gate/up split count (``fused_moe``'s
+``split_k``; rows carry ``split_k``), every one checked as above; the FP8 baseline stays the bf16
+fused op at split 1. Without CUDA: fixed small sizes under the Triton interpreter at fp32, every
+output checked against its reference, no times.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-dtype", type=choice_list(WEIGHT_DTYPES), default=list(WEIGHT_DTYPES),
                    help="expert weights, comma-separated: bf16, fp8 (e4m3 + fp32 scale per 128 x 128 block, "
                         "quantized from the same bf16 weights; H and I multiples of 128)")
+    p.add_argument("--split-k", type=positive_int_list, default=[1],
+                   help="gate/up K splits of the fused op, comma-separated (each a row; 1: no split)")
     p.add_argument("--baseline-max-gb", type=positive_int, default=16,
                    help="skip the baseline where its gathered expert weights exceed this many GB")
     p.add_argument("--iters", type=positive_int, default=100, help="timed graph replays per measurement")
@@ -165,7 +169,8 @@ def _targets(rows: list[dict]) -> list[dict]:
     for r in rows:
         if "new_us" not in r:
             continue
-        where = {"tokens": r["tokens"], "intermediate": r["intermediate"], "weight_dtype": r["weight_dtype"]}
+        where = {"tokens": r["tokens"], "intermediate": r["intermediate"], "weight_dtype": r["weight_dtype"],
+                 "split_k": r["split_k"]}
         if r["tokens"] <= TARGET_MAX_TOKENS:
             out.append(dict(where, target=f"<= {FLOOR_FACTOR:g}x bytes floor", value=r["new_over_floor"],
                             met=r["new_over_floor"] <= FLOOR_FACTOR))
@@ -190,39 +195,41 @@ def _time(new, baseline, nbytes: int, floors, iters: int) -> dict:
             "spread": {"new": timing.spread}, "detail": {"new": timing.summary()}}
 
 
-def _row(args, weight_dtype: str, args_in: tuple, floors) -> dict:
-    """One point with ``weight_dtype`` experts made from ``args_in`` (``_inputs``): timed against
-    its baseline where ``floors`` (CUDA) is given, then checked."""
+def _row(args, weight_dtype: str, split_k: int, args_in: tuple, floors) -> dict:
+    """One point with ``weight_dtype`` experts made from ``args_in`` (``_inputs``) and the fused
+    op at ``split_k``: timed against its baseline where ``floors`` (CUDA) is given, then checked."""
     hidden, w13, w2, ids, weights = args_in
     tokens, inter = hidden.shape[0], w2.shape[2]
     shape = (tokens, args.topk, args.experts, args.hidden, inter, hidden.device, hidden.dtype)
-    bf16_workspace = fused_moe_workspace(*shape)
+    bf16_split = 1 if weight_dtype == "fp8" else split_k  # the FP8 baseline: the bf16 op unsplit
+    bf16_workspace = fused_moe_workspace(*shape, split_k=bf16_split)
     bf16_out, base_out = torch.empty_like(hidden), torch.empty_like(hidden)
 
     def bf16_fused():
-        fused_moe(*args_in, bf16_out, workspace=bf16_workspace, check_values=False)
+        fused_moe(*args_in, bf16_out, workspace=bf16_workspace, split_k=bf16_split, check_values=False)
 
     if weight_dtype == "fp8":
         (w13_q, w13_s), (w2_q, w2_s) = quantize_experts(w13), quantize_experts(w2)
         fp8_in = (hidden, w13_q, w13_s, w2_q, w2_s, ids, weights)
-        fp8_workspace = fused_moe_workspace(*shape, fp8=True)
+        fp8_workspace = fused_moe_workspace(*shape, fp8=True, split_k=split_k)
         new_out = torch.empty_like(hidden)
         fp8_args = (hidden, w13_q, w2_q, ids, weights, new_out)
-        fused_moe(*fp8_args, w13_scale=w13_s, w2_scale=w2_s, workspace=fp8_workspace)  # eager checks once
+        fp8_kwargs = dict(w13_scale=w13_s, w2_scale=w2_s, workspace=fp8_workspace, split_k=split_k)
+        fused_moe(*fp8_args, **fp8_kwargs)  # eager checks once
 
         def new():
-            fused_moe(*fp8_args, w13_scale=w13_s, w2_scale=w2_s, workspace=fp8_workspace, check_values=False)
+            fused_moe(*fp8_args, **fp8_kwargs, check_values=False)
 
         baseline, nbytes = bf16_fused, bytes_moved(hidden, w13_q, w2_q, ids, weights, w13_s, w2_s)
     else:
-        fused_moe(*args_in, bf16_out, workspace=bf16_workspace)  # eager checks once
+        fused_moe(*args_in, bf16_out, workspace=bf16_workspace, split_k=split_k)  # eager checks once
         new, new_out, baseline = bf16_fused, bf16_out, None
         gathered = tokens * args.topk * (w13[0].numel() + w2[0].numel()) * w13.element_size()
         if gathered <= args.baseline_max_gb * 1e9:
             def baseline():
                 baseline_moe(*args_in, base_out)
         nbytes = bytes_moved(*args_in)
-    row = {"tokens": tokens, "intermediate": inter, "weight_dtype": weight_dtype,
+    row = {"tokens": tokens, "intermediate": inter, "weight_dtype": weight_dtype, "split_k": split_k,
            "baseline": BASELINES[weight_dtype], "experts_hit": int(torch.unique(ids).numel()),
            "baseline_skipped": baseline is None}
     if floors is not None:
@@ -251,6 +258,7 @@ def run(args) -> int:
         if ignored:
             print(ignored)
     args.weight_dtype = list(dict.fromkeys(args.weight_dtype))
+    args.split_k = list(dict.fromkeys(args.split_k))
     if "fp8" in args.weight_dtype:
         bad = [f"--{name} {value}" for name, value in [("hidden", args.hidden)]
                + [("intermediate", i) for i in args.intermediate] if value % FP8_BLOCK]
@@ -269,7 +277,8 @@ def run(args) -> int:
     points = [(inter, tokens) for inter in args.intermediate for tokens in args.tokens]
     for inter, tokens in tqdm(points, desc="moe", unit="point"):
         args_in = _inputs(tokens, args, inter, device, dtype)
-        rows.extend(_row(args, weight_dtype, args_in, floors) for weight_dtype in args.weight_dtype)
+        rows.extend(_row(args, weight_dtype, split_k, args_in, floors)
+                    for weight_dtype in args.weight_dtype for split_k in args.split_k)
         del args_in
     if on_gpu:
         torch.cuda.synchronize()
@@ -279,22 +288,22 @@ def run(args) -> int:
     payload = {"method": method, "params": bench_params(args), "floors": vars(floors) if floors else None,
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
-        cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"),
+        cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"), ("split_k", "split-K"),
                 ("experts_hit", "experts hit"), ("baseline", "baseline"), ("baseline_us", "baseline µs"),
                 ("new_us", "fused µs"), ("speedup", "speedup"),
                 ("floor_us", "floor µs"), ("new_over_floor", "fused / floor"), ("copy_us", "same-bytes copy µs"),
                 ("new_gbps", "fused GB/s"), ("spread_new", "spread fused")]
         table = [dict(r, spread_new=r["spread"]["new"]) for r in rows]
     else:
-        cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"), ("experts_hit", "experts hit"),
-                ("matches_reference", "== reference")]
+        cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"), ("split_k", "split-K"),
+                ("experts_hit", "experts hit"), ("matches_reference", "== reference")]
         table = rows
     md = markdown_table(cols, table)
     if targets:
         met = sum(t["met"] for t in targets)
         md += (f"\n\n## Targets: {met} of {len(targets)} met\n\n"
                + markdown_table([("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"),
-                                 ("target", "target"), ("value", "value"), ("met", "met")],
+                                 ("split_k", "split-K"), ("target", "target"), ("value", "value"), ("met", "met")],
                                 [t for t in targets if not t["met"]] or [{"tokens": "(all met)"}]))
     write_results("moe", payload, md, args.out)
     return 0 if all(t["met"] for t in targets) else 1
