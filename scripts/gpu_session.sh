@@ -4,7 +4,7 @@
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
 #   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE, MLA query, paged indexer),
-#   gluon-fp8-sanitize, moe-fp8, fp8-linear, kv-accuracy, e2e-rank-glm5,
+#   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), fp8-linear, kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-v32, decode-fp8; pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
@@ -69,6 +69,10 @@ for step in "$@"; do
                           tests/test_spec_engine.py::test_gpu_speculative_equals_plain_row_invariant \
                           2>&1 | tee "$OUT/epilogue_tests.log" ;;
         moe-fp8)      python3 -m dsaspec bench moe --weight-dtype bf16,fp8 --intermediate 256,2048 --out "$OUT" ;;
+        moe-split)    python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fused_moe.py -k split_k 2>&1 \
+                          | tee "$OUT/moe_split_tests.log" &&
+                      python3 -m dsaspec bench moe --weight-dtype bf16,fp8 --intermediate 256 --tokens 1,2,4,8,16 \
+                          --split-k 1,2,4,7 --out "$OUT/moe_split" ;;
         gluon-fp8-sanitize) for tool in memcheck racecheck; do
                           compute-sanitizer --tool $tool --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
                               "tests/test_sparse_mla_fp8.py::test_gpu_gluon_edge_counts_holes_and_poison[64-None-gluon_fp8]" \
