@@ -55,7 +55,7 @@ INDEX_ROPE_KINDS = ("q", "q_rotated", "k_dense", "k_fp8")   # compile_index_rope
 SM90_SHARED = 232448  # bytes of shared memory one block may hold on sm_90 (227 KiB)
 
 
-def _compile(kernel, launch, overrides=(("UPCAST", False),)) -> dict:
+def compile_kernel(kernel, launch, overrides=(("UPCAST", False),)) -> dict:
     """Compile ``kernel`` as ``launch()`` would launch it on a CUDA device (with the constexpr
     ``overrides`` a CUDA host would pick); registers, spills, shared memory, the SASS instruction
     counts of :data:`SASS_OPS` and the SASS length (``instructions``)."""
@@ -86,7 +86,7 @@ def compile_indexer(fp8: bool, config: IndexerConfig | None = None, rows_per_gro
         q, torch.zeros(ROWS, heads), keys, torch.zeros(ROWS, width, dtype=torch.int32),
         torch.ones(ROWS, dtype=torch.int32), torch.zeros(PROGRAMS + 1, 2, dtype=torch.int32),
         torch.zeros(ROWS, width), rows_per_group=rows_per_group, check_values=False, config=config)
-    return _compile(indexer._indexer_logits_kernel, launch)
+    return compile_kernel(indexer._indexer_logits_kernel, launch)
 
 
 def compile_sparse_mla(fp8: bool, config: SparseMLAConfig | None = None) -> dict:
@@ -99,7 +99,7 @@ def compile_sparse_mla(fp8: bool, config: SparseMLAConfig | None = None) -> dict
     launch = lambda: sparse_mla.sparse_mla_decode(  # noqa: E731
         q, cache, torch.zeros(ROWS, TOPK, dtype=torch.int32), 0.1,
         torch.zeros(ROWS, HEADS, LATENT_DIM, dtype=torch.bfloat16), check_values=False, config=config)
-    return _compile(sparse_mla._sparse_mla_decode_kernel, launch)
+    return compile_kernel(sparse_mla._sparse_mla_decode_kernel, launch)
 
 
 def compile_index_rope(kind: str) -> dict:
@@ -117,10 +117,12 @@ def compile_index_rope(kind: str) -> dict:
         w = torch.ones(INDEX_HEAD_DIM, dtype=torch.bfloat16)
         launch = lambda: index_rope.store_index_k_normed(  # noqa: E731
             cache, torch.zeros(ROWS, dtype=torch.int64), k, w, w, 1e-6, cos, sin, 64, True, check_values=False)
-    return _compile(index_rope._index_rope_kernel, launch, overrides=())
+    return compile_kernel(index_rope._index_rope_kernel, launch, overrides=())
 
 
-def _line(name: str, result: dict) -> str:
+def summary_line(name: str, result: dict) -> str:
+    """One printed line of a :func:`compile_kernel` result: registers, spills, shared memory, the
+    tensor-core and global / local memory instructions of its SASS."""
     mma = {op: n for op, n in result["sass"].items() if "GMMA" in op or "HMMA" in op}
     loads = {op: n for op, n in result["sass"].items() if op.startswith(("LDG", "LDL", "STL"))}
     e4m3 = any("E4M3" in op for op in mma)
@@ -139,17 +141,17 @@ def main() -> int:
     for fp8 in (False, True):
         cache = "fp8" if fp8 else "bf16"
         for group in (1, 8):
-            print(_line(f"indexer {cache} default G={group}", compile_indexer(fp8, None, group)), flush=True)
-        print(_line(f"sparse_mla {cache} default", compile_sparse_mla(fp8)), flush=True)
+            print(summary_line(f"indexer {cache} default G={group}", compile_indexer(fp8, None, group)), flush=True)
+        print(summary_line(f"sparse_mla {cache} default", compile_sparse_mla(fp8)), flush=True)
     for kind in INDEX_ROPE_KINDS:
-        print(_line(f"index_rope {kind}", compile_index_rope(kind)), flush=True)
+        print(summary_line(f"index_rope {kind}", compile_index_rope(kind)), flush=True)
     if args.sweep:
         for heads in (HEADS, 32):
             for config in TUNE_INDEXER_FP8:
-                print(_line(f"indexer fp8 {heads} heads {config}", compile_indexer(True, config, heads=heads)),
+                print(summary_line(f"indexer fp8 {heads} heads {config}", compile_indexer(True, config, heads=heads)),
                       flush=True)
         for config in SPARSE_MLA_SWEEP:
-            print(_line(f"sparse_mla fp8 {config}", compile_sparse_mla(True, config)), flush=True)
+            print(summary_line(f"sparse_mla fp8 {config}", compile_sparse_mla(True, config)), flush=True)
     return 0
 
 

@@ -48,7 +48,7 @@ def compile_moe(kernel: str, fp8: bool, split_k: int) -> dict:
         for other in skipped:
             other.run = lambda *args, **kwargs: None
         try:
-            return dsa._compile(KERNELS[kernel], launch, (("UPCAST", False),) if kernel == "gate_up" else ())
+            return dsa.compile_kernel(KERNELS[kernel], launch, (("UPCAST", False),) if kernel == "gate_up" else ())
         finally:
             for other in skipped:
                 del other.run
@@ -60,8 +60,8 @@ def main() -> int:
     for fp8 in (False, True):
         experts = "fp8" if fp8 else "bf16"
         for split_k in SPLITS:
-            print(dsa._line(f"gate_up {experts} split_k={split_k}", compile_moe("gate_up", fp8, split_k)), flush=True)
-        print(dsa._line(f"split_reduce {experts} split_k=4", compile_moe("split_reduce", fp8, 4)), flush=True)
+            print(dsa.summary_line(f"gate_up {experts} split_k={split_k}", compile_moe("gate_up", fp8, split_k)), flush=True)
+        print(dsa.summary_line(f"split_reduce {experts} split_k=4", compile_moe("split_reduce", fp8, 4)), flush=True)
     return 0
 
 

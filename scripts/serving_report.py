@@ -3,7 +3,7 @@ where ``WORK/e2e/e2e.json`` exists, the in-process ``bench e2e`` figures at the 
 server's overhead over them; with ``--baseline`` (an earlier report's JSON, the kill switches off)
 the baseline's tok/s/user and the speedup. Writes ``OUT/NAME.{json,md,png}`` and prints the Markdown.
 
-    python3 scripts/serving_report.py WORK OUT NAME PRESET LEN CONTEXT C [C ...] [--baseline FILE]
+    PYTHONPATH=$PWD python3 scripts/serving_report.py WORK OUT NAME PRESET LEN CONTEXT C [C ...] [--baseline FILE]
 
 Per token, the server's median TPOT is compared with bench e2e's new-path latency per token (median
 iteration / accept length). So is the median ITL: SGLang's client splits a streamed chunk's gap
@@ -12,11 +12,8 @@ without an accept length it is per chunk and is compared with the median iterati
 """
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int  # noqa: E402
+from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int
 
 
 def _parser() -> Parser:
