@@ -30,6 +30,7 @@ from dsaspec.layers.attention.inputs import build_extend_inputs
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.models.loader import CONFIG_FILE, SINGLE_FILE, load_checkpoint, load_config, load_weights, save_checkpoint
 from dsaspec.reference import fp8_gemm as ref
+from dsaspec.ops.fused_moe import moe_split_k
 from dsaspec.reference.fused_moe import fused_moe_fp8 as fp8_moe_reference
 
 from fake_tp import fake_groups, run_ranks
@@ -480,6 +481,7 @@ def test_fp8_expert_paths_match_the_reference(path):
                      options=RuntimeOptions(fused_moe=True)).init_weights(5)
     experts = model.model.layers[1].mlp.experts
     assert experts.fp8 and experts.use_fused == (path == "fused")
+    assert moe_split_k(experts.intermediate, experts.fp8) == 4  # the fused path runs split gate/up
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(17, config.hidden_size, generator=generator)
     ids = torch.randint(2, 6, (17, config.num_experts_per_tok), generator=generator, dtype=torch.int32)  # 0, 1, 6, 7 unhit

@@ -20,8 +20,8 @@ from dsa_inputs import (POISON_SLOT, SENTINEL, launch_indexer, random_indexer_in
                         random_tiny_indexer)
 from compile_scripts import run_in_scripts
 from dsaspec.bench.dsa_ops import TUNE_INDEXER_FP8
-from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
-                                 INDEXER_FP8_PAGED_CONFIG, indexer_logits)
+from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_GATHER_CONFIG,
+                                 INDEXER_FP8_CONFIG, indexer_logits)
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.reference.fp8_gemm import act_quant
 from dsaspec.reference.indexer import reference_indexer_logits_fp8
@@ -31,7 +31,10 @@ pytestmark = pytest.mark.interpreter
 
 PAGE, PAGE_BYTES = 64, 8448
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193]
-CONFIGS = {"new": INDEXER_FP8_CONFIG, "bf16_default": INDEXER_CONFIG, "baseline": INDEXER_BASELINE_CONFIG}
+# The default reads a page per block (page-consistent tables only); the others gather each slot.
+CONFIGS = {"paged": INDEXER_FP8_CONFIG, "gather": INDEXER_FP8_GATHER_CONFIG, "bf16_default": INDEXER_CONFIG,
+           "baseline": INDEXER_BASELINE_CONFIG}
+FORMS = ("paged", "gather")
 
 
 def fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=0, rows_per_group=1,
@@ -78,6 +81,15 @@ def paged_table(seqlens, width, num_pages, seed, rows_per_group=1):
     return table
 
 
+def form_inputs(form, seqlens, num_heads, width, num_pages, device, seed=0, rows_per_group=1):
+    """``fp8_inputs`` with the table ``CONFIGS[form]`` reads: page-consistent for ``"paged"`` (the
+    default config), random repeating slots otherwise."""
+    table = (paged_table(seqlens, width, num_pages, seed, rows_per_group).to(device)
+             if CONFIGS[form].page_blocks else None)
+    return fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=seed, rows_per_group=rows_per_group,
+                      table=table)
+
+
 def _reference(inputs):
     cpu = {name: value.cpu() for name, value in inputs.items()}
     expected = reference_indexer_logits_fp8(**cpu)
@@ -114,60 +126,65 @@ def _assert_matches(out, inputs, skip_len=0, relative=None, reference=None):
 @pytest.mark.parametrize("num_sms", [1, 3])
 def test_edge_lengths(config, num_heads, num_sms, device):
     seqlens = EDGE_LENGTHS + [5, 0, 256]
-    inputs = fp8_inputs(seqlens, num_heads, width=260, num_pages=9, device=device,
-                        seed=num_heads + num_sms)
+    inputs = form_inputs(config, seqlens, num_heads, width=260, num_pages=9, device=device,
+                         seed=num_heads + num_sms)
     out = launch_indexer(inputs, num_sms, out_width=320, config=CONFIGS[config])
     _assert_matches(out, inputs)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("seed", range(3))
-def test_mixed_lengths_repeated_slots(seed, device):
+def test_mixed_lengths_repeated_slots(seed, form, device):
     """Random lengths over a pool of 3 pages: slots repeat, tokens of one page serve many rows."""
     gen = torch.Generator().manual_seed(seed)
     seqlens = torch.randint(0, 300, (7,), generator=gen).tolist()
     skip_len = [0, 100, 64][seed]
-    inputs = fp8_inputs(seqlens, 8, width=333, num_pages=3, device=device, seed=seed)
-    out = launch_indexer(inputs, num_sms=5, out_width=320, skip_len=skip_len)
+    inputs = form_inputs(form, seqlens, 8, width=333, num_pages=3, device=device, seed=seed)
+    out = launch_indexer(inputs, num_sms=5, out_width=320, skip_len=skip_len, config=CONFIGS[form])
     _assert_matches(out, inputs, skip_len=skip_len)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("skip_len", [1, 64, 128])
-def test_skipped_and_padded_rows(skip_len, device):
+def test_skipped_and_padded_rows(skip_len, form, device):
     """Graph-padding rows (live 1) and rows at or below skip_len are neither read nor written:
     their page tables hold out-of-range slots and their queries NaN."""
     seqlens = [1, skip_len, skip_len + 1, 130, 1, 200]
-    inputs = fp8_inputs(seqlens, 8, width=210, num_pages=4, device=device, seed=skip_len)
+    inputs = form_inputs(form, seqlens, 8, width=210, num_pages=4, device=device, seed=skip_len)
     reference = _reference(inputs)
     for row, length in enumerate(seqlens):
         if length <= skip_len:
             inputs["page_table_1"][row] = 2**30
             inputs["q"][row] = float("nan")
-    out = launch_indexer(inputs, num_sms=3, out_width=256, skip_len=skip_len, check_values=False)
+    out = launch_indexer(inputs, num_sms=3, out_width=256, skip_len=skip_len, check_values=False,
+                         config=CONFIGS[form])
     _assert_matches(out, inputs, skip_len=skip_len, reference=reference)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("rows_per_group,num_heads", [(2, 8), (4, 8), (3, 5)])
-def test_row_groups(rows_per_group, num_heads, device):
+def test_row_groups(rows_per_group, num_heads, form, device):
     """Target-verify groups sharing a page table: each member exact to its own length."""
     lengths = [0, 1, 63, 64, 65, 127, 128, 129, 130, 2, 64, 200]
     seqlens = lengths[:len(lengths) // rows_per_group * rows_per_group]
-    inputs = fp8_inputs(seqlens, num_heads, width=210, num_pages=5, device=device,
-                        seed=rows_per_group, rows_per_group=rows_per_group)
+    inputs = form_inputs(form, seqlens, num_heads, width=210, num_pages=5, device=device,
+                         seed=rows_per_group, rows_per_group=rows_per_group)
     out = launch_indexer(inputs, 3, out_width=256, skip_len=64, rows_per_group=rows_per_group,
-                  check_values=False)
+                         check_values=False, config=CONFIGS[form])
     _assert_matches(out, inputs, skip_len=64)
 
 
-def test_bad_key_poisons_only_its_token(device):
+@pytest.mark.parametrize("form", FORMS)
+def test_bad_key_poisons_only_its_token(form, device):
     """A live key quantized from an infinity has scale NaN (codes 0): its logit is NaN in every
     row that reads it, and no other logit is."""
-    inputs = fp8_inputs([70, 129], 4, width=140, num_pages=3, device=device, seed=7)
+    inputs = form_inputs(form, [70, 129], 4, width=140, num_pages=3, device=device, seed=7)
     slot = int(inputs["page_table_1"][1, 100])
     page, offset = divmod(slot, PAGE)
     pool = inputs["k_cache"]
     pool[page, 128 * offset:128 * offset + 128] = 0
     pool[page, 8192 + 4 * offset:8196 + 4 * offset] = torch.tensor([float("nan")]).view(torch.uint8).to(device)
-    out = launch_indexer(inputs, 2, out_width=192).cpu()
+    out = launch_indexer(inputs, 2, out_width=192, config=CONFIGS[form]).cpu()
     table = inputs["page_table_1"].cpu()
     for row, length in enumerate((70, 129)):
         bad = table[row, :length] == slot
@@ -208,8 +225,8 @@ def test_page_blocks_equal_the_gather_form(num_heads, num_sms, device):
     (odd lengths, partial last pages, pool bytes outside the live slots NaN)."""
     inputs = fp8_inputs(PAGE_LENGTHS, num_heads, width=210, num_pages=9, device=device,
                         seed=num_heads, table=paged_table(PAGE_LENGTHS, 210, 9, num_heads))
-    gathered = launch_indexer(inputs, num_sms, out_width=256, config=INDEXER_FP8_CONFIG)
-    paged = launch_indexer(inputs, num_sms, out_width=256, config=INDEXER_FP8_PAGED_CONFIG)
+    gathered = launch_indexer(inputs, num_sms, out_width=256, config=INDEXER_FP8_GATHER_CONFIG)
+    paged = launch_indexer(inputs, num_sms, out_width=256, config=INDEXER_FP8_CONFIG)
     assert torch.equal(paged, gathered)
     _assert_matches(paged, inputs)
 
@@ -220,7 +237,7 @@ def test_page_blocks_equal_the_gather_form_in_groups(device):
     inputs = fp8_inputs(seqlens, 8, width=210, num_pages=7, device=device, seed=3,
                         rows_per_group=4, table=paged_table(seqlens, 210, 7, 3, rows_per_group=4))
     runs = [launch_indexer(inputs, 3, out_width=256, skip_len=64, rows_per_group=4, config=config)
-            for config in (INDEXER_FP8_CONFIG, INDEXER_FP8_PAGED_CONFIG)]
+            for config in (INDEXER_FP8_GATHER_CONFIG, INDEXER_FP8_CONFIG)]
     assert torch.equal(runs[1], runs[0])
     _assert_matches(runs[1], inputs, skip_len=64)
 
@@ -255,9 +272,9 @@ def test_page_blocks_check_refuses_inconsistent_tables(position, slot, device):
     with pytest.raises(ValueError, match=rf"page_table_1: slot {int(table[0, position])} at row 0, "
                                          rf"position {position} breaks the page-granular read "
                                          rf"\(config.page_blocks\): expected slot {expected}"):
-        launch_indexer(inputs, 2, out_width=256, config=INDEXER_FP8_PAGED_CONFIG)
-    launch_indexer(inputs, 2, out_width=256, config=INDEXER_FP8_CONFIG)  # the gather form reads it
-    launch_indexer(inputs, 2, out_width=256, skip_len=200, config=INDEXER_FP8_PAGED_CONFIG)
+        launch_indexer(inputs, 2, out_width=256, config=INDEXER_FP8_CONFIG)
+    launch_indexer(inputs, 2, out_width=256, config=INDEXER_FP8_GATHER_CONFIG)  # the gather form reads it
+    launch_indexer(inputs, 2, out_width=256, skip_len=200, config=INDEXER_FP8_CONFIG)
 
 
 def test_page_allocator_tables_are_page_consistent(device):
@@ -277,7 +294,7 @@ def test_page_allocator_tables_are_page_consistent(device):
     inputs = fp8_inputs(seqlens, 8, width=pool.width, num_pages=12, device=device, seed=6,
                         table=table)
     runs = [launch_indexer(inputs, 2, out_width=320, config=config)
-            for config in (INDEXER_FP8_CONFIG, INDEXER_FP8_PAGED_CONFIG)]
+            for config in (INDEXER_FP8_GATHER_CONFIG, INDEXER_FP8_CONFIG)]
     assert torch.equal(runs[1], runs[0])
     _assert_matches(runs[1], inputs)
 
@@ -328,10 +345,9 @@ GPU_WIDTH = 65_600
 GPU_TOLERANCE = 2.0 ** -10   # FP8 MMA accumulation (module docstring)
 
 
-def _gpu_inputs(seqlens, rows_per_group=1, seed=1):
-    num_pages = 1 << 12
-    return fp8_inputs(seqlens, 64, width=GPU_WIDTH, num_pages=num_pages, device="cuda",
-                      seed=seed, rows_per_group=rows_per_group)
+def _gpu_inputs(seqlens, form, rows_per_group=1, seed=1):
+    return form_inputs(form, seqlens, 64, width=GPU_WIDTH, num_pages=1 << 12, device="cuda",
+                       seed=seed, rows_per_group=rows_per_group)
 
 
 @pytest.mark.gpu
@@ -344,23 +360,24 @@ def test_gpu_production_sizes(config, num_rows, longest, skip_len):
     seqlens = torch.randint(2_048, longest + 1, (num_rows,), generator=gen)
     seqlens[0] = longest
     seqlens[-1] = 2048
-    inputs = _gpu_inputs(seqlens.tolist())
+    inputs = _gpu_inputs(seqlens.tolist(), config)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=skip_len, config=CONFIGS[config])
     _assert_matches(out, inputs, skip_len=skip_len, relative=GPU_TOLERANCE)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("rows_per_group", [2, 4])
-def test_gpu_row_groups(rows_per_group):
+def test_gpu_row_groups(rows_per_group, form):
     gen = torch.Generator().manual_seed(rows_per_group)
     seqlens = []
     for live in torch.randint(2_000, 64_000, (8,), generator=gen).tolist() + [2048]:
         seqlens += [live + j for j in range(rows_per_group)]
-    inputs = _gpu_inputs(seqlens, rows_per_group=rows_per_group, seed=2)
+    inputs = _gpu_inputs(seqlens, form, rows_per_group=rows_per_group, seed=2)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
-                  rows_per_group=rows_per_group, check_values=False)
+                         rows_per_group=rows_per_group, check_values=False, config=CONFIGS[form])
     _assert_matches(out, inputs, skip_len=2048, relative=GPU_TOLERANCE)
 
 
@@ -379,7 +396,7 @@ def test_gpu_page_blocks(rows_per_group):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     runs = [launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
                            rows_per_group=rows_per_group, config=config)
-            for config in (INDEXER_FP8_CONFIG, INDEXER_FP8_PAGED_CONFIG)]
+            for config in (INDEXER_FP8_GATHER_CONFIG, INDEXER_FP8_CONFIG)]
     assert torch.equal(runs[1], runs[0])
     _assert_matches(runs[1], inputs, skip_len=2048, relative=GPU_TOLERANCE)
 
@@ -388,7 +405,7 @@ def test_gpu_page_blocks(rows_per_group):
 def test_gpu_cuda_graph_replay_with_new_lengths():
     """One capture over the static metadata replays with new lengths (no host sync)."""
     num_rows, skip_len = 16, 2048
-    inputs = _gpu_inputs([GPU_WIDTH - 64] * num_rows, seed=3)
+    inputs = _gpu_inputs([GPU_WIDTH - 64] * num_rows, "paged", seed=3)  # the default config
     seqlens = inputs["seqlens"]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     schedule = torch.zeros(num_sms + 1, 2, dtype=torch.int32, device="cuda")

@@ -89,7 +89,7 @@ from dsaspec.ops.device import sm_count
 from dsaspec.ops.fp8_kv import gather_index_k, gather_mla, store_index_k, store_mla
 from dsaspec.ops.kv_cache_layout import INDEX_FP8_BYTES, INDEX_FP8_PAGE_BYTES, MLA_FP8_BYTES
 from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
-                                 INDEXER_FP8_PAGED_CONFIG, IndexerConfig, indexer_logits)
+                                 INDEXER_FP8_GATHER_CONFIG, IndexerConfig, indexer_logits)
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG,
@@ -157,27 +157,22 @@ TUNE_INDEXER = (
     IndexerConfig(tokens_as_m=False, num_warps=4, num_stages=1),
     INDEXER_BASELINE_CONFIG,
 )
-# On the FP8 key cache (--kv-cache-dtype fp8_e4m3), INDEXER_FP8_CONFIG first: deeper pipelines and other warp
-# counts, which keep more key bytes in flight (a block is 8.4 KB); all compile for sm_90 without spills
-# (scripts/compile_fp8_dsa.py --sweep, 64 index heads: 124-128 registers on 8 warps, 190-191 on 4, 92 on 16;
-# 35-80 KB shared memory).
+# On the FP8 key cache (--kv-cache-dtype fp8_e4m3), INDEXER_FP8_CONFIG first (a page per block, 4 warps,
+# 6 stages), then other depths and warp counts of both read forms (the point's tables are page-consistent):
+# more stages keep more key bytes in flight (a block is 8.4 KB). All compile for sm_90 without spills
+# (scripts/compile_fp8_dsa.py --sweep, 64 index heads: 124-128 registers on 8 warps, 190-191 on 4).
 TUNE_INDEXER_FP8 = (
     INDEXER_FP8_CONFIG,
-    IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=8),
-    IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=10),
-    IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=12),
-    IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=16),
-    IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=6),
-    IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=8),
-    IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=12),
-    IndexerConfig(tokens_as_m=True, num_warps=16, num_stages=10),
-    INDEXER_FP8_PAGED_CONFIG,  # a page per block: the point's tables are page-consistent
-    replace(INDEXER_FP8_PAGED_CONFIG, num_stages=10),
-    replace(INDEXER_FP8_PAGED_CONFIG, num_warps=4),
+    replace(INDEXER_FP8_CONFIG, num_stages=4),
+    replace(INDEXER_FP8_CONFIG, num_stages=8),
+    replace(INDEXER_FP8_CONFIG, num_warps=8, num_stages=10),
+    INDEXER_FP8_GATHER_CONFIG,
+    replace(INDEXER_FP8_GATHER_CONFIG, num_warps=4),
+    replace(INDEXER_FP8_GATHER_CONFIG, num_warps=4, num_stages=8),
 )
-TUNE_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 1, 3)  # indexer programs (schedule entries) per SM, the default first
+TUNE_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 2, 4)  # indexer programs (schedule entries) per SM, the default first
 # FP8 indexer programs per SM, the default first: more resident programs, more gathers in flight.
-TUNE_FP8_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 3, 4)
+TUNE_FP8_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 2, 4)
 # Two FP8 indexer configurations on the GPU: each within the FP8 GPU tests' 2**-10 of a logit's absolute
 # sum from the fp8_index reference (tests/test_indexer_fp8.py), so within twice that of each other.
 FP8_INDEXER_TUNE_RTOL = 2.0 ** -9

@@ -192,13 +192,13 @@ class RoutedExperts(RowInvariant, nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.use_fused:
-            from dsaspec.ops.fused_moe import fused_moe
+            from dsaspec.ops.fused_moe import fused_moe, moe_split_k
 
             out = torch.empty_like(x)
             scales = dict(w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv) if self.fp8 else {}
             # the router's ids are in [0, E) by construction: no host-synced range check (graph-safe)
             fused_moe(x.contiguous(), self.w13, self.w2, topk_ids, topk_weights, out, scale_fmt=self.scale_fmt,
-                      check_values=False, **scales)
+                      split_k=moe_split_k(self.intermediate, self.fp8), check_values=False, **scales)
             return out
         linear = row_invariant_ops().linear if self.row_invariant else F.linear
         per_expert = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)

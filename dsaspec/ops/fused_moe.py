@@ -59,6 +59,20 @@ _STAGE_BYTES = 160 * 1024  # shared memory of a GEMM's pipeline stages (the H200
 _COMBINE_ELEMENTS = 1024  # outputs per combine program
 
 
+# FP8 experts of I <= 256 (a TP 8 rank of GLM-5 / DeepSeek-V3.2): gate/up in 4 K splits took 0.81x the
+# time of one at T = 1 and 0.94x at T = 2, and no longer from T = 4 to 16 (0.98-1.00x); bf16 experts in 2
+# splits were 0.90x at T = 1 but 1.16x at T = 4 (H 7168, E 256, k 8; H200, moe_split.md). A rule by shape
+# only, so the row invariance holds (fused_moe's split_k).
+_FP8_SMALL_I, _FP8_SMALL_I_SPLIT = 256, 4
+
+
+def moe_split_k(intermediate_size: int, fp8: bool) -> int:
+    """The gate/up K splits :class:`~dsaspec.layers.moe.RoutedExperts` passes to :func:`fused_moe` for
+    experts of intermediate size ``intermediate_size`` (this rank's) and ``fp8`` weights: 4 for FP8
+    experts of I <= 256, else 1. A function of the shape only, never of the token count."""
+    return _FP8_SMALL_I_SPLIT if fp8 and intermediate_size <= _FP8_SMALL_I else 1
+
+
 def max_blocks(num_pairs: int, num_experts: int) -> int:
     """Blocks of ``BLOCK_M`` rows that ``num_pairs`` pairs can need at most over ``num_experts``
     expert segments, each padded to a whole block: ``(P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M``."""

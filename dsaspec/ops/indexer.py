@@ -57,12 +57,14 @@ class IndexerConfig:
 INDEXER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=3)
 # FP8 keys: a block is 8.4 KB instead of 16 KB, so twice the pipelining depth keeps as many bytes in
 # flight (the loop is bound by gathers in flight, not by bandwidth: at 3 stages the FP8 kernel took
-# the bf16 kernel's time, 175 against 185 µs at bs 32 / 64k, H200); 8 warps halve the registers
-# (sm_90 ptxas: 124 against 191 at 6 stages, decode; scripts/compile_fp8_dsa.py).
-INDEXER_FP8_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=6)
-# The same, a page per block (contiguous 8 KB codes + 256 B scales): a tune candidate until timed.
-INDEXER_FP8_PAGED_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=6,
-                                         page_blocks=True)
+# the bf16 kernel's time, 175 against 185 µs at bs 32 / 64k, H200), and each 64-position block is read
+# as one page (contiguous codes and scales, one page-table entry): the fastest of the FP8 tune's
+# candidates at every decode point, 0.62-0.64x the 8-warp gather form at bs 32-64 / 64k (89 and 169 µs
+# at 3 programs per SM; benchmarks/results/h200/dsa_ops_tune_fp8_indexer.md). Needs page-consistent
+# tables, which the runtime's allocator writes (the eager check names a block that is not).
+INDEXER_FP8_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=6, page_blocks=True)
+# The FP8 gather form (any slot table: each position's slot read on its own), the earlier FP8 default.
+INDEXER_FP8_GATHER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=6)
 # The earlier kernel (heads as M, Triton's default pipelining depth): the benchmark's baseline.
 INDEXER_BASELINE_CONFIG = IndexerConfig(tokens_as_m=False, num_warps=4, num_stages=3)
 
@@ -253,9 +255,10 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         preconditions the caller guarantees (a longer row reads past its page-table row, an
         out-of-range slot outside ``k_cache``, a block that is not one page the wrong keys).
     config : launch configuration (default :data:`INDEXER_CONFIG`, on an FP8 cache
-        :data:`INDEXER_FP8_CONFIG`); :data:`INDEXER_BASELINE_CONFIG` is the earlier kernel (the
-        benchmark's baseline); :data:`INDEXER_FP8_PAGED_CONFIG` reads a page per block (bitwise
-        equal logits on page-consistent tables).
+        :data:`INDEXER_FP8_CONFIG`, which reads a page per block, so the table must be
+        page-consistent); :data:`INDEXER_BASELINE_CONFIG` is the earlier kernel (the benchmark's
+        baseline); :data:`INDEXER_FP8_GATHER_CONFIG` reads each position's slot on its own, for any
+        table (bitwise equal logits on page-consistent tables).
 
     Returns
     -------

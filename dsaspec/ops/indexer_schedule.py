@@ -21,9 +21,10 @@ from dsaspec.ops.device import sm_count
 
 INDEXER_BLOCK_KV = 64  # KV tokens per indexer block; the schedule and the logits kernel agree on it
 _MAX_TILE = 8192  # elements of the (SMs x rows) comparison tile the schedule kernel holds at once
-# Two resident indexer programs per SM hide each other's key gathers: 0.64-0.79x the time of one
-# per SM at 8k-64k live tokens on the H200 (benchmarks/results/h200/dsa_ops_tune_wide.md).
-PROGRAMS_PER_SM = 2
+# Resident indexer programs per SM hide each other's key gathers: two took 0.64-0.79x the time of one
+# at 8k-64k live tokens (benchmarks/results/h200/dsa_ops_tune_wide.md), three 0.84-0.94x the time of
+# two at 16-64 decode rows, on bf16 and FP8 keys (dsa_ops_tune_fp8_indexer.md; H200).
+PROGRAMS_PER_SM = 3
 SMS_WITHOUT_CUDA = 4  # off-GPU (the interpreter): a small schedule of 8 programs
 
 

@@ -81,7 +81,7 @@ class DSAAttnBackend:
         ``index_kpool=1`` and ``kpool_metadata_fusion=False`` raises (the metadata written here is
         not kpool-aware).
     num_sms : indexer programs the schedule splits the KV blocks over (default
-        ``indexer_programs``: two per SM, 8 off-GPU); the schedule buffers are
+        ``indexer_programs``: three per SM, 12 off-GPU); the schedule buffers are
         ``[num_sms + 1, 2]``.
     budget : program budget of the bounded kernels (``RuntimeOptions.metadata_program_budget``; None:
         ``DEFAULT_BUDGET``); fixed
