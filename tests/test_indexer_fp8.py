@@ -35,6 +35,9 @@ EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193]
 CONFIGS = {"paged": INDEXER_FP8_CONFIG, "gather": INDEXER_FP8_GATHER_CONFIG, "bf16_default": INDEXER_CONFIG,
            "baseline": INDEXER_BASELINE_CONFIG}
 FORMS = ("paged", "gather")
+# The default with each position's slot read on its own: on page-consistent tables the same logits
+# bitwise (the same warps and stages; another warp count sums the heads in another order on the GPU).
+DEFAULT_GATHERED = replace(INDEXER_FP8_CONFIG, page_blocks=False)
 
 
 def fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=0, rows_per_group=1,
@@ -84,8 +87,7 @@ def paged_table(seqlens, width, num_pages, seed, rows_per_group=1):
 def form_inputs(form, seqlens, num_heads, width, num_pages, device, seed=0, rows_per_group=1):
     """``fp8_inputs`` with the table ``CONFIGS[form]`` reads: page-consistent for ``"paged"`` (the
     default config), random repeating slots otherwise."""
-    table = (paged_table(seqlens, width, num_pages, seed, rows_per_group).to(device)
-             if CONFIGS[form].page_blocks else None)
+    table = paged_table(seqlens, width, num_pages, seed, rows_per_group) if CONFIGS[form].page_blocks else None
     return fp8_inputs(seqlens, num_heads, width, num_pages, device, seed=seed, rows_per_group=rows_per_group,
                       table=table)
 
@@ -225,7 +227,7 @@ def test_page_blocks_equal_the_gather_form(num_heads, num_sms, device):
     (odd lengths, partial last pages, pool bytes outside the live slots NaN)."""
     inputs = fp8_inputs(PAGE_LENGTHS, num_heads, width=210, num_pages=9, device=device,
                         seed=num_heads, table=paged_table(PAGE_LENGTHS, 210, 9, num_heads))
-    gathered = launch_indexer(inputs, num_sms, out_width=256, config=INDEXER_FP8_GATHER_CONFIG)
+    gathered = launch_indexer(inputs, num_sms, out_width=256, config=DEFAULT_GATHERED)
     paged = launch_indexer(inputs, num_sms, out_width=256, config=INDEXER_FP8_CONFIG)
     assert torch.equal(paged, gathered)
     _assert_matches(paged, inputs)
@@ -237,7 +239,7 @@ def test_page_blocks_equal_the_gather_form_in_groups(device):
     inputs = fp8_inputs(seqlens, 8, width=210, num_pages=7, device=device, seed=3,
                         rows_per_group=4, table=paged_table(seqlens, 210, 7, 3, rows_per_group=4))
     runs = [launch_indexer(inputs, 3, out_width=256, skip_len=64, rows_per_group=4, config=config)
-            for config in (INDEXER_FP8_GATHER_CONFIG, INDEXER_FP8_CONFIG)]
+            for config in (DEFAULT_GATHERED, INDEXER_FP8_CONFIG)]
     assert torch.equal(runs[1], runs[0])
     _assert_matches(runs[1], inputs, skip_len=64)
 
@@ -294,7 +296,7 @@ def test_page_allocator_tables_are_page_consistent(device):
     inputs = fp8_inputs(seqlens, 8, width=pool.width, num_pages=12, device=device, seed=6,
                         table=table)
     runs = [launch_indexer(inputs, 2, out_width=320, config=config)
-            for config in (INDEXER_FP8_GATHER_CONFIG, INDEXER_FP8_CONFIG)]
+            for config in (DEFAULT_GATHERED, INDEXER_FP8_CONFIG)]
     assert torch.equal(runs[1], runs[0])
     _assert_matches(runs[1], inputs)
 
@@ -396,7 +398,7 @@ def test_gpu_page_blocks(rows_per_group):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     runs = [launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048,
                            rows_per_group=rows_per_group, config=config)
-            for config in (INDEXER_FP8_GATHER_CONFIG, INDEXER_FP8_CONFIG)]
+            for config in (DEFAULT_GATHERED, INDEXER_FP8_CONFIG)]
     assert torch.equal(runs[1], runs[0])
     _assert_matches(runs[1], inputs, skip_len=2048, relative=GPU_TOLERANCE)
 
