@@ -31,8 +31,9 @@ E2E=${E2E:-0}
 NUM_STEPS=${NUM_STEPS:-3}
 E2E_PROMPT_LEN=${E2E_PROMPT_LEN:-$((LEN + LEN / 2))}
 CLIENT_PATH="${SGLANG_CLIENT:+$SGLANG_CLIENT:}$PWD"
-if ! PYTHONPATH="$CLIENT_PATH" "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None or u.find_spec('sglang.benchmark.serving') is None)" >/dev/null 2>&1; then
-    echo "bench_serving.sh: SGLang's client is not importable (set SGLANG_CLIENT to its pip --target folder; docs/serving.md)" >&2
+if ! client_error=$(HF_HUB_OFFLINE=1 PYTHONPATH="$CLIENT_PATH" "$PYTHON" scripts/sglang_client.py --help 2>&1 >/dev/null); then
+    echo "bench_serving.sh: SGLang's client does not start (set SGLANG_CLIENT to its pip --target folder;" \
+         "docs/serving.md): $(printf '%s\n' "$client_error" | tail -n 1)" >&2
     exit 2
 fi
 keep=${WORK:+1}

@@ -1,7 +1,7 @@
 """The serving table of scripts/bench_serving.sh: SGLang's client outputs (``WORK/c<C>.jsonl``) and,
 where ``WORK/e2e/e2e.json`` exists, the in-process ``bench e2e`` figures at the same points and the
 server's overhead over them; with ``--baseline`` (an earlier report's JSON, the kill switches off)
-the baseline's tok/s/user and the speedup. Writes ``OUT/NAME.{json,md,png}`` and prints the Markdown.
+the baseline's tok/s/user and the speedup (and both runs' trees). Writes ``OUT/NAME.{json,md,png}`` and prints the Markdown.
 
     PYTHONPATH=$PWD python3 scripts/serving_report.py WORK OUT NAME PRESET LEN CONTEXT C [C ...] [--baseline FILE]
 
@@ -13,6 +13,7 @@ without an accept length it is per chunk and is compared with the median iterati
 import json
 import os
 
+from dsaspec.bench.results import source_commit
 from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int
 
 
@@ -75,7 +76,7 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _markdown(rows: list[dict], preset: str, length: int, e2e_prompt_len) -> str:
+def _markdown(rows: list[dict], preset: str, length: int, e2e_prompt_len, commit=None, baseline_commit=None) -> str:
     lines = [f"# dsaspec serve, {preset}: SGLang's client, input {length} / output {length}", "",
              "| C | tok/s/user | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | accept |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -87,7 +88,10 @@ def _markdown(rows: list[dict], preset: str, length: int, e2e_prompt_len) -> str
     pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"   # noqa: E731
     ms = lambda v: "-" if v is None else f"{v:.2f}"            # noqa: E731
     if any("baseline_tok_s_user" in r for r in rows):
-        lines += ["", "Baseline (kill switches off) vs new, the same client and method:", "",
+        trees = (f" (baseline tree {baseline_commit or 'not recorded'}, this run's {commit or 'not recorded'}"
+                 + ("" if commit and commit == baseline_commit else
+                    ": not the same tree, so the speedup also holds what changed between them") + ")")
+        lines += ["", f"Baseline (kill switches off) vs new, the same client and method{trees}:", "",
                   "| C | baseline tok/s/user | new tok/s/user | speedup |", "| ---: | ---: | ---: | ---: |"]
         lines += [f"| {r['concurrency']} | {r['baseline_tok_s_user']:.1f} | {r['tok_s_user']:.1f} | "
                   f"{r['speedup']:.3f} |" for r in rows if "baseline_tok_s_user" in r]
@@ -112,9 +116,12 @@ def main(argv=None) -> None:
         e2e_prompt_len = report["params"].get("prompt_len")
     except FileNotFoundError:
         pass
-    baseline = {}
+    baseline, baseline_commit = {}, None
     if args.baseline is not None:
-        baseline = {r["concurrency"]: r for r in json.load(open(args.baseline))["rows"]}
+        report = json.load(open(args.baseline))
+        baseline = {r["concurrency"]: r for r in report["rows"]}
+        baseline_commit = report["setup"].get("commit")
+    commit = source_commit()
     rows = []
     for c in args.concurrency:
         row = _client_row(f"{args.work}/c{c}.jsonl", c)
@@ -125,7 +132,8 @@ def main(argv=None) -> None:
                        speedup=row["tok_s_user"] / baseline[c]["tok_s_user"])
         rows.append(row)
     setup = {"preset": args.preset, "input_len": args.length, "output_len": args.length,
-             "context": args.context, "e2e_prompt_len": e2e_prompt_len, "baseline": args.baseline,
+             "context": args.context, "e2e_prompt_len": e2e_prompt_len, "commit": commit,
+             "baseline": args.baseline, "baseline_commit": baseline_commit,
              "client": "sglang 0.5.23 bench_serving, backend sglang-oai, dataset random-ids, range ratio 1, "
                        "num-prompts max(6C, 16), C warm-up requests",
              "overhead": "with E2E=1: overhead_tpot = median TPOT / bench e2e's new ms per token - 1 (includes "
@@ -134,7 +142,7 @@ def main(argv=None) -> None:
                          "then against the median iteration)"}
     os.makedirs(args.out, exist_ok=True)
     json.dump({"setup": setup, "rows": rows}, open(f"{args.out}/{args.name}.json", "w"), indent=2)
-    text = _markdown(rows, args.preset, args.length, e2e_prompt_len)
+    text = _markdown(rows, args.preset, args.length, e2e_prompt_len, commit, baseline_commit)
     open(f"{args.out}/{args.name}.md", "w").write(text)
     _plot(rows, f"{args.out}/{args.name}.png", f"dsaspec serve, {args.preset}, {args.length} in / out")
     print(text, end="")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsaspec.bench.results import _git_commit
+from dsaspec.bench.results import source_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +17,7 @@ def _git(*args, cwd):
 
 
 def test_commit_of_this_checkout():
-    assert _git_commit() == _git("rev-parse", "--short", "HEAD", cwd=ROOT)
+    assert source_commit() == _git("rev-parse", "--short", "HEAD", cwd=ROOT)
 
 
 def test_no_commit_for_a_tree_inside_another_repository(tmp_path):
@@ -25,7 +25,7 @@ def test_no_commit_for_a_tree_inside_another_repository(tmp_path):
     _git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "outer", cwd=tmp_path)
     inner = tmp_path / "snapshot"
     shutil.copytree(ROOT / "dsaspec", inner / "dsaspec", ignore=shutil.ignore_patterns("__pycache__"))
-    out = subprocess.run([sys.executable, "-c", "from dsaspec.bench.results import _git_commit; print(_git_commit())"],
+    out = subprocess.run([sys.executable, "-c", "from dsaspec.bench.results import source_commit; print(source_commit())"],
                          cwd=inner, env={"PYTHONPATH": str(inner), "PATH": "/usr/bin:/bin"}, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -39,7 +39,7 @@ def test_commit_of_a_git_archive_inside_another_repository(tmp_path):
     inner.mkdir()
     archive = subprocess.run(["git", "archive", "HEAD", "dsaspec"], cwd=ROOT, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(inner)], input=archive, check=True)
-    out = subprocess.run([sys.executable, "-c", "from dsaspec.bench.results import _git_commit; print(_git_commit())"],
+    out = subprocess.run([sys.executable, "-c", "from dsaspec.bench.results import source_commit; print(source_commit())"],
                          cwd=inner, env={"PYTHONPATH": str(inner), "PATH": "/usr/bin:/bin"}, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -30,7 +30,7 @@ def _archived_commit() -> str | None:
     return None if text.startswith("$Format") or not text else text
 
 
-def _git_commit() -> str | None:
+def source_commit() -> str | None:
     """HEAD of the checkout this package runs from, else the commit of the ``git archive`` it was
     exported from (a GPU run's snapshot); None for any other tree (one copied inside another
     repository's work tree would otherwise report that repository's HEAD)."""
@@ -56,7 +56,7 @@ def machine_info() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "interpreter": flags.triton_interpret(),
-        "git_commit": _git_commit(),
+        "git_commit": source_commit(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
