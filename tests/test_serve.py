@@ -1,12 +1,17 @@
 """``dsaspec serve`` on CPU, over loopback only: the HTTP API against ``Engine.generate`` for the same
 prompts (streamed and whole, text and token ids, chat through a template, concurrent clients), a
 client that disconnects mid-stream (its row and pages freed), bad requests (400s naming the field),
-the waiting bound (503), shutdown with requests in flight, and the command's option errors.
+the waiting bound (503), shutdown with requests in flight, and the command's option errors; then
+the same behaviours with the engine in a process of its own (``EngineProcess``, as ``dsaspec serve``
+runs by default), and that process failing to build or dying.
 
 The server runs in-process (uvicorn on a thread, an ephemeral port) over the fp32 tiny model with
-the torch reference ops and the tokenizer ``dsaspec.testing.tokenizer`` trains. Every wait is bounded.
+the torch reference ops and the tokenizer ``dsaspec.testing.tokenizer`` trains; an engine process
+builds the same model (seed 0) from :func:`tiny_engine`. Every wait is bounded.
 """
 
+import asyncio
+import functools
 import http.client
 import json
 import logging
@@ -30,7 +35,8 @@ from dsaspec.configs.model_config import get_config  # noqa: E402
 from dsaspec.engine.engine import Engine  # noqa: E402
 from dsaspec.models.dsa_model import DSAModel  # noqa: E402
 from dsaspec.serving.api import Server, build_app  # noqa: E402
-from dsaspec.serving.engine_loop import EngineLoop  # noqa: E402
+from dsaspec.serving.engine_loop import EngineLoop, Overloaded  # noqa: E402
+from dsaspec.serving.engine_process import EngineFailed, EngineProcess  # noqa: E402
 from dsaspec.serving.metrics import ServerMetrics  # noqa: E402
 from dsaspec.serving.text import load_text  # noqa: E402
 from dsaspec.testing.tokenizer import build_tokenizer  # noqa: E402
@@ -63,12 +69,21 @@ def _until(condition, what: str):
         time.sleep(0.01)
 
 
+def tiny_engine(**kwargs):
+    """An engine process's factory: the module's engine over the fp32 tiny model of seed 0."""
+    torch.set_num_threads(1)
+    return _engine(DSAModel(get_config("tiny"), dtype=torch.float32).init_weights(0), **kwargs)
+
+
 @contextmanager
-def serving(model, text, *, max_waiting=16, graceful_s=5.0, **engine_kwargs):
-    """A server on 127.0.0.1 at a free port: yields (port, Server); stopped on exit."""
-    engine = _engine(model, **engine_kwargs)
-    server = Server(EngineLoop(engine, max_waiting=max_waiting, metrics=ServerMetrics()), model_name="tiny-test",
-                    text=text, info={})
+def serving(model, text, *, max_waiting=16, graceful_s=5.0, process=False, **engine_kwargs):
+    """A server on 127.0.0.1 at a free port: yields (port, Server); stopped on exit. ``process``:
+    the engine in an engine process (built by :func:`tiny_engine`), else on a thread."""
+    if process:
+        loop = EngineProcess(functools.partial(tiny_engine, **engine_kwargs), max_waiting=max_waiting)
+    else:
+        loop = EngineLoop(_engine(model, **engine_kwargs), max_waiting=max_waiting, metrics=ServerMetrics())
+    server = Server(loop, model_name="tiny-test", text=text, info={})
     config = uvicorn.Config(build_app(server), host="127.0.0.1", port=0, log_level="warning",
                             timeout_graceful_shutdown=graceful_s)
     runner = uvicorn.Server(config)
@@ -446,6 +461,8 @@ def test_incremental_detokenizer_holds_back_split_characters(text):
     (["--num-slots", "100"], ["--num-slots 100", "multiple of 64"]),
     (["--speculative-num-steps", "2"], ["--speculative-num-steps needs --speculative-algorithm"]),
     (["--checkpoint", "/nonexistent/ckpt"], ["/nonexistent/ckpt", "does not exist"]),
+    (["--max-batch", "100000"], ["--preset tiny needs at least", "--max-batch"]),   # in the engine process
+    (["--max-batch", "100000", "--no-engine-process"], ["--preset tiny needs at least"]),
 ])
 def test_serve_option_errors_are_one_line(capsys, argv, named):
     from test_cli import assert_one_line_error
@@ -463,3 +480,136 @@ def test_word_tokenizer_gives_every_token_text(tmp_path):
     assert all(detok.add([i]) for i in ids)          # each streamed token carries text
     assert codec.encode(codec.decode(ids)) == ids
     assert codec.eos_token_ids == {0}
+
+
+# ---- the engine in a process of its own -------------------------------------------------------
+
+def _scheduler(port) -> dict:
+    """The engine process's gauges, read through /metrics."""
+    status, body = get(port, "/metrics")
+    assert status == 200
+    names = ("dsaspec_num_running_requests", "dsaspec_num_waiting_requests", "dsaspec_kv_pages_used")
+    return {line.split()[0]: float(line.split()[1]) for line in body.decode().splitlines()
+            if line.split(" ")[0] in names}
+
+
+def _idle(port) -> bool:
+    return set(_scheduler(port).values()) == {0.0}
+
+
+def test_engine_process_concurrent_clients_equal_generate(model, text):
+    """Six clients, two rows, the engine in its own process: outputs, metrics, accept length."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1031, (n,), generator=generator).tolist() for n in (5, 70, 33, 9, 2, 17)]
+    limits = [6, 4, 8, 3, 7, 5]
+    expected = [r.token_ids for r in _engine(model).generate(prompts, limits)]
+    words = "The quick brown fox"
+    text_expected = _engine(model).generate(text.encode(words), 5).token_ids
+    with serving(model, text, process=True) as (port, server):
+        def one(i):
+            body = {"prompt": prompts[i], "max_tokens": limits[i], "ignore_eos": True}
+            if i % 2:
+                return [t for e in stream(port, "/v1/completions", body)[:-1] for t in e["choices"][0]["token_ids"]]
+            return _ids(port, body)["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(one, range(6)))
+        assert _idle(port)                            # every response has ended: nothing left to wait for
+        status, metrics = get(port, "/metrics")
+        _, info = get(port, "/get_server_info")
+        health = get(port, "/health")[0]
+        whole = _ids(port, {"prompt": words, "max_tokens": 5, "ignore_eos": True})["choices"][0]
+        process = server.loop.process
+    assert got == expected
+    assert whole["token_ids"] == text_expected and whole["text"] == text.decode(text_expected)
+    metrics = metrics.decode()
+    for line in ('dsaspec_requests_total{finish_reason="length"} 6.0', "dsaspec_num_running_requests 0.0",
+                 "dsaspec_kv_pages_used 0.0", f"dsaspec_generation_tokens_total {float(sum(limits))}",
+                 "dsaspec_time_to_first_token_seconds_count 6.0", "dsaspec_mean_accept_length 1.0"):
+        assert line in metrics, line
+    info = json.loads(info)
+    assert info["internal_states"][0]["avg_spec_accept_length"] == 1.0 and info["num_running"] == 0
+    assert health == 200 and not process.is_alive() and process.exitcode == 0
+
+
+def test_engine_process_disconnect_frees_pages(model, text):
+    abort = 'dsaspec_requests_total{finish_reason="abort"} 1.0'
+    with serving(model, text, process=True) as (port, _):
+        sock = open_stream(port, {"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True})
+        assert _scheduler(port)["dsaspec_num_running_requests"] == 1.0
+        sock.close()
+        _until(lambda: _idle(port) and abort in get(port, "/metrics")[1].decode(),
+               "the disconnected request's pages to be freed and its abort counted")
+        assert _ids(port, {"prompt": [4, 5], "max_tokens": 2})["choices"][0]["finish_reason"] == "length"
+
+
+def test_engine_process_errors_and_the_waiting_bound(model, text):
+    """400s checked in the HTTP process and in the engine's, then the 503 of a full queue."""
+    with serving(model, text, process=True, max_batch=1, bucket_sizes=(1,), max_waiting=1) as (port, server):
+        for body, param, message in [({"prompt": "hi", "temperature": 0.7}, "temperature", "only greedy"),
+                                     ({"prompt": [1, 2000]}, "prompt", "outside the vocabulary [0, 1031)"),
+                                     ({"prompt": [1] * 250, "max_tokens": 10}, "prompt", "more than context_len=256"),
+                                     ({"prompt": [1], "stop_token_ids": [5000]}, "prompt", "stop_token_ids")]:
+            status, reply = post(port, "/v1/completions", body)
+            assert status == 400 and reply["error"]["param"] == param and message in reply["error"]["message"], reply
+        running = open_stream(port, {"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True})
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(post, port, "/v1/completions", {"prompt": [4, 5], "max_tokens": 2})
+            _until(lambda: json.loads(get(port, "/get_server_info")[1])["num_waiting"] == 1,
+                   "the second request to wait")
+            status, reply = post(port, "/v1/completions", {"prompt": [6], "max_tokens": 2})
+            assert status == 503 and "--max-waiting 1" in reply["error"]["message"], reply
+            assert _scheduler(port)["dsaspec_num_running_requests"] == 1.0
+            running.close()
+            assert waiting.result(WAIT_S)[0] == 200
+        _until(lambda: _idle(port), "pages to be freed")
+
+
+def test_engine_process_shutdown_with_requests_in_flight(model, text, caplog):
+    caplog.set_level(logging.ERROR)
+    with serving(model, text, process=True, graceful_s=0.2) as (port, server):
+        socks = [open_stream(port, {"prompt": [1, 2, i], "max_tokens": 250, "ignore_eos": True}) for i in (3, 4)]
+        assert _scheduler(port)["dsaspec_num_running_requests"] == 2.0
+        engine = server.engine
+    for sock in socks:                               # the streams were cut
+        sock.settimeout(WAIT_S)
+        while sock.recv(4096):
+            pass
+        sock.close()
+    assert not engine.process.is_alive() and engine.process.exitcode == 0 and not engine.alive
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    with pytest.raises(Overloaded, match="shutting down"):
+        asyncio.run(engine.submit([1], 1, lambda d: None))
+
+
+def test_engine_process_that_dies_ends_its_requests(model, text):
+    """The engine process killed mid-stream: the stream ends with an error event and an abort,
+    /health is a 503 and new requests are refused."""
+    with serving(model, text, process=True) as (port, server):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps({"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True, "stream": True}))
+        response = conn.getresponse()
+        events = []
+        for line in response:
+            if line.startswith(b"data: "):
+                payload = line[len(b"data: "):].strip().decode()
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+                if len(events) == 1:
+                    server.loop.process.kill()
+        conn.close()
+        health = get(port, "/health")
+        refused = post(port, "/v1/completions", {"prompt": [4], "max_tokens": 2})
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert "the engine process exited (status -9)" in events[-3]["error"]["message"]
+    assert health[0] == 503 and b"the engine process exited" in health[1]
+    assert refused[0] == 503 and "the engine process exited" in refused[1]["error"]["message"]
+
+
+def _broken_engine():
+    raise RuntimeError("no weights here")
+
+
+def test_engine_process_that_cannot_build_its_engine_says_why():
+    with pytest.raises(EngineFailed, match=r"failed to build its engine \(RuntimeError: no weights here\)"):
+        EngineProcess(_broken_engine, max_waiting=1)

@@ -207,9 +207,16 @@ def build_model(args, config, device, dtype, use_triton: bool, options, group=No
                      row_invariant=args.row_invariant, tp_group=group, options=options)
     if args.checkpoint:
         load_weights(model, args.checkpoint)
-        return model, f"checkpoint {args.checkpoint}"
-    model.init_weights(args.seed)
-    return model, f"preset {args.preset}, random weights (seed {args.seed})"
+    else:
+        model.init_weights(args.seed)
+    return model, weights_source(args)
+
+
+def weights_source(args) -> str:
+    """The line saying where :func:`build_model`'s weights come from."""
+    if args.checkpoint:
+        return f"checkpoint {args.checkpoint}"
+    return f"preset {args.preset}, random weights (seed {args.seed})"
 
 
 def run(args) -> int:

@@ -141,13 +141,61 @@ def check_fields(body, fields: dict) -> dict:
     return body
 
 
-class Server:
-    """The app's state: the engine loop, the text codec (None: prompts and outputs are token ids),
-    the served model's name and what ``/get_server_info`` reports."""
+class InProcess:
+    """An :class:`EngineLoop` on a thread of this process, behind the interface the server drives
+    an :class:`~dsaspec.serving.engine_process.EngineProcess` through: :meth:`start` on the app's
+    event loop, ``async`` :meth:`submit`, :meth:`cancel`, ``async`` :meth:`state`,
+    :meth:`exposition` and :meth:`stop`, ``alive``, ``failure``, ``context_len``, ``max_waiting``."""
 
-    def __init__(self, loop: EngineLoop, *, model_name: str, text: TextCodec | None, info: dict):
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self.context_len, self.max_waiting = loop.engine.context_len, loop.max_waiting
+        self._dispatch: EventLoopDispatch | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.loop.alive
+
+    @property
+    def failure(self) -> str | None:
+        return None if self.loop.failure is None else str(self.loop.failure)
+
+    def start(self, aio: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread, its deliveries made on ``aio`` through an :class:`EventLoopDispatch`."""
+        self._dispatch = EventLoopDispatch(aio)
+        self.loop.start(self._dispatch)
+
+    async def submit(self, prompt, max_new_tokens: int, deliver, *, stop_token_ids=()):
+        """:meth:`EngineLoop.submit`."""
+        return self.loop.submit(prompt, max_new_tokens, deliver, stop_token_ids=stop_token_ids)
+
+    def cancel(self, handle) -> None:
+        self.loop.cancel(handle)
+
+    async def state(self) -> dict:
+        """:meth:`EngineLoop.state`."""
+        return self.loop.state()
+
+    async def exposition(self) -> tuple[bytes, str]:
+        return self.loop.metrics.exposition()
+
+    async def stop(self) -> None:
+        """Stop the engine thread (every row and page freed), then the dispatch thread."""
+        self.loop.stop()
+        if self._dispatch is not None:
+            self._dispatch.close()
+
+
+class Server:
+    """The app's state: the engine (an :class:`EngineLoop`, run on a thread here, or an
+    :class:`~dsaspec.serving.engine_process.EngineProcess`), the text codec (None: prompts and
+    outputs are token ids), the served model's name and what ``/get_server_info`` reports.
+    ``engine`` drives either through the same interface (:class:`InProcess`'s)."""
+
+    def __init__(self, loop, *, model_name: str, text: TextCodec | None, info: dict):
         self.loop, self.model_name, self.text, self.info = loop, model_name, text, info
-        self.context_len = loop.engine.context_len
+        self.engine = InProcess(loop) if isinstance(loop, EngineLoop) else loop
+        self.context_len = self.engine.context_len
         self.created = int(time.time())
 
     # ---- prompts --------------------------------------------------------------------------
@@ -219,7 +267,7 @@ class Server:
             return _error(400, str(err), "invalid_request_error", err.param)
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         try:   # put_nowait runs on this event loop: build_app's lifespan dispatches the deliveries to it
-            handle = self.loop.submit(ids, limit, queue.put_nowait, stop_token_ids=sorted(stops))
+            handle = await self.engine.submit(ids, limit, queue.put_nowait, stop_token_ids=sorted(stops))
         except Overloaded as err:
             return _error(503, str(err), "service_unavailable")
         except (TypeError, ValueError) as err:       # bad token ids, or a request that can never fit
@@ -249,7 +297,7 @@ class Server:
                 return
         finally:
             if not ended:                            # the client went away (or the server stops)
-                self.loop.cancel(handle)
+                self.engine.cancel(handle)
 
     async def _whole(self, request: Request, queue, handle, reply: "_Reply") -> Response:
         gone = asyncio.ensure_future(_disconnected(request))
@@ -272,7 +320,7 @@ class Server:
         finally:
             gone.cancel()
             if not ended:
-                self.loop.cancel(handle)
+                self.engine.cancel(handle)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -280,21 +328,28 @@ class Server:
             "root": self.model_name, "max_model_len": self.context_len}]})
 
     async def health(self, request: Request) -> Response:
-        if self.loop.alive:
+        engine = self.engine
+        if engine.alive:
             return JSONResponse({"status": "ok"})
-        return _error(503, self.loop.failure and f"the engine failed: {self.loop.failure}" or "shutting down",
+        return _error(503, engine.failure and f"the engine failed: {engine.failure}" or "shutting down",
                       "service_unavailable")
 
     async def metrics(self, request: Request) -> Response:
-        body, content_type = self.loop.metrics.exposition()
+        try:
+            body, content_type = await self.engine.exposition()
+        except Overloaded as err:                    # the engine process has ended
+            return _error(503, str(err), "service_unavailable")
         return Response(body, media_type=content_type)
 
     async def server_info(self, request: Request) -> Response:
-        loop = self.loop
-        return JSONResponse({**self.info, "model": self.model_name, "max_waiting": loop.max_waiting,
-                             "num_waiting": loop.num_waiting, "num_running": len(loop.core.running),
-                             "internal_states": [{"avg_spec_accept_length": loop.mean_accept_length,
-                                                  "last_gen_throughput": loop.last_gen_throughput}]})
+        try:
+            state = await self.engine.state()
+        except Overloaded as err:
+            return _error(503, str(err), "service_unavailable")
+        return JSONResponse({**self.info, "model": self.model_name, "max_waiting": self.engine.max_waiting,
+                             "num_waiting": state["num_waiting"], "num_running": state["num_running"],
+                             "internal_states": [{"avg_spec_accept_length": state["mean_accept_length"],
+                                                  "last_gen_throughput": state["last_gen_throughput"]}]})
 
 
 class _Reply:
@@ -414,19 +469,16 @@ def _deliver_batches(batches) -> None:
 
 
 def build_app(server: Server) -> Starlette:
-    """The Starlette app of ``server``; its lifespan starts the engine loop, its deliveries handed
-    to the app's event loop through an :class:`EventLoopDispatch`, and, at shutdown, stops it
-    (every row and page freed)."""
+    """The Starlette app of ``server``; its lifespan starts the engine (its deliveries made on the
+    app's event loop) and, at shutdown, stops it (every row and page freed)."""
 
     @asynccontextmanager
     async def lifespan(app):
-        dispatch = EventLoopDispatch(asyncio.get_running_loop())
-        server.loop.start(dispatch)
+        server.engine.start(asyncio.get_running_loop())
         try:
             yield
         finally:
-            server.loop.stop()
-            dispatch.close()
+            await server.engine.stop()
 
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),

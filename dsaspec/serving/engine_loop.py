@@ -12,7 +12,9 @@ The metrics are updated before the deliveries of each step, so a client that has
 delivery finds ``/metrics`` counting the request as ended (not running, its KV pages free).
 The deliveries of one step (or command) go out together, in order, through one ``dispatch`` call
 (:meth:`EngineLoop.start`), which a server uses to hand them to its event loop in one wake-up
-(:class:`~dsaspec.serving.api.EventLoopDispatch`).
+(:class:`~dsaspec.serving.api.EventLoopDispatch`), or, in an engine process of its own
+(:mod:`dsaspec.serving.engine_process`), to send them to the HTTP process in one message; there
+the loop runs on the process's main thread (:meth:`EngineLoop.run`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class Handle:
     """A submitted request, for :meth:`EngineLoop.cancel`."""
 
     request: object                                  # the EngineCore's checked request
-    deliver: Callable[[Delivery], None]
+    deliver: object                                  # what the dispatch gets with each delivery
     submitted_at: float = field(default_factory=time.perf_counter)
     core_id: int | None = None
     state: str = "inbox"                             # inbox, waiting, running, done
@@ -79,7 +81,7 @@ class EngineLoop:
         self._handles: dict[int, Handle] = {}          # core id -> handle, waiting or running
         self._outbox: list[tuple[Callable[[Delivery], None], Delivery]] = []   # sent by _send
         self._dispatch = deliver_all
-        self._thread = threading.Thread(target=self._run, name="dsaspec-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="dsaspec-engine", daemon=True)
         self.failure: BaseException | None = None
         self.accepted_tokens = self.accept_steps = 0
         self.last_gen_throughput = 0.0
@@ -98,6 +100,12 @@ class EngineLoop:
         self._thread.start()
         return self
 
+    def state(self) -> dict:
+        """The scheduler's state now: ``num_waiting``, ``num_running``, ``mean_accept_length``,
+        ``last_gen_throughput`` (what ``/get_server_info`` reports)."""
+        return {"num_waiting": self._num_waiting, "num_running": len(self.core.running),
+                "mean_accept_length": self.mean_accept_length, "last_gen_throughput": self.last_gen_throughput}
+
     @property
     def num_waiting(self) -> int:
         return self._num_waiting
@@ -111,11 +119,11 @@ class EngineLoop:
         """Mean tokens committed per request per decode step since start; None before any step."""
         return self.accepted_tokens / self.accept_steps if self.accept_steps else None
 
-    def submit(self, prompt, max_new_tokens: int, deliver: Callable[[Delivery], None], *,
-               stop_token_ids=()) -> Handle:
+    def submit(self, prompt, max_new_tokens: int, deliver, *, stop_token_ids=()) -> Handle:
         """Queue a request (checked here: ``RequestRefused`` / ``TypeError`` / ``ValueError`` as
         :meth:`EngineCore.check` raises them); :class:`Overloaded` if ``max_waiting`` requests
-        wait already or the loop is stopping."""
+        wait already or the loop is stopping. ``deliver`` goes to the dispatch with each of the
+        request's deliveries (the default dispatch calls it: ``deliver(Delivery)``)."""
         request = self.core.check(prompt, max_new_tokens, stop_token_ids=stop_token_ids)
         handle = Handle(request, deliver)
         with self._cond:
@@ -147,7 +155,11 @@ class EngineLoop:
             self._thread.join(timeout)
 
     # ---- the engine thread -----------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self, dispatch=None) -> None:
+        """The engine loop on the calling thread (instead of :meth:`start`'s), until :meth:`stop`
+        (from another thread) or a failure (kept in ``failure``); ``dispatch`` as :meth:`start`'s."""
+        if dispatch is not None:
+            self._dispatch = dispatch
         try:
             while True:
                 with self._cond:
