@@ -232,6 +232,19 @@ def test_chat_through_the_template_and_usage_chunk(model, text):
     assert status == 400 and bad["error"]["param"] == "messages" and "unknown role tool" in bad["error"]["message"]
 
 
+def _concurrent_clients(port, prompts, limits):
+    """One client a prompt, all at once: odd ones stream (their chunks' ids joined), even ones not;
+    returns each prompt's generated ids."""
+    def one(i):
+        body = {"prompt": prompts[i], "max_tokens": limits[i], "ignore_eos": True}
+        if i % 2:
+            return [t for e in stream(port, "/v1/completions", body)[:-1] for t in e["choices"][0]["token_ids"]]
+        return _ids(port, body)["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
 def test_concurrent_clients_equal_generate(model, text):
     """Six clients, two rows: requests join and leave the running batch between steps."""
     generator = torch.Generator().manual_seed(3)
@@ -239,14 +252,7 @@ def test_concurrent_clients_equal_generate(model, text):
     limits = [6, 4, 8, 3, 7, 5]
     expected = [r.token_ids for r in _engine(model).generate(prompts, limits)]
     with serving(model, text) as (port, server):
-        def one(i):
-            body = {"prompt": prompts[i], "max_tokens": limits[i], "ignore_eos": True}
-            if i % 2:
-                return [t for e in stream(port, "/v1/completions", body)[:-1] for t in e["choices"][0]["token_ids"]]
-            return _ids(port, body)["choices"][0]["token_ids"]
-
-        with ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(one, range(6)))
+        got = _concurrent_clients(port, prompts, limits)
         assert _all_free(server.loop.engine)          # every response has ended: nothing left to wait for
         status, metrics = get(port, "/metrics")
         _, info = get(port, "/get_server_info")
@@ -506,14 +512,7 @@ def test_engine_process_concurrent_clients_equal_generate(model, text):
     words = "The quick brown fox"
     text_expected = _engine(model).generate(text.encode(words), 5).token_ids
     with serving(model, text, process=True) as (port, server):
-        def one(i):
-            body = {"prompt": prompts[i], "max_tokens": limits[i], "ignore_eos": True}
-            if i % 2:
-                return [t for e in stream(port, "/v1/completions", body)[:-1] for t in e["choices"][0]["token_ids"]]
-            return _ids(port, body)["choices"][0]["token_ids"]
-
-        with ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(one, range(6)))
+        got = _concurrent_clients(port, prompts, limits)
         assert _idle(port)                            # every response has ended: nothing left to wait for
         status, metrics = get(port, "/metrics")
         _, info = get(port, "/get_server_info")
