@@ -58,7 +58,7 @@ SM90_SHARED = 232448  # bytes of shared memory one block may hold on sm_90 (227 
 def compile_kernel(kernel, launch, overrides=(("UPCAST", False),)) -> dict:
     """Compile ``kernel`` as ``launch()`` would launch it on a CUDA device (with the constexpr
     ``overrides`` a CUDA host would pick); registers, spills, shared memory, the SASS instruction
-    counts of :data:`SASS_OPS` and the SASS length (``instructions``)."""
+    counts of :data:`SASS_OPS`, the SASS length (``instructions``) and the PTX (``ptx``)."""
     record: dict = {}
     fresh_cache_dir()  # cold: a cached kernel would come without its ptxas log
     with compile_instead_of_launch(kernel, record, keep_compiled=True):
@@ -71,7 +71,8 @@ def compile_kernel(kernel, launch, overrides=(("UPCAST", False),)) -> dict:
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     return dict(regs=record["regs"], spill=record["spill_stores"] or 0, shared=compiled.metadata.shared,
-                sass=collections.Counter(SASS_OPS.findall(sass)), instructions=len(SASS_LINE.findall(sass)))
+                sass=collections.Counter(SASS_OPS.findall(sass)), instructions=len(SASS_LINE.findall(sass)),
+                ptx=compiled.asm["ptx"])
 
 
 def compile_indexer(fp8: bool, config: IndexerConfig | None = None, rows_per_group: int = 1,
