@@ -51,14 +51,14 @@ SPARSE_MLA_SWEEP = [SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stage
                                            (64, 32, 4, 2, 128), (64, 64, 4, 1, 128), (16, 32, 4, 2, 512),
                                            (32, 64, 8, 3, 512), (32, 32, 8, 2, 512), (32, 64, 8, 2, 512),
                                            (32, 32, 4, 2, 512))]
-INDEX_ROPE_KINDS = ("q", "q_rotated", "k_dense", "k_fp8")   # compile_index_rope's variants
+INDEX_ROPE_KINDS = ("q", "q_rotated", "k_dense", "k_fp8", "qk_dense", "qk_fp8")   # compile_index_rope's variants
 SM90_SHARED = 232448  # bytes of shared memory one block may hold on sm_90 (227 KiB)
 
 
 def compile_kernel(kernel, launch, overrides=(("UPCAST", False),)) -> dict:
     """Compile ``kernel`` as ``launch()`` would launch it on a CUDA device (with the constexpr
     ``overrides`` a CUDA host would pick); registers, spills, shared memory, the SASS instruction
-    counts of :data:`SASS_OPS` and the SASS length (``instructions``)."""
+    counts of :data:`SASS_OPS`, the SASS length (``instructions``) and the PTX (``ptx``)."""
     record: dict = {}
     fresh_cache_dir()  # cold: a cached kernel would come without its ptxas log
     with compile_instead_of_launch(kernel, record, keep_compiled=True):
@@ -71,7 +71,8 @@ def compile_kernel(kernel, launch, overrides=(("UPCAST", False),)) -> dict:
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     return dict(regs=record["regs"], spill=record["spill_stores"] or 0, shared=compiled.metadata.shared,
-                sass=collections.Counter(SASS_OPS.findall(sass)), instructions=len(SASS_LINE.findall(sass)))
+                sass=collections.Counter(SASS_OPS.findall(sass)), instructions=len(SASS_LINE.findall(sass)),
+                ptx=compiled.asm["ptx"])
 
 
 def compile_indexer(fp8: bool, config: IndexerConfig | None = None, rows_per_group: int = 1,
@@ -105,18 +106,24 @@ def compile_sparse_mla(fp8: bool, config: SparseMLAConfig | None = None) -> dict
 def compile_index_rope(kind: str) -> dict:
     """One launch of the indexer epilogue kernel, bf16 model, GLM-5's 32 index heads: ``kind``
     ``q`` (RoPE), ``q_rotated`` (RoPE, Hadamard), ``k_dense`` (LayerNorm, RoPE, copy into a bf16
-    cache) or ``k_fp8`` (LayerNorm, RoPE, Hadamard, quantize into the FP8 paged cache)."""
+    cache), ``k_fp8`` (LayerNorm, RoPE, Hadamard, quantize into the FP8 paged cache), or a layer's
+    query and key in one launch (``index_q_rope_store_k``): ``qk_dense`` (``q`` + ``k_dense``),
+    ``qk_fp8`` (``q_rotated`` + ``k_fp8``)."""
     cos = sin = torch.zeros(ROWS, 32)
-    if kind.startswith("q"):
-        q = torch.zeros(ROWS, 32, INDEX_HEAD_DIM, dtype=torch.bfloat16)
+    q = torch.zeros(ROWS, 32, INDEX_HEAD_DIM, dtype=torch.bfloat16)
+    cache = (torch.zeros(16, INDEX_FP8_PAGE_BYTES, dtype=torch.uint8) if kind.endswith("fp8")
+             else torch.zeros(1024, INDEX_HEAD_DIM, dtype=torch.bfloat16))
+    k = torch.zeros(ROWS, INDEX_HEAD_DIM, dtype=torch.bfloat16)
+    w = torch.ones(INDEX_HEAD_DIM, dtype=torch.bfloat16)
+    loc = torch.zeros(ROWS, dtype=torch.int64)
+    if kind.startswith("qk"):
+        launch = lambda: index_rope.index_q_rope_store_k(  # noqa: E731
+            q, cache, loc, k, w, w, 1e-6, cos, sin, 64, True, check_values=False)
+    elif kind.startswith("q"):
         launch = lambda: index_rope.index_q_rope(q, cos, sin, 64, True, rotate=kind == "q_rotated")  # noqa: E731
     else:
-        cache = (torch.zeros(16, INDEX_FP8_PAGE_BYTES, dtype=torch.uint8) if kind == "k_fp8"
-                 else torch.zeros(1024, INDEX_HEAD_DIM, dtype=torch.bfloat16))
-        k = torch.zeros(ROWS, INDEX_HEAD_DIM, dtype=torch.bfloat16)
-        w = torch.ones(INDEX_HEAD_DIM, dtype=torch.bfloat16)
         launch = lambda: index_rope.store_index_k_normed(  # noqa: E731
-            cache, torch.zeros(ROWS, dtype=torch.int64), k, w, w, 1e-6, cos, sin, 64, True, check_values=False)
+            cache, loc, k, w, w, 1e-6, cos, sin, 64, True, check_values=False)
     return compile_kernel(index_rope._index_rope_kernel, launch, overrides=())
 
 

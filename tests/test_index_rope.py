@@ -2,15 +2,15 @@
 reference: the query's RoPE and Hadamard rotation exactly (the reference's transform is the
 kernel's: the same fp32 butterflies in the same order), the reference's rotation against
 ``y @ H`` in float64; the key's LayerNorm (sums in another order) within a stated tolerance;
-every row's bits independent of the batch; the Indexer's Triton path against its torch path;
-the sm_90 compile without spills."""
+every row's bits independent of the batch; both epilogues in one launch bit for bit the two
+launches; the Indexer's Triton path against its torch path; the sm_90 compile without spills."""
 
 
 import pytest
 import torch
 
 from compile_scripts import run_in_scripts
-from dsaspec.ops.index_rope import index_q_rope, store_index_k_normed
+from dsaspec.ops.index_rope import index_q_rope, index_q_rope_store_k, store_index_k_normed
 from dsaspec.reference.fp8_kv import read_index_k, write_index_k
 from dsaspec.reference.index_rope import reference_index_k, reference_index_q_rope
 
@@ -19,6 +19,7 @@ from dsa_inputs import random_tiny_indexer
 pytestmark = pytest.mark.interpreter
 
 ROW_COUNTS = [1, 3, 17, 64]
+EDGE_ROWS = [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 256]
 PAGE_BYTES = 64 * 132
 EPS = 1e-5
 
@@ -152,12 +153,54 @@ def test_rows_independent_of_batch(fp8, device):
             assert torch.equal(alone[3 * r], batch[3 * r])
 
 
+def _cache(fp8, slots, dtype, device):
+    if fp8:
+        return torch.full(((slots + 63) // 64, PAGE_BYTES), 0xA5, dtype=torch.uint8, device=device)
+    return torch.full((slots, 128), 7.0, dtype=dtype, device=device)
+
+
+def _one_launch_is_the_two(rows, heads, rope_dim, dtype, interleaved, fp8, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, heads, 128, generator=gen).to(dtype).to(device)
+    k, w, b = _keys(rows, dtype, gen, device)
+    cos, sin = _angles(rows, rope_dim, gen, device)
+    slots = 2 * rows + 70
+    loc = torch.randperm(slots, generator=gen)[:rows].to(device)
+    two, one = _cache(fp8, slots, dtype, device), _cache(fp8, slots, dtype, device)
+    q_two = index_q_rope(q, cos, sin, rope_dim, interleaved, rotate=fp8)
+    store_index_k_normed(two, loc, k, w, b, EPS, cos, sin, rope_dim, interleaved)
+    q_one = index_q_rope_store_k(q, one, loc, k, w, b, EPS, cos, sin, rope_dim, interleaved)
+    assert q_one.shape == q.shape and q_one.dtype == q.dtype
+    assert torch.equal(q_one, q_two)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rows", EDGE_ROWS)
+def test_one_launch_is_the_two_launches(rows, fp8, device):
+    """``index_q_rope_store_k``: the query and the whole cache (written slots and the untouched
+    rest) bit for bit what ``index_q_rope`` and ``store_index_k_normed`` give, bf16, at the edge
+    row counts (one grid: query blocks, then key blocks)."""
+    _one_launch_is_the_two(rows, 3, 64, torch.bfloat16, True, fp8, device, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads,rope_dim,rows", [(32, 64, 1), (32, 64, 5), (5, 32, 17)])
+def test_one_launch_is_the_two_launches_shapes(dtype, interleaved, heads, rope_dim, rows, device):
+    """The same for GLM-5's 32 index heads and an odd head count with a 32-wide rope, both
+    layouts, bf16 and fp32 (the FP8 cache takes bf16 keys only in the runtime; fp32 here too)."""
+    for fp8 in (False, True):
+        _one_launch_is_the_two(rows, heads, rope_dim, dtype, interleaved, fp8, device, rows + heads)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 64, 256])
 def test_gpu_epilogues_hold_the_same_contracts(rows):
     """Natively on a GPU (FMA contraction off, as the kernel launches): the query RoPE'd and
     rotated exactly, keys within one ulp (dense cache) or one e4m3 step (FP8 cache) of the
-    reference, rows independent of the batch; bf16, GLM-5's 32 index heads."""
+    reference, rows independent of the batch, both epilogues in one launch bit for bit the two
+    launches; bf16, GLM-5's 32 index heads (and fp32, 5 heads, a 32-wide rope)."""
     device = torch.device("cuda")
     for interleaved in (True, False):
         test_q_rope_exact(torch.bfloat16, interleaved, rows, 32, 64, device)
@@ -167,6 +210,9 @@ def test_gpu_epilogues_hold_the_same_contracts(rows):
         test_k_fp8_cache(torch.bfloat16, rows, device)
     for fp8 in (False, True):
         test_rows_independent_of_batch(fp8, device)
+        for interleaved in (True, False):
+            _one_launch_is_the_two(rows, 32, 64, torch.bfloat16, interleaved, fp8, device, rows)
+    _one_launch_is_the_two(rows, 5, 32, torch.float32, False, False, device, rows)
 
 
 def test_bad_inputs(device):
@@ -185,6 +231,13 @@ def test_bad_inputs(device):
     with pytest.raises(ValueError, match="cache: expected dtype"):
         store_index_k_normed(torch.zeros(16, 128, dtype=torch.bfloat16, device=device), loc, k, w, w, EPS,
                              cos, sin, 64, True)
+    cache = torch.zeros(16, 128, device=device)
+    with pytest.raises(ValueError, match="k: expected q's dtype"):
+        index_q_rope_store_k(q, cache, loc, k.bfloat16(), w, w, EPS, cos, sin, 64, True)
+    with pytest.raises(ValueError, match=r"loc: slots must lie in \[0, 8\)"):
+        index_q_rope_store_k(q, torch.zeros(8, 128, device=device), loc, k, w, w, EPS, cos, sin, 64, True)
+    with pytest.raises(ValueError, match="q: expected rows of 128"):
+        index_q_rope_store_k(q[..., :64], cache, loc, k, w, w, EPS, cos, sin, 64, True)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -218,19 +271,24 @@ def test_indexer_triton_path_matches_torch_path(fp8):
 
 def test_compiles_for_sm90_without_spills():
     """Without a GPU: every variant of the kernel (query with and without the rotation, key into
-    a dense or an FP8 cache) compiles for sm_90 without spills or local memory, the rotated ones
-    in at most 3x the instructions of the plain query (the rotation by a [128, 128] register
-    tile spilled 5.5 - 6.4 KB, 6048 / 7840 instructions); scripts/compile_fp8_dsa.py's compile,
-    in a subprocess (it compiles instead of interpreting)."""
+    a dense or an FP8 cache, a layer's query and key in one launch) compiles for sm_90 without
+    spills or local memory, the rotated ones in at most 3x the instructions of the plain query
+    (the rotation by a [128, 128] register tile spilled 5.5 - 6.4 KB, 6048 / 7840 instructions),
+    one launch of both parts in no more instructions and registers than the two launches (sm_90:
+    1520 / 3504 SASS instructions against 480 + 1064 / 776 + 2768); scripts/compile_fp8_dsa.py's
+    compile, in a subprocess (it compiles instead of interpreting)."""
     out = run_in_scripts("compile_fp8_dsa",
                          "for kind in c.INDEX_ROPE_KINDS:\n"
                          "    r = c.compile_index_rope(kind)\n"
                          "    local = sum(n for op, n in r['sass'].items() if op.startswith(('LDL', 'STL')))\n"
-                         "    print(kind, r['regs'], r['spill'], local, r['instructions'])")
-    lines = out.split("\n")[-5:-1]
-    results = {kind: tuple(map(int, rest)) for kind, *rest in map(str.split, lines)}
-    assert sorted(results) == ["k_dense", "k_fp8", "q", "q_rotated"], out
+                         "    print('kind', kind, r['regs'], r['spill'], local, r['instructions'])")
+    lines = [line.split()[1:] for line in out.splitlines() if line.startswith("kind ")]
+    results = {kind: tuple(map(int, rest)) for kind, *rest in lines}
+    assert sorted(results) == ["k_dense", "k_fp8", "q", "q_rotated", "qk_dense", "qk_fp8"], out
     for kind, (regs, spilled, local, _) in results.items():
         assert 0 < regs <= 255 and spilled == 0 and local == 0, out
     assert results["q_rotated"][3] <= 3 * results["q"][3], out
     assert results["k_fp8"][3] <= 3 * results["k_dense"][3], out
+    for fused, q, k in (("qk_dense", "q", "k_dense"), ("qk_fp8", "q_rotated", "k_fp8")):
+        assert results[fused][3] <= results[q][3] + results[k][3], out
+        assert results[fused][0] <= max(results[q][0], results[k][0]), out

@@ -1,8 +1,9 @@
 """The fused MLA latent epilogue and absorbed query (dsaspec.ops.mla_latent) and the indexer's
 fused head weights (dsaspec.ops.index_weights) against the plain-torch references: RoPE and the
 query exactly, the RMSNorm (its sum of squares in another order) to one ulp of the model dtype,
-the FP8 write to one e4m3 step; the head weights within a bound of the fp32 sums' rounding; every
-row's bits independent of the batch; MLAAttention's and the Indexer's Triton paths against their
+the FP8 write to one e4m3 step; the head weights (split over K) within a bound of the fp32 sums'
+rounding at every edge row count, their K chunks and sm_90 compile; every row's bits independent
+of the batch; MLAAttention's and the Indexer's Triton paths against their
 torch paths, and the aten ops left on MLAAttention's Triton path."""
 
 import collections
@@ -13,7 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsaspec.ops.index_weights import index_weights
+from compile_scripts import run_in_scripts
+from dsaspec.ops.index_weights import index_weights, index_weights_splits
 from dsaspec.ops.mla_latent import mla_query, store_mla_normed
 from dsaspec.reference.fp8_kv import read_mla, write_mla
 from dsaspec.reference.mla_latent import reference_index_weights, reference_mla_latent, reference_mla_query
@@ -181,27 +183,81 @@ def _weights_bound(x, weight, scale):
     return 16 * 2.0 ** -24 * (x.abs().double() @ weight.abs().float().double().T).float() * scale
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", ROW_COUNTS)
-@pytest.mark.parametrize("heads,hidden", [(4, 256), (64, 6144), (20, 300)])
-def test_index_weights(dtype, rows, heads, hidden, device):
-    gen = torch.Generator().manual_seed(rows * 7 + heads)
+EDGE_ROWS = [0, 1, 7, 8, 9, 63, 64, 65, 256]
+# (heads, hidden): no split (1 block; 2 blocks, odd K), odd heads and K over 3 uneven chunks (2050:
+# 9 blocks, the last 2 values wide), 2 chunks (1000), the presets' GLM-5 and DeepSeek-V3.2 shapes
+SMALL_SHAPES = [(4, 256), (20, 300), (5, 2050), (3, 1000)]
+PRESET_SHAPES = [(32, 6144), (64, 7168)]
+
+
+@pytest.mark.parametrize("heads,hidden,splits", [(4, 256, (1, 1)), (20, 300, (2, 1)), (5, 2050, (3, 3)),
+                                                 (3, 1000, (2, 2)), (32, 6144, (3, 8)), (64, 7168, (7, 4)),
+                                                 (32, 2048, (2, 4)), (200, 6144, (24, 1))])
+def test_index_weights_splits(heads, hidden, splits):
+    """K chunks from the heads, K and the SMs only (132 off-GPU): about two programs per SM at one
+    row tile (GLM-5: 32 heads x 8 chunks), every chunk >= 2 blocks of 256, none empty."""
+    assert index_weights_splits(heads, hidden, "cpu") == splits
+
+
+def _check_index_weights(dtype, rows, heads, hidden, device, seed):
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
     weight = torch.randn(heads, hidden, generator=gen).to(device)
     scale = 128 ** -0.5 * heads ** -0.5
-    got = index_weights(x, weight, scale).cpu()
+    got = index_weights(x, weight, scale)
     assert got.dtype == torch.float32 and got.shape == (rows, heads)
     want = reference_index_weights(x.cpu(), weight.cpu(), scale)
-    assert torch.all((got - want).abs() <= _weights_bound(x.cpu(), weight.cpu(), scale))
+    assert torch.all((got.cpu() - want).abs() <= _weights_bound(x.cpu(), weight.cpu(), scale))
+    return x, weight, got
 
 
-def test_index_weights_rows_independent_of_batch(device):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", EDGE_ROWS)
+@pytest.mark.parametrize("heads,hidden", SMALL_SHAPES)
+def test_index_weights(dtype, rows, heads, hidden, device):
+    _check_index_weights(dtype, rows, heads, hidden, device, rows * 7 + heads)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 65])
+@pytest.mark.parametrize("heads,hidden", PRESET_SHAPES)
+def test_index_weights_preset_shapes(rows, heads, hidden, device):
+    _check_index_weights(torch.bfloat16, rows, heads, hidden, device, rows + heads)
+
+
+@pytest.mark.parametrize("heads,hidden", [(64, 6144), (5, 2050)])
+def test_index_weights_rows_independent_of_batch(heads, hidden, device):
+    """A row's bits alone, in a batch of 17 and of 65 (other row tiles, other rows' values) are the
+    same, and a second launch (a graph replay: the tile counters are left at 0) repeats them."""
+    from dsaspec.ops import row_invariant
+
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(17, 6144, generator=gen).to(torch.bfloat16).to(device)
-    weight = torch.randn(64, 6144, generator=gen).to(device)
+    x = torch.randn(65, hidden, generator=gen).to(torch.bfloat16).to(device)
+    weight = torch.randn(heads, hidden, generator=gen).to(device)
     batch = index_weights(x, weight, 0.01)
+    assert torch.equal(index_weights(x, weight, 0.01), batch)
+    assert not row_invariant._counters[x.device].any()
+    part = index_weights(x[:17], weight, 0.01)
     for r in (0, 9, 16):
         assert torch.equal(index_weights(x[r:r + 1], weight, 0.01), batch[r:r + 1])
+        assert torch.equal(part[r:r + 1], batch[r:r + 1])
+    assert torch.equal(index_weights(x[64:], weight, 0.01), batch[64:])
+
+
+def test_index_weights_compiles_for_sm90_without_spills():
+    """Without a GPU: the split kernel at the presets' shapes, 1 and 64 rows, compiles for sm_90
+    without spills or local memory (48 / 52 registers; 8 / 4 K chunks on 132 SMs);
+    scripts/compile_decode_epilogues.py's compile, in a subprocess."""
+    out = run_in_scripts("compile_decode_epilogues",
+                         "for heads, hidden in c.WEIGHT_SHAPES:\n"
+                         "    for rows in c.ROW_COUNTS:\n"
+                         "        r = c.compile_index_weights(heads, hidden, rows)\n"
+                         "        local = sum(n for op, n in r['sass'].items() if op.startswith(('LDL', 'STL')))\n"
+                         "        print('case', heads, hidden, rows, r['splits'], r['regs'], r['spill'], local)")
+    cases = [tuple(map(int, line.split()[1:])) for line in out.splitlines() if line.startswith("case ")]
+    assert [case[:4] for case in cases] == [(32, 6144, 1, 8), (32, 6144, 64, 8), (64, 7168, 1, 4),
+                                            (64, 7168, 64, 4)], out
+    for *_, regs, spilled, local in cases:
+        assert 0 < regs <= 128 and spilled == 0 and local == 0, out
 
 
 def test_index_weights_bad_inputs(device):
@@ -354,6 +410,32 @@ def test_gpu_kernels_match_references(fp8, rows):
     got_w = index_weights(x.cuda(), weight.cuda(), scale).cpu()
     assert torch.all((got_w - reference_index_weights(x, weight, scale)).abs() <= _weights_bound(x, weight, scale))
     assert torch.equal(index_weights(x[:1].cuda(), weight.cuda(), scale).cpu(), got_w[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,hidden", PRESET_SHAPES + SMALL_SHAPES)
+def test_gpu_index_weights(heads, hidden):
+    """On the GPU: the head weights within the rounding bound at every edge row count, each row's
+    bits those of the row alone, and a CUDA graph of the split launch replays the eager bits (the
+    tile counters are left at 0 by every launch)."""
+    device = torch.device("cuda")
+    for rows in EDGE_ROWS:
+        x, weight, got = _check_index_weights(torch.bfloat16, rows, heads, hidden, device, rows + hidden)
+        for r in sorted({0, rows // 2, rows - 1}) if rows else ():
+            assert torch.equal(index_weights(x[r:r + 1], weight, 0.5), index_weights(x, weight, 0.5)[r:r + 1])
+    x, weight, eager = _check_index_weights(torch.bfloat16, 9, heads, hidden, device, 0)
+    scale = 128 ** -0.5 * heads ** -0.5
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        index_weights(x, weight, scale)   # compiles (and allocates the counters) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = index_weights(x, weight, scale)
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        assert torch.equal(captured, eager)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ def test_parse_or_exit_is_one_line_and_status_2(capsys):
     (["scripts/bench_fp8_linear.py", "out", "--preset", "tiny"], "--preset"),
     (["scripts/compile_sparse_mla_gluon.py", "--heads", "8,x"], "--heads"),
     (["scripts/compile_fp8_dsa.py", "--bogus"], "--bogus"),
+    (["scripts/compile_decode_epilogues.py", "--bogus"], "--bogus"),
     (["scripts/compile_fused_moe.py", "--bogus"], "--bogus"),
     (["scripts/serving_overhead.py", "--accept", "0.5"], "--accept"),
     (["scripts/serving_overhead.py", "--switch-interval", "0"], "--switch-interval"),

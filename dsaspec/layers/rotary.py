@@ -40,7 +40,10 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 class Rotary(nn.Module):
     """cos/sin of the RoPE angles ``position * inv_freq`` (angles in fp64, so large positions keep
-    their precision)."""
+    their precision): one Triton kernel when ``use_triton`` (set by :class:`DSAModel`;
+    :func:`~dsaspec.ops.rope_cos_sin.rope_cos_sin`, the same fp64 steps), else five torch ops."""
+
+    use_triton: bool = False
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
@@ -49,6 +52,10 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int ``[R]`` -> ``(cos, sin)`` fp32 ``[R, rope_dim // 2]``."""
+        if self.use_triton:
+            from dsaspec.ops.rope_cos_sin import rope_cos_sin
+
+            return rope_cos_sin(positions, self.inv_freq, self.cos_sin_factor)
         # the multiply promotes the positions to fp64 itself; a factor of 1 is left out (exact)
         angles = positions[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos(), angles.sin()

@@ -1,6 +1,8 @@
-"""The lightning indexer's query and key epilogues in one kernel each (Triton): RoPE on the first
+"""The lightning indexer's query and key epilogues in one kernel (Triton): RoPE on the first
 ``rope_dim`` values of every 128-wide row, the key's LayerNorm before it, the 128-wide Hadamard
-rotation after it (FP8 key caches), and the key's cache write.
+rotation after it (FP8 key caches), and the key's cache write. A layer runs both in one launch
+(``index_q_rope_store_k``: one grid, the query's programs first, then the key's); each alone is
+``index_q_rope`` / ``store_index_k_normed``, the same bits.
 
 Per row ``x`` (model dtype; ``round`` rounds fp32 to the model dtype, to nearest even):
 
@@ -32,7 +34,7 @@ from dsaspec.ops.kv_cache_layout import INDEX_HEAD_DIM, PAGE_SIZE, index_k_fp8_v
 _ROWS = 16                # rows per program
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_OUT, _DENSE, _FP8 = 0, 1, 2   # where a row goes: an output tensor, a dense cache, the FP8 cache
+_DENSE, _FP8 = 1, 2   # where a key row goes: a dense cache, the FP8 cache (DEST 0: the query's output)
 
 
 @triton.jit
@@ -72,13 +74,14 @@ def _load_normed(x_ptr, rows, cols, live, stride_x, mean, rstd, w_ptr, b_ptr, NO
     return x
 
 
-@triton.jit(do_not_specialize=["N", "heads"])
-def _index_rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, out_ptr, loc_ptr, scale_ptr, N, heads,
-                       eps, stride_x, stride_cos, stride_out, stride_scale, ROWS: tl.constexpr,
-                       DIM: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
-                       NORM: tl.constexpr, ROTATE: tl.constexpr, DEST: tl.constexpr, BF16: tl.constexpr,
-                       PAGE: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+@triton.jit
+def _epilogue(block, x_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, out_ptr, loc_ptr, scale_ptr, N, heads, eps,
+              stride_x, stride_cos, stride_out, stride_scale, ROWS: tl.constexpr, DIM: tl.constexpr,
+              ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr, ROTATE: tl.constexpr,
+              DEST: tl.constexpr, BF16: tl.constexpr, PAGE: tl.constexpr):
+    """Rows ``block * ROWS ..`` of one part (the query's or the key's) through the module
+    docstring's steps, written to ``DEST``."""
+    rows = block * ROWS + tl.arange(0, ROWS)
     live = rows < N
     c = tl.arange(0, DIM)
     # past the rope dims c is its own partner with cos 1, sin 0
@@ -127,6 +130,27 @@ def _index_rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, out_ptr, loc_ptr, 
             tl.store(scale_ptr + page * stride_scale + offset, s, mask=live)
 
 
+@triton.jit(do_not_specialize=["q_rows", "heads", "q_blocks", "k_rows"])
+def _index_rope_kernel(q_ptr, q_out_ptr, q_rows, heads, stride_q, stride_q_out, q_blocks,
+                       k_ptr, w_ptr, b_ptr, cache_ptr, loc_ptr, scale_ptr, k_rows, eps, stride_k, stride_cache,
+                       stride_scale, cos_ptr, sin_ptr, stride_cos, ROWS: tl.constexpr, DIM: tl.constexpr,
+                       ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, ROTATE: tl.constexpr, K_DEST: tl.constexpr,
+                       BF16: tl.constexpr, PAGE: tl.constexpr, QUERY: tl.constexpr, KEY: tl.constexpr):
+    # programs [0, q_blocks) rope the query rows (token = row // heads) into q_out, the rest
+    # norm + rope the key rows (one a token) into the cache; QUERY / KEY: the launch has that part
+    block = tl.program_id(0)
+    if block < q_blocks:
+        if QUERY:
+            _epilogue(block, q_ptr, cos_ptr, sin_ptr, q_ptr, q_ptr, q_out_ptr, q_ptr, q_ptr, q_rows, heads, 0.0,
+                      stride_q, stride_cos, stride_q_out, 0, ROWS, DIM, ROPE, INTERLEAVED, False, ROTATE, 0, BF16,
+                      PAGE)
+    else:
+        if KEY:
+            _epilogue(block - q_blocks, k_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, cache_ptr, loc_ptr, scale_ptr,
+                      k_rows, 1, eps, stride_k, stride_cos, stride_cache, stride_scale, ROWS, DIM, ROPE,
+                      INTERLEAVED, True, ROTATE, K_DEST, BF16, PAGE)
+
+
 def _check_angles(cos, sin, tokens: int, rope_dim: int, device) -> None:
     if rope_dim < 2 or rope_dim % 2 or rope_dim > INDEX_HEAD_DIM:
         raise ValueError(f"rope_dim: expected an even number in [2, {INDEX_HEAD_DIM}], got {rope_dim}")
@@ -134,25 +158,8 @@ def _check_angles(cos, sin, tokens: int, rope_dim: int, device) -> None:
         check_tensor(name, t, dtype=(torch.float32,), shape=(tokens, rope_dim // 2), device=device)
 
 
-def _launch(x, cos, sin, rope_dim, interleaved, rotate, heads, dest, out, loc=None, scale=None,
-            weight=None, bias=None, eps=0.0):
-    n = x.shape[0]
-    if not n:
-        return
-    norm = weight is not None
-    _index_rope_kernel[(triton.cdiv(n, _ROWS),)](
-        x, cos, sin, weight if norm else x, bias if norm else x, out, loc if loc is not None else x,
-        scale if scale is not None else x, n, heads, eps, x.stride(0), cos.stride(0), out.stride(0),
-        scale.stride(0) if scale is not None else 0, ROWS=_ROWS, DIM=INDEX_HEAD_DIM, ROPE=rope_dim,
-        INTERLEAVED=interleaved, NORM=norm, ROTATE=rotate, DEST=dest, BF16=x.dtype == torch.bfloat16,
-        PAGE=PAGE_SIZE, enable_fp_fusion=False)
-
-
-def index_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,
-                 rotate: bool) -> torch.Tensor:
-    """The indexer query ``q`` ``[R, H, 128]`` (bf16 or fp32) with RoPE on its first ``rope_dim``
-    values (``cos``/``sin`` fp32 ``[R, rope_dim / 2]``, one row per token) and, when ``rotate``,
-    the Hadamard rotation (module docstring): a new tensor like ``q``."""
+def _query(q, cos, sin, rope_dim):
+    """Checks ``q`` and the angles; ``q``'s rows ``[R * H, 128]`` and a new output like ``q``."""
     check_tensor("q", q, dtype=_FLOAT_DTYPES, ndim=3, device=cos.device)
     if q.shape[-1] != INDEX_HEAD_DIM:
         raise ValueError(f"q: expected rows of {INDEX_HEAD_DIM} values, got {tuple(q.shape)}")
@@ -160,8 +167,56 @@ def index_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim
     flat = q.reshape(-1, INDEX_HEAD_DIM)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(flat, cos, sin, rope_dim, interleaved, rotate, q.shape[1], _OUT, out.view(-1, INDEX_HEAD_DIM))
+    return flat, torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values):
+    """Checks the key's arguments; ``(codes, scale, dest)``: where and how the keys are written
+    (``scale`` None for a dense cache)."""
+    check_tensor("k", k, dtype=_FLOAT_DTYPES, shape=(None, INDEX_HEAD_DIM), device=cos.device)
+    for name, t in (("weight", weight), ("bias", bias)):
+        check_tensor(name, t, dtype=_FLOAT_DTYPES, shape=(INDEX_HEAD_DIM,), device=k.device)
+    check_tensor("loc", loc, dtype=_INDEX_DTYPES, shape=(k.shape[0],), device=k.device)
+    _check_angles(cos, sin, k.shape[0], rope_dim, k.device)
+    if is_fp8_cache(cache):
+        codes, scale = index_k_fp8_views(cache)
+        num_slots, dest = cache.shape[0] * PAGE_SIZE, _FP8
+    else:
+        check_tensor("cache", cache, dtype=(k.dtype,), shape=(None, INDEX_HEAD_DIM), device=k.device)
+        codes, scale, num_slots, dest = cache, None, cache.shape[0], _DENSE
+    if check_values and loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= num_slots):
+        raise ValueError(f"loc: slots must lie in [0, {num_slots}), got [{int(loc.min())}, {int(loc.max())}]")
+    return codes, scale, dest
+
+
+def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, heads=1, k=None, weight=None, bias=None,
+            eps=0.0, codes=None, loc=None, scale=None, dest=_DENSE):
+    """One launch over the query rows ``q`` ``[R * heads, 128]`` (into ``q_out``, same shape) and
+    the key rows ``k`` ``[R, 128]`` (into ``codes`` at ``loc``), either part left out when None."""
+    q_rows = 0 if q is None else q.shape[0]
+    k_rows = 0 if k is None else k.shape[0]
+    q_blocks = triton.cdiv(q_rows, _ROWS)
+    blocks = q_blocks + triton.cdiv(k_rows, _ROWS)
+    if not blocks:
+        return
+    any_x = k if q is None else q   # stands in for the pointers of a part left out (never read)
+    k_args = (any_x, any_x, any_x, any_x, any_x, any_x, 0, eps, 0, 0, 0) if k is None else (
+        k, weight, bias, codes, loc, any_x if scale is None else scale, k_rows, eps, k.stride(0), codes.stride(0),
+        0 if scale is None else scale.stride(0))
+    q_args = (any_x, any_x, 0, heads, 0, 0) if q is None else (q, q_out, q_rows, heads, q.stride(0), q_out.stride(0))
+    _index_rope_kernel[(blocks,)](
+        *q_args, q_blocks, *k_args, cos, sin, cos.stride(0), ROWS=_ROWS, DIM=INDEX_HEAD_DIM, ROPE=rope_dim,
+        INTERLEAVED=interleaved, ROTATE=rotate, K_DEST=dest, BF16=any_x.dtype == torch.bfloat16, PAGE=PAGE_SIZE,
+        QUERY=q is not None, KEY=k is not None, enable_fp_fusion=False)
+
+
+def index_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,
+                 rotate: bool) -> torch.Tensor:
+    """The indexer query ``q`` ``[R, H, 128]`` (bf16 or fp32) with RoPE on its first ``rope_dim``
+    values (``cos``/``sin`` fp32 ``[R, rope_dim / 2]``, one row per token) and, when ``rotate``,
+    the Hadamard rotation (module docstring): a new tensor like ``q``."""
+    flat, out = _query(q, cos, sin, rope_dim)
+    _launch(cos, sin, rope_dim, interleaved, rotate, q=flat, q_out=out.view(-1, INDEX_HEAD_DIM), heads=q.shape[1])
     return out
 
 
@@ -173,19 +228,23 @@ def store_index_k_normed(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor
     ``cache``: a copy into a dense cache ``[slots, 128]`` of ``k``'s dtype, or Hadamard-rotated
     and quantized into an FP8 paged cache (uint8 ``[pages, 8448]``). ``check_values``: ``loc``
     in range (host sync)."""
-    check_tensor("k", k, dtype=_FLOAT_DTYPES, shape=(None, INDEX_HEAD_DIM), device=cos.device)
-    for name, t in (("weight", weight), ("bias", bias)):
-        check_tensor(name, t, dtype=_FLOAT_DTYPES, shape=(INDEX_HEAD_DIM,), device=k.device)
-    check_tensor("loc", loc, dtype=_INDEX_DTYPES, shape=(k.shape[0],), device=k.device)
-    _check_angles(cos, sin, k.shape[0], rope_dim, k.device)
-    fp8 = is_fp8_cache(cache)
-    if fp8:
-        codes, scale = index_k_fp8_views(cache)
-        num_slots = cache.shape[0] * PAGE_SIZE
-    else:
-        check_tensor("cache", cache, dtype=(k.dtype,), shape=(None, INDEX_HEAD_DIM), device=k.device)
-        codes, scale, num_slots = cache, None, cache.shape[0]
-    if check_values and loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= num_slots):
-        raise ValueError(f"loc: slots must lie in [0, {num_slots}), got [{int(loc.min())}, {int(loc.max())}]")
-    _launch(k, cos, sin, rope_dim, interleaved, fp8, 1, _FP8 if fp8 else _DENSE, codes, loc=loc, scale=scale,
-            weight=weight, bias=bias, eps=eps)
+    codes, scale, dest = _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values)
+    _launch(cos, sin, rope_dim, interleaved, dest == _FP8, k=k, weight=weight, bias=bias, eps=eps, codes=codes,
+            loc=loc, scale=scale, dest=dest)
+
+
+def index_q_rope_store_k(q: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                         weight: torch.Tensor, bias: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                         rope_dim: int, interleaved: bool, check_values: bool = True) -> torch.Tensor:
+    """A layer's two indexer epilogues in one launch: ``index_q_rope(q, cos, sin, rope_dim,
+    interleaved, rotate)`` with ``rotate`` when ``cache`` is an FP8 cache, and
+    ``store_index_k_normed(cache, loc, k, weight, bias, eps, cos, sin, rope_dim, interleaved,
+    check_values)``, on one grid (the query's programs first, then the key's): the same checks,
+    the same bits in the returned query and in ``cache``. ``q`` and ``k`` of one dtype."""
+    flat, out = _query(q, cos, sin, rope_dim)
+    if isinstance(k, torch.Tensor) and k.dtype != q.dtype:
+        raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
+    codes, scale, dest = _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values)
+    _launch(cos, sin, rope_dim, interleaved, dest == _FP8, q=flat, q_out=out.view(-1, INDEX_HEAD_DIM),
+            heads=q.shape[1], k=k, weight=weight, bias=bias, eps=eps, codes=codes, loc=loc, scale=scale, dest=dest)
+    return out

@@ -4,11 +4,27 @@
 
 as HF runs that module (``_keep_in_fp32_modules``: the input cast to fp32, an fp32 GEMM, then
 ``index_head_dim**-0.5 * index_n_heads**-0.5``). A skinny GEMM (N = the index heads, K = hidden,
-R = 1..256 rows): a program owns 8 rows and one head, keeps an fp32 ``[8, 256]`` tile of
-elementwise products while it walks K (software-pipelined loads), and sums the tile's columns once
-at the end, so that R x N programs fill the GPU at decode sizes (a tensor-core tile of 16 heads
-left 4 programs at one row, each walking K alone). The tiles are fixed, so a row's bits never
-depend on the other rows or the row count; the sums run in their own order against torch's GEMM.
+R = 1..256 rows), split over K: program ``(row tile, head, split)`` owns 8 rows, one head and the
+``split``-th of ``S`` chunks of K (whole 256-wide blocks, the last chunk shorter). ``S`` comes from
+N, K and the device only (:func:`index_weights_splits`: about two programs per SM at one row tile,
+every chunk at least two blocks; GLM-5's 32 heads x 6144: 8 chunks of 3 blocks, DeepSeek-V3.2's 64
+x 7168: 4 of 7, on the H200's 132 SMs), so a decode row fills the GPU instead of 32 / 64 programs
+each walking K alone, and a row's bits never depend on the row count or the other rows.
+
+Summation order, per row and head: a split keeps an fp32 ``[8, 256]`` tile of products, each
+column accumulating its chunk's blocks in order (``acc += x * w``; the compiler fuses it into an
+FMA where it can), then sums the tile's 256 columns once (``tl.sum``) into its partial ``p_s``;
+the program that arrives last at the (row tile, head) (an atomic counter, which it resets to 0,
+so the launch is CUDA-graph safe and leaves the counters as it found them) adds the partials in
+split order, ``((p_0 + p_1) + p_2) + ... + p_(S-1)``, and multiplies by ``scale``. The order of
+arrival decides who sums, never the order of the sum (one launch: a second, combining launch
+would cost at one row about what the split saves). Where ``S`` is 1 (K of at most 3 blocks,
+or more heads than SMs) the program writes ``p_0 * scale`` itself. The sums run in their own
+order against torch's GEMM.
+
+Split launches share the row-invariant GEMM's tile counters
+(:mod:`dsaspec.ops.row_invariant`): the first one on a device allocates them, outside CUDA-graph
+capture, and two split launches must not run at the same time on different streams of a device.
 """
 
 from __future__ import annotations
@@ -18,40 +34,81 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.row_invariant import _k_split, _tile_counters, split_k_for
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 _BLOCK_M, _BLOCK_K, _STAGES = 8, 256, 3
 
 
 @triton.jit(do_not_specialize=["M"])
-def _index_weights_kernel(x_ptr, w_ptr, out_ptr, M, K, scale, stride_x, stride_w, stride_out,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    head = tl.program_id(1).to(tl.int64)
+def _index_weights_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, scale, stride_x, stride_w,
+                          stride_out, k_blocks_per_split, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    # splits vary fastest, then heads: the programs of one row tile run together (x from L2)
+    pid = tl.program_id(0)
+    split = pid % SPLITS
+    tile = pid // SPLITS
+    head = (tile % N).to(tl.int64)
+    rows = (tile // N) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
+    k_lo = split * k_blocks_per_split * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + k_blocks_per_split * BLOCK_K)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
     w_ptrs = w_ptr + head * stride_w + ks
     products = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        k_ok = k + ks < K
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        k_ok = k + ks < k_hi
         x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + k, mask=k_ok, other=0.0).to(tl.float32)
         products += x * w[None, :]
-    tl.store(out_ptr + rows.to(tl.int64) * stride_out + head, tl.sum(products, 1) * scale, mask=row_ok)
+    partial = tl.sum(products, 1)
+    out_ptrs = out_ptr + rows.to(tl.int64) * stride_out + head
+    if SPLITS == 1:
+        tl.store(out_ptrs, partial * scale, mask=row_ok)
+    else:
+        ws_tile = ws_ptr + tile.to(tl.int64) * (SPLITS * BLOCK_M) + tl.arange(0, BLOCK_M)
+        tl.store(ws_tile + split * BLOCK_M, partial)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.load(ws_tile, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                total += tl.load(ws_tile + s * BLOCK_M, cache_modifier=".cg")
+            tl.store(out_ptrs, total * scale, mask=row_ok)
+            tl.store(counters_ptr + tile, 0)
+
+
+def index_weights_splits(heads: int, k: int, device: torch.device | str) -> tuple[int, int]:
+    """``(K blocks per chunk, chunks S)`` of :func:`index_weights` for ``heads`` x ``k`` weights
+    on ``device``: the row-invariant GEMM's split rule at one head a tile
+    (:func:`~dsaspec.ops.row_invariant.split_k_for`: ``min(2 * SMs // heads, K-blocks // 2, 32)``
+    chunks, at least 1, none empty; SMs: the device's, 132 off-GPU). Independent of the rows."""
+    return _k_split(k, _BLOCK_K, split_k_for(heads, k, 1, _BLOCK_K, device))
 
 
 def index_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
     """``(x.float() @ weight.float().T) * scale``: ``x`` ``[R, K]`` (bf16 or fp32, unit last
     stride, any row stride), ``weight`` ``[N, K]`` (bf16 or fp32, unit last stride) -> a new fp32
-    tensor ``[R, N]`` (module docstring)."""
+    tensor ``[R, N]``, summed in K chunks in the order of the module docstring. A split launch
+    (``S > 1``, :func:`index_weights_splits`) also takes an fp32 workspace of ``8 S`` values per 8 rows
+    and head and the device's tile counters (allocated on the first split launch: make it
+    outside CUDA-graph capture)."""
     check_tensor("x", x, dtype=_FLOAT_DTYPES, ndim=2)
     rows, k = x.shape
     check_tensor("weight", weight, dtype=_FLOAT_DTYPES, shape=(None, k), device=x.device)
     heads = weight.shape[0]
     out = torch.empty(rows, heads, dtype=torch.float32, device=x.device)
-    if rows and heads:
-        grid = (triton.cdiv(rows, _BLOCK_M), heads)
-        _index_weights_kernel[grid](x, weight, out, rows, k, float(scale), x.stride(0), weight.stride(0),
-                                    out.stride(0), BLOCK_M=_BLOCK_M, BLOCK_K=_BLOCK_K, STAGES=_STAGES)
+    if not rows or not heads:
+        return out
+    per_split, splits = index_weights_splits(heads, k, x.device)
+    tiles = triton.cdiv(rows, _BLOCK_M) * heads
+    if splits > 1:
+        counters = _tile_counters(x.device, tiles)
+        workspace = torch.empty(tiles * splits * _BLOCK_M, dtype=torch.float32, device=x.device)
+    else:
+        counters = workspace = out  # not read by a one-split launch
+    _index_weights_kernel[(tiles * splits,)](
+        x, weight, out, workspace, counters, rows, heads, k, float(scale), x.stride(0), weight.stride(0),
+        out.stride(0), per_split, SPLITS=splits, BLOCK_M=_BLOCK_M, BLOCK_K=_BLOCK_K, STAGES=_STAGES)
     return out

@@ -24,7 +24,8 @@ definitions are ``dsaspec.reference.row_invariant``.
 
 Split-K launches on one device share one buffer of tile counters (allocated zeroed on the first
 split launch, which must therefore happen outside CUDA-graph capture; every launch leaves it
-zeroed): two split-K launches must not run at the same time on different streams of one device.
+zeroed; the indexer's split head weights, :mod:`dsaspec.ops.index_weights`, use it too): two
+split-K launches must not run at the same time on different streams of one device.
 """
 
 from __future__ import annotations

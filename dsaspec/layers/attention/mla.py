@@ -92,11 +92,10 @@ class Indexer(RowInvariant, nn.Module):
         q = self.wq_b(q_latent).view(rows, cfg.index_n_heads, cfg.index_head_dim)
         wk_out = self.wk(x) if wk_out is None else wk_out
         fp8 = is_fp8_cache(index_k_cache)
-        if step.ops.index_q_rope is not None:   # the Triton ops: one kernel each for q and k
-            q = step.ops.index_q_rope(q, step.cos, step.sin, rope, interleaved, rotate=fp8)
-            step.ops.store_index_k_normed(index_k_cache, step.out_cache_loc, wk_out, self.k_norm.weight,
-                                          self.k_norm.bias, self.k_norm.eps, step.cos, step.sin, rope,
-                                          interleaved, check_values=step.check_values)
+        if step.ops.index_q_rope_store_k is not None:   # the Triton ops: q's and k's epilogues in one launch
+            q = step.ops.index_q_rope_store_k(q, index_k_cache, step.out_cache_loc, wk_out, self.k_norm.weight,
+                                              self.k_norm.bias, self.k_norm.eps, step.cos, step.sin, rope,
+                                              interleaved, check_values=step.check_values)
         else:
             q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
             k = apply_rope_first(self.k_norm(wk_out), rope, step.cos, step.sin, interleaved)

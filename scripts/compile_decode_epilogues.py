@@ -1,0 +1,73 @@
+"""Compile the small per-step kernels of a decode forward for sm_90 without a GPU and print
+registers, spilled bytes and the SASS length, as scripts/compile_fp8_dsa.py does for the DSA
+kernels (which also compiles the indexer's query / key epilogue, ``compile_index_rope``): the
+indexer's head weights (``index_weights``, split over K: GLM-5's 32 x 6144 and DeepSeek-V3.2's
+64 x 7168 fp32 weights, 1 and 64 bf16 rows) and the RoPE tables (``rope_cos_sin``: fp64 angles,
+libdevice cos / sin, 1 and 64 rows).
+
+Each case goes through the real host wrapper on small CPU tensors; the launch is intercepted and
+compiled as Triton's JIT would specialize it on a CUDA device, K splits as on the H200's 132 SMs.
+
+    python3 scripts/compile_decode_epilogues.py
+"""
+
+from __future__ import annotations
+
+import compile_fp8_dsa as dsa  # first: it chooses compiling before triton is imported
+
+import torch  # noqa: E402
+from triton import knobs  # noqa: E402
+
+from dsaspec.cli_parsing import Parser, parse_or_exit  # noqa: E402
+from dsaspec.ops import index_weights, rope_cos_sin  # noqa: E402
+
+WEIGHT_SHAPES = ((32, 6144), (64, 7168))   # (index heads, hidden): GLM-5, DeepSeek-V3.2
+ROW_COUNTS = (1, 64)
+SLOW_REDUCTION = "call.uni (retval0), __internal_trig_reduction_slowpathd"   # libdevice's large-argument path
+
+
+def compile_index_weights(heads: int, hidden: int, rows: int) -> dict:
+    """One ``index_weights`` launch: ``rows`` bf16 rows of ``hidden``, fp32 weights ``[heads,
+    hidden]``; the result also holds the launch's K chunks (``splits``)."""
+    x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+    weight = torch.zeros(heads, hidden)
+    result = dsa.compile_kernel(index_weights._index_weights_kernel,
+                                lambda: index_weights.index_weights(x, weight, 0.01), overrides=())
+    return result | dict(splits=index_weights.index_weights_splits(heads, hidden, "cpu")[1])
+
+
+def compile_rope_cos_sin(rows: int = 64) -> dict:
+    """One ``rope_cos_sin`` launch over ``rows`` int64 positions, 32 fp64 frequencies, a factor
+    that is not 1; the result also counts the PTX's calls of libdevice's slow argument reduction
+    (``libdevice_calls``: the fp64 cos and sin are libdevice's)."""
+    positions = torch.zeros(rows, dtype=torch.int64)
+    inv_freq = torch.ones(32, dtype=torch.float64)
+    result = dsa.compile_kernel(rope_cos_sin._rope_cos_sin_kernel,
+                                lambda: rope_cos_sin.rope_cos_sin(positions, inv_freq, 1.25), overrides=())
+    return result | dict(libdevice_calls=result["ptx"].count(SLOW_REDUCTION))
+
+
+def _line(name: str, result: dict) -> str:
+    return (f"{name}: {result['regs']} regs, {result['spill']} B spilled, {result['shared']} B shared, "
+            f"{result['instructions']} SASS instructions")
+
+
+def main() -> int:
+    parse_or_exit(Parser(description=__doc__.splitlines()[0]))
+    knobs.nvidia.dump_ptxas_log = True
+    for heads, hidden in WEIGHT_SHAPES:
+        for rows in ROW_COUNTS:
+            result = compile_index_weights(heads, hidden, rows)
+            print(_line(f"index_weights {heads} x {hidden}, {rows} rows, {result['splits']} K chunks", result),
+                  flush=True)
+    for rows in ROW_COUNTS:
+        result = compile_rope_cos_sin(rows)
+        print(_line(f"rope_cos_sin {rows} rows", result) + f", {result['libdevice_calls']} slow-reduction calls",
+              flush=True)
+    for kind in dsa.INDEX_ROPE_KINDS:
+        print(dsa.summary_line(f"index_rope {kind}", dsa.compile_index_rope(kind)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
