@@ -4,9 +4,12 @@ the gathers (``LDGSTS``: ``cp.async``), the tensor-core dots (``HGMMA``: wgmma),
 copy-completion mbarrier arrive (``ARRIVES.LDGSTSBAR``) and the register split between the
 partitions (``USETMAXREG``); in the PTX, every global store predicated (the output and record
 stores are masked to the program's real heads: with 8-32 heads the other head slots are
-padding). On the ``fp8_ds_mla`` cache (each of ``sparse_mla_gluon.FP8_TILES``) the SASS holds the
-e4m3 conversion (``F2FP.F16.E4M3.UNPACK_B``) in place of the copy-completion arrive (the ring
-slot is signalled after the dequantizing stores).
+padding). On the ``fp8_ds_mla`` cache (each of ``sparse_mla_gluon.FP8_TILES`` and of the tune
+candidates ``FP8_TUNE_TILES``) the SASS holds the e4m3 conversion (``F2FP.F16.E4M3.UNPACK_B``) in
+place of the copy-completion arrive (the ring slot is signalled after the dequantizing stores), and
+the line adds the gather partition's loop: its instructions and barriers per block, from the wait
+for a free ring slot to the ``full`` arrive (the dequantizing) and from there to the next block's
+commit (its copies).
 
 Both forms (single pass and split records) over each cache at each of ``--heads`` (default 8,
 16, 32: one padded program of 64 head slots; 64 and 128: one and two full ones), and the split
@@ -41,37 +44,59 @@ from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int_list  # noqa
 
 REQUIRED = ("LDGSTS", "HGMMA", "ARRIVES.LDGSTSBAR", "USETMAXREG")
 REQUIRED_FP8 = ("LDGSTS", "HGMMA", "F2FP.F16.E4M3.UNPACK_B", "USETMAXREG")
+SASS_OP = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]\s+)?([A-Z0-9_.]+)", re.MULTILINE)
 SASS_NAMES = re.compile(r"\b(?:%s)\b" % "|".join(
     re.escape(name) for name in dict.fromkeys(REQUIRED + REQUIRED_FP8)))
 MAX_SHARED_BYTES = 232448  # dynamic shared memory per block on compute capability 9.0 (227 KiB)
 HEADS = (8, 16, 32, 64, 128)
 
 
+def gather_loop(sass: str) -> dict:
+    """The FP8 gather partition's loop in ``sass``: instructions and ``BAR`` barriers per thread
+    and block from its wait for a free ring slot (the partition's first ``SYNCS.PHASECHK``) to the
+    ``full`` arrive (``dequant``, ``dequant_bars``), and from there to the next block's commit
+    (``LDGDEPBAR``: ``copy``, ``copy_bars``)."""
+    lines = [m.group(1) for m in SASS_OP.finditer(sass)]
+    start = next(i for i, op in enumerate(lines) if op.startswith("USETMAXREG.TRY_ALLOC"))
+    wait = next(i for i in range(start, len(lines)) if lines[i].startswith("SYNCS.PHASECHK"))
+    arrive = next(i for i in range(wait, len(lines)) if lines[i].startswith("SYNCS.ARRIVE"))
+    commit = next(i for i in range(arrive, len(lines)) if lines[i] == "LDGDEPBAR")
+
+    def bars(ops):
+        return sum(op.startswith("BAR.SYNC") for op in ops)
+
+    return dict(dequant=arrive + 1 - wait, dequant_bars=bars(lines[wait:arrive]),
+                copy=commit - arrive, copy_bars=bars(lines[arrive + 1:commit + 1]))
+
+
 def compile_form(heads: int, split: bool, traced: bool = False,
-                 fp8_tiles: tuple[int, int] | None = None) -> dict:
+                 fp8_tiles: sparse_mla_gluon.FP8Tiles | None = None) -> dict:
     """Registers, spills, shared memory, warps, the counts of :data:`REQUIRED` (bf16 cache) or
     :data:`REQUIRED_FP8` in the SASS and of unpredicated global stores in the PTX of one form
     (``heads`` per row; ``split``: with a 3-split workspace; ``traced``: with the phase stamps;
-    ``fp8_tiles``: ``(block_n, stages)`` on an ``fp8_ds_mla`` cache) of the kernel."""
+    ``fp8_tiles``: on an ``fp8_ds_mla`` cache, then also :func:`gather_loop` under ``loop``) of
+    the kernel."""
     rows, splits = 4, 3
     q = torch.zeros(rows, heads, QK_DIM, dtype=torch.bfloat16)
     out = torch.zeros(rows, heads, LATENT_DIM, dtype=torch.bfloat16)
     workspace = torch.zeros(rows, heads, splits, RECORD_WIDTH) if split else None
     cache = (torch.zeros(4096, MLA_FP8_BYTES, dtype=torch.uint8) if fp8_tiles
              else torch.zeros(4096, QK_DIM, dtype=torch.bfloat16))
-    block_n, stages = fp8_tiles or (sparse_mla_gluon.BLOCK_N, sparse_mla_gluon.STAGES)
+    tiles = fp8_tiles or sparse_mla_gluon.FP8Tiles(sparse_mla_gluon.BLOCK_N, sparse_mla_gluon.STAGES)
     record: dict = {}
     fresh_cache_dir()  # cold: a cached kernel (same specialization) comes without its ptxas log
     with compile_instead_of_launch(sparse_mla_gluon._sparse_mla_gluon_kernel, record,
                                    keep_compiled=True):
         sparse_mla_gluon.launch_sparse_mla_gluon(
             q, cache, torch.zeros(rows, 2048, dtype=torch.int32), out, workspace, 0.1, scan=2048,
-            record_width=RECORD_WIDTH, block_n=block_n, stages=stages,
+            record_width=RECORD_WIDTH, block_n=tiles.block_n, stages=tiles.stages,
+            staging=tiles.staging, gather_warps=tiles.gather_warps,
+            gather_registers=tiles.gather_registers, dequant_steps=tiles.dequant_steps,
             trace=torch.zeros(rows * -(-heads // 64) * splits,
                               2 * len(sparse_mla_gluon.TRACE_STAMPS),
                               dtype=torch.int64) if traced else None)
     compiled = record["compiled"]
-    cubin = CACHE_DIR / f"sparse_mla_gluon_{heads}_{int(split)}{int(traced)}_{block_n}.cubin"
+    cubin = CACHE_DIR / "sparse_mla_gluon.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True,
@@ -80,7 +105,8 @@ def compile_form(heads: int, split: bool, traced: bool = False,
     unmasked = len(re.findall(r"^\s*st\.global", compiled.asm["ptx"], flags=re.MULTILINE))
     return dict(regs=record["regs"], spill_stores=record["spill_stores"] or 0, unmasked=unmasked,
                 shared=compiled.metadata.shared, warps=compiled.metadata.num_warps,
-                sass={name: found[name] for name in (REQUIRED_FP8 if fp8_tiles else REQUIRED)})
+                sass={name: found[name] for name in (REQUIRED_FP8 if fp8_tiles else REQUIRED)},
+                loop=gather_loop(sass) if fp8_tiles else None)
 
 
 def main() -> int:
@@ -90,18 +116,21 @@ def main() -> int:
     args = parse_or_exit(parser)
     knobs.nvidia.dump_ptxas_log = True
     failures = []
-    caches = [None, *sparse_mla_gluon.FP8_TILES]
+    caches = [None, *sparse_mla_gluon.FP8_TILES, *sparse_mla_gluon.FP8_TUNE_TILES]
     forms = [(heads, split, False, tiles) for tiles in caches for heads in args.heads
              for split in (False, True)]
     stamped = [(64, True, True, None), (64, True, True, caches[1])]
     for heads, split, traced, tiles in forms + stamped:
         form = f"{heads} heads, " + ("split" if split else "single pass") + (
-            " with stamps" if traced else "") + (
-            f", fp8 cache (block_n {tiles[0]}, {tiles[1]} stages)" if tiles else "")
+            " with stamps" if traced else "") + (f", fp8 cache ({tiles})" if tiles else "")
         result = compile_form(heads, split, traced, tiles)
+        loop = result["loop"]
         print(f"{form}: {result['regs']} registers, {result['spill_stores']} B spilled, "
               f"{result['shared']} B shared memory, {result['warps']} warps; SASS {result['sass']}; "
-              f"{result['unmasked']} unpredicated global stores",
+              f"{result['unmasked']} unpredicated global stores" + (
+                  f"; gather loop per block: dequantizing {loop['dequant']} instructions, "
+                  f"{loop['dequant_bars']} barriers; copies {loop['copy']} instructions, "
+                  f"{loop['copy_bars']} barriers" if loop else ""),
               flush=True)
         if result["spill_stores"]:
             failures.append(f"{form}: spills {result['spill_stores']} B")

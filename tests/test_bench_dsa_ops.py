@@ -212,3 +212,22 @@ def test_tune_winners():
             row(3.0, splits=4, name="split"), row(4.0, splits=8, name="split_b")]
     got = [r["config"]["name"] for r in dsa_ops._tune_winners(rows)]
     assert got == ["b", "fp8_b", "other_point", "split"]
+
+
+def test_gluon_fp8_tune_candidates_are_checked_against_their_twin():
+    """Each Gluon FP8 gather candidate of the tune has the FP8 default of its block size as its
+    twin (no other config has one); the check passes two launches that write the same output and
+    fails a candidate that writes nothing (its output stays NaN)."""
+    for config in dsa_ops.SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS:
+        assert config in dsa_ops.TUNE_SPARSE_MLA_FP8
+        twin = dsa_ops._gluon_fp8_twin(config)
+        assert twin in dsa_ops.GLUON_FP8_VARIANTS.values() and twin.block_n == config.block_n
+    for config in dsa_ops.TUNE_SPARSE_MLA + tuple(dsa_ops.GLUON_FP8_VARIANTS.values()):
+        assert dsa_ops._gluon_fp8_twin(config) is None
+    point = _fp8_tune_point("decode")
+    dsa_ops._prepare(point)
+    candidate = dsa_ops._sparse_mla(point, "slots_new", "out_tune", None, None, fp8=True)
+    twin = dsa_ops._sparse_mla(point, "slots_new", "out_tune_twin", None, None, fp8=True)
+    dsa_ops._check_gluon_fp8_candidate(point, candidate, twin)
+    with pytest.raises(AssertionError, match="differs from the FP8 Gluon default's"):
+        dsa_ops._check_gluon_fp8_candidate(point, lambda: None, twin)

@@ -263,12 +263,19 @@ def test_config_rejects_bad_values():
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, max_splits=0)
     with pytest.raises(ValueError, match="kernel: expected 'triton' or 'gluon', got 'cuda'"):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, kernel="cuda")
-    with pytest.raises(ValueError, match=re.escape("kernel: the Gluon kernel's tiles (block_h, "
-                                                   "block_n, num_warps, num_stages, block_dv) "
-                                                   "are one of ((64, 64, 8, 2, 512), (64, 64, 8, "
-                                                   "1, 512), (64, 32, 8, 2, 512)), got (64, 32, "
-                                                   "8, 1, 512)")):
+    with pytest.raises(ValueError, match=re.escape(
+            "kernel: the Gluon kernel's tiles ('block_h', 'block_n', 'num_warps', 'num_stages', "
+            "'block_dv', 'staging', 'gather_warps', 'gather_registers', 'dequant_steps') are one "
+            "of ((64, 64, 8, 2, 512, None, 4, 88, 4), (64, 64, 8, 1, 512, None, 4, 88, 4), "
+            "(64, 32, 8, 2, 512, None, 4, 88, 4), ")):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, kernel="gluon")
+    with pytest.raises(ValueError, match=re.escape("got (64, 64, 8, 1, 512, None, 8, 40, 4)")):
+        SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, kernel="gluon",
+                        gather_warps=8, gather_registers=40)  # 16 warps: ptxas cannot fit the dots
+    with pytest.raises(ValueError, match=re.escape(
+            "staging, gather_warps, gather_registers, dequant_steps: the Triton kernel has no "
+            "gather partition, expected the defaults (None, 4, 88, 4), got (3, 4, 88, 4)")):
+        SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, staging=3)
 
 
 def test_decode_chain_indexer_topk_attention(device):

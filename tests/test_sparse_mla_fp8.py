@@ -3,8 +3,9 @@ reference that dequantizes the bytes (fp64 attention), and against the bf16 kern
 dequantized cache (bitwise: the dequantization to bf16 is exact); splits, poisoned unselected
 entries, config routing (GLUON_FP8_DEFAULT_CONFIG, the Gluon kernel's 64-slot FP8 tiles, where
 the Gluon kernel runs), and the Triton ops' wiring. On Hopper the Gluon kernel's FP8
-tiles (gpu-marked): against the reference at 8-128 heads, split or not, and bitwise against the
-bf16 Gluon kernel on the dequantized cache with the same 64-slot blocks.
+tiles and its gather-partition tune candidates (gpu-marked): against the reference at 8-128 heads,
+split or not, bitwise against the bf16 Gluon kernel on the dequantized cache with the same 64-slot
+blocks, and each candidate bitwise against the FP8 default of its block size.
 
 Tolerance under the interpreter (atol 1e-3, rtol 1e-2): the kernel runs the math in fp32 on
 exactly the values the cache holds, so the error is fp32 summation (about 1e-6) plus the bf16
@@ -28,7 +29,8 @@ from dsaspec.ops import sparse_mla
 from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_CONFIG,
-                                    SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SparseMLAConfig,
+                                    SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SparseMLAConfig,
                                     sparse_mla_config, sparse_mla_decode, sparse_mla_num_splits,
                                     sparse_mla_workspace)
 from dsaspec.reference.sparse_mla import reference_sparse_mla_decode_fp8
@@ -113,8 +115,14 @@ def _dequantized(inputs):
 
 
 EDGE_COUNTS = [0, 1, 31, 32, 33, 63, 64]
+# The Gluon kernel's FP8 defaults, then its gather-partition tune candidates (the bench's
+# --tune rows), named by block size, ring slots, staging stages, gather warps, registers, steps.
 GLUON_FP8 = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
-             "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG}
+             "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
+             **{f"gluon_fp8_tune_n{c.block_n}_r{c.num_stages}_s{c.staging or c.num_stages}_"
+                f"w{c.gather_warps}_g{c.gather_registers}_d{c.dequant_steps}": c
+                for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS}}
+GLUON_FP8_TUNE = [name for name in GLUON_FP8 if name.startswith("gluon_fp8_tune")]
 needs_hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
     reason="the Gluon kernel needs a compute-capability-9 GPU")
@@ -251,16 +259,19 @@ def test_bad_arguments(device):
         bad = inputs["slots"].clone()
         bad[0, 0] = 10
         sparse_mla_decode(**dict(inputs, slots=bad), out=out)
+    fields = ("('block_h', 'block_n', 'num_warps', 'num_stages', 'block_dv', 'staging', "
+              "'gather_warps', 'gather_registers', 'dequant_steps')")
     with pytest.raises(ValueError, match=re.escape(
-            "config: the Gluon kernel's tiles (block_h, block_n, num_warps, num_stages, block_dv) "
-            "on an fp8_ds_mla kv_cache are one of ((64, 64, 8, 1, 512), (64, 32, 8, 2, 512)), got "
-            "(64, 64, 8, 2, 512)")):
+            f"config: the Gluon kernel's tiles {fields} on an fp8_ds_mla kv_cache are one of "
+            f"((64, 64, 8, 1, 512, None, 4, 88, 4), (64, 32, 8, 2, 512, None, 4, 88, 4), "
+            f"(64, 64, 8, 1, 512, None, 4, 88, 2), ") + ".*" + re.escape(
+            "got (64, 64, 8, 2, 512, None, 4, 88, 4)")):
         sparse_mla_decode(**inputs, out=out, config=SPARSE_MLA_GLUON_CONFIG)
-    with pytest.raises(ValueError, match=re.escape(
-            "config: the Gluon kernel's tiles (block_h, block_n, num_warps, num_stages, block_dv) "
-            "on a bf16 kv_cache are one of ((64, 64, 8, 2, 512),), got (64, 32, 8, 2, 512)")):
-        sparse_mla_decode(**_dequantized(inputs), out=out,
-                          config=SPARSE_MLA_GLUON_FP8_NARROW_CONFIG)
+    for config in (SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):
+        with pytest.raises(ValueError, match=re.escape(
+                f"config: the Gluon kernel's tiles {fields} on a bf16 kv_cache are one of "
+                f"((64, 64, 8, 2, 512, None, 4, 88, 4),), got {config.tiles}")):
+            sparse_mla_decode(**_dequantized(inputs), out=out, config=config)
     for config in GLUON_FP8.values():  # the right tiles, but 4 heads (and here no Hopper GPU)
         with pytest.raises(ValueError, match="config: the Gluon kernel needs a CUDA device of "
                                              "compute capability 9.x and 8, 16, 32 or a "
@@ -439,6 +450,34 @@ def test_gpu_gluon_bitwise_equal_to_bf16_gluon_kernel(num_heads, split):
     workspace = sparse_mla_workspace(16, num_heads, "cuda", num_splits=4) if split else None
     got = _run(inputs, workspace, SPARSE_MLA_GLUON_FP8_CONFIG)
     assert torch.equal(got, _run(_dequantized(inputs), workspace, SPARSE_MLA_GLUON_CONFIG))
+
+
+def test_gluon_fp8_tune_candidates():
+    """The tune candidates are Gluon FP8 configs distinct from each other and from the defaults,
+    each with the block size of a default (so the default's output, bitwise, on the GPU)."""
+    assert len(GLUON_FP8_TUNE) == len(SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS) > 0
+    assert len(set(GLUON_FP8.values())) == len(GLUON_FP8)
+    for config in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS:
+        assert config.kernel == "gluon" and config.block_n in (64, 32)
+        assert config != SPARSE_MLA_GLUON_FP8_CONFIG and config != SPARSE_MLA_GLUON_FP8_NARROW_CONFIG
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("config", GLUON_FP8_TUNE)
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("num_heads", [16, 64, 128])
+def test_gpu_gluon_tune_candidates_bitwise_equal_to_default(config, num_heads, split):
+    """A gather-partition candidate changes how the blocks reach shared memory, not the dots or
+    their order: its output equals the FP8 default of the same block size bit for bit (what the
+    bench's tune checks per point), over poisoned unselected entries."""
+    config = GLUON_FP8[config]
+    default = (SPARSE_MLA_GLUON_FP8_CONFIG if config.block_n == SPARSE_MLA_GLUON_FP8_CONFIG.block_n
+               else SPARSE_MLA_GLUON_FP8_NARROW_CONFIG)
+    inputs = poison_unselected(_production(16, num_heads, seed=3))
+    workspace = sparse_mla_workspace(16, num_heads, "cuda", num_splits=4) if split else None
+    got = _run(inputs, workspace, config)
+    assert torch.equal(got, _run(inputs, workspace, default))
 
 
 @pytest.mark.parametrize("capability,refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])

@@ -59,17 +59,22 @@ def test_refuses_what_it_cannot_run(device):
 
 def test_compiles_for_sm90_as_designed():
     """Without a GPU: every form (single pass and split at 8, 16, 32, 64 and 128 heads on the
-    bf16 cache and with each FP8 tile set on the fp8_ds_mla cache, split with stamps) compiles
-    for sm_90 with no spills, within the shared-memory limit, with cp.async gathers, wgmma,
-    copy-completion arrives (FP8: the e4m3 conversion) and the register split in the SASS and
-    only predicated global stores (masked to the real heads)
-    (scripts/compile_sparse_mla_gluon.py, in a subprocess: it compiles instead of interpreting)."""
+    bf16 cache and with each FP8 tile set, the defaults and the tune candidates, on the
+    fp8_ds_mla cache, split with stamps) compiles for sm_90 with no spills, within the
+    shared-memory limit, with cp.async gathers, wgmma, copy-completion arrives (FP8: the e4m3
+    conversion) and the register split in the SASS and only predicated global stores (masked to
+    the real heads) (scripts/compile_sparse_mla_gluon.py, in a subprocess: it compiles instead of
+    interpreting); each FP8 line prints its gather loop."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(root / "scripts" / "compile_sparse_mla_gluon.py")],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "every form compiles for sm_90 as designed" in proc.stdout
+    for tiles in sparse_mla_gluon.FP8_TILES + sparse_mla_gluon.FP8_TUNE_TILES:
+        lines = [line for line in proc.stdout.splitlines() if f"fp8 cache ({tiles}):" in line]
+        assert len(lines) >= 10 and all(" 0 B spilled" in line and "gather loop per block" in line
+                                        for line in lines), (tiles, lines)
 
 
 def test_trace_argument_is_checked():

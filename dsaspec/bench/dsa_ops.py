@@ -51,7 +51,9 @@ With ``--kv-cache-dtype fp8_e4m3``, ``--tune`` times the sparse MLA candidates o
 too (and ``TUNE_SPARSE_MLA_FP8``), each row's ``config`` naming its ``kv_cache``, and the indexer
 on the FP8 key cache: ``TUNE_INDEXER_FP8`` at ``TUNE_FP8_PROGRAMS_PER_SM`` programs per SM, each candidate's logits
 checked against ``INDEXER_FP8_CONFIG``'s (bitwise under the interpreter, within
-``FP8_INDEXER_TUNE_RTOL`` of their absolute sums on the GPU; a mismatch is the row's error).
+``FP8_INDEXER_TUNE_RTOL`` of their absolute sums on the GPU; a mismatch is the row's error); the Gluon
+kernel's FP8 gather candidates (``SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS``) are checked bitwise against the
+FP8 default of their block size (a mismatch is the row's error).
 After timing, ``--tune`` prints and writes the fastest error-free configuration per op and point.
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
 ``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five,
@@ -93,8 +95,8 @@ from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXE
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG,
-                                    SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SparseMLAConfig, sparse_mla_config,
-                                    sparse_mla_decode, sparse_mla_workspace)
+                                    SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
+                                    SparseMLAConfig, sparse_mla_config, sparse_mla_decode, sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_chunks,
                               topk_single_launch_fits, topk_slots, topk_workspace)
@@ -139,10 +141,13 @@ TUNE_SPARSE_MLA = (
 # Also tried on the FP8 cache (--kv-cache-dtype fp8_e4m3): 64-head tiles that compile for sm_90 without
 # spills there (scripts/compile_fp8_dsa.py --sweep), SPARSE_MLA_CONFIG's included: 8 warps with 256
 # value columns (173-193 registers), 16 slots a block on 8 warps, and 4 warps with 256 columns (255);
-# and the Gluon kernel's FP8 tiles (Hopper only: elsewhere their rows record the refusal).
+# and the Gluon kernel's FP8 tiles and its gather-partition candidates (SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
+# docs/dsa-kernels.md; Hopper only: elsewhere their rows record the refusal). A candidate's output is
+# checked bitwise against the FP8 default of its block size (_check_gluon_fp8_candidate).
 TUNE_SPARSE_MLA_FP8 = (
     SPARSE_MLA_GLUON_FP8_CONFIG,
     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
+    *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
     SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, block_dv=256),
     SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, block_dv=256),
     SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, block_dv=256),
@@ -598,6 +603,27 @@ def _check_fp8_indexer_candidate(p: _Point, candidate, on_gpu: bool) -> float:
     return worst
 
 
+def _gluon_fp8_twin(config: SparseMLAConfig) -> SparseMLAConfig | None:
+    """For one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS`, the FP8 Gluon default of its block size
+    (the same dots in the same order, only the gather partition differs: the same output bit for
+    bit); else None."""
+    if config not in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS:
+        return None
+    return next(default for default in GLUON_FP8_VARIANTS.values() if default.block_n == config.block_n)
+
+
+def _check_gluon_fp8_candidate(p: _Point, candidate, twin) -> None:
+    """Run ``candidate`` (writing buffer ``out_tune``) on a NaN-filled ``out_tune`` and ``twin`` (its
+    :func:`_gluon_fp8_twin`'s launch, writing ``out_tune_twin``, same workspace) once each; raises
+    AssertionError unless the two outputs are equal bit for bit."""
+    p.buffers["out_tune"].fill_(float("nan"))
+    candidate()
+    twin()
+    if not torch.equal(p.buffers["out_tune"], p.buffers["out_tune_twin"]):
+        raise AssertionError("sparse_mla (FP8 cache): the output differs from the FP8 Gluon default's "
+                             "of the same block size")
+
+
 def _tune_winners(rows: list[dict]) -> list[dict]:
     """The fastest error-free row per (op, KV cache, split or not, mode, bs, live_kv), in the order
     the points first appear, with its ``vs_default``."""
@@ -832,6 +858,7 @@ def _tune(args) -> int:
                       for config in TUNE_INDEXER for per_sm in TUNE_PROGRAMS_PER_SM
                       for groups in dict.fromkeys((point.n, 1))
                       if (per_sm == PROGRAMS_PER_SM and groups == point.n) or config == INDEXER_CONFIG]
+        twins = {}  # candidate index -> the launch its output must equal (_check_gluon_fp8_candidate)
         sparse_mla_tries = [("bf16", config) for config in TUNE_SPARSE_MLA]
         if fp8:
             sparse_mla_tries += [("fp8_e4m3", config) for config in TUNE_SPARSE_MLA + TUNE_SPARSE_MLA_FP8]
@@ -845,6 +872,10 @@ def _tune(args) -> int:
                                                                  "kv_cache": kv_cache},
                                    _sparse_mla(point, "slots_new", "out_tune", config, workspace,
                                                fp8=kv_cache == "fp8_e4m3")))
+                twin = _gluon_fp8_twin(config) if kv_cache == "fp8_e4m3" else None
+                if twin is not None:
+                    twins[len(candidates) - 1] = _sparse_mla(point, "slots_new", "out_tune_twin", twin,
+                                                             workspace, fp8=True)
         default_chunks = topk_num_chunks(point.rows, shapes.num_sms)
         for chunks in dict.fromkeys([default_chunks] + [max(1, round(default_chunks * factor))
                                                         for factor in TUNE_TOPK_CHUNKS]
@@ -860,7 +891,7 @@ def _tune(args) -> int:
         if fp8 and "indexer" in args.ops:
             _indexer(point, True, fp8=True)(check_values=True)  # logits_fp8: what every candidate must match
             candidates += [("indexer", config, fn) for config, fn in _fp8_indexer_tune_candidates(point)]
-        for op, config, fn in candidates:
+        for index, (op, config, fn) in enumerate(candidates):
             if op not in args.ops:
                 continue
             row = {"op": op, "mode": mode, "bs": bs, "live_kv": live, "config": config}
@@ -869,6 +900,9 @@ def _tune(args) -> int:
                 row.update(us=timing.median_us, spread=timing.spread)
                 if op == "indexer" and config.get("kv_cache") == "fp8_e4m3":
                     row["max_abs_diff"] = _check_fp8_indexer_candidate(point, fn, True)
+                if index in twins:
+                    _check_gluon_fp8_candidate(point, fn, twins[index])
+                    row["max_abs_diff"] = 0.0
             except Exception as err:  # e.g. a configuration that does not fit in shared memory
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
             rows.append(row)

@@ -61,13 +61,14 @@ RECORD_WIDTH = 520
 COMBINE_FEW_HEAD_ROWS = 256
 
 
-def _gluon_tiles(fp8: bool = False) -> tuple[tuple[int, int, int, int, int], ...]:
-    """The Gluon kernel's tiles ``(block_h, block_n, num_warps, num_stages, block_dv)`` on a bf16
-    cache (one), or with ``fp8`` on an ``fp8_ds_mla`` one (:data:`sparse_mla_gluon.FP8_TILES`)."""
-    blocks = sparse_mla_gluon.FP8_TILES if fp8 else (
-        (sparse_mla_gluon.BLOCK_N, sparse_mla_gluon.STAGES),)
-    return tuple((sparse_mla_gluon.HEADS_PER_PROGRAM, block_n, sparse_mla_gluon.ATTEND_WARPS,
-                  stages, LATENT_DIM) for block_n, stages in blocks)
+def _gluon_tiles(fp8: bool = False) -> tuple[tuple[int, ...], ...]:
+    """The Gluon kernel's tiles (:attr:`SparseMLAConfig.tiles`) on a bf16 cache (one), or with
+    ``fp8`` on an ``fp8_ds_mla`` one (:data:`sparse_mla_gluon.FP8_TILES`, then the tune candidates
+    :data:`sparse_mla_gluon.FP8_TUNE_TILES`)."""
+    g = sparse_mla_gluon
+    blocks = g.FP8_TILES + g.FP8_TUNE_TILES if fp8 else (g.FP8Tiles(g.BLOCK_N, g.STAGES),)
+    return tuple((g.HEADS_PER_PROGRAM, t.block_n, g.ATTEND_WARPS, t.stages, LATENT_DIM,
+                  t.staging, t.gather_warps, t.gather_registers, t.dequant_steps) for t in blocks)
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,14 @@ class SparseMLAConfig:
     kernel : ``"triton"`` (any device, the interpreter included) or ``"gluon"`` (the
         warp-specialized kernel of :mod:`dsaspec.ops.sparse_mla_gluon`: compute capability 9.x,
         8, 16 or 32 heads or a multiple of 64, and only its own tiles: those of
-        :data:`SPARSE_MLA_GLUON_CONFIG` on a bf16 cache, of :data:`SPARSE_MLA_GLUON_FP8_CONFIG`
-        or :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG` on an ``fp8_ds_mla`` one).
+        :data:`SPARSE_MLA_GLUON_CONFIG` on a bf16 cache, of :data:`SPARSE_MLA_GLUON_FP8_CONFIG`,
+        :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG` or one of
+        :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` on an ``fp8_ds_mla`` one).
+    staging, gather_warps, gather_registers, dequant_steps : the Gluon kernel's gather partition
+        on an ``fp8_ds_mla`` cache (:class:`sparse_mla_gluon.FP8Tiles`: its staging stages, None
+        for as many as ``num_stages``; its warps; its registers per thread; the steps a staged
+        block is dequantized in); the Triton kernel has none and takes only the defaults. A row's
+        output does not depend on them.
     """
 
     block_h: int
@@ -98,6 +105,10 @@ class SparseMLAConfig:
     block_dv: int = 512
     max_splits: int = 16
     kernel: str = "triton"
+    staging: int | None = None
+    gather_warps: int = sparse_mla_gluon.GATHER_WARPS
+    gather_registers: int = sparse_mla_gluon.GATHER_REGISTERS
+    dequant_steps: int = sparse_mla_gluon.DEQUANT_STEPS
 
     def __post_init__(self):
         if self.block_dv not in (128, 256, 512):
@@ -108,13 +119,29 @@ class SparseMLAConfig:
             raise ValueError(f"kernel: expected 'triton' or 'gluon', got {self.kernel!r}")
         gluon_tiles = _gluon_tiles() + _gluon_tiles(fp8=True)
         if self.kernel == "gluon" and self.tiles not in gluon_tiles:
-            raise ValueError(f"kernel: the Gluon kernel's tiles (block_h, block_n, num_warps, "
-                             f"num_stages, block_dv) are one of {gluon_tiles}, got {self.tiles}")
+            raise ValueError(f"kernel: the Gluon kernel's tiles {TILE_FIELDS} are one of "
+                             f"{gluon_tiles}, got {self.tiles}")
+        gather = (self.staging, self.gather_warps, self.gather_registers, self.dequant_steps)
+        defaults = (None, sparse_mla_gluon.GATHER_WARPS, sparse_mla_gluon.GATHER_REGISTERS,
+                    sparse_mla_gluon.DEQUANT_STEPS)
+        if self.kernel == "triton" and gather != defaults:
+            raise ValueError(f"staging, gather_warps, gather_registers, dequant_steps: the Triton "
+                             f"kernel has no gather partition, expected the defaults {defaults}, "
+                             f"got {gather}")
 
     @property
-    def tiles(self) -> tuple[int, int, int, int, int]:
-        """``(block_h, block_n, num_warps, num_stages, block_dv)``."""
-        return self.block_h, self.block_n, self.num_warps, self.num_stages, self.block_dv
+    def tiles(self) -> tuple[int, ...]:
+        """The values of :data:`TILE_FIELDS`."""
+        return tuple(getattr(self, name) for name in TILE_FIELDS)
+
+
+TILE_FIELDS = ("block_h", "block_n", "num_warps", "num_stages", "block_dv", "staging",
+               "gather_warps", "gather_registers", "dequant_steps")
+
+
+def _gluon_config(tiles: tuple[int, ...]) -> SparseMLAConfig:
+    """The Gluon kernel's config of ``tiles`` (the values of :data:`TILE_FIELDS`)."""
+    return SparseMLAConfig(**dict(zip(TILE_FIELDS, tiles)), kernel="gluon")
 
 
 # Fastest of the --tune sweep (benchmarks/results/h200/dsa_ops_tune_wide.md) from 16 rows up, split or
@@ -130,12 +157,16 @@ SPARSE_MLA_FEW_ROWS_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4
 FEW_ROWS_HEAD_BLOCKS = 4  # R * cdiv(H, block_h) up to which the split path takes the few-rows config
 # The Gluon kernel (dsaspec.ops.sparse_mla_gluon): 64 heads per program against blocks of 64 slots,
 # one program per SM (224 KiB of shared memory), 8 attend warps beside 4 gather warps.
-SPARSE_MLA_GLUON_CONFIG = SparseMLAConfig(*_gluon_tiles()[0], kernel="gluon")
+SPARSE_MLA_GLUON_CONFIG = _gluon_config(_gluon_tiles()[0])
 # The Gluon kernel on an fp8_ds_mla cache (the gathers dequantize into the bf16 ring): blocks of 64
 # slots, one ring slot and one staging stage (the bf16 kernel's dots: bitwise its output on the
 # dequantized cache), or blocks of 32, two of each (dequantizing overlaps the dots).
 SPARSE_MLA_GLUON_FP8_CONFIG, SPARSE_MLA_GLUON_FP8_NARROW_CONFIG = (
-    SparseMLAConfig(*tiles, kernel="gluon") for tiles in _gluon_tiles(fp8=True))
+    _gluon_config(tiles) for tiles in _gluon_tiles(fp8=True)[:len(sparse_mla_gluon.FP8_TILES)])
+# The Gluon kernel's FP8 tune candidates (sparse_mla_gluon.FP8_TUNE_TILES: other gather partitions),
+# timed by `bench dsa-ops --tune --kv-cache-dtype fp8_e4m3`; none is a default.
+SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS = tuple(
+    _gluon_config(tiles) for tiles in _gluon_tiles(fp8=True)[len(sparse_mla_gluon.FP8_TILES):])
 # What sparse_mla_config gives an FP8 cache where the Gluon kernel runs (None: the Triton configs).
 # The 64-slot config was the fastest of the three at every point of `bench dsa-ops --kv-cache-dtype
 # fp8_e4m3` (GLM-5, 64 heads, 64k live): 49.5 / 82.1 us at 32 / 64 decode rows, 139.2 / 268.7 at
@@ -454,8 +485,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     config : launch configuration (default ``sparse_mla_config(R, H, workspace is not None,
         q.device, fp8_cache)``); :data:`SPARSE_MLA_BASELINE_CONFIG` is the earlier kernel (the
         benchmark's baseline). A Gluon config must have the tiles of the cache's dtype
-        (:data:`SPARSE_MLA_GLUON_CONFIG` for bf16, :data:`SPARSE_MLA_GLUON_FP8_CONFIG` or
-        :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG` for ``fp8_ds_mla``).
+        (:data:`SPARSE_MLA_GLUON_CONFIG` for bf16, :data:`SPARSE_MLA_GLUON_FP8_CONFIG`,
+        :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG` or one of
+        :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` for ``fp8_ds_mla``).
 
     Returns
     -------
@@ -479,16 +511,19 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     if config.kernel == "gluon":
         cache_tiles = _gluon_tiles(fp8)
         if config.tiles not in cache_tiles:
-            raise ValueError(f"config: the Gluon kernel's tiles (block_h, block_n, num_warps, "
-                             f"num_stages, block_dv) on {'an fp8_ds_mla' if fp8 else 'a bf16'} "
-                             f"kv_cache are one of {cache_tiles}, got {config.tiles}")
+            raise ValueError(f"config: the Gluon kernel's tiles {TILE_FIELDS} on "
+                             f"{'an fp8_ds_mla' if fp8 else 'a bf16'} kv_cache are one of "
+                             f"{cache_tiles}, got {config.tiles}")
         if not sparse_mla_gluon_supported(q.device, num_heads):
             raise ValueError(f"config: the Gluon kernel needs a CUDA device of compute "
                              f"capability 9.x and 8, 16, 32 or a multiple of 64 heads, got "
                              f"{q.device} and {num_heads} heads")
         launch_sparse_mla_gluon(q, kv_cache, slots, out, workspace, qk_scale_log2, scan=scan,
                                 record_width=RECORD_WIDTH, block_n=config.block_n,
-                                stages=config.num_stages)
+                                stages=config.num_stages, staging=config.staging,
+                                gather_warps=config.gather_warps,
+                                gather_registers=config.gather_registers,
+                                dequant_steps=config.dequant_steps)
         if workspace is not None:
             # a programmatic dependent: the Gluon kernel does not trigger early, so the combine
             # starts as its programs exit (0.2-0.5 µs less at 4-16 rows, H200)

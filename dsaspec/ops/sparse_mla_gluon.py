@@ -16,8 +16,9 @@ padded wgmma rows cost tensor-core time it has to spare.
   ``STAGES`` shared-memory slots (latent and rope apart); a slot's arrival is signalled on its
   ``full`` mbarrier by one copy-completion arrive per gather thread (the first block's also
   covers the queries); an invalid slot's row is zero-filled, never read. On an ``fp8_ds_mla``
-  cache (constexpr ``FP8``, tiles :data:`FP8_TILES`) it copies the slots' bytes into staging
-  stages instead and dequantizes each block into its ring slot (bf16, exact), then signals it;
+  cache (constexpr ``FP8``, tiles :class:`FP8Tiles`: the defaults :data:`FP8_TILES`, the tune
+  candidates :data:`FP8_TUNE_TILES`) it copies the slots' bytes into staging stages instead and
+  dequantizes each block into its ring slot (bf16, exact), then signals it;
 - the attend partition (8 warps, two warpgroups, each owning half of the score columns and half
   of the 512 value columns) per block waits for its slot, runs the QK dot of the 64 heads against
   it as wgmma (latent, then rope), the online softmax (fp32, log2 domain), stores the
@@ -44,6 +45,8 @@ Gluon kernels do not run under Triton's interpreter and wgmma exists only on com
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -62,14 +65,53 @@ BLOCK_N = 64  # selected slots per ring slot and softmax step
 STAGES = 2  # ring slots: 2 x 64 x 576 x 2 B = 144 KiB, with the queries and probabilities 224 KiB
 ATTEND_WARPS = 8
 GATHER_WARPS = 4
-# The FP8 cache's (block_n, stages): the gathers stage each block's cache bytes (656 a slot) in
-# ``stages`` staging stages and dequantize them into the bf16 ring. 64 slots a block (the bf16
-# kernel's dots and summation order) leaves room for one ring slot and one staging stage (193 KiB);
-# 32 slots a block for two of each (189 KiB), dequantizing one block while the other is attended.
-FP8_TILES = ((64, 1), (32, 2))
 # Registers per gather thread after the partitions' setmaxnreg split; the attend warps get the rest
 # of the SM's 64K (the launch bound is 65536 / (12 warps x 32) = 168 for every warp before it).
 GATHER_REGISTERS = 88
+DEQUANT_STEPS = 4  # steps a staged FP8 block is dequantized in (BLOCK_N // 4 rows a step)
+
+
+@dataclass(frozen=True)
+class FP8Tiles:
+    """The kernel's launch shape on an ``fp8_ds_mla`` cache.
+
+    block_n : selected slots per block (the ring slot, the staging stage and the softmax step).
+    stages : bf16 ring slots (blocks the dequantizing may run ahead of the attend partition).
+    staging : staging stages of the cache's bytes (656 a slot; blocks of copies in flight), None:
+        as many as ``stages``.
+    gather_warps : warps of the gather partition, which copies and dequantizes (the attend
+        partition keeps its 8). Only 4 compiles for sm_90: with 8 (16 warps) the launch bound
+        is 128 registers a thread and ptxas needs 154 for the attend partition's dots.
+    gather_registers : registers per gather thread after the partitions' setmaxnreg split (a
+        multiple of 8); the attend partition gets the rest of the SM's 64K.
+    dequant_steps : steps a staged block is dequantized in, each ``block_n // dequant_steps``
+        rows and ending in a barrier of the gather warps.
+    """
+
+    block_n: int
+    stages: int
+    staging: int | None = None
+    gather_warps: int = GATHER_WARPS
+    gather_registers: int = GATHER_REGISTERS
+    dequant_steps: int = DEQUANT_STEPS
+
+
+# The FP8 cache's defaults: the gathers stage each block's cache bytes in as many staging stages
+# as ring slots and dequantize them into the bf16 ring. 64 slots a block (the bf16 kernel's dots
+# and summation order) leaves room for one ring slot and one staging stage (193 KiB); 32 slots a
+# block for two of each (189 KiB), dequantizing one block while the other is attended.
+FP8_TILES = (FP8Tiles(64, 1), FP8Tiles(32, 2))
+# Candidates for ``bench dsa-ops --tune --kv-cache-dtype fp8_e4m3`` (issue 28), each compiled for
+# sm_90 without spills (scripts/compile_sparse_mla_gluon.py), with GPU tests like the defaults'
+# (tests/test_sparse_mla_fp8.py); docs/dsa-kernels.md says what each is meant to test.
+FP8_TUNE_TILES = (
+    FP8Tiles(64, 1, dequant_steps=2),
+    FP8Tiles(32, 2, staging=3),
+    FP8Tiles(32, 3, staging=2),
+    FP8Tiles(32, 2, gather_registers=96, dequant_steps=1),
+    FP8Tiles(32, 2, staging=3, gather_registers=96, dequant_steps=1),
+    FP8Tiles(32, 3, staging=2, gather_registers=96, dequant_steps=1),
+)
 
 
 # What the ``trace`` of :func:`launch_sparse_mla_gluon` holds per program, in this order: the SM
@@ -154,14 +196,17 @@ def _copy_fp8_block(codes, scales, rope, kv_ptr, kv_stride, row_slots, topk, blo
 
 @gluon.jit
 def _dequantize_block(codes, scales, rope, latent_out, rope_out, LATENT: gl.constexpr,
-                      GROUPS: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+                      GROUPS: gl.constexpr, BLOCK_N: gl.constexpr, STEPS: gl.constexpr,
+                      WARPS: gl.constexpr):
     """A staging stage's codes times their group's scale, as bf16 into a latent ring slot (exact:
     a power-of-two scale times an e4m3 code is a bf16 value, as in the Triton kernel's
-    ``_gather_latent``), and its rope values into the rope ring slot."""
+    ``_gather_latent``), and its rope values into the rope ring slot, in ``STEPS`` steps of
+    ``BLOCK_N // STEPS`` rows."""
     GROUP: gl.constexpr = LATENT // GROUPS
-    # a quarter block a step: each step's store is a barrier of the gather warps (the compiler
-    # orders stores to one ring slot), and 16 rows at 32-slot blocks spill 12 B (sm_90)
-    ROWS: gl.constexpr = BLOCK_N // 4
+    # each step's store is a barrier of the gather warps (the compiler orders stores to one ring
+    # slot); fewer steps hold more codes in registers (4 warps: 16 rows a step at 32-slot blocks
+    # spilled 12 B on sm_90)
+    ROWS: gl.constexpr = BLOCK_N // STEPS
     layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, GROUPS, 32 // GROUPS], [WARPS, 1, 1],
                                             [2, 1, 0])
     grouped_codes = codes.reshape([BLOCK_N, GROUPS, GROUP])
@@ -180,13 +225,14 @@ def _dequantize_block(codes, scales, rope, latent_out, rope_out, LATENT: gl.cons
 def _gather_fp8_blocks(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, codes,
                        scales, rope, latent_ring, rope_ring, full, empty, trace_ptr,
                        LATENT: gl.constexpr, ROPE: gl.constexpr, GROUPS: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-                       TRACE: gl.constexpr):
-    """The split's blocks from an ``fp8_ds_mla`` cache: ``cp.async`` into ``STAGES`` staging stages
-    (``STAGES`` blocks ahead; one commit group a block, the first also holding the queries'
-    copies), then each block dequantized into its ring slot once that is free, signalled on
-    ``full`` by one arrive after every gather thread's stores."""
-    for k in gl.static_range(STAGES):
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STAGING: gl.constexpr,
+                       STEPS: gl.constexpr, WARPS: gl.constexpr, TRACE: gl.constexpr):
+    """The split's blocks from an ``fp8_ds_mla`` cache: ``cp.async`` into ``STAGING`` staging
+    stages (``STAGING`` blocks ahead; one commit group a block, the first also holding the
+    queries' copies), then block ``first_block + i`` dequantized from staging stage
+    ``i % STAGING`` into ring slot ``i % STAGES`` once that is free, signalled on ``full`` by one
+    arrive after every gather thread's stores; the staging stage is refilled right after."""
+    for k in gl.static_range(STAGING):
         _copy_fp8_block(codes.index(k), scales.index(k), rope.index(k), kv_ptr, kv_stride,
                         row_slots, topk, first_block + k, stop_block, LATENT, ROPE, GROUPS,
                         BLOCK_N, WARPS)
@@ -196,17 +242,18 @@ def _gather_fp8_blocks(kv_ptr, kv_stride, row_slots, topk, first_block, stop_blo
     for block in range(first_block, stop_block):
         i = block - first_block
         stage = i % STAGES
-        async_copy.wait_group(STAGES - 1)  # this thread's copies of the block have landed
+        staged = i % STAGING
+        async_copy.wait_group(STAGING - 1)  # this thread's copies of the block have landed
         gl.thread_barrier()  # ... and every gather thread's
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-        _dequantize_block(codes.index(stage), scales.index(stage), rope.index(stage),
+        _dequantize_block(codes.index(staged), scales.index(staged), rope.index(staged),
                           latent_ring.index(stage), rope_ring.index(stage), LATENT, GROUPS,
-                          BLOCK_N, WARPS)
+                          BLOCK_N, STEPS, WARPS)
         fence_async_shared()  # the bf16 stores, before the wgmma reads them
         gl.thread_barrier()  # every gather thread stored (and is done with the staging stage)
         mbarrier.arrive(full.index(stage), count=1)
-        _copy_fp8_block(codes.index(stage), scales.index(stage), rope.index(stage), kv_ptr,
-                        kv_stride, row_slots, topk, block + STAGES, stop_block, LATENT, ROPE,
+        _copy_fp8_block(codes.index(staged), scales.index(staged), rope.index(staged), kv_ptr,
+                        kv_stride, row_slots, topk, block + STAGING, stop_block, LATENT, ROPE,
                         GROUPS, BLOCK_N, WARPS)
         async_copy.commit_group()
 
@@ -216,8 +263,9 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
                       row_slots, topk, latent_ring, rope_ring, codes, scales, rope, full, empty,
                       trace_ptr, LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
-                      FP8: gl.constexpr, GROUPS: gl.constexpr, WARPS: gl.constexpr,
-                      TRACE: gl.constexpr):
+                      FP8: gl.constexpr, GROUPS: gl.constexpr, STAGING: gl.constexpr,
+                      STEPS: gl.constexpr,
+                      WARPS: gl.constexpr, TRACE: gl.constexpr):
     """The queries into shared memory (the first ``real_heads`` of them, zeros in the padding
     head slots), then block ``first_block + i``'s cache rows into ring slot ``i % STAGES`` once
     it is free: by ``cp.async`` from a bf16 cache, through the staging stages ``codes, scales,
@@ -244,7 +292,7 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
     if FP8:
         _gather_fp8_blocks(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, codes,
                            scales, rope, latent_ring, rope_ring, full, empty, trace_ptr, LATENT,
-                           ROPE, GROUPS, BLOCK_N, STAGES, WARPS, TRACE)
+                           ROPE, GROUPS, BLOCK_N, STAGES, STAGING, STEPS, WARPS, TRACE)
     else:
         for block in range(first_block, stop_block):
             i = block - first_block
@@ -371,9 +419,10 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
                              LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
                              SPLIT: gl.constexpr, RECORD: gl.constexpr, FP8: gl.constexpr,
-                             GROUPS: gl.constexpr, GATHER_WARPS: gl.constexpr,
-                             GATHER_REGISTERS: gl.constexpr, TRACE: gl.constexpr,
-                             STAMPS: gl.constexpr):
+                             GROUPS: gl.constexpr, STAGING: gl.constexpr,
+                             GATHER_WARPS: gl.constexpr,
+                             GATHER_REGISTERS: gl.constexpr, DEQUANT_STEPS: gl.constexpr,
+                             TRACE: gl.constexpr, STAMPS: gl.constexpr):
     """Program ``(row, head block, split)``: shared memory and its barriers, then the gather and
     attend partitions (each finds the split's blocks itself, so the gathers start at once)."""
     row = gl.program_id(0).to(gl.int64)
@@ -397,7 +446,7 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
                                                                                gl.bfloat16))
     # the FP8 staging stages of the gathered cache rows (the cache's bytes); one row for a bf16
     # cache, never used
-    STAGED_STAGES: gl.constexpr = STAGES if FP8 else 1
+    STAGED_STAGES: gl.constexpr = STAGING if FP8 else 1
     STAGED_ROWS: gl.constexpr = BLOCK_N if FP8 else 1
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     codes = gl.allocate_shared_memory(gl.uint8, [STAGED_STAGES, STAGED_ROWS, LATENT], plain)
@@ -423,7 +472,8 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
          (_gather_partition, (q_head, q_stride_head, real_heads, q_latent, q_rope, kv_ptr,
                               kv_stride, row_slots, topk, latent_ring, rope_ring, codes, scales,
                               rope, full, empty, trace_ptr, LATENT, ROPE, BLOCK_H, BLOCK_N,
-                              STAGES, SCAN, FP8, GROUPS, GATHER_WARPS, TRACE))],
+                              STAGES, SCAN, FP8, GROUPS, STAGING, DEQUANT_STEPS, GATHER_WARPS,
+                              TRACE))],
         [GATHER_WARPS], [GATHER_REGISTERS])
 
 
@@ -443,11 +493,16 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
                             out: torch.Tensor, workspace: torch.Tensor | None,
                             qk_scale_log2: float, *, scan: int, record_width: int,
                             block_n: int = BLOCK_N, stages: int = STAGES,
+                            staging: int | None = None, gather_warps: int = GATHER_WARPS,
+                            gather_registers: int = GATHER_REGISTERS,
+                            dequant_steps: int = DEQUANT_STEPS,
                             trace: torch.Tensor | None = None) -> None:
     """Launch the kernel over grid ``(R, cdiv(H, 64), num_splits)`` on a bf16 ``kv_cache``
     ``[slots, 576]`` or an ``fp8_ds_mla`` one (uint8 ``[slots, 656]``, row stride a multiple of 16
-    bytes), ``block_n`` slots a block and ``stages`` ring slots (:data:`FP8_TILES` for FP8,
-    ``(BLOCK_N, STAGES)`` for bf16): with ``workspace`` (fp32
+    bytes), ``block_n`` slots a block and ``stages`` ring slots (an :class:`FP8Tiles` of
+    :data:`FP8_TILES` or :data:`FP8_TUNE_TILES` for FP8, with its ``staging``, ``gather_warps``,
+    ``gather_registers`` and ``dequant_steps``; ``(BLOCK_N, STAGES)`` and the defaults for bf16,
+    where only ``gather_warps`` and ``gather_registers`` apply): with ``workspace`` (fp32
     ``[R, H, num_splits, record_width]``) it writes each split's normalised ``[512]`` output and its
     log2-sum-exp2 at index 512 of the split's record, without it the bf16 ``out`` directly.
     ``qk_scale_log2`` is the softmax scale times ``log2(e)``; ``scan`` the slot ids per step of
@@ -471,5 +526,7 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
         LATENT=out.shape[2], ROPE=q.shape[2] - out.shape[2], BLOCK_H=HEADS_PER_PROGRAM,
         BLOCK_N=block_n, STAGES=stages, SCAN=scan, SPLIT=workspace is not None,
         RECORD=record_width, FP8=is_fp8_cache(kv_cache), GROUPS=MLA_LATENT_DIM // FP8_GROUP,
-        GATHER_WARPS=GATHER_WARPS, GATHER_REGISTERS=GATHER_REGISTERS,
-        TRACE=trace is not None, STAMPS=len(TRACE_STAMPS), num_warps=ATTEND_WARPS)
+        STAGING=stages if staging is None else staging,
+        GATHER_WARPS=gather_warps, GATHER_REGISTERS=gather_registers,
+        DEQUANT_STEPS=dequant_steps, TRACE=trace is not None, STAMPS=len(TRACE_STAMPS),
+        num_warps=ATTEND_WARPS)
