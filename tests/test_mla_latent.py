@@ -226,21 +226,21 @@ def test_index_weights_preset_shapes(rows, heads, hidden, device):
 
 @pytest.mark.parametrize("heads,hidden", [(64, 6144), (5, 2050)])
 def test_index_weights_rows_independent_of_batch(heads, hidden, device):
-    """A row's bits alone, in a batch of 17 and of 65 (other row tiles, other rows' values) are the
+    """A row's bits alone, in a batch of 9 and of 18 (other row tiles, other rows' values) are the
     same, and a second launch (a graph replay: the tile counters are left at 0) repeats them."""
     from dsaspec.ops import row_invariant
 
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(65, hidden, generator=gen).to(torch.bfloat16).to(device)
+    x = torch.randn(18, hidden, generator=gen).to(torch.bfloat16).to(device)
     weight = torch.randn(heads, hidden, generator=gen).to(device)
     batch = index_weights(x, weight, 0.01)
     assert torch.equal(index_weights(x, weight, 0.01), batch)
     assert not row_invariant._counters[x.device].any()
-    part = index_weights(x[:17], weight, 0.01)
-    for r in (0, 9, 16):
+    part = index_weights(x[:9], weight, 0.01)
+    for r in (0, 7, 8):
         assert torch.equal(index_weights(x[r:r + 1], weight, 0.01), batch[r:r + 1])
         assert torch.equal(part[r:r + 1], batch[r:r + 1])
-    assert torch.equal(index_weights(x[64:], weight, 0.01), batch[64:])
+    assert torch.equal(index_weights(x[17:], weight, 0.01), batch[17:])
 
 
 def test_index_weights_compiles_for_sm90_without_spills():
