@@ -22,3 +22,9 @@ def run_in_scripts(script: str, code: str, timeout: int = 600) -> str:
                           env=env, cwd=ROOT / "scripts")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def integer_rows(out: str) -> list[tuple[int, ...]]:
+    """The lines of ``out`` that start with a digit, each as a tuple of its whitespace-separated
+    integers (what the compile snippets print per kernel)."""
+    return [tuple(map(int, line.split())) for line in out.splitlines() if line[:1].isdigit()]

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from compile_scripts import run_in_scripts
+from compile_scripts import integer_rows, run_in_scripts
 from dsaspec.ops import fused_moe as moe
 from dsaspec.reference import fp8_gemm as fp8_ref
 from dsaspec.reference.fused_moe import fused_moe as reference
@@ -292,7 +292,7 @@ def test_split_k_kernels_compile_for_sm90_without_spills():
                          "    for kernel, split in [('gate_up', s) for s in c.SPLITS] + [('split_reduce', 4)]:\n"
                          "        r = c.compile_moe(kernel, fp8, split)\n"
                          "        print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED)")
-    results = [tuple(map(int, line.split())) for line in out.splitlines() if line[:1].isdigit()]
+    results = integer_rows(out)
     assert len(results) == 2 * (len((1, 2, 4)) + 1), out
     for regs, spilled, shared, limit in results:
         assert 0 < regs <= 255 and spilled == 0 and shared <= limit, out

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from dsa_inputs import (POISON_SLOT, SENTINEL, launch_indexer, random_indexer_inputs,
                         random_tiny_indexer)
-from compile_scripts import run_in_scripts
+from compile_scripts import integer_rows, run_in_scripts
 from dsaspec.bench.dsa_ops import TUNE_INDEXER_FP8
 from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_GATHER_CONFIG,
                                  INDEXER_FP8_CONFIG, indexer_logits)
@@ -440,7 +440,7 @@ def test_tune_candidates_compile_for_sm90_without_spills():
                          "    r = c.compile_indexer(True, config)\n"
                          "    print(r['regs'], r['spill'], r['shared'], c.SM90_SHARED,"
                          " sum(n for op, n in r['sass'].items() if 'E4M3' in op))")
-    results = [tuple(map(int, line.split())) for line in out.splitlines() if line[:1].isdigit()]
+    results = integer_rows(out)
     assert len(results) == len(TUNE_INDEXER_FP8), out
     for config, (regs, spilled, shared, limit, e4m3) in zip(TUNE_INDEXER_FP8, results):
         assert 0 < regs <= 255 and spilled == 0 and shared <= limit and e4m3 > 0, (config, out)
