@@ -25,7 +25,7 @@ _MAX_TILE = 8192  # elements of the (SMs x rows) comparison tile the schedule ke
 # at 8k-64k live tokens (benchmarks/results/h200/dsa_ops_tune_wide.md), three 0.84-0.94x the time of
 # two at 16-64 decode rows, on bf16 and FP8 keys (dsa_ops_tune_fp8_indexer.md; H200).
 PROGRAMS_PER_SM = 3
-SMS_WITHOUT_CUDA = 4  # off-GPU (the interpreter): a small schedule of 8 programs
+SMS_WITHOUT_CUDA = 4  # off-GPU (the interpreter): a small schedule of PROGRAMS_PER_SM * 4 programs
 
 
 def indexer_programs(device: torch.device | str) -> int:
