@@ -263,8 +263,8 @@ def test_bad_arguments(device):
               "'gather_warps', 'gather_registers', 'dequant_steps')")
     with pytest.raises(ValueError, match=re.escape(
             f"config: the Gluon kernel's tiles {fields} on an fp8_ds_mla kv_cache are one of "
-            f"((64, 64, 8, 1, 512, None, 4, 88, 4), (64, 32, 8, 2, 512, None, 4, 88, 4), "
-            f"(64, 64, 8, 1, 512, None, 4, 88, 2), ") + ".*" + re.escape(
+            f"((64, 64, 8, 1, 512, None, 4, 88, 2), (64, 32, 8, 2, 512, None, 4, 96, 1), "
+            f"(64, 64, 8, 1, 512, None, 4, 88, 4), ") + ".*" + re.escape(
             "got (64, 64, 8, 2, 512, None, 4, 88, 4)")):
         sparse_mla_decode(**inputs, out=out, config=SPARSE_MLA_GLUON_CONFIG)
     for config in (SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):

@@ -171,7 +171,8 @@ SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS = tuple(
 # The 64-slot config was the fastest of the three at every point of `bench dsa-ops --kv-cache-dtype
 # fp8_e4m3` (GLM-5, 64 heads, 64k live): 49.5 / 82.1 us at 32 / 64 decode rows, 139.2 / 268.7 at
 # 128 / 256 verify rows, against 53.2 / 91.4 / 163.8 / 319.1 (32-slot) and 64.3 / 108.6 / 193.4 /
-# 373.7 (Triton); benchmarks/results/h200/dsa_ops_fp8_kv.json.
+# 373.7 (Triton); benchmarks/results/h200/dsa_ops_fp8_kv.json (the tiles' quarter-block dequantizing
+# steps then; sparse_mla_gluon.FP8_TILES says what the tune changed since).
 GLUON_FP8_DEFAULT_CONFIG: SparseMLAConfig | None = SPARSE_MLA_GLUON_FP8_CONFIG
 # Programs without splits (rows x 64-head blocks) from which the split path takes the Gluon kernel;
 # at one (one row of 64 heads) the Triton few-rows config is faster: 9.8 against 14.5 us at 1k live,

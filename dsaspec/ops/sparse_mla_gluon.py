@@ -98,17 +98,22 @@ class FP8Tiles:
 
 # The FP8 cache's defaults: the gathers stage each block's cache bytes in as many staging stages
 # as ring slots and dequantize them into the bf16 ring. 64 slots a block (the bf16 kernel's dots
-# and summation order) leaves room for one ring slot and one staging stage (193 KiB); 32 slots a
-# block for two of each (189 KiB), dequantizing one block while the other is attended.
-FP8_TILES = (FP8Tiles(64, 1), FP8Tiles(32, 2))
+# and summation order) leaves room for one ring slot and one staging stage (193 KiB), dequantized in
+# half-block steps; 32 slots a block for two of each (189 KiB), dequantizing one block while the
+# other is attended, in one step with 96 gather registers. Each was the fastest of its block size in
+# `bench dsa-ops --tune --kv-cache-dtype fp8_e4m3` (GLM-5, 64 heads, 64k live; 16 / 32 / 64 decode
+# rows, 128 / 256 verify rows) and gives its block size's output bit for bit: 31.9 / 48.5 / 80.7 /
+# 136.0 / 264.2 us against 32.6 / 49.4 / 82.1 / 138.9 / 270.9 with quarter-block steps
+# (benchmarks/results/h200/dsa_ops_tune_fp8_sparse_mla.md).
+FP8_TILES = (FP8Tiles(64, 1, dequant_steps=2), FP8Tiles(32, 2, gather_registers=96, dequant_steps=1))
 # Candidates for ``bench dsa-ops --tune --kv-cache-dtype fp8_e4m3`` (issue 28), each compiled for
 # sm_90 without spills (scripts/compile_sparse_mla_gluon.py), with GPU tests like the defaults'
 # (tests/test_sparse_mla_fp8.py); docs/dsa-kernels.md says what each is meant to test.
 FP8_TUNE_TILES = (
-    FP8Tiles(64, 1, dequant_steps=2),
+    FP8Tiles(64, 1),
+    FP8Tiles(32, 2),
     FP8Tiles(32, 2, staging=3),
     FP8Tiles(32, 3, staging=2),
-    FP8Tiles(32, 2, gather_registers=96, dequant_steps=1),
     FP8Tiles(32, 2, staging=3, gather_registers=96, dequant_steps=1),
     FP8Tiles(32, 3, staging=2, gather_registers=96, dequant_steps=1),
 )
