@@ -36,7 +36,8 @@ def _client_row(path: str, concurrency: int) -> dict:
             "tok_s_user": 1000 / r["median_tpot_ms"], "output_tok_s": r["output_throughput"],
             "median_ttft_ms": r["median_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
             "median_tpot_ms": r["median_tpot_ms"], "median_itl_ms": r["median_itl_ms"],
-            "p99_itl_ms": r["p99_itl_ms"], "accept_length": r.get("accept_length")}
+            "mean_itl_ms": r["mean_itl_ms"], "p99_itl_ms": r["p99_itl_ms"],
+            "accept_length": r.get("accept_length")}
 
 
 def _with_e2e(row: dict, point: dict) -> None:
@@ -92,17 +93,27 @@ def _markdown(rows: list[dict], preset: str, length: int, e2e_prompt_len, commit
                  + ("" if commit and commit == baseline_commit else
                     ": not the same tree, so the speedup also holds what changed between them") + ")")
         lines += ["", f"Baseline (kill switches off) vs new, the same client and method{trees}:", "",
-                  "| C | baseline tok/s/user | new tok/s/user | speedup |", "| ---: | ---: | ---: | ---: |"]
+                  "| C | baseline tok/s/user | new tok/s/user | speedup | baseline ITL p50 ms | new ITL p50 ms | "
+                  "ITL speedup |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {r['concurrency']} | {r['baseline_tok_s_user']:.1f} | {r['tok_s_user']:.1f} | "
-                  f"{r['speedup']:.3f} |" for r in rows if "baseline_tok_s_user" in r]
+                  f"{r['speedup']:.3f} | {ms(r.get('baseline_median_itl_ms'))} | {r['median_itl_ms']:.2f} | "
+                  f"{'-' if r.get('itl_speedup') is None else format(r['itl_speedup'], '.3f')} |"
+                  for r in rows if "baseline_tok_s_user" in r]
     if any("overhead_itl" in r for r in rows):
         mean = ", the mean live length over a served request's decode" if e2e_prompt_len == length + length // 2 else ""
         lines += ["", f"In-process (`dsaspec bench e2e`, new path, prompt {e2e_prompt_len} tokens{mean}) at the same "
                   "points, and the server's overhead per token:", "",
-                  "| C | e2e ms/token | e2e ms/iteration | server TPOT p50 / e2e - 1 | server ITL p50 / e2e - 1 |",
-                  "| ---: | ---: | ---: | ---: | ---: |"]
+                  "| C | e2e ms/token | e2e ms/iteration | server TPOT p50 / e2e - 1 | server ITL p50 / e2e - 1 | "
+                  "stalls ms/token (ITL mean - p50) |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {r['concurrency']} | {ms(r.get('e2e_ms_per_token'))} | {ms(r.get('e2e_ms_per_iter'))} | "
-                  f"{pct(r.get('overhead_tpot'))} | {pct(r.get('overhead_itl'))} |" for r in rows if "overhead_itl" in r]
+                  f"{pct(r.get('overhead_tpot'))} | {pct(r.get('overhead_itl'))} | "
+                  f"{r['mean_itl_ms'] - r['median_itl_ms']:.2f} |"
+                  for r in rows if "overhead_itl" in r]
+        lines += ["", "TPOT holds every gap of a request's decode, the other requests' prefills among them (an "
+                  "admitted request is prefilled before the next iteration, whole, eagerly); the in-process loop "
+                  "prefills its rows before it times them. The median ITL is the steady iteration, so the server's "
+                  "own overhead is the ITL column; the stalls column is what the prefills add to a token on average."]
     return "\n".join(lines) + "\n"
 
 
@@ -128,8 +139,10 @@ def main(argv=None) -> None:
         if c in e2e:
             _with_e2e(row, e2e[c])
         if c in baseline:
+            base_itl = baseline[c].get("median_itl_ms")
             row.update(baseline_tok_s_user=baseline[c]["tok_s_user"],
-                       speedup=row["tok_s_user"] / baseline[c]["tok_s_user"])
+                       speedup=row["tok_s_user"] / baseline[c]["tok_s_user"], baseline_median_itl_ms=base_itl,
+                       itl_speedup=None if base_itl is None else base_itl / row["median_itl_ms"])
         rows.append(row)
     setup = {"preset": args.preset, "input_len": args.length, "output_len": args.length,
              "context": args.context, "e2e_prompt_len": e2e_prompt_len, "commit": commit,
