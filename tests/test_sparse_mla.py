@@ -266,8 +266,8 @@ def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match=re.escape(
             "kernel: the Gluon kernel's tiles ('block_h', 'block_n', 'num_warps', 'num_stages', "
             "'block_dv', 'staging', 'gather_warps', 'gather_registers', 'dequant_steps') are one "
-            "of ((64, 64, 8, 2, 512, None, 4, 88, 4), (64, 64, 8, 1, 512, None, 4, 88, 4), "
-            "(64, 32, 8, 2, 512, None, 4, 88, 4), ")):
+            "of ((64, 64, 8, 2, 512, None, 4, 88, 4), (64, 64, 8, 1, 512, None, 4, 88, 2), "
+            "(64, 32, 8, 2, 512, None, 4, 96, 1), ")):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, kernel="gluon")
     with pytest.raises(ValueError, match=re.escape("got (64, 64, 8, 1, 512, None, 8, 40, 4)")):
         SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, kernel="gluon",
