@@ -9,7 +9,8 @@
 # PORT (default 30000), WORK (a folder to keep the server log, client outputs and e2e run in;
 # default a temporary one, removed at exit), HEALTH_S (seconds to wait for /health, default 1800), CONTEXT (the
 # served --context-len, default 1048576), BASELINE (an earlier run's report JSON, the kill switches off: its
-# tok/s/user and the speedup join the table). E2E=1: then, with the server stopped, `dsaspec bench e2e`
+# tok/s/user and the speedup join the table). The server's /metrics before and after each client run give
+# the engine's side (prefill time a request, TTFT from submission). E2E=1: then, with the server stopped, `dsaspec bench e2e`
 # at the same preset, context and concurrencies, prompt E2E_PROMPT_LEN (default LEN + LEN / 2, the mean
 # live length over a served request's decode) (NUM_STEPS draft steps, default 3;
 # accept: $DSASPEC_SIMULATE_ACCEPT_LEN, which the server reads too, else the real acceptance), and
@@ -64,12 +65,14 @@ until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
 done
 for c in $CONCURRENCY; do
     n=$((6 * c > 16 ? 6 * c : 16))
+    curl -sf "http://127.0.0.1:$PORT/metrics" > "$work/metrics-c$c-before.txt" || rm -f "$work/metrics-c$c-before.txt"
     HF_HUB_OFFLINE=1 PYTHONPATH="$CLIENT_PATH" timeout 3600 "$PYTHON" scripts/sglang_client.py \
         --backend sglang-oai --host 127.0.0.1 --port "$PORT" --tokenizer "$work/tokenizer" \
         --dataset-name random-ids --random-input-len "$LEN" --random-output-len "$LEN" --random-range-ratio 1 \
         --num-prompts "$n" --max-concurrency "$c" --warmup-requests "$c" --disable-tqdm \
         --output-file "$work/c$c.jsonl" > "$work/client-c$c.log" 2>&1 \
         || { echo "bench_serving.sh: the client failed at concurrency $c:" >&2; tail -5 "$work/client-c$c.log" >&2; exit 1; }
+    curl -sf "http://127.0.0.1:$PORT/metrics" > "$work/metrics-c$c-after.txt" || rm -f "$work/metrics-c$c-after.txt"
 done
 kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; server=
 if [ "$E2E" = 1 ]; then

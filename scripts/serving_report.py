@@ -1,4 +1,5 @@
-"""The serving table of scripts/bench_serving.sh: SGLang's client outputs (``WORK/c<C>.jsonl``) and,
+"""The serving table of scripts/bench_serving.sh: SGLang's client outputs (``WORK/c<C>.jsonl``), the
+server's /metrics around each client run where kept (``WORK/metrics-c<C>-{before,after}.txt``) and,
 where ``WORK/e2e/e2e.json`` exists, the in-process ``bench e2e`` figures at the same points and the
 server's overhead over them; with ``--baseline`` (an earlier report's JSON, the kill switches off)
 the baseline's tok/s/user and the speedup (and both runs' trees). Writes ``OUT/NAME.{json,md,png}`` and prints the Markdown.
@@ -34,10 +35,37 @@ def _client_row(path: str, concurrency: int) -> dict:
     r = json.loads(open(path).read().splitlines()[-1])
     return {"concurrency": concurrency, "num_prompts": r["completed"],
             "tok_s_user": 1000 / r["median_tpot_ms"], "output_tok_s": r["output_throughput"],
-            "median_ttft_ms": r["median_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
+            "median_ttft_ms": r["median_ttft_ms"], "mean_ttft_ms": r["mean_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
             "median_tpot_ms": r["median_tpot_ms"], "median_itl_ms": r["median_itl_ms"],
             "mean_itl_ms": r["mean_itl_ms"], "p99_itl_ms": r["p99_itl_ms"],
             "accept_length": r.get("accept_length")}
+
+
+def _metric_values(path: str) -> dict[str, float] | None:
+    """The unlabelled samples of a Prometheus text file (name -> value), None if it is missing."""
+    if not os.path.exists(path):
+        return None
+    values = {}
+    for line in open(path).read().splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.split()[:2]
+            values[name] = float(value)
+    return values
+
+
+def _with_engine_side(row: dict, work: str, concurrency: int) -> None:
+    """From the server's /metrics before and after the client run at ``concurrency`` (warm-up
+    requests included): the engine's mean prefill time and TTFT (submission to first token) a request."""
+    before = _metric_values(f"{work}/metrics-c{concurrency}-before.txt")
+    after = _metric_values(f"{work}/metrics-c{concurrency}-after.txt")
+    count = "dsaspec_time_to_first_token_seconds_count"
+    if before is None or after is None or after[count] == before[count]:
+        return
+    requests = after[count] - before[count]
+    delta = lambda name: after[name] - before[name]   # noqa: E731
+    row.update(engine_requests=int(requests),
+               engine_prefill_ms=1000 * delta("dsaspec_prefill_seconds_total") / requests,
+               engine_ttft_ms=1000 * delta("dsaspec_time_to_first_token_seconds_sum") / requests)
 
 
 def _with_e2e(row: dict, point: dict) -> None:
@@ -114,6 +142,15 @@ def _markdown(rows: list[dict], preset: str, length: int, e2e_prompt_len, commit
                   "admitted request is prefilled before the next iteration, whole, eagerly); the in-process loop "
                   "prefills its rows before it times them. The median ITL is the steady iteration, so the server's "
                   "own overhead is the ITL column; the stalls column is what the prefills add to a token on average."]
+    if any("engine_ttft_ms" in r for r in rows):
+        lines += ["", "The engine's side (the server's /metrics over each client run, its warm-up requests included): "
+                  "prefill time a request (every running request waits for it) and TTFT from the request's "
+                  "submission to the engine, against the client's mean TTFT (the difference: HTTP, text and the "
+                  "handoff to the engine):", "",
+                  "| C | requests | engine prefill ms a request | engine TTFT mean ms | client TTFT mean ms |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['concurrency']} | {r['engine_requests']} | {r['engine_prefill_ms']:.1f} | "
+                  f"{r['engine_ttft_ms']:.1f} | {r['mean_ttft_ms']:.1f} |" for r in rows if "engine_ttft_ms" in r]
     return "\n".join(lines) + "\n"
 
 
@@ -136,6 +173,7 @@ def main(argv=None) -> None:
     rows = []
     for c in args.concurrency:
         row = _client_row(f"{args.work}/c{c}.jsonl", c)
+        _with_engine_side(row, args.work, c)
         if c in e2e:
             _with_e2e(row, e2e[c])
         if c in baseline:

@@ -15,6 +15,7 @@ import functools
 import http.client
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -265,6 +266,8 @@ def test_concurrent_clients_equal_generate(model, text):
                  "dsaspec_kv_pages_used 0.0", f"dsaspec_generation_tokens_total {float(sum(limits))}",
                  "dsaspec_time_to_first_token_seconds_count 6.0", "dsaspec_mean_accept_length 1.0"):
         assert line in metrics, line
+    prefill_s = float(re.search(r"^dsaspec_prefill_seconds_total (\S+)$", metrics, re.M).group(1))
+    assert prefill_s > 0                              # six prompts were prefilled
     assert json.loads(info)["internal_states"][0]["avg_spec_accept_length"] == 1.0
     assert json.loads(models)["data"][0]["id"] == "tiny-test" and health == 200
 

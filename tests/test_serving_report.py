@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _client_output(path: Path, tpot_ms: float) -> None:
     row = {"completed": 16, "median_tpot_ms": tpot_ms, "output_throughput": 100.0, "median_ttft_ms": 50.0,
-           "p99_ttft_ms": 60.0, "median_itl_ms": tpot_ms, "mean_itl_ms": tpot_ms + 0.5, "p99_itl_ms": 2 * tpot_ms, "accept_length": 3.0}
+           "mean_ttft_ms": 55.0, "p99_ttft_ms": 60.0, "median_itl_ms": tpot_ms, "mean_itl_ms": tpot_ms + 0.5, "p99_itl_ms": 2 * tpot_ms, "accept_length": 3.0}
     path.write_text("{}\n" + json.dumps(row) + "\n")  # the client appends one line per run: the last counts
 
 
@@ -19,6 +19,13 @@ def _report(tmp_path: Path, baseline_commit) -> tuple[dict, str]:
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     _client_output(work / "c1.jsonl", 2.5)
+    for when, ttft_sum, prefill_s, count in (("before", 1.0, 0.5, 4), ("after", 1.8, 0.74, 24)):
+        (work / f"metrics-c1-{when}.txt").write_text(
+            "# HELP dsaspec_prefill_seconds_total Seconds\n# TYPE dsaspec_prefill_seconds_total counter\n"
+            f"dsaspec_prefill_seconds_total {prefill_s}\n"
+            f'dsaspec_time_to_first_token_seconds_bucket{{le="0.1"}} {count}\n'
+            f"dsaspec_time_to_first_token_seconds_count {count}\n"
+            f"dsaspec_time_to_first_token_seconds_sum {ttft_sum}\n")
     (work / "e2e").mkdir()
     (work / "e2e" / "e2e.json").write_text(json.dumps({"params": {"prompt_len": 24}, "rows": [
         {"preset": "tiny", "context": 256, "concurrency": 1, "new_tok_s_user": 500.0, "new_ms_per_iter": 6.0}]}))
@@ -56,3 +63,13 @@ def test_overhead_over_the_in_process_loop_and_the_prefill_stalls(tmp_path):
     row = report["rows"][0]
     assert abs(row["overhead_tpot"] - 0.25) < 1e-12 and abs(row["overhead_itl"] - 0.25) < 1e-12
     assert "| 1 | 2.00 | 6.00 | +25.0% | +25.0% | 0.50 |" in text
+
+
+def test_the_engine_side_from_the_metrics_around_the_client_run(tmp_path):
+    """Differences of the server's counters over the run: 20 requests, 0.24 s of prefill and 0.8 s
+    of TTFT among them: 12 ms and 40 ms a request, beside the client's mean TTFT."""
+    report, text = _report(tmp_path, "0000000")
+    row = report["rows"][0]
+    assert row["engine_requests"] == 20
+    assert abs(row["engine_prefill_ms"] - 12.0) < 1e-9 and abs(row["engine_ttft_ms"] - 40.0) < 1e-9
+    assert "| 1 | 20 | 12.0 | 40.0 | 55.0 |" in text

@@ -212,7 +212,11 @@ class EngineLoop:
     def _step(self) -> None:
         """Admit (prefill) and deliver the new requests' first tokens, then run the decode step
         and deliver its tokens: a request's first token does not wait for the decode step."""
-        self._deliver(self.core.admit())
+        began = time.perf_counter()
+        admitted = self.core.admit()
+        if self.metrics is not None and admitted.new_tokens:
+            self.metrics.prefill_seconds.inc(time.perf_counter() - began)
+        self._deliver(admitted)
         self._send()
         began = time.perf_counter()
         out = self.core.decode()

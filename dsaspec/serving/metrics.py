@@ -11,7 +11,8 @@ class ServerMetrics:
     """Gauges of the scheduler (running and waiting requests, the last decode step's batch, KV
     pages in use and in all, the mean accept length since start), histograms of time to first
     token, time per output token (per request) and inter-token latency (per step that gives a
-    request tokens), and counters of requests by finish reason and of tokens."""
+    request tokens), and counters of requests by finish reason, of tokens and of the seconds the
+    engine spent prefilling (every running request waits for them)."""
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,6 +35,8 @@ class ServerMetrics:
         self.requests = Counter("dsaspec_requests", "Finished requests", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("dsaspec_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("dsaspec_generation_tokens", "Tokens generated", registry=r)
+        self.prefill_seconds = Counter("dsaspec_prefill_seconds", "Seconds spent admitting (prefilling) requests "
+                                       "between decode steps", registry=r)
 
     def exposition(self) -> tuple[bytes, str]:
         """The Prometheus text of every metric and its content type."""
