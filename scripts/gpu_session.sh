@@ -5,7 +5,7 @@
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
 #   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE, MLA query, RoPE tables, FP8 indexer),
 #   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), fp8-linear, kv-accuracy, e2e-rank-glm5,
-#   e2e-rank-v32, decode-fp8; pack (last: everything under $OUT into $OUT/out.tgz, since a device
+#   e2e-rank-v32, decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
@@ -82,6 +82,7 @@ for step in "$@"; do
         fp8-linear)   python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset deepseek-v32-fp8-tp8-rank &&
                       python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset glm5-fp8-tp8-rank ;;
         kv-accuracy)  python3 -m dsaspec bench kv-accuracy --out "$OUT" ;;
+        serving)      OUT=$OUT bash scripts/gpu_serving.sh ;;
         e2e-rank-glm5) python3 -m dsaspec bench e2e --presets glm5-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
                           --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_glm5" ;;
         e2e-rank-v32) python3 -m dsaspec bench e2e --presets deepseek-v32-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
