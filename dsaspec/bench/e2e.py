@@ -170,7 +170,7 @@ class _Setup:
 
 
 def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, device, paths,
-           options: RuntimeOptions, num_steps: int, kv_cache_dtype: str) -> _Setup:
+           options: RuntimeOptions, num_steps: int, kv_cache_dtype: str, progress: bool) -> _Setup:
     spec = SpecConfig(num_steps=num_steps)
     count = len(prompts)
     pool = ReqToTokenPool(count, context_len, num_draft_tokens=spec.num_draft_tokens, device=device)
@@ -184,14 +184,14 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
     workers = {}
     if device.type != "cuda":
         options = options.replace(metadata_program_budget=8)     # few bounded programs under the interpreter
-    for path in paths:
+    for path in tqdm(paths, desc="capture", unit="path", disable=not progress):
         workers[path] = build_spec_worker(
             model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency, num_sms=indexer_programs(device),
             force_kernel=BOUNDED if SWITCHES[path][BOUNDED_SWITCH] else CONTEXT_WIDE,
             options=path_options(options, path))
     rows = [slots.admit(args.prompt_len, reserve=written - args.prompt_len) for _ in prompts]
     times = []
-    for row, prompt in zip(rows, prompts):
+    for row, prompt in tqdm(list(zip(rows, prompts)), desc="prefill", unit="request", disable=not progress):
         began = time.perf_counter()
         workers["new"].prefill(row, prompt, chunk_size=args.prompt_len)
         if device.type == "cuda":
@@ -298,7 +298,7 @@ def run(args) -> int:
     for preset in args.presets:
         model = DSAModel(get_config(preset), device=None if group else device,
                          dtype=torch.bfloat16 if on_gpu else torch.float32, use_triton=on_gpu,
-                         tp_group=group, options=options).init_weights(args.seed)
+                         tp_group=group, options=options).init_weights(args.seed, progress=leader)
         generator = torch.Generator().manual_seed(args.seed + 1)
         prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
                    for _ in range(max(args.concurrency))]
@@ -307,7 +307,8 @@ def run(args) -> int:
                                                  for d in args.kv_cache_dtype]:
             floors = (FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(), kv_cache_dtype=kv_dtype,
                                  tp=args.tp), rates)
-            setup = _build(model, context_len, prompts, args, device, paths, options, num_steps, kv_dtype)
+            setup = _build(model, context_len, prompts, args, device, paths, options, num_steps, kv_dtype,
+                           progress=leader)
             points = [(accept, c) for accept in args.accept for c in args.concurrency]
             for accept, concurrency in tqdm(points, desc=f"{preset} S {num_steps} context {context_len} {kv_dtype}",
                                             unit="point", disable=not leader):

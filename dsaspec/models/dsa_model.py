@@ -26,6 +26,7 @@ import math
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from dsaspec.configs.model_config import ModelConfig, check_implemented
 from dsaspec.configs.runtime_options import RuntimeOptions
@@ -205,21 +206,23 @@ class DSAModel(nn.Module):
         return self.model.layers[self.config.num_hidden_layers]
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> "DSAModel":
+    def init_weights(self, seed: int, *, progress: bool = False) -> "DSAModel":
         """Seeded random init (same seed, device type and dtype -> same weights): projections
         and experts ``N(0, 1/fan_in)``, embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.1^2)``,
         norm biases and the MoE correction bias ``N(0, 0.1^2)``. Every tensor is drawn at its
         checkpoint shape (the experts as transformers' fused ``[E, 2I, hidden]`` / ``[E, hidden,
         I]``) and a TP rank keeps its shard, so the ranks of any TP size hold the shards of the
         TP 1 model of the same seed. An FP8 projection (or expert) holds the block quantization of
-        the value its bf16 twin (same config without ``quantization``, same seed) draws."""
+        the value its bf16 twin (same config without ``quantization``, same seed) draws.
+        ``progress``: a progress bar over the parameters (on stderr)."""
         device = next(self.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
         shards, parts = self.shards(), self.checkpoint_parts(fused=True)
         fp8 = {f"{name}.weight": module for name, module in self.named_modules() if isinstance(module, Fp8Linear)}
         experts = {f"{prefix}.{param}": module for prefix, module in self.routed_experts().items()
                    for param in ("w13", "w2")}
-        for name, param in self.named_parameters():
+        params = list(self.named_parameters())
+        for name, param in tqdm(params, desc="random weights", unit="tensor", disable=not progress):
             if name.endswith(".weight_scale_inv") and name[: -len("_scale_inv")] in fp8:
                 continue
             if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in experts:
