@@ -9,7 +9,8 @@ candidates ``FP8_TUNE_TILES``) the SASS holds the e4m3 conversion (``F2FP.F16.E4
 place of the copy-completion arrive (the ring slot is signalled after the dequantizing stores), and
 the line adds the gather partition's loop: its instructions and barriers per block, from the wait
 for a free ring slot to the ``full`` arrive (the dequantizing) and from there to the next block's
-commit (its copies).
+commit (its copies; with ``refill="step"`` the earlier steps' copies come before the arrive), and
+the two together.
 
 Both forms (single pass and split records) over each cache at each of ``--heads`` (default 8,
 16, 32: one padded program of 64 head slots; 64 and 128: one and two full ones), and the split
@@ -54,8 +55,9 @@ HEADS = (8, 16, 32, 64, 128)
 def gather_loop(sass: str) -> dict:
     """The FP8 gather partition's loop in ``sass``: instructions and ``BAR`` barriers per thread
     and block from its wait for a free ring slot (the partition's first ``SYNCS.PHASECHK``) to the
-    ``full`` arrive (``dequant``, ``dequant_bars``), and from there to the next block's commit
-    (``LDGDEPBAR``: ``copy``, ``copy_bars``)."""
+    ``full`` arrive (``dequant``, ``dequant_bars``), from there to the next commit (``LDGDEPBAR``:
+    ``copy``, ``copy_bars``), and both together (``block``, ``block_bars``). With
+    ``refill="step"`` the earlier steps' copies fall before the arrive: compare ``block``."""
     lines = [m.group(1) for m in SASS_OP.finditer(sass)]
     start = next(i for i, op in enumerate(lines) if op.startswith("USETMAXREG.TRY_ALLOC"))
     wait = next(i for i in range(start, len(lines)) if lines[i].startswith("SYNCS.PHASECHK"))
@@ -66,7 +68,8 @@ def gather_loop(sass: str) -> dict:
         return sum(op.startswith("BAR.SYNC") for op in ops)
 
     return dict(dequant=arrive + 1 - wait, dequant_bars=bars(lines[wait:arrive]),
-                copy=commit - arrive, copy_bars=bars(lines[arrive + 1:commit + 1]))
+                copy=commit - arrive, copy_bars=bars(lines[arrive + 1:commit + 1]),
+                block=commit + 1 - wait, block_bars=bars(lines[wait:commit + 1]))
 
 
 def compile_form(heads: int, split: bool, traced: bool = False,
@@ -92,6 +95,7 @@ def compile_form(heads: int, split: bool, traced: bool = False,
             record_width=RECORD_WIDTH, block_n=tiles.block_n, stages=tiles.stages,
             staging=tiles.staging, gather_warps=tiles.gather_warps,
             gather_registers=tiles.gather_registers, dequant_steps=tiles.dequant_steps,
+            slot_loads=tiles.slot_loads, refill=tiles.refill,
             trace=torch.zeros(rows * -(-heads // 64) * splits,
                               2 * len(sparse_mla_gluon.TRACE_STAMPS),
                               dtype=torch.int64) if traced else None)
@@ -130,7 +134,8 @@ def main() -> int:
               f"{result['unmasked']} unpredicated global stores" + (
                   f"; gather loop per block: dequantizing {loop['dequant']} instructions, "
                   f"{loop['dequant_bars']} barriers; copies {loop['copy']} instructions, "
-                  f"{loop['copy_bars']} barriers" if loop else ""),
+                  f"{loop['copy_bars']} barriers; together {loop['block']} instructions, "
+                  f"{loop['block_bars']} barriers" if loop else ""),
               flush=True)
         if result["spill_stores"]:
             failures.append(f"{form}: spills {result['spill_stores']} B")

@@ -265,17 +265,35 @@ def test_config_rejects_bad_values():
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, kernel="cuda")
     with pytest.raises(ValueError, match=re.escape(
             "kernel: the Gluon kernel's tiles ('block_h', 'block_n', 'num_warps', 'num_stages', "
-            "'block_dv', 'staging', 'gather_warps', 'gather_registers', 'dequant_steps') are one "
-            "of ((64, 64, 8, 2, 512, None, 4, 88, 4), (64, 64, 8, 1, 512, None, 4, 88, 2), "
-            "(64, 32, 8, 2, 512, None, 4, 96, 1), ")):
+            "'block_dv', 'staging', 'gather_warps', 'gather_registers', 'dequant_steps', "
+            "'slot_loads', 'refill') are one of ((64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', "
+            "'block'), (64, 64, 8, 1, 512, None, 4, 88, 2, 'convert', 'block'), ")):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, kernel="gluon")
-    with pytest.raises(ValueError, match=re.escape("got (64, 64, 8, 1, 512, None, 8, 40, 4)")):
+    with pytest.raises(ValueError, match=re.escape(
+            "got (64, 64, 8, 1, 512, None, 8, 40, 4, 'convert', 'block')")):
         SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, kernel="gluon",
                         gather_warps=8, gather_registers=40)  # 16 warps: ptxas cannot fit the dots
     with pytest.raises(ValueError, match=re.escape(
-            "staging, gather_warps, gather_registers, dequant_steps: the Triton kernel has no "
-            "gather partition, expected the defaults (None, 4, 88, 4), got (3, 4, 88, 4)")):
+            "staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill: the "
+            "Triton kernel has no gather partition, expected the defaults (None, 4, 88, 4, "
+            "'convert', 'block'), got (3, 4, 88, 4, 'convert', 'block')")):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, staging=3)
+    with pytest.raises(ValueError, match=re.escape(
+            "got (None, 4, 88, 4, 'per_layout', 'block')")):
+        SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, slot_loads="per_layout")
+    with pytest.raises(ValueError, match=re.escape(
+            "slot_loads: expected one of ('convert', 'per_layout'), got 'once'")):
+        SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, kernel="gluon",
+                        slot_loads="once")
+    with pytest.raises(ValueError, match=re.escape(
+            "refill: expected one of ('block', 'step'), got 'steps'")):
+        SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, kernel="gluon",
+                        refill="steps")
+    with pytest.raises(ValueError, match=re.escape(
+            "refill: 'step' needs dequant_steps >= 2 and block_n // dequant_steps >= 8 * "
+            "gather_warps = 32 rows a step, got block_n 64, dequant_steps 4")):
+        SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, kernel="gluon",
+                        refill="step")
 
 
 def test_decode_chain_indexer_topk_attention(device):

@@ -25,7 +25,7 @@ from compile_scripts import run_in_scripts
 from dsaspec.layers.attention import torch_ops
 from dsaspec.layers.attention.dsa_ops import dsa_ops
 from dsaspec.ops.fp8_kv import gather_mla
-from dsaspec.ops import sparse_mla
+from dsaspec.ops import sparse_mla, sparse_mla_gluon
 from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_CONFIG,
@@ -116,11 +116,13 @@ def _dequantized(inputs):
 
 EDGE_COUNTS = [0, 1, 31, 32, 33, 63, 64]
 # The Gluon kernel's FP8 defaults, then its gather-partition tune candidates (the bench's
-# --tune rows), named by block size, ring slots, staging stages, gather warps, registers, steps.
+# --tune rows), named by block size, ring slots, staging stages, gather warps, registers, steps,
+# slot-id loads and refill.
 GLUON_FP8 = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
              "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
              **{f"gluon_fp8_tune_n{c.block_n}_r{c.num_stages}_s{c.staging or c.num_stages}_"
-                f"w{c.gather_warps}_g{c.gather_registers}_d{c.dequant_steps}": c
+                f"w{c.gather_warps}_g{c.gather_registers}_d{c.dequant_steps}_{c.slot_loads}_"
+                f"{c.refill}": c
                 for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS}}
 GLUON_FP8_TUNE = [name for name in GLUON_FP8 if name.startswith("gluon_fp8_tune")]
 needs_hopper = pytest.mark.skipif(
@@ -260,17 +262,19 @@ def test_bad_arguments(device):
         bad[0, 0] = 10
         sparse_mla_decode(**dict(inputs, slots=bad), out=out)
     fields = ("('block_h', 'block_n', 'num_warps', 'num_stages', 'block_dv', 'staging', "
-              "'gather_warps', 'gather_registers', 'dequant_steps')")
+              "'gather_warps', 'gather_registers', 'dequant_steps', 'slot_loads', 'refill')")
     with pytest.raises(ValueError, match=re.escape(
             f"config: the Gluon kernel's tiles {fields} on an fp8_ds_mla kv_cache are one of "
-            f"((64, 64, 8, 1, 512, None, 4, 88, 2), (64, 32, 8, 2, 512, None, 4, 96, 1), "
-            f"(64, 64, 8, 1, 512, None, 4, 88, 4), ") + ".*" + re.escape(
-            "got (64, 64, 8, 2, 512, None, 4, 88, 4)")):
+            f"((64, 64, 8, 1, 512, None, 4, 88, 2, 'convert', 'block'), "
+            f"(64, 32, 8, 2, 512, None, 4, 96, 1, 'convert', 'block'), "
+            f"(64, 64, 8, 1, 512, None, 4, 88, 4, 'convert', 'block'), ") + ".*" + re.escape(
+            "got (64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', 'block')")):
         sparse_mla_decode(**inputs, out=out, config=SPARSE_MLA_GLUON_CONFIG)
     for config in (SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):
         with pytest.raises(ValueError, match=re.escape(
                 f"config: the Gluon kernel's tiles {fields} on a bf16 kv_cache are one of "
-                f"((64, 64, 8, 2, 512, None, 4, 88, 4),), got {config.tiles}")):
+                f"((64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', 'block'),), got "
+                f"{config.tiles}")):
             sparse_mla_decode(**_dequantized(inputs), out=out, config=config)
     for config in GLUON_FP8.values():  # the right tiles, but 4 heads (and here no Hopper GPU)
         with pytest.raises(ValueError, match="config: the Gluon kernel needs a CUDA device of "
@@ -460,6 +464,28 @@ def test_gluon_fp8_tune_candidates():
     for config in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS:
         assert config.kernel == "gluon" and config.block_n in (64, 32)
         assert config != SPARSE_MLA_GLUON_FP8_CONFIG and config != SPARSE_MLA_GLUON_FP8_NARROW_CONFIG
+    # the slot-id loads and the per-step refill: each at 64 slots, both, and the loads at 32
+    options = {(c.block_n, c.dequant_steps, c.slot_loads, c.refill)
+               for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS}
+    assert {(64, 2, "per_layout", "block"), (64, 2, "convert", "step"),
+            (64, 2, "per_layout", "step"), (32, 1, "per_layout", "block")} <= options
+
+
+def test_fp8_tiles_reject_bad_gather_options():
+    """FP8Tiles (like SparseMLAConfig) names a bad slot_loads or refill, and a per-step refill
+    whose steps are too few or too short for a step's scale copies (8 rows a gather warp)."""
+    with pytest.raises(ValueError, match=re.escape(
+            "slot_loads: expected one of ('convert', 'per_layout'), got 'global'")):
+        sparse_mla_gluon.FP8Tiles(64, 1, slot_loads="global")
+    with pytest.raises(ValueError, match=re.escape(
+            "refill: expected one of ('block', 'step'), got 'row'")):
+        sparse_mla_gluon.FP8Tiles(64, 1, refill="row")
+    for block_n, steps in ((64, 1), (64, 4), (32, 2)):
+        with pytest.raises(ValueError, match=re.escape(
+                f"refill: 'step' needs dequant_steps >= 2 and block_n // dequant_steps >= 8 * "
+                f"gather_warps = 32 rows a step, got block_n {block_n}, dequant_steps {steps}")):
+            sparse_mla_gluon.FP8Tiles(block_n, 1, dequant_steps=steps, refill="step")
+    assert sparse_mla_gluon.FP8Tiles(64, 1, dequant_steps=2, refill="step").refill == "step"
 
 
 @pytest.mark.gpu

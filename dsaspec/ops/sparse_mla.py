@@ -68,7 +68,8 @@ def _gluon_tiles(fp8: bool = False) -> tuple[tuple[int, ...], ...]:
     g = sparse_mla_gluon
     blocks = g.FP8_TILES + g.FP8_TUNE_TILES if fp8 else (g.FP8Tiles(g.BLOCK_N, g.STAGES),)
     return tuple((g.HEADS_PER_PROGRAM, t.block_n, g.ATTEND_WARPS, t.stages, LATENT_DIM,
-                  t.staging, t.gather_warps, t.gather_registers, t.dequant_steps) for t in blocks)
+                  t.staging, t.gather_warps, t.gather_registers, t.dequant_steps, t.slot_loads,
+                  t.refill) for t in blocks)
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,13 @@ class SparseMLAConfig:
         :data:`SPARSE_MLA_GLUON_CONFIG` on a bf16 cache, of :data:`SPARSE_MLA_GLUON_FP8_CONFIG`,
         :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG` or one of
         :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` on an ``fp8_ds_mla`` one).
-    staging, gather_warps, gather_registers, dequant_steps : the Gluon kernel's gather partition
-        on an ``fp8_ds_mla`` cache (:class:`sparse_mla_gluon.FP8Tiles`: its staging stages, None
-        for as many as ``num_stages``; its warps; its registers per thread; the steps a staged
-        block is dequantized in); the Triton kernel has none and takes only the defaults. A row's
-        output does not depend on them.
+    staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill : the Gluon
+        kernel's gather partition on an ``fp8_ds_mla`` cache (:class:`sparse_mla_gluon.FP8Tiles`:
+        its staging stages, None for as many as ``num_stages``; its warps; its registers per
+        thread; the steps a staged block is dequantized in; how the copies get their slot ids,
+        ``"convert"`` or ``"per_layout"``; when a staging stage is refilled, ``"block"`` or
+        ``"step"``); the Triton kernel has none and takes only the defaults. A row's output does
+        not depend on them.
     """
 
     block_h: int
@@ -109,6 +112,8 @@ class SparseMLAConfig:
     gather_warps: int = sparse_mla_gluon.GATHER_WARPS
     gather_registers: int = sparse_mla_gluon.GATHER_REGISTERS
     dequant_steps: int = sparse_mla_gluon.DEQUANT_STEPS
+    slot_loads: str = sparse_mla_gluon.SLOT_LOADS[0]
+    refill: str = sparse_mla_gluon.REFILLS[0]
 
     def __post_init__(self):
         if self.block_dv not in (128, 256, 512):
@@ -117,17 +122,21 @@ class SparseMLAConfig:
             raise ValueError(f"max_splits: expected >= 1, got {self.max_splits}")
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel: expected 'triton' or 'gluon', got {self.kernel!r}")
+        sparse_mla_gluon.check_gather_options(self.block_n, self.gather_warps, self.dequant_steps,
+                                              self.slot_loads, self.refill)
         gluon_tiles = _gluon_tiles() + _gluon_tiles(fp8=True)
         if self.kernel == "gluon" and self.tiles not in gluon_tiles:
             raise ValueError(f"kernel: the Gluon kernel's tiles {TILE_FIELDS} are one of "
                              f"{gluon_tiles}, got {self.tiles}")
-        gather = (self.staging, self.gather_warps, self.gather_registers, self.dequant_steps)
+        gather = (self.staging, self.gather_warps, self.gather_registers, self.dequant_steps,
+                  self.slot_loads, self.refill)
         defaults = (None, sparse_mla_gluon.GATHER_WARPS, sparse_mla_gluon.GATHER_REGISTERS,
-                    sparse_mla_gluon.DEQUANT_STEPS)
+                    sparse_mla_gluon.DEQUANT_STEPS, sparse_mla_gluon.SLOT_LOADS[0],
+                    sparse_mla_gluon.REFILLS[0])
         if self.kernel == "triton" and gather != defaults:
-            raise ValueError(f"staging, gather_warps, gather_registers, dequant_steps: the Triton "
-                             f"kernel has no gather partition, expected the defaults {defaults}, "
-                             f"got {gather}")
+            raise ValueError(f"staging, gather_warps, gather_registers, dequant_steps, slot_loads, "
+                             f"refill: the Triton kernel has no gather partition, expected the "
+                             f"defaults {defaults}, got {gather}")
 
     @property
     def tiles(self) -> tuple[int, ...]:
@@ -136,7 +145,7 @@ class SparseMLAConfig:
 
 
 TILE_FIELDS = ("block_h", "block_n", "num_warps", "num_stages", "block_dv", "staging",
-               "gather_warps", "gather_registers", "dequant_steps")
+               "gather_warps", "gather_registers", "dequant_steps", "slot_loads", "refill")
 
 
 def _gluon_config(tiles: tuple[int, ...]) -> SparseMLAConfig:
@@ -524,7 +533,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                                 stages=config.num_stages, staging=config.staging,
                                 gather_warps=config.gather_warps,
                                 gather_registers=config.gather_registers,
-                                dequant_steps=config.dequant_steps)
+                                dequant_steps=config.dequant_steps,
+                                slot_loads=config.slot_loads, refill=config.refill)
         if workspace is not None:
             # a programmatic dependent: the Gluon kernel does not trigger early, so the combine
             # starts as its programs exit (0.2-0.5 µs less at 4-16 rows, H200)

@@ -18,7 +18,8 @@ padded wgmma rows cost tensor-core time it has to spare.
   covers the queries); an invalid slot's row is zero-filled, never read. On an ``fp8_ds_mla``
   cache (constexpr ``FP8``, tiles :class:`FP8Tiles`: the defaults :data:`FP8_TILES`, the tune
   candidates :data:`FP8_TUNE_TILES`) it copies the slots' bytes into staging stages instead and
-  dequantizes each block into its ring slot (bf16, exact), then signals it;
+  dequantizes each block into its ring slot (bf16, exact), then signals it, refilling the staging
+  stage after the block or after each dequantizing step (``FP8Tiles.refill``);
 - the attend partition (8 warps, two warpgroups, each owning half of the score columns and half
   of the 512 value columns) per block waits for its slot, runs the QK dot of the 64 heads against
   it as wgmma (latent, then rope), the online softmax (fp32, log2 domain), stores the
@@ -69,6 +70,14 @@ GATHER_WARPS = 4
 # of the SM's 64K (the launch bound is 65536 / (12 warps x 32) = 168 for every warp before it).
 GATHER_REGISTERS = 88
 DEQUANT_STEPS = 4  # steps a staged FP8 block is dequantized in (BLOCK_N // 4 rows a step)
+# How the FP8 gathers get a block's slot ids into the layouts of their three copies (codes, scales,
+# rope): loaded once and converted ("convert", shared-memory round trips with barriers), or loaded
+# from global memory in each layout ("per_layout", as the bf16 loop does; L1/L2-resident).
+SLOT_LOADS = ("convert", "per_layout")
+# When the FP8 gathers refill a staging stage with the copies of the block STAGING ahead: after the
+# whole block is dequantized ("block"), or a dequantizing step's rows right after that step has read
+# them ("step": the copies overlap the rest of the block's dequantization).
+REFILLS = ("block", "step")
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,14 @@ class FP8Tiles:
         multiple of 8); the attend partition gets the rest of the SM's 64K.
     dequant_steps : steps a staged block is dequantized in, each ``block_n // dequant_steps``
         rows and ending in a barrier of the gather warps.
+    slot_loads : how the copies get a block's slot ids in their three layouts, one of
+        :data:`SLOT_LOADS`: ``"convert"`` (loaded in the codes' layout, converted through shared
+        memory for the scales and rope) or ``"per_layout"`` (loaded from global in each layout).
+    refill : when a staging stage is refilled, one of :data:`REFILLS`: ``"block"`` (the next
+        block's copies issued after the whole block is dequantized, one commit group a block) or
+        ``"step"`` (each dequantizing step's rows issued as soon as the step has read them, one
+        commit group a step; needs ``dequant_steps >= 2`` and at least ``8 * gather_warps``
+        rows a step, so that each thread of a step's scale copies has a whole fp32 scale).
     """
 
     block_n: int
@@ -94,6 +111,28 @@ class FP8Tiles:
     gather_warps: int = GATHER_WARPS
     gather_registers: int = GATHER_REGISTERS
     dequant_steps: int = DEQUANT_STEPS
+    slot_loads: str = SLOT_LOADS[0]
+    refill: str = REFILLS[0]
+
+    def __post_init__(self):
+        check_gather_options(self.block_n, self.gather_warps, self.dequant_steps, self.slot_loads,
+                             self.refill)
+
+
+def check_gather_options(block_n: int, gather_warps: int, dequant_steps: int, slot_loads: str,
+                         refill: str) -> None:
+    """Raise ValueError naming the argument unless ``slot_loads`` is one of :data:`SLOT_LOADS`,
+    ``refill`` one of :data:`REFILLS`, and a ``"step"`` refill has at least two dequantizing
+    steps of at least ``8 * gather_warps`` rows each (``block_n // dequant_steps``: 32 thread
+    rows of four fp32 scales a warp); :class:`FP8Tiles` and ``SparseMLAConfig`` check these."""
+    if slot_loads not in SLOT_LOADS:
+        raise ValueError(f"slot_loads: expected one of {SLOT_LOADS}, got {slot_loads!r}")
+    if refill not in REFILLS:
+        raise ValueError(f"refill: expected one of {REFILLS}, got {refill!r}")
+    if refill == "step" and (dequant_steps < 2 or block_n // dequant_steps < 8 * gather_warps):
+        raise ValueError(f"refill: 'step' needs dequant_steps >= 2 and block_n // dequant_steps "
+                         f">= 8 * gather_warps = {8 * gather_warps} rows a step, got block_n "
+                         f"{block_n}, dequant_steps {dequant_steps}")
 
 
 # The FP8 cache's defaults: the gathers stage each block's cache bytes in as many staging stages
@@ -108,7 +147,9 @@ class FP8Tiles:
 FP8_TILES = (FP8Tiles(64, 1, dequant_steps=2), FP8Tiles(32, 2, gather_registers=96, dequant_steps=1))
 # Candidates for ``bench dsa-ops --tune --kv-cache-dtype fp8_e4m3`` (issue 28), each compiled for
 # sm_90 without spills (scripts/compile_sparse_mla_gluon.py), with GPU tests like the defaults'
-# (tests/test_sparse_mla_fp8.py); docs/dsa-kernels.md says what each is meant to test.
+# (tests/test_sparse_mla_fp8.py); docs/dsa-kernels.md says what each is meant to test. The last
+# four: the slot ids loaded per copy layout and the staging refilled per dequantizing step, each
+# and both at 64 slots (more gather registers where 88 spilled), the loads at the 32-slot default.
 FP8_TUNE_TILES = (
     FP8Tiles(64, 1),
     FP8Tiles(32, 2),
@@ -116,6 +157,10 @@ FP8_TUNE_TILES = (
     FP8Tiles(32, 3, staging=2),
     FP8Tiles(32, 2, staging=3, gather_registers=96, dequant_steps=1),
     FP8Tiles(32, 3, staging=2, gather_registers=96, dequant_steps=1),
+    FP8Tiles(64, 1, dequant_steps=2, slot_loads="per_layout"),
+    FP8Tiles(64, 1, gather_registers=96, dequant_steps=2, refill="step"),
+    FP8Tiles(64, 1, gather_registers=104, dequant_steps=2, slot_loads="per_layout", refill="step"),
+    FP8Tiles(32, 2, gather_registers=96, dequant_steps=1, slot_loads="per_layout"),
 )
 
 
@@ -165,33 +210,49 @@ def _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _copy_fp8_block(codes, scales, rope, kv_ptr, kv_stride, row_slots, topk, block, stop_block,
-                    LATENT: gl.constexpr, ROPE: gl.constexpr, GROUPS: gl.constexpr,
-                    BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
-    """``cp.async`` of block ``block``'s ``fp8_ds_mla`` cache rows (codes, scales, rope bytes) into
-    one staging stage; invalid slots, and every slot when ``block >= stop_block``, zero-filled."""
+def _copy_fp8_rows(codes, scales, rope, kv_ptr, kv_stride, row_slots, topk, block, stop_block,
+                   FIRST: gl.constexpr, ROWS: gl.constexpr, LATENT: gl.constexpr,
+                   ROPE: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   PER_LAYOUT: gl.constexpr, WARPS: gl.constexpr):
+    """``cp.async`` of the ``fp8_ds_mla`` cache rows (codes, scales, rope bytes) of block
+    ``block``'s slots ``FIRST .. FIRST + ROWS`` into ``codes, scales, rope`` (``ROWS`` rows of a
+    staging stage); invalid slots, and every slot when ``block >= stop_block``, zero-filled. The
+    slot ids are loaded in the codes' layout and converted for the other two copies, or with
+    ``PER_LAYOUT`` loaded from global memory in each copy's layout."""
     # 16-byte copies of the codes (a warp a row) and the rope values (a warp four rows); a row's
     # 16 scale bytes by the threads of one row
     code_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [WARPS, 1], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    ROW_THREADS: gl.constexpr = 32 * WARPS // BLOCK_N
+    ROW_THREADS: gl.constexpr = 32 * WARPS // ROWS
     scale_layout: gl.constexpr = gl.BlockedLayout([1, GROUPS // ROW_THREADS],
                                                   [32 // ROW_THREADS, ROW_THREADS],
                                                   [WARPS, 1], [1, 0])
-    code_index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, code_layout))
+    code_index = block * BLOCK_N + FIRST + gl.arange(0, ROWS,
+                                                     layout=gl.SliceLayout(1, code_layout))
     slot = gl.load(row_slots + code_index, mask=(code_index < topk) & (block < stop_block),
                    other=-1)
+    if PER_LAYOUT:  # all three loads in flight at once
+        scale_index = block * BLOCK_N + FIRST + gl.arange(
+            0, ROWS, layout=gl.SliceLayout(1, scale_layout))
+        scale_slot = gl.load(row_slots + scale_index,
+                             mask=(scale_index < topk) & (block < stop_block), other=-1)
+        rope_index = block * BLOCK_N + FIRST + gl.arange(0, ROWS,
+                                                         layout=gl.SliceLayout(1, rope_layout))
+        rope_slot = gl.load(row_slots + rope_index,
+                            mask=(rope_index < topk) & (block < stop_block), other=-1)
     row = kv_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * kv_stride
     code_columns = gl.arange(0, LATENT, layout=gl.SliceLayout(0, code_layout))
     async_copy.async_copy_global_to_shared(codes, row[:, None] + code_columns[None, :],
                                            mask=(slot >= 0)[:, None])
-    scale_slot = gl.convert_layout(slot, gl.SliceLayout(1, scale_layout))
+    if not PER_LAYOUT:  # each conversion after the copies before it are issued
+        scale_slot = gl.convert_layout(slot, gl.SliceLayout(1, scale_layout))
     scale_row = (kv_ptr + LATENT + gl.where(scale_slot >= 0, scale_slot, 0).to(gl.int64)
                  * kv_stride).to(gl.pointer_type(gl.float32), bitcast=True)
     scale_columns = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scale_layout))
     async_copy.async_copy_global_to_shared(scales, scale_row[:, None] + scale_columns[None, :],
                                            mask=(scale_slot >= 0)[:, None])
-    rope_slot = gl.convert_layout(slot, gl.SliceLayout(1, rope_layout))
+    if not PER_LAYOUT:
+        rope_slot = gl.convert_layout(slot, gl.SliceLayout(1, rope_layout))
     rope_row = (kv_ptr + LATENT + 4 * GROUPS + gl.where(rope_slot >= 0, rope_slot, 0).to(gl.int64)
                 * kv_stride).to(gl.pointer_type(gl.bfloat16), bitcast=True)
     rope_columns = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
@@ -200,30 +261,43 @@ def _copy_fp8_block(codes, scales, rope, kv_ptr, kv_stride, row_slots, topk, blo
 
 
 @gluon.jit
-def _dequantize_block(codes, scales, rope, latent_out, rope_out, LATENT: gl.constexpr,
-                      GROUPS: gl.constexpr, BLOCK_N: gl.constexpr, STEPS: gl.constexpr,
-                      WARPS: gl.constexpr):
-    """A staging stage's codes times their group's scale, as bf16 into a latent ring slot (exact:
-    a power-of-two scale times an e4m3 code is a bf16 value, as in the Triton kernel's
-    ``_gather_latent``), and its rope values into the rope ring slot, in ``STEPS`` steps of
-    ``BLOCK_N // STEPS`` rows."""
+def _copy_fp8_stage(codes, scales, rope, kv_ptr, kv_stride, row_slots, topk, block, stop_block,
+                    LATENT: gl.constexpr, ROPE: gl.constexpr, GROUPS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, COPY_ROWS: gl.constexpr, PER_LAYOUT: gl.constexpr,
+                    WARPS: gl.constexpr):
+    """Block ``block``'s cache rows into a whole staging stage (:func:`_copy_fp8_rows`), one commit
+    group per ``COPY_ROWS`` rows (the block's, or a dequantizing step's)."""
+    for c in gl.static_range(BLOCK_N // COPY_ROWS):
+        _copy_fp8_rows(codes.slice(c * COPY_ROWS, COPY_ROWS, dim=0),
+                       scales.slice(c * COPY_ROWS, COPY_ROWS, dim=0),
+                       rope.slice(c * COPY_ROWS, COPY_ROWS, dim=0), kv_ptr, kv_stride, row_slots,
+                       topk, block, stop_block, c * COPY_ROWS, COPY_ROWS, LATENT, ROPE, GROUPS,
+                       BLOCK_N, PER_LAYOUT, WARPS)
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _dequantize_rows(codes, scales, latent_out, FIRST: gl.constexpr, ROWS: gl.constexpr,
+                     LATENT: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
+                     WARPS: gl.constexpr):
+    """Rows ``FIRST .. FIRST + ROWS`` of a staging stage's codes times their group's scale, as
+    bf16 into the same rows of a latent ring slot (exact: a power-of-two scale times an e4m3 code
+    is a bf16 value, as in the Triton kernel's ``_gather_latent``)."""
     GROUP: gl.constexpr = LATENT // GROUPS
-    # each step's store is a barrier of the gather warps (the compiler orders stores to one ring
-    # slot); fewer steps hold more codes in registers (4 warps: 16 rows a step at 32-slot blocks
-    # spilled 12 B on sm_90)
-    ROWS: gl.constexpr = BLOCK_N // STEPS
     layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, GROUPS, 32 // GROUPS], [WARPS, 1, 1],
                                             [2, 1, 0])
-    grouped_codes = codes.reshape([BLOCK_N, GROUPS, GROUP])
-    grouped_scales = scales.reshape([BLOCK_N, GROUPS, 1])
-    for r in gl.static_range(BLOCK_N // ROWS):
-        code = grouped_codes.slice(r * ROWS, ROWS, dim=0).load(layout)
-        scale = grouped_scales.slice(r * ROWS, ROWS, dim=0).load(layout)
-        value = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
-        latent_out.slice(r * ROWS, ROWS, dim=0).store(
-            gl.reshape(value.to(gl.bfloat16), [ROWS, LATENT]))
+    code = codes.reshape([BLOCK_N, GROUPS, GROUP]).slice(FIRST, ROWS, dim=0).load(layout)
+    scale = scales.reshape([BLOCK_N, GROUPS, 1]).slice(FIRST, ROWS, dim=0).load(layout)
+    value = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
+    latent_out.slice(FIRST, ROWS, dim=0).store(gl.reshape(value.to(gl.bfloat16), [ROWS, LATENT]))
+
+
+@gluon.jit
+def _copy_rope_rows(rope, rope_out, FIRST: gl.constexpr, ROWS: gl.constexpr,
+                    WARPS: gl.constexpr):
+    """Rows ``FIRST .. FIRST + ROWS`` of a staging stage's rope values into the rope ring slot."""
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    rope_out.store(rope.load(rope_layout))
+    rope_out.slice(FIRST, ROWS, dim=0).store(rope.slice(FIRST, ROWS, dim=0).load(rope_layout))
 
 
 @gluon.jit
@@ -231,36 +305,72 @@ def _gather_fp8_blocks(kv_ptr, kv_stride, row_slots, topk, first_block, stop_blo
                        scales, rope, latent_ring, rope_ring, full, empty, trace_ptr,
                        LATENT: gl.constexpr, ROPE: gl.constexpr, GROUPS: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STAGING: gl.constexpr,
-                       STEPS: gl.constexpr, WARPS: gl.constexpr, TRACE: gl.constexpr):
+                       STEPS: gl.constexpr, PER_LAYOUT: gl.constexpr, STEP_REFILL: gl.constexpr,
+                       WARPS: gl.constexpr, TRACE: gl.constexpr):
     """The split's blocks from an ``fp8_ds_mla`` cache: ``cp.async`` into ``STAGING`` staging
-    stages (``STAGING`` blocks ahead; one commit group a block, the first also holding the
-    queries' copies), then block ``first_block + i`` dequantized from staging stage
-    ``i % STAGING`` into ring slot ``i % STAGES`` once that is free, signalled on ``full`` by one
-    arrive after every gather thread's stores; the staging stage is refilled right after."""
+    stages (``STAGING`` blocks ahead; the first commit groups also hold the queries' copies),
+    then block ``first_block + i`` dequantized from staging stage ``i % STAGING`` into ring slot
+    ``i % STAGES`` once that is free, in ``STEPS`` steps of ``BLOCK_N // STEPS`` rows, signalled on
+    ``full`` by one arrive after every gather thread's stores. The staging stage is refilled with
+    block ``i + STAGING``'s copies right after the whole block (one commit group a block), or with
+    ``STEP_REFILL`` a step's rows right after that step has read them (one commit group a step)."""
+    # rows per dequantizing step; the step's barriers order its stores to the ring slot (fewer
+    # steps hold more codes in registers: 4 warps, 16 rows a step at 32-slot blocks spilled 12 B
+    # on sm_90)
+    ROWS: gl.constexpr = BLOCK_N // STEPS
+    COPY_ROWS: gl.constexpr = ROWS if STEP_REFILL else BLOCK_N
+    GROUPS_AHEAD: gl.constexpr = STAGING * (BLOCK_N // COPY_ROWS)  # commit groups in flight
     for k in gl.static_range(STAGING):
-        _copy_fp8_block(codes.index(k), scales.index(k), rope.index(k), kv_ptr, kv_stride,
+        _copy_fp8_stage(codes.index(k), scales.index(k), rope.index(k), kv_ptr, kv_stride,
                         row_slots, topk, first_block + k, stop_block, LATENT, ROPE, GROUPS,
-                        BLOCK_N, WARPS)
-        async_copy.commit_group()
+                        BLOCK_N, COPY_ROWS, PER_LAYOUT, WARPS)
     if first_block < stop_block:
         _stamp(trace_ptr, 7, TRACE)
     for block in range(first_block, stop_block):
         i = block - first_block
         stage = i % STAGES
         staged = i % STAGING
-        async_copy.wait_group(STAGING - 1)  # this thread's copies of the block have landed
-        gl.thread_barrier()  # ... and every gather thread's
-        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-        _dequantize_block(codes.index(staged), scales.index(staged), rope.index(staged),
-                          latent_ring.index(stage), rope_ring.index(stage), LATENT, GROUPS,
-                          BLOCK_N, STEPS, WARPS)
-        fence_async_shared()  # the bf16 stores, before the wgmma reads them
-        gl.thread_barrier()  # every gather thread stored (and is done with the staging stage)
-        mbarrier.arrive(full.index(stage), count=1)
-        _copy_fp8_block(codes.index(staged), scales.index(staged), rope.index(staged), kv_ptr,
-                        kv_stride, row_slots, topk, block + STAGING, stop_block, LATENT, ROPE,
-                        GROUPS, BLOCK_N, WARPS)
-        async_copy.commit_group()
+        if STEP_REFILL:
+            for r in gl.static_range(STEPS):
+                # the groups after step r's: the block's later steps, the other staging stages'
+                # blocks, and block + STAGING's steps before r (issued at this block's earlier steps)
+                async_copy.wait_group(GROUPS_AHEAD - 1)  # this thread's copies of the rows landed
+                gl.thread_barrier()  # ... and every gather thread's
+                if r == 0:
+                    mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+                _dequantize_rows(codes.index(staged), scales.index(staged),
+                                 latent_ring.index(stage), r * ROWS, ROWS, LATENT, GROUPS, BLOCK_N,
+                                 WARPS)
+                _copy_rope_rows(rope.index(staged), rope_ring.index(stage), r * ROWS, ROWS, WARPS)
+                if r == STEPS - 1:
+                    fence_async_shared()  # the bf16 stores, before the wgmma reads them
+                    gl.thread_barrier()  # every gather thread stored (and read the rows)
+                    mbarrier.arrive(full.index(stage), count=1)
+                else:
+                    gl.thread_barrier()  # every gather thread read the step's staged rows
+                _copy_fp8_rows(codes.index(staged).slice(r * ROWS, ROWS, dim=0),
+                               scales.index(staged).slice(r * ROWS, ROWS, dim=0),
+                               rope.index(staged).slice(r * ROWS, ROWS, dim=0), kv_ptr, kv_stride,
+                               row_slots, topk, block + STAGING, stop_block, r * ROWS, ROWS,
+                               LATENT, ROPE, GROUPS, BLOCK_N, PER_LAYOUT, WARPS)
+                async_copy.commit_group()
+        else:
+            async_copy.wait_group(GROUPS_AHEAD - 1)  # this thread's copies of the block landed
+            gl.thread_barrier()  # ... and every gather thread's
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            staged_codes, staged_scales = codes.index(staged), scales.index(staged)
+            staged_rope, latent_slot = rope.index(staged), latent_ring.index(stage)
+            rope_slot = rope_ring.index(stage)
+            for r in gl.static_range(STEPS):
+                _dequantize_rows(staged_codes, staged_scales, latent_slot, r * ROWS, ROWS, LATENT,
+                                 GROUPS, BLOCK_N, WARPS)
+            _copy_rope_rows(staged_rope, rope_slot, 0, BLOCK_N, WARPS)
+            fence_async_shared()  # the bf16 stores, before the wgmma reads them
+            gl.thread_barrier()  # every gather thread stored (and is done with the staging stage)
+            mbarrier.arrive(full.index(stage), count=1)
+            _copy_fp8_stage(codes.index(staged), scales.index(staged), rope.index(staged), kv_ptr,
+                            kv_stride, row_slots, topk, block + STAGING, stop_block, LATENT, ROPE,
+                            GROUPS, BLOCK_N, COPY_ROWS, PER_LAYOUT, WARPS)
 
 
 @gluon.jit
@@ -269,8 +379,8 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
                       trace_ptr, LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
                       FP8: gl.constexpr, GROUPS: gl.constexpr, STAGING: gl.constexpr,
-                      STEPS: gl.constexpr,
-                      WARPS: gl.constexpr, TRACE: gl.constexpr):
+                      STEPS: gl.constexpr, PER_LAYOUT: gl.constexpr,
+                      STEP_REFILL: gl.constexpr, WARPS: gl.constexpr, TRACE: gl.constexpr):
     """The queries into shared memory (the first ``real_heads`` of them, zeros in the padding
     head slots), then block ``first_block + i``'s cache rows into ring slot ``i % STAGES`` once
     it is free: by ``cp.async`` from a bf16 cache, through the staging stages ``codes, scales,
@@ -297,7 +407,8 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
     if FP8:
         _gather_fp8_blocks(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, codes,
                            scales, rope, latent_ring, rope_ring, full, empty, trace_ptr, LATENT,
-                           ROPE, GROUPS, BLOCK_N, STAGES, STAGING, STEPS, WARPS, TRACE)
+                           ROPE, GROUPS, BLOCK_N, STAGES, STAGING, STEPS, PER_LAYOUT,
+                           STEP_REFILL, WARPS, TRACE)
     else:
         for block in range(first_block, stop_block):
             i = block - first_block
@@ -427,6 +538,7 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
                              GROUPS: gl.constexpr, STAGING: gl.constexpr,
                              GATHER_WARPS: gl.constexpr,
                              GATHER_REGISTERS: gl.constexpr, DEQUANT_STEPS: gl.constexpr,
+                             PER_LAYOUT: gl.constexpr, STEP_REFILL: gl.constexpr,
                              TRACE: gl.constexpr, STAMPS: gl.constexpr):
     """Program ``(row, head block, split)``: shared memory and its barriers, then the gather and
     attend partitions (each finds the split's blocks itself, so the gathers start at once)."""
@@ -477,8 +589,8 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
          (_gather_partition, (q_head, q_stride_head, real_heads, q_latent, q_rope, kv_ptr,
                               kv_stride, row_slots, topk, latent_ring, rope_ring, codes, scales,
                               rope, full, empty, trace_ptr, LATENT, ROPE, BLOCK_H, BLOCK_N,
-                              STAGES, SCAN, FP8, GROUPS, STAGING, DEQUANT_STEPS, GATHER_WARPS,
-                              TRACE))],
+                              STAGES, SCAN, FP8, GROUPS, STAGING, DEQUANT_STEPS, PER_LAYOUT,
+                              STEP_REFILL, GATHER_WARPS, TRACE))],
         [GATHER_WARPS], [GATHER_REGISTERS])
 
 
@@ -501,13 +613,14 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
                             staging: int | None = None, gather_warps: int = GATHER_WARPS,
                             gather_registers: int = GATHER_REGISTERS,
                             dequant_steps: int = DEQUANT_STEPS,
+                            slot_loads: str = SLOT_LOADS[0], refill: str = REFILLS[0],
                             trace: torch.Tensor | None = None) -> None:
     """Launch the kernel over grid ``(R, cdiv(H, 64), num_splits)`` on a bf16 ``kv_cache``
     ``[slots, 576]`` or an ``fp8_ds_mla`` one (uint8 ``[slots, 656]``, row stride a multiple of 16
     bytes), ``block_n`` slots a block and ``stages`` ring slots (an :class:`FP8Tiles` of
     :data:`FP8_TILES` or :data:`FP8_TUNE_TILES` for FP8, with its ``staging``, ``gather_warps``,
-    ``gather_registers`` and ``dequant_steps``; ``(BLOCK_N, STAGES)`` and the defaults for bf16,
-    where only ``gather_warps`` and ``gather_registers`` apply): with ``workspace`` (fp32
+    ``gather_registers``, ``dequant_steps``, ``slot_loads`` and ``refill``; ``(BLOCK_N, STAGES)``
+    and the defaults for bf16, where only ``gather_warps`` and ``gather_registers`` apply): with ``workspace`` (fp32
     ``[R, H, num_splits, record_width]``) it writes each split's normalised ``[512]`` output and its
     log2-sum-exp2 at index 512 of the split's record, without it the bf16 ``out`` directly.
     ``qk_scale_log2`` is the softmax scale times ``log2(e)``; ``scan`` the slot ids per step of
@@ -533,5 +646,6 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
         RECORD=record_width, FP8=is_fp8_cache(kv_cache), GROUPS=MLA_LATENT_DIM // FP8_GROUP,
         STAGING=stages if staging is None else staging,
         GATHER_WARPS=gather_warps, GATHER_REGISTERS=gather_registers,
-        DEQUANT_STEPS=dequant_steps, TRACE=trace is not None, STAMPS=len(TRACE_STAMPS),
+        DEQUANT_STEPS=dequant_steps, PER_LAYOUT=slot_loads == "per_layout",
+        STEP_REFILL=refill == "step", TRACE=trace is not None, STAMPS=len(TRACE_STAMPS),
         num_warps=ATTEND_WARPS)
