@@ -2,8 +2,9 @@
 registers, spilled bytes and the SASS length, as scripts/compile_fp8_dsa.py does for the DSA
 kernels (which also compiles the indexer's query / key epilogue, ``compile_index_rope``): the
 indexer's head weights (``index_weights``, split over K: GLM-5's 32 x 6144 and DeepSeek-V3.2's
-64 x 7168 fp32 weights, 1 and 64 bf16 rows) and the RoPE tables (``rope_cos_sin``: fp64 angles,
-libdevice cos / sin, 1 and 64 rows).
+64 x 7168 fp32 weights, 1 and 64 bf16 rows), the RoPE tables (``rope_cos_sin``: fp64 angles,
+libdevice cos / sin, 1 and 64 rows), the dense FFN's SiLU-and-mul (``silu_and_mul``: libdevice
+``expf``, IEEE division; bf16 and fp32) and the decode step's inputs (``decode_inputs``).
 
 Each case goes through the real host wrapper on small CPU tensors; the launch is intercepted and
 compiled as Triton's JIT would specialize it on a CUDA device, K splits as on the H200's 132 SMs.
@@ -19,11 +20,12 @@ import torch  # noqa: E402
 from triton import knobs  # noqa: E402
 
 from dsaspec.cli_parsing import Parser, parse_or_exit  # noqa: E402
-from dsaspec.ops import index_weights, rope_cos_sin  # noqa: E402
+from dsaspec.ops import decode_inputs, index_weights, rope_cos_sin, silu_and_mul  # noqa: E402
 
 WEIGHT_SHAPES = ((32, 6144), (64, 7168))   # (index heads, hidden): GLM-5, DeepSeek-V3.2
 ROW_COUNTS = (1, 64)
 SLOW_REDUCTION = "call.uni (retval0), __internal_trig_reduction_slowpathd"   # libdevice's large-argument path
+EXPF_STEP = "fma.rm.ftz.f32"   # libdevice expf's range reduction (one per exp; tl.exp is a bare ex2.approx)
 
 
 def compile_index_weights(heads: int, hidden: int, rows: int) -> dict:
@@ -47,6 +49,28 @@ def compile_rope_cos_sin(rows: int = 64) -> dict:
     return result | dict(libdevice_calls=result["ptx"].count(SLOW_REDUCTION))
 
 
+def compile_silu_and_mul(bf16: bool, rows: int = 4, width: int = 1536) -> dict:
+    """One ``silu_and_mul`` launch over the two halves of a ``[rows, 2 * width]`` GEMM output (bf16
+    or fp32); the result also counts libdevice ``expf`` calls (``expf_calls``), IEEE divisions
+    (``div_rn``) and approximate ones (``div_approx``) in the PTX."""
+    gate, up = torch.zeros(rows, 2 * width, dtype=torch.bfloat16 if bf16 else torch.float32).split(width, dim=-1)
+    result = dsa.compile_kernel(silu_and_mul._silu_and_mul_kernel, lambda: silu_and_mul.silu_and_mul(gate, up),
+                                overrides=())
+    ptx = result["ptx"]
+    return result | dict(expf_calls=ptx.count(EXPF_STEP), div_rn=ptx.count("div.rn.f32"),
+                         div_approx=ptx.count("div.full.f32") + ptx.count("div.approx"))
+
+
+def compile_decode_inputs(rows: int = 64) -> dict:
+    """One ``decode_inputs`` launch: ``rows`` int64 rows of an int32 ``req_to_token`` table."""
+    index = torch.zeros(rows, dtype=torch.int64)
+    carry = torch.zeros(rows + 1, dtype=torch.int64)
+    table = torch.zeros(rows + 1, 1024, dtype=torch.int32)
+    outs = [torch.zeros(rows, dtype=torch.int64) for _ in range(4)]
+    return dsa.compile_kernel(decode_inputs._decode_inputs_kernel,
+                              lambda: decode_inputs.decode_inputs(index, carry, carry, table, *outs), overrides=())
+
+
 def _line(name: str, result: dict) -> str:
     return (f"{name}: {result['regs']} regs, {result['spill']} B spilled, {result['shared']} B shared, "
             f"{result['instructions']} SASS instructions")
@@ -64,6 +88,12 @@ def main() -> int:
         result = compile_rope_cos_sin(rows)
         print(_line(f"rope_cos_sin {rows} rows", result) + f", {result['libdevice_calls']} slow-reduction calls",
               flush=True)
+    for bf16 in (True, False):
+        result = compile_silu_and_mul(bf16)
+        print(_line(f"silu_and_mul {'bf16' if bf16 else 'fp32'}", result)
+              + f", {result['expf_calls']} libdevice expf, {result['div_rn']} div.rn, {result['div_approx']} "
+                "approximate divisions", flush=True)
+    print(_line("decode_inputs 64 rows", compile_decode_inputs()), flush=True)
     for kind in dsa.INDEX_ROPE_KINDS:
         print(dsa.summary_line(f"index_rope {kind}", dsa.compile_index_rope(kind)), flush=True)
     return 0

@@ -9,8 +9,9 @@ bucket holding it:
 
     load(rows)        host -> static rows, padded with the dummy row (one copy)
     prepare           positions = L[rows], input ids = pending[rows], seq_lens = positions + 1,
-                      out_cache_loc = req_to_token[rows, positions], backend.replay (metadata +
-                      indexer schedule)                                            (eager, no sync)
+                      out_cache_loc = req_to_token[rows, positions] (one kernel with the Triton ops:
+                      ops/decode_inputs.py), backend.replay (metadata + indexer schedule)
+                                                                                   (eager, no sync)
     graph replay      the captured forward -> LM head -> greedy token into ``next_tokens``, with
                       L[rows] += 1, pending[rows] = next token and the dummy row's carry reset in
                       the same launch (``greedy_target_tokens`` with a ``CarryWrite``)
@@ -34,6 +35,7 @@ from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.attention.inputs import AttentionInputs
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.ops.argmax_exchange import CarryWrite
+from dsaspec.ops.decode_inputs import decode_inputs
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.forward_mode import Mode
 
@@ -125,7 +127,17 @@ class DecodeWorker(BucketWorker):
             raise ValueError(f"rows: {len(rows)} do not fit bucket {bucket} (largest bucket {self.max_bucket})")
         self._static.rows[:bucket].copy_(self._padded_rows(rows, bucket))
 
-    def _gather(self, batch: _DecodeBatch) -> None:
+    def _gather(self, batch: _DecodeBatch, check_values: bool = False) -> None:
+        """``positions``, ``input_ids``, ``seq_lens`` and ``out_cache_loc`` of ``batch`` from its rows
+        and their carry: one kernel (:func:`~dsaspec.ops.decode_inputs.decode_inputs`) with the
+        model's Triton ops, else its five torch launches, the same values. The rows are checked on the
+        host before (:meth:`step`); ``check_values`` checks them and their positions again against the
+        table (a host sync: eager batches only)."""
+        if self.model.use_triton:
+            decode_inputs(batch.rows, self.state.seq_lens, self.state.bonus, self.backend.req_to_token,
+                          batch.positions, batch.input_ids, batch.seq_lens, batch.out_cache_loc,
+                          check_values=check_values)
+            return
         torch.index_select(self.state.seq_lens, 0, batch.rows, out=batch.positions)
         torch.index_select(self.state.bonus, 0, batch.rows, out=batch.input_ids)
         torch.add(batch.positions, 1, out=batch.seq_lens)
@@ -175,7 +187,7 @@ class DecodeWorker(BucketWorker):
         if bucket is None:
             batch = _DecodeBatch.allocate(n, self.device)
             batch.rows.copy_(self._padded_rows(rows, n))
-            self._gather(batch)
+            self._gather(batch, check_values=True)
             attn = self.backend.eager_attention_inputs(batch.rows, batch.seq_lens, Mode.DECODE)
             self._forward(batch, attn, check_values=True)
             tokens = batch.next_tokens

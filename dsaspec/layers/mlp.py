@@ -17,7 +17,11 @@ class MLP(HoldsFusedLinear, nn.Module):
     """Dense SwiGLU: ``down(silu(gate(x)) * up(x))`` of ``intermediate_size`` features (default
     ``config.intermediate_size``); over a TP group the intermediate features are split
     (``gate_proj`` / ``up_proj`` column parallel, ``down_proj`` row parallel) and one all-reduce
-    sums the partial outputs."""
+    sums the partial outputs. ``silu(gate) * up`` is one Triton kernel when ``use_triton`` (set by
+    :class:`DSAModel`; :func:`~dsaspec.ops.silu_and_mul.silu_and_mul`, bit for bit the two torch
+    launches), else ``F.silu`` and the multiply."""
+
+    use_triton: bool = False
 
     def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None, *,
                  intermediate_size: int | None = None):
@@ -38,6 +42,10 @@ class MLP(HoldsFusedLinear, nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial output (the sum over the group is the layer's output)."""
         gate, up = (self.gate_proj(x), self.up_proj(x)) if self.gate_up is None else self.gate_up(x)
+        if self.use_triton:
+            from dsaspec.ops.silu_and_mul import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

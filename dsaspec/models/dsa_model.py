@@ -140,8 +140,9 @@ class DSAModel(nn.Module):
 
     @property
     def use_triton(self) -> bool:
-        """Whether the DSA ops, the FP8 GEMMs, the RMSNorms, the RoPE tables and (with ``options.fused_moe``, not
-        row-invariant) the routed experts run as Triton kernels; assignable."""
+        """Whether the DSA ops, the FP8 GEMMs, the RMSNorms, the RoPE tables, the dense SwiGLU's
+        ``silu(gate) * up`` and (with ``options.fused_moe``, not row-invariant) the routed experts run
+        as Triton kernels; assignable."""
         return self._use_triton
 
     @use_triton.setter
@@ -149,7 +150,7 @@ class DSAModel(nn.Module):
         self._use_triton = value
         set_fused_moe(self, value and self.options.fused_moe, self.row_invariant)
         for module in self.modules():
-            if isinstance(module, (Fp8Linear, RMSNorm, Rotary)):
+            if isinstance(module, (Fp8Linear, RMSNorm, Rotary, MLP)):
                 module.use_triton = value
 
     @property
