@@ -85,17 +85,14 @@ def compile_form(heads: int, split: bool, traced: bool = False,
     workspace = torch.zeros(rows, heads, splits, RECORD_WIDTH) if split else None
     cache = (torch.zeros(4096, MLA_FP8_BYTES, dtype=torch.uint8) if fp8_tiles
              else torch.zeros(4096, QK_DIM, dtype=torch.bfloat16))
-    tiles = fp8_tiles or sparse_mla_gluon.FP8Tiles(sparse_mla_gluon.BLOCK_N, sparse_mla_gluon.STAGES)
+    tiles = fp8_tiles or sparse_mla_gluon.BF16_TILES
     record: dict = {}
     fresh_cache_dir()  # cold: a cached kernel (same specialization) comes without its ptxas log
     with compile_instead_of_launch(sparse_mla_gluon._sparse_mla_gluon_kernel, record,
                                    keep_compiled=True):
         sparse_mla_gluon.launch_sparse_mla_gluon(
             q, cache, torch.zeros(rows, 2048, dtype=torch.int32), out, workspace, 0.1, scan=2048,
-            record_width=RECORD_WIDTH, block_n=tiles.block_n, stages=tiles.stages,
-            staging=tiles.staging, gather_warps=tiles.gather_warps,
-            gather_registers=tiles.gather_registers, dequant_steps=tiles.dequant_steps,
-            slot_loads=tiles.slot_loads, refill=tiles.refill,
+            record_width=RECORD_WIDTH, tiles=tiles,
             trace=torch.zeros(rows * -(-heads // 64) * splits,
                               2 * len(sparse_mla_gluon.TRACE_STAMPS),
                               dtype=torch.int64) if traced else None)

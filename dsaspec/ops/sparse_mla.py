@@ -66,10 +66,9 @@ def _gluon_tiles(fp8: bool = False) -> tuple[tuple[int, ...], ...]:
     ``fp8`` on an ``fp8_ds_mla`` one (:data:`sparse_mla_gluon.FP8_TILES`, then the tune candidates
     :data:`sparse_mla_gluon.FP8_TUNE_TILES`)."""
     g = sparse_mla_gluon
-    blocks = g.FP8_TILES + g.FP8_TUNE_TILES if fp8 else (g.FP8Tiles(g.BLOCK_N, g.STAGES),)
+    blocks = g.FP8_TILES + g.FP8_TUNE_TILES if fp8 else (g.BF16_TILES,)
     return tuple((g.HEADS_PER_PROGRAM, t.block_n, g.ATTEND_WARPS, t.stages, LATENT_DIM,
-                  t.staging, t.gather_warps, t.gather_registers, t.dequant_steps, t.slot_loads,
-                  t.refill) for t in blocks)
+                  *(getattr(t, name) for name in g.GATHER_FIELDS)) for t in blocks)
 
 
 @dataclass(frozen=True)
@@ -128,24 +127,27 @@ class SparseMLAConfig:
         if self.kernel == "gluon" and self.tiles not in gluon_tiles:
             raise ValueError(f"kernel: the Gluon kernel's tiles {TILE_FIELDS} are one of "
                              f"{gluon_tiles}, got {self.tiles}")
-        gather = (self.staging, self.gather_warps, self.gather_registers, self.dequant_steps,
-                  self.slot_loads, self.refill)
-        defaults = (None, sparse_mla_gluon.GATHER_WARPS, sparse_mla_gluon.GATHER_REGISTERS,
-                    sparse_mla_gluon.DEQUANT_STEPS, sparse_mla_gluon.SLOT_LOADS[0],
-                    sparse_mla_gluon.REFILLS[0])
+        gather, defaults = self.gather_tiles, sparse_mla_gluon.FP8Tiles(self.block_n, self.num_stages)
         if self.kernel == "triton" and gather != defaults:
-            raise ValueError(f"staging, gather_warps, gather_registers, dequant_steps, slot_loads, "
-                             f"refill: the Triton kernel has no gather partition, expected the "
-                             f"defaults {defaults}, got {gather}")
+            fields = sparse_mla_gluon.GATHER_FIELDS
+            raise ValueError(f"{', '.join(fields)}: the Triton kernel has no gather partition, expected the "
+                             f"defaults {tuple(getattr(defaults, f) for f in fields)}, got "
+                             f"{tuple(getattr(gather, f) for f in fields)}")
 
     @property
     def tiles(self) -> tuple[int, ...]:
         """The values of :data:`TILE_FIELDS`."""
         return tuple(getattr(self, name) for name in TILE_FIELDS)
 
+    @property
+    def gather_tiles(self) -> "sparse_mla_gluon.FP8Tiles":
+        """The Gluon kernel's launch shape of this config (``block_n``, ``num_stages`` and the
+        gather fields)."""
+        return sparse_mla_gluon.FP8Tiles(self.block_n, self.num_stages,
+                                         **{name: getattr(self, name) for name in sparse_mla_gluon.GATHER_FIELDS})
 
-TILE_FIELDS = ("block_h", "block_n", "num_warps", "num_stages", "block_dv", "staging",
-               "gather_warps", "gather_registers", "dequant_steps", "slot_loads", "refill")
+
+TILE_FIELDS = ("block_h", "block_n", "num_warps", "num_stages", "block_dv", *sparse_mla_gluon.GATHER_FIELDS)
 
 
 def _gluon_config(tiles: tuple[int, ...]) -> SparseMLAConfig:
@@ -529,12 +531,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                              f"capability 9.x and 8, 16, 32 or a multiple of 64 heads, got "
                              f"{q.device} and {num_heads} heads")
         launch_sparse_mla_gluon(q, kv_cache, slots, out, workspace, qk_scale_log2, scan=scan,
-                                record_width=RECORD_WIDTH, block_n=config.block_n,
-                                stages=config.num_stages, staging=config.staging,
-                                gather_warps=config.gather_warps,
-                                gather_registers=config.gather_registers,
-                                dequant_steps=config.dequant_steps,
-                                slot_loads=config.slot_loads, refill=config.refill)
+                                record_width=RECORD_WIDTH, tiles=config.gather_tiles)
         if workspace is not None:
             # a programmatic dependent: the Gluon kernel does not trigger early, so the combine
             # starts as its programs exit (0.2-0.5 µs less at 4-16 rows, H200)

@@ -135,6 +135,10 @@ def check_gather_options(block_n: int, gather_warps: int, dequant_steps: int, sl
                          f"{block_n}, dequant_steps {dequant_steps}")
 
 
+# The fields of FP8Tiles past (block_n, stages): the gather partition's shape.
+GATHER_FIELDS = ("staging", "gather_warps", "gather_registers", "dequant_steps", "slot_loads", "refill")
+# The bf16 cache's launch shape: blocks of BLOCK_N slots in STAGES ring slots, the default gathers.
+BF16_TILES = FP8Tiles(BLOCK_N, STAGES)
 # The FP8 cache's defaults: the gathers stage each block's cache bytes in as many staging stages
 # as ring slots and dequantize them into the bf16 ring. 64 slots a block (the bf16 kernel's dots
 # and summation order) leaves room for one ring slot and one staging stage (193 KiB), dequantized in
@@ -609,18 +613,12 @@ def sparse_mla_gluon_supported(device: torch.device | str, num_heads: int) -> bo
 def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                             out: torch.Tensor, workspace: torch.Tensor | None,
                             qk_scale_log2: float, *, scan: int, record_width: int,
-                            block_n: int = BLOCK_N, stages: int = STAGES,
-                            staging: int | None = None, gather_warps: int = GATHER_WARPS,
-                            gather_registers: int = GATHER_REGISTERS,
-                            dequant_steps: int = DEQUANT_STEPS,
-                            slot_loads: str = SLOT_LOADS[0], refill: str = REFILLS[0],
-                            trace: torch.Tensor | None = None) -> None:
+                            tiles: FP8Tiles = BF16_TILES, trace: torch.Tensor | None = None) -> None:
     """Launch the kernel over grid ``(R, cdiv(H, 64), num_splits)`` on a bf16 ``kv_cache``
     ``[slots, 576]`` or an ``fp8_ds_mla`` one (uint8 ``[slots, 656]``, row stride a multiple of 16
-    bytes), ``block_n`` slots a block and ``stages`` ring slots (an :class:`FP8Tiles` of
-    :data:`FP8_TILES` or :data:`FP8_TUNE_TILES` for FP8, with its ``staging``, ``gather_warps``,
-    ``gather_registers``, ``dequant_steps``, ``slot_loads`` and ``refill``; ``(BLOCK_N, STAGES)``
-    and the defaults for bf16, where only ``gather_warps`` and ``gather_registers`` apply): with ``workspace`` (fp32
+    bytes) with the launch shape ``tiles`` (one of :data:`FP8_TILES` or :data:`FP8_TUNE_TILES`
+    for FP8; :data:`BF16_TILES` for bf16, where only its ``block_n``, ``stages``, ``gather_warps``
+    and ``gather_registers`` apply): with ``workspace`` (fp32
     ``[R, H, num_splits, record_width]``) it writes each split's normalised ``[512]`` output and its
     log2-sum-exp2 at index 512 of the split's record, without it the bf16 ``out`` directly.
     ``qk_scale_log2`` is the softmax scale times ``log2(e)``; ``scan`` the slot ids per step of
@@ -642,10 +640,10 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), num_heads, slots.shape[1], out if trace is None else trace,
         LATENT=out.shape[2], ROPE=q.shape[2] - out.shape[2], BLOCK_H=HEADS_PER_PROGRAM,
-        BLOCK_N=block_n, STAGES=stages, SCAN=scan, SPLIT=workspace is not None,
+        BLOCK_N=tiles.block_n, STAGES=tiles.stages, SCAN=scan, SPLIT=workspace is not None,
         RECORD=record_width, FP8=is_fp8_cache(kv_cache), GROUPS=MLA_LATENT_DIM // FP8_GROUP,
-        STAGING=stages if staging is None else staging,
-        GATHER_WARPS=gather_warps, GATHER_REGISTERS=gather_registers,
-        DEQUANT_STEPS=dequant_steps, PER_LAYOUT=slot_loads == "per_layout",
-        STEP_REFILL=refill == "step", TRACE=trace is not None, STAMPS=len(TRACE_STAMPS),
+        STAGING=tiles.stages if tiles.staging is None else tiles.staging,
+        GATHER_WARPS=tiles.gather_warps, GATHER_REGISTERS=tiles.gather_registers,
+        DEQUANT_STEPS=tiles.dequant_steps, PER_LAYOUT=tiles.slot_loads == "per_layout",
+        STEP_REFILL=tiles.refill == "step", TRACE=trace is not None, STAMPS=len(TRACE_STAMPS),
         num_warps=ATTEND_WARPS)
