@@ -121,13 +121,12 @@ class SparseMLAConfig:
             raise ValueError(f"max_splits: expected >= 1, got {self.max_splits}")
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel: expected 'triton' or 'gluon', got {self.kernel!r}")
-        sparse_mla_gluon.check_gather_options(self.block_n, self.gather_warps, self.dequant_steps,
-                                              self.slot_loads, self.refill)
+        gather = self.gather_tiles   # FP8Tiles checks the gather fields' values
         gluon_tiles = _gluon_tiles() + _gluon_tiles(fp8=True)
         if self.kernel == "gluon" and self.tiles not in gluon_tiles:
             raise ValueError(f"kernel: the Gluon kernel's tiles {TILE_FIELDS} are one of "
                              f"{gluon_tiles}, got {self.tiles}")
-        gather, defaults = self.gather_tiles, sparse_mla_gluon.FP8Tiles(self.block_n, self.num_stages)
+        defaults = sparse_mla_gluon.FP8Tiles(self.block_n, self.num_stages)
         if self.kernel == "triton" and gather != defaults:
             fields = sparse_mla_gluon.GATHER_FIELDS
             raise ValueError(f"{', '.join(fields)}: the Triton kernel has no gather partition, expected the "

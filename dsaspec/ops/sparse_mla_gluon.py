@@ -115,16 +115,16 @@ class FP8Tiles:
     refill: str = REFILLS[0]
 
     def __post_init__(self):
-        check_gather_options(self.block_n, self.gather_warps, self.dequant_steps, self.slot_loads,
-                             self.refill)
+        _check_gather_options(self.block_n, self.gather_warps, self.dequant_steps, self.slot_loads,
+                              self.refill)
 
 
-def check_gather_options(block_n: int, gather_warps: int, dequant_steps: int, slot_loads: str,
-                         refill: str) -> None:
+def _check_gather_options(block_n: int, gather_warps: int, dequant_steps: int, slot_loads: str,
+                          refill: str) -> None:
     """Raise ValueError naming the argument unless ``slot_loads`` is one of :data:`SLOT_LOADS`,
     ``refill`` one of :data:`REFILLS`, and a ``"step"`` refill has at least two dequantizing
     steps of at least ``8 * gather_warps`` rows each (``block_n // dequant_steps``: 32 thread
-    rows of four fp32 scales a warp); :class:`FP8Tiles` and ``SparseMLAConfig`` check these."""
+    rows of four fp32 scales a warp); for :class:`FP8Tiles` (and ``SparseMLAConfig``, which builds one)."""
     if slot_loads not in SLOT_LOADS:
         raise ValueError(f"slot_loads: expected one of {SLOT_LOADS}, got {slot_loads!r}")
     if refill not in REFILLS:
