@@ -8,8 +8,12 @@
 #   OUT=/path WHEELS=/path/.whl bash scripts/gpu_serving.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?set OUT}"
+if [ $# -gt 0 ]; then echo "gpu_serving.sh: takes no arguments (set OUT, WHEELS, CONCURRENCY, BASELINE_CONCURRENCY)" >&2; exit 2; fi
+if [ -z "${OUT:-}" ]; then echo "gpu_serving.sh: set OUT to the folder the runs and reports go to" >&2; exit 2; fi
 wheels=${WHEELS:-$PWD/.whl}
+if [ ! -d "$wheels/sgl" ]; then
+    echo "gpu_serving.sh: no SGLang client folder at $wheels/sgl (build it with bash scripts/client_wheels.sh; WHEELS)" >&2; exit 2
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile "$wheels"/*.whl
 export SGLANG_CLIENT=$wheels/sgl DSASPEC_SIMULATE_ACCEPT_LEN=3.0 MACHINE=h200 PRESET=e2e PYTHON=python3
 spec=(--speculative-algorithm NEXTN --speculative-num-steps 3)
