@@ -56,7 +56,7 @@ def test_bit_for_bit_with_padding_and_repeats(n, table_dtype, device):
     rows[n - n // 4:] = table_rows - 1
     rows = rows.to(device)
     inputs = [t.clone() for t in (rows, lens, tokens, table)]
-    data, outs = _outputs(n, 320, device)
+    data, outs = _outputs(n, n + 20, device)
     decode_inputs(rows, lens, tokens, table, **outs)
     want = reference(rows, lens, tokens, table)
     for name in NAMES:
