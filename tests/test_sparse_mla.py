@@ -267,7 +267,7 @@ def test_config_rejects_bad_values():
             "kernel: the Gluon kernel's tiles ('block_h', 'block_n', 'num_warps', 'num_stages', "
             "'block_dv', 'staging', 'gather_warps', 'gather_registers', 'dequant_steps', "
             "'slot_loads', 'refill') are one of ((64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', "
-            "'block'), (64, 64, 8, 1, 512, None, 4, 88, 2, 'convert', 'block'), ")):
+            "'block'), (64, 64, 8, 1, 512, None, 4, 88, 2, 'per_layout', 'block'), ")):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, kernel="gluon")
     with pytest.raises(ValueError, match=re.escape(
             "got (64, 64, 8, 1, 512, None, 8, 40, 4, 'convert', 'block')")):

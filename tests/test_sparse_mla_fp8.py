@@ -265,7 +265,7 @@ def test_bad_arguments(device):
               "'gather_warps', 'gather_registers', 'dequant_steps', 'slot_loads', 'refill')")
     with pytest.raises(ValueError, match=re.escape(
             f"config: the Gluon kernel's tiles {fields} on an fp8_ds_mla kv_cache are one of "
-            f"((64, 64, 8, 1, 512, None, 4, 88, 2, 'convert', 'block'), "
+            f"((64, 64, 8, 1, 512, None, 4, 88, 2, 'per_layout', 'block'), "
             f"(64, 32, 8, 2, 512, None, 4, 96, 1, 'convert', 'block'), "
             f"(64, 64, 8, 1, 512, None, 4, 88, 4, 'convert', 'block'), ") + ".*" + re.escape(
             "got (64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', 'block')")):
@@ -464,10 +464,11 @@ def test_gluon_fp8_tune_candidates():
     for config in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS:
         assert config.kernel == "gluon" and config.block_n in (64, 32)
         assert config != SPARSE_MLA_GLUON_FP8_CONFIG and config != SPARSE_MLA_GLUON_FP8_NARROW_CONFIG
-    # the slot-id loads and the per-step refill: each at 64 slots, both, and the loads at 32
+    # the slot-id loads and the per-step refill: the converted ids (the former 64-slot default),
+    # the refill, both, and the loads per layout at 32
     options = {(c.block_n, c.dequant_steps, c.slot_loads, c.refill)
                for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS}
-    assert {(64, 2, "per_layout", "block"), (64, 2, "convert", "step"),
+    assert {(64, 2, "convert", "block"), (64, 2, "convert", "step"),
             (64, 2, "per_layout", "step"), (32, 1, "per_layout", "block")} <= options
 
 

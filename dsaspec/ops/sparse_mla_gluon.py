@@ -141,19 +141,22 @@ GATHER_FIELDS = ("staging", "gather_warps", "gather_registers", "dequant_steps",
 BF16_TILES = FP8Tiles(BLOCK_N, STAGES)
 # The FP8 cache's defaults: the gathers stage each block's cache bytes in as many staging stages
 # as ring slots and dequantize them into the bf16 ring. 64 slots a block (the bf16 kernel's dots
-# and summation order) leaves room for one ring slot and one staging stage (193 KiB), dequantized in
-# half-block steps; 32 slots a block for two of each (189 KiB), dequantizing one block while the
-# other is attended, in one step with 96 gather registers. Each was the fastest of its block size in
-# `bench dsa-ops --tune --kv-cache-dtype fp8_e4m3` (GLM-5, 64 heads, 64k live; 16 / 32 / 64 decode
-# rows, 128 / 256 verify rows) and gives its block size's output bit for bit: 31.9 / 48.5 / 80.7 /
-# 136.0 / 264.2 us against 32.6 / 49.4 / 82.1 / 138.9 / 270.9 with quarter-block steps
-# (benchmarks/results/h200/dsa_ops_tune_fp8_sparse_mla.md).
-FP8_TILES = (FP8Tiles(64, 1, dequant_steps=2), FP8Tiles(32, 2, gather_registers=96, dequant_steps=1))
+# and summation order) leaves room for one ring slot and one staging stage (194 KiB), dequantized in
+# half-block steps, each copy loading the block's slot ids in its own layout; 32 slots a block for
+# two of each (189 KiB), dequantizing one block while the other is attended, in one step with 96
+# gather registers. Each was the fastest of its block size in `bench dsa-ops --tune
+# --kv-cache-dtype fp8_e4m3` (GLM-5, 64 heads, 64k live; 16 / 32 / 64 decode rows, 128 / 256
+# verify rows) and gives its block size's output bit for bit
+# (benchmarks/results/h200/dsa_ops_tune_fp8_sparse_mla_slot_loads.md).
+FP8_TILES = (FP8Tiles(64, 1, dequant_steps=2, slot_loads="per_layout"),
+             FP8Tiles(32, 2, gather_registers=96, dequant_steps=1))
 # Candidates for ``bench dsa-ops --tune --kv-cache-dtype fp8_e4m3`` (issue 28), each compiled for
 # sm_90 without spills (scripts/compile_sparse_mla_gluon.py), with GPU tests like the defaults'
-# (tests/test_sparse_mla_fp8.py); docs/dsa-kernels.md says what each is meant to test. The last
-# four: the slot ids loaded per copy layout and the staging refilled per dequantizing step, each
-# and both at 64 slots (more gather registers where 88 spilled), the loads at the 32-slot default.
+# (tests/test_sparse_mla_fp8.py); docs/dsa-kernels.md says what each is meant to test: the former
+# defaults of both block sizes, more staging or ring slots at 32, and at 64 slots the block's slot
+# ids converted through shared memory (the former default) and the staging refilled per
+# dequantizing step, each and both (more gather registers where 88 spilled), the loads per layout
+# at the 32-slot default.
 FP8_TUNE_TILES = (
     FP8Tiles(64, 1),
     FP8Tiles(32, 2),
@@ -161,7 +164,7 @@ FP8_TUNE_TILES = (
     FP8Tiles(32, 3, staging=2),
     FP8Tiles(32, 2, staging=3, gather_registers=96, dequant_steps=1),
     FP8Tiles(32, 3, staging=2, gather_registers=96, dequant_steps=1),
-    FP8Tiles(64, 1, dequant_steps=2, slot_loads="per_layout"),
+    FP8Tiles(64, 1, dequant_steps=2),
     FP8Tiles(64, 1, gather_registers=96, dequant_steps=2, refill="step"),
     FP8Tiles(64, 1, gather_registers=104, dequant_steps=2, slot_loads="per_layout", refill="step"),
     FP8Tiles(32, 2, gather_registers=96, dequant_steps=1, slot_loads="per_layout"),
