@@ -23,7 +23,7 @@ def row(concurrency: int, base: list, new: list, num_steps: int = 3, accept: str
     args = SimpleNamespace(tp=1, prompt_len=1024, iterations=len(new[0][0]))
     floors = (FloorModel(get_config("glm5-fp8-tp8-rank"), act_bytes=2), Rates(4000.0, 2.0, 700.0, 1400.0))
     return e2e._row("glm5-fp8-tp8-rank", num_steps, 4096, accept, concurrency,
-                    {"baseline": runs(*base), "new": runs(*new)}, True, SimpleNamespace(ttft_ms=47.6), True, args,
+                    {"baseline": runs(*base), "new": runs(*new)}, True, SimpleNamespace(ttft_ms=47.6, capture_s={"baseline": 165.6, "new": 9.25}), True, args,
                     floors, kv_cache_dtype)
 
 
@@ -47,6 +47,19 @@ def test_upstream_table_rows_come_from_their_own_pair():
         "| 2 | 150.0 | 187.5 | +25.0% | 0.00% / 0.00% | 300 → 375 | 48 | 3.00 |"]
     assert four.splitlines()[0].startswith("## glm5-fp8-tp8-rank, S = 4 (EAGLE 4/1/5), KV cache bf16, accept 3.0")
     assert four.splitlines()[4] == "| 1 | 100.0 | 160.0 | +60.0% | 0.00% / 0.00% | 100 → 160 | 48 | 4.00 |"
+
+
+def test_all_columns_table_gives_each_paths_capture_seconds():
+    """The per-chain table names the paths of the capture column in their order and gives each
+    path's seconds of its setup."""
+    from dsaspec.bench.results import markdown_table
+
+    rows = [row(1, ([[10.0] * 3], 2.0), ([[8.0] * 3], 2.0))]
+    args = SimpleNamespace(presets=["glm5-fp8-tp8-rank"], num_steps=[3], contexts=[4096])
+    table = e2e._markdown(rows, True, args, markdown_table).split("all columns")[1]
+    header, _, line = table.strip().splitlines()[2:5]
+    column = header.split(" | ").index("graph capture s (baseline / new)")
+    assert line.split(" | ")[column] == "165.6 / 9.2"
 
 
 def test_several_chains_in_one_run_on_cpu(tmp_path):

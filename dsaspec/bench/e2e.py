@@ -6,7 +6,8 @@ draft steps, logits gather for the draft and verify tokens); new = all on (the d
 ``req_to_token`` table, the target and MTP KV pools, and two captured
 :class:`~dsaspec.speculative.spec_worker.SpecWorker` (baseline, new) over them. ``max(concurrency)``
 requests with ``--prompt-len``-token random prompts are prefilled once (eager; that prefill time
-per request is the TTFT reported); every run restores that state and runs ``--iterations``
+per request is the TTFT reported; each path's graph capture, first Triton compiles included, is timed
+once per setup and reported in seconds); every run restores that state and runs ``--iterations``
 speculative iterations of the first ``concurrency`` requests, exactly as the Engine does
 (metadata, draft / verify / extend graphs, one device-to-host copy). Positions past the prompt are
 rewritten by every run before they are read, as rejected positions are in a run.
@@ -167,6 +168,7 @@ class _Setup:
     rows: list[int]
     snapshot: dict
     ttft_ms: float | None
+    capture_s: dict
 
 
 def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, device, paths,
@@ -184,11 +186,14 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
     workers = {}
     if device.type != "cuda":
         options = options.replace(metadata_program_budget=8)     # few bounded programs under the interpreter
+    capture_s = {}
     for path in tqdm(paths, desc="capture", unit="path", disable=not progress):
+        began = time.perf_counter()
         workers[path] = build_spec_worker(
             model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency, num_sms=indexer_programs(device),
             force_kernel=BOUNDED if SWITCHES[path][BOUNDED_SWITCH] else CONTEXT_WIDE,
             options=path_options(options, path))
+        capture_s[path] = time.perf_counter() - began      # capture() ends with a device sync
     rows = [slots.admit(args.prompt_len, reserve=written - args.prompt_len) for _ in prompts]
     times = []
     for row, prompt in tqdm(list(zip(rows, prompts)), desc="prefill", unit="request", disable=not progress):
@@ -198,7 +203,7 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
             torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - began))
     return _Setup(context_len, workers, rows, workers["new"].state.snapshot(rows),
-                  statistics.median(times) if device.type == "cuda" else None)
+                  statistics.median(times) if device.type == "cuda" else None, capture_s)
 
 
 @torch.no_grad()
@@ -367,7 +372,8 @@ def _row(preset, num_steps, context_len, accept, concurrency, runs, identical, s
     row = {"preset": preset, "tp": args.tp, "num_steps": num_steps, "concurrency": concurrency, "context": context_len,
            "kv_cache_dtype": kv_cache_dtype, "accept": accept,
            "tokens_identical": identical, "accept_len": None, "baseline_tok_s_user": None, "new_tok_s_user": None,
-           "speedup": None, "baseline_ms_per_iter": None, "new_ms_per_iter": None, "ttft_ms": setup.ttft_ms}
+           "speedup": None, "baseline_ms_per_iter": None, "new_ms_per_iter": None, "ttft_ms": setup.ttft_ms,
+           "capture_s": setup.capture_s}
     new = _summary(runs["new"], concurrency) if on_gpu else None
     accept_len = new["accept_len"] if on_gpu else (1.0 if accept == REAL else float(accept))
     live = args.prompt_len + round(args.iterations * accept_len / 2)     # the mean over the run
@@ -474,7 +480,8 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
         mine = [r for r in rows if r["preset"] == preset and r["num_steps"] == num_steps]
         flat = [dict(r, b_tps=r["baseline_tok_s_user"], n_tps=r["new_tok_s_user"], al=r["accept_len"],
                      b_out=r["baseline"]["output_tok_s"], n_out=r["new"]["output_tok_s"],
-                     b_spread=r["baseline"]["spread"], n_spread=r["new"]["spread"]) for r in mine]
+                     b_spread=r["baseline"]["spread"], n_spread=r["new"]["spread"],
+                     capture=" / ".join(f"{r['capture_s'][p]:.1f}" for p in r["capture_s"])) for r in mine]
         tp = mine[0]["tp"] if mine else 1
         name = f"{preset}{f' at TP {tp}' if tp > 1 else ''}, {chain_label(num_steps)}"
         title = f"## {name}: all columns, baseline → new\n\n"
@@ -484,6 +491,7 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
             ("b_tps", "baseline tok/s/user"), ("n_tps", "new tok/s/user"), ("speedup", "speedup"),
             ("baseline_ms_per_iter", "baseline ms/iter"), ("new_ms_per_iter", "new ms/iter"),
             ("b_out", "baseline output tok/s"), ("n_out", "new output tok/s"), ("ttft_ms", "TTFT ms"),
+            ("capture", f"graph capture s ({' / '.join(mine[0]['capture_s']) if mine else ''})"),
             ("b_spread", "spread b"), ("n_spread", "spread n"), ("runs_overlap", "run ranges overlap"),
             ("tokens_identical", "tokens identical")], flat))
         if tp > 1:
