@@ -512,17 +512,20 @@ def test_fp8_routing_extremes_match_reference(routing, scale_fmt, device):
 
 
 @fp8_warnings
+@pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
-def test_fp8_quantized_activations_are_act_quant_bitwise(scale_fmt, device):
+def test_fp8_quantized_activations_are_act_quant_bitwise(scale_fmt, split_k, device):
     """The workspace's e4m3 hidden rows and activations, codes and scales, are act_quant's
-    (reference) of the hidden rows and of the op's own activation rows, bit for bit; the
-    activations are silu(gate) * up of those hidden codes and the dequantized w13, the down
-    partials the activation codes times the dequantized w2 (fp32 accumulation)."""
+    (reference) of the hidden rows and of the op's own activation rows, bit for bit, whether
+    act_quant runs (one split) or the split reduction quantizes (two); the activations are
+    silu(gate) * up of those hidden codes and the dequantized w13, the down partials the
+    activation codes times the dequantized w2 (fp32 accumulation)."""
     tokens, topk, experts = 13, 3, 8
     hidden, w13, s13, w2, s2, ids, weights = args = _fp8_case(tokens, topk, experts, dtype=torch.float32,
                                                               device=device)
-    workspace = moe.fused_moe_workspace(tokens, topk, experts, 256, 256, device, torch.float32, fp8=True)
-    _run_fp8(*args, workspace=workspace, scale_fmt=scale_fmt)
+    workspace = moe.fused_moe_workspace(tokens, topk, experts, 256, 256, device, torch.float32, fp8=True,
+                                        split_k=split_k)
+    _run_fp8(*args, workspace=workspace, scale_fmt=scale_fmt, split_k=split_k)
     codes, scales = fp8_ref.act_quant(hidden, scale_fmt)
     assert torch.equal(workspace.hidden_q[:tokens].view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(workspace.hidden_scale[:tokens].view(torch.int32), scales.view(torch.int32))
@@ -557,10 +560,14 @@ def test_fp8_row_invariant_small(dtype, device):
 
 
 @fp8_warnings
-def test_fp8_poisoned_workspace_changes_nothing(device):
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_fp8_poisoned_workspace_changes_nothing(split_k, device):
+    """NaN activations, codes and scales left in the workspace (with two splits the padding rows'
+    codes are never written) change no output bit."""
     experts, topk = 8, 3
-    workspace = moe.fused_moe_workspace(40, topk, experts, 256, 256, device, torch.float32, fp8=True)
-    zeroed = moe.fused_moe_workspace(40, topk, experts, 256, 256, device, torch.float32, fp8=True)
+    sizes = (40, topk, experts, 256, 256, device, torch.float32)
+    workspace = moe.fused_moe_workspace(*sizes, fp8=True, split_k=split_k)
+    zeroed = moe.fused_moe_workspace(*sizes, fp8=True, split_k=split_k)
     for buffer in (zeroed.sorted_pairs, zeroed.block_experts, zeroed.act, zeroed.partial, zeroed.hidden_q,
                    zeroed.hidden_scale, zeroed.act_q, zeroed.act_scale):
         buffer.zero_()
@@ -569,7 +576,8 @@ def test_fp8_poisoned_workspace_changes_nothing(device):
             buffer.fill_(math.nan)
         workspace.act_q.view(torch.uint8).fill_(0x7F)                                       # NaN codes
         args = _fp8_case(tokens, topk, experts, dtype=torch.float32, device=device, seed=seed)
-        assert torch.equal(_run_fp8(*args, workspace=workspace), _run_fp8(*args, workspace=zeroed))
+        assert torch.equal(_run_fp8(*args, workspace=workspace, split_k=split_k),
+                           _run_fp8(*args, workspace=zeroed, split_k=split_k))
 
 
 @fp8_warnings

@@ -31,9 +31,10 @@ tokens, or on where its pairs land in the sorted segments. The result is determi
 
 FP8 block-scaled experts (``w13`` / ``w2`` e4m3 with fp32 ``weight_scale_inv`` per 128 x 128 block
 of each expert's projection, the official checkpoints' format, :mod:`dsaspec.ops.fp8_gemm`): the
-same launches with a constexpr ``FP8`` switch in the two GEMM kernels, plus two
-:func:`~dsaspec.ops.fp8_gemm.act_quant` launches (the hidden rows before gate/up, the activations
-before down: per token per 128 columns). Each 128-column K block is one e4m3 ``tl.dot`` with fp32
+same launches with a constexpr ``FP8`` switch in the two GEMM kernels, plus
+:func:`~dsaspec.ops.fp8_gemm.act_quant` launches per token per 128 columns: the hidden rows before
+gate/up and, with one gate/up split, the activations before down (with ``split_k > 1`` the split
+reduction quantizes each activation row it stores, with act_quant's math, in its own launch). Each 128-column K block is one e4m3 ``tl.dot`` with fp32
 accumulation, scaled by ``a_scale[row, kb] * w_scale[expert, n // 128, kb]`` and added in fp32 in K
 order, as :func:`~dsaspec.ops.fp8_gemm.fp8_gemm` does. Row invariance holds as above (the
 quantization is per row).
@@ -49,6 +50,7 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
 from dsaspec.ops.device import sm_count
+from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS, act_quant
 
 BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's segment
@@ -297,22 +299,29 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_expert
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _split_reduce_kernel(gate_up_ptr, sorted_pairs_ptr, act_ptr, num_rows, I, stride_split, stride_row,
-                         stride_act, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _split_reduce_kernel(gate_up_ptr, sorted_pairs_ptr, act_ptr, q_ptr, qs_ptr, num_rows, I, stride_split,
+                         stride_row, stride_act, stride_q, stride_qs, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_C: tl.constexpr, QUANTIZE: tl.constexpr, UE8M0: tl.constexpr):
     # act[r, c] = silu(sum_s gate_up[s, r, c]) * sum_s gate_up[s, r, I + c], s = 0..SPLIT-1 in order
+    # QUANTIZE (FP8 experts, BLOCK_C = 128): also act_quant's codes and scale of each stored act block
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     pairs = tl.load(sorted_pairs_ptr + rows, mask=rows < num_rows, other=-1)
-    mask = (pairs >= 0)[:, None] & (cols < I)[None, :]  # padding rows' partials were never written
+    row_ok = pairs >= 0
+    mask = row_ok[:, None] & (cols < I)[None, :]  # padding rows' partials were never written
     ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
     gate = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     up = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         gate += tl.load(ptrs + s * stride_split, mask=mask, other=0.0)
         up += tl.load(ptrs + s * stride_split + I, mask=mask, other=0.0)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=mask)
+    act = (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)
+    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act, mask=mask)
+    if QUANTIZE:  # the stored values, as act_quant would load them
+        codes, scale = quantize_rows(act.to(tl.float32), UE8M0)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], codes.to(q_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(qs_ptr + rows.to(tl.int64) * stride_qs + tl.program_id(1), scale, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
@@ -520,13 +529,14 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         gate_up.stride(-2), k_span, split_stride, TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SPLIT=split_k, UPCAST=upcast, FP8=fp8, num_warps=tile.num_warps,
         num_stages=tile.num_stages)
-    if split_k > 1:
+    if split_k > 1:  # FP8: the activations quantized in the same launch (live rows only)
         rows = blocks * BLOCK_M
-        block_c = min(_COMBINE_ELEMENTS // BLOCK_M, triton.next_power_of_2(inter))
+        block_c = FP8_BLOCK if fp8 else min(_COMBINE_ELEMENTS // BLOCK_M, triton.next_power_of_2(inter))
         _split_reduce_kernel[(blocks, triton.cdiv(inter, block_c))](
-            gate_up, workspace.sorted_pairs, act, rows, inter, gate_up.stride(0), gate_up.stride(1),
-            act.stride(0), SPLIT=split_k, BLOCK_R=BLOCK_M, BLOCK_C=block_c, num_warps=4)
-    if fp8:  # every row of the blocks in use: padding rows are quantized too and never read
+            gate_up, workspace.sorted_pairs, act, a, a_scale, rows, inter, gate_up.stride(0), gate_up.stride(1),
+            act.stride(0), a.stride(0), a_scale.stride(0), SPLIT=split_k, BLOCK_R=BLOCK_M, BLOCK_C=block_c,
+            QUANTIZE=fp8, UE8M0=scale_fmt == "ue8m0", num_warps=4)
+    elif fp8:  # every row of the blocks in use: padding rows are quantized too and never read
         rows = blocks * BLOCK_M
         act_quant(act[:rows], scale_fmt, out=a[:rows], scale_out=a_scale[:rows])
     tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8)
