@@ -131,6 +131,27 @@ def test_fp8_linear_paths_match_the_reference(use_triton, row_invariant, device)
     assert torch.equal(layer.dense_weight().cpu(), ref.dequantize(weight, scale, 128).float())
 
 
+def test_dense_weight_is_kept_until_the_weights_change(device):
+    """dense_weight() returns the same tensor while nothing writes the layer (MLA dequantizes
+    kv_b_proj once, not every forward) and the new weights' dequantization after the codes, the
+    scales or the whole tensor change."""
+    layer = Fp8Linear(256, 200, device=device, dtype=torch.float32)
+    layer.set_dense(torch.randn(200, 256, generator=torch.Generator().manual_seed(0)) / 16)
+    first = layer.dense_weight()
+    assert layer.dense_weight() is first
+
+    def want():
+        return ref.dequantize(layer.weight.cpu(), layer.weight_scale_inv.cpu(), 128).float()
+
+    with torch.no_grad():
+        layer.weight_scale_inv.mul_(2.0)
+    assert torch.equal(layer.dense_weight().cpu(), want()) and not torch.equal(layer.dense_weight(), first)
+    layer.set_dense(torch.randn(200, 256, generator=torch.Generator().manual_seed(1)) / 16)
+    assert torch.equal(layer.dense_weight().cpu(), want())
+    layer.weight.data = layer.weight.data.clone()[torch.randperm(200, generator=torch.Generator().manual_seed(2))]
+    assert torch.equal(layer.dense_weight().cpu(), want())
+
+
 @torch.no_grad()
 def _greedy(model: DSAModel, prompt: list[int], forced: list[int] | None = None
             ) -> tuple[list[int], list[torch.Tensor]]:

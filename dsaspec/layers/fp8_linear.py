@@ -44,6 +44,7 @@ class Fp8Linear(RowInvariant, nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.empty(_blocks(out_features), in_features // BLOCK,
                                                          dtype=torch.float32, device=device), requires_grad=False)
         self.shard = shard
+        self._dense = None                 # (the weights' versions, dense_weight()) once asked for
         self.scale_shard = None if shard is None else Shard(shard.dim, shard.start // BLOCK, _blocks(shard.valid),
                                                             _blocks(shard.full))
 
@@ -71,8 +72,15 @@ class Fp8Linear(RowInvariant, nn.Module):
         self.weight_scale_inv.copy_(s)
 
     def dense_weight(self) -> torch.Tensor:
-        """The dequantized weight ``[N, K]`` in the layer's dtype (computed on each call)."""
-        return dequantize_weight(self.weight, self.weight_scale_inv, self.dtype)
+        """The dequantized weight ``[N, K]`` in the layer's dtype. Computed once and kept until
+        ``weight`` or ``weight_scale_inv`` is written or replaced (their version counters and
+        storage), so a forward that multiplies by it (MLA's absorbed ``kv_b_proj``) does not
+        dequantize again each call; a CUDA graph captured after the first call reads the kept
+        tensor, so weights written after that capture need a new capture."""
+        key = tuple((t._version, t.data_ptr(), t.device) for t in (self.weight, self.weight_scale_inv))
+        if self._dense is None or self._dense[0] != key:
+            self._dense = (key, dequantize_weight(self.weight, self.weight_scale_inv, self.dtype))
+        return self._dense[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
