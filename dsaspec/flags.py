@@ -72,9 +72,9 @@ def sparse_mla_gluon() -> bool:
 
 def fused_moe() -> bool:
     """``DSASPEC_FUSED_MOE``: MoE layers run the fused MoE kernel where the model runs the Triton ops
-    and is not row-invariant (default off: the kernel has not had its first GPU run; off keeps the
-    plain-torch experts)."""
-    return _switch("DSASPEC_FUSED_MOE", default=False)
+    and is not row-invariant (default on). Off keeps the plain-torch experts, which loop over every
+    expert on every token: for comparing against them, not for serving."""
+    return _switch("DSASPEC_FUSED_MOE")
 
 
 def metadata_program_budget() -> int | None:

@@ -489,7 +489,7 @@ def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
 
 
 def test_fused_moe_option_routes_the_experts_to_the_fused_kernel():
-    """``RuntimeOptions.fused_moe`` (off by default) sends the routed experts of a model that runs the
+    """``RuntimeOptions.fused_moe`` (the default) sends the routed experts of a model that runs the
     Triton ops, outside the row-invariant mode, to ``dsaspec.ops.fused_moe``; its result equals the
     torch expert path's (fp32; the kernel under the interpreter on CPU)."""
     from dsaspec.configs.runtime_options import RuntimeOptions
@@ -499,10 +499,10 @@ def test_fused_moe_option_routes_the_experts_to_the_fused_kernel():
         return [m for m in model.modules() if isinstance(m, RoutedExperts)]
 
     config = get_config("tiny-moe")
-    fused = DSAModel(config, device="cpu", dtype=torch.float32, use_triton=True,
-                     options=RuntimeOptions(fused_moe=True)).init_weights(3)
+    fused = DSAModel(config, device="cpu", dtype=torch.float32, use_triton=True).init_weights(3)
     assert experts(fused) and all(m.use_fused for m in experts(fused))
-    for model in (DSAModel(config, device="cpu", dtype=torch.float32, use_triton=True),
+    for model in (DSAModel(config, device="cpu", dtype=torch.float32, use_triton=True,
+                           options=RuntimeOptions(fused_moe=False)),
                   DSAModel(config, device="cpu", dtype=torch.float32, use_triton=True, row_invariant=True,
                            options=RuntimeOptions(fused_moe=True)),
                   DSAModel(config, device="cpu", dtype=torch.float32, options=RuntimeOptions(fused_moe=True))):

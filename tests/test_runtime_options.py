@@ -19,7 +19,7 @@ MAPPING = {"DSASPEC_BOUNDED_REPLAY_METADATA": ("bounded_replay_metadata", "0", F
            "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE": ("verify_argmax_exchange", "false", False),
            "DSASPEC_TOPK_SINGLE_LAUNCH": ("topk_single_launch", "no", False),
            "DSASPEC_SPARSE_MLA_GLUON": ("sparse_mla_gluon", "0", False),
-           "DSASPEC_FUSED_MOE": ("fused_moe", "1", True),
+           "DSASPEC_FUSED_MOE": ("fused_moe", "0", False),
            "DSASPEC_METADATA_BUDGET": ("metadata_program_budget", " 96 ", 96),
            "DSASPEC_SIMULATE_ACCEPT_LEN": ("simulate_accept_len", "2.5", 2.5)}
 
@@ -32,7 +32,7 @@ def _unset(monkeypatch):
 
 def test_defaults_are_the_shipped_path():
     options = RuntimeOptions()
-    assert all(getattr(options, name) is (name != "fused_moe") for name in SWITCH_FIELDS)  # fused MoE: opt-in
+    assert all(getattr(options, name) is True for name in SWITCH_FIELDS)
     assert options.metadata_program_budget is None and options.simulate_accept_len is None
     assert RuntimeOptions.from_environment() == options
     assert set(SWITCH_FIELDS) | {"metadata_program_budget", "simulate_accept_len"} == \

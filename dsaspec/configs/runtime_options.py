@@ -35,9 +35,9 @@ class RuntimeOptions:
         (``DSASPEC_TOPK_SINGLE_LAUNCH``); False: its five launches.
     sparse_mla_gluon : sparse MLA takes the warp-specialized Gluon kernel where it runs
         (``DSASPEC_SPARSE_MLA_GLUON``); False: the Triton kernel everywhere.
-    fused_moe : MoE layers run the fused MoE kernel (``DSASPEC_FUSED_MOE``, default off until its
-        first GPU run) where the model runs the Triton ops and is not row-invariant; False: the
-        plain-torch experts.
+    fused_moe : MoE layers run the fused MoE kernel (``DSASPEC_FUSED_MOE``) where the model runs the
+        Triton ops and is not row-invariant; False: the plain-torch experts (every expert on every
+        token).
     metadata_program_budget : program budget of the bounded metadata kernels
         (``DSASPEC_METADATA_BUDGET``), >= 1; None: the kernels' default (2048).
     simulate_accept_len : None for real acceptance, or a mean accept length >= 1 that every
@@ -49,7 +49,7 @@ class RuntimeOptions:
     verify_argmax_exchange: bool = True
     topk_single_launch: bool = True
     sparse_mla_gluon: bool = True
-    fused_moe: bool = False
+    fused_moe: bool = True
     metadata_program_budget: int | None = None
     simulate_accept_len: float | None = None
 
