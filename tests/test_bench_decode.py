@@ -112,10 +112,10 @@ def test_phase_markers_label_leaf_modules():
         runner.run(1, use_graph=False)
     labels = markers.labels
     attn = ("attention_proj", "model.layers.0.self_attn")
-    q_b = labels.index(("attention_proj", "model.layers.0.self_attn.q_b_proj"))
-    assert labels[q_b - 1:q_b + 2] == [attn, labels[q_b], attn]                 # q_a_layernorm's return, q_b, back
-    wq_b = labels.index(("indexer", "model.layers.0.self_attn.indexer.wq_b"))
-    assert labels[wq_b + 1] == ("indexer", "model.layers.0.self_attn.indexer")
+    q_b = labels.index(("attention_proj", "model.layers.0.self_attn.fused_latent.gemm"))
+    assert labels[q_b - 1:q_b + 2] == [attn, labels[q_b], attn]   # q_a_layernorm's return, q_b + wq_b, back
+    assert not any(path.endswith(("q_b_proj", "wq_b")) for _, path in labels if path)   # only through the fused GEMM
+    assert labels.index(("indexer", "model.layers.0.self_attn.indexer")) > q_b + 1   # the indexer runs after it
     assert ("ffn", "model.layers.1.mlp.down_proj") in labels
     norm = labels.index(("other", "model.layers.0.input_layernorm"))
     assert labels[norm + 1] == ("other", None)

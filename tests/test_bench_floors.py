@@ -23,15 +23,17 @@ def test_decode_step_bytes_of_the_tiny_config_by_hand():
     """bs 2 at live 100 (> top-k 64, so the indexer logits run), bf16 (2 bytes), 2 layers."""
     costs = FloorModel(get_config("tiny"), act_bytes=2).decode_step(2, 100)
     rows, a, layers = 2, 2, 2
-    indexer = ((128 * 4 * 128 + 256 * 128 + 256 * 4) * a          # wq_b, wk, weights_proj
+    indexer = (256 * 4 * a                                          # weights_proj
                + 2 * 128 * a                                        # k_norm weight + bias
-               + rows * ((256 + 128 + 4 * 128) * a + 4 * 4)         # x, q latent in; q, fp32 head weights out
+               + rows * ((256 + 4 * 128 + 128 + 4 * 128) * a + 4 * 4)   # x, q and k projections in; q, weights out
                + rows * 128 * a)                                    # index keys written
+    index_proj = (128 * 4 * 128 + 256 * 128) * a + rows * (4 * 128 + 128) * a   # wq_b, wk in the fused GEMMs
     logits = 2 * 100 * (128 * a + 4) + rows * (4 * 128 * a + 4 * 4) + rows * 100 * 4
     topk = rows * (100 + 64) * 4
     sparse_mla = 2 * 64 * (512 + 64) * a + rows * 64 * 4 + rows * 4 * (576 + 512) * a
     attention = ((256 * 128 + 128 * 4 * 128 + 256 * 576 + 512 * 4 * (64 + 64) + 4 * 64 * 256) * a
-                 + (128 + 512) * a + rows * (256 + 4 * 512 + 128 + 4 * 576 + 256) * a + rows * 576 * a)
+                 + (128 + 512) * a + rows * (256 + 4 * 512 + 128 + 4 * 576 + 256) * a + rows * 576 * a
+                 + index_proj)
     ffn = 3 * 256 * 512 * a + 2 * rows * 256 * a
     act = rows * 256 * a
     assert _bytes(costs) == {
@@ -60,13 +62,14 @@ def test_fp8_caches_and_weights_count_codes_scales_and_rope():
     assert costs["sparse_mla"].bytes == 2 * (2 * 64 * 656 + rows * 64 * 4 + rows * 4 * (576 + 512) * a)
     assert costs["indexer_logits"].bytes == 2 * (2 * 100 * (132 + 4) + rows * (4 * 128 * a + 4 * 4) + rows * 100 * 4)
     weights = (256 * 128 + 1 * 2 * 4 + 128 * 512 + 4 * 1 * 4 + 256 * 576 + 5 * 2 * 4
-               + 512 * 512 + 4 * 4 * 4 + 256 * 256 + 2 * 2 * 4)        # q_a, q_b, kv_a, kv_b, o_proj + scales
-    attention = weights + (128 + 512) * a + rows * (256 + 4 * 512 + 128 + 4 * 576 + 256) * a + rows * 656
+               + 512 * 512 + 4 * 4 * 4 + 256 * 256 + 2 * 2 * 4        # q_a, q_b, kv_a, kv_b, o_proj + scales
+               + 128 * 512 + 4 * 1 * 4 + 256 * 128 + 1 * 2 * 4)       # the indexer's wq_b, wk + scales
+    attention = (weights + (128 + 512) * a + rows * (256 + 4 * 512 + 128 + 4 * 576 + 256) * a + rows * 656
+                 + rows * (512 + 128) * a)
     assert costs["attention_proj"].bytes == 2 * attention
     assert costs["attention_proj"].flops == 0
-    assert costs["attention_proj"].fp8_flops == 2 * 2 * rows * (weights - (8 + 16 + 40 + 64 + 16))
-    indexer = (128 * 512 + 4 * 4 + 256 * 128 + 2 * 4 + 256 * 4 * a + 2 * 128 * a
-               + rows * ((256 + 128 + 512) * a + 16) + rows * 132)
+    assert costs["attention_proj"].fp8_flops == 2 * 2 * rows * (weights - (8 + 16 + 40 + 64 + 16 + 16 + 8))
+    indexer = (256 * 4 * a + 2 * 128 * a + rows * ((256 + 512 + 128 + 512) * a + 16) + rows * 132)
     assert costs["indexer"].bytes == 2 * indexer
     assert costs["lm_head"] == FloorModel(get_config("tiny"), act_bytes=2).decode_step(2, 100)["lm_head"]
 
@@ -92,6 +95,9 @@ def test_spec_iteration_phases():
     assert it["extend"]["lm_head"] == model.forward(2, 1, 104)["lm_head"]
     shared = FloorModel(config.replace(index_share_for_mtp_iteration=True), act_bytes=2).spec_iteration(2, 100, 3)
     assert shared["draft"]["indexer"] == Cost() and shared["extend"]["indexer"] != Cost()
+    # a seeded draft step reads no wq_b / wk either (its q_b_proj runs alone): 2 steps x 2 rows
+    index_proj = (128 * 4 * 128 + 256 * 128) * 2 + 2 * (4 * 128 + 128) * 2
+    assert it["draft"]["attention_proj"].bytes - shared["draft"]["attention_proj"].bytes == 2 * index_proj
 
 
 def test_rates_floor_is_the_largest_of_bytes_flops_and_launches():

@@ -29,9 +29,11 @@ def test_model_fuses_views_and_keeps_checkpoint_names(quantization):
     groups = _fused_groups(model)
     layers = config.num_hidden_layers + config.num_nextn_predict_layers
     attn = [n for n, _ in groups if n.endswith("self_attn.fused_input")]
+    latent = [n for n, _ in groups if n.endswith("self_attn.fused_latent")]
     mlp = [n for n, _ in groups if n.endswith("mlp.gate_up")]
-    assert len(attn) == layers and len(mlp) == layers
-    assert not any("fused_input" in k or "gate_up" in k for k in model.state_dict())
+    assert len(attn) == layers and len(latent) == layers and len(mlp) == layers   # tiny: an indexer in every layer
+    assert len(groups) == 3 * layers
+    assert not any("fused_input" in k or "fused_latent" in k or "gate_up" in k for k in model.state_dict())
     names = ("weight", "weight_scale_inv") if quantization else ("weight",)
     for _, fused in groups:
         assert type(fused.gemm) is (Fp8Linear if quantization else Linear)
@@ -44,6 +46,25 @@ def test_model_fuses_views_and_keeps_checkpoint_names(quantization):
                 start += getattr(part, name).shape[0]
     indexed = model.model.layers[0].self_attn
     assert indexed.fused_input._parts == (indexed.q_a_proj, indexed.indexer.wk, indexed.kv_a_proj_with_mqa)
+    assert indexed.fused_latent._parts == (indexed.q_b_proj, indexed.indexer.wq_b)
+
+
+def test_layers_without_an_indexer_fuse_no_latent_gemm():
+    """A shared-indexer layer (IndexShare) has no ``wq_b``: ``q_b_proj`` stays alone."""
+    config = get_config("tiny", num_hidden_layers=3, indexer_types=("full", "shared", "full"))
+    attns = [layer.self_attn for layer in DSAModel(config, dtype=torch.float32).model.layers]
+    assert [a.fused_latent is not None for a in attns] == [True, False, True, True]
+    assert attns[1].fused_input._parts == (attns[1].q_a_proj, attns[1].kv_a_proj_with_mqa)
+
+
+def test_fp8_latent_gemm_needs_whole_scale_blocks_of_q_b_proj():
+    """FP8: ``q_b_proj`` comes first, so its rows must fill whole 128-row scale blocks; at 4 x (16 +
+    64) = 320 rows the layers keep ``q_b_proj`` and ``wq_b`` apart (bf16 weights fuse them)."""
+    for quantization, fused in ((Fp8Quantization(), False), (None, True)):
+        config = get_config("tiny", qk_nope_head_dim=16, quantization=quantization)
+        model = DSAModel(config, dtype=torch.bfloat16)
+        assert all((layer.self_attn.fused_latent is not None) == fused for layer in model.model.layers)
+        assert all(layer.self_attn.fused_input is not None for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("row_invariant", [False, True])
@@ -51,9 +72,10 @@ def test_fused_outputs_are_the_parts_outputs(row_invariant):
     """The fused GEMM at the default config of its N gives what the parts' GEMMs give (fp32 CPU:
     bitwise where each K fits one block, so no split sum can differ)."""
     model = DSAModel(get_config("tiny"), dtype=torch.float32, row_invariant=row_invariant).init_weights(5)
-    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _, fused in _fused_groups(model):
+            x = torch.randn(9, fused.gemm.in_features, generator=gen)
             for got, part in zip(fused(x), fused._parts):
                 want = part(x)
                 if row_invariant:
@@ -130,7 +152,8 @@ def test_moving_the_model_fuses_again(quantization):
         model.float()
         assert all(f.gemm.weight.dtype == torch.float32 for f in fused)
     assert all(_views_its_fused_weight(f) for f in fused)
-    x = torch.randn(3, config.hidden_size, dtype=fused[0]._parts[0].dtype if quantization else torch.float32)
+    dtype = fused[0]._parts[0].dtype if quantization else torch.float32
     for f in fused:
+        x = torch.randn(3, f.gemm.in_features, dtype=dtype)
         for got, part in zip(f(x), f._parts):
             torch.testing.assert_close(got, part(x))

@@ -5,9 +5,11 @@ kernel's: the same fp32 butterflies in the same order), the reference's rotation
 every row's bits independent of the batch; both epilogues in one launch bit for bit the two
 launches; the Indexer's Triton path against its torch path; the sm_90 compile without spills."""
 
+import collections
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_scripts import run_in_scripts
 from dsaspec.ops.index_rope import index_q_rope, index_q_rope_store_k, store_index_k_normed
@@ -194,13 +196,53 @@ def test_one_launch_is_the_two_launches_shapes(dtype, interleaved, heads, rope_d
         _one_launch_is_the_two(rows, heads, rope_dim, dtype, interleaved, fp8, device, rows + heads)
 
 
+class _CountOps(TorchDispatchMode):
+    """Counts every aten op run while installed, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rows,heads,head_stride", [(1, 32, 128), (5, 3, 128), (17, 4, 128), (5, 3, 256)])
+def test_query_read_in_place_from_a_column_view(rows, heads, head_stride, fp8, device):
+    """The query as the layer's fused ``q_b_proj`` + ``wq_b`` GEMM hands it over: a column view of
+    a wider output (row stride past the heads, the indexer's columns last; and a head stride past
+    128). ``index_q_rope_store_k`` and ``index_q_rope`` read it in place: the same bits as from
+    its contiguous copy, and the same aten ops (no copy of the query)."""
+    gen = torch.Generator().manual_seed(rows * 7 + heads)
+    wide = torch.randn(rows, 320 + heads * head_stride, generator=gen).to(torch.bfloat16).to(device)
+    view = wide[:, 320:].view(rows, heads, head_stride)[..., head_stride - 128:]
+    k, w, b = _keys(rows, torch.bfloat16, gen, device)
+    cos, sin = _angles(rows, 64, gen, device)
+    loc = torch.randperm(2 * rows + 8, generator=gen)[:rows].to(device)
+    results = []
+    for q in (view.contiguous(), view):
+        cache = _cache(fp8, 2 * rows + 8, torch.bfloat16, device)
+        counted = _CountOps()
+        with counted:
+            out = index_q_rope_store_k(q, cache, loc, k, w, b, EPS, cos, sin, 64, True)
+            alone = index_q_rope(q, cos, sin, 64, True, rotate=fp8)
+        results.append((out, alone, cache, counted.ops))
+    (want, want_alone, want_cache, want_ops), (got, got_alone, got_cache, got_ops) = results
+    assert got.is_contiguous() and torch.equal(got, want) and torch.equal(got_alone, want_alone)
+    assert torch.equal(got_alone, got) and torch.equal(got_cache, want_cache)
+    assert got_ops == want_ops
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 64, 256])
 def test_gpu_epilogues_hold_the_same_contracts(rows):
     """Natively on a GPU (FMA contraction off, as the kernel launches): the query RoPE'd and
     rotated exactly, keys within one ulp (dense cache) or one e4m3 step (FP8 cache) of the
     reference, rows independent of the batch, both epilogues in one launch bit for bit the two
-    launches; bf16, GLM-5's 32 index heads (and fp32, 5 heads, a 32-wide rope)."""
+    launches, the query read in place from a column view; bf16, GLM-5's 32 index heads (and fp32,
+    5 heads, a 32-wide rope)."""
     device = torch.device("cuda")
     for interleaved in (True, False):
         test_q_rope_exact(torch.bfloat16, interleaved, rows, 32, 64, device)
@@ -210,6 +252,8 @@ def test_gpu_epilogues_hold_the_same_contracts(rows):
         test_k_fp8_cache(torch.bfloat16, rows, device)
     for fp8 in (False, True):
         test_rows_independent_of_batch(fp8, device)
+        for head_stride in (128, 256):
+            test_query_read_in_place_from_a_column_view(rows, 32, head_stride, fp8, device)
         for interleaved in (True, False):
             _one_launch_is_the_two(rows, 32, 64, torch.bfloat16, interleaved, fp8, device, rows)
     _one_launch_is_the_two(rows, 5, 32, torch.float32, False, False, device, rows)
@@ -275,7 +319,7 @@ def test_compiles_for_sm90_without_spills():
     spills or local memory, the rotated ones in at most 3x the instructions of the plain query
     (the rotation by a [128, 128] register tile spilled 5.5 - 6.4 KB, 6048 / 7840 instructions),
     one launch of both parts in no more instructions and registers than the two launches (sm_90:
-    1520 / 3504 SASS instructions against 480 + 1064 / 776 + 2768); scripts/compile_fp8_dsa.py's
+    1568 / 3536 SASS instructions against 528 + 1064 / 824 + 2768); scripts/compile_fp8_dsa.py's
     compile, in a subprocess (it compiles instead of interpreting)."""
     out = run_in_scripts("compile_fp8_dsa",
                          "for kind in c.INDEX_ROPE_KINDS:\n"

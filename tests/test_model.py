@@ -11,6 +11,7 @@ import torch
 
 from dsaspec.reference.model import reference_forward, reference_mtp_forward
 from dsaspec.configs.model_config import get_config
+from dsaspec.configs.quantization import Fp8Quantization
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.memory import (PAGE_SIZE, SINK_SLOT, KVPool, PageAllocator, ReqToTokenPool,
                                     RequestSlots)
@@ -38,8 +39,9 @@ class Session:
     def table(self):
         return self.pool.req_to_token
 
-    def step(self, row, ids, start, *, seqlens=None, mtp_hidden=None):
-        """Rows for positions ``start + [0, len(ids))`` of ``row``; returns (output hidden, attn)."""
+    def step(self, row, ids, start, *, seqlens=None, mtp_hidden=None, seed_slots=None):
+        """Rows for positions ``start + [0, len(ids))`` of ``row``; returns (output hidden, attn).
+        ``seed_slots``: an MTP step seeded with these slots (its indexer skipped)."""
         ids = torch.as_tensor(ids, device=self.device)
         self.slots.extend(row, start + ids.numel())
         positions, loc, attn = build_extend_inputs(self.table, [row], [start], [ids.numel()])
@@ -50,7 +52,8 @@ class Session:
         with torch.no_grad():
             if mtp_hidden is None:
                 return self.model(ids, positions, loc, self.kv, attn), attn
-            return self.model.forward_mtp(ids, mtp_hidden, positions, loc, self.kv_mtp, attn), attn
+            return self.model.forward_mtp(ids, mtp_hidden, positions, loc, self.kv_mtp, attn,
+                                          seed_slots=seed_slots), attn
 
     def positions_of(self, row, slots):
         """Logical positions of ``row`` for selected slots (``-1`` entries dropped), ascending."""
@@ -527,31 +530,75 @@ SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32
 def _unfused(model: DSAModel) -> DSAModel:
     for module in model.modules():
         if hasattr(module, "fused_input"):
-            module.fused_input = None
+            module.fused_input = module.fused_latent = None
         if hasattr(module, "gate_up"):
             module.gate_up = None
     return model
 
 
-@pytest.mark.parametrize("row_invariant", [False, True])
-def test_fused_projections_decode_what_the_separate_ones_do(row_invariant):
-    """The model with its shared-input projections fused (the default) against the same weights run
-    projection by projection: prefill, decode and MTP outputs and every cache entry bitwise equal
-    (fp32 CPU, row-invariant kernels or torch)."""
-    outs = []
+def _fused_latent_calls(model: DSAModel) -> list[int]:
+    """Counts the calls of every ``fused_latent`` GEMM of ``model`` (one shared list, by layer; the
+    MTP layer last)."""
+    calls = [0] * len(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        if layer.self_attn.fused_latent is not None:
+            layer.self_attn.fused_latent.register_forward_hook(
+                lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+def _fused_against_unfused(config, dtype, row_invariant=False, use_triton=False):
+    """Prefill 12 tokens, decode one, an MTP extend over the prompt and one MTP step seeded with
+    the extend's last top-k, on the fused model (the default) and on the same weights unfused:
+    both runs' outputs and caches, and the fused run's ``fused_latent`` calls after each step."""
+    outs, calls = [], []
     for fused in (True, False):
-        model = DSAModel(get_config("tiny", **SMALL), dtype=torch.float32,
-                         row_invariant=row_invariant).init_weights(8)
+        model = DSAModel(config, dtype=dtype, row_invariant=row_invariant, use_triton=use_triton).init_weights(8)
         model = model if fused else _unfused(model)
+        counts, seen = _fused_latent_calls(model), []
         session = Session(model)
         ids = _tokens(12, model.config.vocab_size, seed=9)
-        row = session.slots.admit(13)
+        row = session.slots.admit(14)
         hidden, _ = session.step(row, ids, 0)
+        seen.append(list(counts))
         step, _ = session.step(row, [5], 12)
-        mtp, _ = session.step(row, ids[1:], 0, mtp_hidden=hidden[:-1])
-        outs.append([hidden, step, mtp, *session.kv.mla_cache, *session.kv.index_k_cache, *session.kv_mtp.mla_cache])
+        seen.append(list(counts))
+        mtp, attn = session.step(row, ids[1:], 0, mtp_hidden=hidden[:-1])
+        seen.append(list(counts))
+        seeded, _ = session.step(row, [7], 11, mtp_hidden=mtp[-1:], seed_slots=attn.topk_slots[-1:].clone())
+        seen.append(list(counts))
+        outs.append([hidden, step, mtp, seeded, *session.kv.mla_cache, *session.kv.index_k_cache,
+                     *session.kv_mtp.mla_cache, *session.kv_mtp.index_k_cache])
+        calls.append(seen)
+    return outs, calls[0]
+
+
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_fused_projections_decode_what_the_separate_ones_do(row_invariant):
+    """The model with its shared-input projections fused (the default: the layer input's and the
+    q latent's) against the same weights run projection by projection: prefill, decode, MTP and
+    seeded MTP outputs and every cache entry bitwise equal (fp32 CPU, row-invariant kernels or
+    torch: at K <= 64 the row-invariant GEMM splits no K whatever the width, so an output's sum runs
+    in the same order fused or not; torch's CPU GEMM, measured, does the same at these sizes). The fused
+    q-latent GEMM runs once per layer and forward where the indexer runs, and not in the seeded
+    MTP step (``q_b_proj`` alone: ``wq_b`` unread)."""
+    outs, calls = _fused_against_unfused(get_config("tiny", **SMALL), torch.float32, row_invariant)
     for got, want in zip(*outs):
         assert torch.equal(got, want)
+    assert calls == [[1, 1, 0], [2, 2, 0], [2, 2, 1], [2, 2, 1]]
+
+
+@pytest.mark.parametrize("quantization", [None, Fp8Quantization()], ids=["bf16", "fp8"])
+def test_fused_latent_with_the_triton_ops_decodes_what_the_separate_ones_do(quantization):
+    """bf16 and FP8 weights (tiny: K 128 and 256), the Triton ops (under the interpreter on CPU):
+    the indexer's query reaches ``index_q_rope_store_k`` as a column view of the fused output;
+    outputs and caches bitwise the unfused model's (the Triton FP8 GEMM and the interpreter's
+    bf16 dot compute an output column from its own weight rows, K in the same order at any width)."""
+    config = get_config("tiny", num_hidden_layers=1, quantization=quantization)
+    outs, calls = _fused_against_unfused(config, torch.bfloat16, use_triton=True)
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+    assert calls == [[1, 0], [2, 0], [2, 1], [2, 1]]
 
 
 @pytest.mark.parametrize("row_invariant", [False, True])

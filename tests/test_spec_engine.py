@@ -397,7 +397,9 @@ def test_engine_takes_the_options_of_its_model_unless_given_its_own():
 
 def test_index_share_layers_and_seeded_draft_steps(prompts):
     """GLM-5.2 style: shared-indexer target layers and draft steps seeded with the draft extend's
-    top-k: the MTP indexer never runs in a draft step, whose seed holds min(L, K) slots."""
+    top-k: the MTP indexer never runs in a draft step, whose seed holds min(L, K) slots, nor does
+    its fused ``q_b_proj`` + ``wq_b`` GEMM (``q_b_proj`` alone); tokens are plain decoding's, and
+    the same weights unfused decode the same tokens."""
     config = get_config("tiny", num_hidden_layers=3, indexer_types=("full", "shared", "full"),
                         index_share_for_mtp_iteration=True)
     model = predictable(DSAModel(config, dtype=torch.float32).init_weights(3), 0.5)
@@ -406,9 +408,12 @@ def test_index_share_layers_and_seeded_draft_steps(prompts):
     engine = _engine(model, SpecConfig(num_steps=3))
     worker = engine.worker
     indexer_calls = {"draft": 0, "other": 0}
+    latent_calls = {"draft": 0, "other": 0}
     phase = {"now": "other"}
     model.mtp_layer.self_attn.indexer.register_forward_hook(
         lambda *_: indexer_calls.__setitem__(phase["now"], indexer_calls[phase["now"]] + 1))
+    model.mtp_layer.self_attn.fused_latent.register_forward_hook(
+        lambda *_: latent_calls.__setitem__(phase["now"], latent_calls[phase["now"]] + 1))
     draft = worker._draft
     seeds = []
 
@@ -423,10 +428,14 @@ def test_index_share_layers_and_seeded_draft_steps(prompts):
     worker._draft = types.MethodType(watched_draft, worker)
     assert generated_tokens(engine, prompts, MAX_NEW) == expected
     assert indexer_calls["draft"] == 0 and indexer_calls["other"] > 0
+    assert latent_calls == indexer_calls
     k = config.index_topk
     assert seeds and all(count == min(length, k) for counts, lengths in seeds
                          for count, length in zip(counts, lengths))
     assert max(length for _, lengths in seeds for length in lengths) > k      # sparse seeds too
+    for attn in (layer.self_attn for layer in model.model.layers):
+        attn.fused_input = attn.fused_latent = None
+    assert generated_tokens(_engine(model), prompts, MAX_NEW) == expected
 
 
 def test_kv_reservation_covers_the_last_verify_block(random_model):

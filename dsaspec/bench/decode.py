@@ -97,13 +97,15 @@ PHASE_PATTERNS = {
     "metadata": f"kernels named {', '.join(_KERNELS['metadata'])}; and the input prep before the graph "
                 "(the rows' positions and tokens from their carry, seq_lens = positions + 1, the out_cache_loc "
                 "gather)",
-    "indexer": "kernels of module self_attn.indexer (wq_b, wk, k_norm, weights_proj GEMMs, indexer RoPE, "
-               "index-key cache write)",
+    "indexer": "kernels of module self_attn.indexer (weights_proj GEMM, indexer RoPE, index-key cache write; "
+               "its wq_b and wk run in attention_proj's fused GEMMs)",
     "indexer_logits": ", ".join(_KERNELS["indexer_logits"]),
     "topk": ", ".join(_KERNELS["topk"]),
     "sparse_mla": ", ".join(_KERNELS["sparse_mla"]),
-    "attention_proj": "other kernels of module self_attn (q_a/q_b/kv_a projections, norms, RoPE, MLA "
-                      "cache write, W_UK/W_UV absorption bmm, o_proj)",
+    "attention_proj": "other kernels of module self_attn (the fused_input GEMM: q_a_proj + indexer wk + "
+                      "kv_a_proj_with_mqa; the fused_latent GEMM: q_b_proj + indexer wq_b, or q_b_proj alone "
+                      "where the indexer is skipped; norms, RoPE, MLA cache write, W_UK/W_UV absorption bmm, "
+                      "o_proj)",
     "ffn": "kernels of module mlp (gate/up/down GEMMs, SiLU*mul)",
     "lm_head": "kernels of module lm_head (the vocab GEMM)",
     "sampling": "kernels after lm_head in the graph (the greedy token from the bf16 logits and, in the same "

@@ -8,10 +8,11 @@ block and does its FLOPs at the FP8 rate; ``k = index_topk``; MLA entry = 576 x 
 656 in ``fp8_e4m3`` (latent codes, 4 fp32 scales, bf16 rope key); indexer key = 128 x ``a``, or
 132):
 
-- ``indexer``: the weights of ``wq_b``, ``wk``, ``k_norm`` (weight, bias), ``weights_proj``;
-  read x ``[T, hidden]`` and q latent ``[T, q_lora]``; write q ``[T, heads, 128]``, head weights
-  fp32 ``[T, heads]`` and the T index keys. Layers without an indexer (IndexShare) and seeded
-  draft steps: nothing.
+- ``indexer``: the weights of ``k_norm`` (weight, bias) and ``weights_proj``; read x ``[T,
+  hidden]`` and the query and key projections ``[T, heads x 128 + 128]`` (``wq_b`` and ``wk`` run in
+  the layer's fused GEMMs, counted under ``attention_proj``, where bench decode's markers put
+  them); write q ``[T, heads, 128]``, head weights fp32 ``[T, heads]`` and the T index keys.
+  Layers without an indexer (IndexShare) and seeded draft steps: nothing.
 - ``indexer_logits``: only where ``live > k`` (shorter rows take every position and skip it):
   per request the ``live`` keys and their int32 page-table entries, q and head weights, write
   fp32 logits ``[T, live]``; ``2 T live heads 128`` FLOPs.
@@ -22,7 +23,10 @@ block and does its FLOPs at the FP8 rate; ``k = index_topk``; MLA entry = 576 x 
   latent output ``[T, H, 512]``; ``2 T H min(live, k) (576 + 512)`` FLOPs.
 - ``attention_proj``: the weights of ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
   ``kv_b_proj`` (W_UK, W_UV), ``o_proj``, the two norms; read x and the latent output; write q
-  latent, q ``[T, H, 576]``, the output ``[T, hidden]`` and the T MLA entries.
+  latent, q ``[T, H, 576]``, the output ``[T, hidden]`` and the T MLA entries. Where the indexer
+  runs, also the indexer's ``wq_b`` and ``wk`` (one GEMM with ``q_b_proj``, one with ``q_a_proj``
+  and ``kv_a_proj_with_mqa``: :meth:`~dsaspec.layers.attention.mla.MLAAttention.fuse_projections`)
+  and their outputs ``[T, heads x 128 + 128]`` written.
 - ``ffn``: dense SwiGLU weights, or the router (fp32), the experts hit (uniform routing:
   ``E (1 - (1 - top_k / E) ** T)`` of them) and the shared experts; read x, write the output.
 - ``other``: the embedding rows, per layer two fused residual-add + RMSNorm (read x and the
@@ -147,12 +151,13 @@ class FloorModel:
         nh, d = cfg.index_n_heads, cfg.index_head_dim
         attn = f"{prefix}.self_attn"
         out = {}
+        index_proj = Cost()   # the indexer's wq_b and wk, in the layer's fused GEMMs (attention_proj)
         if cfg.has_indexer(layer) and not seeded:
             ix = f"{attn}.indexer"
-            out["indexer"] = (self.linear(f"{ix}.wq_b", cfg.q_lora_rank, nh * d, rows)
-                              + self.linear(f"{ix}.wk", h, d, rows)
-                              + self.linear(f"{ix}.weights_proj", h, nh, rows)
-                              + Cost(bytes=2 * d * a + rows * ((h + cfg.q_lora_rank + nh * d) * a + nh * 4)
+            index_proj = (self.linear(f"{ix}.wq_b", cfg.q_lora_rank, nh * d, rows) + self.linear(f"{ix}.wk", h, d, rows)
+                          + Cost(bytes=rows * (nh * d + d) * a))
+            out["indexer"] = (self.linear(f"{ix}.weights_proj", h, nh, rows)
+                              + Cost(bytes=2 * d * a + rows * ((h + nh * d + d + nh * d) * a + nh * 4)
                                      + rows * self.index_entry, launches=1))
             if live > k:
                 out["indexer_logits"] = Cost(
@@ -170,6 +175,7 @@ class FloorModel:
             + self.linear(f"{attn}.kv_a_proj_with_mqa", h, cfg.kv_cache_dim, rows)
             + self.linear(f"{attn}.kv_b_proj", cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), rows)
             + self.linear(f"{attn}.o_proj", heads * cfg.v_head_dim, h, rows)
+            + index_proj
             + Cost(bytes=(cfg.q_lora_rank + cfg.kv_lora_rank) * a
                    + rows * (h + heads * cfg.kv_lora_rank + cfg.q_lora_rank + heads * cfg.kv_cache_dim + h) * a
                    + rows * self.mla_entry, launches=1))

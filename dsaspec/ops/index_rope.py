@@ -63,10 +63,8 @@ def rope_pairs(c, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _load_normed(x_ptr, rows, cols, live, stride_x, mean, rstd, w_ptr, b_ptr, NORM: tl.constexpr,
-                 BF16: tl.constexpr):
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=live[:, None],
-                other=0.0).to(tl.float32)
+def _load_normed(x_ptr, starts, cols, live, mean, rstd, w_ptr, b_ptr, NORM: tl.constexpr, BF16: tl.constexpr):
+    x = tl.load(x_ptr + starts[:, None] + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     if NORM:
         w = tl.load(w_ptr + cols).to(tl.float32)
         b = tl.load(b_ptr + cols).to(tl.float32)
@@ -76,13 +74,16 @@ def _load_normed(x_ptr, rows, cols, live, stride_x, mean, rstd, w_ptr, b_ptr, NO
 
 @triton.jit
 def _epilogue(block, x_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, out_ptr, loc_ptr, scale_ptr, N, heads, eps,
-              stride_x, stride_cos, stride_out, stride_scale, ROWS: tl.constexpr, DIM: tl.constexpr,
+              stride_x, stride_xh, stride_cos, stride_out, stride_scale, ROWS: tl.constexpr, DIM: tl.constexpr,
               ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr, ROTATE: tl.constexpr,
               DEST: tl.constexpr, BF16: tl.constexpr, PAGE: tl.constexpr):
     """Rows ``block * ROWS ..`` of one part (the query's or the key's) through the module
-    docstring's steps, written to ``DEST``."""
+    docstring's steps, written to ``DEST``. Row ``r`` is head ``r % heads`` of token
+    ``r // heads``: it starts at ``x_ptr + token * stride_x + head * stride_xh``."""
     rows = block * ROWS + tl.arange(0, ROWS)
     live = rows < N
+    token = rows // heads
+    starts = token.to(tl.int64) * stride_x + (rows - token * heads).to(tl.int64) * stride_xh
     c = tl.arange(0, DIM)
     # past the rope dims c is its own partner with cos 1, sin 0
     partner, pair, first = rope_pairs(c, ROPE, INTERLEAVED)
@@ -91,14 +92,12 @@ def _epilogue(block, x_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, out_ptr, loc_ptr, sc
     mean = tl.zeros((ROWS,), tl.float32)
     rstd = tl.zeros((ROWS,), tl.float32)
     if NORM:
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + c[None, :], mask=live[:, None],
-                    other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + starts[:, None] + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=1) / DIM
         centered = x - mean[:, None]
         rstd = 1.0 / tl.sqrt_rn(tl.sum(centered * centered, axis=1) / DIM + eps)
-    x = _load_normed(x_ptr, rows, c, live, stride_x, mean, rstd, w_ptr, b_ptr, NORM, BF16)
-    xp = _load_normed(x_ptr, rows, partner, live, stride_x, mean, rstd, w_ptr, b_ptr, NORM, BF16)
-    token = rows // heads
+    x = _load_normed(x_ptr, starts, c, live, mean, rstd, w_ptr, b_ptr, NORM, BF16)
+    xp = _load_normed(x_ptr, starts, partner, live, mean, rstd, w_ptr, b_ptr, NORM, BF16)
     angle = token[:, None].to(tl.int64) * stride_cos + pair[None, :]
     rope_mask = live[:, None] & in_rope[None, :]
     cos = tl.load(cos_ptr + angle, mask=rope_mask, other=1.0)
@@ -131,23 +130,24 @@ def _epilogue(block, x_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, out_ptr, loc_ptr, sc
 
 
 @triton.jit(do_not_specialize=["q_rows", "heads", "q_blocks", "k_rows"])
-def _index_rope_kernel(q_ptr, q_out_ptr, q_rows, heads, stride_q, stride_q_out, q_blocks,
+def _index_rope_kernel(q_ptr, q_out_ptr, q_rows, heads, stride_q, stride_qh, stride_q_out, q_blocks,
                        k_ptr, w_ptr, b_ptr, cache_ptr, loc_ptr, scale_ptr, k_rows, eps, stride_k, stride_cache,
                        stride_scale, cos_ptr, sin_ptr, stride_cos, ROWS: tl.constexpr, DIM: tl.constexpr,
                        ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, ROTATE: tl.constexpr, K_DEST: tl.constexpr,
                        BF16: tl.constexpr, PAGE: tl.constexpr, QUERY: tl.constexpr, KEY: tl.constexpr):
-    # programs [0, q_blocks) rope the query rows (token = row // heads) into q_out, the rest
-    # norm + rope the key rows (one a token) into the cache; QUERY / KEY: the launch has that part
+    # programs [0, q_blocks) rope the query rows (token = row // heads, read through q's token and
+    # head strides) into q_out (contiguous), the rest norm + rope the key rows (one a token) into
+    # the cache; QUERY / KEY: the launch has that part
     block = tl.program_id(0)
     if block < q_blocks:
         if QUERY:
             _epilogue(block, q_ptr, cos_ptr, sin_ptr, q_ptr, q_ptr, q_out_ptr, q_ptr, q_ptr, q_rows, heads, 0.0,
-                      stride_q, stride_cos, stride_q_out, 0, ROWS, DIM, ROPE, INTERLEAVED, False, ROTATE, 0, BF16,
-                      PAGE)
+                      stride_q, stride_qh, stride_cos, stride_q_out, 0, ROWS, DIM, ROPE, INTERLEAVED, False, ROTATE, 0,
+                      BF16, PAGE)
     else:
         if KEY:
             _epilogue(block - q_blocks, k_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, cache_ptr, loc_ptr, scale_ptr,
-                      k_rows, 1, eps, stride_k, stride_cos, stride_cache, stride_scale, ROWS, DIM, ROPE,
+                      k_rows, 1, eps, stride_k, 0, stride_cos, stride_cache, stride_scale, ROWS, DIM, ROPE,
                       INTERLEAVED, True, ROTATE, K_DEST, BF16, PAGE)
 
 
@@ -159,15 +159,13 @@ def _check_angles(cos, sin, tokens: int, rope_dim: int, device) -> None:
 
 
 def _query(q, cos, sin, rope_dim):
-    """Checks ``q`` and the angles; ``q``'s rows ``[R * H, 128]`` and a new output like ``q``."""
+    """Checks ``q`` (read in place through its token and head strides) and the angles; a new
+    contiguous output like ``q``."""
     check_tensor("q", q, dtype=_FLOAT_DTYPES, ndim=3, device=cos.device)
     if q.shape[-1] != INDEX_HEAD_DIM:
         raise ValueError(f"q: expected rows of {INDEX_HEAD_DIM} values, got {tuple(q.shape)}")
     _check_angles(cos, sin, q.shape[0], rope_dim, q.device)
-    flat = q.reshape(-1, INDEX_HEAD_DIM)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    return flat, torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 def _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values):
@@ -189,11 +187,12 @@ def _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values):
     return codes, scale, dest
 
 
-def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, heads=1, k=None, weight=None, bias=None,
+def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, k=None, weight=None, bias=None,
             eps=0.0, codes=None, loc=None, scale=None, dest=_DENSE):
-    """One launch over the query rows ``q`` ``[R * heads, 128]`` (into ``q_out``, same shape) and
-    the key rows ``k`` ``[R, 128]`` (into ``codes`` at ``loc``), either part left out when None."""
-    q_rows = 0 if q is None else q.shape[0]
+    """One launch over the query ``q`` ``[R, heads, 128]`` (unit last stride; into ``q_out``,
+    contiguous, same shape) and the key rows ``k`` ``[R, 128]`` (into ``codes`` at ``loc``),
+    either part left out when None."""
+    q_rows = 0 if q is None else q.shape[0] * q.shape[1]
     k_rows = 0 if k is None else k.shape[0]
     q_blocks = triton.cdiv(q_rows, _ROWS)
     blocks = q_blocks + triton.cdiv(k_rows, _ROWS)
@@ -203,7 +202,8 @@ def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, heads=1
     k_args = (any_x, any_x, any_x, any_x, any_x, any_x, 0, eps, 0, 0, 0) if k is None else (
         k, weight, bias, codes, loc, any_x if scale is None else scale, k_rows, eps, k.stride(0), codes.stride(0),
         0 if scale is None else scale.stride(0))
-    q_args = (any_x, any_x, 0, heads, 0, 0) if q is None else (q, q_out, q_rows, heads, q.stride(0), q_out.stride(0))
+    q_args = (any_x, any_x, 0, 1, 0, 0, 0) if q is None else (q, q_out, q_rows, q.shape[1], q.stride(0), q.stride(1),
+                                                               INDEX_HEAD_DIM)
     _index_rope_kernel[(blocks,)](
         *q_args, q_blocks, *k_args, cos, sin, cos.stride(0), ROWS=_ROWS, DIM=INDEX_HEAD_DIM, ROPE=rope_dim,
         INTERLEAVED=interleaved, ROTATE=rotate, K_DEST=dest, BF16=any_x.dtype == torch.bfloat16, PAGE=PAGE_SIZE,
@@ -212,11 +212,13 @@ def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, heads=1
 
 def index_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,
                  rotate: bool) -> torch.Tensor:
-    """The indexer query ``q`` ``[R, H, 128]`` (bf16 or fp32) with RoPE on its first ``rope_dim``
-    values (``cos``/``sin`` fp32 ``[R, rope_dim / 2]``, one row per token) and, when ``rotate``,
-    the Hadamard rotation (module docstring): a new tensor like ``q``."""
-    flat, out = _query(q, cos, sin, rope_dim)
-    _launch(cos, sin, rope_dim, interleaved, rotate, q=flat, q_out=out.view(-1, INDEX_HEAD_DIM), heads=q.shape[1])
+    """The indexer query ``q`` ``[R, H, 128]`` (bf16 or fp32; any token and head strides with a
+    unit last stride, read in place: e.g. the indexer's columns of a fused GEMM output) with RoPE
+    on its first ``rope_dim`` values (``cos``/``sin`` fp32 ``[R, rope_dim / 2]``, one row per
+    token) and, when ``rotate``, the Hadamard rotation (module docstring): a new contiguous
+    tensor of ``q``'s shape and dtype."""
+    out = _query(q, cos, sin, rope_dim)
+    _launch(cos, sin, rope_dim, interleaved, rotate, q=q, q_out=out)
     return out
 
 
@@ -240,11 +242,12 @@ def index_q_rope_store_k(q: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor
     interleaved, rotate)`` with ``rotate`` when ``cache`` is an FP8 cache, and
     ``store_index_k_normed(cache, loc, k, weight, bias, eps, cos, sin, rope_dim, interleaved,
     check_values)``, on one grid (the query's programs first, then the key's): the same checks,
-    the same bits in the returned query and in ``cache``. ``q`` and ``k`` of one dtype."""
-    flat, out = _query(q, cos, sin, rope_dim)
+    the same bits in the returned query and in ``cache``. ``q`` and ``k`` of one dtype, both read
+    in place through their strides."""
+    out = _query(q, cos, sin, rope_dim)
     if isinstance(k, torch.Tensor) and k.dtype != q.dtype:
         raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
     codes, scale, dest = _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values)
-    _launch(cos, sin, rope_dim, interleaved, dest == _FP8, q=flat, q_out=out.view(-1, INDEX_HEAD_DIM),
-            heads=q.shape[1], k=k, weight=weight, bias=bias, eps=eps, codes=codes, loc=loc, scale=scale, dest=dest)
+    _launch(cos, sin, rope_dim, interleaved, dest == _FP8, q=q, q_out=out, k=k, weight=weight, bias=bias, eps=eps,
+            codes=codes, loc=loc, scale=scale, dest=dest)
     return out

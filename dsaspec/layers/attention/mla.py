@@ -80,16 +80,19 @@ class Indexer(RowInvariant, nn.Module):
         self.k_norm = LayerNorm(config.index_head_dim, config.attn_norm_eps, device, dtype)
         self.weights_proj = make_linear(config.hidden_size, config.index_n_heads, device, dtype)
 
-    def forward(self, x, q_latent, step: ForwardState, index_k_cache, wk_out=None):
+    def forward(self, x, q_latent, step: ForwardState, index_k_cache, wk_out=None, wq_b_out=None):
         """Write each row's key into ``index_k_cache[out_cache_loc]``; return the query
         ``[R, index_n_heads, 128]`` (model dtype; both Hadamard-rotated with an FP8 cache) and
         head weights fp32 ``[R, index_n_heads]``
         (``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``). ``wk_out``: ``wk(x)``
-        when the caller computed it (fused with the layer's other projections of ``x``)."""
+        when the caller computed it (fused with the layer's other projections of ``x``);
+        ``wq_b_out``: ``wq_b(q_latent)`` ``[R, index_n_heads * 128]`` when the caller computed it
+        (fused with ``q_b_proj``; a column view, unit last stride)."""
         cfg = self.config
         rows = x.shape[0]
         rope, interleaved = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
-        q = self.wq_b(q_latent).view(rows, cfg.index_n_heads, cfg.index_head_dim)
+        wq_b_out = self.wq_b(q_latent) if wq_b_out is None else wq_b_out
+        q = wq_b_out.view(rows, cfg.index_n_heads, cfg.index_head_dim)
         wk_out = self.wk(x) if wk_out is None else wk_out
         fp8 = is_fp8_cache(index_k_cache)
         if step.ops.index_q_rope_store_k is not None:   # the Triton ops: q's and k's epilogues in one launch
@@ -148,16 +151,20 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
                                  device, dtype, split=COLUMN, **tp)
         self.o_proj = make_linear(heads * config.v_head_dim, config.hidden_size, device, dtype, split=ROW, **tp)
         self.indexer = Indexer(config, device, dtype) if config.has_indexer(layer) else None
-        self.fused_input = None
+        self.fused_input = self.fused_latent = None
 
     def fuse_projections(self) -> None:
         """One GEMM for the projections of the layer input: ``q_a_proj``, the indexer's ``wk``
         (where the layer has an indexer) and ``kv_a_proj_with_mqa``, in that order (the FP8 scale
-        blocks stay whole: 576 is not a multiple of 128); nothing changes where
-        :func:`~dsaspec.layers.fused_linear.fuse_linears` refuses them. The indexer's ``weights_proj``
-        reads the input too but runs in fp32."""
+        blocks stay whole: 576 is not a multiple of 128); and, where the layer has an indexer, one
+        (``fused_latent``) for the projections of the normed q latent: ``q_b_proj`` (this rank's
+        heads) then the indexer's ``wq_b`` (FP8: ``q_b_proj``'s rows must be a multiple of 128).
+        Nothing changes where :func:`~dsaspec.layers.fused_linear.fuse_linears` refuses a group.
+        The indexer's ``weights_proj`` reads the input too but runs in fp32."""
         parts = [self.q_a_proj] + ([self.indexer.wk] if self.indexer is not None else []) + [self.kv_a_proj_with_mqa]
         self.fused_input = fuse_linears(parts)
+        if self.indexer is not None:
+            self.fused_latent = fuse_linears([self.q_b_proj, self.indexer.wq_b])
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``kv_b_proj``'s weight (dequantized when FP8): ``W_UK [H, qk_nope, 512]`` and
@@ -180,7 +187,12 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         else:
             q_a, wk_out, kv_a = self.fused_input(x)
         q_latent = self.q_a_layernorm(q_a)
-        q = self.q_b_proj(q_latent).view(rows, heads, cfg.qk_head_dim)
+        run_indexer = self.indexer is not None and not step.seeded
+        if run_indexer and self.fused_latent is not None:
+            q, wq_b_out = self.fused_latent(q_latent)
+        else:   # not fused, or the indexer skipped (a seeded step): q_b_proj alone, wq_b unread
+            q, wq_b_out = self.q_b_proj(q_latent), None
+        q = q.view(rows, heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         if step.ops.store_mla_normed is not None:   # the Triton ops: norm + RoPE + store in one kernel
             step.ops.store_mla_normed(mla_cache, step.out_cache_loc, kv_a, self.kv_a_layernorm.weight,
@@ -192,8 +204,8 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
             step.ops.store_mla(mla_cache, step.out_cache_loc,
                                torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1),
                                check_values=step.check_values)
-        if self.indexer is not None and not step.seeded:
-            q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache, wk_out)
+        if run_indexer:
+            q_index, index_weights = self.indexer(x, q_latent, step, index_k_cache, wk_out, wq_b_out)
             step.selected = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)
 
         w_uk, w_uv = self.absorbed_weights()
