@@ -4,7 +4,8 @@ kernels (which also compiles the indexer's query / key epilogue, ``compile_index
 indexer's head weights (``index_weights``, split over K: GLM-5's 32 x 6144 and DeepSeek-V3.2's
 64 x 7168 fp32 weights, 1 and 64 bf16 rows), the RoPE tables (``rope_cos_sin``: fp64 angles,
 libdevice cos / sin, 1 and 64 rows), the dense FFN's SiLU-and-mul (``silu_and_mul``: libdevice
-``expf``, IEEE division; bf16 and fp32) and the decode step's inputs (``decode_inputs``).
+``expf``, IEEE division; bf16 and fp32), the decode step's inputs (``decode_inputs``) and the MoE
+router's selection (``moe_router``: GLM-5's and DeepSeek-V3.2's routing, 256 experts).
 
 Each case goes through the real host wrapper on small CPU tensors; the launch is intercepted and
 compiled as Triton's JIT would specialize it on a CUDA device, K splits as on the H200's 132 SMs.
@@ -20,7 +21,7 @@ import torch  # noqa: E402
 from triton import knobs  # noqa: E402
 
 from dsaspec.cli_parsing import Parser, parse_or_exit  # noqa: E402
-from dsaspec.ops import decode_inputs, index_weights, rope_cos_sin, silu_and_mul  # noqa: E402
+from dsaspec.ops import decode_inputs, index_weights, moe_router, rope_cos_sin, silu_and_mul  # noqa: E402
 
 WEIGHT_SHAPES = ((32, 6144), (64, 7168))   # (index heads, hidden): GLM-5, DeepSeek-V3.2
 ROW_COUNTS = (1, 64)
@@ -71,6 +72,23 @@ def compile_decode_inputs(rows: int = 64) -> dict:
                               lambda: decode_inputs.decode_inputs(index, carry, carry, table, *outs), overrides=())
 
 
+# (experts, n_group, topk_group, top_k): GLM-5, DeepSeek-V3.2
+ROUTINGS = ((256, 1, 1, 8), (256, 8, 4, 8))
+
+
+def compile_router(experts: int, n_group: int, topk_group: int, top_k: int, rows: int = 4) -> dict:
+    """One ``route_topk`` launch over ``rows`` tokens' fp32 logits; the result also counts libdevice
+    ``expf`` calls (``expf_calls``), IEEE divisions (``div_rn``) and approximate ones
+    (``div_approx``) in the PTX."""
+    logits, bias = torch.zeros(rows, experts), torch.zeros(experts)
+    result = dsa.compile_kernel(moe_router._router_kernel, lambda: moe_router.route_topk(
+        logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=True, scaling=2.5),
+        overrides=())
+    ptx = result["ptx"]
+    return result | dict(expf_calls=ptx.count(EXPF_STEP), div_rn=ptx.count("div.rn.f32"),
+                         div_approx=ptx.count("div.full.f32") + ptx.count("div.approx"))
+
+
 def _line(name: str, result: dict) -> str:
     return (f"{name}: {result['regs']} regs, {result['spill']} B spilled, {result['shared']} B shared, "
             f"{result['instructions']} SASS instructions")
@@ -94,6 +112,10 @@ def main() -> int:
               + f", {result['expf_calls']} libdevice expf, {result['div_rn']} div.rn, {result['div_approx']} "
                 "approximate divisions", flush=True)
     print(_line("decode_inputs 64 rows", compile_decode_inputs()), flush=True)
+    for routing in ROUTINGS:
+        result = compile_router(*routing)
+        print(_line(f"moe_router {routing}", result) + f", {result['expf_calls']} libdevice expf, "
+              f"{result['div_rn']} div.rn, {result['div_approx']} approximate divisions", flush=True)
     for kind in dsa.INDEX_ROPE_KINDS:
         print(dsa.summary_line(f"index_rope {kind}", dsa.compile_index_rope(kind)), flush=True)
     return 0

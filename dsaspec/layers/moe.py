@@ -26,6 +26,7 @@ from dsaspec.layers.linear import Linear
 from dsaspec.layers.mlp import MLP
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
 from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, quantize_blocks, quantize_weight
+from dsaspec.ops.moe_router import route_topk
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +51,11 @@ class Router(Linear):
         ids = top-k of c over the experts of the topk_group best groups
         w = s[ids] (/ sum(s[ids]) + 1e-20 if norm_topk_prob) * routed_scaling_factor
 
-    Per token; no host sync, static shapes."""
+    Per token; no host sync, static shapes. With ``use_triton`` (set by the model) everything after
+    the GEMM is one kernel (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in
+    id order), else torch ops."""
+
+    use_triton: bool = False
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__(config.hidden_size, config.n_routed_experts, bias=False, device=device, dtype=torch.float32)
@@ -60,6 +65,10 @@ class Router(Linear):
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            return route_topk(super().forward(x.float()), self.e_score_correction_bias, top_k=self.top_k,
+                              n_group=self.groups, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                              scaling=self.scaling)
         scores = super().forward(x.float()).sigmoid()
         tokens, experts = scores.shape
         choice = (scores + self.e_score_correction_bias).view(tokens, self.groups, experts // self.groups)

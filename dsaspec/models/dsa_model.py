@@ -38,7 +38,7 @@ from dsaspec.layers.fp8_convert import convert_to_fp8
 from dsaspec.layers.fp8_linear import Fp8Linear
 from dsaspec.layers.linear import Shard
 from dsaspec.layers.mlp import MLP
-from dsaspec.layers.moe import CheckpointPart, RoutedExperts, set_fused_moe
+from dsaspec.layers.moe import CheckpointPart, RoutedExperts, Router, set_fused_moe
 from dsaspec.layers.norm import RMSNorm
 from dsaspec.layers.rotary import Rotary
 from dsaspec.layers.row_invariant import RowInvariant
@@ -141,7 +141,7 @@ class DSAModel(nn.Module):
     @property
     def use_triton(self) -> bool:
         """Whether the DSA ops, the FP8 GEMMs, the RMSNorms, the RoPE tables, the dense SwiGLU's
-        ``silu(gate) * up`` and (with ``options.fused_moe``, not row-invariant) the routed experts run
+        ``silu(gate) * up``, the MoE routers' selection and (with ``options.fused_moe``, not row-invariant) the routed experts run
         as Triton kernels; assignable."""
         return self._use_triton
 
@@ -150,7 +150,7 @@ class DSAModel(nn.Module):
         self._use_triton = value
         set_fused_moe(self, value and self.options.fused_moe, self.row_invariant)
         for module in self.modules():
-            if isinstance(module, (Fp8Linear, RMSNorm, Rotary, MLP)):
+            if isinstance(module, (Fp8Linear, RMSNorm, Rotary, MLP, Router)):
                 module.use_triton = value
 
     @property

@@ -1,0 +1,124 @@
+"""The MoE router's selection in one kernel (Triton): from the router GEMM's fp32 logits ``l [T, E]``
+to each token's ``k`` expert ids and weights, the ``noaux_tc`` rule of GLM-5 / DeepSeek-V3.2
+(:class:`dsaspec.layers.moe.Router`), instead of some fifteen torch launches. Per token, in fp32:
+
+    s = 1 / (1 + exp(-l))                           the scores
+    c = s + bias                                    (selection only)
+    group score = the largest plus the second largest c of each of G groups of E / G experts
+    ids = the k largest c over the experts of the topk_group best groups, largest first
+    w_j = s[ids_j];  with norm: w_j = w_j / ((((w_0 + w_1) + w_2) + ... + w_(k-1)) + 1e-20)
+    w_j = w_j * scaling
+
+``exp`` is the CUDA math library's ``expf`` on the GPU (libdevice, what torch's ``sigmoid`` calls)
+and the divisions IEEE (``div.rn``), so the scores are torch's ``sigmoid`` bits; under the Triton
+interpreter ``exp`` is numpy's. Equal values (a group score or a ``c``) go to the lower index,
+where ``torch.topk`` leaves the order of ties open; the sum of the weights runs in id order, where
+the torch router's ``sum`` runs in its own order, so a weight can differ from the torch router's
+in its last bit. One program per token: a token's ids and weights depend on its own logits only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsaspec.ops.checks import check_count, check_tensor
+
+
+@triton.jit
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, stride_ids, stride_weights,
+                   scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   TOPK: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                   GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
+    # the token's E = GROUPS * GROUP logits as a [GROUPS_PAD, GROUP_PAD] tile, expert g * GROUP + j
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GROUPS_PAD)[:, None]
+    j = tl.arange(0, GROUP_PAD)[None, :]
+    live = (g < GROUPS) & (j < GROUP)
+    none = GROUPS_PAD * GROUP_PAD                  # the padding's expert id: no real expert's
+    expert = tl.where(live, g * GROUP + j, none)
+    logit = tl.load(logits_ptr + row * stride_logits + expert, mask=live, other=0.0)
+    if LIBDEVICE_EXP:
+        e = libdevice.exp(-logit)
+    else:
+        e = tl.exp(-logit)
+    score = tl.math.div_rn(tl.full(logit.shape, 1.0, tl.float32), 1.0 + e)
+    choice = tl.where(live, score + tl.load(bias_ptr + expert, mask=live, other=0.0), -float("inf"))
+    # each group's two largest choices (the first largest by index taken out for the second)
+    first = tl.max(choice, axis=1)
+    first_at = tl.min(tl.where(choice == first[:, None], j, GROUP_PAD), axis=1)
+    second = tl.max(tl.where(j == first_at[:, None], -float("inf"), choice), axis=1)
+    group_score = tl.where(tl.arange(0, GROUPS_PAD) < GROUPS, first + second, -float("inf"))
+    # the TOPK_GROUP best groups: largest first, equal scores to the lower group
+    gid = tl.arange(0, GROUPS_PAD)
+    chosen = gid < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(group_score, axis=0)
+        at = tl.min(tl.where(group_score == best, gid, GROUPS_PAD), axis=0)
+        chosen = chosen | (gid == at)
+        group_score = tl.where(gid == at, -float("inf"), group_score)
+    choice = tl.where(chosen[:, None] & live, choice, -float("inf"))
+    # the TOPK largest choices, largest first, equal values to the lower expert id
+    slot = tl.arange(0, TOPK_PAD)
+    ids = tl.zeros((TOPK_PAD,), dtype=tl.int32)
+    weights = tl.zeros((TOPK_PAD,), dtype=tl.float32)
+    total = 0.0
+    for t in tl.static_range(TOPK):
+        best = tl.max(tl.max(choice, axis=1), axis=0)
+        at = tl.min(tl.min(tl.where(choice == best, expert, none), axis=1), axis=0)
+        w = tl.sum(tl.sum(tl.where(expert == at, score, 0.0), axis=1), axis=0)
+        total = total + w
+        ids = tl.where(slot == t, at, ids)
+        weights = tl.where(slot == t, w, weights)
+        choice = tl.where(expert == at, -float("inf"), choice)
+    if NORM:
+        weights = tl.math.div_rn(weights, tl.broadcast_to(total + 1e-20, weights.shape))
+    weights = weights * scaling
+    keep = slot < TOPK
+    tl.store(ids_ptr + row * stride_ids + slot, ids, mask=keep)
+    tl.store(weights_ptr + row * stride_weights + slot, weights, mask=keep)
+
+
+def _interpreted() -> bool:
+    """Whether the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return not isinstance(_router_kernel, triton.runtime.JITFunction)
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
+               norm_topk_prob: bool, scaling: float, ids: torch.Tensor | None = None,
+               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and routing weights from the router logits (module docstring), one launch.
+
+    ``logits``: fp32 ``[T, E]``, last dimension contiguous; ``bias``: fp32 ``[E]`` (the
+    ``e_score_correction_bias``), contiguous, same device. ``n_group`` must divide E with at least
+    two experts a group, ``topk_group`` in ``[1, n_group]``, ``top_k`` in ``[1, topk_group * E /
+    n_group]``. Writes and returns ``ids`` int32 ``[T, top_k]`` and ``weights`` fp32 ``[T, top_k]``
+    (allocated when None; last dimension contiguous). No host sync."""
+    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    tokens, experts = logits.shape
+    check_tensor("bias", bias, dtype=torch.float32, shape=(experts,), device=logits.device)
+    for name, value in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
+        check_count(name, value)
+    if experts % n_group or experts // n_group < 2:
+        raise ValueError(f"n_group: expected a divisor of the {experts} experts leaving at least two a group, "
+                         f"got {n_group}")
+    group = experts // n_group
+    if topk_group > n_group:
+        raise ValueError(f"topk_group: expected at most n_group = {n_group}, got {topk_group}")
+    if top_k > topk_group * group:
+        raise ValueError(f"top_k: expected at most topk_group x experts a group = {topk_group * group}, got {top_k}")
+    if ids is None:
+        ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if weights is None:
+        weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    check_tensor("ids", ids, dtype=torch.int32, shape=(tokens, top_k), device=logits.device)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(tokens, top_k), device=logits.device)
+    if tokens:
+        _router_kernel[(tokens,)](
+            logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
+            GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, NORM=bool(norm_topk_prob),
+            LIBDEVICE_EXP=not _interpreted(), GROUPS_PAD=max(2, triton.next_power_of_2(n_group)),
+            GROUP_PAD=triton.next_power_of_2(group), TOPK_PAD=max(2, triton.next_power_of_2(top_k)))
+    return ids, weights

@@ -1,0 +1,188 @@
+"""The MoE router kernel (dsaspec.ops.moe_router) against its plain-torch definition
+(dsaspec.reference.moe_router), exactly: the presets' routing (GLM-5: one group; DeepSeek-V3.2:
+4 of 8 groups; tiny-moe), groups of a size that is not a power of two, token counts around the
+edges, without normalization, ties to the lower index, outputs poisoned first, bad arguments named;
+the Router choosing it with the Triton ops; on the GPU its scores against torch's sigmoid and its
+ids against the torch router's.
+
+Off the GPU the kernel's ``exp`` is numpy's (the interpreter cannot call libdevice), so here the
+reference runs over numpy's ``exp``; on the GPU over torch's."""
+
+import numpy as np
+import pytest
+import torch
+
+from compile_scripts import integer_rows, run_in_scripts
+from dsaspec.configs.model_config import get_config
+from dsaspec.ops.moe_router import route_topk
+from dsaspec.reference import moe_router as ref
+
+pytestmark = pytest.mark.interpreter
+
+TOKENS = (1, 2, 63, 64, 65, 129)
+# (experts, n_group, topk_group, top_k): GLM-5, DeepSeek-V3.2, tiny-moe, groups of 12 and 3 experts
+ROUTINGS = ((256, 1, 1, 8), (256, 8, 4, 8), (8, 4, 2, 3), (96, 8, 3, 6), (24, 8, 8, 24))
+
+
+def numpy_exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.exp(x.cpu().numpy())).to(x.device)
+
+
+def _case(tokens: int, experts: int, seed: int, device, spread: float = 4.0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=gen) * spread
+    bias = torch.randn(experts, generator=gen) * 0.1
+    return logits.to(device), bias.to(device)
+
+
+def _check(logits, bias, exp=numpy_exp, **routing):
+    tokens, top_k = logits.shape[0], routing["top_k"]
+    ids = torch.full((tokens, top_k), -7, dtype=torch.int32, device=logits.device)
+    weights = torch.full((tokens, top_k), float("nan"), device=logits.device)
+    got = route_topk(logits, bias, ids=ids, weights=weights, **routing)
+    assert got[0] is ids and got[1] is weights
+    want_ids, want_weights = ref.route_topk(logits, bias, exp=exp, **routing)
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    assert torch.equal(weights.cpu().view(torch.int32), want_weights.cpu().view(torch.int32))
+    return ids, weights
+
+
+@pytest.mark.parametrize("experts, n_group, topk_group, top_k", ROUTINGS)
+def test_bit_for_bit_with_the_reference(experts, n_group, topk_group, top_k, device):
+    """ids and weights (their bits) at every token count, with normalization and scaling."""
+    for tokens in TOKENS:
+        logits, bias = _case(tokens, experts, seed=tokens * 131 + experts, device=device)
+        ids, _ = _check(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                        norm_topk_prob=True, scaling=2.5)
+        groups = ids.long() // (experts // n_group)
+        assert all(len(set(row)) <= topk_group for row in groups.tolist())
+        assert all(len(set(row)) == top_k for row in ids.tolist())
+
+
+def test_without_normalization_the_weights_are_the_scores_scaled(device):
+    logits, bias = _case(17, 256, seed=5, device=device)
+    _, weights = _check(logits, bias, top_k=8, n_group=8, topk_group=4, norm_topk_prob=False, scaling=1.5)
+    assert float(weights.max()) <= 1.5
+
+
+def test_group_limit_excludes_a_better_expert_of_a_worse_group(device):
+    """Group 0's best expert is the best of all, but group 0's two best sum to less than groups 1's
+    and 2's: with topk_group 2 no expert of group 0 is chosen."""
+    logits = torch.full((1, 12), -4.0)
+    logits[0, 0] = 6.0                       # group 0: one very good expert, the rest poor
+    logits[0, 4:6] = 3.0                     # group 1: two good experts
+    logits[0, 8:10] = 2.5                    # group 2
+    logits, bias = logits.to(device), torch.zeros(12, device=device)
+    ids, _ = _check(logits, bias, top_k=3, n_group=3, topk_group=2, norm_topk_prob=True, scaling=1.0)
+    assert sorted(ids[0].tolist()) == [4, 5, 8] and ids[0, 0] in (4, 5)
+
+
+def test_ties_go_to_the_lower_index(device):
+    """Equal choices (all logits equal, no bias): the lowest ids, in id order; equal group
+    scores: the lower groups."""
+    logits, bias = torch.zeros(3, 16, device=device), torch.zeros(16, device=device)
+    ids, weights = _check(logits, bias, top_k=4, n_group=4, topk_group=2, norm_topk_prob=True, scaling=1.0)
+    assert ids.tolist() == [[0, 1, 2, 3]] * 3
+    assert torch.equal(weights, torch.full_like(weights, 0.25))
+
+
+def test_the_bias_selects_but_does_not_weigh(device):
+    """A large bias on expert 7 puts it first, with its own (small) score as its weight."""
+    logits = torch.zeros(1, 8, device=device)
+    logits[0, 7] = -3.0
+    bias = torch.zeros(8, device=device)
+    bias[7] = 10.0
+    ids, weights = _check(logits, bias, top_k=2, n_group=1, topk_group=1, norm_topk_prob=False, scaling=1.0)
+    assert ids[0, 0] == 7 and float(weights[0, 0]) == pytest.approx(1 / (1 + np.exp(3.0)), rel=1e-6)
+
+
+def test_no_tokens_writes_nothing(device):
+    ids = torch.full((0, 8), -1, dtype=torch.int32, device=device)
+    got = route_topk(torch.empty(0, 256, device=device), torch.zeros(256, device=device), top_k=8, n_group=1,
+                     topk_group=1, norm_topk_prob=True, scaling=2.5, ids=ids)
+    assert got[0] is ids and got[1].shape == (0, 8)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(logits=torch.zeros(2, 16, dtype=torch.bfloat16)), "logits: expected dtype torch.float32"),
+    (dict(bias=torch.zeros(15)), r"bias: expected shape \(16,\)"),
+    (dict(n_group=3), "n_group: expected a divisor of the 16 experts leaving at least two a group, got 3"),
+    (dict(n_group=16, topk_group=1, top_k=1), "n_group: expected a divisor of the 16 experts leaving at least two"),
+    (dict(topk_group=5), "topk_group: expected at most n_group = 4, got 5"),
+    (dict(top_k=9), r"top_k: expected at most topk_group x experts a group = 8, got 9"),
+    (dict(top_k=0), "top_k"),
+    (dict(ids=torch.zeros(2, 4, dtype=torch.int64)), "ids: expected dtype torch.int32"),
+    (dict(weights=torch.zeros(2, 3)), r"weights: expected shape \(2, 4\)"),
+])
+def test_bad_arguments_are_named(change, message):
+    args = dict(logits=torch.zeros(2, 16), bias=torch.zeros(16), top_k=4, n_group=4, topk_group=2,
+                norm_topk_prob=True, scaling=1.0) | change
+    with pytest.raises((ValueError, TypeError), match=message):
+        route_topk(args.pop("logits"), args.pop("bias"), **args)
+
+
+def test_router_takes_the_kernel_with_the_triton_ops(monkeypatch):
+    """The Router of a model with the Triton ops runs the kernel (same ids as its torch path, weights
+    within a few ulps: the sums' order, and torch's CPU sigmoid against numpy's exp); without them
+    the torch path."""
+    import dsaspec.layers.moe as moe_module
+    from dsaspec.models.dsa_model import DSAModel
+
+    config = get_config("tiny-moe")
+    model = DSAModel(config, dtype=torch.float32, use_triton=True).init_weights(2)
+    routers = [m for m in model.modules() if isinstance(m, moe_module.Router)]
+    assert routers and all(r.use_triton for r in routers)
+    router = routers[0]
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(
+            torch.randn(config.n_routed_experts, generator=torch.Generator().manual_seed(4)) * 0.1)
+    x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    calls = []
+    monkeypatch.setattr(moe_module, "route_topk", lambda *a, **k: calls.append(1) or route_topk(*a, **k))
+    ids, weights = router(x)
+    assert calls == [1]
+    router.use_triton = False
+    want_ids, want_weights = router(x)
+    assert calls == [1] and torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+    model.use_triton = False
+    assert not any(r.use_triton for r in routers)
+
+
+def test_compiles_for_sm90():
+    """Without a GPU: GLM-5's and DeepSeek-V3.2's routing compile for sm_90 without spilled
+    registers, with libdevice's ``expf`` (not ``tl.exp``'s bare ``ex2``) and IEEE divisions only
+    (scripts/compile_decode_epilogues.py, in a subprocess)."""
+    out = run_in_scripts("compile_decode_epilogues",
+                         "for routing in c.ROUTINGS:\n"
+                         "    r = c.compile_router(*routing)\n"
+                         "    print(r['regs'], r['spill'], r['expf_calls'], r['div_rn'], r['div_approx'])")
+    rows = integer_rows(out)
+    assert len(rows) == 2, out
+    for regs, spilled, expf, div_rn, div_approx in rows:
+        assert 0 < regs <= 255 and spilled == 0 and expf > 0 and div_rn > expf and div_approx == 0, out
+
+
+@pytest.mark.gpu
+def test_gpu_scores_are_torch_sigmoid_and_ids_the_torch_routers():
+    """On CUDA the reference over torch's exp, bitwise; and the ids of the torch router's own ops
+    (torch.sigmoid, topk) at the presets' routing, the weights within their sums' last bits."""
+    from dsaspec.layers.moe import Router
+
+    device = torch.device("cuda")
+    for experts, n_group, topk_group, top_k in ROUTINGS:
+        for tokens in TOKENS + (512,):
+            logits, bias = _case(tokens, experts, seed=tokens + experts, device=device)
+            ids, weights = _check(logits, bias, exp=torch.exp, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                  norm_topk_prob=True, scaling=2.5)
+    config = get_config("glm5-fp8-tp8-rank")
+    router = Router(config, device).eval()
+    hidden = torch.randn(64, config.hidden_size, device=device)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn_like(router.weight) / config.hidden_size ** 0.5)
+        router.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts, device=device) * 0.1)
+        want_ids, want_weights = router(hidden)
+        router.use_triton = True
+        ids, weights = router(hidden)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
