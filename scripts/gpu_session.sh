@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh spec-tests rowinv-bench e2e-quick
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
-#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE, MLA query, RoPE tables, FP8 indexer, decode inputs, SiLU-and-mul),
+#   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE, MLA query, RoPE tables, FP8 indexer, decode inputs, SiLU-and-mul, MoE router),
 #   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), fp8-linear, kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-v32, e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
@@ -65,7 +65,7 @@ for step in "$@"; do
         epilogue-tests) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 4 --timeout 300 \
                           tests/test_greedy_tokens.py tests/test_index_rope.py tests/test_mla_latent.py \
                           tests/test_rope_cos_sin.py tests/test_indexer_fp8.py tests/test_decode_inputs.py \
-                          tests/test_silu_and_mul.py \
+                          tests/test_silu_and_mul.py tests/test_moe_router.py \
                           tests/test_engine.py::test_gpu_graph_decode_matches_eager_decode \
                           tests/test_spec_engine.py::test_gpu_speculative_equals_plain_row_invariant \
                           2>&1 | tee "$OUT/epilogue_tests.log" ;;
