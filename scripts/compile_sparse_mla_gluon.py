@@ -10,7 +10,8 @@ place of the copy-completion arrive (the ring slot is signalled after the dequan
 the line adds the gather partition's loop: its instructions and barriers per block, from the wait
 for a free ring slot to the ``full`` arrive (the dequantizing) and from there to the next block's
 commit (its copies; with ``refill="step"`` the earlier steps' copies come before the arrive), and
-the two together.
+the two together; with ``staging=0`` (the gathers through registers) the loop from the wait to the
+arrive, its global loads and shared stores.
 
 Both forms (single pass and split records) over each cache at each of ``--heads`` (default 8,
 16, 32: one padded program of 64 head slots; 64 and 128: one and two full ones), and the split
@@ -52,21 +53,29 @@ MAX_SHARED_BYTES = 232448  # dynamic shared memory per block on compute capabili
 HEADS = (8, 16, 32, 64, 128)
 
 
-def gather_loop(sass: str) -> dict:
+def gather_loop(sass: str, registers: bool = False) -> dict:
     """The FP8 gather partition's loop in ``sass``: instructions and ``BAR`` barriers per thread
     and block from its wait for a free ring slot (the partition's first ``SYNCS.PHASECHK``) to the
     ``full`` arrive (``dequant``, ``dequant_bars``), from there to the next commit (``LDGDEPBAR``:
     ``copy``, ``copy_bars``), and both together (``block``, ``block_bars``). With
-    ``refill="step"`` the earlier steps' copies fall before the arrive: compare ``block``."""
+    ``refill="step"`` the earlier steps' copies fall before the arrive: compare ``block``. With
+    ``registers`` (``staging=0``: the block's loads, conversion, stores and rope copies all lie
+    between the wait and the arrive) only ``block`` and ``block_bars`` (wait to arrive), and the
+    global loads (``LDG``: ``loads``) and shared-memory stores (``STS``: ``stores``) among them."""
     lines = [m.group(1) for m in SASS_OP.finditer(sass)]
     start = next(i for i, op in enumerate(lines) if op.startswith("USETMAXREG.TRY_ALLOC"))
     wait = next(i for i in range(start, len(lines)) if lines[i].startswith("SYNCS.PHASECHK"))
     arrive = next(i for i in range(wait, len(lines)) if lines[i].startswith("SYNCS.ARRIVE"))
-    commit = next(i for i in range(arrive, len(lines)) if lines[i] == "LDGDEPBAR")
 
     def bars(ops):
         return sum(op.startswith("BAR.SYNC") for op in ops)
 
+    if registers:
+        loop = lines[wait:arrive + 1]
+        return dict(block=len(loop), block_bars=bars(loop),
+                    loads=sum(op.startswith("LDG.") or op == "LDG" for op in loop),
+                    stores=sum(op.startswith("STS") for op in loop))
+    commit = next(i for i in range(arrive, len(lines)) if lines[i] == "LDGDEPBAR")
     return dict(dequant=arrive + 1 - wait, dequant_bars=bars(lines[wait:arrive]),
                 copy=commit - arrive, copy_bars=bars(lines[arrive + 1:commit + 1]),
                 block=commit + 1 - wait, block_bars=bars(lines[wait:commit + 1]))
@@ -107,7 +116,7 @@ def compile_form(heads: int, split: bool, traced: bool = False,
     return dict(regs=record["regs"], spill_stores=record["spill_stores"] or 0, unmasked=unmasked,
                 shared=compiled.metadata.shared, warps=compiled.metadata.num_warps,
                 sass={name: found[name] for name in (REQUIRED_FP8 if fp8_tiles else REQUIRED)},
-                loop=gather_loop(sass) if fp8_tiles else None)
+                loop=gather_loop(sass, fp8_tiles.staging == 0) if fp8_tiles else None)
 
 
 def main() -> int:
@@ -126,14 +135,20 @@ def main() -> int:
             " with stamps" if traced else "") + (f", fp8 cache ({tiles})" if tiles else "")
         result = compile_form(heads, split, traced, tiles)
         loop = result["loop"]
+        if loop is None:
+            loop_line = ""
+        elif "loads" in loop:
+            loop_line = (f"; gather loop per block (through registers, wait to arrive): "
+                         f"{loop['block']} instructions, {loop['block_bars']} barriers, "
+                         f"{loop['loads']} LDG, {loop['stores']} STS")
+        else:
+            loop_line = (f"; gather loop per block: dequantizing {loop['dequant']} instructions, "
+                         f"{loop['dequant_bars']} barriers; copies {loop['copy']} instructions, "
+                         f"{loop['copy_bars']} barriers; together {loop['block']} instructions, "
+                         f"{loop['block_bars']} barriers")
         print(f"{form}: {result['regs']} registers, {result['spill_stores']} B spilled, "
               f"{result['shared']} B shared memory, {result['warps']} warps; SASS {result['sass']}; "
-              f"{result['unmasked']} unpredicated global stores" + (
-                  f"; gather loop per block: dequantizing {loop['dequant']} instructions, "
-                  f"{loop['dequant_bars']} barriers; copies {loop['copy']} instructions, "
-                  f"{loop['copy_bars']} barriers; together {loop['block']} instructions, "
-                  f"{loop['block_bars']} barriers" if loop else ""),
-              flush=True)
+              f"{result['unmasked']} unpredicated global stores{loop_line}", flush=True)
         if result["spill_stores"]:
             failures.append(f"{form}: spills {result['spill_stores']} B")
         if result["shared"] > MAX_SHARED_BYTES:

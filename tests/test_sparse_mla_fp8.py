@@ -120,7 +120,8 @@ EDGE_COUNTS = [0, 1, 31, 32, 33, 63, 64]
 # slot-id loads and refill.
 GLUON_FP8 = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
              "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
-             **{f"gluon_fp8_tune_n{c.block_n}_r{c.num_stages}_s{c.staging or c.num_stages}_"
+             **{f"gluon_fp8_tune_n{c.block_n}_r{c.num_stages}_"
+                f"s{c.num_stages if c.staging is None else c.staging}_"
                 f"w{c.gather_warps}_g{c.gather_registers}_d{c.dequant_steps}_{c.slot_loads}_"
                 f"{c.refill}": c
                 for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS}}
@@ -470,6 +471,13 @@ def test_gluon_fp8_tune_candidates():
                for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS}
     assert {(64, 2, "convert", "block"), (64, 2, "convert", "step"),
             (64, 2, "per_layout", "step"), (32, 1, "per_layout", "block")} <= options
+    # the gathers through registers (no staging stage) at 64 slots, the bf16 kernel's two ring
+    # slots, eighth-block steps at 88 gather registers, quarter-block steps at 104
+    through_registers = {(c.block_n, c.num_stages, c.dequant_steps, c.gather_registers)
+                         for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS if c.staging == 0}
+    assert through_registers == {(64, 2, 8, 88), (64, 2, 4, 104)}
+    assert {"gluon_fp8_tune_n64_r2_s0_w4_g88_d8_per_layout_block",
+            "gluon_fp8_tune_n64_r2_s0_w4_g104_d4_per_layout_block"} <= set(GLUON_FP8_TUNE)
 
 
 def test_fp8_tiles_reject_bad_gather_options():
@@ -487,6 +495,43 @@ def test_fp8_tiles_reject_bad_gather_options():
                 f"gather_warps = 32 rows a step, got block_n {block_n}, dequant_steps {steps}")):
             sparse_mla_gluon.FP8Tiles(block_n, 1, dequant_steps=steps, refill="step")
     assert sparse_mla_gluon.FP8Tiles(64, 1, dequant_steps=2, refill="step").refill == "step"
+
+
+def test_fp8_tiles_reject_what_the_register_gathers_do_not_implement():
+    """FP8Tiles and SparseMLAConfig name the field: a negative staging; staging 0 (the gathers
+    through registers) with the slot ids converted or a per-step refill (it has neither), or with
+    steps that do not divide the block or are shorter than 8 rows (the sm_90 compile cannot slice
+    the ring slot's swizzle pattern); the Triton kernel refuses staging 0 as any gather option."""
+    with pytest.raises(ValueError, match=re.escape("staging: expected None or >= 0 staging stages, got -1")):
+        sparse_mla_gluon.FP8Tiles(64, 2, staging=-1)
+    for slot_loads, refill in (("convert", "block"), ("per_layout", "step"), ("convert", "step")):
+        message = re.escape(f"staging: 0 (the gathers through registers) needs slot_loads='per_layout' "
+                            f"and refill='block', got slot_loads {slot_loads!r}, refill {refill!r}")
+        with pytest.raises(ValueError, match=message):
+            sparse_mla_gluon.FP8Tiles(64, 2, staging=0, dequant_steps=2, slot_loads=slot_loads, refill=refill)
+        with pytest.raises(ValueError, match=message):
+            SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon", staging=0,
+                            dequant_steps=2, slot_loads=slot_loads, refill=refill)
+    for block_n, steps in ((64, 16), (64, 3), (32, 8)):
+        message = re.escape(f"dequant_steps: staging 0 (the gathers through registers) needs a divisor of "
+                            f"block_n {block_n} leaving at least 8 rows a step (a step's rows of the ring "
+                            f"slot span whole 128-byte swizzle patterns), got {steps}")
+        with pytest.raises(ValueError, match=message):
+            sparse_mla_gluon.FP8Tiles(block_n, 2, staging=0, dequant_steps=steps, slot_loads="per_layout")
+        with pytest.raises(ValueError, match=message):
+            SparseMLAConfig(block_h=64, block_n=block_n, num_warps=8, num_stages=2, kernel="gluon",
+                            staging=0, dequant_steps=steps, slot_loads="per_layout")
+    # staged forms keep their old range of steps (the Triton configs' defaults at 16 slots)
+    assert sparse_mla_gluon.FP8Tiles(16, 2).dequant_steps == 4
+    assert sparse_mla_gluon.FP8Tiles(64, 2, staging=0, dequant_steps=8, slot_loads="per_layout").staging == 0
+    with pytest.raises(ValueError, match=re.escape(
+            "staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill: the Triton kernel "
+            "has no gather partition")):
+        SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, staging=0,
+                        dequant_steps=8, slot_loads="per_layout")
+    with pytest.raises(ValueError, match=re.escape("kernel: the Gluon kernel's tiles")):
+        SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon", staging=0,
+                        dequant_steps=4, slot_loads="per_layout")
 
 
 @pytest.mark.gpu

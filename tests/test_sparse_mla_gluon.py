@@ -10,6 +10,7 @@ argument check.
 (CUDA-graph replay with new slots: test_sparse_mla.py, for both kernels.)"""
 
 import math
+import re
 import os
 import subprocess
 import sys
@@ -75,6 +76,16 @@ def test_compiles_for_sm90_as_designed():
         lines = [line for line in proc.stdout.splitlines() if f"fp8 cache ({tiles}):" in line]
         assert len(lines) >= 10 and all(" 0 B spilled" in line and "gather loop per block" in line
                                         for line in lines), (tiles, lines)
+    # the gathers through registers (staging=0) have the bf16 kernel's shared memory (two ring
+    # slots, no staging stage) and print their loop from the ring-slot wait to the arrive
+    bf16 = next(line for line in proc.stdout.splitlines() if line.startswith("64 heads, single pass:"))
+    bf16_shared = re.search(r"(\d+) B shared memory", bf16).group(1)
+    registers = [t for t in sparse_mla_gluon.FP8_TUNE_TILES if t.staging == 0]
+    assert registers
+    for tiles in registers:
+        lines = [line for line in proc.stdout.splitlines() if f"fp8 cache ({tiles}):" in line]
+        assert all(f" {bf16_shared} B shared memory" in line and "(through registers" in line
+                   for line in lines), (tiles, lines)
 
 
 def test_trace_argument_is_checked():

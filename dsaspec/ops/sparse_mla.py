@@ -93,7 +93,8 @@ class SparseMLAConfig:
         :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` on an ``fp8_ds_mla`` one).
     staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill : the Gluon
         kernel's gather partition on an ``fp8_ds_mla`` cache (:class:`sparse_mla_gluon.FP8Tiles`:
-        its staging stages, None for as many as ``num_stages``; its warps; its registers per
+        its staging stages, None for as many as ``num_stages``, 0 for none: the codes and
+        scales loaded into registers and dequantized there; its warps; its registers per
         thread; the steps a staged block is dequantized in; how the copies get their slot ids,
         ``"convert"`` or ``"per_layout"``; when a staging stage is refilled, ``"block"`` or
         ``"step"``); the Triton kernel has none and takes only the defaults. A row's output does

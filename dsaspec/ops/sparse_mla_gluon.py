@@ -19,7 +19,9 @@ padded wgmma rows cost tensor-core time it has to spare.
   cache (constexpr ``FP8``, tiles :class:`FP8Tiles`: the defaults :data:`FP8_TILES`, the tune
   candidates :data:`FP8_TUNE_TILES`) it copies the slots' bytes into staging stages instead and
   dequantizes each block into its ring slot (bf16, exact), then signals it, refilling the staging
-  stage after the block or after each dequantizing step (``FP8Tiles.refill``);
+  stage after the block or after each dequantizing step (``FP8Tiles.refill``); with
+  ``FP8Tiles.staging=0`` it loads the codes and scales from global memory into registers instead,
+  dequantizes them there into the ring slot and copies the rope values into it by ``cp.async``;
 - the attend partition (8 warps, two warpgroups, each owning half of the score columns and half
   of the 512 value columns) per block waits for its slot, runs the QK dot of the 64 heads against
   it as wgmma (latent, then rope), the online softmax (fp32, log2 domain), stores the
@@ -87,14 +89,20 @@ class FP8Tiles:
     block_n : selected slots per block (the ring slot, the staging stage and the softmax step).
     stages : bf16 ring slots (blocks the dequantizing may run ahead of the attend partition).
     staging : staging stages of the cache's bytes (656 a slot; blocks of copies in flight), None:
-        as many as ``stages``.
+        as many as ``stages``; 0: none, the gathers load each block's codes and scales from
+        global memory into registers, dequantize them there and store them into the ring slot,
+        and copy its rope values into the ring slot by ``cp.async`` (then ``dequant_steps`` are
+        the steps a block is loaded in, of at least 8 rows: its first step's loads issued before
+        the wait for its ring slot, each later step's before the step ahead of it is converted;
+        needs ``slot_loads="per_layout"`` and ``refill="block"``).
     gather_warps : warps of the gather partition, which copies and dequantizes (the attend
         partition keeps its 8). Only 4 compiles for sm_90: with 8 (16 warps) the launch bound
         is 128 registers a thread and ptxas needs 154 for the attend partition's dots.
     gather_registers : registers per gather thread after the partitions' setmaxnreg split (a
         multiple of 8); the attend partition gets the rest of the SM's 64K.
-    dequant_steps : steps a staged block is dequantized in, each ``block_n // dequant_steps``
-        rows and ending in a barrier of the gather warps.
+    dequant_steps : steps a staged block is dequantized in (with ``staging=0``: loaded and
+        converted in), each ``block_n // dequant_steps`` rows and ending in a barrier of the
+        gather warps (with ``staging=0`` the compiler's, between two steps' stores to the slot).
     slot_loads : how the copies get a block's slot ids in their three layouts, one of
         :data:`SLOT_LOADS`: ``"convert"`` (loaded in the codes' layout, converted through shared
         memory for the scales and rope) or ``"per_layout"`` (loaded from global in each layout).
@@ -115,20 +123,34 @@ class FP8Tiles:
     refill: str = REFILLS[0]
 
     def __post_init__(self):
-        _check_gather_options(self.block_n, self.gather_warps, self.dequant_steps, self.slot_loads,
-                              self.refill)
+        _check_gather_options(self.block_n, self.staging, self.gather_warps, self.dequant_steps,
+                              self.slot_loads, self.refill)
 
 
-def _check_gather_options(block_n: int, gather_warps: int, dequant_steps: int, slot_loads: str,
-                          refill: str) -> None:
-    """Raise ValueError naming the argument unless ``slot_loads`` is one of :data:`SLOT_LOADS`,
-    ``refill`` one of :data:`REFILLS`, and a ``"step"`` refill has at least two dequantizing
-    steps of at least ``8 * gather_warps`` rows each (``block_n // dequant_steps``: 32 thread
-    rows of four fp32 scales a warp); for :class:`FP8Tiles` (and ``SparseMLAConfig``, which builds one)."""
+def _check_gather_options(block_n: int, staging: int | None, gather_warps: int, dequant_steps: int,
+                          slot_loads: str, refill: str) -> None:
+    """Raise ValueError naming the argument unless ``staging`` is None or ``>= 0``, ``slot_loads``
+    is one of :data:`SLOT_LOADS`, ``refill`` one of :data:`REFILLS`, a ``"step"`` refill has at
+    least two dequantizing steps of at least ``8 * gather_warps`` rows each (``block_n //
+    dequant_steps``: 32 thread rows of four fp32 scales a warp), and ``staging=0`` (the gathers
+    through registers) comes with ``dequant_steps`` dividing ``block_n`` into steps of at least
+    8 rows (sm_90 compile: a ring-slot slice of 4 rows splits its swizzle pattern),
+    ``slot_loads="per_layout"`` and ``refill="block"`` (it has no staging stage to refill and
+    loads each layout's slot ids itself); for :class:`FP8Tiles` (and ``SparseMLAConfig``, which
+    builds one)."""
+    if staging is not None and staging < 0:
+        raise ValueError(f"staging: expected None or >= 0 staging stages, got {staging}")
+    if staging == 0 and (block_n % dequant_steps or block_n // dequant_steps < 8):
+        raise ValueError(f"dequant_steps: staging 0 (the gathers through registers) needs a divisor of "
+                         f"block_n {block_n} leaving at least 8 rows a step (a step's rows of the ring "
+                         f"slot span whole 128-byte swizzle patterns), got {dequant_steps}")
     if slot_loads not in SLOT_LOADS:
         raise ValueError(f"slot_loads: expected one of {SLOT_LOADS}, got {slot_loads!r}")
     if refill not in REFILLS:
         raise ValueError(f"refill: expected one of {REFILLS}, got {refill!r}")
+    if staging == 0 and (slot_loads != "per_layout" or refill != "block"):
+        raise ValueError(f"staging: 0 (the gathers through registers) needs slot_loads='per_layout' and "
+                         f"refill='block', got slot_loads {slot_loads!r}, refill {refill!r}")
     if refill == "step" and (dequant_steps < 2 or block_n // dequant_steps < 8 * gather_warps):
         raise ValueError(f"refill: 'step' needs dequant_steps >= 2 and block_n // dequant_steps "
                          f">= 8 * gather_warps = {8 * gather_warps} rows a step, got block_n "
@@ -156,7 +178,10 @@ FP8_TILES = (FP8Tiles(64, 1, dequant_steps=2, slot_loads="per_layout"),
 # defaults of both block sizes, more staging or ring slots at 32, and at 64 slots the block's slot
 # ids converted through shared memory (the former default) and the staging refilled per
 # dequantizing step, each and both (more gather registers where 88 spilled), the loads per layout
-# at the 32-slot default.
+# at the 32-slot default; then the gathers through registers at 64 slots (no staging stage, the
+# bf16 kernel's two ring slots, so a block is dequantized while the one before is on the tensor
+# cores), in eighth-block steps at 88 gather registers and in quarter-block steps at 104 (at 88
+# and 96 they spilled 16 and 12 B; half-block steps spilled at 104 and 120).
 FP8_TUNE_TILES = (
     FP8Tiles(64, 1),
     FP8Tiles(32, 2),
@@ -168,6 +193,8 @@ FP8_TUNE_TILES = (
     FP8Tiles(64, 1, gather_registers=96, dequant_steps=2, refill="step"),
     FP8Tiles(64, 1, gather_registers=104, dequant_steps=2, slot_loads="per_layout", refill="step"),
     FP8Tiles(32, 2, gather_registers=96, dequant_steps=1, slot_loads="per_layout"),
+    FP8Tiles(64, 2, staging=0, dequant_steps=8, slot_loads="per_layout"),
+    FP8Tiles(64, 2, staging=0, gather_registers=104, dequant_steps=4, slot_loads="per_layout"),
 )
 
 
@@ -260,6 +287,16 @@ def _copy_fp8_rows(codes, scales, rope, kv_ptr, kv_stride, row_slots, topk, bloc
                                            mask=(scale_slot >= 0)[:, None])
     if not PER_LAYOUT:
         rope_slot = gl.convert_layout(slot, gl.SliceLayout(1, rope_layout))
+    _copy_fp8_rope(rope, kv_ptr, kv_stride, rope_slot, LATENT, ROPE, GROUPS, WARPS)
+
+
+@gluon.jit
+def _copy_fp8_rope(rope, kv_ptr, kv_stride, rope_slot, LATENT: gl.constexpr, ROPE: gl.constexpr,
+                   GROUPS: gl.constexpr, WARPS: gl.constexpr):
+    """``cp.async`` of the bf16 rope values of the ``fp8_ds_mla`` cache rows ``rope_slot`` (slot
+    ids in the rope copies' row layout) into the rows of ``rope``; rows of invalid slots
+    zero-filled."""
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     rope_row = (kv_ptr + LATENT + 4 * GROUPS + gl.where(rope_slot >= 0, rope_slot, 0).to(gl.int64)
                 * kv_stride).to(gl.pointer_type(gl.bfloat16), bitcast=True)
     rope_columns = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
@@ -291,10 +328,26 @@ def _dequantize_rows(codes, scales, latent_out, FIRST: gl.constexpr, ROWS: gl.co
     bf16 into the same rows of a latent ring slot (exact: a power-of-two scale times an e4m3 code
     is a bf16 value, as in the Triton kernel's ``_gather_latent``)."""
     GROUP: gl.constexpr = LATENT // GROUPS
-    layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, GROUPS, 32 // GROUPS], [WARPS, 1, 1],
-                                            [2, 1, 0])
+    layout: gl.constexpr = _dequant_layout(GROUPS, WARPS)
     code = codes.reshape([BLOCK_N, GROUPS, GROUP]).slice(FIRST, ROWS, dim=0).load(layout)
     scale = scales.reshape([BLOCK_N, GROUPS, 1]).slice(FIRST, ROWS, dim=0).load(layout)
+    _store_dequantized(code, scale, latent_out, FIRST, ROWS, LATENT)
+
+
+@gluon.constexpr_function
+def _dequant_layout(GROUPS, WARPS):
+    """The register layout of dequantized ``[rows, GROUPS, group]`` codes: 16 consecutive codes of
+    one group a thread, a warp a row."""
+    return gl.BlockedLayout([1, 1, 16], [1, GROUPS, 32 // GROUPS], [WARPS, 1, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _store_dequantized(code, scale, latent_out, FIRST: gl.constexpr, ROWS: gl.constexpr,
+                       LATENT: gl.constexpr):
+    """uint8 e4m3 ``code`` ``[ROWS, groups, group]`` times its group's fp32 ``scale`` ``[ROWS,
+    groups, 1]``, as bf16 ``[ROWS, LATENT]`` into rows ``FIRST .. FIRST + ROWS`` of the latent ring
+    slot ``latent_out`` (exact: a power-of-two scale times an e4m3 code is a bf16 value, as in
+    the Triton kernel's ``_gather_latent``)."""
     value = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
     latent_out.slice(FIRST, ROWS, dim=0).store(gl.reshape(value.to(gl.bfloat16), [ROWS, LATENT]))
 
@@ -381,6 +434,88 @@ def _gather_fp8_blocks(kv_ptr, kv_stride, row_slots, topk, first_block, stop_blo
 
 
 @gluon.jit
+def _step_slots(row_slots, topk, block, stop_block, FIRST: gl.constexpr, ROWS: gl.constexpr,
+                BLOCK_N: gl.constexpr, GROUPS: gl.constexpr, WARPS: gl.constexpr):
+    """The slot ids of block ``block``'s slots ``FIRST .. FIRST + ROWS`` in the row layout of
+    :func:`_dequant_layout` (-1 past ``topk``, and for every slot when ``block >= stop_block``)."""
+    layout: gl.constexpr = _dequant_layout(GROUPS, WARPS)
+    index = block * BLOCK_N + FIRST + gl.arange(
+        0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    return gl.load(row_slots + index, mask=(index < topk) & (block < stop_block), other=-1)
+
+
+@gluon.jit
+def _load_fp8_latent(kv_ptr, kv_stride, slot, LATENT: gl.constexpr, GROUPS: gl.constexpr,
+                     WARPS: gl.constexpr):
+    """From global memory into registers (:func:`_dequant_layout`): the uint8 e4m3 codes
+    ``[rows, GROUPS, LATENT // GROUPS]`` and the fp32 group scales ``[rows, GROUPS, 1]`` of the
+    ``fp8_ds_mla`` cache rows ``slot`` (:func:`_step_slots`); zeros for invalid slots (as a
+    zero-filled copy), which are not read."""
+    GROUP: gl.constexpr = LATENT // GROUPS
+    layout: gl.constexpr = _dequant_layout(GROUPS, WARPS)
+    valid = (slot >= 0)[:, None, None]
+    row = (kv_ptr + gl.where(slot >= 0, slot, 0).to(gl.int64) * kv_stride)[:, None, None]
+    group = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
+    column = gl.arange(0, GROUP, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+    code = gl.load(row + group * GROUP + column, mask=valid, other=0)
+    scale = gl.load((row + LATENT + 4 * group).to(gl.pointer_type(gl.float32), bitcast=True),
+                    mask=valid, other=0.0)
+    return code, scale
+
+
+@gluon.jit
+def _gather_fp8_registers(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block,
+                          latent_ring, rope_ring, full, empty, trace_ptr, LATENT: gl.constexpr,
+                          ROPE: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, STEPS: gl.constexpr, WARPS: gl.constexpr,
+                          TRACE: gl.constexpr):
+    """The split's blocks from an ``fp8_ds_mla`` cache without staging stages (``staging=0``):
+    block ``first_block + i`` into ring slot ``i % STAGES`` once that is free, its rope values by
+    ``cp.async`` (the first commit group also holds the queries' copies) and its codes and scales
+    in ``STEPS`` steps of ``BLOCK_N // STEPS`` rows loaded from global memory into registers,
+    dequantized there and stored into the slot (:func:`_store_dequantized`, the staged path's
+    arithmetic); signalled on ``full`` by one arrive after every gather thread's stores and rope
+    copies. A block's first step is loaded before the wait for its ring slot (its slot ids during
+    the block before), and each later step's loads are issued before the step ahead is converted."""
+    ROWS: gl.constexpr = BLOCK_N // STEPS
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    first_slots = _step_slots(row_slots, topk, first_block, stop_block, 0, ROWS, BLOCK_N, GROUPS,
+                              WARPS)
+    for block in range(first_block, stop_block):
+        i = block - first_block
+        stage = i % STAGES
+        # the codes stay within a block: carried to the next one (a loop phi) they are held a byte
+        # a register, and quarter-block steps spilled at 104 registers
+        code, scale = _load_fp8_latent(kv_ptr, kv_stride, first_slots, LATENT, GROUPS, WARPS)
+        slots_ahead = _step_slots(row_slots, topk, block, stop_block, ROWS, ROWS, BLOCK_N, GROUPS,
+                                  WARPS)
+        first_slots = _step_slots(row_slots, topk, block + 1, stop_block, 0, ROWS, BLOCK_N, GROUPS,
+                                  WARPS)
+        rope_index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_layout))
+        rope_slot = gl.load(row_slots + rope_index, mask=rope_index < topk, other=-1)
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        _copy_fp8_rope(rope_ring.index(stage), kv_ptr, kv_stride, rope_slot, LATENT, ROPE, GROUPS,
+                       WARPS)
+        async_copy.commit_group()
+        if i == 0:
+            _stamp(trace_ptr, 7, TRACE)
+        for r in gl.static_range(STEPS):
+            if r + 1 < STEPS:  # step r + 1's codes (slot ids loaded a step ago)
+                next_code, next_scale = _load_fp8_latent(kv_ptr, kv_stride, slots_ahead, LATENT,
+                                                         GROUPS, WARPS)
+            if r + 2 < STEPS:  # ... and step r + 2's slot ids
+                slots_ahead = _step_slots(row_slots, topk, block, stop_block, (r + 2) * ROWS, ROWS,
+                                          BLOCK_N, GROUPS, WARPS)
+            _store_dequantized(code, scale, latent_ring.index(stage), r * ROWS, ROWS, LATENT)
+            if r + 1 < STEPS:
+                code, scale = next_code, next_scale
+        async_copy.wait_group(0)  # this thread's rope copies (and the queries') landed
+        fence_async_shared()  # the bf16 stores, before the wgmma reads them
+        gl.thread_barrier()  # every gather thread stored and copied
+        mbarrier.arrive(full.index(stage), count=1)
+
+
+@gluon.jit
 def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr, kv_stride,
                       row_slots, topk, latent_ring, rope_ring, codes, scales, rope, full, empty,
                       trace_ptr, LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
@@ -391,7 +526,8 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
     """The queries into shared memory (the first ``real_heads`` of them, zeros in the padding
     head slots), then block ``first_block + i``'s cache rows into ring slot ``i % STAGES`` once
     it is free: by ``cp.async`` from a bf16 cache, through the staging stages ``codes, scales,
-    rope`` (:func:`_gather_fp8_blocks`) from an ``fp8_ds_mla`` one."""
+    rope`` (:func:`_gather_fp8_blocks`) from an ``fp8_ds_mla`` one, or with ``STAGING == 0``
+    through registers (:func:`_gather_fp8_registers`)."""
     # 16-byte copies: a warp covers half a latent row, or four rope rows
     latent_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
@@ -411,7 +547,11 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
     first_block, stop_block = _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N,
                                             SCAN, WARPS)
     _stamp(trace_ptr, 6, TRACE)
-    if FP8:
+    if FP8 and STAGING == 0:
+        _gather_fp8_registers(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block,
+                              latent_ring, rope_ring, full, empty, trace_ptr, LATENT, ROPE, GROUPS,
+                              BLOCK_N, STAGES, STEPS, WARPS, TRACE)
+    elif FP8:
         _gather_fp8_blocks(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, codes,
                            scales, rope, latent_ring, rope_ring, full, empty, trace_ptr, LATENT,
                            ROPE, GROUPS, BLOCK_N, STAGES, STAGING, STEPS, PER_LAYOUT,
@@ -569,9 +709,9 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
         gl.bfloat16, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
                                                                                gl.bfloat16))
     # the FP8 staging stages of the gathered cache rows (the cache's bytes); one row for a bf16
-    # cache, never used
-    STAGED_STAGES: gl.constexpr = STAGING if FP8 else 1
-    STAGED_ROWS: gl.constexpr = BLOCK_N if FP8 else 1
+    # cache or an FP8 one gathered through registers (staging 0), never used
+    STAGED_STAGES: gl.constexpr = STAGING if FP8 and STAGING > 0 else 1
+    STAGED_ROWS: gl.constexpr = BLOCK_N if FP8 and STAGING > 0 else 1
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     codes = gl.allocate_shared_memory(gl.uint8, [STAGED_STAGES, STAGED_ROWS, LATENT], plain)
     scales = gl.allocate_shared_memory(gl.float32, [STAGED_STAGES, STAGED_ROWS, GROUPS], plain)
