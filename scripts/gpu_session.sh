@@ -5,7 +5,7 @@
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
 #   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE, MLA query, RoPE tables, FP8 indexer, decode inputs, SiLU-and-mul, MoE router),
 #   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), fp8-linear, kv-accuracy, e2e-rank-glm5,
-#   e2e-rank-v32, e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
+#   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-v32, e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
@@ -96,6 +96,8 @@ for step in "$@"; do
                       python3 -c "import pstats; s = pstats.Stats('$OUT/rank_capture.prof'); \
                           s.sort_stats('tottime').print_stats(40); s.sort_stats('cumulative').print_stats(60)" \
                           >> "$OUT/rank_profile.log" ;;
+        e2e-rank-glm5-chains) python3 -m dsaspec bench e2e --presets glm5-fp8-tp8-rank --num-steps 4,5 \
+                          --contexts 1048576 --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_glm5_chains" ;;
         e2e-rank-v32) python3 -m dsaspec bench e2e --presets deepseek-v32-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
                           --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_v32" ;;
         decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
