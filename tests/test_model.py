@@ -640,3 +640,42 @@ def test_rotary_tables(scaling):
     assert cos.dtype == sin.dtype == torch.float32
     assert torch.equal(cos, (angles.cos() * factor).float())
     assert torch.equal(sin, (angles.sin() * factor).float())
+
+
+@pytest.mark.parametrize("row_invariant", [False, True], ids=["torch", "row_invariant"])
+def test_o_proj_reads_the_value_product_where_it_was_written(row_invariant):
+    """The W_UV product is written through the [H, R, v] view of a [R, H, v] tensor, so o_proj's
+    input is that tensor's [R, H * v] view (its storage, no reshape copy) and no aten clone runs
+    in the attention forward; the decode's logits are unchanged against the reference."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Clones(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = DSAModel(get_config("tiny"), dtype=torch.float32, row_invariant=row_invariant).init_weights(0)
+    attention = model.model.layers[0].self_attn
+    seen = []
+    attention.o_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    counted = Clones()
+    attention.register_forward_pre_hook(lambda module, args: [counted.__enter__()] and None)
+    attention.register_forward_hook(lambda module, args, out: [counted.__exit__(None, None, None)] and None)
+    session = Session(model)
+    prompt = _tokens(20, model.config.vocab_size)
+    row = session.slots.admit(prompt.numel())
+    model.prefill(prompt, session.table, row, session.kv, chunk_size=20)
+    hidden, _ = session.step(row, [3], 20)
+    o = seen[-1]
+    heads, v = attention.num_heads, model.config.v_head_dim
+    assert o.shape == (1, heads * v) and o.is_contiguous() and o._base is not None
+    assert o._base.shape == (1, heads, v) and o.data_ptr() == o._base.data_ptr()
+    assert counted.count["clone"] == 0, counted.count
+    want = reference_forward(model, torch.cat((prompt, torch.tensor([3])))).logits[-1]
+    torch.testing.assert_close(model.logits(hidden)[0], want, atol=1e-4, rtol=1e-4)

@@ -80,6 +80,9 @@ def make_linear(in_features: int, out_features: int, device, dtype, *, group: TP
     return module
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool) -> torch.Tensor:
-    """``a[i] @ b[i]`` (cuBLAS, or the row-invariant GEMM)."""
-    return row_invariant_ops().bmm(a, b) if row_invariant else torch.bmm(a, b)
+def bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a[i] @ b[i]`` (cuBLAS, or the row-invariant GEMM), into ``out`` (``[B, M, N]``, unit last
+    stride, any other strides) when given; returns the result."""
+    if row_invariant:
+        return row_invariant_ops().bmm(a, b, out)
+    return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)

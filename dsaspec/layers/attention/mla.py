@@ -219,8 +219,10 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         workspace = step.attn.workspace or NO_WORKSPACE
         step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
                                    check_values=step.check_values, workspace=workspace.sparse_mla)
-        o = bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), self.row_invariant).transpose(0, 1)  # [R, H, v]
-        return self.group.all_reduce(self.o_proj(o.reshape(rows, heads * cfg.v_head_dim)))
+        # [R, H, v], written through its [H, R, v] view: o_proj reads it as [R, H * v] without a copy
+        o = torch.empty(rows, heads, cfg.v_head_dim, device=x.device, dtype=x.dtype)
+        bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), self.row_invariant, out=o.transpose(0, 1))
+        return self.group.all_reduce(self.o_proj(o.view(rows, heads * cfg.v_head_dim)))
 
 
 def _select_slots(q_index, index_weights, index_k_cache, step: ForwardState, index_topk):
