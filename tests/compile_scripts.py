@@ -24,6 +24,16 @@ def run_in_scripts(script: str, code: str, timeout: int = 600) -> str:
     return proc.stdout
 
 
+def compiled_counts(script: str, calls: str, fields: tuple[str, ...]) -> list[dict]:
+    """In ``scripts/`` (as :func:`run_in_scripts`): for each result dict of the expression
+    ``calls`` (an iterable of ``script``'s compile results, ``c`` being the script), its integer
+    ``fields``; one dict per result, in order."""
+    out = run_in_scripts(script, f"for r in {calls}:\n    print(*(r[f] for f in {fields!r}))")
+    rows = integer_rows(out)
+    assert rows and all(len(row) == len(fields) for row in rows), out
+    return [dict(zip(fields, row)) for row in rows]
+
+
 def integer_rows(out: str) -> list[tuple[int, ...]]:
     """The lines of ``out`` that start with a digit, each as a tuple of its whitespace-separated
     integers (what the compile snippets print per kernel)."""

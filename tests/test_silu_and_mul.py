@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_scripts import integer_rows, run_in_scripts
+from compile_scripts import compiled_counts
 from dsaspec.configs.model_config import get_config
 from dsaspec.ops.silu_and_mul import silu_and_mul
 
@@ -170,11 +170,9 @@ def test_compiles_for_sm90():
     """Without a GPU: bf16 and fp32 compile for sm_90 without spilled registers, with libdevice's
     ``expf`` (its range reduction's rounding constant 0x4B400001, not ``tl.exp``'s bare ``ex2``) and
     IEEE division only; scripts/compile_decode_epilogues.py's compile, in a subprocess."""
-    out = run_in_scripts("compile_decode_epilogues",
-                         "for bf16 in (True, False):\n"
-                         "    r = c.compile_silu_and_mul(bf16)\n"
-                         "    print(r['regs'], r['spill'], r['expf_calls'], r['div_rn'], r['div_approx'])")
-    rows = integer_rows(out)
-    assert len(rows) == 2, out
-    for regs, spilled, expf, div_rn, div_approx in rows:
-        assert 0 < regs <= 255 and spilled == 0 and expf > 0 and div_rn == expf and div_approx == 0, out
+    rows = compiled_counts("compile_decode_epilogues", "(c.compile_silu_and_mul(bf16) for bf16 in (True, False))",
+                           ("regs", "spill", "expf_calls", "div_rn", "div_approx"))
+    assert len(rows) == 2
+    for r in rows:
+        assert 0 < r["regs"] <= 255 and r["spill"] == 0 and r["div_approx"] == 0, r
+        assert 0 < r["expf_calls"] == r["div_rn"], r
