@@ -532,7 +532,7 @@ def test_single_launch_fit_rule(monkeypatch):
     """One cooperative launch only on a CUDA device and for at most SINGLE_LAUNCH_PROGRAMS_PER_SM
     programs per SM (so every program of a row can wait for the others); otherwise five launches."""
     monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
-    monkeypatch.setattr(topk_module, "_interpreted", lambda: False)
+    monkeypatch.setattr(topk_module, "interpreted", lambda kernel: False)
     per_sm = topk_module.SINGLE_LAUNCH_PROGRAMS_PER_SM
     assert topk_module.topk_single_launch_fits(8, per_sm * 132 // 8, "cuda")
     assert topk_module.topk_single_launch_fits(per_sm * 132, 1, "cuda")
@@ -549,8 +549,9 @@ def test_single_launch_refused_under_the_interpreter(monkeypatch, device):
     for its row's next program would wait forever: the fit rule says no even for CUDA tensors (the
     interpreter takes them on a CUDA machine), and single_launch=True is an error."""
     monkeypatch.setattr(topk_module, "sm_count", lambda device: 132)
-    assert topk_module._interpreted() == (os.environ.get("TRITON_INTERPRET") == "1")
-    monkeypatch.setattr(topk_module, "_interpreted", lambda: True)
+    kernel = topk_module._topk_chunk_single_launch_kernel
+    assert topk_module.interpreted(kernel) == (os.environ.get("TRITON_INTERPRET") == "1")
+    monkeypatch.setattr(topk_module, "interpreted", lambda kernel: True)
     assert not topk_module.topk_single_launch_fits(1, 2, "cuda")
     logits, seqlens, page_table = _inputs(torch.randn(2, 100), [100, 60], width=100)
     with pytest.raises(ValueError, match=r"single_launch: needs a CUDA device, compiled kernels "

@@ -15,6 +15,14 @@ def sm_count(device: torch.device | str, without_cuda: int = H200_SMS) -> int:
     return without_cuda
 
 
+def interpreted(kernel) -> bool:
+    """Whether ``kernel`` (a ``triton.jit`` function) runs under the Triton interpreter
+    (``TRITON_INTERPRET=1`` when triton was imported, also with CUDA tensors)."""
+    import triton
+
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
 def supports_pdl(device: torch.device | str) -> bool:
     """Whether kernels on ``device`` may use programmatic dependent launch (``griddepcontrol``,
     Triton's ``launch_pdl``): a CUDA device of compute capability 9.0 (Hopper) or newer."""

@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from dsaspec.ops.checks import check_count, check_tensor
+from dsaspec.ops.device import interpreted
+from dsaspec.ops.silu_and_mul import torch_exp
 
 
 @triton.jit
@@ -40,10 +41,7 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, st
     none = GROUPS_PAD * GROUP_PAD                  # the padding's expert id: no real expert's
     expert = tl.where(live, g * GROUP + j, none)
     logit = tl.load(logits_ptr + row * stride_logits + expert, mask=live, other=0.0)
-    if LIBDEVICE_EXP:
-        e = libdevice.exp(-logit)
-    else:
-        e = tl.exp(-logit)
+    e = torch_exp(-logit, LIBDEVICE_EXP)
     score = tl.math.div_rn(tl.full(logit.shape, 1.0, tl.float32), 1.0 + e)
     choice = tl.where(live, score + tl.load(bias_ptr + expert, mask=live, other=0.0), -float("inf"))
     # each group's two largest choices (the first largest by index taken out for the second)
@@ -81,11 +79,6 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, st
     tl.store(weights_ptr + row * stride_weights + slot, weights, mask=keep)
 
 
-def _interpreted() -> bool:
-    """Whether the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return not isinstance(_router_kernel, triton.runtime.JITFunction)
-
-
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
                norm_topk_prob: bool, scaling: float, ids: torch.Tensor | None = None,
                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +112,6 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group:
         _router_kernel[(tokens,)](
             logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
             GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, NORM=bool(norm_topk_prob),
-            LIBDEVICE_EXP=not _interpreted(), GROUPS_PAD=max(2, triton.next_power_of_2(n_group)),
+            LIBDEVICE_EXP=not interpreted(_router_kernel), GROUPS_PAD=max(2, triton.next_power_of_2(n_group)),
             GROUP_PAD=triton.next_power_of_2(group), TOPK_PAD=max(2, triton.next_power_of_2(top_k)))
     return ids, weights

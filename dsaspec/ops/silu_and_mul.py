@@ -29,11 +29,21 @@ from triton.language.extra import libdevice
 
 from dsaspec.ops.argmax_exchange import _widened_bits
 from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.device import interpreted
 from dsaspec.ops.fp8_kv import _bf16_bits
 from dsaspec.ops.index_rope import _round
 
 _DTYPES = (torch.bfloat16, torch.float32)
 _BLOCK_I = 1024   # features per program (one row a program)
+
+
+@triton.jit
+def torch_exp(x, LIBDEVICE_EXP: tl.constexpr):
+    """fp32 ``exp(x)`` as torch's CUDA kernels compute it: libdevice's ``expf`` (``LIBDEVICE_EXP``,
+    on the GPU), else ``tl.exp`` (the interpreter, which cannot call libdevice: numpy's ``exp``)."""
+    if LIBDEVICE_EXP:
+        return libdevice.exp(x)
+    return tl.exp(x)
 
 
 @triton.jit
@@ -48,21 +58,13 @@ def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, I, stride_gate, stride_up, s
     u = _widened_bits(tl.load(up_ptr + row * stride_up + cols, mask=live, other=0), BF16)
     g = g.to(tl.float32, bitcast=True)
     u = u.to(tl.float32, bitcast=True)
-    if LIBDEVICE_EXP:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
+    e = torch_exp(-g, LIBDEVICE_EXP)
     y = _round(tl.math.div_rn(g, 1.0 + e), BF16) * u
     if BF16:
         y_bits = _bf16_bits(y)
     else:
         y_bits = y.to(tl.int32, bitcast=True)
     tl.store(out_ptr + row * stride_out + cols, y_bits, mask=live)
-
-
-def _interpreted() -> bool:
-    """Whether the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return not isinstance(_silu_and_mul_kernel, triton.runtime.JITFunction)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,5 +84,5 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None 
         bits = torch.int16 if gate.dtype == torch.bfloat16 else torch.int32
         _silu_and_mul_kernel[(rows, triton.cdiv(width, _BLOCK_I))](
             gate.view(bits), up.view(bits), out.view(bits), width, gate.stride(0), up.stride(0), out.stride(0),
-            BF16=bits == torch.int16, LIBDEVICE_EXP=not _interpreted(), BLOCK_I=_BLOCK_I)
+            BF16=bits == torch.int16, LIBDEVICE_EXP=not interpreted(_silu_and_mul_kernel), BLOCK_I=_BLOCK_I)
     return out

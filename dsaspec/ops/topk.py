@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_count, check_live_width, check_tensor
-from dsaspec.ops.device import sm_count, supports_pdl
+from dsaspec.ops.device import interpreted, sm_count, supports_pdl
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU (one program per row)
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps
@@ -1042,12 +1042,6 @@ def _check_counters(workspace: torch.Tensor) -> None:
                          f"calls at once)")
 
 
-def _interpreted() -> bool:
-    """Whether the kernels run under the Triton interpreter (``TRITON_INTERPRET=1`` at import,
-    also with CUDA tensors)."""
-    return not isinstance(_topk_chunk_single_launch_kernel, triton.runtime.JITFunction)
-
-
 def _sample_stride(device) -> int:
     return _GPU_SAMPLE_STRIDE if torch.device(device).type == "cuda" else _CPU_SAMPLE_STRIDE
 
@@ -1113,7 +1107,7 @@ def topk_single_launch_fits(num_rows: int, num_chunks: int, device) -> bool:
     :func:`topk_slots`). With compiled kernels on CUDA the default chunk count
     (:func:`topk_num_chunks`) always passes."""
     device = torch.device(device)
-    return (device.type == "cuda" and not _interpreted()
+    return (device.type == "cuda" and not interpreted(_topk_chunk_single_launch_kernel)
             and num_rows * num_chunks <= SINGLE_LAUNCH_PROGRAMS_PER_SM * sm_count(device))
 
 
