@@ -34,10 +34,11 @@ of each expert's projection, the official checkpoints' format, :mod:`dsaspec.ops
 same launches with a constexpr ``FP8`` switch in the two GEMM kernels, plus
 :func:`~dsaspec.ops.fp8_gemm.act_quant` launches per token per 128 columns: the hidden rows before
 gate/up and, with one gate/up split, the activations before down (with ``split_k > 1`` the split
-reduction quantizes each activation row it stores, with act_quant's math, in its own launch). Each 128-column K block is one e4m3 ``tl.dot`` with fp32
-accumulation, scaled by ``a_scale[row, kb] * w_scale[expert, n // 128, kb]`` and added in fp32 in K
-order, as :func:`~dsaspec.ops.fp8_gemm.fp8_gemm` does. Row invariance holds as above (the
-quantization is per row).
+reduction quantizes each activation row as it stores it, with act_quant's math). Each 128-column
+K block is one e4m3 ``tl.dot`` with fp32 accumulation, scaled by ``a_scale[row, kb] *
+w_scale[expert, n // 128, kb]`` and added in fp32 in K order, as
+:func:`~dsaspec.ops.fp8_gemm.fp8_gemm` does. Row invariance holds as above (the quantization is
+per row).
 """
 
 from __future__ import annotations
