@@ -110,7 +110,7 @@ def _decode(payload: dict) -> list[str]:
 
     keys, cols, groups = _pivot(phases, ("phase",), "bs", phase_us)
     parts.append(_table(f"Decode step phases with bounded metadata, {what}, {longest} configured (µs a step, "
-                        "CUPTI; indexer includes its projections)", ["phase"], cols, keys, groups, "bs"))
+                        "CUPTI; indexer: its module's kernels and its logits kernel)", ["phase"], cols, keys, groups, "bs"))
     return parts
 
 
