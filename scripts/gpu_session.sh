@@ -5,7 +5,8 @@
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
 #   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE, MLA query, RoPE tables, FP8 indexer, decode inputs, SiLU-and-mul, MoE router),
 #   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), fp8-linear, kv-accuracy, e2e-rank-glm5,
-#   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-v32, e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
+#   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
+#   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
@@ -100,6 +101,12 @@ for step in "$@"; do
                           --contexts 1048576 --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_glm5_chains" ;;
         e2e-rank-v32) python3 -m dsaspec bench e2e --presets deepseek-v32-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
                           --concurrency 1,8,32 --accept 3.0 --out "$OUT/rank_v32" ;;
+        decode-rank)  python3 -m dsaspec bench decode --preset glm5-fp8-tp8-rank --bs 1,4,32 --contexts 1048576 \
+                          --runs 2 --steps 16 --out "$OUT/decode_rank_glm5" &&
+                      python3 -m dsaspec bench decode --preset deepseek-v32-fp8-tp8-rank --bs 1,4,32 --contexts 1048576 \
+                          --runs 2 --steps 16 --out "$OUT/decode_rank_v32" ;;
+        e2e-rank-glm5-real) python3 -m dsaspec bench e2e --presets glm5-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
+                          --concurrency 1,8,32 --accept real --out "$OUT/rank_glm5_real" ;;
         decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/decode_fp8" ;;
         pack)         (cd "$OUT" && tar -czf /tmp/out.tgz --exclude=out.tgz . && find . -mindepth 1 -delete \
