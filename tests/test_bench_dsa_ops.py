@@ -90,12 +90,13 @@ def test_cpu_run_at_other_head_counts(tmp_path, monkeypatch):
 @pytest.mark.parametrize("gluon_runs", [False, True])
 def test_fp8_row_times_the_gluon_fp8_tiles_where_they_run(gluon_runs, monkeypatch):
     """The FP8 sparse MLA row times the Gluon kernel's FP8 tiles (columns gluon_fp8_us,
-    gluon_fp8_narrow_us) beside the default where the Gluon kernel runs, and only there."""
+    gluon_fp8_narrow_us, gluon_fp8_one_split_us) beside the default where the Gluon kernel runs,
+    and only there."""
     monkeypatch.setattr(dsa_ops, "sparse_mla_gluon_supported", lambda device, heads: gluon_runs)
     shapes = dsa_ops._Shapes(heads=16, index_heads=4, topk=8, sm_scale=0.1, num_sms=8)
     point = dsa_ops._build_point("decode", 2, 70, 1, shapes, "cpu", seed=0, fp8=True)
     variants = dsa_ops._variants(point, "sparse_mla", "fp8_e4m3")
-    gluon = {"gluon_fp8", "gluon_fp8_narrow"}
+    gluon = {"gluon_fp8", "gluon_fp8_narrow", "gluon_fp8_one_split"}
     assert set(variants) == {"baseline", "new", "new_nosplit"} | (gluon if gluon_runs else set())
     assert set(dsa_ops._variants(point, "sparse_mla")) == {"baseline", "new", "new_nosplit", "triton"}
 
@@ -215,14 +216,17 @@ def test_tune_winners():
 
 
 def test_gluon_fp8_tune_candidates_are_checked_against_their_twin():
-    """Each Gluon FP8 gather candidate of the tune has the FP8 default of its block size as its
-    twin (no other config has one); the check passes two launches that write the same output and
-    fails a candidate that writes nothing (its output stays NaN)."""
-    for config in dsa_ops.SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS:
+    """Each Gluon FP8 gather candidate of the tune and the one-split default have the staged FP8
+    default of their block size as their twin (no other config has one); the check passes two
+    launches that write the same output and fails a candidate that writes nothing (its output
+    stays NaN)."""
+    staged = (dsa_ops.SPARSE_MLA_GLUON_FP8_CONFIG, dsa_ops.SPARSE_MLA_GLUON_FP8_NARROW_CONFIG)
+    for config in (dsa_ops.SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, *dsa_ops.SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):
         assert config in dsa_ops.TUNE_SPARSE_MLA_FP8
         twin = dsa_ops._gluon_fp8_twin(config)
-        assert twin in dsa_ops.GLUON_FP8_VARIANTS.values() and twin.block_n == config.block_n
-    for config in dsa_ops.TUNE_SPARSE_MLA + tuple(dsa_ops.GLUON_FP8_VARIANTS.values()):
+        assert twin in staged and twin.block_n == config.block_n
+    assert set(dsa_ops.GLUON_FP8_VARIANTS.values()) == set(staged) | {dsa_ops.SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG}
+    for config in dsa_ops.TUNE_SPARSE_MLA + staged:
         assert dsa_ops._gluon_fp8_twin(config) is None
     point = _fp8_tune_point("decode")
     dsa_ops._prepare(point)

@@ -1,11 +1,12 @@
 """sparse_mla_decode on the ``fp8_ds_mla`` cache (uint8 ``[slots, 656]``) against the plain-torch
 reference that dequantizes the bytes (fp64 attention), and against the bf16 kernel on the
 dequantized cache (bitwise: the dequantization to bf16 is exact); splits, poisoned unselected
-entries, config routing (GLUON_FP8_DEFAULT_CONFIG, the Gluon kernel's 64-slot FP8 tiles, where
-the Gluon kernel runs), and the Triton ops' wiring. On Hopper the Gluon kernel's FP8
-tiles and its gather-partition tune candidates (gpu-marked): against the reference at 8-128 heads,
-split or not, bitwise against the bf16 Gluon kernel on the dequantized cache with the same 64-slot
-blocks, and each candidate bitwise against the FP8 default of its block size.
+entries, config routing (GLUON_FP8_DEFAULT_CONFIGS where the Gluon kernel runs: the gathers
+through registers for a launch of one split, the staged 64-slot tiles for several), and the
+Triton ops' wiring. On Hopper the Gluon kernel's FP8 tiles and its gather-partition tune
+candidates (gpu-marked): against the reference at 8-128 heads, split or not, the 64-slot defaults
+bitwise against the bf16 Gluon kernel on the dequantized cache, and each candidate bitwise
+against the staged FP8 default of its block size.
 
 Tolerance under the interpreter (atol 1e-3, rtol 1e-2): the kernel runs the math in fp32 on
 exactly the values the cache holds, so the error is fp32 summation (about 1e-6) plus the bf16
@@ -30,6 +31,7 @@ from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFI
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SparseMLAConfig,
                                     sparse_mla_config, sparse_mla_decode, sparse_mla_num_splits,
                                     sparse_mla_workspace)
@@ -120,6 +122,7 @@ EDGE_COUNTS = [0, 1, 31, 32, 33, 63, 64]
 # slot-id loads and refill.
 GLUON_FP8 = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
              "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
+             "gluon_fp8_one_split": SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
              **{f"gluon_fp8_tune_n{c.block_n}_r{c.num_stages}_"
                 f"s{c.num_stages if c.staging is None else c.staging}_"
                 f"w{c.gather_warps}_g{c.gather_registers}_d{c.dequant_steps}_{c.slot_loads}_"
@@ -268,10 +271,11 @@ def test_bad_arguments(device):
             f"config: the Gluon kernel's tiles {fields} on an fp8_ds_mla kv_cache are one of "
             f"((64, 64, 8, 1, 512, None, 4, 88, 2, 'per_layout', 'block'), "
             f"(64, 32, 8, 2, 512, None, 4, 96, 1, 'convert', 'block'), "
+            f"(64, 64, 8, 2, 512, 0, 4, 104, 4, 'per_layout', 'block'), "
             f"(64, 64, 8, 1, 512, None, 4, 88, 4, 'convert', 'block'), ") + ".*" + re.escape(
             "got (64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', 'block')")):
         sparse_mla_decode(**inputs, out=out, config=SPARSE_MLA_GLUON_CONFIG)
-    for config in (SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):
+    for config in GLUON_FP8.values():
         with pytest.raises(ValueError, match=re.escape(
                 f"config: the Gluon kernel's tiles {fields} on a bf16 kv_cache are one of "
                 f"((64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', 'block'),), got "
@@ -285,48 +289,41 @@ def test_bad_arguments(device):
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
-def test_fp8_cache_default_is_the_64_slot_gluon_config(capability, monkeypatch):
-    """Where the Gluon kernel runs (compute capability 9.x, 8-32 heads or a multiple of 64) an FP8
-    cache takes SPARSE_MLA_GLUON_FP8_CONFIG wherever a bf16 cache takes the Gluon kernel; elsewhere
-    the Triton configuration the CPU gets."""
+@pytest.mark.parametrize("num_sms", [132, 78, 8])
+@pytest.mark.parametrize("configured", [True, False])
+def test_fp8_cache_default_where_gluon_runs(capability, num_sms, configured, monkeypatch):
+    """Where a bf16 cache takes the Gluon kernel (compute capability 9.x, 8-32 heads or a multiple
+    of 64; a split of at least two 64-head programs) an FP8 cache takes the one-split config for
+    a launch of one split (no workspace, or rows x cdiv(H, 64) programs on more than half the
+    device's SMs) and the staged 64-slot config for several; the workspace sized with the config
+    it gives is None exactly for the one-split config, and the launch over that workspace takes
+    the same config. Elsewhere, or with GLUON_FP8_DEFAULT_CONFIGS None, the Triton configuration
+    the CPU gets."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    for heads in (16, 48, 64, 128):
-        for rows in (1, 2, 4, 16, 96):
+    monkeypatch.setattr(sparse_mla, "sm_count", lambda device: num_sms)
+    if not configured:
+        monkeypatch.setattr(sparse_mla, "GLUON_FP8_DEFAULT_CONFIGS", None)
+    for heads in (8, 16, 32, 48, 64, 128):
+        for rows in (1, 2, 3, 4, 5, 16, 33, 34, 39, 40, 66, 67, 256):
+            programs = rows * -(-heads // 64)
+            gluon = capability == (9, 0) and heads != 48
             for split in (False, True):
                 fp8 = sparse_mla_config(rows, heads, split, device="cuda:0", fp8_cache=True)
                 bf16 = sparse_mla_config(rows, heads, split, device="cuda:0")
-                if bf16.kernel == "gluon":
-                    assert capability == (9, 0) and heads != 48
-                    assert fp8 is SPARSE_MLA_GLUON_FP8_CONFIG
+                where = (heads, rows, split)
+                assert (bf16 == SPARSE_MLA_GLUON_CONFIG) == (gluon and (not split or programs >= 2)), where
+                if bf16.kernel == "gluon" and configured:
+                    one_split = not split or 2 * programs > num_sms
+                    assert fp8 is (SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG if one_split
+                                   else SPARSE_MLA_GLUON_FP8_CONFIG), where
                 else:
-                    assert fp8 == sparse_mla_config(rows, heads, split) and fp8.kernel == "triton"
-    assert sparse_mla_config(16, 64, False, device="cuda:0", fp8_cache=True).kernel == (
-        "gluon" if capability == (9, 0) else "triton")
-
-
-@pytest.mark.parametrize("fp8_default", [False, True])
-def test_gluon_fp8_dispatch(fp8_default, monkeypatch):
-    """With GLUON_FP8_DEFAULT_CONFIG set, an FP8 cache takes it wherever a bf16 cache takes
-    SPARSE_MLA_GLUON_CONFIG (compute capability 9.x, 8-32 heads or a multiple of 64; a split of
-    at least two 64-head programs), else the Triton config the CPU gets; unset, always the
-    Triton config. A bf16 cache's choice does not depend on it."""
-    default = SPARSE_MLA_GLUON_FP8_NARROW_CONFIG if fp8_default else None
-    monkeypatch.setattr(sparse_mla, "GLUON_FP8_DEFAULT_CONFIG", default)
-    for capability in ((9, 0), (8, 0)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        for heads in (8, 16, 48, 64, 128):
-            for rows in (1, 2, 16):
-                for split in (False, True):
-                    bf16 = sparse_mla_config(rows, heads, split, device="cuda:0")
-                    fp8 = sparse_mla_config(rows, heads, split, device="cuda:0", fp8_cache=True)
-                    triton = sparse_mla_config(rows, heads, split)
-                    if bf16 == SPARSE_MLA_GLUON_CONFIG and fp8_default:
-                        assert fp8 == default, (capability, heads, rows, split)
-                    else:
-                        assert fp8 == triton, (capability, heads, rows, split)
-                    gluon = capability == (9, 0) and heads != 48 and (
-                        not split or rows * -(-heads // 64) >= 2)
-                    assert (bf16 == SPARSE_MLA_GLUON_CONFIG) == gluon, (capability, heads, rows)
+                    assert fp8 == sparse_mla_config(rows, heads, split) and fp8.kernel == "triton", where
+            sized = sparse_mla_config(rows, heads, True, device="cuda:0", fp8_cache=True)
+            if sized.kernel == "gluon":  # as DSAModel.attention_workspace sizes it, and the launch
+                workspace = sparse_mla_workspace(rows, heads, "cpu", num_sms=num_sms, config=sized)
+                assert sparse_mla_config(rows, heads, workspace is not None, device="cuda:0",
+                                         fp8_cache=True) is sized, (heads, rows)
+                assert (workspace is None) == (sized is SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG), (heads, rows)
 
 
 @pytest.mark.parametrize("gluon", [True, False])
@@ -444,16 +441,17 @@ def test_gpu_gluon_edge_counts_holes_and_poison(config, num_heads, num_splits):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("config", ["gluon_fp8", "gluon_fp8_one_split"])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_heads", [16, 64, 128])
-def test_gpu_gluon_bitwise_equal_to_bf16_gluon_kernel(num_heads, split):
-    """SPARSE_MLA_GLUON_FP8_CONFIG (64-slot blocks, the bf16 kernel's dots in the same order) on
-    the FP8 cache equals SPARSE_MLA_GLUON_CONFIG on the dequantized bf16 cache, bitwise: the
-    dequantization to bf16 is exact. (The 32-slot tiles sum in another order: the reference
-    tests above cover them.)"""
+def test_gpu_gluon_bitwise_equal_to_bf16_gluon_kernel(num_heads, split, config):
+    """The 64-slot FP8 defaults (the bf16 kernel's dots in the same order; staged, and through
+    registers for one split) on the FP8 cache equal SPARSE_MLA_GLUON_CONFIG on the dequantized
+    bf16 cache, bitwise: the dequantization to bf16 is exact. (The 32-slot tiles sum in another
+    order: the reference tests above cover them.)"""
     inputs = poison_unselected(_production(16, num_heads, seed=2))
     workspace = sparse_mla_workspace(16, num_heads, "cuda", num_splits=4) if split else None
-    got = _run(inputs, workspace, SPARSE_MLA_GLUON_FP8_CONFIG)
+    got = _run(inputs, workspace, GLUON_FP8[config])
     assert torch.equal(got, _run(_dequantized(inputs), workspace, SPARSE_MLA_GLUON_CONFIG))
 
 
@@ -462,9 +460,11 @@ def test_gluon_fp8_tune_candidates():
     each with the block size of a default (so the default's output, bitwise, on the GPU)."""
     assert len(GLUON_FP8_TUNE) == len(SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS) > 0
     assert len(set(GLUON_FP8.values())) == len(GLUON_FP8)
+    defaults = (SPARSE_MLA_GLUON_FP8_CONFIG, SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
+                SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG)
     for config in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS:
         assert config.kernel == "gluon" and config.block_n in (64, 32)
-        assert config != SPARSE_MLA_GLUON_FP8_CONFIG and config != SPARSE_MLA_GLUON_FP8_NARROW_CONFIG
+        assert config not in defaults
     # the slot-id loads and the per-step refill: the converted ids (the former 64-slot default),
     # the refill, both, and the loads per layout at 32
     options = {(c.block_n, c.dequant_steps, c.slot_loads, c.refill)
@@ -472,12 +472,15 @@ def test_gluon_fp8_tune_candidates():
     assert {(64, 2, "convert", "block"), (64, 2, "convert", "step"),
             (64, 2, "per_layout", "step"), (32, 1, "per_layout", "block")} <= options
     # the gathers through registers (no staging stage) at 64 slots, the bf16 kernel's two ring
-    # slots, eighth-block steps at 88 gather registers, quarter-block steps at 104
+    # slots: eighth-block steps at 88 gather registers a candidate, quarter-block steps at 104 the
+    # one-split default
     through_registers = {(c.block_n, c.num_stages, c.dequant_steps, c.gather_registers)
                          for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS if c.staging == 0}
-    assert through_registers == {(64, 2, 8, 88), (64, 2, 4, 104)}
-    assert {"gluon_fp8_tune_n64_r2_s0_w4_g88_d8_per_layout_block",
-            "gluon_fp8_tune_n64_r2_s0_w4_g104_d4_per_layout_block"} <= set(GLUON_FP8_TUNE)
+    assert through_registers == {(64, 2, 8, 88)}
+    assert "gluon_fp8_tune_n64_r2_s0_w4_g88_d8_per_layout_block" in GLUON_FP8_TUNE
+    one_split = SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG
+    assert (one_split.block_n, one_split.num_stages, one_split.staging, one_split.dequant_steps,
+            one_split.gather_registers, one_split.slot_loads) == (64, 2, 0, 4, 104, "per_layout")
 
 
 def test_fp8_tiles_reject_bad_gather_options():

@@ -39,10 +39,11 @@ its logits are checked against the bf16 row's within ``FP8_INDEXER_RTOL`` of the
 (``--preset deepseek_v32``; glm5 has 32) has the targets ``FP8_INDEXER_TARGET_US``. Sparse MLA:
 the point's cache quantized (``store_mla``) and the bf16 cache replaced
 by its dequantized values, so both rows attend over the same values. There new is the default
-configuration on the FP8 cache (``GLUON_FP8_DEFAULT_CONFIG`` where the Gluon kernel runs, else a
+configuration on the FP8 cache (``GLUON_FP8_DEFAULT_CONFIGS`` where the Gluon kernel runs, else a
 Triton one) with the point's workspace, ``new_nosplit`` the same without it, where the Gluon kernel runs
-``gluon_fp8`` / ``gluon_fp8_narrow`` the Gluon kernel on the FP8 cache with the point's workspace
-(``SPARSE_MLA_GLUON_FP8_CONFIG``, ``SPARSE_MLA_GLUON_FP8_NARROW_CONFIG``), and baseline the bf16
+``gluon_fp8`` / ``gluon_fp8_narrow`` / ``gluon_fp8_one_split`` the Gluon kernel on the FP8 cache with
+the point's workspace (``SPARSE_MLA_GLUON_FP8_CONFIG``, ``SPARSE_MLA_GLUON_FP8_NARROW_CONFIG``,
+``SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG``), and baseline the bf16
 row's new (so ``speedup`` is bf16 / FP8); its bytes floor gathers 656 B a distinct selected slot instead of
 1,152, and a target of its own applies from 16 rows (``FP8_BYTES_FACTOR``). The top-k and layer
 rows stay on the bf16 caches (holding the dequantized values).
@@ -52,8 +53,8 @@ too (and ``TUNE_SPARSE_MLA_FP8``), each row's ``config`` naming its ``kv_cache``
 on the FP8 key cache: ``TUNE_INDEXER_FP8`` at ``TUNE_FP8_PROGRAMS_PER_SM`` programs per SM, each candidate's logits
 checked against ``INDEXER_FP8_CONFIG``'s (bitwise under the interpreter, within
 ``FP8_INDEXER_TUNE_RTOL`` of their absolute sums on the GPU; a mismatch is the row's error); the Gluon
-kernel's FP8 gather candidates (``SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS``) are checked bitwise against the
-FP8 default of their block size (a mismatch is the row's error).
+kernel's FP8 gather candidates (``SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS``) and its one-split default are
+checked bitwise against the staged FP8 default of their block size (a mismatch is the row's error).
 After timing, ``--tune`` prints and writes the fastest error-free configuration per op and point.
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
 ``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five,
@@ -95,7 +96,8 @@ from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXE
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG,
-                                    SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
+                                    SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
                                     SparseMLAConfig, sparse_mla_config, sparse_mla_decode, sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_chunks,
@@ -142,11 +144,13 @@ TUNE_SPARSE_MLA = (
 # spills there (scripts/compile_fp8_dsa.py --sweep), SPARSE_MLA_CONFIG's included: 8 warps with 256
 # value columns (173-193 registers), 16 slots a block on 8 warps, and 4 warps with 256 columns (255);
 # and the Gluon kernel's FP8 tiles and its gather-partition candidates (SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
-# docs/dsa-kernels.md; Hopper only: elsewhere their rows record the refusal). A candidate's output is
-# checked bitwise against the FP8 default of its block size (_check_gluon_fp8_candidate).
+# docs/dsa-kernels.md; Hopper only: elsewhere their rows record the refusal). A candidate's output (and
+# the one-split default's) is checked bitwise against the staged FP8 default of its block size
+# (_check_gluon_fp8_candidate).
 TUNE_SPARSE_MLA_FP8 = (
     SPARSE_MLA_GLUON_FP8_CONFIG,
     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
+    SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
     *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
     SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, block_dv=256),
     SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, block_dv=256),
@@ -400,7 +404,8 @@ def _layer(p: _Point, new: bool):
 
 # The Gluon kernel's FP8 tiles, timed beside the FP8 default where the Gluon kernel runs.
 GLUON_FP8_VARIANTS = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
-                      "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG}
+                      "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
+                      "gluon_fp8_one_split": SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG}
 
 
 def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
@@ -604,12 +609,14 @@ def _check_fp8_indexer_candidate(p: _Point, candidate, on_gpu: bool) -> float:
 
 
 def _gluon_fp8_twin(config: SparseMLAConfig) -> SparseMLAConfig | None:
-    """For one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS`, the FP8 Gluon default of its block size
-    (the same dots in the same order, only the gather partition differs: the same output bit for
-    bit); else None."""
-    if config not in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS:
+    """For one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` or :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`,
+    the staged FP8 Gluon default of its block size (:data:`SPARSE_MLA_GLUON_FP8_CONFIG` or
+    :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`: the same dots in the same order, only the gather
+    partition differs, so the same output bit for bit); else None."""
+    if config not in (SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):
         return None
-    return next(default for default in GLUON_FP8_VARIANTS.values() if default.block_n == config.block_n)
+    return next(default for default in (SPARSE_MLA_GLUON_FP8_CONFIG, SPARSE_MLA_GLUON_FP8_NARROW_CONFIG)
+                if default.block_n == config.block_n)
 
 
 def _check_gluon_fp8_candidate(p: _Point, candidate, twin) -> None:
@@ -813,7 +820,8 @@ def run(args) -> int:
         cols = [("op", "op"), ("kv_cache", "KV cache"), ("heads", "heads"), ("mode", "mode"), ("bs", "bs"),
                 ("live_kv", "live KV"), ("rows", "rows"), ("baseline_us", "baseline µs"), ("new_us", "new µs"),
                 ("speedup", "speedup"), ("new_nosplit_us", "new no-split µs"), ("triton_us", "Triton default µs"),
-                ("gluon_fp8_us", "Gluon FP8 µs"), ("gluon_fp8_narrow_us", "Gluon FP8 32-slot µs"), ("num_splits", "splits"),
+                ("gluon_fp8_us", "Gluon FP8 µs"), ("gluon_fp8_narrow_us", "Gluon FP8 32-slot µs"),
+                ("gluon_fp8_one_split_us", "Gluon FP8 one-split µs"), ("num_splits", "splits"),
                 ("topk_chunks", "top-k chunks"), ("floor_us", "floor µs"),
                 ("bytes_floor_us", "bytes floor µs"), ("flop_floor_us", "FLOP floor µs"),
                 ("achieved", "achieved"), ("amax_us", "same-bytes amax µs"), ("new_over_amax", "new / amax"),

@@ -356,7 +356,8 @@ class DSAModel(nn.Module):
                                      num_chunks=1 if topk is None else topk.shape[1])
         heads = self.num_local_heads
         # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon, the
-        # cache dtype): the Gluon and Triton configurations split differently
+        # cache dtype): the Gluon and Triton configurations split differently (the Gluon FP8
+        # one-split config comes exactly where this gives None, as sparse_mla_decode then takes)
         mla_config = sparse_mla_config(rows, heads, split=True,
                                        device=device if self.sparse_mla_gluon else None,
                                        fp8_cache=fp8_cache)

@@ -161,27 +161,35 @@ def _check_gather_options(block_n: int, staging: int | None, gather_warps: int, 
 GATHER_FIELDS = ("staging", "gather_warps", "gather_registers", "dequant_steps", "slot_loads", "refill")
 # The bf16 cache's launch shape: blocks of BLOCK_N slots in STAGES ring slots, the default gathers.
 BF16_TILES = FP8Tiles(BLOCK_N, STAGES)
-# The FP8 cache's defaults: the gathers stage each block's cache bytes in as many staging stages
-# as ring slots and dequantize them into the bf16 ring. 64 slots a block (the bf16 kernel's dots
-# and summation order) leaves room for one ring slot and one staging stage (194 KiB), dequantized in
-# half-block steps, each copy loading the block's slot ids in its own layout; 32 slots a block for
-# two of each (189 KiB), dequantizing one block while the other is attended, in one step with 96
-# gather registers. Each was the fastest of its block size in `bench dsa-ops --tune
-# --kv-cache-dtype fp8_e4m3` (GLM-5, 64 heads, 64k live; 16 / 32 / 64 decode rows, 128 / 256
-# verify rows) and gives its block size's output bit for bit
-# (benchmarks/results/h200/dsa_ops_tune_fp8_sparse_mla_slot_loads.md).
+# The FP8 cache's defaults. Staged: the gathers stage each block's cache bytes in as many staging
+# stages as ring slots and dequantize them into the bf16 ring. 64 slots a block (the bf16 kernel's
+# dots and summation order) leaves room for one ring slot and one staging stage (194 KiB),
+# dequantized in half-block steps, each copy loading the block's slot ids in its own layout; 32
+# slots a block for two of each (189 KiB), dequantizing one block while the other is attended, in
+# one step with 96 gather registers. Each was the fastest of its block size in `bench dsa-ops
+# --tune --kv-cache-dtype fp8_e4m3` (GLM-5, 64 heads, 64k live; 16 / 32 / 64 decode rows, 128 /
+# 256 verify rows) and gives its block size's output bit for bit
+# (benchmarks/results/h200/dsa_ops_tune_fp8_sparse_mla_slot_loads.md). Then the gathers through
+# registers at 64 slots (no staging stage, the bf16 kernel's two ring slots, so a block is
+# dequantized while the one before is on the tensor cores; quarter-block steps at 104 gather
+# registers): the staged 64-slot tiles' output bit for bit, 4 - 8% faster than them in launches
+# of one split (127.8 / 126.9 / 126.4 µs against 137.5 / 137.9 / 131.9 at 16 / 32 / 64 decode
+# rows, 129.7 / 252.2 against 135.4 / 265.4 at 128 / 256 verify rows) and 3 - 7% slower in
+# launches of several (32.4 / 50.0 / 81.5 against 30.6 / 46.6 / 78.8 at 16 / 32 / 64 decode rows,
+# 8 / 4 / 2 splits), so sparse_mla.sparse_mla_config takes them for launches of one split
+# (benchmarks/results/h200/dsa_ops_tune_fp8_sparse_mla_registers.json, H200, same shapes).
 FP8_TILES = (FP8Tiles(64, 1, dequant_steps=2, slot_loads="per_layout"),
-             FP8Tiles(32, 2, gather_registers=96, dequant_steps=1))
+             FP8Tiles(32, 2, gather_registers=96, dequant_steps=1),
+             FP8Tiles(64, 2, staging=0, gather_registers=104, dequant_steps=4, slot_loads="per_layout"))
 # Candidates for ``bench dsa-ops --tune --kv-cache-dtype fp8_e4m3`` (issue 28), each compiled for
 # sm_90 without spills (scripts/compile_sparse_mla_gluon.py), with GPU tests like the defaults'
 # (tests/test_sparse_mla_fp8.py); docs/dsa-kernels.md says what each is meant to test: the former
 # defaults of both block sizes, more staging or ring slots at 32, and at 64 slots the block's slot
 # ids converted through shared memory (the former default) and the staging refilled per
 # dequantizing step, each and both (more gather registers where 88 spilled), the loads per layout
-# at the 32-slot default; then the gathers through registers at 64 slots (no staging stage, the
-# bf16 kernel's two ring slots, so a block is dequantized while the one before is on the tensor
-# cores), in eighth-block steps at 88 gather registers and in quarter-block steps at 104 (at 88
-# and 96 they spilled 16 and 12 B; half-block steps spilled at 104 and 120).
+# at the 32-slot default; then the gathers through registers at 64 slots in eighth-block steps at
+# 88 gather registers (the quarter-block steps at 104 are a default; at 88 and 96 they spilled 16
+# and 12 B; half-block steps spilled at 104 and 120).
 FP8_TUNE_TILES = (
     FP8Tiles(64, 1),
     FP8Tiles(32, 2),
@@ -194,7 +202,6 @@ FP8_TUNE_TILES = (
     FP8Tiles(64, 1, gather_registers=104, dequant_steps=2, slot_loads="per_layout", refill="step"),
     FP8Tiles(32, 2, gather_registers=96, dequant_steps=1, slot_loads="per_layout"),
     FP8Tiles(64, 2, staging=0, dequant_steps=8, slot_loads="per_layout"),
-    FP8Tiles(64, 2, staging=0, gather_registers=104, dequant_steps=4, slot_loads="per_layout"),
 )
 
 

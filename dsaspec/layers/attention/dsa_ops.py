@@ -19,8 +19,8 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
     its RoPE (``mla_query``, the same module); ``None`` on the torch path, where the
     layers run their torch ops:
     the Triton kernels when ``use_triton`` (sparse MLA's Gluon kernel where its default
-    configuration takes it, unless ``sparse_mla_gluon`` is off; on an ``fp8_ds_mla`` layer cache
-    always the Triton kernel, chosen from the cache's dtype on the host), else the runtime's plain-torch
+    configuration takes it, unless ``sparse_mla_gluon`` is off, on an ``fp8_ds_mla`` layer cache
+    with its FP8 tiles, chosen from the cache's dtype on the host), else the runtime's plain-torch
     versions (:mod:`dsaspec.layers.attention.torch_ops`; eager only: they read lengths on the host)."""
     if use_triton:
         from dsaspec.ops.indexer import indexer_logits
