@@ -3,15 +3,23 @@
 TRITON_INTERPRET must be set before anything imports triton, so it is decided here, first
 (``flags.select_triton_interpreter``, which also refuses triton / numpy versions the interpreter
 fails with, in one line).
+
+The interpreter's ``tl.dot`` is numpy's matmul, so the row-invariance tests need numpy's BLAS to
+give a tile's row the same bits wherever it sits in the tile. OpenBLAS's Haswell / Zen sgemm
+kernels do not (AMD EPYC, OpenBLAS 0.3.30: a row moved within a 16-row tile changes its last
+bits); its Sandybridge kernels do. ``OPENBLAS_CORETYPE`` is read when numpy loads, so it is pinned
+here, before torch (which imports numpy), unless the caller set it.
 """
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
-from dsaspec import flags
-from dsaspec.errors import UserError
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dsaspec import flags  # noqa: E402
+from dsaspec.errors import UserError  # noqa: E402
 
 
 def pytest_configure(config):
