@@ -5,7 +5,8 @@ indexer's head weights (``index_weights``, split over K: GLM-5's 32 x 6144 and D
 64 x 7168 fp32 weights, 1 and 64 bf16 rows), the RoPE tables (``rope_cos_sin``: fp64 angles,
 libdevice cos / sin, 1 and 64 rows), the dense FFN's SiLU-and-mul (``silu_and_mul``: libdevice
 ``expf``, IEEE division; bf16 and fp32), the decode step's inputs (``decode_inputs``) and the MoE
-router's selection (``moe_router``: GLM-5's and DeepSeek-V3.2's routing, 256 experts).
+router's selection (``moe_router``: GLM-5's and DeepSeek-V3.2's routing, 256 experts, with the
+slot of their shared expert).
 
 Each case goes through the real host wrapper on small CPU tensors; the launch is intercepted and
 compiled as Triton's JIT would specialize it on a CUDA device, K splits as on the H200's 132 SMs.
@@ -72,18 +73,19 @@ def compile_decode_inputs(rows: int = 64) -> dict:
                               lambda: decode_inputs.decode_inputs(index, carry, carry, table, *outs), overrides=())
 
 
-# (experts, n_group, topk_group, top_k): GLM-5, DeepSeek-V3.2
-ROUTINGS = ((256, 1, 1, 8), (256, 8, 4, 8))
+# (experts, n_group, topk_group, top_k, n_shared): GLM-5, DeepSeek-V3.2, with the slot of their shared
+# expert (the fused MoE runs it)
+ROUTINGS = ((256, 1, 1, 8, 1), (256, 8, 4, 8, 1))
 
 
-def compile_router(experts: int, n_group: int, topk_group: int, top_k: int, rows: int = 4) -> dict:
-    """One ``route_topk`` launch over ``rows`` tokens' fp32 logits; the result also counts libdevice
-    ``expf`` calls (``expf_calls``), IEEE divisions (``div_rn``) and approximate ones
-    (``div_approx``) in the PTX."""
+def compile_router(experts: int, n_group: int, topk_group: int, top_k: int, n_shared: int, rows: int = 4) -> dict:
+    """One ``route_topk`` launch over ``rows`` tokens' fp32 logits (with ``n_shared`` shared slots);
+    the result also counts libdevice ``expf`` calls (``expf_calls``), IEEE divisions (``div_rn``)
+    and approximate ones (``div_approx``) in the PTX."""
     logits, bias = torch.zeros(rows, experts), torch.zeros(experts)
     result = dsa.compile_kernel(moe_router._router_kernel, lambda: moe_router.route_topk(
-        logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=True, scaling=2.5),
-        overrides=())
+        logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=True, scaling=2.5,
+        n_shared=n_shared), overrides=())
     ptx = result["ptx"]
     return result | dict(expf_calls=ptx.count(EXPF_STEP), div_rn=ptx.count("div.rn.f32"),
                          div_approx=ptx.count("div.full.f32") + ptx.count("div.approx"))

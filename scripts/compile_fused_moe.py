@@ -2,9 +2,9 @@
 split-K reduce for sm_90 without a GPU and print registers, spilled bytes, shared memory and the
 tensor-core instructions in the SASS, as scripts/compile_fp8_dsa.py does for the DSA kernels.
 
-Each case goes through ``fused_moe`` at T = 1 on small CPU tensors of the production widths (k 8,
-H 7168, I 256: a TP 8 rank's experts; 8 experts, which no tile depends on) with the tiles an H200's
-132 SMs give; the other launches of the call are skipped.
+Each case goes through ``fused_moe`` at T = 1 on small CPU tensors of the production widths (k 8
+routed + 1 shared slot, H 7168, I 256: a TP 8 rank's experts; 9 experts, which no tile depends on)
+with the tiles an H200's 132 SMs give; the other launches of the call are skipped.
 
     python3 scripts/compile_fused_moe.py
 """
@@ -22,7 +22,7 @@ from dsaspec.cli_parsing import Parser, parse_or_exit  # noqa: E402
 from dsaspec.ops import fp8_gemm, fused_moe as moe  # noqa: E402
 from dsaspec.ops.device import H200_SMS  # noqa: E402
 
-TOPK, EXPERTS, HIDDEN, INTER = 8, 8, 7168, 256
+TOPK, EXPERTS, HIDDEN, INTER = 9, 9, 7168, 256  # k: 8 routed slots and the shared expert's
 KERNELS = {"gate_up": moe._gate_up_kernel, "split_reduce": moe._split_reduce_kernel}
 SPLITS = (1, 2, 4)
 

@@ -4,7 +4,8 @@
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
 #   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE, MLA query, RoPE tables, FP8 indexer, decode inputs, SiLU-and-mul, MoE router),
-#   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), fp8-linear, kv-accuracy, e2e-rank-glm5,
+#   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), moe-shared (the GPU tests of the shared expert in
+#   the fused MoE; its time: decode-rank), fp8-linear, kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
 #   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
@@ -75,6 +76,9 @@ for step in "$@"; do
                           | tee "$OUT/moe_split_tests.log" &&
                       python3 -m dsaspec bench moe --weight-dtype bf16,fp8 --intermediate 256 --tokens 1,2,4,8,16 \
                           --split-k 1,2,4,7 --out "$OUT/moe_split" ;;
+        moe-shared)   python3 -m pytest -v -m gpu -rfE -p no:cacheprovider --timeout 600 tests/test_moe_shared_experts.py \
+                          tests/test_moe_router.py tests/test_fused_moe.py tests/test_fp8_checkpoint.py 2>&1 \
+                          | tee "$OUT/moe_shared_tests.log" ;;
         gluon-fp8-sanitize) for tool in memcheck racecheck; do
                           compute-sanitizer --tool $tool --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
                               "tests/test_sparse_mla_fp8.py::test_gpu_gluon_edge_counts_holes_and_poison[64-None-gluon_fp8]" \

@@ -406,9 +406,14 @@ def test_fp8_moe_layer_matches_its_twin_and_the_reference(fp8_moe_checkpoint):
 
 
 def _routing_log(model: DSAModel) -> tuple[list[torch.Tensor], list]:
-    """The expert ids every decoder-layer router picks, appended per call (and the hook handles)."""
+    """The expert ids every decoder-layer router picks (not the fused MoE's shared slot), appended
+    per call (and the hook handles)."""
     calls: list[torch.Tensor] = []
-    handles = [layer.mlp.gate.register_forward_hook(lambda module, args, out: calls.append(out[0].clone()))
+
+    def record(module, args, out):
+        calls.append(out[0][:, :module.top_k].clone())
+
+    handles = [layer.mlp.gate.register_forward_hook(record)
                for layer in model.model.layers[: model.config.num_hidden_layers] if isinstance(layer.mlp, MoE)]
     return calls, handles
 

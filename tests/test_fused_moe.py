@@ -285,8 +285,8 @@ def test_split_k_is_checked(device):
 
 def test_split_k_kernels_compile_for_sm90_without_spills():
     """Without a GPU: gate/up at split 1, 2, 4 and the split reduce, bf16 and FP8 experts at the
-    TP 8 rank's shapes (k 8, H 7168, I 256, H200 tiles), compile for sm_90 with no register spills
-    and within a block's shared memory (scripts/compile_fused_moe.py, in a subprocess)."""
+    TP 8 rank's shapes (k 8 + the shared slot, H 7168, I 256, H200 tiles), compile for sm_90 with no
+    register spills and within a block's shared memory (scripts/compile_fused_moe.py, in a subprocess)."""
     out = run_in_scripts("compile_fused_moe",
                          "for fp8 in (False, True):\n"
                          "    for kernel, split in [('gate_up', s) for s in c.SPLITS] + [('split_reduce', 4)]:\n"
@@ -705,3 +705,133 @@ def test_gpu_split_k_production_shape(split_k, fp8):
     out.zero_()
     graph.replay()
     assert torch.equal(out, full[:8]), "graph replay differs from eager"
+
+
+# -------------------------------------------------------------------------------------------------
+# Shared experts as extra experts (the MoE layer's fused path): a shared SwiGLU of S * I features is
+# the sum of S SwiGLUs over consecutive chunks of I features, run as experts E .. E + S - 1 with
+# weight 1.0 in every token's last S slots, against the reference's one wide SwiGLU.
+
+
+def _shared(hidden_size, inter, n_shared, seed=9):
+    """The shared experts of the model's definition: gate, up ``[S * I, H]``, down ``[H, S * I]``."""
+    gen = torch.Generator().manual_seed(seed)
+    width = n_shared * inter
+    return (torch.randn(width, hidden_size, generator=gen) * hidden_size ** -0.5,
+            torch.randn(width, hidden_size, generator=gen) * hidden_size ** -0.5,
+            torch.randn(hidden_size, width, generator=gen) * width ** -0.5)
+
+
+def _as_experts(gate, up, down, inter, rows_per_row=1, cols_per_col=1):
+    """The shared gate / up / down (or their block scales: ``rows_per_row`` / ``cols_per_col`` 128)
+    as ``[S, 2I, H]`` / ``[S, H, I]`` experts of I features each."""
+    rows, cols = inter // rows_per_row, inter // cols_per_col
+    chunks = gate.shape[0] // rows
+    w13 = torch.stack([torch.cat([gate[s * rows:(s + 1) * rows], up[s * rows:(s + 1) * rows]]) for s in range(chunks)])
+    return w13, torch.stack([down[:, s * cols:(s + 1) * cols] for s in range(chunks)])
+
+
+def _with_shared_slots(ids, weights, experts, n_shared):
+    """Every token's slots k .. k + S - 1: experts E .. E + S - 1 at weight 1.0."""
+    tokens = ids.shape[0]
+    slots = torch.arange(experts, experts + n_shared, dtype=torch.int32, device=ids.device).expand(tokens, n_shared)
+    return (torch.cat([ids, slots], dim=1).contiguous(),
+            torch.cat([weights, torch.ones(tokens, n_shared, device=weights.device)], dim=1).contiguous())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_shared", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_shared_experts_match_reference(tokens, n_shared, dtype, device):
+    """Also the workspace of k + S slots over E + S experts: each shared expert's segment holds
+    every token's pair."""
+    topk, experts, hidden_size, inter = 3, 8, 48, 24
+    hidden, w13, w2, ids, weights = _case(tokens, topk, experts, hidden_size, inter, dtype=dtype, device=device,
+                                          seed=tokens)
+    gate, up, down = (w.to(dtype).to(device) for w in _shared(hidden_size, inter, n_shared))
+    extra13, extra2 = _as_experts(gate, up, down, inter)
+    all_ids, all_weights = _with_shared_slots(ids, weights, experts, n_shared)
+    workspace = moe.fused_moe_workspace(tokens, topk + n_shared, experts + n_shared, hidden_size, inter, device,
+                                        dtype)
+    got = _run(hidden, torch.cat([w13, extra13]), torch.cat([w2, extra2]), all_ids, all_weights, workspace)
+    _assert_close(got, reference(hidden, w13, w2, ids, weights, shared=(gate, up, down)), dtype)
+    rows, blocks = _expected_layout(all_ids, experts + n_shared)
+    assert workspace.sorted_pairs.tolist() == rows and workspace.block_experts.tolist() == blocks
+
+
+def _fp8_shared(hidden_size, inter, n_shared, device):
+    """:func:`_shared` quantized per 128 x 128 block (reference quantizer), as ((codes, scales), ...)."""
+    return tuple(tuple(t.to(device) for t in fp8_ref.quantize_weight(w)) for w in _shared(hidden_size, inter, n_shared))
+
+
+@fp8_warnings
+@pytest.mark.parametrize("n_shared", [1, 2])
+@pytest.mark.parametrize("tokens,dtype", [(1, torch.float32), (3, torch.float32), (17, torch.float32),
+                                          (17, torch.bfloat16)])
+def test_fp8_shared_experts_match_reference(tokens, dtype, n_shared, device):
+    """FP8 (H 256, I 128): the chunks of I features are whole 128-blocks of the shared weights, so
+    the experts' block scales are the shared ones' chunks; split gate/up, as the layer runs them."""
+    topk, experts, inter = 3, 8, 128
+    hidden, w13, s13, w2, s2, ids, weights = _fp8_case(tokens, topk, experts, 256, inter, dtype=dtype,
+                                                       device=device, seed=tokens)
+    shared = _fp8_shared(256, inter, n_shared, device)
+    (gate, gate_s), (up, up_s), (down, down_s) = shared
+    extra13, extra2 = _as_experts(gate, up, down, inter)
+    extra_s13, extra_s2 = _as_experts(gate_s, up_s, down_s, inter, 128, 128)
+    all_ids, all_weights = _with_shared_slots(ids, weights, experts, n_shared)
+    got = _run_fp8(hidden, torch.cat([w13, extra13]), torch.cat([s13, extra_s13]), torch.cat([w2, extra2]),
+                   torch.cat([s2, extra_s2]), all_ids, all_weights, split_k=2)
+    _assert_fp8_close(got, fp8_reference(hidden, w13, s13, w2, s2, ids, weights, shared=shared), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_slots_from_the_router_kernel_are_row_invariant(dtype, device):
+    """Ids and weights from the router kernel with one shared slot (route_topk's n_shared): a
+    token's output bits alone and in a shuffled subset equal its bits in the batch; the shared
+    expert is expert E, hit by every token."""
+    from dsaspec.ops.moe_router import route_topk
+
+    tokens, topk, experts, hidden_size, inter = 17, 3, 8, 48, 24
+    hidden, w13, w2, _, _ = _case(tokens, topk, experts, hidden_size, inter, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(tokens, experts, generator=gen).to(device)
+    ids, weights = route_topk(logits, torch.zeros(experts, device=device), top_k=topk, n_group=4, topk_group=2,
+                              norm_topk_prob=True, scaling=2.5, n_shared=1)
+    assert ids[:, -1].tolist() == [experts] * tokens
+    extra13, extra2 = _as_experts(*(w.to(dtype).to(device) for w in _shared(hidden_size, inter, 1)), inter)
+    _assert_row_invariant(hidden, torch.cat([w13, extra13]), torch.cat([w2, extra2]), ids, weights, alone=(0, 8, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_gpu_fp8_shared_expert_production_shape(tokens):
+    """A TP 8 rank of GLM-5: E = 256 + 1 shared, k = 8 + 1 slot, H = 6144, I = 256, split_k 4:
+    matches the reference; token 0's bits are the same at T = 1..64; graph replay equals eager."""
+    dtype, inter, hidden_size = torch.bfloat16, 256, 6144
+    hidden, w13, s13, w2, s2, ids, weights = _fp8_case(64, 8, 256, hidden_size, inter, dtype=dtype, device="cuda")
+    shared = _fp8_shared(hidden_size, inter, 1, "cuda")
+    extra13, extra2 = _as_experts(shared[0][0], shared[1][0], shared[2][0], inter)
+    extra_s13, extra_s2 = _as_experts(shared[0][1], shared[1][1], shared[2][1], inter, 128, 128)
+    weights13, scales13 = torch.cat([w13, extra13]), torch.cat([s13, extra_s13])
+    weights2, scales2 = torch.cat([w2, extra2]), torch.cat([s2, extra_s2])
+    all_ids, all_weights = _with_shared_slots(ids, weights, 256, 1)
+
+    def run(count, **kwargs):
+        return _run_fp8(hidden[:count], weights13, scales13, weights2, scales2, all_ids[:count],
+                        all_weights[:count], split_k=4, **kwargs)
+
+    full = run(64)
+    want = fp8_reference(hidden[:tokens], w13, s13, w2, s2, ids[:tokens], weights[:tokens], shared=shared)
+    _assert_fp8_close(full[:tokens], want, dtype)
+    assert torch.equal(run(tokens), full[:tokens]), f"T={tokens} differs from T=64"
+    workspace = moe.fused_moe_workspace(tokens, 9, 257, hidden_size, inter, "cuda", dtype, fp8=True, split_k=4)
+    out = torch.empty_like(hidden[:tokens])
+    kwargs = dict(w13_scale=scales13, w2_scale=scales2, workspace=workspace, split_k=4)
+    moe.fused_moe(hidden[:tokens], weights13, weights2, all_ids[:tokens], all_weights[:tokens], out, **kwargs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.fused_moe(hidden[:tokens], weights13, weights2, all_ids[:tokens], all_weights[:tokens], out,
+                      check_values=False, **kwargs)
+    out.zero_()
+    graph.replay()
+    assert torch.equal(out, full[:tokens]), "graph replay differs from eager"

@@ -36,9 +36,9 @@ def _case(tokens: int, experts: int, seed: int, device, spread: float = 4.0):
 
 
 def _check(logits, bias, exp=numpy_exp, **routing):
-    tokens, top_k = logits.shape[0], routing["top_k"]
-    ids = torch.full((tokens, top_k), -7, dtype=torch.int32, device=logits.device)
-    weights = torch.full((tokens, top_k), float("nan"), device=logits.device)
+    tokens, slots = logits.shape[0], routing["top_k"] + routing.get("n_shared", 0)
+    ids = torch.full((tokens, slots), -7, dtype=torch.int32, device=logits.device)
+    weights = torch.full((tokens, slots), float("nan"), device=logits.device)
     got = route_topk(logits, bias, ids=ids, weights=weights, **routing)
     assert got[0] is ids and got[1] is weights
     want_ids, want_weights = ref.route_topk(logits, bias, exp=exp, **routing)
@@ -96,6 +96,45 @@ def test_the_bias_selects_but_does_not_weigh(device):
     assert ids[0, 0] == 7 and float(weights[0, 0]) == pytest.approx(1 / (1 + np.exp(3.0)), rel=1e-6)
 
 
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_shared_slots_follow_the_routed_ones(n_shared, device):
+    """With ``n_shared`` every token's slots k .. k + n_shared - 1 hold experts E .. E + n_shared - 1
+    at weight exactly 1.0 (not scaled, not in the normalization); the routed slots keep the bits
+    they have without them."""
+    experts, top_k = 8, 3
+    routing = dict(top_k=top_k, n_group=4, topk_group=2, norm_topk_prob=True, scaling=2.5)
+    for tokens in (1, 3, 17):
+        logits, bias = _case(tokens, experts, seed=tokens, device=device)
+        ids, weights = _check(logits, bias, n_shared=n_shared, **routing)
+        plain_ids, plain_weights = route_topk(logits, bias, **routing)
+        assert torch.equal(ids[:, :top_k], plain_ids)
+        assert torch.equal(weights[:, :top_k].view(torch.int32), plain_weights.view(torch.int32))
+        assert ids[:, top_k:].tolist() == [list(range(experts, experts + n_shared))] * tokens
+        assert weights[:, top_k:].tolist() == [[1.0] * n_shared] * tokens
+
+
+def test_router_appends_the_shared_slots_on_both_paths():
+    """``Router.forward(x, shared)``: the kernel's slots and the torch path's concatenated ones."""
+    from dsaspec.layers.moe import Router
+
+    config = get_config("tiny-moe")
+    top_k, experts = config.num_experts_per_tok, config.n_routed_experts
+    router = Router(config)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, config.hidden_size, generator=gen)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen) / config.hidden_size ** 0.5)
+        router.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.1)
+        want_ids, want_weights = router(x, 2)
+        router.use_triton = True
+        ids, weights = router(x, 2)
+    for got_ids, got_weights in ((ids, weights), (want_ids, want_weights)):
+        assert got_ids.shape == (5, top_k + 2) and got_ids[:, top_k:].tolist() == [[experts, experts + 1]] * 5
+        assert got_weights[:, top_k:].tolist() == [[1.0, 1.0]] * 5
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+
+
 def test_no_tokens_writes_nothing(device):
     ids = torch.full((0, 8), -1, dtype=torch.int32, device=device)
     got = route_topk(torch.empty(0, 256, device=device), torch.zeros(256, device=device), top_k=8, n_group=1,
@@ -113,6 +152,8 @@ def test_no_tokens_writes_nothing(device):
     (dict(top_k=0), "top_k"),
     (dict(ids=torch.zeros(2, 4, dtype=torch.int64)), "ids: expected dtype torch.int32"),
     (dict(weights=torch.zeros(2, 3)), r"weights: expected shape \(2, 4\)"),
+    (dict(n_shared=-1), "n_shared: expected >= 0, got -1"),
+    (dict(n_shared=1, ids=torch.zeros(2, 4, dtype=torch.int32)), r"ids: expected shape \(2, 5\)"),
 ])
 def test_bad_arguments_are_named(change, message):
     args = dict(logits=torch.zeros(2, 16), bias=torch.zeros(16), top_k=4, n_group=4, topk_group=2,

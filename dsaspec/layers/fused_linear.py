@@ -26,16 +26,22 @@ class FusedLinear(nn.Module):
         self._names = names
         self.refuse()
 
-    def refuse(self) -> None:
+    def refuse(self, into: dict[str, torch.Tensor] | None = None) -> None:
         """(Re)build the fused tensors (``names``: the weight, and the FP8 block scales) from the
-        parts' current ones, on their device, and make each part's parameters row views of them."""
+        parts' current ones, on their device, and make each part's parameters row views of them.
+        ``into``: the fused tensors to use, by name (of the fused shape, e.g. views of a larger
+        storage: :meth:`MoE.fuse_shared_experts <dsaspec.layers.moe.MoE.fuse_shared_experts>`),
+        the parts' values copied in; else new ones."""
         for name in self._names:
-            fused = torch.cat([getattr(p, name).detach() for p in self._parts])
+            parts = [getattr(p, name) for p in self._parts]
+            fused = torch.cat([param.detach() for param in parts]) if into is None else into[name]
             self.gemm.register_buffer(name, fused, persistent=False)
             start = 0
-            for p in self._parts:
-                param = getattr(p, name)
-                param.data = fused[start:start + param.shape[0]]
+            for param in parts:
+                rows = fused[start:start + param.shape[0]]
+                if into is not None:
+                    rows.copy_(param.detach())
+                param.data = rows
                 start += param.shape[0]
         self._views = [(part.weight.data_ptr(), self.gemm.weight.data_ptr()) for part in self._parts]
 

@@ -10,6 +10,15 @@ all-to-all, no token dispatch, and the group's collectives stay those the fake-T
 (tests/fake_tp.py) checks. Each rank reads exactly ``1 / tp`` of every expert hit, whatever the
 routing; expert parallelism (whole experts per rank) would add the all-to-all and leave the rank
 holding the most hit experts of a small decode batch reading more than its share.
+
+Fused path (:attr:`RoutedExperts.use_fused`): with the Triton ops and not row-invariant, the routed
+experts run as one :func:`~dsaspec.ops.fused_moe.fused_moe` call, and the shared expert in the same
+call where it has a routed expert's shape and weight format (:meth:`MoE.fuse_shared_experts`): it
+is held as expert ``E`` of the routed experts' storage (its parameters are views of it, so nothing
+is duplicated) and the router's kernel gives every token one more slot, expert ``E`` at weight 1.0.
+That saves the separate MLP's launches (FP8: 4 or 5) and the bf16 add per layer; the output is the
+fp32 sum of the ``k`` weighted routed outputs and the shared one, cast once (the separate MLP adds
+a bf16 shared output to the routed sum cast to bf16: other last bits, one rounding fewer).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from torch import nn
 
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
+from dsaspec.layers.fp8_linear import Fp8Linear
 from dsaspec.layers.linear import Linear
 from dsaspec.layers.mlp import MLP
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
@@ -53,7 +63,9 @@ class Router(Linear):
 
     Per token; no host sync, static shapes. With ``use_triton`` (set by the model) everything after
     the GEMM is one kernel (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in
-    id order), else torch ops."""
+    id order), else torch ops. ``forward(x, shared)`` appends ``shared`` slots to each token, ids
+    ``E, E + 1, ...`` at weight 1.0: the shared experts run by the fused MoE
+    (:meth:`MoE.fuse_shared_experts`); the kernel writes them itself, the torch path concatenates."""
 
     use_triton: bool = False
 
@@ -64,11 +76,11 @@ class Router(Linear):
         self.top_k, self.groups, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_triton:
             return route_topk(super().forward(x.float()), self.e_score_correction_bias, top_k=self.top_k,
                               n_group=self.groups, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
-                              scaling=self.scaling)
+                              scaling=self.scaling, n_shared=shared)
         scores = super().forward(x.float()).sigmoid()
         tokens, experts = scores.shape
         choice = (scores + self.e_score_correction_bias).view(tokens, self.groups, experts // self.groups)
@@ -79,7 +91,12 @@ class Router(Linear):
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids.to(torch.int32), weights * self.scaling
+        ids, weights = ids.to(torch.int32), weights * self.scaling
+        if shared:
+            slots = torch.arange(experts, experts + shared, dtype=torch.int32, device=x.device)
+            ids = torch.cat([ids, slots.expand(tokens, shared)], dim=1)
+            weights = torch.cat([weights, weights.new_ones(tokens, shared)], dim=1)
+        return ids, weights
 
 
 class RoutedExperts(RowInvariant, nn.Module):
@@ -102,9 +119,14 @@ class RoutedExperts(RowInvariant, nn.Module):
     FP8 on the torch path: the fused op's math in plain torch, as :class:`Fp8Linear`'s torch path
     (``x`` and the activation, rounded to ``x``'s dtype, quantized per token per 128 columns with
     ``scale_fmt`` and dequantized; each expert's weights dequantized; fp32 GEMMs), so it runs on
-    any device and its row invariance is the row-invariant GEMM's."""
+    any device and its row invariance is the row-invariant GEMM's.
+
+    ``stacked`` (set by :meth:`MoE.fuse_shared_experts`, else None): ``w13`` / ``w2`` (and the
+    scales) by name as tensors of ``E + 1`` experts whose first ``E`` the parameters view, the last
+    being the shared expert; the fused path then runs them all, so ``topk_ids`` may hold ``E``."""
 
     use_fused: bool = False
+    stacked: dict[str, torch.Tensor] | None = None
 
     def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None, *, fp8: bool = False,
                  scale_fmt: str | None = None, name: str = "mlp.experts"):
@@ -204,10 +226,12 @@ class RoutedExperts(RowInvariant, nn.Module):
             from dsaspec.ops.fused_moe import fused_moe, moe_split_k
 
             out = torch.empty_like(x)
-            scales = dict(w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv) if self.fp8 else {}
-            # the router's ids are in [0, E) by construction: no host-synced range check (graph-safe)
-            fused_moe(x.contiguous(), self.w13, self.w2, topk_ids, topk_weights, out, scale_fmt=self.scale_fmt,
-                      split_k=moe_split_k(self.intermediate, self.fp8), check_values=False, **scales)
+            held = dict(self.named_parameters(recurse=False)) if self.stacked is None else self.stacked
+            scales = dict(w13_scale=held["w13_scale_inv"], w2_scale=held["w2_scale_inv"]) if self.fp8 else {}
+            # the router's ids are in range by construction: no host-synced range check (graph-safe)
+            fused_moe(x.contiguous(), held["w13"], held["w2"], topk_ids, topk_weights, out,
+                      scale_fmt=self.scale_fmt, split_k=moe_split_k(self.intermediate, self.fp8),
+                      check_values=False, **scales)
             return out
         linear = row_invariant_ops().linear if self.row_invariant else F.linear
         per_expert = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
@@ -226,7 +250,9 @@ class MoE(nn.Module):
     """``mlp`` of an MoE layer: ``gate`` (:class:`Router`), ``experts`` (:class:`RoutedExperts`) and,
     with ``n_shared_experts`` > 0, ``shared_experts`` (a SwiGLU of ``n_shared_experts *
     moe_intermediate_size`` features, split like the dense FFN). ``forward(x [T, hidden])`` =
-    routed + shared, one all-reduce over the TP group."""
+    routed + shared, one all-reduce over the TP group: on the fused path with the shared expert
+    stacked (:meth:`fuse_shared_experts`) one fused call, else the routed experts plus the shared
+    MLP's partial output."""
 
     def __init__(self, config: ModelConfig, group: TPGroup, device=None, dtype=None):
         super().__init__()
@@ -235,11 +261,74 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(config, group, device, dtype)
         shared = config.n_shared_experts * config.moe_intermediate_size
         self.shared_experts = MLP(config, group, device, dtype, intermediate_size=shared) if shared else None
+        self._views: list[int] = []
+
+    def fuse_shared_experts(self) -> None:
+        """Hold the shared expert as expert ``E`` of the routed experts (``experts.stacked``), for
+        the fused path, where it fits: this rank's shared width equals a routed expert's
+        (``n_shared_experts`` 1: a SwiGLU of ``W`` features is the sum of SwiGLUs over chunks of
+        them, but ``n_shared * I_r`` rows of ``gate_proj`` cannot view the gate rows of ``n_shared``
+        experts, which alternate with up rows) and the weights are the routed experts' format (the
+        same dtype; FP8 with the same ``scale_fmt`` or both not). Else nothing changes.
+
+        One storage per tensor, ``[E + 1, ...]``: ``w13`` / ``w2`` (and their ``_scale_inv``) view
+        its first ``E`` experts; the shared MLP's fused ``gate_up`` weight (and scales) is its
+        expert ``E`` of ``w13`` (the shared ``gate_proj`` / ``up_proj`` view its two halves, as
+        :class:`~dsaspec.layers.fused_linear.FusedLinear` keeps them; fused here first if it is
+        not yet) and ``down_proj`` its expert ``E`` of ``w2``. The current values are copied in, so
+        the parameters keep their names, shapes and values, whatever writes them (a checkpoint
+        load, ``init_weights``) writes what the fused call reads, and the torch path and the
+        separate MLP read the same tensors. A move or conversion of this module (``.to``,
+        ``.cuda``, ``.float`` ..., directly or through a parent) stacks them again."""
+        mlp, experts = self.shared_experts, self.experts
+        kind = Fp8Linear if experts.fp8 else Linear
+        parts = () if mlp is None else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if not parts or mlp.gate_proj.out_features != experts.intermediate or not all(
+                type(p) is kind and p.weight.dtype == experts.w13.dtype
+                and getattr(p, "scale_fmt", None) == experts.scale_fmt for p in parts):
+            return
+        if mlp.gate_up is None:  # fuse_linears fuses these: one type, dtype and scale format
+            mlp.fuse_projections()
+        self._stack()
+
+    @torch.no_grad()
+    def _stack(self) -> None:
+        """(Re)build ``experts.stacked`` from the parameters' current values and make them views."""
+        experts, mlp = self.experts, self.shared_experts
+        stacked = {}
+        for name, routed in experts.named_parameters(recurse=False):
+            stacked[name] = routed.new_empty((routed.shape[0] + 1, *routed.shape[1:]))
+            stacked[name][:-1].copy_(routed.detach())
+            routed.data = stacked[name][:-1]
+        suffixes = ("", "_scale_inv") if experts.fp8 else ("",)
+        mlp.gate_up.refuse({f"weight{s}": stacked[f"w13{s}"][-1] for s in suffixes})
+        for s in suffixes:
+            down = getattr(mlp.down_proj, f"weight{s}")
+            stacked[f"w2{s}"][-1].copy_(down.detach())
+            down.data = stacked[f"w2{s}"][-1]
+        experts.stacked = stacked
+        self._views = self._pointers()
+
+    def _pointers(self) -> list[int]:
+        tensors = (*self.experts.stacked.values(), *self.experts.parameters(), *self.shared_experts.parameters(),
+                   *self.shared_experts.buffers())
+        return [t.data_ptr() for t in tensors]
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)  # moves each view on its own
+        if self.experts.stacked is not None:
+            self._stack()
+        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = self.gate(x)
+        fused_shared = self.experts.use_fused and self.experts.stacked is not None
+        if fused_shared and self._pointers() != self._views:
+            raise RuntimeError("MoE: the experts' parameters no longer view their stacked storage (the routed or "
+                               "shared experts were moved or replaced on their own); move the MoE layer, which "
+                               "stacks them again")
+        topk_ids, topk_weights = self.gate(x, int(fused_shared))
         out = self.experts(x, topk_ids, topk_weights)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not fused_shared:
             out = out + self.shared_experts.partial(x)
         return self.group.all_reduce(out)
 
@@ -248,7 +337,7 @@ def set_fused_moe(model: nn.Module, fused_moe: bool, row_invariant: bool) -> Non
     """Route every :class:`RoutedExperts` of ``model`` to the fused kernel when ``fused_moe`` (the
     model runs the Triton ops with ``RuntimeOptions.fused_moe``) and the model is not row-invariant
     (the torch path is the one whose per-token result has been checked not to depend on the other
-    tokens)."""
+    tokens); with them the shared experts stacked by :meth:`MoE.fuse_shared_experts`."""
     fused = fused_moe and not row_invariant
     for module in model.modules():
         if isinstance(module, RoutedExperts):

@@ -38,7 +38,7 @@ from dsaspec.layers.fp8_convert import convert_to_fp8
 from dsaspec.layers.fp8_linear import Fp8Linear
 from dsaspec.layers.linear import Shard
 from dsaspec.layers.mlp import MLP
-from dsaspec.layers.moe import CheckpointPart, RoutedExperts, Router, set_fused_moe
+from dsaspec.layers.moe import CheckpointPart, MoE, RoutedExperts, Router, set_fused_moe
 from dsaspec.layers.norm import RMSNorm
 from dsaspec.layers.rotary import Rotary
 from dsaspec.layers.row_invariant import RowInvariant
@@ -88,9 +88,11 @@ class DSAModel(nn.Module):
         ``model.options`` unless given their own.
 
     The projections that read one input share one GEMM (:meth:`MLAAttention.fuse_projections`,
-    :meth:`MLP.fuse_projections`); their parameters keep the checkpoint names and are views of the
-    fused weights; moving or converting the model (``.to``, ``.cuda`` ...) fuses them again
-    (:class:`~dsaspec.layers.fused_linear.HoldsFusedLinear`).
+    :meth:`MLP.fuse_projections`), and an MoE layer's shared expert is held as one more routed
+    expert (:meth:`MoE.fuse_shared_experts <dsaspec.layers.moe.MoE.fuse_shared_experts>`, run by
+    the fused MoE); their parameters keep the checkpoint names and are views of the fused weights;
+    moving or converting the model (``.to``, ``.cuda`` ...) fuses them again
+    (:class:`~dsaspec.layers.fused_linear.HoldsFusedLinear`, ``MoE._apply``).
 
     With ``config.quantization`` (FP8 block-scaled weights) the projections it converts are
     :class:`~dsaspec.layers.fp8_linear.Fp8Linear` (e4m3 ``weight`` + fp32 ``weight_scale_inv``, the
@@ -133,6 +135,9 @@ class DSAModel(nn.Module):
         for module in list(self.modules()):
             if isinstance(module, (MLAAttention, MLP)):
                 module.fuse_projections()
+        for module in self.modules():  # after the shared MLPs' gate_up fusion, which this keeps as views
+            if isinstance(module, MoE):
+                module.fuse_shared_experts()
         for module in self.modules():
             if isinstance(module, RowInvariant):
                 module.row_invariant = row_invariant

@@ -39,6 +39,12 @@ K block is one e4m3 ``tl.dot`` with fp32 accumulation, scaled by ``a_scale[row, 
 w_scale[expert, n // 128, kb]`` and added in fp32 in K order, as
 :func:`~dsaspec.ops.fp8_gemm.fp8_gemm` does. Row invariance holds as above (the quantization is
 per row).
+
+Shared experts: the MoE layer passes its shared expert as one more expert (``E + 1`` of them,
+:meth:`~dsaspec.layers.moe.MoE.fuse_shared_experts`) and one more slot per token, id ``E`` at
+weight 1.0, written by the router's kernel (``route_topk``'s ``n_shared``). Nothing here changes:
+align gives it a segment of T pairs, the grids and the workspace follow ``(T * (k + 1), E + 1)``,
+and the combine adds its partial after the k routed ones, in fp32, before the one cast.
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ interpreter ``exp`` is numpy's. Equal values (a group score or a ``c``) go to th
 where ``torch.topk`` leaves the order of ties open; the sum of the weights runs in id order, where
 the torch router's ``sum`` runs in its own order, so a weight can differ from the torch router's
 in its last bit. One program per token: a token's ids and weights depend on its own logits only.
+
+With ``n_shared`` the kernel also writes the shared experts' slots of the fused MoE
+(:mod:`dsaspec.ops.fused_moe`): slots ``k .. k + n_shared - 1`` of each token hold ids ``E ..
+E + n_shared - 1`` and weight 1.0 (the shared experts as extra experts after the routed ones, on
+every token, unscaled), in the same launch.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dsaspec.ops.silu_and_mul import torch_exp
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, stride_ids, stride_weights,
                    scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   TOPK: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                   TOPK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
                    GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
     # the token's E = GROUPS * GROUP logits as a [GROUPS_PAD, GROUP_PAD] tile, expert g * GROUP + j
     row = tl.program_id(0).to(tl.int64)
@@ -74,26 +79,31 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, st
     if NORM:
         weights = tl.math.div_rn(weights, tl.broadcast_to(total + 1e-20, weights.shape))
     weights = weights * scaling
-    keep = slot < TOPK
+    # the shared experts' slots: experts E, E + 1, ... at weight 1.0
+    ids = tl.where(slot >= TOPK, GROUPS * GROUP + slot - TOPK, ids)
+    weights = tl.where(slot >= TOPK, 1.0, weights)
+    keep = slot < TOPK + SHARED
     tl.store(ids_ptr + row * stride_ids + slot, ids, mask=keep)
     tl.store(weights_ptr + row * stride_weights + slot, weights, mask=keep)
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
-               norm_topk_prob: bool, scaling: float, ids: torch.Tensor | None = None,
+               norm_topk_prob: bool, scaling: float, n_shared: int = 0, ids: torch.Tensor | None = None,
                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's experts and routing weights from the router logits (module docstring), one launch.
 
     ``logits``: fp32 ``[T, E]``, last dimension contiguous; ``bias``: fp32 ``[E]`` (the
     ``e_score_correction_bias``), contiguous, same device. ``n_group`` must divide E with at least
     two experts a group, ``topk_group`` in ``[1, n_group]``, ``top_k`` in ``[1, topk_group * E /
-    n_group]``. Writes and returns ``ids`` int32 ``[T, top_k]`` and ``weights`` fp32 ``[T, top_k]``
-    (allocated when None; last dimension contiguous). No host sync."""
+    n_group]``, ``n_shared >= 0``. Writes and returns ``ids`` int32 ``[T, top_k + n_shared]`` and
+    ``weights`` fp32 ``[T, top_k + n_shared]`` (allocated when None; last dimension contiguous):
+    the routed slots, then ids ``E + s`` with weight 1.0 for ``s < n_shared``. No host sync."""
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     tokens, experts = logits.shape
     check_tensor("bias", bias, dtype=torch.float32, shape=(experts,), device=logits.device)
     for name, value in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
         check_count(name, value)
+    check_count("n_shared", n_shared, minimum=0)
     if experts % n_group or experts // n_group < 2:
         raise ValueError(f"n_group: expected a divisor of the {experts} experts leaving at least two a group, "
                          f"got {n_group}")
@@ -102,16 +112,18 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group:
         raise ValueError(f"topk_group: expected at most n_group = {n_group}, got {topk_group}")
     if top_k > topk_group * group:
         raise ValueError(f"top_k: expected at most topk_group x experts a group = {topk_group * group}, got {top_k}")
+    slots = top_k + n_shared
     if ids is None:
-        ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+        ids = torch.empty(tokens, slots, dtype=torch.int32, device=logits.device)
     if weights is None:
-        weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    check_tensor("ids", ids, dtype=torch.int32, shape=(tokens, top_k), device=logits.device)
-    check_tensor("weights", weights, dtype=torch.float32, shape=(tokens, top_k), device=logits.device)
+        weights = torch.empty(tokens, slots, dtype=torch.float32, device=logits.device)
+    check_tensor("ids", ids, dtype=torch.int32, shape=(tokens, slots), device=logits.device)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(tokens, slots), device=logits.device)
     if tokens:
         _router_kernel[(tokens,)](
             logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
-            GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, NORM=bool(norm_topk_prob),
-            LIBDEVICE_EXP=not interpreted(_router_kernel), GROUPS_PAD=max(2, triton.next_power_of_2(n_group)),
-            GROUP_PAD=triton.next_power_of_2(group), TOPK_PAD=max(2, triton.next_power_of_2(top_k)))
+            GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, SHARED=n_shared,
+            NORM=bool(norm_topk_prob), LIBDEVICE_EXP=not interpreted(_router_kernel),
+            GROUPS_PAD=max(2, triton.next_power_of_2(n_group)), GROUP_PAD=triton.next_power_of_2(group),
+            TOPK_PAD=max(2, triton.next_power_of_2(slots)))
     return ids, weights

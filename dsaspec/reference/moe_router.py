@@ -10,18 +10,19 @@ import torch
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
-               norm_topk_prob: bool, scaling: float,
+               norm_topk_prob: bool, scaling: float, n_shared: int = 0,
                exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids int32 [T, k], weights fp32 [T, k])`` from fp32 ``logits [T, E]`` and ``bias [E]``:
     scores ``1 / (1 + exp(-l))``, group scores the sum of each group's two largest ``scores + bias``,
     the ``topk_group`` best groups, then the ``top_k`` largest ``scores + bias`` among their experts;
     weights the selected scores, divided by their sum (in selection order) + 1e-20 when
-    ``norm_topk_prob``, times ``scaling``. ``exp``: fp32 tensor -> fp32 tensor (numpy's for the
-    interpreter, torch's on the GPU)."""
+    ``norm_topk_prob``, times ``scaling``; then ``n_shared`` more slots per token, the shared
+    experts ``E, E + 1, ...`` with weight 1 (``[T, k + n_shared]`` in all). ``exp``: fp32 tensor ->
+    fp32 tensor (numpy's for the interpreter, torch's on the GPU)."""
     tokens, experts = logits.shape
     group = experts // n_group
-    ids = torch.empty(tokens, top_k, dtype=torch.int32)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(tokens, top_k + n_shared, dtype=torch.int32)
+    weights = torch.empty(tokens, top_k + n_shared, dtype=torch.float32)
     one = torch.tensor(1.0, dtype=torch.float32)
     for t in range(tokens):
         scores = (one / (one + exp(-logits[t].float()))).cpu()
@@ -39,6 +40,6 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group:
             for value in w:
                 total = total + value
             w = w / (total + torch.tensor(1e-20, dtype=torch.float32))
-        ids[t] = torch.tensor(picked, dtype=torch.int32)
-        weights[t] = w * torch.tensor(scaling, dtype=torch.float32)
+        ids[t] = torch.tensor(picked + [experts + s for s in range(n_shared)], dtype=torch.int32)
+        weights[t] = torch.cat([w * torch.tensor(scaling, dtype=torch.float32), torch.ones(n_shared)])
     return ids.to(logits.device), weights.to(logits.device)
