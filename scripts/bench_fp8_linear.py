@@ -1,84 +1,131 @@
-"""Time ``fp8_linear`` with the activation quantization fused into the GEMM (one launch) against
-``act_quant`` then ``fp8_gemm`` (two launches) on one GPU, at the FP8 linear shapes of a per-rank
-preset and M rows: per shape and M, the median per-replay span of a cold-L2 CUDA-graph replay
-(first to last device activity, so the gap between the two launches counts) and the graph-difference
-time, both forms' bits checked equal. Writes ``fp8_linear_<preset>.json`` and ``.md`` to the
-folder given and prints the table; where fused stops winning (in M and in K) sets ``FUSED_QUANT_MAX_M``
-and ``FUSED_QUANT_MAX_K``.
+"""Time ``fp8_linear`` on one GPU at the FP8 GEMM shapes of one layer of a per-rank preset and M
+rows, in its four forms: unsplit (one program per 16 x 64 tile over all of K) or split (a program
+per tile and K group, then the reduce), each with the activation quantization in the GEMM (fused)
+or as an ``act_quant`` launch before it (two launches). Per shape and M: the median per-replay span
+of a cold-L2 CUDA-graph replay (first to last device activity, so the gaps between launches count)
+of each form, the form the defaults pick (``rule``), and each against the bytes floor (weight codes
+and scales, the bf16 rows read and written, at the measured copy bandwidth; no launch beats an
+empty kernel node); every form's bits checked equal. ``--programs-per-sm`` also times the split
+forms with other ``SPLIT_PROGRAMS_PER_SM`` (other K groups: other bits, not compared across
+values). Writes ``fp8_linear_<preset>.json`` and ``.md`` to the folder given and prints the table:
+where split stops winning sets the split threshold, where fused stops winning
+``FUSED_QUANT_MAX_M`` and ``FUSED_QUANT_MAX_STEPS``.
 
-    python3 scripts/bench_fp8_linear.py OUT [--preset deepseek-v32-fp8-tp8-rank] [--rows 1,4,16,64,256]
+    python3 scripts/bench_fp8_linear.py OUT [--preset deepseek-v32-fp8-tp8-rank] [--rows 1,4,16,64,128]
+        [--programs-per-sm 2,4]
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 
 from dsaspec.bench.results import markdown_table, write_results
-from dsaspec.bench.timing import time_in_graph, warm_up_gpu
+from dsaspec.bench.timing import Floors, time_in_graph, warm_up_gpu
 from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int, positive_int_list
 from dsaspec.configs.model_config import PRESETS
+from dsaspec.distributed.tp_group import TPGroup
+from dsaspec.layers.attention.mla import MLAAttention
 from dsaspec.ops import fp8_gemm as op
 
-METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; both forms "
-          "of fp8_linear on the same inputs, their bits compared")
+METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; the four forms "
+          "of fp8_linear (unsplit / split x fused / two launches) on the same inputs, their bits compared; "
+          "floor = max((weight codes + scales + rows read + rows written) / measured copy bandwidth, empty kernel)")
 
 
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
-    """``(N, K)`` of the attention and shared-expert projections of one layer of ``config``."""
-    heads = config.num_attention_heads
-    shapes = {
-        "q_a_proj": (config.q_lora_rank, config.hidden_size),
-        "kv_a_proj": (config.kv_lora_rank + config.qk_rope_head_dim, config.hidden_size),
-        "q_b_proj": (heads * (config.qk_nope_head_dim + config.qk_rope_head_dim), config.q_lora_rank),
-        "kv_b_proj": (heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank),
-        "o_proj": (config.hidden_size, heads * config.v_head_dim),
-    }
+    """``(N, K)`` of the FP8 GEMMs of one layer of ``config`` (a layer with an indexer): the fused
+    attention GEMMs as :meth:`~dsaspec.layers.attention.mla.MLAAttention.fuse_projections` builds
+    them (``fused_input``: ``q_a_proj`` + the indexer's ``wk`` + ``kv_a_proj_with_mqa``;
+    ``fused_latent``: ``q_b_proj`` + the indexer's ``wq_b``), ``q_b_proj`` alone (seeded draft
+    steps skip the indexer), ``o_proj`` and the shared expert's gate/up and down."""
+    attn = MLAAttention(config, 0, TPGroup.single(), torch.device("meta"), torch.bfloat16)
+    attn.fuse_projections()
+    shapes = {name: tuple(linear.weight.shape) for name, linear in (
+        ("fused_input", attn.fused_input.gemm), ("fused_latent", attn.fused_latent.gemm),
+        ("q_b_proj", attn.q_b_proj), ("o_proj", attn.o_proj))}
     shared = config.moe_intermediate_size * config.n_shared_experts
     if shared:
         shapes |= {"shared_gate_up": (2 * shared, config.hidden_size), "shared_down": (config.hidden_size, shared)}
     return shapes
 
 
+@contextlib.contextmanager
+def programs_per_sm(value: int | None):
+    """``op.SPLIT_PROGRAMS_PER_SM`` set to ``value`` (None: unchanged) while active."""
+    default = op.SPLIT_PROGRAMS_PER_SM
+    op.SPLIT_PROGRAMS_PER_SM = default if value is None else value
+    try:
+        yield
+    finally:
+        op.SPLIT_PROGRAMS_PER_SM = default
+
+
 def main() -> int:
-    parser = Parser(prog="bench_fp8_linear", description="fp8_linear: fused activation quantization vs two launches.")
+    parser = Parser(prog="bench_fp8_linear", description="fp8_linear: split / unsplit, fused / two launches.")
     parser.add_argument("out", help="folder for fp8_linear_<preset>.json / .md")
     fp8_presets = sorted(name for name, config in PRESETS.items() if config.quantization is not None)
     parser.add_argument("--preset", default="deepseek-v32-fp8-tp8-rank", choices=fp8_presets)
-    parser.add_argument("--rows", type=positive_int_list, default=[1, 4, 16, 64, 256], help="M values, comma-separated")
+    parser.add_argument("--rows", type=positive_int_list, default=[1, 4, 16, 64, 128], help="M values, comma-separated")
     parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
+    parser.add_argument("--programs-per-sm", type=positive_int_list, default=[],
+                        help=f"also time the split forms at these SPLIT_PROGRAMS_PER_SM (default "
+                             f"{op.SPLIT_PROGRAMS_PER_SM} only), comma-separated")
     args = parse_or_exit(parser)
     if not torch.cuda.is_available():
         print("bench_fp8_linear: error: needs a CUDA device", file=sys.stderr)
         return 2
     config = PRESETS[args.preset]
     scale_fmt = config.quantization.scale_fmt
+    sweep = [v for v in args.programs_per_sm if v != op.SPLIT_PROGRAMS_PER_SM]
+    forms = {f"{'split' if split else 'unsplit'}_{'fused' if fused else 'two'}{f'@{v}' if v else ''}":
+             (split, fused, v) for split, v in [(False, None), (True, None)] + [(True, v) for v in sweep]
+             for fused in (False, True)}
     warm_up_gpu()
+    floors = Floors.measure()
+    device = torch.device("cuda")
     results = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in linear_shapes(config).items():
         w, w_s = op.quantize_weight(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-            outs = {fused: torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for fused in (True, False)}
-            point = dict(layer=name, n=n, k=k, m=m)
-            for fused, out in outs.items():
-                timing = time_in_graph(lambda: op.fp8_linear(x, w, w_s, scale_fmt, out=out, fuse_quant=fused),
-                                       iters=args.iters)
-                point["fused" if fused else "two_launch"] = timing.summary()
-            point["bitwise_equal"] = torch.equal(outs[True].view(torch.int16), outs[False].view(torch.int16))
-            point["speedup"] = point["two_launch"]["median_us"] / point["fused"]["median_us"]
+            plan = op.gemm_plan(m, n, k, device)
+            rule = f"{'split' if plan[2] else 'unsplit'}_{'fused' if op.fuses_quant(m, k, plan) else 'two'}"
+            nbytes = n * k + 4 * -(-n // op.BLOCK) * (k // op.BLOCK) + 2 * m * (k + n)
+            point = dict(layer=name, n=n, k=k, m=m, group=plan[0], groups=plan[1], rule=rule, bytes=nbytes,
+                         floor_us=floors.floor_us(nbytes), bytes_floor_us=nbytes / (floors.copy_gbps * 1e3))
+            outs = {}
+            for form, (split, fused, value) in forms.items():
+                out = outs[form] = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                with programs_per_sm(value):
+                    timing = time_in_graph(lambda: op.fp8_linear(x, w, w_s, scale_fmt, out=out, fuse_quant=fused,
+                                                                 split=split), iters=args.iters)
+                point[form] = timing.summary()
+                point[f"{form}_us"] = timing.median_us
+                point[f"{form}_over_floor"] = timing.median_us / point["floor_us"]
+            same_groups = [outs[form].view(torch.int16) for form, (_, _, value) in forms.items() if value is None]
+            point["bitwise_equal"] = all(torch.equal(bits, same_groups[0]) for bits in same_groups)
+            point["rule_us"] = point[f"{rule}_us"]
+            point["rule_over_floor"] = point["rule_us"] / point["floor_us"]
+            point["split_speedup"] = (min(point["unsplit_two_us"], point["unsplit_fused_us"])
+                                      / min(point["split_two_us"], point["split_fused_us"]))
             results.append(point)
-    table = markdown_table([("layer", "layer"), ("n", "N"), ("k", "K"), ("m", "M"), ("two_launch_us", "two launches µs"),
-                            ("fused_us", "fused µs"), ("speedup", "speedup"), ("bitwise_equal", "bitwise")],
-                           [dict(p, two_launch_us=p["two_launch"]["median_us"], fused_us=p["fused"]["median_us"])
-                            for p in results])
+    columns = ([("layer", "layer"), ("n", "N"), ("k", "K"), ("m", "M"), ("group", "G"), ("groups", "groups"),
+                ("floor_us", "floor µs")] + [(f"{form}_us", f"{form} µs") for form in forms]
+               + [("split_speedup", "split speedup"), ("rule", "rule"), ("rule_over_floor", "rule / floor"),
+                  ("bitwise_equal", "bitwise")])
+    table = markdown_table(columns, results)
     write_results(f"fp8_linear_{args.preset}", dict(
-        method=METHOD, params=dict(preset=args.preset, scale_fmt=scale_fmt, rows=args.rows, iters=args.iters),
-        fused_quant_max_m=op.FUSED_QUANT_MAX_M, fused_quant_max_k=op.FUSED_QUANT_MAX_K, results=results),
-        f"fp8_linear, {args.preset} (scale_fmt {scale_fmt}): fused quantization vs two launches\n\n{table}",
-        args.out)
+        method=METHOD, params=dict(preset=args.preset, scale_fmt=scale_fmt, rows=args.rows, iters=args.iters,
+                                   programs_per_sm=[op.SPLIT_PROGRAMS_PER_SM] + sweep),
+        copy_gbps=floors.copy_gbps, empty_kernel_us=floors.empty_us,
+        split_programs_per_sm=op.SPLIT_PROGRAMS_PER_SM, fused_quant_max_m=op.FUSED_QUANT_MAX_M,
+        fused_quant_max_steps=op.FUSED_QUANT_MAX_STEPS, results=results),
+        f"fp8_linear, {args.preset} (scale_fmt {scale_fmt}, copy {floors.copy_gbps:.0f} GB/s): "
+        f"split / unsplit x fused / two launches\n\n{table}", args.out)
     return 0 if all(p["bitwise_equal"] for p in results) else 1
 
 

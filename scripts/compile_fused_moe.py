@@ -1,10 +1,14 @@
 """Compile the fused MoE's gate/up grouped GEMM (``split_k`` 1, 2, 4, bf16 and FP8 experts) and the
-split-K reduce for sm_90 without a GPU and print registers, spilled bytes, shared memory and the
-tensor-core instructions in the SASS, as scripts/compile_fp8_dsa.py does for the DSA kernels.
+split-K reduce, and the FP8 block-scaled GEMM of the shared expert and the other FP8 linear layers
+(``fp8_linear``: unsplit and K-group split, with and without the fused activation quantization, and
+the split's reduce), for sm_90 without a GPU and print registers, spilled bytes, shared memory and
+the tensor-core instructions in the SASS, as scripts/compile_fp8_dsa.py does for the DSA kernels.
 
-Each case goes through ``fused_moe`` at T = 1 on small CPU tensors of the production widths (k 8
+Each MoE case goes through ``fused_moe`` at T = 1 on small CPU tensors of the production widths (k 8
 routed + 1 shared slot, H 7168, I 256: a TP 8 rank's experts; 9 experts, which no tile depends on)
-with the tiles an H200's 132 SMs give; the other launches of the call are skipped.
+with the tiles an H200's 132 SMs give; each FP8 linear case through ``fp8_linear`` at GLM-5's fused
+attention input (N 2752, K 6144; G 8 on 132 SMs), M 1 split and M 64 unsplit, with programmatic
+dependent launch as on an H200. The other launches of a call are skipped.
 
     python3 scripts/compile_fused_moe.py
 """
@@ -54,6 +58,29 @@ def compile_moe(kernel: str, fp8: bool, split_k: int) -> dict:
                 del other.run
 
 
+FP8_LINEAR = {"gemm": fp8_gemm._fp8_gemm_kernel, "reduce": fp8_gemm._fp8_gemm_reduce_kernel}
+LINEAR_N, LINEAR_K = 2752, 6144
+
+
+def compile_fp8_linear(kernel: str, split: bool, fused: bool) -> dict:
+    """Compile ``kernel`` (a :data:`FP8_LINEAR` key) as one bf16 ``fp8_linear`` call of
+    :data:`LINEAR_N` x :data:`LINEAR_K` launches it: M 1 ``split``, else M 64 unsplit; activation
+    quantization in the GEMM with ``fused``. The call's other kernels are not launched."""
+    x = torch.zeros(1 if split else 64, LINEAR_K, dtype=torch.bfloat16)
+    w = torch.zeros(LINEAR_N, LINEAR_K, dtype=torch.float8_e4m3fn)
+    w_scale = torch.ones(-(-LINEAR_N // fp8_gemm.BLOCK), LINEAR_K // fp8_gemm.BLOCK)
+    launch = lambda: fp8_gemm.fp8_linear(x, w, w_scale, "ue8m0", fuse_quant=fused, split=split)  # noqa: E731
+    skipped = [k for k in (*FP8_LINEAR.values(), fp8_gemm._act_quant_kernel) if k is not FP8_LINEAR[kernel]]
+    with mock.patch.object(fp8_gemm, "supports_pdl", lambda device: True):
+        for other in skipped:
+            other.run = lambda *args, **kwargs: None
+        try:
+            return dsa.compile_kernel(FP8_LINEAR[kernel], launch, ())
+        finally:
+            for other in skipped:
+                del other.run
+
+
 def main() -> int:
     parse_or_exit(Parser(description=__doc__.splitlines()[0]))
     knobs.nvidia.dump_ptxas_log = True
@@ -62,6 +89,11 @@ def main() -> int:
         for split_k in SPLITS:
             print(dsa.summary_line(f"gate_up {experts} split_k={split_k}", compile_moe("gate_up", fp8, split_k)), flush=True)
         print(dsa.summary_line(f"split_reduce {experts} split_k=4", compile_moe("split_reduce", fp8, 4)), flush=True)
+    for split in (False, True):
+        for fused in (False, True):
+            name = f"fp8_linear gemm {'split' if split else 'unsplit'}{' fused quant' if fused else ''}"
+            print(dsa.summary_line(name, compile_fp8_linear("gemm", split, fused)), flush=True)
+    print(dsa.summary_line("fp8_linear split reduce", compile_fp8_linear("reduce", True, False)), flush=True)
     return 0
 
 

@@ -9,6 +9,11 @@
   dequantized codes the op itself multiplies.
 * Non-finite activations: a 128-column group holding NaN or +-inf gets scale NaN and codes 0, and
   its row's outputs are all NaN; the other rows are unaffected.
+* K groups: the split form (a program per K group, fp32 partials, a reduce) gives the unsplit
+  form's bits, fused quantization or not, so a row's bits do not depend on M across the split
+  threshold. Off the GPU the SM count is patched (``_sms``) to get 1 to 5 groups of 1 or 3 blocks,
+  with a partial last group (``k_group``), on shapes the interpreter runs in seconds. The kernels
+  compile for sm_90 without spills (offline, in a subprocess).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import math
 import pytest
 import torch
 
+from compile_scripts import integer_rows, run_in_scripts
 from dsaspec.ops import fp8_gemm as op
 from dsaspec.reference import fp8_gemm as ref
 
@@ -143,10 +149,10 @@ def test_fp8_linear_is_act_quant_then_gemm(device):
         _check_gemm(y, a, a_s, w, w_s)
 
 
-def _linear_both_ways(x, w, w_s, fmt):
+def _linear_both_ways(x, w, w_s, fmt, split=None):
     """fp8_linear of ``x`` fused and as two launches; asserts the bits are equal, returns one."""
-    fused = op.fp8_linear(x, w, w_s, fmt, fuse_quant=True)
-    two = op.fp8_linear(x, w, w_s, fmt, fuse_quant=False)
+    fused = op.fp8_linear(x, w, w_s, fmt, fuse_quant=True, split=split)
+    two = op.fp8_linear(x, w, w_s, fmt, fuse_quant=False, split=split)
     assert fused.dtype == two.dtype == x.dtype
     assert torch.equal(fused.isnan(), two.isnan()), "NaN positions differ"
     assert torch.equal(fused.view(torch.uint8), two.view(torch.uint8)), "fused != act_quant + fp8_gemm"
@@ -163,8 +169,84 @@ def test_fused_quant_is_the_two_launch_path_bitwise(m, k, fmt, device):
     x = x_buf[:, :k]
     n = 200 if k < 7168 else 72
     w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(n, k, "cpu", seed=k)))
-    y = _linear_both_ways(x, w, w_s, fmt)
+    y = _linear_both_ways(x, w, w_s, fmt, split=False)   # long K loops; the split: test_fused_quant_split_*
     _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
+
+
+def _sms(monkeypatch, sms):
+    """Make the op plan for a device of ``sms`` SMs (k_group and the split threshold)."""
+    monkeypatch.setattr(op, "sm_count", lambda device: sms)
+
+
+# (N, K, SMs) -> G, groups: 1 group; 2 groups; 5 groups of 1 block; 3 groups of 3, 3, 1 blocks
+# (a partial last group), N 130 (not a multiple of 64: a partial tile)
+SPLIT_CASES = {(130, 384, 1): (3, 1), (130, 768, 3): (3, 2), (64, 640, 132): (1, 5), (130, 896, 5): (3, 3)}
+
+
+def test_k_group_follows_the_shape_and_the_sms():
+    """G of the TP 8 rank shapes on an H200 (132 SMs, SPLIT_PROGRAMS_PER_SM 2): at most 2 programs
+    an SM per row block, unless the tiles alone are more."""
+    rank_shapes = {(2752, 6144): 8, (2240, 7168): 8, (512, 6144): 2, (512, 7168): 2, (6144, 2048): 8,
+                   (7168, 2048): 8, (6144, 256): 1, (7168, 256): 1, (3072, 1536): 3, (11264, 1536): 12}
+    for (n, k), group in rank_shapes.items():
+        assert op.k_group(n, k, 132) == group, (n, k)
+        tiles, groups = -(-n // 64), -(-k // 128 // group)
+        assert tiles * groups <= max(2 * 132, tiles), (n, k)
+    for (n, k, sms), plan in SPLIT_CASES.items():
+        assert (op.k_group(n, k, sms), -(-k // 128 // op.k_group(n, k, sms))) == plan
+
+
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 40])
+@pytest.mark.parametrize("n,k,sms", list(SPLIT_CASES))
+def test_split_is_the_unsplit_form_bitwise(n, k, sms, m, monkeypatch, device):
+    _sms(monkeypatch, sms)
+    a, a_s = op.act_quant(_activations(m, k, torch.bfloat16, device, seed=m + k))
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(n, k, "cpu", seed=n)))
+    split = op.fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float32, split=True)
+    assert _bits_equal(split, op.fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float32, split=False)), "split != unsplit"
+    _check_gemm(split, a, a_s, w, w_s)
+    if m == 17:                                   # bf16 out: the reduce's cast is the unsplit store's
+        assert torch.equal(op.fp8_gemm(a, a_s, w, w_s, split=True), op.fp8_gemm(a, a_s, w, w_s, split=False))
+
+
+def test_rows_do_not_depend_on_m_across_the_split_threshold(monkeypatch, device):
+    """5 SMs, N 130 (3 tiles), K 896 (G 3): M 1 splits (and fuses the quantization), M 40 (9 tiles)
+    does neither; its rows equal the M 1 results bitwise (fp32 activations and output: no bf16
+    rounding to hide a changed sum)."""
+    _sms(monkeypatch, 5)
+    n, k = 130, 896
+    assert op.gemm_plan(1, n, k, device) == (3, 3, True) and not op.gemm_plan(40, n, k, device)[2]
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(n, k, "cpu")))
+    x = _activations(40, k, torch.float32, device, seed=11)
+    full = op.fp8_linear(x, w, w_s)
+    for row in (0, 17, 39):
+        assert _bits_equal(op.fp8_linear(x[row:row + 1], w, w_s), full[row:row + 1]), f"row {row} differs"
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [1, 17])
+def test_fused_quant_split_is_the_two_launch_path_bitwise(m, fmt, monkeypatch, device):
+    _sms(monkeypatch, 5)
+    x_buf = torch.full((m, 1024), math.nan, dtype=torch.float32, device=device)   # strided rows
+    x_buf[:, :896] = _activations(m, 896, torch.float32, device, seed=m)
+    x = x_buf[:, :896]
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(130, 896, "cpu")))
+    y = _linear_both_ways(x, w, w_s, fmt, split=True)
+    assert torch.equal(y, op.fp8_linear(x, w, w_s, fmt, split=False)), "split != unsplit"
+    _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_split_non_finite_block_gives_a_nan_row(value, monkeypatch, device):
+    """A non-finite value in the last, partial group of row 3: row 3 all NaN in both forms."""
+    _sms(monkeypatch, 5)
+    x = _activations(5, 896, torch.bfloat16, device, seed=7)
+    x[3, 800] = value
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(130, 896, "cpu")))
+    y = _linear_both_ways(x, w, w_s, None, split=True)
+    assert y[3].isnan().all(), "a row with a non-finite block must come out NaN"
+    assert torch.isfinite(y[[0, 1, 2, 4]]).all(), "the other rows must not notice"
+    assert torch.equal(y.view(torch.int16), op.fp8_linear(x, w, w_s, split=False).view(torch.int16))
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -187,17 +269,22 @@ def test_fused_quant_non_finite_block_gives_a_nan_row(value, device):
 
 
 def test_fp8_linear_fuses_up_to_the_thresholds(monkeypatch, device):
+    """Fused for one row block where a program runs at most FUSED_QUANT_MAX_STEPS K blocks: G when
+    split, all of K unsplit (N 64: one tile; 2 SMs give 4 groups of G 3 over K 1280)."""
     launches = []
     two_launch = op.act_quant
     monkeypatch.setattr(op, "act_quant", lambda *args, **kwargs: launches.append(1) or two_launch(*args, **kwargs))
-    max_m, max_k = op.FUSED_QUANT_MAX_M, op.FUSED_QUANT_MAX_K
-    x = _activations(max_m + 1, max_k + 128, torch.bfloat16, device, seed=2)
-    for rows, k, fused in ((max_m, max_k, True), (max_m + 1, max_k, False), (1, max_k + 128, False)):
+    _sms(monkeypatch, 2)
+    max_m, steps = op.FUSED_QUANT_MAX_M, op.FUSED_QUANT_MAX_STEPS
+    assert op.gemm_plan(max_m, 64, 1280, device) == (3, 4, True) and not op.gemm_plan(max_m + 1, 64, 1280, device)[2]
+    x = _activations(max_m + 1, 1280, torch.bfloat16, device, seed=2)
+    for rows, k, split, fused in ((max_m, 128 * steps, False, True), (max_m, 128 * steps + 128, False, False),
+                                  (max_m, 1280, None, True), (max_m + 1, 1280, None, False), (1, 1280, True, True)):
         w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(64, k, "cpu")))
         launches.clear()
-        y = op.fp8_linear(x[:rows, :k], w, w_s)
-        assert launches == ([] if fused else [1]), f"M {rows}, K {k}: expected fused={fused}"
-        assert torch.equal(y, op.fp8_linear(x[:rows, :k], w, w_s, fuse_quant=not fused)), "the forms differ"
+        y = op.fp8_linear(x[:rows, :k], w, w_s, split=split)
+        assert launches == ([] if fused else [1]), f"M {rows}, K {k}, split {split}: expected fused={fused}"
+        assert torch.equal(y, op.fp8_linear(x[:rows, :k], w, w_s, fuse_quant=not fused, split=split)), "forms differ"
 
 
 @pytest.mark.parametrize("fuse", [True, False])
@@ -301,3 +388,65 @@ def test_fused_quant_production_shapes_gpu(m, n, k, fmt):
     y = _linear_both_ways(x, w, w_s, fmt)
     _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
     assert torch.equal(op.fp8_linear(x[:1], w, w_s, fmt), y[:1]), "row 0 depends on the batch"
+
+
+def test_gemm_kernels_compile_for_sm90_without_spills():
+    """Without a GPU: the GEMM unsplit and split, each with and without the fused quantization, and
+    the split's reduce compile for sm_90 (GLM-5's fused attention input; programmatic dependent
+    launch as on an H200: the split GEMM triggers, the reduce waits) with no register spills and
+    within a block's shared memory (scripts/compile_fused_moe.py, in a subprocess)."""
+    cases = [("gemm", split, fused) for split in (False, True) for fused in (False, True)] + [("reduce", True, False)]
+    out = run_in_scripts("compile_fused_moe",
+                         f"for kernel, split, fused in {cases!r}:\n"
+                         "    r = c.compile_fp8_linear(kernel, split, fused)\n"
+                         "    print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED,\n"
+                         "          r['ptx'].count('griddepcontrol'))")
+    results = integer_rows(out)
+    assert len(results) == len(cases), out
+    for (kernel, split, _), (regs, spilled, shared, limit, pdl) in zip(cases, results):
+        assert 0 < regs <= 255 and spilled == 0 and shared <= limit, out
+        assert pdl == split, f"{kernel} split={split}: griddepcontrol instructions {pdl}"
+
+
+# (N, K) of the TP 8 rank FP8 GEMMs: GLM-5 fused_input, shared gate_up, o_proj / fused_latent, shared
+# down; DeepSeek-V3.2 fused_input, fused_latent, q_b_proj, o_proj, shared gate_up, shared down
+RANK_SHAPES = [(2752, 6144), (512, 6144), (6144, 2048), (6144, 256), (2240, 7168), (11264, 1536), (3072, 1536),
+               (7168, 2048), (512, 7168), (7168, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 128])
+@pytest.mark.parametrize("n,k", RANK_SHAPES)
+def test_split_production_shapes_gpu(m, n, k):
+    x = _activations(m, k, torch.bfloat16, "cuda", seed=m + k)
+    w, w_s = op.quantize_weight(_weight(n, k, "cuda"))
+    a, a_s = op.act_quant(x, "ue8m0")
+    split = op.fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float32, split=True)
+    assert _bits_equal(split, op.fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float32, split=False)), "split != unsplit"
+    _check_gemm(split, a, a_s, w, w_s)
+    y = op.fp8_linear(x, w, w_s, "ue8m0")
+    for split in (False, True):
+        for fused in (False, True):
+            assert torch.equal(op.fp8_linear(x, w, w_s, "ue8m0", fuse_quant=fused, split=split), y), (split, fused)
+    assert torch.equal(op.fp8_linear(x[:1], w, w_s, "ue8m0"), y[:1]), "row 0 depends on the batch"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [True, False])
+def test_split_cuda_graph_replay_gpu(fuse):
+    """GLM-5's shared gate/up at M 4 (split, 24 groups; the reduce a programmatic dependent on
+    sm_90), captured once and replayed on new rows: equal to eager calls."""
+    n, k, m = 512, 6144, 4
+    w, w_s = op.quantize_weight(_weight(n, k, "cuda"))
+    x = _activations(m, k, torch.bfloat16, "cuda", seed=1)
+    assert op.gemm_plan(m, n, k, x.device)[2], "expected the split form"
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    op.fp8_linear(x, w, w_s, "ue8m0", out=out, fuse_quant=fuse)         # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.fp8_linear(x, w, w_s, "ue8m0", out=out, fuse_quant=fuse)
+    for seed in (2, 3):
+        x.copy_(_activations(m, k, torch.bfloat16, "cuda", seed=seed))
+        out.fill_(math.nan)
+        graph.replay()
+        assert torch.equal(out, op.fp8_linear(x, w, w_s, "ue8m0", fuse_quant=fuse)), f"replay {seed} != eager"

@@ -593,7 +593,9 @@ def test_fused_latent_with_the_triton_ops_decodes_what_the_separate_ones_do(quan
     """bf16 and FP8 weights (tiny: K 128 and 256), the Triton ops (under the interpreter on CPU):
     the indexer's query reaches ``index_q_rope_store_k`` as a column view of the fused output;
     outputs and caches bitwise the unfused model's (the Triton FP8 GEMM and the interpreter's
-    bf16 dot compute an output column from its own weight rows, K in the same order at any width)."""
+    bf16 dot compute an output column from its own weight rows, K in the same order: at tiny's
+    widths the FP8 GEMM's K groups (``k_group``) are one block fused and unfused alike; at
+    production widths G follows each GEMM's N, and a part run alone may differ in the last bits)."""
     config = get_config("tiny", num_hidden_layers=1, quantization=quantization)
     outs, calls = _fused_against_unfused(config, torch.bfloat16, use_triton=True)
     for got, want in zip(*outs):

@@ -7,7 +7,7 @@ a weight ``W [N, K]`` is stored as ``weight`` e4m3 (``torch.float8_e4m3fn``) and
 ``W[n, k] ~= weight[n, k] * weight_scale_inv[n // 128, k // 128]`` (DeepSeek's ``weight_dequant``).
 Activations are quantized at run time per token per 128 columns (DeepSeek's ``act_quant``), and the
 GEMM accumulates each 128-column K block in fp32 and scales it by ``a_scale[m, kb] * w_scale[nb, kb]``
-(DeepSeek's ``fp8_gemm``).
+(DeepSeek's ``fp8_gemm``), adding the blocks in two levels (below).
 
 Activation scales, as the reference ``inference/kernel.py`` files compute them:
 
@@ -32,11 +32,28 @@ per 128 x 128 block (:func:`quantize_weight`, fp32 scales). The kernel quantizes
 functions of :mod:`dsaspec.ops.e4m3`, which round ``x / s`` to the e4m3 grid before the cast, so
 the codes are the same on the GPU and under the Triton interpreter.
 
+The GEMM computes 16 x 64 output tiles and sums K in groups of ``G`` consecutive blocks, ``G =
+k_group(N, K, SMs)`` from the weight's shape and the device only:
+
+    acc_g = sum over the blocks kb of group g, in order from 0, of dot_kb * a_scale * w_scale
+    out   = cast(sum over g, in order from 0, of acc_g)                  (fp32 sums)
+
+One program per tile may add every group in turn (unsplit), or each group runs as its own program
+writing fp32 ``acc_g`` into ``[groups, M, N]`` partials that a second launch adds in group order and
+casts (split: ``ceil(N / 64) * groups`` programs a row block instead of ``ceil(N / 64)``, where a
+decode M leaves SMs idle behind one serial K loop). Both forms do the same fp32 operations in the
+same order, so the choice may follow M (:func:`gemm_plan`: split below one tile per SM) while every
+row's bits depend on neither M nor the other rows. At the TP 8 rank shapes on 132 SMs ``G`` is 8
+for the fused attention inputs (K 6144 / 7168: 6 / 7 groups), ``o_proj`` and GLM-5's fused q latent
+GEMM (2 groups), 2 for the shared expert's gate/up (24 / 28 groups), 1 for its down (2 groups);
+DeepSeek-V3.2's fused q latent GEMM (176 tiles) keeps one group.
+
 :func:`fp8_linear` runs either two launches (:func:`act_quant`, then :func:`fp8_gemm`) or one: the
 GEMM kernel with ``QUANTIZE_A`` loads the bf16 / fp32 rows of its tile one 128-column K block at a
 time, quantizes them with the same device function and feeds the codes and scales to the same dot,
 so both forms give the same bits. The fused form redoes the quantization in every N program, so
-it serves the small M and K of some decode layers (``FUSED_QUANT_MAX_M``, ``FUSED_QUANT_MAX_K``).
+it serves one row block with few K blocks a program (``FUSED_QUANT_MAX_M``,
+``FUSED_QUANT_MAX_STEPS``).
 """
 
 from __future__ import annotations
@@ -44,8 +61,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_count, check_tensor
+from dsaspec.ops.device import sm_count, supports_pdl
 from dsaspec.ops.e4m3 import quantize_rows
 
 BLOCK = 128              # quantization block: 128 columns of a token, 128 x 128 of a weight
@@ -55,16 +74,21 @@ SCALE_FORMATS = (None, "ue8m0")
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 _QUANT_ROWS = 16         # rows per act_quant program
-# One GEMM tile for every M, so each output row is computed the same way whatever the other rows
-# are (row-invariant by construction): a token's result does not depend on the batch.
+# One GEMM tile for every M and K groups fixed by the weight's shape (k_group), so each output row
+# is computed the same way whatever the other rows are (row-invariant by construction).
 _GEMM_BLOCK_M, _GEMM_BLOCK_N = 16, 64
-# fp8_linear quantizes inside the GEMM for M <= FUSED_QUANT_MAX_M and K <= FUSED_QUANT_MAX_K. Every
-# N program quantizes its 16 rows again: on sm_90 a K step is ~900 SASS instructions instead of
-# ~170, ~730 more issue cycles per warp (4 warps on 4 schedulers), ~0.37 us a K step at 1.98 GHz,
-# against one act_quant launch saved (a few us): a gain up to K 512 (4 K steps) with one row
-# block (M <= 16; more rows multiply the programs), a loss at K 1536 - 7168.
+# The split form aims at this many programs per SM for one row block (k_group): two 16 x 64 programs
+# of 3 stages keep ~48 KB of weight loads in flight per SM.
+SPLIT_PROGRAMS_PER_SM = 2
+_REDUCE_BLOCK = 512      # output columns per reduce program
+# fp8_linear quantizes inside the GEMM for M <= FUSED_QUANT_MAX_M where a program runs at most
+# FUSED_QUANT_MAX_STEPS K blocks (G split, K / 128 unsplit). Every N program quantizes its 16 rows
+# again: on sm_90 a K step is ~900 SASS instructions instead of ~170, ~730 more issue cycles per
+# warp (4 warps on 4 schedulers), ~0.37 us a K step at 1.98 GHz, against one act_quant launch saved
+# (a few us): a gain up to 4 K steps a program with one row block (more rows multiply the
+# programs), a loss at 12 - 56 (K 1536 - 7168 in one program).
 FUSED_QUANT_MAX_M = 16
-FUSED_QUANT_MAX_K = 512
+FUSED_QUANT_MAX_STEPS = 4
 
 
 def _check_scale_fmt(scale_fmt) -> None:
@@ -114,24 +138,38 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None, *, out: torch.Tenso
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K,
-                     stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, group,
+                     stride_am, stride_asm, stride_wn, stride_wsn, stride_cm, stride_cg,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     QUANTIZE_A: tl.constexpr, UE8M0: tl.constexpr):
-    # QUANTIZE_A: a holds bf16 / fp32 activations (as_ptr unread), quantized per K block in
-    # registers exactly as _act_quant_kernel does, so the dot sees act_quant's codes and scales
+                     QUANTIZE_A: tl.constexpr, UE8M0: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    # acc = ((0 + acc_0) + acc_1) + ..., acc_g = (0 + its K blocks' terms in order); group g is K
+    # blocks [g * group, (g + 1) * group). SPLIT: program (i, j, g) runs group g alone and writes fp32
+    # acc = 0 + acc_g to c_ptr + g * stride_cg; _fp8_gemm_reduce_kernel adds those in g order, the
+    # same sums. QUANTIZE_A: a holds bf16 / fp32 activations (as_ptr unread), quantized per K block
+    # in registers exactly as _act_quant_kernel does.
+    if PDL:
+        # the reduce may launch now; it waits for this grid before reading the partials
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = tl.program_id(1) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_live = rows < M
     col_live = cols < N
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
-    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]       # [BLOCK_K, BLOCK_N]
+    kb_end = K // BLOCK_K
+    kb_first = 0
+    if SPLIT:
+        kb_first = tl.program_id(2) * group
+        kb_end = tl.minimum(kb_first + group, kb_end)
+        c_ptr += tl.program_id(2).to(tl.int64) * stride_cg
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + (kb_first * BLOCK_K + ks)[None, :]
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (kb_first * BLOCK_K + ks)[:, None]  # [BLOCK_K, BLOCK_N]
     as_ptrs = as_ptr + rows.to(tl.int64) * stride_asm
     ws_ptrs = ws_ptr + (n0 // BLOCK_K) * stride_wsn       # BLOCK_N divides 128: one scale row per tile
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, K // BLOCK_K):
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    left = group                                          # K blocks left in the current group
+    for kb in range(kb_first, kb_end):
         a = tl.load(a_ptrs, mask=row_live[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=col_live[None, :], other=0.0)
         if QUANTIZE_A:
@@ -140,11 +178,34 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K,
         else:
             a_s = tl.load(as_ptrs + kb, mask=row_live, other=0.0)
         w_s = tl.load(ws_ptrs + kb)
-        acc += tl.dot(a, w) * (a_s[:, None] * w_s)
+        acc_g += tl.dot(a, w) * (a_s[:, None] * w_s)
+        left -= 1
+        if left == 0:
+            acc += acc_g
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            left = group
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    acc += acc_g       # a partial last group; else acc_g is +0 and acc (never -0: it starts at +0) stays
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
+
+
+@triton.jit
+def _fp8_gemm_reduce_kernel(p_ptr, c_ptr, N, stride_pg, stride_pm, stride_cm,
+                            GROUPS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    # c[m, n] = sum over g = 0 .. GROUPS - 1 in order of p[g, m, n] (fp32, from 0), cast to c's dtype
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = cols < N
+    p_ptrs = p_ptr + row * stride_pm + cols
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for _ in tl.static_range(GROUPS):
+        acc += tl.load(p_ptrs, mask=live, other=0.0)
+        p_ptrs += stride_pg
+    tl.store(c_ptr + row * stride_cm + cols, acc.to(c_ptr.dtype.element_ty), mask=live)
 
 
 def _check_x(x: torch.Tensor) -> tuple[int, int]:
@@ -155,17 +216,54 @@ def _check_x(x: torch.Tensor) -> tuple[int, int]:
     return m, k
 
 
-def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
-          out: torch.Tensor | None, out_dtype: torch.dtype, scale_fmt: str | None) -> torch.Tensor:
-    """Check ``w``, ``w_scale``, ``out`` against ``a [M, K]`` (already checked) and launch the
-    GEMM; ``a_scale`` None: ``a`` is bf16 / fp32, quantized in the kernel with ``scale_fmt``."""
-    m, k = a.shape
+def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, k: int, device: torch.device) -> int:
+    """Check ``w [N, K]`` and ``w_scale`` against the activations' ``K`` and device; returns N."""
     check_tensor("w", w, dtype=torch.float8_e4m3fn, ndim=2)
     n = w.shape[0]
     check_count("w.shape[0] (N)", n)
-    check_tensor("w", w, dtype=torch.float8_e4m3fn, shape=(n, k), device=a.device)
-    check_tensor("w_scale", w_scale, dtype=torch.float32, shape=(triton.cdiv(n, BLOCK), k // BLOCK),
-                 device=a.device)
+    check_tensor("w", w, dtype=torch.float8_e4m3fn, shape=(n, k), device=device)
+    check_tensor("w_scale", w_scale, dtype=torch.float32, shape=(triton.cdiv(n, BLOCK), k // BLOCK), device=device)
+    return n
+
+
+def k_group(n: int, k: int, sms: int) -> int:
+    """K blocks (of 128 columns) per K group of an ``[N, K]`` weight on a device of ``sms`` SMs:
+    the fewest that keep the split form at most ``SPLIT_PROGRAMS_PER_SM * sms`` programs a row
+    block (``ceil(N / 64)`` tiles times ``ceil(K / 128 / G)`` groups); all of K (one group) where
+    the tiles alone reach that. Never a function of M: the bits of every row depend on it."""
+    blocks = k // BLOCK
+    groups = max(1, min(blocks, SPLIT_PROGRAMS_PER_SM * sms // triton.cdiv(n, _GEMM_BLOCK_N)))
+    return triton.cdiv(blocks, groups)
+
+
+def gemm_plan(m: int, n: int, k: int, device: torch.device, split: bool | None = None) -> tuple[int, int, bool]:
+    """``(G, groups, split)`` of an ``[M, K] x [N, K]^T`` product on ``device``: :func:`k_group`,
+    its group count and the form; ``split`` None: split where there is more than one group and the
+    unsplit form's tiles (``ceil(M / 16) ceil(N / 64)``) are fewer than the SMs."""
+    sms = sm_count(device)
+    group = k_group(n, k, sms)
+    groups = triton.cdiv(k // BLOCK, group)
+    if split is None:
+        split = groups > 1 and triton.cdiv(m, _GEMM_BLOCK_M) * triton.cdiv(n, _GEMM_BLOCK_N) < sms
+    return group, groups, split
+
+
+def fuses_quant(m: int, k: int, plan: tuple[int, int, bool]) -> bool:
+    """:func:`fp8_linear`'s default for ``M`` rows of ``K`` and a :func:`gemm_plan`: quantize in
+    the GEMM for one row block where a program runs at most ``FUSED_QUANT_MAX_STEPS`` K blocks
+    (``G`` split, all of K unsplit)."""
+    group, _, split = plan
+    return m <= FUSED_QUANT_MAX_M and (group if split else k // BLOCK) <= FUSED_QUANT_MAX_STEPS
+
+
+def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
+          out: torch.Tensor | None, out_dtype: torch.dtype, scale_fmt: str | None,
+          plan: tuple[int, int, bool]) -> torch.Tensor:
+    """Check ``out`` and launch the GEMM of ``a [M, K]`` and ``w`` (checked) as ``plan``
+    (:func:`gemm_plan`) says; ``a_scale`` None: ``a`` is bf16 / fp32, quantized in the kernel with
+    ``scale_fmt``."""
+    m, k = a.shape
+    n = w.shape[0]
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
     if out is None:
@@ -173,54 +271,74 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scal
     if out.dtype not in _OUT_DTYPES:
         raise ValueError(f"out: expected dtype in {_OUT_DTYPES}, got {out.dtype}")
     check_tensor("out", out, dtype=out.dtype, shape=(m, n), device=a.device)
+    group, groups, split = plan
     quantize = a_scale is None
     if quantize:
         a_scale = a                                       # unread
-    grid = (triton.cdiv(m, _GEMM_BLOCK_M), triton.cdiv(n, _GEMM_BLOCK_N))
-    _fp8_gemm_kernel[grid](a, a_scale, w, w_scale, out, m, n, k,
-                           a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+    pdl = split and supports_pdl(a.device)
+    c = torch.empty(groups, m, n, dtype=torch.float32, device=a.device) if split else out
+    grid = (triton.cdiv(m, _GEMM_BLOCK_M), triton.cdiv(n, _GEMM_BLOCK_N), groups if split else 1)
+    _fp8_gemm_kernel[grid](a, a_scale, w, w_scale, c, m, n, k, group,
+                           a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), c.stride(-2),
+                           c.stride(0) if split else 0,
                            BLOCK_M=_GEMM_BLOCK_M, BLOCK_N=_GEMM_BLOCK_N, BLOCK_K=BLOCK,
-                           QUANTIZE_A=quantize, UE8M0=scale_fmt == "ue8m0", num_warps=4, num_stages=3)
+                           QUANTIZE_A=quantize, UE8M0=scale_fmt == "ue8m0", SPLIT=split, PDL=pdl,
+                           num_warps=4, num_stages=3)
+    if split:
+        _fp8_gemm_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
+            c, out, n, c.stride(0), c.stride(1), out.stride(0), GROUPS=groups, BLOCK_C=_REDUCE_BLOCK, PDL=pdl,
+            launch_pdl=pdl, num_warps=4)
     return out
 
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *,
-             out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Block-scaled FP8 GEMM: ``out[m, n] = sum_kb a_scale[m, kb] * w_scale[n // 128, kb] *
-    sum_{k in block kb} a[m, k] * w[n, k]``, each block's dot accumulated in fp32, the sum over
-    blocks in fp32 in K order.
+             out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+             split: bool | None = None) -> torch.Tensor:
+    """Block-scaled FP8 GEMM in K groups of ``G = k_group(N, K, SMs)`` blocks of 128:
+
+        acc_g[m, n]  = sum over the blocks kb of group g in order, from 0, of
+                       (sum_{k in kb} a[m, k] w[n, k]) * (a_scale[m, kb] * w_scale[n // 128, kb])
+        out[m, n]    = sum over g in order, from 0, of acc_g[m, n]      (fp32), cast once
 
     ``a``: e4m3 ``[M, K]`` with ``a_scale`` fp32 ``[M, K / 128]`` (:func:`act_quant`); ``w``: e4m3
     ``[N, K]`` with ``w_scale`` fp32 ``[ceil(N / 128), K / 128]`` (a checkpoint's ``weight`` and
     ``weight_scale_inv``); ``K`` a multiple of 128, any ``N >= 1``, any ``M >= 1`` (tuned for the
     decode / verify sizes 1..512). Writes and returns ``out`` ``[M, N]`` (``out_dtype`` bf16 or
-    fp32; allocated when None). One tile shape for every ``M``: each row's result is bitwise
-    independent of the other rows. No host sync."""
+    fp32; allocated when None). ``split`` True: one program per tile and K group, each writing its
+    fp32 ``acc_g`` to a ``[groups, M, N]`` buffer (allocated per call) that a second launch adds
+    and casts; False: one program per tile, all groups in turn; None: split where the unsplit
+    tiles leave SMs idle (module docstring). Both forms give the same bits, and G does not depend
+    on M: each row's result is bitwise independent of M and of the other rows. No host sync."""
     check_tensor("a", a, dtype=torch.float8_e4m3fn, ndim=2)
     m, k = a.shape
     check_count("a.shape[0] (M)", m)
     _check_k("a", k)
     check_tensor("a_scale", a_scale, dtype=torch.float32, shape=(m, k // BLOCK), device=a.device)
-    return _gemm(a, a_scale, w, w_scale, out, out_dtype, None)
+    n = _check_weight(w, w_scale, k, a.device)
+    return _gemm(a, a_scale, w, w_scale, out, out_dtype, None, gemm_plan(m, n, k, a.device, split))
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, scale_fmt: str | None = None, *,
-               out: torch.Tensor | None = None, fuse_quant: bool | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, fuse_quant: bool | None = None,
+               split: bool | None = None) -> torch.Tensor:
     """``x @ W^T`` for an FP8 block-scaled ``W`` (``w`` e4m3 ``[N, K]``, ``w_scale``
     ``[ceil(N / 128), K / 128]``): ``x`` (bf16 or fp32 ``[M, K]``, unit last stride) quantized as
-    :func:`act_quant` does, then the :func:`fp8_gemm` product; writes and returns ``out`` ``[M, N]``
-    in ``x``'s dtype. ``fuse_quant`` True: one launch, each GEMM program quantizing its rows' K
-    blocks in registers; False: :func:`act_quant` then :func:`fp8_gemm`; None (default): fused for
-    ``M <= FUSED_QUANT_MAX_M`` and ``K <= FUSED_QUANT_MAX_K``. Both give the same bits, so each
-    row's result is independent of M."""
+    :func:`act_quant` does, then the :func:`fp8_gemm` product (``split`` as there); writes and
+    returns ``out`` ``[M, N]`` in ``x``'s dtype. ``fuse_quant`` True: the GEMM programs quantize
+    their rows' K blocks in registers (no :func:`act_quant` launch); False: :func:`act_quant` then
+    :func:`fp8_gemm`; None (default): fused for ``M <= FUSED_QUANT_MAX_M`` where a program runs at
+    most ``FUSED_QUANT_MAX_STEPS`` K blocks (G split, ``K / 128`` unsplit). All forms give the same
+    bits, so each row's result is independent of M."""
     _check_scale_fmt(scale_fmt)
     m, k = _check_x(x)
+    n = _check_weight(w, w_scale, k, x.device)
+    plan = gemm_plan(m, n, k, x.device, split)
     if fuse_quant is None:
-        fuse_quant = m <= FUSED_QUANT_MAX_M and k <= FUSED_QUANT_MAX_K
+        fuse_quant = fuses_quant(m, k, plan)
     if fuse_quant:
-        return _gemm(x, None, w, w_scale, out, x.dtype, scale_fmt)
+        return _gemm(x, None, w, w_scale, out, x.dtype, scale_fmt, plan)
     q, s = act_quant(x, scale_fmt)
-    return fp8_gemm(q, s, w, w_scale, out=out, out_dtype=x.dtype)
+    return _gemm(q, s, w, w_scale, out, x.dtype, None, plan)
 
 
 def quantize_blocks(x: torch.Tensor, block_rows: int, scale_fmt: str | None = None
