@@ -1,14 +1,17 @@
-"""Compile the fused MoE's gate/up grouped GEMM (``split_k`` 1, 2, 4, bf16 and FP8 experts) and the
-split-K reduce, and the FP8 block-scaled GEMM of the shared expert and the other FP8 linear layers
+"""Compile the fused MoE's gate/up grouped GEMM (``split_k`` 1, 2, 4, bf16 and FP8 experts), the
+split-K reduce and the down GEMM, in the sorted layout and the pair layout (down: the combine folded
+in), and the FP8 block-scaled GEMM of the shared expert and the other FP8 linear layers
 (``fp8_linear``: unsplit and K-group split, with and without the fused activation quantization, and
 the split's reduce), for sm_90 without a GPU and print registers, spilled bytes, shared memory and
 the tensor-core instructions in the SASS, as scripts/compile_fp8_dsa.py does for the DSA kernels.
 
-Each MoE case goes through ``fused_moe`` at T = 1 on small CPU tensors of the production widths (k 8
-routed + 1 shared slot, H 7168, I 256: a TP 8 rank's experts; 9 experts, which no tile depends on)
-with the tiles an H200's 132 SMs give; each FP8 linear case through ``fp8_linear`` at GLM-5's fused
-attention input (N 2752, K 6144; G 8 on 132 SMs), M 1 split and M 64 unsplit, with programmatic
-dependent launch as on an H200. The other launches of a call are skipped.
+Each MoE case goes through ``fused_moe`` at T = 1 (the pair layout's gate/up ranks 64 ids at any
+default P) on small CPU tensors of the production widths (k 8 routed + 1 shared slot, H 7168, I 256:
+a TP 8 rank's experts; 9 experts, which no tile depends on) with the tiles an H200's 132 SMs give;
+the down lines also count the fp32 FMAs in the PTX (none: it compiles without contraction). Each
+FP8 linear case goes through ``fp8_linear`` at GLM-5's fused attention input (N 2752, K 6144; G 8 on
+132 SMs), M 1 split and M 64 unsplit, with programmatic dependent launch as on an H200. The other
+launches of a call are skipped.
 
     python3 scripts/compile_fused_moe.py
 """
@@ -27,13 +30,14 @@ from dsaspec.ops import fp8_gemm, fused_moe as moe  # noqa: E402
 from dsaspec.ops.device import H200_SMS  # noqa: E402
 
 TOPK, EXPERTS, HIDDEN, INTER = 9, 9, 7168, 256  # k: 8 routed slots and the shared expert's
-KERNELS = {"gate_up": moe._gate_up_kernel, "split_reduce": moe._split_reduce_kernel}
+KERNELS = {"gate_up": moe._gate_up_kernel, "split_reduce": moe._split_reduce_kernel, "down": moe._down_kernel}
 SPLITS = (1, 2, 4)
 
 
-def compile_moe(kernel: str, fp8: bool, split_k: int) -> dict:
+def compile_moe(kernel: str, fp8: bool, split_k: int, sort_pairs: bool = True) -> dict:
     """Compile ``kernel`` (a :data:`KERNELS` key) as one bf16-activation ``fused_moe`` call with
-    ``split_k`` launches it (FP8 experts with ``fp8``); the call's other kernels are not launched."""
+    ``split_k`` launches it (FP8 experts with ``fp8``) in the sorted layout (``sort_pairs``) or the
+    pair layout; the call's other kernels are not launched."""
     hidden = torch.zeros(1, HIDDEN, dtype=torch.bfloat16)
     dtype = moe.FP8 if fp8 else torch.bfloat16
     w13 = torch.zeros(EXPERTS, 2 * INTER, HIDDEN, dtype=dtype)
@@ -45,14 +49,14 @@ def compile_moe(kernel: str, fp8: bool, split_k: int) -> dict:
     ids = torch.arange(TOPK, dtype=torch.int32)[None]
     launch = lambda: moe.fused_moe(  # noqa: E731
         hidden, w13, w2, ids, torch.ones(1, TOPK), torch.empty_like(hidden), split_k=split_k,
-        check_values=False, **scales)
+        sort_pairs=sort_pairs, check_values=False, **scales)
     skipped = [k for k in (moe._align_kernel, moe._gate_up_kernel, moe._split_reduce_kernel, moe._down_kernel,
                            moe._combine_kernel, fp8_gemm._act_quant_kernel) if k is not KERNELS[kernel]]
     with mock.patch.object(moe, "sm_count", lambda device, without_cuda=1: H200_SMS):
         for other in skipped:
             other.run = lambda *args, **kwargs: None
         try:
-            return dsa.compile_kernel(KERNELS[kernel], launch, (("UPCAST", False),) if kernel == "gate_up" else ())
+            return dsa.compile_kernel(KERNELS[kernel], launch, (("UPCAST", False),) if kernel != "split_reduce" else ())
         finally:
             for other in skipped:
                 del other.run
@@ -86,9 +90,13 @@ def main() -> int:
     knobs.nvidia.dump_ptxas_log = True
     for fp8 in (False, True):
         experts = "fp8" if fp8 else "bf16"
-        for split_k in SPLITS:
-            print(dsa.summary_line(f"gate_up {experts} split_k={split_k}", compile_moe("gate_up", fp8, split_k)), flush=True)
-        print(dsa.summary_line(f"split_reduce {experts} split_k=4", compile_moe("split_reduce", fp8, 4)), flush=True)
+        for sort_pairs in (True, False):
+            layout = "sorted" if sort_pairs else "pairs"
+            for kernel, split_k in [("gate_up", s) for s in SPLITS] + [("split_reduce", 4), ("down", 1)]:
+                name = f"{kernel} {experts} {layout}" + (f" split_k={split_k}" if kernel != "down" else "")
+                result = compile_moe(kernel, fp8, split_k, sort_pairs)
+                fma = f"; {result['ptx'].count('fma.rn.f32')} fp32 FMAs in the PTX" if kernel == "down" else ""
+                print(dsa.summary_line(name, result) + fma, flush=True)
     for split in (False, True):
         for fused in (False, True):
             name = f"fp8_linear gemm {'split' if split else 'unsplit'}{' fused quant' if fused else ''}"

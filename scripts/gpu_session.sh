@@ -4,7 +4,8 @@
 # Steps on one GPU: spec-tests, retest, gpu-tests, rowinv-bench, dsa-ops, dsa-sanitize, sanitize, metadata, e2e,
 #   e2e-quick, decode, diagnose, draft-step, fp8-tests (-v: failing tests are named as they run),
 #   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE, MLA query, RoPE tables, FP8 indexer, decode inputs, SiLU-and-mul, MoE router),
-#   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), moe-shared (the GPU tests of the shared expert in
+#   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), moe-small-t (the pair layout's GPU tests + bench moe
+#   of both layouts; its per-kernel times in the real rank: decode-rank), moe-shared (the GPU tests of the shared expert in
 #   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / fused-quant forms at the rank shapes),
 #   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
@@ -77,6 +78,11 @@ for step in "$@"; do
                           | tee "$OUT/moe_split_tests.log" &&
                       python3 -m dsaspec bench moe --weight-dtype bf16,fp8 --intermediate 256 --tokens 1,2,4,8,16 \
                           --split-k 1,2,4,7 --out "$OUT/moe_split" ;;
+        moe-small-t)  python3 -m pytest -v -m gpu -rfE -p no:cacheprovider --timeout 900 tests/test_fused_moe.py \
+                          -k "pair_layout or row_invariant or graph_replay or production" 2>&1 \
+                          | tee "$OUT/moe_small_t_tests.log" &&
+                      python3 -m dsaspec bench moe --weight-dtype bf16,fp8 --intermediate 256 --tokens 1,2,4,8,16 \
+                          --split-k 1,4 --layout sorted,pairs --out "$OUT/moe_small_t" ;;
         moe-shared)   python3 -m pytest -v -m gpu -rfE -p no:cacheprovider --timeout 600 tests/test_moe_shared_experts.py \
                           tests/test_moe_router.py tests/test_fused_moe.py tests/test_fp8_checkpoint.py 2>&1 \
                           | tee "$OUT/moe_shared_tests.log" ;;

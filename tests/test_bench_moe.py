@@ -39,6 +39,20 @@ def test_cpu_run_checks_each_split(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
+def test_cpu_run_checks_each_layout(monkeypatch, tmp_path):
+    """``--layout sorted,pairs``: a checked row per point, weight dtype and block layout."""
+    monkeypatch.setitem(moe.CPU_SIZES, "tokens", [3])
+    parser = argparse.ArgumentParser()
+    moe.add_arguments(parser)
+    assert moe.run(parser.parse_args(["--layout", "sorted,pairs", "--out", str(tmp_path)])) == 0
+    rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
+    assert [(r["weight_dtype"], r["layout"]) for r in rows] == [("bf16", "sorted"), ("bf16", "pairs"),
+                                                                ("fp8", "sorted"), ("fp8", "pairs")]
+    assert all(r["matches_reference"] for r in rows)
+    assert "| layout |" in (tmp_path / "moe.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
 def test_fp8_needs_block_multiples(monkeypatch, tmp_path):
     monkeypatch.setitem(moe.CPU_SIZES, "intermediate", [64])
     parser = argparse.ArgumentParser()
@@ -107,7 +121,7 @@ def test_targets():
             {"tokens": 64, "intermediate": 2048, "new_us": 2400.0, "new_over_floor": 1.02, "baseline_us": 2200.0,
              "speedup": 2200 / 2400}]
     for r, dtype in zip(rows, ["bf16"] * 4 + ["fp8"] * 2):
-        r.update(weight_dtype=dtype, split_k=1, baseline=moe.BASELINES[dtype])
+        r.update(weight_dtype=dtype, split_k=1, layout="auto", baseline=moe.BASELINES[dtype])
     got = [(t["tokens"], t["weight_dtype"], t["target"], t["met"]) for t in moe._targets(rows)]
     assert got == [(1, "bf16", "<= 1.3x bytes floor", True),
                    (1, "bf16", "not slower than torch gather (x1.05 noise)", True),

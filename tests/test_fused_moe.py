@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from compile_scripts import integer_rows, run_in_scripts
-from dsaspec.ops import fused_moe as moe
+from dsaspec.ops import fp8_gemm, fused_moe as moe
 from dsaspec.reference import fp8_gemm as fp8_ref
 from dsaspec.reference.fused_moe import fused_moe as reference
 from dsaspec.reference.fused_moe import fused_moe_fp8 as fp8_reference
@@ -155,11 +155,11 @@ def test_combine_is_the_in_order_fp32_sum(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_down_projection_keeps_fp32_weighted_partials(dtype, device):
     """The partial row of pair p is ``w[p] * w2[e] @ act[row of p]`` in fp32 (to fp32
-    accumulation), from the op's own activations: not rounded to the hidden dtype."""
+    accumulation), from the op's own activations: not rounded to the hidden dtype (sorted layout)."""
     tokens, topk, experts, hidden_size, inter = 19, 3, 8, 40, 48
     args = _case(tokens, topk, experts, hidden_size, inter, dtype=dtype, device=device)
     workspace = moe.fused_moe_workspace(tokens, topk, experts, hidden_size, inter, device, dtype)
-    _run(*args, workspace=workspace)
+    _run(*args, workspace=workspace, sort_pairs=True)
     rows = workspace.sorted_pairs.tolist()
     pairs = torch.tensor([p for p in rows if p >= 0], device=device)
     act = workspace.act[torch.tensor([r for r, p in enumerate(rows) if p >= 0], device=device)]
@@ -226,19 +226,20 @@ def test_split_k_matches_reference(routing, split_k, dtype, device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_k_row_invariant(dtype, device):
-    hidden, w13, w2, ids, weights = _case(13, 4, 8, SPLIT_H, 32, dtype=dtype, device=device)
-    _assert_row_invariant(hidden, w13, w2, ids, weights, alone=(0, 6, 12), split_k=3)
+    """The batch of 17 (68 pairs) sorted, the tokens alone and the subset (9) in the pair layout."""
+    hidden, w13, w2, ids, weights = _case(17, 4, 8, SPLIT_H, 32, dtype=dtype, device=device)
+    _assert_row_invariant(hidden, w13, w2, ids, weights, alone=(0, 8, 16), split_k=3)
 
 
 def test_split_k_partials_are_the_k_ranges(device):
     """Split s of gate/up holds the fp32 sums over its K blocks [s * ceil(13 / 3), ...) of 32
     columns (5, 5, 3 blocks), gate in columns [0, I), up in [I, 2I); act is silu(gate) * up of
-    their sums."""
+    their sums (sorted layout)."""
     tokens, topk, experts, inter = 6, 2, 8, 24
     hidden, w13, w2, ids, weights = args = _case(tokens, topk, experts, SPLIT_H, inter, dtype=torch.float32,
                                                  device=device)
     workspace = moe.fused_moe_workspace(tokens, topk, experts, SPLIT_H, inter, device, torch.float32, split_k=3)
-    _run(*args, workspace=workspace, split_k=3)
+    _run(*args, workspace=workspace, split_k=3, sort_pairs=True)
     rows = torch.tensor([r for r, p in enumerate(workspace.sorted_pairs.tolist()) if p >= 0], device=device)
     pairs = workspace.sorted_pairs[rows].long()
     w = w13[ids.flatten()[pairs].long()].double()  # [rows, 2I, H]
@@ -252,11 +253,12 @@ def test_split_k_partials_are_the_k_ranges(device):
 
 @pytest.mark.parametrize("split_k", [2, 9])
 def test_split_k_poisoned_workspace_changes_nothing(split_k, device):
-    """NaN partials of every split (a workspace for 9 splits, reused at T = 11, 4, 11) change
-    nothing; split 9 of 13 K blocks (span 2) leaves 2 splits without a block, which add zeros."""
+    """NaN partials of every split (a workspace for 9 splits, reused at T = 23, 4, 23: sorted, pair
+    layout, sorted) change nothing; split 9 of 13 K blocks (span 2) leaves 2 splits without a
+    block, which add zeros."""
     experts, topk, inter = 8, 3, 16
-    workspace = moe.fused_moe_workspace(11, topk, experts, SPLIT_H, inter, device, torch.float32, split_k=9)
-    for tokens, seed in ((11, 1), (4, 2), (11, 3)):
+    workspace = moe.fused_moe_workspace(23, topk, experts, SPLIT_H, inter, device, torch.float32, split_k=9)
+    for tokens, seed in ((23, 1), (4, 2), (23, 3)):
         workspace.gate_up.fill_(math.nan)
         workspace.act.fill_(math.nan)
         args = _case(tokens, topk, experts, SPLIT_H, inter, dtype=torch.float32, device=device, seed=seed)
@@ -284,18 +286,22 @@ def test_split_k_is_checked(device):
 
 
 def test_split_k_kernels_compile_for_sm90_without_spills():
-    """Without a GPU: gate/up at split 1, 2, 4 and the split reduce, bf16 and FP8 experts at the
-    TP 8 rank's shapes (k 8 + the shared slot, H 7168, I 256, H200 tiles), compile for sm_90 with no
-    register spills and within a block's shared memory (scripts/compile_fused_moe.py, in a subprocess)."""
+    """Without a GPU: gate/up at split 1, 2, 4, the split reduce and down, bf16 and FP8 experts, in
+    the sorted and the pair layout, at the TP 8 rank's shapes (k 8 + the shared slot, H 7168, I 256,
+    H200 tiles), compile for sm_90 with no register spills and within a block's shared memory, the
+    down kernel without fp32 FMAs (scripts/compile_fused_moe.py, in a subprocess)."""
     out = run_in_scripts("compile_fused_moe",
                          "for fp8 in (False, True):\n"
-                         "    for kernel, split in [('gate_up', s) for s in c.SPLITS] + [('split_reduce', 4)]:\n"
-                         "        r = c.compile_moe(kernel, fp8, split)\n"
-                         "        print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED)")
+                         "    for sort in (True, False):\n"
+                         "        for kernel, split in [('gate_up', s) for s in c.SPLITS] + [('split_reduce', 4),"
+                         " ('down', 1)]:\n"
+                         "            r = c.compile_moe(kernel, fp8, split, sort)\n"
+                         "            print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED,"
+                         " r['ptx'].count('fma.rn.f32') if kernel == 'down' else 0)")
     results = integer_rows(out)
-    assert len(results) == 2 * (len((1, 2, 4)) + 1), out
-    for regs, spilled, shared, limit in results:
-        assert 0 < regs <= 255 and spilled == 0 and shared <= limit, out
+    assert len(results) == 2 * 2 * (len((1, 2, 4)) + 2), out
+    for regs, spilled, shared, limit, fmas in results:
+        assert 0 < regs <= 255 and spilled == 0 and shared <= limit and fmas == 0, out
 
 
 def test_unchecked_out_of_range_ids_contribute_nothing(device):
@@ -519,13 +525,13 @@ def test_fp8_quantized_activations_are_act_quant_bitwise(scale_fmt, split_k, dev
     (reference) of the hidden rows and of the op's own activation rows, bit for bit, whether
     act_quant runs (one split) or the split reduction quantizes (two); the activations are
     silu(gate) * up of those hidden codes and the dequantized w13, the down partials the
-    activation codes times the dequantized w2 (fp32 accumulation)."""
+    activation codes times the dequantized w2 (fp32 accumulation; sorted layout)."""
     tokens, topk, experts = 13, 3, 8
     hidden, w13, s13, w2, s2, ids, weights = args = _fp8_case(tokens, topk, experts, dtype=torch.float32,
                                                               device=device)
     workspace = moe.fused_moe_workspace(tokens, topk, experts, 256, 256, device, torch.float32, fp8=True,
                                         split_k=split_k)
-    _run_fp8(*args, workspace=workspace, scale_fmt=scale_fmt, split_k=split_k)
+    _run_fp8(*args, workspace=workspace, scale_fmt=scale_fmt, split_k=split_k, sort_pairs=True)
     codes, scales = fp8_ref.act_quant(hidden, scale_fmt)
     assert torch.equal(workspace.hidden_q[:tokens].view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(workspace.hidden_scale[:tokens].view(torch.int32), scales.view(torch.int32))
@@ -743,8 +749,8 @@ def _with_shared_slots(ids, weights, experts, n_shared):
 @pytest.mark.parametrize("n_shared", [1, 2])
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 def test_shared_experts_match_reference(tokens, n_shared, dtype, device):
-    """Also the workspace of k + S slots over E + S experts: each shared expert's segment holds
-    every token's pair."""
+    """Also the workspace of k + S slots over E + S experts (sorted layout): each shared expert's
+    segment holds every token's pair."""
     topk, experts, hidden_size, inter = 3, 8, 48, 24
     hidden, w13, w2, ids, weights = _case(tokens, topk, experts, hidden_size, inter, dtype=dtype, device=device,
                                           seed=tokens)
@@ -753,7 +759,8 @@ def test_shared_experts_match_reference(tokens, n_shared, dtype, device):
     all_ids, all_weights = _with_shared_slots(ids, weights, experts, n_shared)
     workspace = moe.fused_moe_workspace(tokens, topk + n_shared, experts + n_shared, hidden_size, inter, device,
                                         dtype)
-    got = _run(hidden, torch.cat([w13, extra13]), torch.cat([w2, extra2]), all_ids, all_weights, workspace)
+    got = _run(hidden, torch.cat([w13, extra13]), torch.cat([w2, extra2]), all_ids, all_weights, workspace,
+               sort_pairs=True)
     _assert_close(got, reference(hidden, w13, w2, ids, weights, shared=(gate, up, down)), dtype)
     rows, blocks = _expected_layout(all_ids, experts + n_shared)
     assert workspace.sorted_pairs.tolist() == rows and workspace.block_experts.tolist() == blocks
@@ -835,3 +842,218 @@ def test_gpu_fp8_shared_expert_production_shape(tokens):
     out.zero_()
     graph.replay()
     assert torch.equal(out, full[:tokens]), "graph replay differs from eager"
+
+
+# -------------------------------------------------------------------------------------------------
+# The pair layout (P <= PAIR_LAYOUT_MAX_PAIRS: no align, the combine in the down launch) against the
+# sorted layout, bitwise: the same blocks, the same tiles, the same fp32 sums in the same order.
+
+
+def _pair_routing(tokens, routed=6):
+    """3 routed slots with repeats across tokens (expert 0 for tokens 0 and 2, expert 5 for every
+    token), then the shared slot: id ``routed`` at weight 1.0; the other weights far apart in
+    magnitude, so the order of the fp32 sum shows in the bits."""
+    ids = torch.tensor([[t % 2, 2 + t % 3, routed - 1, routed] for t in range(tokens)], dtype=torch.int32)
+    weights = torch.rand(tokens, 4, generator=torch.Generator().manual_seed(tokens)) + 0.1
+    weights[:, 0] *= 1e-3
+    weights[:, 2] *= 1e-3
+    weights[:, 3] = 1.0
+    return ids, weights
+
+
+def _rows_of_pairs(workspace, pairs, sort):
+    """The workspace row of each pair: its sorted row, or the pair itself in the pair layout."""
+    if not sort:
+        return torch.arange(pairs)
+    rows = workspace.sorted_pairs.tolist()
+    return torch.tensor([rows.index(p) for p in range(pairs)])
+
+
+# (experts, activations, split_k, H): 2 K blocks each (fp32: of 32 columns, bf16 and FP8: of 128)
+PAIR_CASES = [("fp32", torch.float32, 1, 64), ("bf16", torch.bfloat16, 4, 256),
+              ("fp8", torch.float32, 1, 256), ("fp8", torch.bfloat16, 4, 256)]
+
+
+@fp8_warnings
+@pytest.mark.parametrize("experts_dtype,dtype,split_k,hidden_size", PAIR_CASES)
+def test_pair_layout_is_bitwise_the_sorted_layout(experts_dtype, dtype, split_k, hidden_size, device):
+    """T = 1, 2, 3 with the shared slot and experts repeated across tokens: the pair layout's output
+    and every pair's activation (FP8: its e4m3 codes and scales) equal the sorted layout's bitwise."""
+    fp8 = experts_dtype == "fp8"
+    inter = 128 if fp8 else 16
+    for tokens in (1, 2, 3):
+        ids, weights = _pair_routing(tokens)
+        if fp8:
+            hidden, w13, s13, w2, s2, _, _ = _fp8_case(tokens, 4, 7, hidden_size, inter, dtype=dtype, device=device,
+                                                       ids=ids)
+            scales = dict(w13_scale=s13, w2_scale=s2)
+        else:
+            hidden, w13, w2, _, _ = _case(tokens, 4, 7, hidden_size, inter, dtype=dtype, device=device, ids=ids)
+            scales = {}
+        ids, weights = ids.to(device), weights.to(device)
+        got = {}
+        for sort in (True, False):
+            workspace = moe.fused_moe_workspace(tokens, 4, 7, hidden_size, inter, device, dtype, fp8=fp8,
+                                                split_k=split_k)
+            out = moe.fused_moe(hidden, w13, w2, ids, weights, torch.empty_like(hidden), workspace=workspace,
+                                split_k=split_k, sort_pairs=sort, **scales)
+            rows = _rows_of_pairs(workspace, 4 * tokens, sort).to(device)
+            stages = [workspace.act[rows]]
+            if fp8:
+                stages += [workspace.act_q[rows].view(torch.uint8), workspace.act_scale[rows]]
+            got[sort] = [out] + stages
+        for name, sorted_value, pair_value in zip(("out", "act", "act codes", "act scales"), got[True], got[False]):
+            assert torch.equal(sorted_value, pair_value), f"T={tokens}: the pair layout's {name} differs"
+
+
+def test_pair_layout_splits_an_expert_of_more_than_a_block(device):
+    """18 pairs of one expert (repeats within rows too): the pair layout's blocks lead at pairs 0 and
+    16 (ranks 0 and 16), as the sorted layout's two blocks of that expert; the same bits."""
+    args = _case(9, 2, 4, 48, 16, dtype=torch.float32, device=device, ids=torch.full((9, 2), 3))
+    assert torch.equal(_run(*args, sort_pairs=False), _run(*args, sort_pairs=True))
+
+
+@fp8_warnings
+@pytest.mark.parametrize("fp8", [False, True])
+def test_layout_choice_across_the_threshold_changes_no_bit(fp8, device):
+    """4 slots (3 routed + the shared one), split 4: T = 16 is P = 64, the default pair layout's
+    last, T = 17 the sorted layout's first; a token's bits alone (T = 1), at T = 16 and at T = 17 are
+    the same."""
+    assert not moe.sorts_pairs(16 * 4) and moe.sorts_pairs(17 * 4)
+    ids = torch.cat([torch.randint(0, 6, (17, 3), generator=torch.Generator().manual_seed(5)),
+                     torch.full((17, 1), 6)], dim=1)
+    if fp8:
+        hidden, w13, s13, w2, s2, ids, weights = _fp8_case(17, 4, 7, 256, 128, dtype=torch.bfloat16, device=device,
+                                                           ids=ids)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    else:
+        hidden, w13, w2, ids, weights = _case(17, 4, 7, 256, 16, dtype=torch.bfloat16, device=device, ids=ids)
+        scales = {}
+    weights[:, 3] = 1.0
+
+    def run(tokens):
+        out = torch.empty_like(hidden[:tokens])
+        return moe.fused_moe(hidden[:tokens], w13, w2, ids[:tokens], weights[:tokens], out, split_k=4, **scales)
+
+    full = run(17)
+    assert torch.equal(run(16), full[:16]), "T = 16 (pair layout) differs from T = 17 (sorted)"
+    assert torch.equal(run(1), full[:1]), "T = 1 (pair layout) differs from T = 17 (sorted)"
+
+
+def _launches(tokens, topk, fp8, split_k, sort_pairs=None):
+    """The kernels one ``fused_moe`` call launches, in order, with their grids (none run)."""
+    kernels = {"align": moe._align_kernel, "act_quant": fp8_gemm._act_quant_kernel,
+               "gate_up": moe._gate_up_kernel, "split_reduce": moe._split_reduce_kernel, "down": moe._down_kernel,
+               "combine": moe._combine_kernel}
+    launched = []
+    if fp8:
+        hidden, w13, s13, w2, s2, ids, weights = _fp8_case(tokens, topk, 16, 128, 128, dtype=torch.float32,
+                                                           device="cpu")
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    else:
+        hidden, w13, w2, ids, weights = _case(tokens, topk, 16, 128, 16, dtype=torch.float32, device="cpu")
+        scales = {}
+    for name, kernel in kernels.items():
+        kernel.run = lambda *args, name=name, grid, **kwargs: launched.append((name, grid))
+    try:
+        moe.fused_moe(hidden, w13, w2, ids, weights, torch.empty_like(hidden), split_k=split_k,
+                      sort_pairs=sort_pairs, **scales)
+    finally:
+        for kernel in kernels.values():
+            del kernel.run
+    return launched
+
+
+@pytest.mark.parametrize("fp8,split_k,sorted_names,pair_names", [
+    (False, 1, "align gate_up down combine", "gate_up down"),
+    (False, 4, "align gate_up split_reduce down combine", "gate_up split_reduce down"),
+    (True, 1, "align act_quant gate_up act_quant down combine", "act_quant gate_up act_quant down"),
+    (True, 4, "align act_quant gate_up split_reduce down combine", "act_quant gate_up split_reduce down")])
+def test_pair_layout_drops_align_and_combine(fp8, split_k, sorted_names, pair_names):
+    """T = 1, 2, 4 (k = 9: P = 9 .. 36) launch the pair layout's kernels by default, two fewer, on
+    grids from T alone (gate/up P blocks x splits x column tiles, the reduce ceil(P / 16) row
+    blocks, down T tokens x column tiles, the tiles the same at every T); at T = 8 (P = 72) the
+    sorted layout's."""
+    tiles = set()
+    for tokens in (1, 2, 4):
+        launched = _launches(tokens, 9, fp8, split_k)
+        assert " ".join(name for name, _ in launched) == pair_names, f"T={tokens}"
+        grids = dict(launched)
+        pairs = 9 * tokens
+        tiles.add((grids["gate_up"][0] / (pairs * split_k), grids["down"][0] / tokens))
+        if split_k > 1:
+            assert grids["split_reduce"][0] == -(-pairs // moe.BLOCK_M)
+        assert " ".join(name for name, _ in _launches(tokens, 9, fp8, split_k, True)) == sorted_names
+    assert len(tiles) == 1 and all(n == int(n) >= 1 for n in tiles.pop())
+    assert " ".join(name for name, _ in _launches(8, 9, fp8, split_k)) == sorted_names
+
+
+
+def _rank_experts(hidden_size, fp8, tokens=8):
+    """A TP 8 rank's experts with the shared one as expert 256 (E 256 + 1, k 8 + 1, I 256; FP8 or
+    bf16, bf16 activations) and ``tokens`` tokens' inputs, routed experts repeated across tokens
+    (tokens 0 and 1 share slot 0's, token 3 picks token 2's last): hidden, w13, w2, ids, weights and
+    the keyword arguments of the layer's call (scales, split_k)."""
+    dtype, inter = torch.bfloat16, 256
+    if fp8:
+        hidden, w13, s13, w2, s2, ids, weights = _fp8_case(tokens, 8, 256, hidden_size, inter, dtype=dtype,
+                                                           device="cuda")
+        shared = _fp8_shared(hidden_size, inter, 1, "cuda")
+        extra13, extra2 = _as_experts(shared[0][0], shared[1][0], shared[2][0], inter)
+        extra_s13, extra_s2 = _as_experts(shared[0][1], shared[1][1], shared[2][1], inter, 128, 128)
+        kwargs = dict(w13_scale=torch.cat([s13, extra_s13]), w2_scale=torch.cat([s2, extra_s2]))
+    else:
+        hidden, w13, w2, ids, weights = _case(tokens, 8, 256, hidden_size, inter, dtype=dtype, device="cuda")
+        extra13, extra2 = _as_experts(*(w.to(dtype).cuda() for w in _shared(hidden_size, inter, 1)), inter)
+        kwargs = {}
+    ids[1, 0] = ids[0, 0]
+    if ids[2, 7] not in ids[3]:
+        ids[3, 7] = ids[2, 7]
+    ids, weights = _with_shared_slots(ids, weights, 256, 1)
+    kwargs["split_k"] = moe.moe_split_k(inter, fp8)
+    return hidden, torch.cat([w13, extra13]), torch.cat([w2, extra2]), ids, weights, kwargs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8,hidden_size", [(True, 6144), (True, 7168), (False, 7168)])
+def test_gpu_pair_layout_production_shapes(fp8, hidden_size):
+    """GLM-5 (H 6144) / DeepSeek-V3.2 (H 7168) TP 8 ranks, FP8 (and bf16 experts): the pair layout
+    equals the sorted layout bitwise at T = 1, 2, 4, 8, and so does the default (pairs up to T = 7)."""
+    hidden, w13, w2, ids, weights, kwargs = _rank_experts(hidden_size, fp8)
+
+    def run(tokens, **more):
+        out = torch.empty_like(hidden[:tokens])
+        return moe.fused_moe(hidden[:tokens], w13, w2, ids[:tokens], weights[:tokens], out, **kwargs, **more)
+
+    full = run(8, sort_pairs=True)
+    for tokens in (1, 2, 4, 8):
+        assert torch.equal(run(tokens, sort_pairs=False), full[:tokens]), f"T={tokens}: pairs differ from sorted"
+        assert torch.equal(run(tokens), full[:tokens]), f"T={tokens}: the default layout differs from sorted"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_gpu_pair_layout_graph_replay_with_new_routing(tokens):
+    """A CUDA graph of the default (pair) layout at the GLM-5 rank's shapes, replayed with new hidden
+    rows, ids and weights (random; then every token on the same 8 routed experts), equals the eager
+    sorted layout bitwise."""
+    hidden, w13, w2, ids, weights, kwargs = _rank_experts(6144, True)
+    hidden, ids, weights = hidden[:tokens].clone(), ids[:tokens].clone(), weights[:tokens].clone()
+    workspace = moe.fused_moe_workspace(tokens, 9, 257, 6144, 256, "cuda", torch.bfloat16, fp8=True,
+                                        split_k=kwargs["split_k"])
+    out = torch.empty_like(hidden)
+    moe.fused_moe(hidden, w13, w2, ids, weights, out, workspace=workspace, **kwargs)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.fused_moe(hidden, w13, w2, ids, weights, out, workspace=workspace, check_values=False, **kwargs)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for same_experts in (False, True):
+        routed = torch.rand(tokens, 256, generator=gen, device="cuda").argsort(dim=1)[:, :8]
+        if same_experts:
+            routed = routed[:1].expand(tokens, 8)
+        ids[:, :8] = routed.to(torch.int32)
+        weights[:, :8] = torch.rand(tokens, 8, generator=gen, device="cuda")
+        hidden.copy_(torch.randn(hidden.shape, generator=gen, device="cuda"))
+        graph.replay()
+        want = moe.fused_moe(hidden, w13, w2, ids, weights, torch.empty_like(hidden), sort_pairs=True, **kwargs)
+        assert torch.equal(out, want), f"same experts {same_experts}: replay differs from eager sorted"

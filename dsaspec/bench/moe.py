@@ -3,12 +3,13 @@
 A point is (T tokens, intermediate size I, expert weight dtype): ``E`` experts of ``[2I, H]``
 gate/up and ``[H, I]`` down weights, ``k`` distinct experts per token drawn uniformly at random
 (seeded), fp32 routing weights. ``--weight-dtype bf16``: bf16 weights; new: ``fused_moe`` with a
-workspace (four launches); baseline: the gather form of the torch-native MoE fallbacks: each
-token's k expert matrices gathered by id (``w13[topk_ids]``, ``w2[topk_ids]``) and contracted with
-``einsum`` (graph-safe, no host sync; skipped, recorded as ``baseline_skipped``, where its gathered
-weights exceed ``--baseline-max-gb``). ``--weight-dtype fp8``: the same bf16 weights quantized per
-expert per 128 x 128 block (:func:`dsaspec.ops.fp8_gemm.quantize_weight`: e4m3 codes, fp32
-scales); new: ``fused_moe`` on them (FP8 workspace, six launches); baseline: the bf16 fused op on
+workspace (four launches sorted, two in the pair layout); baseline: the gather form of the
+torch-native MoE fallbacks: each token's k expert matrices gathered by id (``w13[topk_ids]``,
+``w2[topk_ids]``) and contracted with ``einsum`` (graph-safe, no host sync; skipped, recorded as
+``baseline_skipped``, where its gathered weights exceed ``--baseline-max-gb``). ``--weight-dtype
+fp8``: the same bf16 weights quantized per expert per 128 x 128 block
+(:func:`dsaspec.ops.fp8_gemm.quantize_weight`: e4m3 codes, fp32 scales); new: ``fused_moe`` on
+them (FP8 workspace, six launches sorted, four in the pair layout); baseline: the bf16 fused op on
 the bf16 weights at the same point, since the question an FP8 row answers is whether FP8 experts
 beat the bf16 ones in the same op (a torch dequantize-and-gather form would only add passes to the
 bf16 gather baseline, so beating it would say nothing). Times are per layer, from CUDA-graph
@@ -27,8 +28,10 @@ reference; an FP8 one, at T <= 8, with the fp64 FP8 reference (dequantized weigh
 activations; normwise within 2**-4 in bf16), its normwise distance to the bf16 output recorded.
 ``--split-k 1,4``: each point and weight dtype once per gate/up split count (``fused_moe``'s
 ``split_k``; rows carry ``split_k``), every one checked as above; the FP8 baseline stays the bf16
-fused op at split 1. Without CUDA: fixed small sizes under the Triton interpreter at fp32, every
-output checked against its reference, no times.
+fused op at split 1. ``--layout sorted,pairs``: likewise a row per block layout (``fused_moe``'s
+``sort_pairs``: True, False; ``auto``, the default, is its own choice by T * k; rows carry
+``layout``), the FP8 baseline at ``auto``. Without CUDA: fixed small sizes under the Triton
+interpreter at fp32, every output checked against its reference, no times.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ FLOOR_FACTOR, NOISE = 1.3, 1.05
 TARGET_MAX_TOKENS = 64
 REFERENCE_MAX_TOKENS = 8
 WEIGHT_DTYPES = ("bf16", "fp8")
+LAYOUTS = {"auto": None, "sorted": True, "pairs": False}  # --layout: fused_moe's sort_pairs
 BASELINES = {"bf16": "torch gather", "fp8": "bf16 fused"}
 # Without CUDA: tokens, experts, k, H, I (FP8 blocks need H and I multiples of 128).
 CPU_SIZES = dict(tokens=[1, 3, 8], experts=8, topk=2, hidden=128, intermediate=[128])
@@ -69,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "quantized from the same bf16 weights; H and I multiples of 128)")
     p.add_argument("--split-k", type=positive_int_list, default=[1],
                    help="gate/up K splits of the fused op, comma-separated (each a row; 1: no split)")
+    p.add_argument("--layout", type=choice_list(LAYOUTS), default=["auto"],
+                   help="block layouts of the fused op, comma-separated (each a row): sorted (align, combine), "
+                        "pairs (no align, the combine in the down launch), auto (the op's choice by T * k)")
     p.add_argument("--baseline-max-gb", type=positive_int, default=16,
                    help="skip the baseline where its gathered expert weights exceed this many GB")
     p.add_argument("--iters", type=positive_int, default=100, help="timed graph replays per measurement")
@@ -170,7 +177,7 @@ def _targets(rows: list[dict]) -> list[dict]:
         if "new_us" not in r:
             continue
         where = {"tokens": r["tokens"], "intermediate": r["intermediate"], "weight_dtype": r["weight_dtype"],
-                 "split_k": r["split_k"]}
+                 "split_k": r["split_k"], "layout": r["layout"]}
         if r["tokens"] <= TARGET_MAX_TOKENS:
             out.append(dict(where, target=f"<= {FLOOR_FACTOR:g}x bytes floor", value=r["new_over_floor"],
                             met=r["new_over_floor"] <= FLOOR_FACTOR))
@@ -195,18 +202,21 @@ def _time(new, baseline, nbytes: int, floors, iters: int) -> dict:
             "spread": {"new": timing.spread}, "detail": {"new": timing.summary()}}
 
 
-def _row(args, weight_dtype: str, split_k: int, args_in: tuple, floors) -> dict:
+def _row(args, weight_dtype: str, split_k: int, layout: str, args_in: tuple, floors) -> dict:
     """One point with ``weight_dtype`` experts made from ``args_in`` (``_inputs``) and the fused
-    op at ``split_k``: timed against its baseline where ``floors`` (CUDA) is given, then checked."""
+    op at ``split_k`` in ``layout`` (a :data:`LAYOUTS` key): timed against its baseline where
+    ``floors`` (CUDA) is given, then checked."""
     hidden, w13, w2, ids, weights = args_in
     tokens, inter = hidden.shape[0], w2.shape[2]
     shape = (tokens, args.topk, args.experts, args.hidden, inter, hidden.device, hidden.dtype)
-    bf16_split = 1 if weight_dtype == "fp8" else split_k  # the FP8 baseline: the bf16 op unsplit
+    # the FP8 baseline: the bf16 op unsplit, its own layout
+    bf16_split, bf16_sort = (1, None) if weight_dtype == "fp8" else (split_k, LAYOUTS[layout])
     bf16_workspace = fused_moe_workspace(*shape, split_k=bf16_split)
     bf16_out, base_out = torch.empty_like(hidden), torch.empty_like(hidden)
 
     def bf16_fused():
-        fused_moe(*args_in, bf16_out, workspace=bf16_workspace, split_k=bf16_split, check_values=False)
+        fused_moe(*args_in, bf16_out, workspace=bf16_workspace, split_k=bf16_split, sort_pairs=bf16_sort,
+                  check_values=False)
 
     if weight_dtype == "fp8":
         (w13_q, w13_s), (w2_q, w2_s) = quantize_experts(w13), quantize_experts(w2)
@@ -214,7 +224,8 @@ def _row(args, weight_dtype: str, split_k: int, args_in: tuple, floors) -> dict:
         fp8_workspace = fused_moe_workspace(*shape, fp8=True, split_k=split_k)
         new_out = torch.empty_like(hidden)
         fp8_args = (hidden, w13_q, w2_q, ids, weights, new_out)
-        fp8_kwargs = dict(w13_scale=w13_s, w2_scale=w2_s, workspace=fp8_workspace, split_k=split_k)
+        fp8_kwargs = dict(w13_scale=w13_s, w2_scale=w2_s, workspace=fp8_workspace, split_k=split_k,
+                          sort_pairs=LAYOUTS[layout])
         fused_moe(*fp8_args, **fp8_kwargs)  # eager checks once
 
         def new():
@@ -222,7 +233,8 @@ def _row(args, weight_dtype: str, split_k: int, args_in: tuple, floors) -> dict:
 
         baseline, nbytes = bf16_fused, bytes_moved(hidden, w13_q, w2_q, ids, weights, w13_s, w2_s)
     else:
-        fused_moe(*args_in, bf16_out, workspace=bf16_workspace, split_k=split_k)  # eager checks once
+        fused_moe(*args_in, bf16_out, workspace=bf16_workspace, split_k=split_k,
+                  sort_pairs=bf16_sort)  # eager checks once
         new, new_out, baseline = bf16_fused, bf16_out, None
         gathered = tokens * args.topk * (w13[0].numel() + w2[0].numel()) * w13.element_size()
         if gathered <= args.baseline_max_gb * 1e9:
@@ -230,7 +242,7 @@ def _row(args, weight_dtype: str, split_k: int, args_in: tuple, floors) -> dict:
                 baseline_moe(*args_in, base_out)
         nbytes = bytes_moved(*args_in)
     row = {"tokens": tokens, "intermediate": inter, "weight_dtype": weight_dtype, "split_k": split_k,
-           "baseline": BASELINES[weight_dtype], "experts_hit": int(torch.unique(ids).numel()),
+           "layout": layout, "baseline": BASELINES[weight_dtype], "experts_hit": int(torch.unique(ids).numel()),
            "baseline_skipped": baseline is None}
     if floors is not None:
         row.update(_time(new, baseline, nbytes, floors, args.iters))
@@ -259,6 +271,7 @@ def run(args) -> int:
             print(ignored)
     args.weight_dtype = list(dict.fromkeys(args.weight_dtype))
     args.split_k = list(dict.fromkeys(args.split_k))
+    args.layout = list(dict.fromkeys(args.layout))
     if "fp8" in args.weight_dtype:
         bad = [f"--{name} {value}" for name, value in [("hidden", args.hidden)]
                + [("intermediate", i) for i in args.intermediate] if value % FP8_BLOCK]
@@ -277,8 +290,8 @@ def run(args) -> int:
     points = [(inter, tokens) for inter in args.intermediate for tokens in args.tokens]
     for inter, tokens in tqdm(points, desc="moe", unit="point"):
         args_in = _inputs(tokens, args, inter, device, dtype)
-        rows.extend(_row(args, weight_dtype, split_k, args_in, floors)
-                    for weight_dtype in args.weight_dtype for split_k in args.split_k)
+        rows.extend(_row(args, weight_dtype, split_k, layout, args_in, floors)
+                    for weight_dtype in args.weight_dtype for split_k in args.split_k for layout in args.layout)
         del args_in
     if on_gpu:
         torch.cuda.synchronize()
@@ -289,21 +302,22 @@ def run(args) -> int:
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
         cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"), ("split_k", "split-K"),
-                ("experts_hit", "experts hit"), ("baseline", "baseline"), ("baseline_us", "baseline µs"),
-                ("new_us", "fused µs"), ("speedup", "speedup"),
+                ("layout", "layout"), ("experts_hit", "experts hit"), ("baseline", "baseline"),
+                ("baseline_us", "baseline µs"), ("new_us", "fused µs"), ("speedup", "speedup"),
                 ("floor_us", "floor µs"), ("new_over_floor", "fused / floor"), ("copy_us", "same-bytes copy µs"),
                 ("new_gbps", "fused GB/s"), ("spread_new", "spread fused")]
         table = [dict(r, spread_new=r["spread"]["new"]) for r in rows]
     else:
         cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"), ("split_k", "split-K"),
-                ("experts_hit", "experts hit"), ("matches_reference", "== reference")]
+                ("layout", "layout"), ("experts_hit", "experts hit"), ("matches_reference", "== reference")]
         table = rows
     md = markdown_table(cols, table)
     if targets:
         met = sum(t["met"] for t in targets)
         md += (f"\n\n## Targets: {met} of {len(targets)} met\n\n"
                + markdown_table([("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"),
-                                 ("split_k", "split-K"), ("target", "target"), ("value", "value"), ("met", "met")],
+                                 ("split_k", "split-K"), ("layout", "layout"), ("target", "target"),
+                                 ("value", "value"), ("met", "met")],
                                 [t for t in targets if not t["met"]] or [{"tokens": "(all met)"}]))
     write_results("moe", payload, md, args.out)
     return 0 if all(t["met"] for t in targets) else 1

@@ -1,14 +1,16 @@
 """Fused MoE for decode and verify sizes (1..512 tokens): routed experts with SiLU-gated MLPs.
 
 ``out[t] = sum_j topk_weights[t, j] * (w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)))`` with
-``x = hidden[t]`` and ``e = topk_ids[t, j]``, in four launches and no host sync (CUDA-graph safe
-with a workspace from :func:`fused_moe_workspace`):
+``x = hidden[t]`` and ``e = topk_ids[t, j]``, with no host sync (CUDA-graph safe with a workspace
+from :func:`fused_moe_workspace`). The GEMMs work on blocks of ``BLOCK_M`` rows, each holding pairs
+``p = t * k + j`` of one expert, the ranks ``[16 q, 16 q + 16)`` of its pairs in ascending ``p``,
+padding rows -1. Two layouts place these blocks, chosen by ``P = T * k`` alone
+(:func:`sorts_pairs`); the sorted layout, four launches:
 
-1. align (one program): the ``P = T * k`` (token, slot) pairs ``p = t * k + j`` are sorted by
-   expert, stably (ascending ``p`` within an expert), into segments padded to ``BLOCK_M`` rows; each
-   block of ``BLOCK_M`` rows is mapped to its expert, padding rows hold -1, blocks past the last
-   segment map to -1. The grid of the GEMMs is the static bound ``(P + min(E, P) * (BLOCK_M - 1))
-   // BLOCK_M`` blocks; programs of unused blocks return at once.
+1. align (one program): the P pairs are sorted by expert, stably, into segments padded to
+   ``BLOCK_M`` rows; each block is mapped to its expert, blocks past the last segment to -1. The
+   grid of the GEMMs is the static bound ``(P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M`` blocks;
+   programs of unused blocks return at once.
 2. gate/up: one grouped GEMM launch; a program takes one block and ``BLOCK_N`` columns of both the
    gate and the up rows of its expert, accumulates both in fp32 and writes ``silu(gate) * up``
    rounded to the hidden dtype (the one intermediate rounding). With ``split_k = S > 1``: S
@@ -21,13 +23,29 @@ with a workspace from :func:`fused_moe_workspace`):
    written as fp32 to the pair's row ``p`` of a ``[P, H]`` partial buffer.
 4. combine: ``out[t] = sum_{j = 0..k-1} partial[t * k + j]`` in that order, fp32, one cast.
 
+The pair layout (P <= :data:`PAIR_LAYOUT_MAX_PAIRS`), two launches (three with a split), no align
+and no combine:
+
+1. gate/up: P blocks, block ``b`` pair ``b``'s. Each program reads the P ids: where ``b``'s rank ``r``
+   among its expert's pairs is a multiple of ``BLOCK_M`` (always, for an expert of at most 16
+   pairs, at its first one) the block holds that expert's ranks ``[r, r + BLOCK_M)``, the sorted
+   layout's block, else the program returns. The activation of pair ``p`` goes to row ``p`` (split
+   partials likewise; the reduce runs over rows ``0..P-1``).
+2. down: one program per token and ``BLOCK_N`` columns runs the token's k pairs in order j, each
+   the sorted layout's tile product (its activation row in a tile of the same shape) times its
+   weight, added to an fp32 sum, cast once and written to ``out``: the combine folded in, no
+   partial buffer. An expert picked by n tokens is read n times here, once by the sorted down.
+
 Row invariance: the tiles and warps are chosen from ``(N, K, k, dtype, device)``, never from T, a
 row of a tile meets the weight tile in a ``tl.dot`` of fixed shape (each output element from its
 own row and column), K blocks are accumulated in order, the split partials are added in order
 and the combine order is fixed. ``split_k`` changes the summation order, so it must be fixed per
-shape (E, k, H, I, dtype), never chosen from T: then the invariance holds at every split. So a
-token's output bits depend only on its own hidden row, ids and weights: not on T, on the other
-tokens, or on where its pairs land in the sorted segments. The result is deterministic.
+shape (E, k, H, I, dtype), never chosen from T: then the invariance holds at every split. The two
+layouts do the same fp32 operations in the same order on the same blocks (the down kernel compiles
+without FMA contraction, so the pair layout's ``sum + acc * w`` rounds the product as the stored
+partial is rounded), so the layout changes no bit either. A token's output bits depend only on its
+own hidden row, ids and weights: not on T, on the other tokens, or on where its pairs land. The
+result is deterministic.
 
 FP8 block-scaled experts (``w13`` / ``w2`` e4m3 with fp32 ``weight_scale_inv`` per 128 x 128 block
 of each expert's projection, the official checkpoints' format, :mod:`dsaspec.ops.fp8_gemm`): the
@@ -43,8 +61,9 @@ per row).
 Shared experts: the MoE layer passes its shared expert as one more expert (``E + 1`` of them,
 :meth:`~dsaspec.layers.moe.MoE.fuse_shared_experts`) and one more slot per token, id ``E`` at
 weight 1.0, written by the router's kernel (``route_topk``'s ``n_shared``). Nothing here changes:
-align gives it a segment of T pairs, the grids and the workspace follow ``(T * (k + 1), E + 1)``,
-and the combine adds its partial after the k routed ones, in fp32, before the one cast.
+its T pairs fill ``ceil(T / 16)`` blocks, the grids and the workspace follow ``(T * (k + 1), E + 1)``,
+and the combine (or the pair layout's down) adds its product after the k routed ones, in fp32,
+before the one cast.
 """
 
 from __future__ import annotations
@@ -82,6 +101,30 @@ def moe_split_k(intermediate_size: int, fp8: bool) -> int:
     return _FP8_SMALL_I_SPLIT if fp8 and intermediate_size <= _FP8_SMALL_I else 1
 
 
+# The pair layout (no align, no combine) up to 64 pairs: T <= 7 at k + 1 = 9 slots (GLM-5 / DeepSeek-V3.2
+# ranks with the shared expert), T <= 8 at 8. It saves two launches (align 6.0 us, combine ~3 us at T = 1 on
+# the H200, decode_rank_glm5.md) and 2 P H fp32 bytes of partials (0.44 MB at T = 1, H 6144; 3.1 MB at
+# P = 63), and costs down reads: an expert picked by n tokens is read n times, once per token's program. The
+# shared expert's T - 1 extra reads come at the same step of every token's program (L2 hits); the routed
+# repeats of k = 8 distinct picks of 256 are 0.25 / 1.5 / 5.0 experts at T = 2 / 4 / 7 (1.57 MB each at
+# H 6144: 0.4 / 2.3 / 7.8 MB, under 2 us at 4.2 TB/s even from DRAM), 26 at T = 16 (41 MB, ~10 us: a loss).
+# A rule by P only (the graph bucket's T), so a token's bits never depend on it (fused_moe's sort_pairs).
+PAIR_LAYOUT_MAX_PAIRS = 64
+
+
+def sorts_pairs(num_pairs: int) -> bool:
+    """Whether :func:`fused_moe` sorts ``num_pairs`` (token, slot) pairs by expert (align, combine) by
+    default: above :data:`PAIR_LAYOUT_MAX_PAIRS`; else the pair layout (module docstring)."""
+    return num_pairs > PAIR_LAYOUT_MAX_PAIRS
+
+
+def _pairs_pad(num_pairs: int) -> int:
+    # the ids a pair-layout gate/up program ranks: one width (so one compiled kernel) up to the default
+    # threshold, which also took fewer registers on sm_90 than narrower ones (FP8 split 4: 84 at 64, as
+    # sorted, against 96 at 16 and 32; scripts/compile_fused_moe.py)
+    return max(triton.next_power_of_2(PAIR_LAYOUT_MAX_PAIRS), triton.next_power_of_2(num_pairs))
+
+
 def max_blocks(num_pairs: int, num_experts: int) -> int:
     """Blocks of ``BLOCK_M`` rows that ``num_pairs`` pairs can need at most over ``num_experts``
     expert segments, each padded to a whole block: ``(P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M``."""
@@ -101,8 +144,8 @@ class FusedMoEWorkspace:
     dtype: torch.dtype
     sorted_pairs: torch.Tensor  # int32 [max_blocks * BLOCK_M]: pair per sorted row, -1 = padding
     block_experts: torch.Tensor  # int32 [max_blocks]: expert of each block, -1 = unused
-    act: torch.Tensor  # dtype [max_blocks * BLOCK_M, I]: silu(gate) * up per sorted row
-    partial: torch.Tensor  # fp32 [max_tokens * k, H]: weighted down projection per pair
+    act: torch.Tensor  # dtype [max_blocks * BLOCK_M, I]: silu(gate) * up per sorted row (pair layout: per pair)
+    partial: torch.Tensor  # fp32 [max_tokens * k, H]: weighted down projection per pair (sorted layout)
     fp8: bool = False  # for FP8 experts: the quantized activations below are allocated
     hidden_q: torch.Tensor | None = None  # e4m3 [max_tokens, H]: act_quant of the hidden rows
     hidden_scale: torch.Tensor | None = None  # fp32 [max_tokens, H / 128]
@@ -123,6 +166,8 @@ def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_siz
     a graph replays with the same workspace. Sizes: ``max_blocks(T * k, E) * 16`` rows of I
     activations and ``T * k`` fp32 rows of H (at T = 512, k = 8, H = 7168: 117 MB), with
     ``split_k > 1`` also ``split_k`` fp32 partials of those rows x 2I (I = 256, split 4: 65 MB).
+    Both layouts fit: the pair layout uses rows ``0..P-1`` of the activations and partials (``P <=
+    max_blocks(P, E) * 16``) and neither the sorted pairs nor the fp32 partials of H.
 
     Raises ``TypeError`` / ``ValueError`` naming the argument unless the counts are ints >= 1,
     ``dtype`` is bf16 or fp32 and, with ``fp8``, H and I are multiples of 128."""
@@ -239,27 +284,59 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_b
         seen += tl.sum(hit, axis=0)
 
 
+@triton.jit
+def _pair_lead(ids_ptr, pair, num_experts, PAIRS_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    # the pair layout: pair ``pair`` leads a block if its id is in [0, E) and its rank among its
+    # expert's pairs (in pair order) is a multiple of BLOCK_M; returns (expert or -1, the rank)
+    p = tl.arange(0, PAIRS_PAD)
+    expert = tl.load(ids_ptr + pair)
+    ids = tl.load(ids_ptr + p, mask=p < pair, other=-1)
+    first = tl.sum((ids == expert).to(tl.int32), axis=0)
+    lead = (first % BLOCK_M == 0) & (expert >= 0) & (expert < num_experts)
+    return tl.where(lead, expert, -1), first
+
+
+@triton.jit
+def _pair_rows(ids_ptr, expert, first, num_pairs, PAIRS_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    # a leading pair's block: the pair of each row, the expert's pairs of ranks [first, first + BLOCK_M)
+    # in order, -1 padding (the sorted layout's block of those ranks)
+    p = tl.arange(0, PAIRS_PAD)[None, :]
+    same = ((tl.load(ids_ptr + p, mask=p < num_pairs, other=-1) == expert)).to(tl.int32)
+    rank = tl.cumsum(same, axis=1) - same
+    hit = (same > 0) & (rank == first + tl.arange(0, BLOCK_M)[:, None])
+    return tl.max(tl.where(hit, p, -1), axis=1)
+
+
 @triton.jit(do_not_specialize=["num_blocks"])
 def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
-                    num_blocks, H, I, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn,
-                    stride_act, k_span, stride_split, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    num_blocks, num_experts, H, I, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
+                    stride_wsn, stride_act, k_span, stride_split, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    UPCAST: tl.constexpr, FP8: tl.constexpr):
+                    UPCAST: tl.constexpr, FP8: tl.constexpr, PAIRS: tl.constexpr, PAIRS_PAD: tl.constexpr):
     # FP8: x and w are e4m3 codes, xs [T, H / BLOCK_K] and ws [E, 2I / BLOCK_K, H / BLOCK_K] their
     # scales, BLOCK_K = 128 and BLOCK_N divides 128 (one weight scale per tile and K block)
     # blocks vary fastest: the programs that read one weight tile run together (L2 reuse)
     # SPLIT > 1: this program sums K in [split * k_span, (split + 1) * k_span) (k_span a multiple
     # of BLOCK_K) and writes fp32 gate / up to act_ptr + split * stride_split (columns I + c: up)
+    # PAIRS: the pair layout, num_blocks = P pairs, block_experts_ptr = topk_ids; a row's outputs go
+    # to row p of its pair (sorted: row block * BLOCK_M + i)
     pid = tl.program_id(0)
     block = pid % num_blocks
     split = pid // num_blocks % SPLIT
     pid_n = pid // num_blocks // SPLIT
     k_start = split * k_span
-    expert = tl.load(block_experts_ptr + block)
-    if expert < 0:
-        return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
+    if PAIRS:
+        expert, first = _pair_lead(block_experts_ptr, block, num_experts, PAIRS_PAD, BLOCK_M)
+        if expert < 0:
+            return
+        pairs = _pair_rows(block_experts_ptr, expert, first, num_blocks, PAIRS_PAD, BLOCK_M)
+        rows = tl.where(pairs >= 0, pairs, 0)
+    else:
+        expert = tl.load(block_experts_ptr + block)
+        if expert < 0:
+            return
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pairs_ptr + rows)
     row_ok = pairs >= 0
     tokens = tl.where(row_ok, pairs // TOPK, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -305,16 +382,18 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_expert
         tl.store(act_ptrs + I, up, mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _split_reduce_kernel(gate_up_ptr, sorted_pairs_ptr, act_ptr, q_ptr, qs_ptr, num_rows, I, stride_split,
+@triton.jit(do_not_specialize=["num_rows", "row_limit"])
+def _split_reduce_kernel(gate_up_ptr, row_ids_ptr, act_ptr, q_ptr, qs_ptr, num_rows, row_limit, I, stride_split,
                          stride_row, stride_act, stride_q, stride_qs, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_C: tl.constexpr, QUANTIZE: tl.constexpr, UE8M0: tl.constexpr):
     # act[r, c] = silu(sum_s gate_up[s, r, c]) * sum_s gate_up[s, r, I + c], s = 0..SPLIT-1 in order
     # QUANTIZE (FP8 experts, BLOCK_C = 128): also act_quant's codes and scale of each stored act block
+    # row r is live where 0 <= row_ids[r] < row_limit: sorted_pairs and P (sorted layout), topk_ids and E
+    # (pair layout: row r is pair r's)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    pairs = tl.load(sorted_pairs_ptr + rows, mask=rows < num_rows, other=-1)
-    row_ok = pairs >= 0
+    row_ids = tl.load(row_ids_ptr + rows, mask=rows < num_rows, other=-1)
+    row_ok = (row_ids >= 0) & (row_ids < row_limit)
     mask = row_ok[:, None] & (cols < I)[None, :]  # padding rows' partials were never written
     ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
     gate = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
@@ -331,50 +410,95 @@ def _split_reduce_kernel(gate_up_ptr, sorted_pairs_ptr, act_ptr, q_ptr, qs_ptr, 
         tl.store(qs_ptr + rows.to(tl.int64) * stride_qs + tl.program_id(1), scale, mask=row_ok)
 
 
+@triton.jit
+def _down_step(a_ptrs, as_ptrs, w_ptrs, s_ptr, kb, a_mask, row_ok, w_mask, acc, UPCAST: tl.constexpr,
+               FP8: tl.constexpr):
+    # acc plus one K block of the activation rows times the weight tile (FP8: times their scales)
+    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    if FP8:
+        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)[:, None]
+        acc += tl.dot(a, w) * (a_s * tl.load(s_ptr + kb))
+    else:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_blocks"])
 def _down_kernel(act_ptr, as_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr,
-                 partial_ptr, num_blocks, H, I, stride_act, stride_as, stride_we, stride_wn, stride_wse,
-                 stride_wsn, stride_partial, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+                 out_ptr, num_blocks, num_experts, H, I, stride_act, stride_as, stride_we, stride_wn, stride_wse,
+                 stride_wsn, stride_out, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, PAIRS: tl.constexpr,
+                 TOPK_PAD: tl.constexpr):
     # FP8: act and w are e4m3 codes, as [rows, I / BLOCK_K] and ws [E, ceil(H / BLOCK_K), I / BLOCK_K]
     # their scales (as in _gate_up_kernel)
+    # sorted: program (block, n) writes its rows' weighted fp32 partials to out_ptr (the partial buffer,
+    # row p for pair p); PAIRS: program (token, n), num_blocks = T, block_experts_ptr = topk_ids: the
+    # token's TOPK pairs in order, each its tile product (act row p in row 0 of the tile) times its
+    # weight, added to an fp32 sum (the combine's), cast and written to out_ptr[token]
     pid = tl.program_id(0)
     block = pid % num_blocks
     pid_n = pid // num_blocks
-    expert = tl.load(block_experts_ptr + block)
-    if expert < 0:
-        return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    row_ok = pairs >= 0
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + ks[None, :]
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
-              + ks[:, None])
-    as_ptrs = as_ptr + rows.to(tl.int64) * stride_as
-    s_ptr = ws_ptr + expert.to(tl.int64) * stride_wse + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
+    m = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, I, BLOCK_K):
-        k_ok = (k + ks) < I
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        if FP8:
-            kb = k // BLOCK_K
-            a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)[:, None]
-            acc += tl.dot(a, w) * (a_s * tl.load(s_ptr + kb))
-        else:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
-    out_ptrs = (partial_ptr + tl.where(row_ok, pairs, 0).to(tl.int64)[:, None] * stride_partial
-                + cols[None, :])
-    tl.store(out_ptrs, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
+    if PAIRS:
+        slots = tl.arange(0, TOPK_PAD)
+        token_ids = tl.load(block_experts_ptr + block * TOPK + slots, mask=slots < TOPK, other=-1)
+        token_weights = tl.load(weights_ptr + block * TOPK + slots, mask=slots < TOPK, other=0.0)
+        nk = tl.cdiv(I, BLOCK_K)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # one loop over every pair's K blocks, ids and weights from registers: pipelined across pairs
+        for step in range(0, TOPK * nk):
+            j = step // nk
+            k = (step - j * nk) * BLOCK_K
+            pair = block * TOPK + j
+            expert = tl.sum(tl.where(slots == j, token_ids, 0), axis=0)
+            ok = (expert >= 0) & (expert < num_experts)  # else zeros: the combine skips the pair
+            expert = tl.where(ok, expert, 0)
+            row_ok = (m == 0) & ok
+            k_ok = (k + ks) < I
+            rows = pair.to(tl.int64) + tl.zeros((BLOCK_M,), tl.int64)
+            a_ptrs = act_ptr + rows[:, None] * stride_act + (k + ks)[None, :]
+            w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                      + (k + ks)[:, None])
+            s_ptr = ws_ptr + expert.to(tl.int64) * stride_wse + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
+            acc = _down_step(a_ptrs, as_ptr + rows * stride_as, w_ptrs, s_ptr, k // BLOCK_K,
+                             row_ok[:, None] & k_ok[None, :], row_ok, ok & k_ok[:, None] & col_ok[None, :], acc,
+                             UPCAST, FP8)
+            if k + BLOCK_K >= I:
+                weight = tl.sum(tl.where((slots == j) & ok, token_weights, 0.0), axis=0)
+                total += acc * weight
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        out_ptrs = out_ptr + (block.to(tl.int64) + 0 * m)[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=(m == 0)[:, None] & col_ok[None, :])
+    else:
+        expert = tl.load(block_experts_ptr + block)
+        if expert < 0:
+            return
+        rows = block * BLOCK_M + m
+        pairs = tl.load(sorted_pairs_ptr + rows)
+        row_ok = pairs >= 0
+        a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + ks[None, :]
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                  + ks[:, None])
+        as_ptrs = as_ptr + rows.to(tl.int64) * stride_as
+        s_ptr = ws_ptr + expert.to(tl.int64) * stride_wse + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
+        for k in range(0, I, BLOCK_K):
+            k_ok = (k + ks) < I
+            acc = _down_step(a_ptrs, as_ptrs, w_ptrs, s_ptr, k // BLOCK_K, row_ok[:, None] & k_ok[None, :],
+                             row_ok, k_ok[:, None] & col_ok[None, :], acc, UPCAST, FP8)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
+        out_ptrs = (out_ptr + tl.where(row_ok, pairs, 0).to(tl.int64)[:, None] * stride_out
+                    + cols[None, :])
+        tl.store(out_ptrs, acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -398,9 +522,11 @@ def _combine_kernel(partial_ptr, ids_ptr, out_ptr, T, H, stride_partial, stride_
 
 
 def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace,
-                  split_k) -> bool:
+                  split_k, sort_pairs) -> bool:
     """Check the arguments; returns whether the experts are FP8."""
     check_count("split_k", split_k)
+    if sort_pairs is not None and not isinstance(sort_pairs, bool):
+        raise TypeError(f"sort_pairs: expected None or a bool, got {sort_pairs!r}")
     check_tensor("hidden", hidden, dtype=_DTYPES, ndim=2)
     tokens, h = hidden.shape
     dtype, device = hidden.dtype, hidden.device
@@ -458,7 +584,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
               topk_weights: torch.Tensor, out: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, scale_fmt: str | None = None,
               workspace: FusedMoEWorkspace | None = None, split_k: int = 1,
-              check_values: bool = True) -> torch.Tensor:
+              sort_pairs: bool | None = None, check_values: bool = True) -> torch.Tensor:
     """Routed-expert MLP: ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x) *
     (w13[e, I:] @ x))``, ``x = hidden[t]``, ``e = topk_ids[t, j]``; fp32 accumulation, the
     activation rounded once to the hidden dtype, the k weighted expert outputs summed in fp32 in
@@ -489,6 +615,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         blocks, their fp32 sums added in order (module docstring). It changes the summation order:
         fix it per shape (E, k, H, I, dtype), never per T, or a token's bits depend on T. Splits
         beyond the K blocks add zeros.
+    sort_pairs : the block layout (module docstring): True sorts the pairs (align, down, combine),
+        False lays them out by pair (down sums each token's pairs itself: two launches fewer), None
+        (default) :func:`sorts_pairs` of ``T * k``. Both give the same bits; any workspace for T
+        tokens serves both.
     check_values : also check that every id is in ``[0, E)`` (a host sync, so not inside CUDA
         graphs). Shapes, dtypes and devices are always checked. Graph replay relies on the caller
         for the range; an id outside it contributes nothing (reads and writes nothing).
@@ -498,7 +628,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     ``out``.
     """
     fp8 = _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace,
-                        split_k)
+                        split_k, sort_pairs)
     if scale_fmt not in SCALE_FORMATS:
         raise ValueError(f"scale_fmt: expected one of {SCALE_FORMATS}, got {scale_fmt!r}")
     tokens, h = hidden.shape
@@ -514,11 +644,19 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         workspace = fused_moe_workspace(tokens, topk, experts, h, inter, hidden.device, hidden.dtype, fp8=fp8,
                                         split_k=split_k)
     pairs = tokens * topk
-    blocks = max_blocks(pairs, experts)
-    e_pad = triton.next_power_of_2(experts)
-    _align_kernel[(1,)](topk_ids, workspace.sorted_pairs, workspace.block_experts, pairs, blocks,
-                        NUM_EXPERTS=experts, E_PAD=e_pad, CHUNK=max(16, _ALIGN_ELEMENTS // e_pad),
-                        FILL=1024, BLOCK_M=BLOCK_M, num_warps=8)
+    sort = sorts_pairs(pairs) if sort_pairs is None else sort_pairs
+    if sort:
+        blocks = max_blocks(pairs, experts)
+        e_pad = triton.next_power_of_2(experts)
+        _align_kernel[(1,)](topk_ids, workspace.sorted_pairs, workspace.block_experts, pairs, blocks,
+                            NUM_EXPERTS=experts, E_PAD=e_pad, CHUNK=max(16, _ALIGN_ELEMENTS // e_pad),
+                            FILL=1024, BLOCK_M=BLOCK_M, num_warps=8)
+        # the rows of act and its codes: the blocks' (padding rows too), a live one's pair in [0, P)
+        row_ids, block_experts, row_limit, rows, down_blocks = (
+            workspace.sorted_pairs, workspace.block_experts, pairs, blocks * BLOCK_M, blocks)
+    else:  # pair layout: a block per pair; row p pair p's, live where its id is in [0, E); down per token
+        blocks = pairs
+        row_ids, block_experts, row_limit, rows, down_blocks = topk_ids, topk_ids, experts, pairs, tokens
     upcast = not hidden.is_cuda and not fp8
     act, partial = workspace.act, workspace.partial
     x, x_scale, w13_s, a, a_scale, w2_s = hidden, hidden, w13, act, act, w2  # unread without FP8
@@ -531,30 +669,35 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     gate_up = workspace.gate_up if split_k > 1 else act
     split_stride = gate_up.stride(0) if split_k > 1 else 0
     _gate_up_kernel[(blocks * split_k * triton.cdiv(inter, tile.block_n),)](
-        x, x_scale, w13, w13_s, workspace.sorted_pairs, workspace.block_experts, gate_up, blocks, h, inter,
+        x, x_scale, w13, w13_s, row_ids, block_experts, gate_up, blocks, experts, h, inter,
         x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
         gate_up.stride(-2), k_span, split_stride, TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, SPLIT=split_k, UPCAST=upcast, FP8=fp8, num_warps=tile.num_warps,
+        BLOCK_K=tile.block_k, SPLIT=split_k, UPCAST=upcast, FP8=fp8, PAIRS=not sort,
+        PAIRS_PAD=BLOCK_M if sort else _pairs_pad(pairs), num_warps=tile.num_warps,
         num_stages=tile.num_stages)
     if split_k > 1:  # FP8: the activations quantized in the same launch (live rows only)
-        rows = blocks * BLOCK_M
         block_c = FP8_BLOCK if fp8 else min(_COMBINE_ELEMENTS // BLOCK_M, triton.next_power_of_2(inter))
-        _split_reduce_kernel[(blocks, triton.cdiv(inter, block_c))](
-            gate_up, workspace.sorted_pairs, act, a, a_scale, rows, inter, gate_up.stride(0), gate_up.stride(1),
+        _split_reduce_kernel[(triton.cdiv(rows, BLOCK_M), triton.cdiv(inter, block_c))](
+            gate_up, row_ids, act, a, a_scale, rows, row_limit, inter, gate_up.stride(0), gate_up.stride(1),
             act.stride(0), a.stride(0), a_scale.stride(0), SPLIT=split_k, BLOCK_R=BLOCK_M, BLOCK_C=block_c,
             QUANTIZE=fp8, UE8M0=scale_fmt == "ue8m0", num_warps=4)
-    elif fp8:  # every row of the blocks in use: padding rows are quantized too and never read
-        rows = blocks * BLOCK_M
+    elif fp8:  # every row in use: padding rows are quantized too and never read
         act_quant(act[:rows], scale_fmt, out=a[:rows], scale_out=a_scale[:rows])
+    # the down programs: a block's (sorted) or a token's (pair layout) x BLOCK_N columns; no FMA
+    # contraction, so the pair layout's fp32 sum of weighted products has the combine's bits
     tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8)
-    _down_kernel[(blocks * triton.cdiv(h, tile.block_n),)](
-        a, a_scale, w2, w2_s, workspace.sorted_pairs, workspace.block_experts, topk_weights, partial,
-        blocks, h, inter, a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0),
-        w2_s.stride(1), partial.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        UPCAST=upcast, FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages)
-    block_h = min(_COMBINE_ELEMENTS, triton.next_power_of_2(h))
-    block_t = min(triton.next_power_of_2(tokens), _COMBINE_ELEMENTS // block_h)
-    _combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(h, block_h))](
-        partial, topk_ids, out, tokens, h, partial.stride(0), out.stride(0),
-        TOPK=topk, NUM_EXPERTS=experts, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+    target = partial if sort else out
+    _down_kernel[(down_blocks * triton.cdiv(h, tile.block_n),)](
+        a, a_scale, w2, w2_s, row_ids, block_experts, topk_weights, target, down_blocks, experts, h, inter,
+        a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0), w2_s.stride(1),
+        target.stride(0), TOPK=topk, BLOCK_M=BLOCK_M,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=upcast, FP8=fp8, PAIRS=not sort,
+        TOPK_PAD=triton.next_power_of_2(topk), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        enable_fp_fusion=False)
+    if sort:
+        block_h = min(_COMBINE_ELEMENTS, triton.next_power_of_2(h))
+        block_t = min(triton.next_power_of_2(tokens), _COMBINE_ELEMENTS // block_h)
+        _combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(h, block_h))](
+            partial, topk_ids, out, tokens, h, partial.stride(0), out.stride(0),
+            TOPK=topk, NUM_EXPERTS=experts, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
     return out
