@@ -4,9 +4,11 @@ kernels (which also compiles the indexer's query / key epilogue, ``compile_index
 indexer's head weights (``index_weights``, split over K: GLM-5's 32 x 6144 and DeepSeek-V3.2's
 64 x 7168 fp32 weights, 1 and 64 bf16 rows), the RoPE tables (``rope_cos_sin``: fp64 angles,
 libdevice cos / sin, 1 and 64 rows), the dense FFN's SiLU-and-mul (``silu_and_mul``: libdevice
-``expf``, IEEE division; bf16 and fp32), the decode step's inputs (``decode_inputs``) and the MoE
+``expf``, IEEE division; bf16 and fp32), the decode step's inputs (``decode_inputs``), the MoE
 router's selection (``moe_router``: GLM-5's and DeepSeek-V3.2's routing, 256 experts, with the
-slot of their shared expert).
+slot of their shared expert) and the RMSNorms before the attention's FP8 GEMMs (``rms_norm``: the
+input norm with its residual add at hidden 6144 / 7168, ``q_a_layernorm`` at 2048 / 1536, each
+plain and writing act_quant's codes and scales too).
 
 Each case goes through the real host wrapper on small CPU tensors; the launch is intercepted and
 compiled as Triton's JIT would specialize it on a CUDA device, K splits as on the H200's 132 SMs.
@@ -22,7 +24,7 @@ import torch  # noqa: E402
 from triton import knobs  # noqa: E402
 
 from dsaspec.cli_parsing import Parser, parse_or_exit  # noqa: E402
-from dsaspec.ops import decode_inputs, index_weights, moe_router, rope_cos_sin, silu_and_mul  # noqa: E402
+from dsaspec.ops import decode_inputs, index_weights, moe_router, rope_cos_sin, row_invariant, silu_and_mul  # noqa: E402
 
 WEIGHT_SHAPES = ((32, 6144), (64, 7168))   # (index heads, hidden): GLM-5, DeepSeek-V3.2
 ROW_COUNTS = (1, 64)
@@ -91,6 +93,24 @@ def compile_router(experts: int, n_group: int, topk_group: int, top_k: int, n_sh
                          div_approx=ptx.count("div.full.f32") + ptx.count("div.approx"))
 
 
+# (D, residual add): GLM-5's and DeepSeek-V3.2's input norms (hidden), their q_a_layernorm (q latent)
+NORMS = ((6144, True), (7168, True), (2048, False), (1536, False))
+
+
+def compile_rms_norm(d: int, add: bool, quant: bool, rows: int = 4) -> dict:
+    """One ``rms_norm`` (``add_rms_norm`` with ``add``) launch over ``rows`` bf16 rows of ``d``;
+    ``quant``: also the e4m3 codes and ue8m0 scales of the output (the FP8 GEMM's input)."""
+    x = torch.zeros(rows, d, dtype=torch.bfloat16)
+    weight = torch.zeros(d, dtype=torch.bfloat16)
+    fp8 = dict(q_out=torch.zeros(rows, d, dtype=torch.float8_e4m3fn), scale_out=torch.zeros(rows, d // 128),
+               scale_fmt="ue8m0") if quant else {}
+    if add:
+        launch = lambda: row_invariant.add_rms_norm(x, x.clone(), weight, 1e-6, **fp8)  # noqa: E731
+    else:
+        launch = lambda: row_invariant.rms_norm(x, weight, 1e-6, **fp8)  # noqa: E731
+    return dsa.compile_kernel(row_invariant._norm_kernel, launch, overrides=())
+
+
 def _line(name: str, result: dict) -> str:
     return (f"{name}: {result['regs']} regs, {result['spill']} B spilled, {result['shared']} B shared, "
             f"{result['instructions']} SASS instructions")
@@ -118,6 +138,10 @@ def main() -> int:
         result = compile_router(*routing)
         print(_line(f"moe_router {routing}", result) + f", {result['expf_calls']} libdevice expf, "
               f"{result['div_rn']} div.rn, {result['div_approx']} approximate divisions", flush=True)
+    for d, add in NORMS:
+        for quant in (False, True):
+            print(_line(f"{'add_rms_norm' if add else 'rms_norm'} {d}{' + act_quant' if quant else ''}",
+                        compile_rms_norm(d, add, quant)), flush=True)
     for kind in dsa.INDEX_ROPE_KINDS:
         print(dsa.summary_line(f"index_rope {kind}", dsa.compile_index_rope(kind)), flush=True)
     return 0

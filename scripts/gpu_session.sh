@@ -7,7 +7,8 @@
 #   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), moe-small-t (the pair layout's GPU tests + bench moe
 #   of both layouts; its per-kernel times in the real rank: decode-rank), moe-shared (the GPU tests of the shared expert in
 #   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / fused-quant forms at the rank shapes),
-#   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), kv-accuracy, e2e-rank-glm5,
+#   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), norm-quant (the GPU tests of
+#   the norms writing the FP8 GEMMs' codes; their time: decode-rank), kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
 #   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
@@ -103,6 +104,8 @@ for step in "$@"; do
                           or (cuda_graph_replay and default)" 2>&1 | tee "$OUT/fp8_mla_one_split_tests.log" &&
                       python3 -m dsaspec bench dsa-ops --ops sparse_mla --kv-cache-dtype fp8_e4m3 --modes decode,target_verify \
                           --bs 1,16,32,64 --live-kv 8192,65536 --out "$OUT/fp8_one_split" ;;
+        norm-quant)   python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout 600 -k norm_quant \
+                          tests/test_row_invariant.py tests/test_model.py 2>&1 | tee "$OUT/norm_quant_tests.log" ;;
         kv-accuracy)  python3 -m dsaspec bench kv-accuracy --out "$OUT" ;;
         serving)      OUT=$OUT bash scripts/gpu_serving.sh ;;
         e2e-rank-glm5) python3 -m dsaspec bench e2e --presets glm5-fp8-tp8-rank --num-steps 3 --contexts 1048576 \

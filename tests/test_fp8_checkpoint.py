@@ -22,13 +22,14 @@ from dsaspec.configs.model_config import get_config
 from dsaspec.configs.quantization import Fp8Quantization
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
-from dsaspec.layers.fp8_linear import Fp8Linear
+from dsaspec.layers.fp8_linear import ActQuant, Fp8Input, Fp8Linear, act_quant_of
 from dsaspec.layers.linear import Linear
 from dsaspec.layers.moe import MoE, Router
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.layers.attention.inputs import build_extend_inputs
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.models.loader import CONFIG_FILE, SINGLE_FILE, load_checkpoint, load_config, load_weights, save_checkpoint
+from dsaspec.ops.fp8_gemm import act_quant
 from dsaspec.reference import fp8_gemm as ref
 from dsaspec.ops.fused_moe import moe_split_k
 from dsaspec.reference.fused_moe import fused_moe_fp8 as fp8_moe_reference
@@ -129,6 +130,32 @@ def test_fp8_linear_paths_match_the_reference(use_triton, row_invariant, device)
     if use_triton or row_invariant:
         assert torch.equal(layer(x[4:5].to(device)), got[4:5]), "a row depends on the batch"
     assert torch.equal(layer.dense_weight().cpu(), ref.dequantize(weight, scale, 128).float())
+
+
+@pytest.mark.parametrize("use_triton,row_invariant", [(False, False), (False, True), (True, False)])
+def test_fp8_linear_takes_its_input_quantized_ahead(use_triton, row_invariant, device):
+    """An ``Fp8Input`` (rows with their act_quant codes and scales, as a norm writes them) gives
+    the layer's output for the rows bitwise, on every path (Triton: ``fp8_gemm`` of the codes); one
+    quantized with another ``scale_fmt`` is refused."""
+    layer = Fp8Linear(256, 200, device=device, dtype=torch.float32, scale_fmt="ue8m0")
+    layer.set_dense(torch.randn(200, 256, generator=torch.Generator().manual_seed(0)) / 16)
+    layer.use_triton, layer.row_invariant = use_triton, row_invariant
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1)).to(device)
+    codes, scales = act_quant(x, "ue8m0")
+    assert torch.equal(layer(Fp8Input(x, codes, scales, "ue8m0")), layer(x))
+    with pytest.raises(ValueError, match="quantized with scale_fmt None, this layer's is 'ue8m0'"):
+        layer(Fp8Input(x, codes, scales, None))
+
+
+def test_act_quant_of_needs_fp8_layers_of_one_format():
+    def fp8(fmt):
+        return Fp8Linear(128, 128, "meta", scale_fmt=fmt)
+
+    assert act_quant_of([fp8("ue8m0"), fp8("ue8m0")]) == ActQuant("ue8m0")
+    assert act_quant_of([fp8(None)]) == ActQuant(None)
+    assert act_quant_of([fp8(None), fp8("ue8m0")]) is None
+    assert act_quant_of([fp8(None), Linear(128, 128, bias=False, device="meta")]) is None
+    assert act_quant_of([]) is None
 
 
 def test_dense_weight_is_kept_until_the_weights_change(device):

@@ -17,6 +17,7 @@ from dsaspec.memory import (PAGE_SIZE, SINK_SLOT, KVPool, PageAllocator, ReqToTo
                                     RequestSlots)
 from dsaspec.layers.attention.dsa_ops import dsa_ops
 from dsaspec.layers.attention.inputs import AttentionInputs, build_extend_inputs
+from dsaspec.layers.fp8_linear import ActQuant
 from dsaspec.models.dsa_model import DSAModel
 
 CONTEXT = 192
@@ -491,6 +492,84 @@ def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
         assert not torch.allclose(replays[0], replays[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["glm5-fp8-tp8-rank", "deepseek-v32-fp8-tp8-rank"])
+def test_gpu_norm_quant_decode_step_is_the_act_quant_step_at_rank_shapes(preset):
+    """A TP 8 rank's shapes (FP8 weights, GLM-5: fp32 activation scales, DeepSeek-V3.2: ue8m0; 2
+    layers, the second MoE): a decode step of 2 rows whose norms write the attention GEMMs' codes
+    equals the step whose GEMMs quantize (act_quant launches at these widths), output and caches
+    bitwise, eagerly and replayed from a CUDA graph per path (twice, new tokens and lengths written
+    into the same buffers)."""
+    from dsaspec.ops.indexer_schedule import indexer_programs, indexer_schedule
+
+    config = get_config(preset, num_hidden_layers=2, first_k_dense_replace=1)
+    model = DSAModel(config, device="cuda", use_triton=True).init_weights(0)
+    attns = [layer.self_attn for layer in model.model.layers]
+    quants = [(attn.input_quant, attn.latent_quant) for attn in attns]
+    fmt = config.quantization.scale_fmt
+    assert all(q == (ActQuant(fmt), ActQuant(fmt)) for q in quants)
+
+    def quantize(on):
+        for attn, q in zip(attns, quants):
+            attn.input_quant, attn.latent_quant = q if on else (None, None)
+
+    session = Session(model, device="cuda")
+    rows = [session.slots.admit(150), session.slots.admit(40)]
+    for row, length in zip(rows, (150, 40)):
+        session.step(row, _tokens(length, config.vocab_size, seed=row).cuda(), 0)
+    sms = indexer_programs("cuda")
+    width = session.pool.width
+    ids, positions, loc = (torch.zeros(2, dtype=torch.long, device="cuda") for _ in range(3))
+    attn = AttentionInputs(page_table_1=torch.zeros(2, width, dtype=torch.int32, device="cuda"),
+                           seqlens=torch.ones(2, dtype=torch.int32, device="cuda"),
+                           schedule=torch.zeros(sms + 1, 2, dtype=torch.int32, device="cuda"),
+                           index_logits=torch.empty(2, width, device="cuda"),
+                           topk_slots=torch.empty(2, config.index_topk, dtype=torch.int32, device="cuda"))
+
+    def fill(lengths, tokens):
+        for b, (row, length) in enumerate(zip(rows, lengths)):
+            session.slots.extend(row, length + 1)
+            ids[b], positions[b] = tokens[b], length
+            loc[b] = session.table[row, length]
+            attn.page_table_1[b] = session.table[row]
+            attn.seqlens[b] = length + 1
+        indexer_schedule(attn.seqlens, sms, out=attn.schedule)
+
+    def run():
+        return model(ids, positions, loc, session.kv, attn, check_values=False)
+
+    def state(out):
+        return [out.clone(), attn.topk_slots.clone(), *(c.clone() for c in session.kv.mla_cache),
+                *(c.clone() for c in session.kv.index_k_cache)]
+
+    def assert_bitwise(got, want, what):
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), what
+
+    fill((150, 40), (3, 4))
+    graphs = {}
+    with torch.no_grad():
+        for on in (True, False):
+            quantize(on)
+            eager = state(run())                       # also the warm-up: Triton compiles here
+            if on:
+                fused_eager = eager
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = run()
+            graphs[on] = graph, out
+        assert_bitwise(fused_eager, eager, "eager: the norm-quant step differs from the act_quant step")
+        for lengths, tokens in (((150, 40), (3, 4)), ((151, 41), (5, 6))):
+            fill(lengths, tokens)
+            replays = {}
+            for on, (graph, out) in graphs.items():
+                graph.replay()
+                replays[on] = state(out)
+            assert_bitwise(replays[True], replays[False], f"replay {lengths}: the two paths differ")
+            quantize(True)
+            torch.testing.assert_close(replays[True][0], run(), atol=2e-2, rtol=2e-2)
+
+
 def test_fused_moe_option_routes_the_experts_to_the_fused_kernel():
     """``RuntimeOptions.fused_moe`` (the default) sends the routed experts of a model that runs the
     Triton ops, outside the row-invariant mode, to ``dsaspec.ops.fused_moe``; its result equals the
@@ -601,6 +680,73 @@ def test_fused_latent_with_the_triton_ops_decodes_what_the_separate_ones_do(quan
     for got, want in zip(*outs):
         assert torch.equal(got, want)
     assert calls == [[1, 0], [2, 0], [2, 1], [2, 1]]
+
+
+# SMALL with the FP8 layers' input widths multiples of 128, one layer
+FP8_SMALL = dict(hidden_size=256, intermediate_size=128, q_lora_rank=128, num_hidden_layers=1)
+
+
+class _Launches:
+    """Counts the launches of a Triton kernel (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+def _layer_with_and_without_norm_quant(row_invariant, two_launch, monkeypatch):
+    """Decoder layer 0 of a one-layer FP8 model (ue8m0 activation scales, bf16, Triton ops) over 3
+    prompt rows and their residual, with its norms writing the attention GEMMs' codes (the default)
+    and without (those GEMMs quantize, today's path): per run its outputs, the caches and top-k
+    slots it wrote, and the act_quant launches. ``two_launch``: the GEMMs quantize in act_quant
+    launches (as at the rank shapes, where a program walks more than FUSED_QUANT_MAX_STEPS K
+    blocks); else where fuses_quant says (in their prologue at these widths)."""
+    from dsaspec.ops import fp8_gemm
+
+    if two_launch:
+        monkeypatch.setattr(fp8_gemm, "fuses_quant", lambda *args: False)
+    launches = _Launches(fp8_gemm._act_quant_kernel)
+    monkeypatch.setattr(fp8_gemm, "_act_quant_kernel", launches)
+    config = get_config("tiny", **(SMALL | FP8_SMALL), quantization=Fp8Quantization(scale_fmt="ue8m0"))
+    model = DSAModel(config, dtype=torch.bfloat16, use_triton=True, row_invariant=row_invariant).init_weights(21)
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    quants = attn.input_quant, attn.latent_quant
+    assert quants == (ActQuant("ue8m0"), ActQuant("ue8m0"))
+    gen = torch.Generator().manual_seed(22)
+    x, residual = (torch.randn(3, config.hidden_size, generator=gen).bfloat16() for _ in range(2))
+    runs = []
+    for quantize in (True, False):
+        attn.input_quant, attn.latent_quant = quants if quantize else (None, None)
+        session = Session(model)
+        row = session.slots.admit(3)
+        session.slots.extend(row, 3)
+        positions, loc, inputs = build_extend_inputs(session.table, [row], [0], [3])
+        inputs.topk_slots = torch.empty(3, config.index_topk, dtype=torch.int32)
+        launches.count = 0
+        with torch.no_grad():
+            out = layer(x, model._state(positions, loc, inputs, True), session.kv.mla_cache[0],
+                        session.kv.index_k_cache[0], residual)
+        runs.append(([*out, inputs.topk_slots, session.kv.mla_cache[0], session.kv.index_k_cache[0]], launches.count))
+    return runs
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("row_invariant,two_launch", [(False, True), (True, True), (False, False)],
+                         ids=["default", "row_invariant", "default-fused_quant"])
+def test_norms_quantizing_for_the_fp8_gemms_are_bitwise_the_act_quant_path(row_invariant, two_launch, monkeypatch):
+    """The input norm (residual add + RMSNorm) writes the codes of ``fused_input`` (q_a / wk / kv_a)
+    and ``q_a_layernorm`` those of ``fused_latent`` (q_b / wq_b): a layer's forward runs 2
+    act_quant launches fewer (3 left: ``o_proj`` and the dense FFN's two); its outputs, the new
+    residual, the selection and the caches bitwise the same."""
+    (fused, fused_launches), (unfused, unfused_launches) = _layer_with_and_without_norm_quant(
+        row_invariant, two_launch, monkeypatch)
+    assert (unfused_launches, fused_launches) == ((5, 3) if two_launch else (0, 0))
+    for got, want in zip(fused, unfused):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("row_invariant", [False, True])

@@ -11,6 +11,9 @@ Two kinds of checks:
   huge rows beside it. The CPU interpreter runs small shapes (K, N <= 600ish, few M) with
   configurations of large tiles so few programs run; the production shapes and every M of 1..256
   are GPU tests.
+* RMSNorms writing the FP8 GEMM's input too: codes and scales bitwise ``act_quant`` of the
+  stored output (both scale formats, with and without the residual add, zero / NaN / inf rows),
+  the output and residual bitwise the calls without them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import math
 import pytest
 import torch
 
+from compile_scripts import integer_rows, run_in_scripts
+from dsaspec.ops import fp8_gemm
 from dsaspec.ops import row_invariant as ri
+from dsaspec.reference import fp8_gemm as fp8_ref
 from dsaspec.reference import row_invariant as ref
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-6, atol=2**-6)}
@@ -273,6 +279,112 @@ def test_add_rms_norm_row_invariant_strided_and_out(device):
 
 
 # -------------------------------------------------------------------------------------------------
+# RMSNorms that also write act_quant of their output (the FP8 GEMM's codes and scales)
+
+
+def _quant_norm_inputs(m, d, dtype, device, seed):
+    """``x``, ``residual``, ``weight`` ``[m, d]`` / ``[d]``: weights of another magnitude in each
+    128-column group, row 1 all zero in both (the amax floor), row 2 with a NaN (a NaN row: every
+    group's scale NaN, codes 0), row 3 with an inf at column 200 (a NaN there after the norm:
+    group 1's scale NaN, the other groups zero)."""
+    x = _randn(m, d, dtype=torch.float32, device="cpu", seed=seed, scale=3.0)
+    residual = _randn(m, d, dtype=torch.float32, device="cpu", seed=seed + 1)
+    for row, col, value in ((2, 5, math.nan), (3, 200, math.inf)):
+        if row < m:
+            x[row, col] = value
+    if m > 1:
+        x[1] = residual[1] = 0.0
+    weight = _randn(d, dtype=torch.float32, device="cpu", seed=seed + 2) * 0.2 + 1
+    weight *= torch.exp2(torch.arange(d) // 128 % 9 - 4.0)
+    return x.to(dtype).to(device), residual.to(dtype).to(device), weight.to(dtype).to(device)
+
+
+def _norm_quant(x, residual, w, fmt, **out):
+    """rms_norm / add_rms_norm (``residual`` None or not) writing codes and scales into buffers
+    poisoned with NaN: ``(y, s or None, codes, scales)``."""
+    m, d = x.shape
+    codes = torch.full((m, d + 128), 0x7F, dtype=torch.uint8, device=x.device).view(torch.float8_e4m3fn)[:, :d]
+    scales = torch.full((m, d // 128), math.nan, device=x.device)
+    fp8 = dict(q_out=codes, scale_out=scales, scale_fmt=fmt)
+    if residual is None:
+        return ri.rms_norm(x, w, 1e-6, **fp8, **out), None, codes, scales
+    return *ri.add_rms_norm(x, residual, w, 1e-6, **fp8, **out), codes, scales
+
+
+def _check_norm_quant(m, d, dtype, fmt, add, device, seed=0):
+    """The codes and scales are bitwise act_quant's of the stored output (and the reference's);
+    the output and the new residual are bitwise the calls without quantization."""
+    x, residual, w = _quant_norm_inputs(m, d, dtype, device, seed)
+    y, s, codes, scales = _norm_quant(x, residual if add else None, w, fmt)
+    if add:
+        want_y, want_s = ri.add_rms_norm(x, residual, w, 1e-6)
+        assert torch.equal(s.view(torch.uint8), want_s.view(torch.uint8)), "the residual changed"
+    else:
+        want_y = ri.rms_norm(x, w, 1e-6)
+    assert torch.equal(y.view(torch.uint8), want_y.view(torch.uint8)), "the normed output changed"
+    want_codes, want_scales = fp8_gemm.act_quant(y, fmt)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), "codes differ from act_quant's"
+    assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32)), "scales differ from act_quant's"
+    ref_codes, ref_scales = fp8_ref.act_quant(y.cpu(), fmt)
+    assert torch.equal(codes.view(torch.uint8).cpu(), ref_codes.view(torch.uint8))
+    assert torch.equal(scales.isnan().cpu(), ref_scales.isnan())
+    assert torch.equal(scales.cpu()[~ref_scales.isnan()], ref_scales[~ref_scales.isnan()])
+    return scales, codes
+
+
+# the NaN rows' reductions under the interpreter
+_ALL_NAN = pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+
+
+@_ALL_NAN
+@pytest.mark.parametrize("fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("add", [False, True], ids=["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("dtype,m,d", [(torch.bfloat16, 1, 128), (torch.bfloat16, 7, 640),
+                                       (torch.float32, 5, 384), (torch.bfloat16, 3, 8320)],
+                         ids=["bf16-1x128", "bf16-7x640", "fp32-5x384", "bf16-3x8320"])
+def test_norm_quant_is_act_quant_of_the_output(dtype, m, d, add, fmt, device):
+    """D 640: one 1024-column block with 3 masked 128-column groups; 8320: two passes of 8192."""
+    scales, codes = _check_norm_quant(m, d, dtype, fmt, add, device, seed=m + d)
+    if m > 3:
+        floor = torch.tensor(1e-4, dtype=torch.float32) / 448.0
+        if fmt == "ue8m0":
+            floor = torch.exp2(torch.ceil(torch.log2(floor)))
+        assert torch.equal(scales[1].cpu(), floor.expand(d // 128)) and not codes[1].float().any(), "zero row"
+        assert scales[2].isnan().all() and not codes[2].float().any(), "a NaN row: NaN scales, zero codes"
+        assert scales[3, 1].isnan() and not codes[3, 128:256].float().any(), "a NaN group: NaN scale, zero codes"
+        assert torch.equal(scales[3, [0, 2]].cpu(), floor.expand(2)), "the inf row's other groups are zero"
+        assert torch.isfinite(scales[[0, 4]]).all()
+
+
+@_ALL_NAN
+def test_norm_quant_rows_are_row_invariant_and_strided(device):
+    """A row's codes and scales do not depend on the other rows (rows alone, a prefix); strided
+    rows in and out, the codes' row stride too."""
+    d = 384
+    x, residual, w = _quant_norm_inputs(9, d, torch.bfloat16, device, seed=3)
+    wide = torch.cat((x, torch.full_like(x, math.nan)), dim=-1)[:, :d]
+    out = torch.full((9, d + 64), 5.0, dtype=torch.bfloat16, device=device)[:, :d]
+    full = _norm_quant(wide, residual, w, "ue8m0", out=out)
+    assert full[0].data_ptr() == out.data_ptr()
+    for rows in (slice(0, 1), slice(4, 5), slice(0, 6)):
+        part = _norm_quant(x[rows], residual[rows], w, "ue8m0")
+        for got, want in zip(part, full):
+            assert torch.equal(got.view(torch.uint8), want[rows].view(torch.uint8)), f"rows {rows} differ"
+
+
+def test_norm_quant_kernels_compile_for_sm90_without_spills():
+    """Without a GPU: the input norm (residual add, hidden 6144) and q_a_layernorm (2048) writing
+    the FP8 codes compile for sm_90 with no spills (scripts/compile_decode_epilogues.py, in a
+    subprocess; 7168 and 1536 compile to the same kernels: the same BLOCK)."""
+    out = run_in_scripts("compile_decode_epilogues",
+                         "for d, add in ((6144, True), (2048, False)):\n"
+                         "    r = c.compile_rms_norm(d, add, True)\n"
+                         "    print(r['regs'], r['spill'])")
+    rows = integer_rows(out)
+    assert len(rows) == 2 and all(0 < regs <= 255 and spilled == 0 for regs, spilled in rows), out
+
+
+# -------------------------------------------------------------------------------------------------
 # configuration and argument errors
 
 
@@ -320,6 +432,15 @@ def _t(*shape, dtype=torch.float32):
     (lambda: (lambda r: ri.add_rms_norm(_t(4, 8), r, _t(8), 1e-6, residual_out=r))(_t(4, 8)),
      "residual_out: must not share storage"),
     (lambda: ri.layer_norm(_t(4, 8), _t(8), _t(9), 1e-5), r"bias: expected shape \(8,\)"),
+    (lambda: ri.rms_norm(_t(4, 128), _t(128), 1e-6, q_out=_t(4, 128, dtype=torch.float8_e4m3fn)),
+     "q_out, scale_out: expected both"),
+    (lambda: ri.rms_norm(_t(4, 64), _t(64), 1e-6, q_out=_t(4, 64, dtype=torch.float8_e4m3fn), scale_out=_t(4, 1)),
+     "x: D = 64 must be a multiple of 128"),
+    (lambda: ri.rms_norm(_t(4, 128), _t(128), 1e-6, q_out=_t(4, 128), scale_out=_t(4, 1)), "q_out: expected dtype"),
+    (lambda: ri.add_rms_norm(_t(4, 256), _t(4, 256), _t(256), 1e-6, q_out=_t(4, 256, dtype=torch.float8_e4m3fn),
+                             scale_out=_t(4, 1)), r"scale_out: expected shape \(4, 2\)"),
+    (lambda: ri.rms_norm(_t(4, 128), _t(128), 1e-6, q_out=_t(4, 128, dtype=torch.float8_e4m3fn), scale_out=_t(4, 1),
+                         scale_fmt="e8m0"), "scale_fmt: expected one of"),
     (lambda: ri.GemmConfig(16, 48, 64, 1, 4, 1), "config.block_n"),
     (lambda: ri.GemmConfig(8, 64, 64, 1, 4, 1), "config.block_m"),
     (lambda: ri.GemmConfig(16, 64, 64, 0, 4, 1), "config.split_k"),
@@ -401,6 +522,18 @@ def test_gpu_add_rms_norm_is_add_then_rms_norm_bitwise(dtype, d):
     x, residual, w = _add_inputs(256, d, dtype, device)
     _assert_row_invariant(lambda rows: torch.cat(ri.add_rms_norm(rows[:, :d], rows[:, d:], w, 1e-6), -1),
                           torch.cat((x, residual), dim=-1), ms=GPU_MS, alone=(0, 17, 255), poison={})
+
+
+@pytest.mark.gpu
+@_ALL_NAN
+@pytest.mark.parametrize("d", [1536, 2048, 6144, 7168])
+def test_gpu_norm_quant_is_act_quant_of_the_output(d):
+    """The q latent (DeepSeek-V3.2, GLM-5) and hidden widths, bf16, every row count of GPU_MS:
+    codes and scales bitwise act_quant's of the stored output, the output and residual unchanged."""
+    for m in GPU_MS:
+        for fmt in (None, "ue8m0"):
+            for add in (False, True):
+                _check_norm_quant(m, d, torch.bfloat16, fmt, add, torch.device("cuda"), seed=m)
 
 
 @pytest.mark.gpu

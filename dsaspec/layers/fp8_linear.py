@@ -1,8 +1,11 @@
 """The FP8 block-scaled linear layer: e4m3 ``weight`` and fp32 ``weight_scale_inv`` held as the
-checkpoint stores them (no dequantize at load), and the conversion of a model's linear layers.
+checkpoint stores them (no dequantize at load), and the activations it can take quantized ahead
+(:class:`ActQuant`, :class:`Fp8Input`: the RMSNorm before it writes them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -10,11 +13,44 @@ from torch import nn
 
 from dsaspec.layers.linear import Linear, Shard
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
-from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, quantize_blocks, quantize_weight
+from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, fp8_gemm, fp8_linear, quantize_blocks, quantize_weight
 
 
 def _blocks(size: int) -> int:
     return -(-size // BLOCK)
+
+
+@dataclass(frozen=True)
+class ActQuant:
+    """How the FP8 GEMMs reading an activation quantize it: per token per 128 columns with
+    ``scale_fmt`` (None or ``"ue8m0"``; :func:`~dsaspec.ops.fp8_gemm.act_quant`). Handed to the
+    kernel that writes the activation (:class:`~dsaspec.layers.norm.RMSNorm`) so that it writes
+    the codes too (:class:`Fp8Input`)."""
+
+    scale_fmt: str | None
+
+
+@dataclass(frozen=True)
+class Fp8Input:
+    """Rows ``x`` (bf16 / fp32 ``[M, K]``) with their ``act_quant(x, scale_fmt)``, written by the
+    launch that wrote ``x``: ``codes`` e4m3 ``[M, K]``, ``scales`` fp32 ``[M, K / 128]``. An
+    :class:`Fp8Linear` of that ``scale_fmt`` takes it for ``x`` and multiplies the codes (no
+    quantization of its own); whatever reads the activation in its dtype reads ``x``."""
+
+    x: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    scale_fmt: str | None
+
+
+def act_quant_of(layers: list[nn.Module]) -> ActQuant | None:
+    """The quantization that every one of ``layers`` (the GEMMs reading one activation) applies to
+    its input: ``ActQuant(scale_fmt)`` when all are :class:`Fp8Linear` of one ``scale_fmt``, else
+    None (some read the activation as it is)."""
+    if not layers or not all(isinstance(layer, Fp8Linear) for layer in layers):
+        return None
+    formats = {layer.scale_fmt for layer in layers}
+    return ActQuant(formats.pop()) if len(formats) == 1 else None
 
 
 class Fp8Linear(RowInvariant, nn.Module):
@@ -23,7 +59,11 @@ class Fp8Linear(RowInvariant, nn.Module):
     multiple of 128). The activations are quantized per token per 128 columns (``scale_fmt``), then
     ``use_triton``: the Triton FP8 GEMM (:func:`~dsaspec.ops.fp8_gemm.fp8_linear`, row-invariant by
     construction); else plain torch, the same quantization and an fp32 dequantize-then-matmul
-    (the row-invariant GEMM when ``row_invariant``). Output in ``x``'s dtype.
+    (the row-invariant GEMM when ``row_invariant``). Output in ``x``'s dtype. ``forward`` also
+    takes an :class:`Fp8Input` of its ``scale_fmt`` for ``x``: its codes and scales replace the
+    quantization (the same bits), and with ``use_triton`` the GEMM is
+    :func:`~dsaspec.ops.fp8_gemm.fp8_gemm` of them, one launch whatever
+    :func:`~dsaspec.ops.fp8_gemm.fuses_quant` would choose for ``x``.
 
     ``shard`` / ``scale_shard``: this rank's part of the checkpoint weight and of its scales (None:
     replicated); a split lies on 128-row / column block boundaries."""
@@ -82,11 +122,18 @@ class Fp8Linear(RowInvariant, nn.Module):
             self._dense = (key, dequantize_weight(self.weight, self.weight_scale_inv, self.dtype))
         return self._dense[1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
-            from dsaspec.ops.fp8_gemm import fp8_linear
+    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+        if isinstance(x, Fp8Input):
+            if x.scale_fmt != self.scale_fmt:
+                raise ValueError(f"Fp8Linear: the input was quantized with scale_fmt {x.scale_fmt!r}, "
+                                 f"this layer's is {self.scale_fmt!r}")
+            if self.use_triton:
+                return fp8_gemm(x.codes, x.scales, self.weight, self.weight_scale_inv, out_dtype=x.x.dtype)
+            q, s, x = x.codes, x.scales, x.x
+        elif self.use_triton:
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_fmt)
-        q, s = quantize_blocks(x, 1, self.scale_fmt)
+        else:
+            q, s = quantize_blocks(x, 1, self.scale_fmt)
         a = q.float() * s.repeat_interleave(BLOCK, dim=1)
         w = dequantize_weight(self.weight, self.weight_scale_inv, torch.float32)
         y = row_invariant_ops().linear(a, w) if self.row_invariant else F.linear(a, w)

@@ -16,7 +16,8 @@ from dsaspec.ops.fp8_gemm import BLOCK
 
 class FusedLinear(nn.Module):
     """Projections of one input as one GEMM: ``forward(x)`` returns the parts' outputs, column
-    views of one ``[M, sum N_i]`` product (:func:`fuse_linears` builds it)."""
+    views of one ``[M, sum N_i]`` product (:func:`fuse_linears` builds it). FP8 parts also take
+    ``x`` as an :class:`~dsaspec.layers.fp8_linear.Fp8Input` (its codes quantized ahead)."""
 
     def __init__(self, gemm: nn.Module, parts: list[nn.Module], names: tuple[str, ...]):
         super().__init__()

@@ -29,10 +29,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, step: ForwardState, mla_cache, index_k_cache, residual=None):
         """The layer over ``x + residual`` (``x`` alone when ``residual`` is None) -> ``(ffn, residual)``,
         whose sum is the layer's output: the residual adds run fused into the next norm (this
-        layer's post-attention norm, the next layer's input norm or the final norm)."""
+        layer's post-attention norm, the next layer's input norm or the final norm). The input norm
+        quantizes for the attention's FP8 input GEMMs where they share one format
+        (``self_attn.input_quant``)."""
+        quant = self.self_attn.input_quant
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, quant=quant), x
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, quant)
         h, residual = self.post_attention_layernorm(self.self_attn(h, step, mla_cache, index_k_cache), residual)
         return self.mlp(h), residual

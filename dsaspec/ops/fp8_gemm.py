@@ -53,7 +53,11 @@ GEMM kernel with ``QUANTIZE_A`` loads the bf16 / fp32 rows of its tile one 128-c
 time, quantizes them with the same device function and feeds the codes and scales to the same dot,
 so both forms give the same bits. The fused form redoes the quantization in every N program, so
 it serves one row block with few K blocks a program (``FUSED_QUANT_MAX_M``,
-``FUSED_QUANT_MAX_STEPS``).
+``FUSED_QUANT_MAX_STEPS``). Where the kernel that writes the activations can write their codes
+too (the RMSNorm kernel of :mod:`dsaspec.ops.row_invariant`: ``rms_norm`` / ``add_rms_norm``
+with ``q_out`` / ``scale_out``, the same device function on the rounded values it stores), the
+caller runs :func:`fp8_gemm` on them: one launch whatever ``fuses_quant`` would choose, the
+same bits again.
 """
 
 from __future__ import annotations

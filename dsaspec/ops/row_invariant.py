@@ -15,7 +15,10 @@ number of rows; here nothing that shapes the arithmetic depends on M:
   0, 1, ..., S-1 and writes the tile: the order of arrival decides who sums, never the order of
   the sum. fp32 operands use ``input_precision="ieee"`` (FMA, no TF32).
 * Norms (``rms_norm``, ``add_rms_norm``, ``layer_norm``): one program per row, blocks and warps chosen from the row
-  width only.
+  width only. The RMSNorms can also write the FP8 GEMM's input in the same launch: act_quant's
+  e4m3 codes and scales of each stored output row per 128 columns (``q_out`` / ``scale_out``:
+  :func:`~dsaspec.ops.fp8_gemm.act_quant`'s math through :func:`~dsaspec.ops.e4m3.quantize_rows`,
+  on the output's rounded values), per row, so row-invariant too.
 
 The decode GEMMs are weight-bandwidth bound (M of 1..256, weights of 1..2000 MB), so a
 configuration streams the weight once per M tile with many programs in flight: the K split is
@@ -38,6 +41,8 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
 from dsaspec.ops.device import sm_count
+from dsaspec.ops.e4m3 import quantize_rows
+from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS
 
 _DTYPES = (torch.bfloat16, torch.float32)
 _PROGRAMS_PER_SM = 2
@@ -291,8 +296,12 @@ def _norm_load(x_row, r_row, idx, mask, ADD: tl.constexpr):
 
 
 @triton.jit
-def _norm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, D, stride_x, stride_r, stride_s, stride_y, eps,
-                 LAYER_NORM: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, D, stride_x, stride_r, stride_s, stride_y,
+                 stride_q, stride_qs, eps, LAYER_NORM: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
+                 UE8M0: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    # The last pass walks a BLOCK of columns as [BLOCK / QBLOCK, QBLOCK] (QBLOCK divides BLOCK).
+    # QUANT: also act_quant of the stored y (its dtype's values) per QBLOCK columns, e4m3 codes to
+    # q_ptr and fp32 scales to qs_ptr (D a multiple of QBLOCK)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
@@ -314,16 +323,23 @@ def _norm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, D, stride_x, stride_r
         centred = tl.where(mask, x - mean, 0.0)
         squares += centred * centred
     rstd = tl.rsqrt(tl.sum(squares, axis=0) / D + eps)
+    groups = tl.arange(0, BLOCK // QBLOCK)
+    cols = groups[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]      # offs as [groups, QBLOCK]
     for start in range(0, D, BLOCK):
-        mask = start + offs < D
-        x = _norm_load(x_row, r_row, start + offs, mask, ADD)
-        y = (x - mean) * rstd * tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+        mask = start + cols < D
+        x = _norm_load(x_row, r_row, start + cols, mask, ADD)
+        y = (x - mean) * rstd * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         if LAYER_NORM:
-            y += tl.load(b_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + start + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+            y += tl.load(b_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty)
+        tl.store(y_row + start + cols, y, mask=mask)
+        if QUANT:
+            codes, scales = quantize_rows(y.to(tl.float32), UE8M0)
+            tl.store(q_ptr + row * stride_q + start + cols, codes.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(qs_ptr + row * stride_qs + start // QBLOCK + groups, scales, mask=start + groups * QBLOCK < D)
 
 
-def _norm(x, weight, bias, eps, out, residual=None, residual_out=None):
+def _norm(x, weight, bias, eps, out, residual=None, residual_out=None, q_out=None, scale_out=None, scale_fmt=None):
     """``out`` (``(out, residual_out)`` with ``residual``): see :func:`rms_norm`, :func:`add_rms_norm`."""
     _check_dtype("x", x)
     check_tensor("x", x, dtype=x.dtype, ndim=2)
@@ -346,19 +362,31 @@ def _norm(x, weight, bias, eps, out, residual=None, residual_out=None):
         if m and shared in (x.untyped_storage().data_ptr(), residual.untyped_storage().data_ptr()):
             raise ValueError("residual_out: must not share storage with x or residual (the kernel reads "
                              "them again after writing it)")
+    quant = q_out is not None or scale_out is not None
+    if quant:
+        if scale_fmt not in SCALE_FORMATS:
+            raise ValueError(f"scale_fmt: expected one of {SCALE_FORMATS}, got {scale_fmt!r}")
+        if d % FP8_BLOCK:
+            raise ValueError(f"x: D = {d} must be a multiple of {FP8_BLOCK} (the FP8 quantization block) to quantize")
+        if q_out is None or scale_out is None:
+            raise ValueError("q_out, scale_out: expected both tensors (the codes and the scales) or neither")
+        check_tensor("q_out", q_out, dtype=torch.float8_e4m3fn, shape=(m, d), device=x.device)
+        check_tensor("scale_out", scale_out, dtype=torch.float32, shape=(m, d // FP8_BLOCK), device=x.device)
     if m == 0:
         return (out, residual_out) if add else out
     block = min(triton.next_power_of_2(d), _NORM_MAX_BLOCK)
     _norm_kernel[(m,)](x, residual if add else x, residual_out if add else x, weight,
-                       weight if bias is None else bias, out, d, x.stride(0),
-                       residual.stride(0) if add else 0, residual_out.stride(0) if add else 0, out.stride(0),
-                       float(eps), LAYER_NORM=bias is not None, ADD=add, BLOCK=block,
-                       num_warps=min(16, max(1, block // 512)))
+                       weight if bias is None else bias, out, q_out if quant else out, scale_out if quant else out,
+                       d, x.stride(0), residual.stride(0) if add else 0, residual_out.stride(0) if add else 0,
+                       out.stride(0), q_out.stride(0) if quant else 0, scale_out.stride(0) if quant else 0,
+                       float(eps), LAYER_NORM=bias is not None, ADD=add, QUANT=quant, UE8M0=scale_fmt == "ue8m0",
+                       BLOCK=block, QBLOCK=min(block, FP8_BLOCK), num_warps=min(16, max(1, block // 512)))
     return (out, residual_out) if add else out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, *,
+             q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+             scale_fmt: str | None = None) -> torch.Tensor:
     """Row-invariant ``y = x * rsqrt(mean(x^2) + eps) * weight``, fp32 math, result in ``x``'s dtype.
 
     Parameters
@@ -367,17 +395,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     weight : Tensor ``[D]``, ``x``'s dtype and device.
     eps : float.
     out : Tensor ``[M, D]``, ``x``'s dtype, unit last stride, or None (allocated).
+    q_out, scale_out : both or neither: e4m3 ``[M, D]`` and fp32 ``[M, D / 128]`` (unit last
+        strides; D a multiple of 128), where the same launch also writes
+        :func:`~dsaspec.ops.fp8_gemm.act_quant` of ``out`` as stored (its dtype's values, not the
+        fp32 ones) with ``scale_fmt`` (None or ``"ue8m0"``): bitwise act_quant's codes and scales,
+        the input of :func:`~dsaspec.ops.fp8_gemm.fp8_gemm`.
 
     Returns
     -------
     ``out``.
     """
-    return _norm(x, weight, None, eps, out)
+    return _norm(x, weight, None, eps, out, q_out=q_out, scale_out=scale_out, scale_fmt=scale_fmt)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, *,
+                 q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                 scale_fmt: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-invariant residual add and RMSNorm in one kernel: ``s = x + residual`` rounded to ``x``'s
     dtype (torch's add), ``y = rms_norm(s, weight, eps)``; both bitwise what ``x + residual`` then
     :func:`rms_norm` give (the same kernel, the same reduction).
@@ -390,6 +424,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out : Tensor ``[M, D]`` for ``y``, or None (allocated).
     residual_out : Tensor ``[M, D]`` for ``s``, not sharing storage with ``x`` or ``residual``, or
         None (allocated).
+    q_out, scale_out, scale_fmt : ``y``'s act_quant, as :func:`rms_norm`.
 
     Returns
     -------
@@ -397,7 +432,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """
     if residual is None:
         raise ValueError("residual: expected a tensor of shape (M, D), got None")
-    return _norm(x, weight, None, eps, out, residual, residual_out)
+    return _norm(x, weight, None, eps, out, residual, residual_out, q_out, scale_out, scale_fmt)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,

@@ -20,6 +20,7 @@ from torch import nn
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.inputs import NO_WORKSPACE, AttentionInputs
+from dsaspec.layers.fp8_linear import Fp8Input, act_quant_of
 from dsaspec.layers.fused_linear import HoldsFusedLinear, fuse_linears
 from dsaspec.layers.linear import COLUMN, ROW, bmm, make_linear
 from dsaspec.layers.norm import LayerNorm, RMSNorm
@@ -87,7 +88,8 @@ class Indexer(RowInvariant, nn.Module):
         (``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``). ``wk_out``: ``wk(x)``
         when the caller computed it (fused with the layer's other projections of ``x``);
         ``wq_b_out``: ``wq_b(q_latent)`` ``[R, index_n_heads * 128]`` when the caller computed it
-        (fused with ``q_b_proj``; a column view, unit last stride)."""
+        (fused with ``q_b_proj``; a column view, unit last stride); else ``q_latent``, the tensor or
+        its :class:`~dsaspec.layers.fp8_linear.Fp8Input`, is read by ``wq_b`` alone."""
         cfg = self.config
         rows = x.shape[0]
         rope, interleaved = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
@@ -152,6 +154,7 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         self.o_proj = make_linear(heads * config.v_head_dim, config.hidden_size, device, dtype, split=ROW, **tp)
         self.indexer = Indexer(config, device, dtype) if config.has_indexer(layer) else None
         self.fused_input = self.fused_latent = None
+        self.input_quant = self.latent_quant = None
 
     def fuse_projections(self) -> None:
         """One GEMM for the projections of the layer input: ``q_a_proj``, the indexer's ``wk``
@@ -160,11 +163,20 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         (``fused_latent``) for the projections of the normed q latent: ``q_b_proj`` (this rank's
         heads) then the indexer's ``wq_b`` (FP8: ``q_b_proj``'s rows must be a multiple of 128).
         Nothing changes where :func:`~dsaspec.layers.fused_linear.fuse_linears` refuses a group.
-        The indexer's ``weights_proj`` reads the input too but runs in fp32."""
+        The indexer's ``weights_proj`` reads the input too but runs in fp32.
+
+        Where all the GEMMs of one input are FP8 of one ``scale_fmt``, its norm writes their codes
+        too (:class:`~dsaspec.layers.norm.RMSNorm` ``quant``; one act_quant launch fewer each):
+        ``input_quant`` for the layer input (the decoder layer's ``input_layernorm``),
+        ``latent_quant`` for ``q_a_layernorm``'s (:func:`~dsaspec.layers.fp8_linear.act_quant_of`;
+        None: the GEMMs quantize)."""
         parts = [self.q_a_proj] + ([self.indexer.wk] if self.indexer is not None else []) + [self.kv_a_proj_with_mqa]
         self.fused_input = fuse_linears(parts)
+        self.input_quant = act_quant_of(parts)
+        latent = [self.q_b_proj] + ([self.indexer.wq_b] if self.indexer is not None else [])
         if self.indexer is not None:
-            self.fused_latent = fuse_linears([self.q_b_proj, self.indexer.wq_b])
+            self.fused_latent = fuse_linears(latent)
+        self.latent_quant = act_quant_of(latent)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``kv_b_proj``'s weight (dequantized when FP8): ``W_UK [H, qk_nope, 512]`` and
@@ -175,18 +187,21 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         return per_head[:, : cfg.qk_nope_head_dim], per_head[:, cfg.qk_nope_head_dim:]
 
     def forward(self, x, step: ForwardState, mla_cache, index_k_cache) -> torch.Tensor:
-        """``x`` ``[R, hidden]`` (normed) -> ``[R, hidden]`` (summed over the TP group); writes the
-        rows' entries of ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` (or
-        their FP8 layouts, quantized on write) at ``out_cache_loc`` and ``attn.topk_slots`` (if given)."""
+        """``x`` ``[R, hidden]`` (normed; or an :class:`~dsaspec.layers.fp8_linear.Fp8Input` of it
+        with ``input_quant``'s codes, which the input GEMMs read, the indexer's head weights reading
+        its ``x``) -> ``[R, hidden]`` (summed over the TP group); writes the rows' entries of
+        ``mla_cache`` ``[slots, 576]`` and ``index_k_cache`` ``[slots, 128]`` (or their FP8
+        layouts, quantized on write) at ``out_cache_loc`` and ``attn.topk_slots`` (if given)."""
         cfg = self.config
+        gemm_x, x = x, x.x if isinstance(x, Fp8Input) else x
         rows, heads = x.shape[0], self.num_heads
         if self.fused_input is None:
-            q_a, wk_out, kv_a = self.q_a_proj(x), None, self.kv_a_proj_with_mqa(x)
+            q_a, wk_out, kv_a = self.q_a_proj(gemm_x), None, self.kv_a_proj_with_mqa(gemm_x)
         elif self.indexer is None:
-            (q_a, kv_a), wk_out = self.fused_input(x), None
+            (q_a, kv_a), wk_out = self.fused_input(gemm_x), None
         else:
-            q_a, wk_out, kv_a = self.fused_input(x)
-        q_latent = self.q_a_layernorm(q_a)
+            q_a, wk_out, kv_a = self.fused_input(gemm_x)
+        q_latent = self.q_a_layernorm(q_a, quant=self.latent_quant)
         run_indexer = self.indexer is not None and not step.seeded
         if run_indexer and self.fused_latent is not None:
             q, wq_b_out = self.fused_latent(q_latent)
