@@ -26,30 +26,20 @@ def test_cpu_run_matches_reference(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
-def test_cpu_run_checks_each_split(monkeypatch, tmp_path):
-    """``--split-k 1,3``: a checked row per point, weight dtype and split (H 128: 4 fp32 K blocks)."""
+@pytest.mark.parametrize("option,values,key,want,column", [
+    ("--split-k", "1,3,3", "split_k", (1, 3), "split-K"),            # H 128: 4 fp32 K blocks; repeats dropped
+    ("--layout", "sorted,pairs", "layout", ("sorted", "pairs"), "layout"),
+])
+def test_cpu_run_checks_each_variant(option, values, key, want, column, monkeypatch, tmp_path):
+    """``--split-k`` / ``--layout``: a checked row per point, weight dtype and value, in its column."""
     monkeypatch.setitem(moe.CPU_SIZES, "tokens", [3])
     parser = argparse.ArgumentParser()
     moe.add_arguments(parser)
-    assert moe.run(parser.parse_args(["--split-k", "1,3,3", "--out", str(tmp_path)])) == 0
+    assert moe.run(parser.parse_args([option, values, "--out", str(tmp_path)])) == 0
     rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
-    assert [(r["weight_dtype"], r["split_k"]) for r in rows] == [("bf16", 1), ("bf16", 3), ("fp8", 1), ("fp8", 3)]
+    assert [(r["weight_dtype"], r[key]) for r in rows] == [(d, v) for d in ("bf16", "fp8") for v in want]
     assert all(r["matches_reference"] for r in rows)
-    assert "| split-K |" in (tmp_path / "moe.md").read_text()
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
-def test_cpu_run_checks_each_layout(monkeypatch, tmp_path):
-    """``--layout sorted,pairs``: a checked row per point, weight dtype and block layout."""
-    monkeypatch.setitem(moe.CPU_SIZES, "tokens", [3])
-    parser = argparse.ArgumentParser()
-    moe.add_arguments(parser)
-    assert moe.run(parser.parse_args(["--layout", "sorted,pairs", "--out", str(tmp_path)])) == 0
-    rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
-    assert [(r["weight_dtype"], r["layout"]) for r in rows] == [("bf16", "sorted"), ("bf16", "pairs"),
-                                                                ("fp8", "sorted"), ("fp8", "pairs")]
-    assert all(r["matches_reference"] for r in rows)
-    assert "| layout |" in (tmp_path / "moe.md").read_text()
+    assert f"| {column} |" in (tmp_path / "moe.md").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
