@@ -869,9 +869,10 @@ def _rows_of_pairs(workspace, pairs, sort):
     return torch.tensor([rows.index(p) for p in range(pairs)])
 
 
-# (experts, activations, split_k, H): 2 K blocks each (fp32: of 32 columns, bf16 and FP8: of 128)
+# (experts, activations, split_k, H): 2 K blocks each (fp32: of 32 columns, bf16 and FP8: of 128);
+# at H 128 the pair layout's down runs 64-column tiles where the sorted one runs 128 (a tile per token)
 PAIR_CASES = [("fp32", torch.float32, 1, 64), ("bf16", torch.bfloat16, 4, 256),
-              ("fp8", torch.float32, 1, 256), ("fp8", torch.bfloat16, 4, 256)]
+              ("fp8", torch.float32, 1, 256), ("fp8", torch.bfloat16, 4, 256), ("fp8", torch.bfloat16, 1, 128)]
 
 
 @fp8_warnings

@@ -190,6 +190,33 @@ def test_router_takes_the_kernel_with_the_triton_ops(monkeypatch):
     assert not any(r.use_triton for r in routers)
 
 
+def test_router_logits_read_the_rows_as_stored(monkeypatch):
+    """With the Triton ops or row-invariant, the router's GEMM is the row-invariant kernel on the
+    bf16 rows themselves (no fp32 copy), fp32 out, the bits of the same kernel on ``x.float()``;
+    torch's ``F.linear(x.float(), W)`` otherwise, within fp32 rounding of it."""
+    import dsaspec.ops.row_invariant as ri
+    from dsaspec.layers.moe import Router
+
+    config = get_config("tiny-moe")
+    router = Router(config)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, config.hidden_size, generator=gen).to(torch.bfloat16)
+    seen = []
+    real = ri.linear
+    monkeypatch.setattr(ri, "linear", lambda rows, weight, *a, **k: seen.append(rows) or real(rows, weight, *a, **k))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen) / config.hidden_size ** 0.5)
+        plain = router.logits(x)
+        assert seen == []
+        for flag in ("use_triton", "row_invariant"):
+            setattr(router, flag, True)
+            got = router.logits(x)
+            setattr(router, flag, False)
+            assert seen[-1] is x and got.dtype == torch.float32
+            assert torch.equal(got, real(x.float(), router.weight))
+            torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+
+
 def test_compiles_for_sm90():
     """Without a GPU: GLM-5's and DeepSeek-V3.2's routing compile for sm_90 without spilled
     registers, with libdevice's ``expf`` (not ``tl.exp``'s bare ``ex2``) and IEEE divisions only

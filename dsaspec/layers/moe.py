@@ -61,8 +61,10 @@ class Router(Linear):
         ids = top-k of c over the experts of the topk_group best groups
         w = s[ids] (/ sum(s[ids]) + 1e-20 if norm_topk_prob) * routed_scaling_factor
 
-    Per token; no host sync, static shapes. With ``use_triton`` (set by the model) everything after
-    the GEMM is one kernel (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in
+    Per token; no host sync, static shapes. The GEMM is the row-invariant kernel reading ``x`` as
+    stored (bf16 rows converted to fp32 in registers: ``x.float()``'s values without the copy) with
+    ``use_triton`` or ``row_invariant``, torch's on ``x.float()`` otherwise. With ``use_triton``
+    (set by the model) everything after the GEMM is one kernel (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in
     id order), else torch ops. ``forward(x, shared)`` appends ``shared`` slots to each token, ids
     ``E, E + 1, ...`` at weight 1.0: the shared experts run by the fused MoE
     (:meth:`MoE.fuse_shared_experts`); the kernel writes them itself, the torch path concatenates."""
@@ -76,12 +78,18 @@ class Router(Linear):
         self.top_k, self.groups, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` (bf16 or fp32) -> fp32 ``x @ weight.T`` ``[T, E]`` (class docstring)."""
+        if self.use_triton or self.row_invariant:
+            return row_invariant_ops().linear(x, self.weight)
+        return F.linear(x.float(), self.weight)
+
     def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_triton:
-            return route_topk(super().forward(x.float()), self.e_score_correction_bias, top_k=self.top_k,
+            return route_topk(self.logits(x), self.e_score_correction_bias, top_k=self.top_k,
                               n_group=self.groups, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
                               scaling=self.scaling, n_shared=shared)
-        scores = super().forward(x.float()).sigmoid()
+        scores = self.logits(x).sigmoid()
         tokens, experts = scores.shape
         choice = (scores + self.e_score_correction_bias).view(tokens, self.groups, experts // self.groups)
         best_groups = choice.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices

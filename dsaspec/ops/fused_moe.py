@@ -36,9 +36,11 @@ and no combine:
    weight, added to an fp32 sum, cast once and written to ``out``: the combine folded in, no
    partial buffer. An expert picked by n tokens is read n times here, once by the sorted down.
 
-Row invariance: the tiles and warps are chosen from ``(N, K, k, dtype, device)``, never from T, a
-row of a tile meets the weight tile in a ``tl.dot`` of fixed shape (each output element from its
-own row and column), K blocks are accumulated in order, the split partials are added in order
+Row invariance: the tiles and warps are chosen from ``(N, K, k, dtype, device)`` and the layout
+(the pair layout's down has one program per token where the sorted one has k, so its tile is the
+one for k = 1: ``BLOCK_N`` 16 instead of 128 at H 6144 on 132 SMs), never from T; a row of a tile
+meets the weight tile in a ``tl.dot`` (each output element from its own row and column, over the
+same K blocks in the same order whatever ``BLOCK_N``), K blocks are accumulated in order, the split partials are added in order
 and the combine order is fixed. ``split_k`` changes the summation order, so it must be fixed per
 shape (E, k, H, I, dtype), never chosen from T: then the invariance holds at every split. The two
 layouts do the same fp32 operations in the same order on the same blocks (the down kernel compiles
@@ -683,9 +685,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
             QUANTIZE=fp8, UE8M0=scale_fmt == "ue8m0", num_warps=4)
     elif fp8:  # every row in use: padding rows are quantized too and never read
         act_quant(act[:rows], scale_fmt, out=a[:rows], scale_out=a_scale[:rows])
-    # the down programs: a block's (sorted) or a token's (pair layout) x BLOCK_N columns; no FMA
-    # contraction, so the pair layout's fp32 sum of weighted products has the combine's bits
-    tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8)
+    # the down programs: a block's (sorted) or a token's (pair layout) x BLOCK_N columns, so the pair
+    # layout sizes its tile for one program per token; no FMA contraction, so the pair layout's fp32
+    # sum of weighted products has the combine's bits
+    tile = _tile(h, inter, topk if sort else 1, hidden.dtype, hidden.device, fp8=fp8)
     target = partial if sort else out
     _down_kernel[(down_blocks * triton.cdiv(h, tile.block_n),)](
         a, a_scale, w2, w2_s, row_ids, block_experts, topk_weights, target, down_blocks, experts, h, inter,
