@@ -1,4 +1,4 @@
-"""Compile the fused MoE's gate/up grouped GEMM (``split_k`` 1, 2, 4, bf16 and FP8 experts), the
+"""Compile the fused MoE's align kernel, gate/up grouped GEMM (``split_k`` 1, 2, 4, bf16 and FP8 experts), the
 split-K reduce and the down GEMM, in the sorted layout and the pair layout (down: the combine folded
 in), and the FP8 block-scaled GEMM of the shared expert and the other FP8 linear layers
 (``fp8_linear``: unsplit and K-group split, with and without the fused activation quantization, and
@@ -62,6 +62,28 @@ def compile_moe(kernel: str, fp8: bool, split_k: int, sort_pairs: bool = True) -
                 del other.run
 
 
+ALIGN_EXPERTS = (9, 257)  # this script's experts; a rank's 256 routed + the shared one
+
+
+def compile_align(experts: int) -> dict:
+    """Compile the align kernel as a sorted-layout ``fused_moe`` call over ``experts`` experts
+    launches it (its code depends on the expert count only); the call's other kernels are not
+    launched."""
+    hidden = torch.zeros(1, 128, dtype=torch.bfloat16)
+    w13, w2 = torch.zeros(experts, 256, 128, dtype=torch.bfloat16), torch.zeros(experts, 128, 128, dtype=torch.bfloat16)
+    ids = torch.arange(TOPK, dtype=torch.int32)[None]
+    launch = lambda: moe.fused_moe(hidden, w13, w2, ids, torch.ones(1, TOPK), torch.empty_like(hidden),  # noqa: E731
+                                   sort_pairs=True, check_values=False)
+    skipped = (moe._gate_up_kernel, moe._split_reduce_kernel, moe._down_kernel, moe._combine_kernel)
+    for other in skipped:
+        other.run = lambda *args, **kwargs: None
+    try:
+        return dsa.compile_kernel(moe._align_kernel, launch, ())
+    finally:
+        for other in skipped:
+            del other.run
+
+
 FP8_LINEAR = {"gemm": fp8_gemm._fp8_gemm_kernel, "reduce": fp8_gemm._fp8_gemm_reduce_kernel}
 LINEAR_N, LINEAR_K = 2752, 6144
 
@@ -97,6 +119,8 @@ def main() -> int:
                 result = compile_moe(kernel, fp8, split_k, sort_pairs)
                 fma = f"; {result['ptx'].count('fma.rn.f32')} fp32 FMAs in the PTX" if kernel == "down" else ""
                 print(dsa.summary_line(name, result) + fma, flush=True)
+    for experts in ALIGN_EXPERTS:
+        print(dsa.summary_line(f"align {experts} experts", compile_align(experts)), flush=True)
     for split in (False, True):
         for fused in (False, True):
             name = f"fp8_linear gemm {'split' if split else 'unsplit'}{' fused quant' if fused else ''}"

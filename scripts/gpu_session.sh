@@ -8,8 +8,9 @@
 #   of both layouts; its per-kernel times in the real rank: decode-rank), moe-shared (the GPU tests of the shared expert in
 #   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / fused-quant forms at the rank shapes),
 #   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), norm-quant (the GPU tests of
-#   the norms writing the FP8 GEMMs' codes; their time: decode-rank), router-logits (the router's GEMM on the bf16 rows
-#   and the pair layout's one-token down tile: their GPU tests; their time: moe-small-t, decode-rank), kv-accuracy, e2e-rank-glm5,
+#   the norms writing the FP8 GEMMs' codes; their time: decode-rank), moe-launches (the router's GEMM on the bf16 rows,
+#   the pair layout's one-token down tile, the histogram align: their GPU tests; their time: moe-small-t, decode-rank),
+#   kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
 #   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
@@ -107,11 +108,12 @@ for step in "$@"; do
                           --bs 1,16,32,64 --live-kv 8192,65536 --out "$OUT/fp8_one_split" ;;
         norm-quant)   python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout 600 -k norm_quant \
                           tests/test_row_invariant.py tests/test_model.py 2>&1 | tee "$OUT/norm_quant_tests.log" ;;
-        router-logits) python3 -m pytest -v -p no:cacheprovider -rfE --tb=short -n 4 --timeout 400 \
-                          tests/test_row_invariant.py -k linear 2>&1 | tee "$OUT/router_logits_tests.log" &&
+        moe-launches) python3 -m pytest -v -p no:cacheprovider -rfE --tb=short -n 4 --timeout 400 \
+                          tests/test_row_invariant.py tests/test_fused_moe.py -k "linear or stable_padded_sort or \
+                          out_of_range or (matches_reference and not fp8)" 2>&1 | tee "$OUT/moe_launches_tests.log" &&
                       python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 4 --timeout 400 \
                           tests/test_moe_router.py tests/test_fused_moe.py -k "router or pair_layout" 2>&1 \
-                          | tee -a "$OUT/router_logits_tests.log" ;;
+                          | tee -a "$OUT/moe_launches_tests.log" ;;
         kv-accuracy)  python3 -m dsaspec bench kv-accuracy --out "$OUT" ;;
         serving)      OUT=$OUT bash scripts/gpu_serving.sh ;;
         e2e-rank-glm5) python3 -m dsaspec bench e2e --presets glm5-fp8-tp8-rank --num-steps 3 --contexts 1048576 \

@@ -124,14 +124,26 @@ def _expected_layout(ids, experts):
     return rows + [-1] * (total * moe.BLOCK_M - len(rows)), blocks + [-1] * (total - len(blocks))
 
 
-@pytest.mark.parametrize("routing", ["random", "repeats", "all-pairs-one-expert"])
-def test_workspace_layout_is_a_stable_padded_sort(routing, device):
-    tokens, topk, experts = 37, 5, 16
-    ids = (torch.randint(0, experts, (tokens, topk), generator=torch.Generator().manual_seed(3))
-           if routing == "random" else _routing(routing, tokens, topk, experts))
+@pytest.mark.parametrize("chunks", [None, (16, 16, 16), (32, 64, 16)], ids=["default", "chunks16", "chunks32-64-16"])
+@pytest.mark.parametrize("routing", ["random", "repeats", "all-pairs-one-expert", "unplaced", "17-experts"])
+def test_workspace_layout_is_a_stable_padded_sort(routing, chunks, device, monkeypatch):
+    """The align launch's sorted rows and block experts against a plain sort, with its count / rank /
+    block chunks at the defaults (one chunk each here) and small enough that every loop crosses
+    chunks (185 pairs, 26 blocks); ids outside [0, E) (graph replay of unchecked ids) are dropped."""
+    if chunks is not None:
+        for name, value in zip(("_ALIGN_COUNT_CHUNK", "_ALIGN_RANK_CHUNK", "_ALIGN_BLOCK_CHUNK"), chunks):
+            monkeypatch.setattr(moe, name, value)
+    tokens, topk, experts = 37, 5, 17 if routing == "17-experts" else 16
+    gen = torch.Generator().manual_seed(3)
+    if routing in ("random", "17-experts"):
+        ids = torch.randint(0, experts, (tokens, topk), generator=gen)
+    elif routing == "unplaced":
+        ids = torch.randint(-2, experts + 2, (tokens, topk), generator=gen)
+    else:
+        ids = _routing(routing, tokens, topk, experts)
     args = _case(tokens, topk, experts, 16, 16, dtype=torch.float32, device=device, ids=ids)
     workspace = moe.fused_moe_workspace(tokens, topk, experts, 16, 16, device, torch.float32)
-    _run(*args, workspace=workspace)
+    _run(*args, workspace=workspace, check_values=False)
     rows, blocks = _expected_layout(ids, experts)
     assert workspace.sorted_pairs.tolist() == rows
     assert workspace.block_experts.tolist() == blocks
@@ -283,6 +295,20 @@ def test_split_k_is_checked(device):
     assert plain.gate_up is None
     with pytest.raises(ValueError, match="^workspace: allocated for split_k <= 1"):
         _run(*args, workspace=plain, split_k=2)
+
+
+def test_align_compiles_for_sm90_without_spills():
+    """Without a GPU: the align kernel (histograms, a gather, the [128, 128] rank compare) compiles
+    for sm_90 at 9 and at a rank's 257 experts without register spills, within a block's shared
+    memory (scripts/compile_fused_moe.py, in a subprocess)."""
+    out = run_in_scripts("compile_fused_moe",
+                         "for experts in c.ALIGN_EXPERTS:\n"
+                         "    r = c.compile_align(experts)\n"
+                         "    print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED)")
+    results = integer_rows(out)
+    assert len(results) == 2, out
+    for regs, spilled, shared, limit in results:
+        assert 0 < regs <= 255 and spilled == 0 and shared <= limit, out
 
 
 def test_split_k_kernels_compile_for_sm90_without_spills():

@@ -8,7 +8,9 @@ padding rows -1. Two layouts place these blocks, chosen by ``P = T * k`` alone
 (:func:`sorts_pairs`); the sorted layout, four launches:
 
 1. align (one program): the P pairs are sorted by expert, stably, into segments padded to
-   ``BLOCK_M`` rows; each block is mapped to its expert, blocks past the last segment to -1. The
+   ``BLOCK_M`` rows; each block is mapped to its expert, blocks past the last segment to -1
+   (histograms of the ids give the segments, a histogram of the segments' ends the block -> expert
+   map, and an ``[n, n]`` compare of a chunk of pairs their ranks within their experts). The
    grid of the GEMMs is the static bound ``(P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M`` blocks;
    programs of unused blocks return at once.
 2. gate/up: one grouped GEMM launch; a program takes one block and ``BLOCK_N`` columns of both the
@@ -84,7 +86,9 @@ from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS, act_quant
 BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's segment
 _DTYPES = (torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
-_ALIGN_ELEMENTS = 16384  # pairs x experts compared at once by the align program
+# the align program's chunks: pairs counted by one histogram, pairs ranked by one [n, n] compare,
+# blocks mapped to their experts by one histogram
+_ALIGN_COUNT_CHUNK, _ALIGN_RANK_CHUNK, _ALIGN_BLOCK_CHUNK = 1024, 128, 1024
 _STAGE_BYTES = 160 * 1024  # shared memory of a GEMM's pipeline stages (the H200 has 227 KB)
 _COMBINE_ELEMENTS = 1024  # outputs per combine program
 
@@ -246,44 +250,48 @@ def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.devic
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_blocks,
-                  NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                  FILL: tl.constexpr, BLOCK_M: tl.constexpr):
+                  NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, COUNT_CHUNK: tl.constexpr,
+                  RANK_CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr, FILL: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    # pairs per expert, a histogram a chunk (ids outside [0, E) count for no expert)
     experts = tl.arange(0, E_PAD)
-    offs = tl.arange(0, CHUNK)
-    # counts per expert (ids outside [0, E) match no expert and are dropped)
+    live = experts < NUM_EXPERTS
+    offs = tl.arange(0, COUNT_CHUNK)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
+    for start in range(0, num_pairs, COUNT_CHUNK):
         ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
-        hit = (ids[:, None] == experts[None, :]) & (experts[None, :] < NUM_EXPERTS)
-        counts += tl.sum(hit.to(tl.int32), axis=0)
+        counts += tl.histogram(ids, E_PAD, mask=(ids >= 0) & (ids < NUM_EXPERTS))
     seg_blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(seg_blocks, axis=0)  # one past the expert's last block
     row_start = (block_end - seg_blocks) * BLOCK_M
-    block_end = tl.where(experts < NUM_EXPERTS, block_end, 2147483647)
 
-    # block -> expert: the number of segments that end at or before the block
-    for start in range(0, num_blocks, CHUNK):
-        blocks = start + offs
-        expert = tl.sum((block_end[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+    # block b -> expert: the live segments that end at or before b, i.e. those ending before the
+    # chunk plus a running sum of a histogram of the ends inside it
+    blocks = tl.arange(0, BLOCK_CHUNK)
+    for start in range(0, num_blocks, BLOCK_CHUNK):
+        before = tl.sum((live & (block_end < start)).to(tl.int32), axis=0)
+        inside = live & (block_end >= start) & (block_end < start + BLOCK_CHUNK)
+        expert = before + tl.cumsum(tl.histogram(block_end - start, BLOCK_CHUNK, mask=inside), axis=0)
         expert = tl.where(expert < NUM_EXPERTS, expert, -1)
-        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
+        tl.store(block_experts_ptr + start + blocks, expert, mask=start + blocks < num_blocks)
     for start in range(0, num_blocks * BLOCK_M, FILL):
         rows = start + tl.arange(0, FILL)
         tl.store(sorted_pairs_ptr + rows, tl.full((FILL,), -1, tl.int32),
                  mask=rows < num_blocks * BLOCK_M)
     tl.debug_barrier()  # the padding is written before the pairs land on top of it
 
-    # stable scatter: a pair's row is its expert's row start + the earlier pairs of that expert
-    seen = tl.zeros((E_PAD,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + offs
+    # stable scatter: a pair's row is its expert's next free row before the chunk plus the earlier
+    # pairs of that expert inside the chunk
+    next_row = row_start
+    r = tl.arange(0, RANK_CHUNK)
+    for start in range(0, num_pairs, RANK_CHUNK):
+        pairs = start + r
         ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        hit = ((ids[:, None] == experts[None, :]) & (experts[None, :] < NUM_EXPERTS)).to(tl.int32)
-        earlier = tl.cumsum(hit, axis=0) - hit  # same-expert pairs before this one in the chunk
-        row = tl.sum(hit * (earlier + (row_start + seen)[None, :]), axis=1)
-        valid = (pairs < num_pairs) & (ids >= 0) & (ids < NUM_EXPERTS)
+        valid = (ids >= 0) & (ids < NUM_EXPERTS)
+        earlier = tl.sum(((ids[:, None] == ids[None, :]) & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
+        row = tl.gather(next_row, tl.where(valid, ids, 0), 0) + earlier
         tl.store(sorted_pairs_ptr + row, pairs, mask=valid)
-        seen += tl.sum(hit, axis=0)
+        next_row += tl.histogram(ids, E_PAD, mask=valid)
 
 
 @triton.jit
@@ -651,8 +659,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         blocks = max_blocks(pairs, experts)
         e_pad = triton.next_power_of_2(experts)
         _align_kernel[(1,)](topk_ids, workspace.sorted_pairs, workspace.block_experts, pairs, blocks,
-                            NUM_EXPERTS=experts, E_PAD=e_pad, CHUNK=max(16, _ALIGN_ELEMENTS // e_pad),
-                            FILL=1024, BLOCK_M=BLOCK_M, num_warps=8)
+                            NUM_EXPERTS=experts, E_PAD=e_pad, COUNT_CHUNK=_ALIGN_COUNT_CHUNK,
+                            RANK_CHUNK=_ALIGN_RANK_CHUNK, BLOCK_CHUNK=_ALIGN_BLOCK_CHUNK, FILL=1024,
+                            BLOCK_M=BLOCK_M, num_warps=8)
         # the rows of act and its codes: the blocks' (padding rows too), a live one's pair in [0, P)
         row_ids, block_experts, row_limit, rows, down_blocks = (
             workspace.sorted_pairs, workspace.block_experts, pairs, blocks * BLOCK_M, blocks)
