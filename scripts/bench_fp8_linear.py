@@ -7,12 +7,16 @@ of each form, the form the defaults pick (``rule``), and each against the bytes 
 and scales, the bf16 rows read and written, at the measured copy bandwidth; no launch beats an
 empty kernel node); every form's bits checked equal. ``--programs-per-sm`` also times the split
 forms with other ``SPLIT_PROGRAMS_PER_SM`` (other K groups: other bits, not compared across
-values). Writes ``fp8_linear_<preset>.json`` and ``.md`` to the folder given and prints the table:
-where split stops winning sets the split threshold, where fused stops winning
-``FUSED_QUANT_MAX_M`` and ``FUSED_QUANT_MAX_STEPS``.
+values), and ``--block-m`` both forms with other tile heights (``_GEMM_BLOCK_M``: 64 rows a tile
+give the tensor cores' warpgroup MMA and read the weights M / 64 times instead of M / 16, but make
+each row's bits a function of the tile; other bits, not compared across values). Writes
+``fp8_linear_<preset>.json`` and ``.md`` to the folder given and prints the table: where split
+stops winning sets the split threshold, where fused stops winning ``FUSED_QUANT_MAX_M`` and
+``FUSED_QUANT_MAX_STEPS``, where a taller tile starts winning whether the default (not
+row-invariant) mode should take it from some M on.
 
     python3 scripts/bench_fp8_linear.py OUT [--preset deepseek-v32-fp8-tp8-rank] [--rows 1,4,16,64,128]
-        [--programs-per-sm 2,4]
+        [--programs-per-sm 2,4] [--block-m 32,64]
 """
 
 from __future__ import annotations
@@ -53,14 +57,14 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def programs_per_sm(value: int | None):
-    """``op.SPLIT_PROGRAMS_PER_SM`` set to ``value`` (None: unchanged) while active."""
-    default = op.SPLIT_PROGRAMS_PER_SM
-    op.SPLIT_PROGRAMS_PER_SM = default if value is None else value
+def overridden(name: str, value: int | None):
+    """The ``fp8_gemm`` module constant ``name`` set to ``value`` (None: unchanged) while active."""
+    default = getattr(op, name)
+    setattr(op, name, default if value is None else value)
     try:
         yield
     finally:
-        op.SPLIT_PROGRAMS_PER_SM = default
+        setattr(op, name, default)
 
 
 def main() -> int:
@@ -73,16 +77,27 @@ def main() -> int:
     parser.add_argument("--programs-per-sm", type=positive_int_list, default=[],
                         help=f"also time the split forms at these SPLIT_PROGRAMS_PER_SM (default "
                              f"{op.SPLIT_PROGRAMS_PER_SM} only), comma-separated")
+    parser.add_argument("--block-m", type=positive_int_list, default=[],
+                        help=f"also time both forms with tiles of these many rows, powers of two >= 16 "
+                             f"(default {op._GEMM_BLOCK_M} only), comma-separated")
     args = parse_or_exit(parser)
+    bad = [v for v in args.block_m if v < 16 or v & (v - 1)]
+    if bad:
+        print(f"bench_fp8_linear: error: --block-m: expected powers of two >= 16, got {bad[0]}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_fp8_linear: error: needs a CUDA device", file=sys.stderr)
         return 2
     config = PRESETS[args.preset]
     scale_fmt = config.quantization.scale_fmt
     sweep = [v for v in args.programs_per_sm if v != op.SPLIT_PROGRAMS_PER_SM]
-    forms = {f"{'split' if split else 'unsplit'}_{'fused' if fused else 'two'}{f'@{v}' if v else ''}":
-             (split, fused, v) for split, v in [(False, None), (True, None)] + [(True, v) for v in sweep]
-             for fused in (False, True)}
+    tiles = [v for v in args.block_m if v != op._GEMM_BLOCK_M]
+    # form -> (split, fused, the constant it overrides, its value)
+    variants = ([(False, None, None), (True, None, None)] + [(True, "SPLIT_PROGRAMS_PER_SM", v) for v in sweep]
+                + [(split, "_GEMM_BLOCK_M", v) for v in tiles for split in (False, True)])
+    forms = {f"{'split' if split else 'unsplit'}_{'fused' if fused else 'two'}"
+             + ("" if name is None else f"@{v}" if name == "SPLIT_PROGRAMS_PER_SM" else f"@m{v}"):
+             (split, fused, name, v) for split, name, v in variants for fused in (False, True)}
     warm_up_gpu()
     floors = Floors.measure()
     device = torch.device("cuda")
@@ -98,15 +113,15 @@ def main() -> int:
             point = dict(layer=name, n=n, k=k, m=m, group=plan[0], groups=plan[1], rule=rule, bytes=nbytes,
                          floor_us=floors.floor_us(nbytes), bytes_floor_us=nbytes / (floors.copy_gbps * 1e3))
             outs = {}
-            for form, (split, fused, value) in forms.items():
+            for form, (split, fused, name, value) in forms.items():
                 out = outs[form] = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-                with programs_per_sm(value):
+                with overridden(name or "SPLIT_PROGRAMS_PER_SM", value):
                     timing = time_in_graph(lambda: op.fp8_linear(x, w, w_s, scale_fmt, out=out, fuse_quant=fused,
                                                                  split=split), iters=args.iters)
                 point[form] = timing.summary()
                 point[f"{form}_us"] = timing.median_us
                 point[f"{form}_over_floor"] = timing.median_us / point["floor_us"]
-            same_groups = [outs[form].view(torch.int16) for form, (_, _, value) in forms.items() if value is None]
+            same_groups = [outs[form].view(torch.int16) for form, (_, _, name, _) in forms.items() if name is None]
             point["bitwise_equal"] = all(torch.equal(bits, same_groups[0]) for bits in same_groups)
             point["rule_us"] = point[f"{rule}_us"]
             point["rule_over_floor"] = point["rule_us"] / point["floor_us"]
@@ -120,7 +135,8 @@ def main() -> int:
     table = markdown_table(columns, results)
     write_results(f"fp8_linear_{args.preset}", dict(
         method=METHOD, params=dict(preset=args.preset, scale_fmt=scale_fmt, rows=args.rows, iters=args.iters,
-                                   programs_per_sm=[op.SPLIT_PROGRAMS_PER_SM] + sweep),
+                                   programs_per_sm=[op.SPLIT_PROGRAMS_PER_SM] + sweep,
+                                   block_m=[op._GEMM_BLOCK_M] + tiles),
         copy_gbps=floors.copy_gbps, empty_kernel_us=floors.empty_us,
         split_programs_per_sm=op.SPLIT_PROGRAMS_PER_SM, fused_quant_max_m=op.FUSED_QUANT_MAX_M,
         fused_quant_max_steps=op.FUSED_QUANT_MAX_STEPS, results=results),

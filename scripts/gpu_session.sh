@@ -7,6 +7,7 @@
 #   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), moe-small-t (the pair layout's GPU tests + bench moe
 #   of both layouts; its per-kernel times in the real rank: decode-rank), moe-shared (the GPU tests of the shared expert in
 #   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / fused-quant forms at the rank shapes),
+#   fp8-linear-tiles (the FP8 GEMM with 32- and 64-row tiles: warpgroup MMA from 64, at verify and prefill M),
 #   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), norm-quant (the GPU tests of
 #   the norms writing the FP8 GEMMs' codes; their time: decode-rank), moe-launches (the router's GEMM on the bf16 rows,
 #   the pair layout's one-token down tile, the histogram align: their GPU tests; their time: moe-small-t, decode-rank),
@@ -98,6 +99,8 @@ for step in "$@"; do
         fp8-linear)   python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset deepseek-v32-fp8-tp8-rank \
                           --programs-per-sm 2,4,8 &&
                       python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset glm5-fp8-tp8-rank --programs-per-sm 2,4,8 ;;
+        fp8-linear-tiles) python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear_tiles" --preset glm5-fp8-tp8-rank \
+                          --rows 1,16,64,128,256,1024 --block-m 32,64 ;;
         fp8-gemm-tests) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 4 --timeout 300 \
                           tests/test_fp8_gemm.py tests/test_fp8_checkpoint.py tests/test_model.py 2>&1 \
                           | tee "$OUT/fp8_gemm_tests.log" ;;

@@ -28,6 +28,7 @@ def test_parse_or_exit_is_one_line_and_status_2(capsys):
     (["scripts/bench_fp8_linear.py", "out", "--iters", "0"], "--iters"),
     (["scripts/bench_fp8_linear.py", "out", "--preset", "tiny"], "--preset"),
     (["scripts/bench_fp8_linear.py", "out", "--programs-per-sm", "2,0"], "--programs-per-sm"),
+    (["scripts/bench_fp8_linear.py", "out", "--block-m", "16,48"], "--block-m"),
     (["scripts/compile_sparse_mla_gluon.py", "--heads", "8,x"], "--heads"),
     (["scripts/compile_fp8_dsa.py", "--bogus"], "--bogus"),
     (["scripts/compile_decode_epilogues.py", "--bogus"], "--bogus"),
