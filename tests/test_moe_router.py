@@ -191,9 +191,11 @@ def test_router_takes_the_kernel_with_the_triton_ops(monkeypatch):
 
 
 def test_router_logits_read_the_rows_as_stored(monkeypatch):
-    """With the Triton ops or row-invariant, the router's GEMM is the row-invariant kernel on the
-    bf16 rows themselves (no fp32 copy), fp32 out, the bits of the same kernel on ``x.float()``;
-    torch's ``F.linear(x.float(), W)`` otherwise, within fp32 rounding of it."""
+    """With the Triton ops (up to TRITON_ROUTER_MAX_ROWS rows) or row-invariant, the router's GEMM is
+    the row-invariant kernel on the bf16 rows themselves (no fp32 copy), fp32 out, the bits of the
+    same kernel on ``x.float()``; torch's ``F.linear(x.float(), W)`` otherwise, within fp32 rounding
+    of it."""
+    import dsaspec.layers.moe as moe_module
     import dsaspec.ops.row_invariant as ri
     from dsaspec.layers.moe import Router
 
@@ -215,6 +217,11 @@ def test_router_logits_read_the_rows_as_stored(monkeypatch):
             assert seen[-1] is x and got.dtype == torch.float32
             assert torch.equal(got, real(x.float(), router.weight))
             torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+        monkeypatch.setattr(moe_module, "TRITON_ROUTER_MAX_ROWS", 4)  # 5 rows: a prefill's, to cuBLAS
+        router.use_triton, calls = True, len(seen)
+        assert torch.equal(router.logits(x), plain) and len(seen) == calls
+        router.row_invariant = True  # ... but never in the row-invariant mode
+        assert torch.equal(router.logits(x), real(x.float(), router.weight)) and len(seen) == calls + 1
 
 
 def test_compiles_for_sm90():

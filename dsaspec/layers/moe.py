@@ -51,6 +51,13 @@ class CheckpointPart:
     target: torch.Tensor
 
 
+# Router.logits runs the row-invariant kernel (16 x 32 FMA tiles, split K) up to this many rows
+# with the Triton ops: at decode sizes it replaces an fp32 copy and cuBLAS's GEMV or SIMT GEMM + split-K
+# reduce (8.2 us at 1 row, 15.8 at 32 on the GLM-5 rank, decode_rank_glm5.md); at prefill sizes
+# cuBLAS's 128 x 64 SIMT tiles should be the faster (not measured yet).
+TRITON_ROUTER_MAX_ROWS = 256
+
+
 class Router(Linear):
     """``mlp.gate``: fp32 ``weight`` ``[E, hidden]`` and ``e_score_correction_bias`` ``[E]``
     (replicated). ``forward(x)`` -> ``(topk_ids int32 [T, k], topk_weights fp32 [T, k])``:
@@ -62,8 +69,10 @@ class Router(Linear):
         w = s[ids] (/ sum(s[ids]) + 1e-20 if norm_topk_prob) * routed_scaling_factor
 
     Per token; no host sync, static shapes. The GEMM is the row-invariant kernel reading ``x`` as
-    stored (bf16 rows converted to fp32 in registers: ``x.float()``'s values without the copy) with
-    ``use_triton`` or ``row_invariant``, torch's on ``x.float()`` otherwise. With ``use_triton``
+    stored (bf16 rows converted to fp32 in registers: ``x.float()``'s values without the copy) when
+    ``row_invariant``, or with ``use_triton`` up to :data:`TRITON_ROUTER_MAX_ROWS` rows (decode and
+    verify sizes; a prefill's rows go to cuBLAS, whose fp32 GEMM tiles suit them), torch's on
+    ``x.float()`` otherwise. With ``use_triton``
     (set by the model) everything after the GEMM is one kernel (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in
     id order), else torch ops. ``forward(x, shared)`` appends ``shared`` slots to each token, ids
     ``E, E + 1, ...`` at weight 1.0: the shared experts run by the fused MoE
@@ -80,7 +89,7 @@ class Router(Linear):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` (bf16 or fp32) -> fp32 ``x @ weight.T`` ``[T, E]`` (class docstring)."""
-        if self.use_triton or self.row_invariant:
+        if self.row_invariant or (self.use_triton and x.shape[0] <= TRITON_ROUTER_MAX_ROWS):
             return row_invariant_ops().linear(x, self.weight)
         return F.linear(x.float(), self.weight)
 
