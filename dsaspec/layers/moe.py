@@ -72,9 +72,11 @@ class Router(Linear):
     stored (bf16 rows converted to fp32 in registers: ``x.float()``'s values without the copy) when
     ``row_invariant``, or with ``use_triton`` up to :data:`TRITON_ROUTER_MAX_ROWS` rows (decode and
     verify sizes; a prefill's rows go to cuBLAS, whose fp32 GEMM tiles suit them), torch's on
-    ``x.float()`` otherwise. With ``use_triton``
-    (set by the model) everything after the GEMM is one kernel (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in
-    id order), else torch ops. ``forward(x, shared)`` appends ``shared`` slots to each token, ids
+    ``x.float()`` otherwise. With ``use_triton`` (set by the model) or ``row_invariant`` everything
+    after the GEMM is one kernel (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum
+    in id order; one program per token, so row-invariant by construction, where torch's CPU
+    ``sigmoid`` rounds an element by its vector path or its scalar tail, which the row count
+    decides), else torch ops. ``forward(x, shared)`` appends ``shared`` slots to each token, ids
     ``E, E + 1, ...`` at weight 1.0: the shared experts run by the fused MoE
     (:meth:`MoE.fuse_shared_experts`); the kernel writes them itself, the torch path concatenates."""
 
@@ -94,7 +96,7 @@ class Router(Linear):
         return F.linear(x.float(), self.weight)
 
     def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.use_triton:
+        if self.use_triton or self.row_invariant:
             return route_topk(self.logits(x), self.e_score_correction_bias, top_k=self.top_k,
                               n_group=self.groups, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
                               scaling=self.scaling, n_shared=shared)
