@@ -42,14 +42,14 @@ Row invariance: the tiles and warps are chosen from ``(N, K, k, dtype, device)``
 (the pair layout's down has one program per token where the sorted one has k, so its tile is the
 one for k = 1: ``BLOCK_N`` 16 instead of 128 at H 6144 on 132 SMs), never from T; a row of a tile
 meets the weight tile in a ``tl.dot`` (each output element from its own row and column, over the
-same K blocks in the same order whatever ``BLOCK_N``), K blocks are accumulated in order, the split partials are added in order
-and the combine order is fixed. ``split_k`` changes the summation order, so it must be fixed per
-shape (E, k, H, I, dtype), never chosen from T: then the invariance holds at every split. The two
-layouts do the same fp32 operations in the same order on the same blocks (the down kernel compiles
-without FMA contraction, so the pair layout's ``sum + acc * w`` rounds the product as the stored
-partial is rounded), so the layout changes no bit either. A token's output bits depend only on its
-own hidden row, ids and weights: not on T, on the other tokens, or on where its pairs land. The
-result is deterministic.
+same K blocks in the same order whatever ``BLOCK_N``), K blocks are accumulated in order, the
+split partials are added in order and the combine order is fixed. ``split_k`` changes the
+summation order, so it must be fixed per shape (E, k, H, I, dtype), never chosen from T: then the
+invariance holds at every split. The two layouts do the same fp32 operations in the same order on
+the same blocks (the down kernel compiles without FMA contraction, so the pair layout's ``sum +
+acc * w`` rounds the product as the stored partial is rounded), so the layout changes no bit
+either. A token's output bits depend only on its own hidden row, ids and weights: not on T, on the
+other tokens, or on where its pairs land. The result is deterministic.
 
 FP8 block-scaled experts (``w13`` / ``w2`` e4m3 with fp32 ``weight_scale_inv`` per 128 x 128 block
 of each expert's projection, the official checkpoints' format, :mod:`dsaspec.ops.fp8_gemm`): the

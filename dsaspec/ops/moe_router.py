@@ -15,9 +15,9 @@ interpreter ``exp`` is numpy's. Equal values (a group score or a ``c``) go to th
 where ``torch.topk`` leaves the order of ties open; the sum of the weights runs in id order, where
 the torch router's ``sum`` runs in its own order, so a weight can differ from the torch router's
 in its last bit. One program per token: a token's ids and weights depend on its own logits only.
-The program is one warp: its some twenty reductions over a token's E values (eight values a lane
-at E = 256) then run as warp shuffles, without the shared-memory round trips and barriers that
-four warps need; the warp count changes no bit (maxima, minima and one-hot sums are exact).
+The program is one warp: a token's twenty-odd reductions over its E values (eight a lane at E =
+256) then run as warp shuffles, without the shared-memory round trips and barriers of four
+warps; the warp count changes no bit (maxima, minima and one-hot sums are exact).
 
 With ``n_shared`` the kernel also writes the shared experts' slots of the fused MoE
 (:mod:`dsaspec.ops.fused_moe`): slots ``k .. k + n_shared - 1`` of each token hold ids ``E ..
