@@ -34,6 +34,18 @@ KERNELS = {"gate_up": moe._gate_up_kernel, "split_reduce": moe._split_reduce_ker
 SPLITS = (1, 2, 4)
 
 
+def _compile_alone(kernel, launch, others, overrides) -> dict:
+    """``dsa.compile_kernel(kernel, launch, overrides)`` with the ``others`` kernels that
+    ``launch()`` would also launch skipped."""
+    for other in others:
+        other.run = lambda *args, **kwargs: None
+    try:
+        return dsa.compile_kernel(kernel, launch, overrides)
+    finally:
+        for other in others:
+            del other.run
+
+
 def compile_moe(kernel: str, fp8: bool, split_k: int, sort_pairs: bool = True) -> dict:
     """Compile ``kernel`` (a :data:`KERNELS` key) as one bf16-activation ``fused_moe`` call with
     ``split_k`` launches it (FP8 experts with ``fp8``) in the sorted layout (``sort_pairs``) or the
@@ -53,13 +65,8 @@ def compile_moe(kernel: str, fp8: bool, split_k: int, sort_pairs: bool = True) -
     skipped = [k for k in (moe._align_kernel, moe._gate_up_kernel, moe._split_reduce_kernel, moe._down_kernel,
                            moe._combine_kernel, fp8_gemm._act_quant_kernel) if k is not KERNELS[kernel]]
     with mock.patch.object(moe, "sm_count", lambda device, without_cuda=1: H200_SMS):
-        for other in skipped:
-            other.run = lambda *args, **kwargs: None
-        try:
-            return dsa.compile_kernel(KERNELS[kernel], launch, (("UPCAST", False),) if kernel != "split_reduce" else ())
-        finally:
-            for other in skipped:
-                del other.run
+        return _compile_alone(KERNELS[kernel], launch, skipped,
+                              (("UPCAST", False),) if kernel != "split_reduce" else ())
 
 
 ALIGN_EXPERTS = (9, 257)  # this script's experts; a rank's 256 routed + the shared one
@@ -74,14 +81,8 @@ def compile_align(experts: int) -> dict:
     ids = torch.arange(TOPK, dtype=torch.int32)[None]
     launch = lambda: moe.fused_moe(hidden, w13, w2, ids, torch.ones(1, TOPK), torch.empty_like(hidden),  # noqa: E731
                                    sort_pairs=True, check_values=False)
-    skipped = (moe._gate_up_kernel, moe._split_reduce_kernel, moe._down_kernel, moe._combine_kernel)
-    for other in skipped:
-        other.run = lambda *args, **kwargs: None
-    try:
-        return dsa.compile_kernel(moe._align_kernel, launch, ())
-    finally:
-        for other in skipped:
-            del other.run
+    return _compile_alone(moe._align_kernel, launch,
+                          (moe._gate_up_kernel, moe._split_reduce_kernel, moe._down_kernel, moe._combine_kernel), ())
 
 
 FP8_LINEAR = {"gemm": fp8_gemm._fp8_gemm_kernel, "reduce": fp8_gemm._fp8_gemm_reduce_kernel}
@@ -98,13 +99,7 @@ def compile_fp8_linear(kernel: str, split: bool, fused: bool) -> dict:
     launch = lambda: fp8_gemm.fp8_linear(x, w, w_scale, "ue8m0", fuse_quant=fused, split=split)  # noqa: E731
     skipped = [k for k in (*FP8_LINEAR.values(), fp8_gemm._act_quant_kernel) if k is not FP8_LINEAR[kernel]]
     with mock.patch.object(fp8_gemm, "supports_pdl", lambda device: True):
-        for other in skipped:
-            other.run = lambda *args, **kwargs: None
-        try:
-            return dsa.compile_kernel(FP8_LINEAR[kernel], launch, ())
-        finally:
-            for other in skipped:
-                del other.run
+        return _compile_alone(FP8_LINEAR[kernel], launch, skipped, ())
 
 
 def main() -> int:
