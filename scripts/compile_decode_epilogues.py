@@ -6,7 +6,8 @@ indexer's head weights (``index_weights``, split over K: GLM-5's 32 x 6144 and D
 libdevice cos / sin, 1 and 64 rows), the dense FFN's SiLU-and-mul (``silu_and_mul``: libdevice
 ``expf``, IEEE division; bf16 and fp32), the decode step's inputs (``decode_inputs``), the MoE
 router's selection (``moe_router``: GLM-5's and DeepSeek-V3.2's routing, 256 experts, with the
-slot of their shared expert) and the RMSNorms before the attention's FP8 GEMMs (``rms_norm``: the
+slot of their shared expert) and GEMM (``router_logits``: each tile, bf16 rows of 7168 on the fp32
+weight), and the RMSNorms before the attention's FP8 GEMMs (``rms_norm``: the
 input norm with its residual add at hidden 6144 / 7168, ``q_a_layernorm`` at 2048 / 1536, each
 plain and writing act_quant's codes and scales too).
 
@@ -93,6 +94,13 @@ def compile_router(experts: int, n_group: int, topk_group: int, top_k: int, n_sh
                          div_approx=ptx.count("div.full.f32") + ptx.count("div.approx"))
 
 
+def compile_router_logits(tile: moe_router.RouterGemmConfig, tokens: int, hidden: int = 7168) -> dict:
+    """One ``router_logits`` launch in ``tile`` over ``tokens`` bf16 rows of ``hidden`` (256 experts)."""
+    x, weight = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(256, hidden)
+    return dsa.compile_kernel(moe_router._router_logits_kernel,
+                              lambda: moe_router.router_logits(x, weight, config=tile), overrides=())
+
+
 # (D, residual add): GLM-5's and DeepSeek-V3.2's input norms (hidden), their q_a_layernorm (q latent)
 NORMS = ((6144, True), (7168, True), (2048, False), (1536, False))
 
@@ -138,6 +146,8 @@ def main() -> int:
         result = compile_router(*routing)
         print(_line(f"moe_router {routing}", result) + f", {result['expf_calls']} libdevice expf, "
               f"{result['div_rn']} div.rn, {result['div_approx']} approximate divisions", flush=True)
+    for tokens, tile in ((1, moe_router.RouterGemmConfig()), *moe_router._DECODE_TILES):
+        print(_line(f"router_logits {tile}, {tokens} rows", compile_router_logits(tile, tokens)), flush=True)
     for d, add in NORMS:
         for quant in (False, True):
             print(_line(f"{'add_rms_norm' if add else 'rms_norm'} {d}{' + act_quant' if quant else ''}",

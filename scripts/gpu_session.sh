@@ -9,9 +9,9 @@
 #   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / fused-quant forms at the rank shapes),
 #   fp8-linear-tiles (the FP8 GEMM with 32- and 64-row tiles: warpgroup MMA from 64, at verify and prefill M),
 #   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), norm-quant (the GPU tests of
-#   the norms writing the FP8 GEMMs' codes; their time: decode-rank), moe-launches (the router's GEMM on the bf16 rows,
+#   the norms writing the FP8 GEMMs' codes; their time: decode-rank), moe-launches (the router,
 #   the pair layout's one-token down tile, the histogram align: their GPU tests; their time: moe-small-t, decode-rank),
-#   kv-accuracy, e2e-rank-glm5,
+#   router-gemm (the router GEMM's GPU tests + scripts/bench_router_gemm.py), kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
 #   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
@@ -101,6 +101,9 @@ for step in "$@"; do
                       python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset glm5-fp8-tp8-rank --programs-per-sm 2,4,8 ;;
         fp8-linear-tiles) python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear_tiles" --preset glm5-fp8-tp8-rank \
                           --rows 1,16,64,128,256,1024 --block-m 32,64 ;;
+        router-gemm)  python3 -m pytest -v -p no:cacheprovider -rfE --tb=short -n 4 --timeout 300 \
+                          tests/test_router_logits.py tests/test_moe_router.py 2>&1 | tee "$OUT/router_gemm_tests.log";
+                      python3 scripts/bench_router_gemm.py "$OUT/router_gemm" ;;
         fp8-gemm-tests) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 4 --timeout 300 \
                           tests/test_fp8_gemm.py tests/test_fp8_checkpoint.py tests/test_model.py 2>&1 \
                           | tee "$OUT/fp8_gemm_tests.log" ;;

@@ -191,37 +191,38 @@ def test_router_takes_the_kernel_with_the_triton_ops(monkeypatch):
 
 
 def test_router_logits_read_the_rows_as_stored(monkeypatch):
-    """With the Triton ops (up to TRITON_ROUTER_MAX_ROWS rows) or row-invariant, the router's GEMM is
-    the row-invariant kernel on the bf16 rows themselves (no fp32 copy), fp32 out, the bits of the
-    same kernel on ``x.float()``; torch's ``F.linear(x.float(), W)`` otherwise, within fp32 rounding
-    of it."""
+    """The router's GEMM is router_logits on the bf16 rows themselves (no fp32 copy), fp32 out: in
+    the row-invariant mode in its default tile at every T, with the Triton ops in the decode tile
+    of T up to DECODE_MAX_TOKENS rows; torch's ``F.linear(x.float(), W)`` otherwise (and above),
+    within fp32 rounding of it."""
     import dsaspec.layers.moe as moe_module
-    import dsaspec.ops.row_invariant as ri
     from dsaspec.layers.moe import Router
+    from dsaspec.ops.moe_router import DECODE_MAX_TOKENS, decode_tile, router_logits
 
     config = get_config("tiny-moe")
     router = Router(config)
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(5, config.hidden_size, generator=gen).to(torch.bfloat16)
+    x = torch.randn(DECODE_MAX_TOKENS + 1, config.hidden_size, generator=gen).to(torch.bfloat16)
     seen = []
-    real = ri.linear
-    monkeypatch.setattr(ri, "linear", lambda rows, weight, *a, **k: seen.append(rows) or real(rows, weight, *a, **k))
+    monkeypatch.setattr(moe_module, "router_logits", lambda rows, weight, *a, config=None, **k:
+                        seen.append((rows, config)) or router_logits(rows, weight, *a, config=config, **k))
     with torch.no_grad():
         router.weight.copy_(torch.randn(router.weight.shape, generator=gen) / config.hidden_size ** 0.5)
         plain = router.logits(x)
         assert seen == []
-        for flag in ("use_triton", "row_invariant"):
-            setattr(router, flag, True)
-            got = router.logits(x)
-            setattr(router, flag, False)
-            assert seen[-1] is x and got.dtype == torch.float32
-            assert torch.equal(got, real(x.float(), router.weight))
-            torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
-        monkeypatch.setattr(moe_module, "TRITON_ROUTER_MAX_ROWS", 4)  # 5 rows: a prefill's, to cuBLAS
-        router.use_triton, calls = True, len(seen)
+        for tokens in (1, 4, DECODE_MAX_TOKENS):
+            for flag, tile in (("use_triton", decode_tile(tokens)), ("row_invariant", None)):
+                setattr(router, flag, True)
+                got = router.logits(x[:tokens])
+                setattr(router, flag, False)
+                assert seen[-1][0] is not None and seen[-1][0].data_ptr() == x.data_ptr()
+                assert seen[-1][1] == tile and got.dtype == torch.float32
+                torch.testing.assert_close(got, plain[:tokens], rtol=1e-5, atol=1e-6)
+        assert decode_tile(1) != decode_tile(DECODE_MAX_TOKENS)
+        router.use_triton, calls = True, len(seen)   # a prefill's rows: to cuBLAS ...
         assert torch.equal(router.logits(x), plain) and len(seen) == calls
-        router.row_invariant = True  # ... but never in the row-invariant mode
-        assert torch.equal(router.logits(x), real(x.float(), router.weight)) and len(seen) == calls + 1
+        router.row_invariant = True                  # ... but never in the row-invariant mode
+        assert torch.equal(router.logits(x), router_logits(x, router.weight)) and seen[-1][1] is None
 
 
 def test_compiles_for_sm90():

@@ -36,7 +36,7 @@ from dsaspec.layers.linear import Linear
 from dsaspec.layers.mlp import MLP
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
 from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, quantize_blocks, quantize_weight
-from dsaspec.ops.moe_router import route_topk
+from dsaspec.ops.moe_router import DECODE_MAX_TOKENS, decode_tile, route_topk, router_logits
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,11 +51,6 @@ class CheckpointPart:
     target: torch.Tensor
 
 
-# Router.logits runs the row-invariant kernel (16 x 32 FMA tiles, split K) up to this many rows
-# with the Triton ops: at decode sizes it replaces an fp32 copy and cuBLAS's GEMV or SIMT GEMM + split-K
-# reduce (8.2 us at 1 row, 15.8 at 32 on the GLM-5 rank, decode_rank_glm5.md); at prefill sizes
-# cuBLAS's 128 x 64 SIMT tiles should be the faster (not measured yet).
-TRITON_ROUTER_MAX_ROWS = 256
 
 
 class Router(Linear):
@@ -68,11 +63,11 @@ class Router(Linear):
         ids = top-k of c over the experts of the topk_group best groups
         w = s[ids] (/ sum(s[ids]) + 1e-20 if norm_topk_prob) * routed_scaling_factor
 
-    Per token; no host sync, static shapes. The GEMM is the row-invariant kernel reading ``x`` as
-    stored (bf16 rows converted to fp32 in registers: ``x.float()``'s values without the copy) when
-    ``row_invariant``, or with ``use_triton`` up to :data:`TRITON_ROUTER_MAX_ROWS` rows (decode and
-    verify sizes; a prefill's rows go to cuBLAS, whose fp32 GEMM tiles suit them), torch's on
-    ``x.float()`` otherwise. With ``use_triton`` (set by the model) or ``row_invariant`` everything
+    Per token; no host sync, static shapes. The GEMM is :func:`~dsaspec.ops.moe_router.router_logits`
+    (fp32 FMAs on ``x`` as stored) in one tile for every T when ``row_invariant`` (so
+    row-invariant), or with ``use_triton`` in the tile for T up to
+    :data:`~dsaspec.ops.moe_router.DECODE_MAX_TOKENS` rows (decode sizes;
+    :func:`~dsaspec.ops.moe_router.decode_tile`); torch's on ``x.float()`` otherwise. With ``use_triton`` (set by the model) or ``row_invariant`` everything
     after the GEMM is one kernel (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum
     in id order; one program per token, so row-invariant by construction, where torch's CPU
     ``sigmoid`` rounds an element by its vector path or its scalar tail, which the row count
@@ -91,8 +86,10 @@ class Router(Linear):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` (bf16 or fp32) -> fp32 ``x @ weight.T`` ``[T, E]`` (class docstring)."""
-        if self.row_invariant or (self.use_triton and x.shape[0] <= TRITON_ROUTER_MAX_ROWS):
-            return row_invariant_ops().linear(x, self.weight)
+        if self.row_invariant:
+            return router_logits(x, self.weight)
+        if self.use_triton and x.shape[0] <= DECODE_MAX_TOKENS:
+            return router_logits(x, self.weight, config=decode_tile(x.shape[0]))
         return F.linear(x.float(), self.weight)
 
     def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

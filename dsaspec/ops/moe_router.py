@@ -23,9 +23,21 @@ With ``n_shared`` the kernel also writes the shared experts' slots of the fused 
 (:mod:`dsaspec.ops.fused_moe`): slots ``k .. k + n_shared - 1`` of each token hold ids ``E ..
 E + n_shared - 1`` and weight 1.0 (the shared experts as extra experts after the routed ones, on
 every token, unscaled), in the same launch.
+
+The router's GEMM (:func:`router_logits`) has a kernel of its own: fp32 logits ``x @ W^T`` from
+the bf16 hidden rows as stored and the fp32 gate weight ``W [E, hidden]``, by FMAs in fp32 (no
+``x.float()`` copy; bf16 converts to fp32 exactly). A program holds a tile of ``rows`` tokens x
+``experts`` experts and walks K in blocks of ``block_k``: per block, each (token, expert) sum of
+its ``block_k`` products is one reduction over the block, added to the running sum in K order. The
+tile, block and warps are a :class:`RouterGemmConfig` fixed by the caller, never by T, so a
+token's logits are the same bits whatever the other tokens are (a reduction's order is the
+layout's, the same for every row of the tile). At decode sizes the weight (6-7 MB at E = 256) is
+the traffic: small expert tiles put a program on every SM.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -130,3 +142,88 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group:
             GROUPS_PAD=max(2, triton.next_power_of_2(n_group)), GROUP_PAD=triton.next_power_of_2(group),
             TOPK_PAD=max(2, triton.next_power_of_2(slots)), num_warps=1)
     return ids, weights
+
+
+@dataclass(frozen=True)
+class RouterGemmConfig:
+    """Tile of :func:`router_logits`: ``rows`` tokens x ``experts`` experts a program, K in blocks
+    of ``block_k`` columns, ``num_warps`` warps (powers of two). Logits that must agree bitwise
+    across calls need the same configuration."""
+
+    rows: int = 4
+    experts: int = 2
+    block_k: int = 1024
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("rows", "experts", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"config.{name}: expected a power of two, got {value}")
+
+
+# The tiles of the default (not row-invariant) mode by token count, (most tokens, tile), from
+# benchmarks/results/h200/router_gemm.md (GLM-5 / DeepSeek-V3.2 rank, E 256, cold L2): one token a
+# program at T 1 (6.4 / 7.4 us, cuBLAS on x.float() 10.0 / 11.5), 2 x 2 at T 4 (7.7 / 9.1 against 19.1 /
+# 20.5), the default 4 x 2 at T 16 (13.1 / 14.9 against 25.1 / 26.1); from T 32 cuBLAS is as fast or
+# faster (21.1 against 21.7 at 32, 27.8 against 77.2 at 128), the FMA tiles being bound by their
+# issue rate there. The row-invariant mode keeps the default tile at every T (10.1 us at T 1,
+# 77 at 128, against 21.9 and 121 for the row-invariant GEMM on x.float()).
+_DECODE_TILES = ((2, RouterGemmConfig(1, 1, 2048, 4)), (8, RouterGemmConfig(2, 2, 2048, 8)), (16, RouterGemmConfig()))
+DECODE_MAX_TOKENS = _DECODE_TILES[-1][0]
+
+
+def decode_tile(tokens: int) -> RouterGemmConfig:
+    """The default mode's :func:`router_logits` tile for ``tokens`` rows, up to
+    :data:`DECODE_MAX_TOKENS` (above, cuBLAS is the faster: the caller's choice)."""
+    for most, tile in _DECODE_TILES:
+        if tokens <= most:
+            return tile
+    raise ValueError(f"tokens: expected at most {DECODE_MAX_TOKENS} for a decode tile, got {tokens}")
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_w, stride_out,
+                          ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[t, e] = sum over K blocks in order of (one reduction of the block's x[t, k] * w[e, k]), fp32
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    experts = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
+    ks = tl.arange(0, BLOCK_K)
+    row_live = rows < tokens
+    expert_live = experts < E
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :]
+    w_ptrs = w_ptr + experts[:, None].to(tl.int64) * stride_w + ks[None, :]
+    acc = tl.zeros((ROWS, EXPERTS), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_live = (k0 + ks) < K
+        x = tl.load(x_ptrs + k0, mask=row_live[:, None] & k_live[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=expert_live[:, None] & k_live[None, :], other=0.0)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + experts[None, :]
+    tl.store(out_ptrs, acc, mask=row_live[:, None] & expert_live[None, :])
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
+                  config: RouterGemmConfig | None = None) -> torch.Tensor:
+    """The router's fp32 logits ``out[t, e] = sum_k x[t, k] * weight[e, k]`` (module docstring),
+    one launch, no host sync.
+
+    ``x``: bf16 or fp32 ``[T, K]``, ``weight``: fp32 ``[E, K]`` on ``x``'s device, both with a
+    contiguous last dimension (any row stride). Writes and returns ``out`` fp32 ``[T, E]``
+    (allocated when None; contiguous last dimension). ``config`` None: :class:`RouterGemmConfig`'s
+    defaults (the row-invariant mode's tile); each token's logits are bitwise independent of T and
+    of the other tokens for a fixed configuration."""
+    check_tensor("x", x, dtype=(torch.bfloat16, torch.float32), ndim=2)
+    tokens, k = x.shape
+    check_tensor("weight", weight, dtype=torch.float32, shape=(None, k), device=x.device)
+    experts = weight.shape[0]
+    if out is None:
+        out = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+    check_tensor("out", out, dtype=torch.float32, shape=(tokens, experts), device=x.device)
+    config = config or RouterGemmConfig()
+    if tokens and experts:
+        grid = (triton.cdiv(experts, config.experts), triton.cdiv(tokens, config.rows))
+        _router_logits_kernel[grid](x, weight, out, tokens, experts, k, x.stride(0), weight.stride(0),
+                                    out.stride(0), ROWS=config.rows, EXPERTS=config.experts,
+                                    BLOCK_K=config.block_k, num_warps=config.num_warps)
+    return out

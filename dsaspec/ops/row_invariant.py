@@ -135,7 +135,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, counters_ptr,
                  stride_cb, stride_cm, stride_cn,
                  m_tiles, n_tiles, k_blocks_per_split,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, A_TO_FP32: tl.constexpr):
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     # M tiles vary fastest, so the programs that read one weight tile run together (L2 reuse).
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -160,9 +160,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, counters_ptr,
         k_ok = (k + ks) < k_hi
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST or A_TO_FP32:  # the interpreter's bf16 dot multiplies the raw bits; bf16 a, fp32 b
+        if UPCAST:  # the interpreter's bf16 dot multiplies the raw bits
             a = a.to(tl.float32)
-        if UPCAST:
             b = b.to(tl.float32)
         # "ieee" keeps fp32 operands off TF32 (an FMA dot); bf16 operands ignore it.
         acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -213,8 +212,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfi
         out.stride(0), out.stride(1), out.stride(2),
         m_tiles, n_tiles, per_split,
         SPLIT_K=splits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        UPCAST=not out.is_cuda, A_TO_FP32=a.dtype != b.dtype, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        UPCAST=not out.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
@@ -227,17 +225,15 @@ def _check_dtype(name: str, tensor) -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
            config: GemmConfig | None = None) -> torch.Tensor:
-    """Row-invariant ``y = x @ weight.T`` (fp32 accumulation, result in ``weight``'s dtype).
+    """Row-invariant ``y = x @ weight.T`` (fp32 accumulation, result in ``x``'s dtype).
 
     Parameters
     ----------
     x : Tensor ``[M, K]``, bf16 or fp32, unit last stride (any row stride).
-    weight : Tensor ``[N, K]``, ``x``'s dtype, or fp32 for bf16 ``x`` (``x``'s values converted to
-        fp32 in registers, exactly: the bits of ``linear(x.float(), weight)`` without the copy),
-        ``x``'s device, unit last stride.
-    out : Tensor ``[M, N]``, ``weight``'s dtype, unit last stride (any row stride), or None (allocated).
-    config : GemmConfig or None; None: ``gemm_config(N, K, weight.dtype, device)``. Each row's result
-        is bitwise independent of M and of the other rows for a fixed configuration.
+    weight : Tensor ``[N, K]``, ``x``'s dtype and device, unit last stride.
+    out : Tensor ``[M, N]``, ``x``'s dtype, unit last stride (any row stride), or None (allocated).
+    config : GemmConfig or None; None: ``gemm_config(N, K, dtype, device)``. Each row's result is
+        bitwise independent of M and of the other rows for a fixed configuration.
 
     Returns
     -------
@@ -246,13 +242,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     _check_dtype("x", x)
     check_tensor("x", x, dtype=x.dtype, ndim=2)
     m, k = x.shape
-    dtype = torch.float32 if x.dtype == torch.bfloat16 and weight.dtype == torch.float32 else x.dtype
-    check_tensor("weight", weight, dtype=dtype, shape=(None, k), device=x.device)
+    check_tensor("weight", weight, dtype=x.dtype, shape=(None, k), device=x.device)
     n = weight.shape[0]
     if out is None:
-        out = torch.empty(m, n, dtype=dtype, device=x.device)
-    check_tensor("out", out, dtype=dtype, shape=(m, n), device=x.device)
-    config = config or gemm_config(n, k, dtype, x.device)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    check_tensor("out", out, dtype=x.dtype, shape=(m, n), device=x.device)
+    config = config or gemm_config(n, k, x.dtype, x.device)
     _gemm(x[None], weight.t()[None], out[None], config)
     return out
 

@@ -1,12 +1,19 @@
-"""Pure PyTorch definition of the MoE router's selection (``dsaspec.ops.moe_router``): a loop over
-tokens on the host, fp32 values, sorting with explicit tie rules (the larger value first, then the
-lower index), the weights summed one after another in selection order."""
+"""Pure PyTorch definitions of the MoE router (``dsaspec.ops.moe_router``): the logits in float64,
+and the selection as a loop over tokens on the host, fp32 values, sorting with explicit tie rules
+(the larger value first, then the lower index), the weights summed one after another in selection
+order."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [T, K] @ weight [E, K]^T`` in float64 on the host (``[T, E]`` float64): the fp32 kernel's
+    target, within its fp32 rounding."""
+    return x.cpu().double() @ weight.cpu().double().T
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,

@@ -1,0 +1,96 @@
+"""Time the MoE router's GEMM (fp32 logits of the hidden rows against the fp32 gate weight) on one
+GPU at the router shapes of the per-rank presets and T tokens: ``router_logits`` in several tiles
+(:class:`~dsaspec.ops.moe_router.RouterGemmConfig`), against cuBLAS on ``x.float()`` (the copy
+included: the default mode's path for prefill rows) and the row-invariant GEMM on ``x.float()``
+(16 x 32 FMA tiles, split K). Per point: the median per-replay span of a cold-L2 CUDA-graph replay
+(time_in_graph), each against the bytes floor (the fp32 weight, the bf16 rows read, the fp32
+logits written, at the measured copy bandwidth; no launch beats an empty kernel node), and every
+result checked within fp32 rounding of cuBLAS's. Writes ``router_gemm.json`` and ``.md`` to the
+folder given: the tile that wins over all T is the row-invariant mode's (one tile for every T), the
+best tile at each T the default mode's (``dsaspec.ops.moe_router._DECODE_TILES``), and where cuBLAS
+starts winning ``DECODE_MAX_TOKENS``.
+
+    python3 scripts/bench_router_gemm.py OUT [--rows 1,4,16,32,64,128,256]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from dsaspec.bench.results import markdown_table, write_results
+from dsaspec.bench.timing import Floors, time_in_graph, warm_up_gpu
+from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int, positive_int_list
+from dsaspec.configs.model_config import PRESETS
+from dsaspec.ops import row_invariant as ri
+from dsaspec.ops.moe_router import RouterGemmConfig, router_logits
+
+METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; router_logits in each "
+          "tile, cuBLAS F.linear(x.float(), W) (copy included) and the row-invariant GEMM on x.float() on the same "
+          "inputs; floor = max((fp32 weight + bf16 rows + fp32 logits) / measured copy bandwidth, empty kernel)")
+PRESET_NAMES = ("glm5-fp8-tp8-rank", "deepseek-v32-fp8-tp8-rank")
+# rows x experts x block_k, warps: at most 64 products a thread
+TILES = [RouterGemmConfig(r, e, b, w) for r, e, b, w in (
+    (1, 1, 2048, 4), (2, 2, 2048, 8), (4, 2, 1024, 4), (4, 4, 512, 4), (8, 2, 1024, 8), (8, 4, 512, 8),
+    (16, 8, 128, 8), (16, 16, 64, 8))]
+
+
+def _name(c: RouterGemmConfig) -> str:
+    return f"r{c.rows}e{c.experts}k{c.block_k}w{c.num_warps}"
+
+
+def main() -> int:
+    parser = Parser(prog="bench_router_gemm", description="The MoE router's GEMM: router_logits tiles vs cuBLAS.")
+    parser.add_argument("out", help="folder for router_gemm.json / .md")
+    parser.add_argument("--rows", type=positive_int_list, default=[1, 4, 16, 32, 64, 128, 256],
+                        help="T values, comma-separated")
+    parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
+    args = parse_or_exit(parser)
+    if not torch.cuda.is_available():
+        print("bench_router_gemm: error: needs a CUDA device", file=sys.stderr)
+        return 2
+    warm_up_gpu()
+    floors = Floors.measure()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results, ok = [], True
+    for preset in PRESET_NAMES:
+        config = PRESETS[preset]
+        experts, k = config.n_routed_experts, config.hidden_size
+        w = torch.randn(experts, k, device="cuda", generator=gen) / k ** 0.5
+        for t in args.rows:
+            x = torch.randn(t, k, device="cuda", generator=gen).bfloat16()
+            nbytes = 4 * experts * k + 2 * t * k + 4 * t * experts
+            point = dict(preset=preset, experts=experts, k=k, t=t, bytes=nbytes, floor_us=floors.floor_us(nbytes))
+            want = F.linear(x.float(), w)
+            forms = {"cublas": lambda: F.linear(x.float(), w), "row_invariant": lambda: ri.linear(x.float(), w)}
+            outs = {}
+            for tile in TILES:
+                out = outs[_name(tile)] = torch.empty(t, experts, device="cuda")
+                forms[_name(tile)] = lambda out=out, tile=tile: router_logits(x, w, out, config=tile)
+            for form, fn in forms.items():
+                timing = time_in_graph(fn, iters=args.iters)
+                point[form] = timing.summary()
+                point[f"{form}_us"] = timing.median_us
+            for form, out in outs.items():
+                ok &= bool(torch.allclose(out, want, rtol=1e-4, atol=1e-4))
+            tiles = [_name(tile) for tile in TILES]
+            point["best_tile"] = min(tiles, key=lambda f: point[f"{f}_us"])
+            point["best_over_floor"] = point[f"{point['best_tile']}_us"] / point["floor_us"]
+            point["best_vs_cublas"] = point["cublas_us"] / point[f"{point['best_tile']}_us"]
+            results.append(point)
+    columns = ([("preset", "preset"), ("t", "T"), ("k", "K"), ("floor_us", "floor µs"), ("cublas_us", "cuBLAS µs"),
+                ("row_invariant_us", "row-invariant GEMM µs")]
+               + [(f"{_name(tile)}_us", f"{_name(tile)} µs") for tile in TILES]
+               + [("best_tile", "best tile"), ("best_over_floor", "best / floor"), ("best_vs_cublas", "cuBLAS / best")])
+    write_results("router_gemm", dict(
+        method=METHOD, params=dict(rows=args.rows, iters=args.iters, tiles=[_name(t) for t in TILES]),
+        copy_gbps=floors.copy_gbps, empty_kernel_us=floors.empty_us, results=results),
+        f"router GEMM (copy {floors.copy_gbps:.0f} GB/s): router_logits tiles vs cuBLAS\n\n"
+        f"{markdown_table(columns, results)}", args.out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
