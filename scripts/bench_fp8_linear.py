@@ -96,8 +96,8 @@ def main() -> int:
     variants = ([(False, None, None), (True, None, None)] + [(True, "SPLIT_PROGRAMS_PER_SM", v) for v in sweep]
                 + [(split, "_GEMM_BLOCK_M", v) for v in tiles for split in (False, True)])
     forms = {f"{'split' if split else 'unsplit'}_{'fused' if fused else 'two'}"
-             + ("" if name is None else f"@{v}" if name == "SPLIT_PROGRAMS_PER_SM" else f"@m{v}"):
-             (split, fused, name, v) for split, name, v in variants for fused in (False, True)}
+             + ("" if const is None else f"@{v}" if const == "SPLIT_PROGRAMS_PER_SM" else f"@m{v}"):
+             (split, fused, const, v) for split, const, v in variants for fused in (False, True)}
     warm_up_gpu()
     floors = Floors.measure()
     device = torch.device("cuda")
@@ -113,15 +113,15 @@ def main() -> int:
             point = dict(layer=name, n=n, k=k, m=m, group=plan[0], groups=plan[1], rule=rule, bytes=nbytes,
                          floor_us=floors.floor_us(nbytes), bytes_floor_us=nbytes / (floors.copy_gbps * 1e3))
             outs = {}
-            for form, (split, fused, name, value) in forms.items():
+            for form, (split, fused, const, value) in forms.items():
                 out = outs[form] = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-                with overridden(name or "SPLIT_PROGRAMS_PER_SM", value):
+                with overridden(const or "SPLIT_PROGRAMS_PER_SM", value):
                     timing = time_in_graph(lambda: op.fp8_linear(x, w, w_s, scale_fmt, out=out, fuse_quant=fused,
                                                                  split=split), iters=args.iters)
                 point[form] = timing.summary()
                 point[f"{form}_us"] = timing.median_us
                 point[f"{form}_over_floor"] = timing.median_us / point["floor_us"]
-            same_groups = [outs[form].view(torch.int16) for form, (_, _, name, _) in forms.items() if name is None]
+            same_groups = [outs[form].view(torch.int16) for form, (_, _, const, _) in forms.items() if const is None]
             point["bitwise_equal"] = all(torch.equal(bits, same_groups[0]) for bits in same_groups)
             point["rule_us"] = point[f"{rule}_us"]
             point["rule_over_floor"] = point["rule_us"] / point["floor_us"]
