@@ -77,6 +77,13 @@ def fused_moe() -> bool:
     return _switch("DSASPEC_FUSED_MOE")
 
 
+def fp8_fast_accum() -> bool:
+    """``DSASPEC_FP8_FAST_ACCUM``: the FP8 block-scaled GEMMs take 64-row tiles from 32 rows outside
+    the row-invariant mode, on the e4m3 warpgroup MMA, which sums each 128-column block at reduced
+    precision (default off: 16-row tiles, exact fp32 accumulation)."""
+    return _switch("DSASPEC_FP8_FAST_ACCUM", default=False)
+
+
 def metadata_program_budget() -> int | None:
     """``DSASPEC_METADATA_BUDGET``: program budget of the bounded metadata kernels, a positive
     integer (None when unset: the kernels' default, 2048). The grid is

@@ -1,13 +1,15 @@
 """Provenance in the benchmarks' JSON: the commit recorded is the checkout's own HEAD, the
 commit a ``git archive`` export came from (as a GPU run's snapshot is), and nothing for a tree
-copied into another repository's work tree."""
+copied into another repository's work tree; the ``DSASPEC_*`` variables of the run in the JSON
+and on the Markdown's command line."""
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from dsaspec.bench.results import source_commit
+from dsaspec.bench.results import source_commit, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,3 +46,16 @@ def test_commit_of_a_git_archive_inside_another_repository(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == _git("rev-parse", "--short", "HEAD", cwd=ROOT)
+
+
+def test_the_runs_dsaspec_variables_are_recorded(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSASPEC_FP8_FAST_ACCUM", "1")
+    monkeypatch.setenv("DSASPEC_FUSED_MOE", "0")
+    monkeypatch.setenv("OTHER_VARIABLE", "x")
+    write_results("probe", {"method": "m"}, "table", tmp_path)
+    machine = json.loads((tmp_path / "probe.json").read_text())["machine"]
+    assert {k: v for k, v in machine["dsaspec_variables"].items() if k in ("DSASPEC_FP8_FAST_ACCUM", "DSASPEC_FUSED_MOE",
+                                                                            "OTHER_VARIABLE")} == \
+        {"DSASPEC_FP8_FAST_ACCUM": "1", "DSASPEC_FUSED_MOE": "0"}
+    command = next(line for line in (tmp_path / "probe.md").read_text().splitlines() if line.startswith("Command:"))
+    assert command.startswith("Command: `") and "DSASPEC_FP8_FAST_ACCUM=1" in command and "DSASPEC_FUSED_MOE=0" in command

@@ -130,6 +130,11 @@ def test_simulated_acceptance_without_speculation_is_refused(capsys, monkeypatch
     assert_one_line_error(capsys, ["generate"], "DSASPEC_SIMULATE_ACCEPT_LEN", "--speculative-algorithm")
 
 
+def test_fp8_fast_accumulation_with_the_row_invariant_mode_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("DSASPEC_FP8_FAST_ACCUM", "1")
+    assert_one_line_error(capsys, ["generate", "--row-invariant"], "--row-invariant", "DSASPEC_FP8_FAST_ACCUM")
+
+
 def test_simulated_acceptance_beyond_the_verified_tokens_names_the_variable(capsys, monkeypatch):
     monkeypatch.setenv("DSASPEC_SIMULATE_ACCEPT_LEN", "100")
     assert_one_line_error(capsys, ["generate", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"],

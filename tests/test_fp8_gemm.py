@@ -99,12 +99,17 @@ def _weight(n, k, device, seed=1):
     return w.to(device)
 
 
-def _check_gemm(y, a, a_s, w, w_s):
+def _check_gemm(y, a, a_s, w, w_s, fast_accum=False):
+    """``y`` within the fp32-accumulation bound of the dequantized product (+ bf16 rounding of a bf16
+    ``y``). ``fast_accum`` (64-row tiles on the GPU): the e4m3 warpgroup MMA sums each 128-column
+    block in 4 instructions of 32 products, each keeping about 13 bits below the largest magnitude
+    it meets (DeepSeek-V3's report, 3.3.2): 4 * 2^-13 = 2^-11 of the block's sum |a||w| a step,
+    2^-8 allowed (measured: 2^-9.9, logs/fp8_tall_tile_accuracy_session10.log)."""
     a_deq = ref.dequantize(a.cpu(), a_s.cpu(), 1)
     w_deq = ref.dequantize(w.cpu(), w_s.cpu(), 128)
     want = a_deq @ w_deq.T
     k = a.shape[1]
-    bound = 2 * k * 2.0 ** -24 * (a_deq.abs() @ w_deq.abs().T)
+    bound = (2 * k * 2.0 ** -24 + (2.0 ** -8 if fast_accum else 0)) * (a_deq.abs() @ w_deq.abs().T)
     if y.dtype == torch.bfloat16:
         bound += 2.0 ** -7 * want.abs()
     err = (y.cpu().double() - want).abs()
@@ -207,6 +212,62 @@ def test_split_is_the_unsplit_form_bitwise(n, k, sms, m, monkeypatch, device):
     _check_gemm(split, a, a_s, w, w_s)
     if m == 17:                                   # bf16 out: the reduce's cast is the unsplit store's
         assert torch.equal(op.fp8_gemm(a, a_s, w, w_s, split=True), op.fp8_gemm(a, a_s, w, w_s, split=False))
+
+
+class _RecordedTiles:
+    """Stands in for ``op._fp8_gemm_kernel``: launches the real kernel, keeping each launch's
+    ``BLOCK_M``."""
+
+    def __init__(self, kernel):
+        self.kernel, self.block_m = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.block_m.append(kwargs["BLOCK_M"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("m", [1, 31, 32, 65])
+def test_fast_accum_takes_tall_tiles_from_their_threshold(m, monkeypatch, device):
+    """``fast_accum`` takes 64-row tiles from TALL_TILE_MIN_M rows (both forms, the same bits,
+    within their bound: _check_gemm); without it 16 at every M, so those rows equal the single-row
+    results bitwise."""
+    recorded = _RecordedTiles(op._fp8_gemm_kernel)
+    monkeypatch.setattr(op, "_fp8_gemm_kernel", recorded)
+    n, k = 130, 384
+    a, a_s = op.act_quant(_activations(m, k, torch.bfloat16, device, seed=m))
+    w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(n, k, "cpu", seed=2)))
+    tall = 64 if m >= op.TALL_TILE_MIN_M else 16
+    forms = [op.fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float32, split=split, fast_accum=True)
+             for split in (False, True)]
+    assert recorded.block_m == [tall, tall] and op.tile_rows(m, True) == tall
+    assert _bits_equal(forms[0], forms[1])
+    _check_gemm(forms[0], a, a_s, w, w_s, fast_accum=tall == 64)
+    exact = op.fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float32)
+    assert recorded.block_m[-1] == 16 and op.tile_rows(m, False) == 16
+    for row in {0, m - 1}:
+        assert _bits_equal(op.fp8_gemm(a[row:row + 1], a_s[row:row + 1], w, w_s, out_dtype=torch.float32),
+                           exact[row:row + 1]), f"row {row} differs"
+
+
+def test_fp8_linear_layer_passes_fast_accum_to_the_tiles(monkeypatch, device):
+    """Fp8Linear with the Triton ops: 64-row tiles at 40 rows with ``fast_accum``, 16 without, for
+    bf16 rows and for an Fp8Input's codes."""
+    from dsaspec.layers.fp8_linear import Fp8Input, Fp8Linear
+
+    recorded = _RecordedTiles(op._fp8_gemm_kernel)
+    monkeypatch.setattr(op, "_fp8_gemm_kernel", recorded)
+    layer = Fp8Linear(256, 128, device)
+    layer.set_dense(_weight(128, 256, "cpu", seed=3))
+    layer.use_triton = True
+    x = _activations(40, 256, torch.bfloat16, device, seed=4)
+    codes, scales = op.act_quant(x)
+    for fast_accum, tile in ((True, 64), (False, 16)):
+        layer.fast_accum = fast_accum
+        layer(x)
+        layer(Fp8Input(x, codes, scales, None))
+        assert recorded.block_m[-2:] == [tile, tile], (fast_accum, recorded.block_m)
 
 
 def test_rows_do_not_depend_on_m_across_the_split_threshold(monkeypatch, device):
@@ -376,6 +437,9 @@ def test_fp8_gemm_production_shapes_gpu(m, n, k):
     y = op.fp8_gemm(a, a_s, w, w_s)
     _check_gemm(y, a, a_s, w, w_s)
     assert torch.equal(op.fp8_gemm(a[:1], a_s[:1], w, w_s), y[:1]), "row 0 depends on the batch"
+    fast = [op.fp8_gemm(a, a_s, w, w_s, split=split, fast_accum=True) for split in (False, True)]
+    _check_gemm(fast[0], a, a_s, w, w_s, fast_accum=True)
+    assert torch.equal(fast[0], fast[1]), "the fast-accumulation split form differs from the unsplit"
 
 
 @pytest.mark.gpu

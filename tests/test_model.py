@@ -601,6 +601,23 @@ def test_fused_moe_option_routes_the_experts_to_the_fused_kernel():
     torch.testing.assert_close(layer(x, ids, weights), want, rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_fast_accum_reaches_every_fp8_linear_and_is_refused_with_row_invariant():
+    """``options.fp8_fast_accum`` sets ``fast_accum`` on every Fp8Linear of an FP8 model (the
+    attention's fused GEMMs, o_proj, the dense MLPs'); off by default; a ValueError naming it with
+    the row-invariant mode."""
+    from dsaspec.configs.runtime_options import RuntimeOptions
+    from dsaspec.layers.fp8_linear import Fp8Linear
+
+    config = get_config("tiny", num_hidden_layers=1, quantization=Fp8Quantization())
+    for fast_accum in (True, False):
+        model = DSAModel(config, device="meta", options=RuntimeOptions(fp8_fast_accum=fast_accum))
+        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        assert len(layers) >= 4 and all(m.fast_accum is fast_accum for m in layers)
+    assert not any(m.fast_accum for m in DSAModel(config, device="meta").modules() if isinstance(m, Fp8Linear))
+    with pytest.raises(ValueError, match="options.fp8_fast_accum: the row-invariant mode"):
+        DSAModel(config, device="meta", row_invariant=True, options=RuntimeOptions(fp8_fast_accum=True))
+
+
 # one layer, narrow: quick with the row-invariant kernels under the interpreter
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32, num_attention_heads=2,
              index_n_heads=2, num_hidden_layers=2, index_topk=8)

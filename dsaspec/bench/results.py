@@ -47,7 +47,7 @@ def source_commit() -> str | None:
 
 
 def machine_info() -> dict:
-    """GPU, driver, torch, triton, date and command line of this run."""
+    """GPU, driver, torch, triton, date, command line and the ``DSASPEC_*`` variables set for this run."""
     info = {
         "host": platform.node(),
         "torch": torch.__version__,
@@ -56,6 +56,7 @@ def machine_info() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "interpreter": flags.triton_interpret(),
+        "dsaspec_variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DSASPEC_")},
         "git_commit": source_commit(),
     }
     if torch.cuda.is_available():
@@ -141,10 +142,11 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: str | Path |
     out.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "machine": machine_info(), **payload}
     (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    head = (f"# {name}\n\nMachine: {payload['machine'].get('gpu') or 'CPU (Triton interpreter)'}, "
-            f"torch {payload['machine']['torch']}, triton {payload['machine']['triton']}, "
-            f"{payload['machine']['date']}.\n\nCommand: `{payload['machine']['command']}`\n\n"
-            f"Method: {payload.get('method', '')}\n\n")
+    machine = payload["machine"]
+    command = " ".join([f"{k}={v}" for k, v in machine["dsaspec_variables"].items()] + [machine["command"]])
+    head = (f"# {name}\n\nMachine: {machine.get('gpu') or 'CPU (Triton interpreter)'}, "
+            f"torch {machine['torch']}, triton {machine['triton']}, {machine['date']}.\n\n"
+            f"Command: `{command}`\n\nMethod: {payload.get('method', '')}\n\n")
     (out / f"{name}.md").write_text(head + markdown + "\n")
     if figure is not None:
         figure.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")

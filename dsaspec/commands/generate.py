@@ -228,6 +228,8 @@ def run(args) -> int:
     from dsaspec.memory import PAGE_SIZE
 
     options = RuntimeOptions.from_environment()
+    if args.row_invariant and options.fp8_fast_accum:
+        raise UserError("--row-invariant needs the FP8 GEMMs' exact tiles: unset DSASPEC_FP8_FAST_ACCUM")
     if args.tp > 1:
         check_gpus(args.tp)
         if args.device is not None and (args.device.type != "cuda" or args.device.index is not None):

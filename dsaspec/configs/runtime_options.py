@@ -38,6 +38,11 @@ class RuntimeOptions:
     fused_moe : MoE layers run the fused MoE kernel (``DSASPEC_FUSED_MOE``) where the model runs the
         Triton ops and is not row-invariant; False: the plain-torch experts (every expert on every
         token).
+    fp8_fast_accum : the FP8 block-scaled GEMMs of :class:`~dsaspec.layers.fp8_linear.Fp8Linear` take
+        64-row tiles from 32 rows (``DSASPEC_FP8_FAST_ACCUM``, default off): the e4m3 warpgroup MMA,
+        faster at verify and prefill sizes, whose sum of each 128-column block keeps fewer bits
+        than fp32 (as torch's ``use_fast_accum``; :mod:`dsaspec.ops.fp8_gemm`); refused with the
+        row-invariant mode.
     metadata_program_budget : program budget of the bounded metadata kernels
         (``DSASPEC_METADATA_BUDGET``), >= 1; None: the kernels' default (2048).
     simulate_accept_len : None for real acceptance, or a mean accept length >= 1 that every
@@ -50,6 +55,7 @@ class RuntimeOptions:
     topk_single_launch: bool = True
     sparse_mla_gluon: bool = True
     fused_moe: bool = True
+    fp8_fast_accum: bool = False
     metadata_program_budget: int | None = None
     simulate_accept_len: float | None = None
 
@@ -57,6 +63,8 @@ class RuntimeOptions:
         for name in SWITCH_FIELDS:
             if not isinstance(getattr(self, name), bool):   # "0" would read as on
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.fp8_fast_accum, bool):
+            raise TypeError(f"fp8_fast_accum must be a bool, got {self.fp8_fast_accum!r}")
         budget = self.metadata_program_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"metadata_program_budget must be None or a positive int, got {budget!r}")
@@ -74,6 +82,7 @@ class RuntimeOptions:
                    topk_single_launch=flags.topk_single_launch(),
                    sparse_mla_gluon=flags.sparse_mla_gluon(),
                    fused_moe=flags.fused_moe(),
+                   fp8_fast_accum=flags.fp8_fast_accum(),
                    metadata_program_budget=flags.metadata_program_budget(),
                    simulate_accept_len=flags.simulate_accept_len())
 

@@ -58,7 +58,8 @@ class Fp8Linear(RowInvariant, nn.Module):
     (``weight`` e4m3 ``[N, K]``, ``weight_scale_inv`` fp32 ``[ceil(N / 128), K / 128]``; ``K`` a
     multiple of 128). The activations are quantized per token per 128 columns (``scale_fmt``), then
     ``use_triton``: the Triton FP8 GEMM (:func:`~dsaspec.ops.fp8_gemm.fp8_linear`, row-invariant by
-    construction); else plain torch, the same quantization and an fp32 dequantize-then-matmul
+    construction; ``fast_accum``, set by the model from ``RuntimeOptions.fp8_fast_accum``: its
+    64-row tiles from 32 rows); else plain torch, the same quantization and an fp32 dequantize-then-matmul
     (the row-invariant GEMM when ``row_invariant``). Output in ``x``'s dtype. ``forward`` also
     takes an :class:`Fp8Input` of its ``scale_fmt`` for ``x``: its codes and scales replace the
     quantization (the same bits), and with ``use_triton`` the GEMM is
@@ -69,6 +70,7 @@ class Fp8Linear(RowInvariant, nn.Module):
     replicated); a split lies on 128-row / column block boundaries."""
 
     use_triton: bool = False
+    fast_accum: bool = False
 
     def __init__(self, in_features: int, out_features: int, device=None, *, dtype=torch.bfloat16,
                  scale_fmt: str | None = None, shard: Shard | None = None):
@@ -128,10 +130,11 @@ class Fp8Linear(RowInvariant, nn.Module):
                 raise ValueError(f"Fp8Linear: the input was quantized with scale_fmt {x.scale_fmt!r}, "
                                  f"this layer's is {self.scale_fmt!r}")
             if self.use_triton:
-                return fp8_gemm(x.codes, x.scales, self.weight, self.weight_scale_inv, out_dtype=x.x.dtype)
+                return fp8_gemm(x.codes, x.scales, self.weight, self.weight_scale_inv, out_dtype=x.x.dtype,
+                                fast_accum=self.fast_accum)
             q, s, x = x.codes, x.scales, x.x
         elif self.use_triton:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_fmt)
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_fmt, fast_accum=self.fast_accum)
         else:
             q, s = quantize_blocks(x, 1, self.scale_fmt)
         a = q.float() * s.repeat_interleave(BLOCK, dim=1)

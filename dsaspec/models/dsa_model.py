@@ -83,8 +83,9 @@ class DSAModel(nn.Module):
         by its size, and so must ``moe_intermediate_size`` in an MoE model. TP 1 computes exactly
         what the unsharded model does.
     options : RuntimeOptions
-        The runtime's switches (default: the shipped path); the model uses ``sparse_mla_gluon`` and
-        ``topk_single_launch``, and the engine and workers built over it take the rest from
+        The runtime's switches (default: the shipped path); the model uses ``sparse_mla_gluon``,
+        ``topk_single_launch``, ``fused_moe`` and ``fp8_fast_accum`` (a ``ValueError`` with
+        ``row_invariant``), and the engine and workers built over it take the rest from
         ``model.options`` unless given their own.
 
     The projections that read one input share one GEMM (:meth:`MLAAttention.fuse_projections`,
@@ -122,6 +123,9 @@ class DSAModel(nn.Module):
         self.group = tp_group
         self.row_invariant = row_invariant
         self.options = RuntimeOptions() if options is None else options
+        if self.options.fp8_fast_accum and row_invariant:
+            raise ValueError("options.fp8_fast_accum: the row-invariant mode needs the FP8 GEMMs' exact 16-row "
+                             "tiles; turn one of the two off")
         self.sparse_mla_gluon = self.options.sparse_mla_gluon
         if config.quantization is None:
             self.model = DSABackbone(config, tp_group, device, dtype)
@@ -141,6 +145,8 @@ class DSAModel(nn.Module):
         for module in self.modules():
             if isinstance(module, RowInvariant):
                 module.row_invariant = row_invariant
+            if isinstance(module, Fp8Linear):
+                module.fast_accum = self.options.fp8_fast_accum
         self.use_triton = use_triton
 
     @property

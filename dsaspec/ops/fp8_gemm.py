@@ -32,8 +32,9 @@ per 128 x 128 block (:func:`quantize_weight`, fp32 scales). The kernel quantizes
 functions of :mod:`dsaspec.ops.e4m3`, which round ``x / s`` to the e4m3 grid before the cast, so
 the codes are the same on the GPU and under the Triton interpreter.
 
-The GEMM computes 16 x 64 output tiles and sums K in groups of ``G`` consecutive blocks, ``G =
-k_group(N, K, SMs)`` from the weight's shape and the device only:
+The GEMM computes 16 x 64 output tiles (64 x 64 from ``TALL_TILE_MIN_M`` rows with ``fast_accum``:
+:func:`tile_rows`) and sums K in groups of ``G`` consecutive blocks, ``G = k_group(N, K, SMs)`` from
+the weight's shape and the device only:
 
     acc_g = sum over the blocks kb of group g, in order from 0, of dot_kb * a_scale * w_scale
     out   = cast(sum over g, in order from 0, of acc_g)                  (fp32 sums)
@@ -81,6 +82,14 @@ _QUANT_ROWS = 16         # rows per act_quant program
 # One GEMM tile for every M and K groups fixed by the weight's shape (k_group), so each output row
 # is computed the same way whatever the other rows are (row-invariant by construction).
 _GEMM_BLOCK_M, _GEMM_BLOCK_N = 16, 64
+# With fast_accum, TALL_TILE_MIN_M rows and more take 64-row tiles: the e4m3 warpgroup MMA (16-row
+# tiles compile to MMAs on codes widened to fp16) and the weights read M / 64 times instead of
+# M / 16: 1.4 - 2.2x faster from 64 rows at the GLM-5 rank shapes, about even at 32
+# (logs/fp8_linear_tall_e4m3_session10.md). That MMA keeps fewer bits than fp32 in its sum of a
+# 128-column block (errors to 2^-9.9 of sum |a||w| measured, logs/fp8_tall_tile_accuracy_session10.log;
+# fp32-exact with fp16-widened codes, which are no faster than 16-row tiles).
+TALL_BLOCK_M = 64
+TALL_TILE_MIN_M = 32
 # The split form aims at this many programs per SM for one row block (k_group): two 16 x 64 programs
 # of 3 stages keep ~48 KB of weight loads in flight per SM.
 SPLIT_PROGRAMS_PER_SM = 2
@@ -240,15 +249,23 @@ def k_group(n: int, k: int, sms: int) -> int:
     return triton.cdiv(blocks, groups)
 
 
-def gemm_plan(m: int, n: int, k: int, device: torch.device, split: bool | None = None) -> tuple[int, int, bool]:
-    """``(G, groups, split)`` of an ``[M, K] x [N, K]^T`` product on ``device``: :func:`k_group`,
-    its group count and the form; ``split`` None: split where there is more than one group and the
-    unsplit form's tiles (``ceil(M / 16) ceil(N / 64)``) are fewer than the SMs."""
+def tile_rows(m: int, fast_accum: bool) -> int:
+    """Rows of a GEMM tile for M rows: 16, or with ``fast_accum`` ``TALL_BLOCK_M`` from
+    ``TALL_TILE_MIN_M`` rows on."""
+    return TALL_BLOCK_M if fast_accum and m >= TALL_TILE_MIN_M else _GEMM_BLOCK_M
+
+
+def gemm_plan(m: int, n: int, k: int, device: torch.device, split: bool | None = None,
+              block_m: int | None = None) -> tuple[int, int, bool]:
+    """``(G, groups, split)`` of an ``[M, K] x [N, K]^T`` product on ``device`` in tiles of
+    ``block_m`` rows (None: 16): :func:`k_group`, its group count and the form; ``split`` None:
+    split where there is more than one group and the unsplit form's tiles (``ceil(M / block_m)
+    ceil(N / 64)``) are fewer than the SMs."""
     sms = sm_count(device)
     group = k_group(n, k, sms)
     groups = triton.cdiv(k // BLOCK, group)
     if split is None:
-        split = groups > 1 and triton.cdiv(m, _GEMM_BLOCK_M) * triton.cdiv(n, _GEMM_BLOCK_N) < sms
+        split = groups > 1 and triton.cdiv(m, block_m or _GEMM_BLOCK_M) * triton.cdiv(n, _GEMM_BLOCK_N) < sms
     return group, groups, split
 
 
@@ -262,10 +279,10 @@ def fuses_quant(m: int, k: int, plan: tuple[int, int, bool]) -> bool:
 
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
           out: torch.Tensor | None, out_dtype: torch.dtype, scale_fmt: str | None,
-          plan: tuple[int, int, bool]) -> torch.Tensor:
-    """Check ``out`` and launch the GEMM of ``a [M, K]`` and ``w`` (checked) as ``plan``
-    (:func:`gemm_plan`) says; ``a_scale`` None: ``a`` is bf16 / fp32, quantized in the kernel with
-    ``scale_fmt``."""
+          plan: tuple[int, int, bool], block_m: int) -> torch.Tensor:
+    """Check ``out`` and launch the GEMM of ``a [M, K]`` and ``w`` (checked) in tiles of ``block_m``
+    rows as ``plan`` (:func:`gemm_plan`) says; ``a_scale`` None: ``a`` is bf16 / fp32, quantized in
+    the kernel with ``scale_fmt``."""
     m, k = a.shape
     n = w.shape[0]
     if out_dtype not in _OUT_DTYPES:
@@ -281,11 +298,11 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scal
         a_scale = a                                       # unread
     pdl = split and supports_pdl(a.device)
     c = torch.empty(groups, m, n, dtype=torch.float32, device=a.device) if split else out
-    grid = (triton.cdiv(m, _GEMM_BLOCK_M), triton.cdiv(n, _GEMM_BLOCK_N), groups if split else 1)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, _GEMM_BLOCK_N), groups if split else 1)
     _fp8_gemm_kernel[grid](a, a_scale, w, w_scale, c, m, n, k, group,
                            a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), c.stride(-2),
                            c.stride(0) if split else 0,
-                           BLOCK_M=_GEMM_BLOCK_M, BLOCK_N=_GEMM_BLOCK_N, BLOCK_K=BLOCK,
+                           BLOCK_M=block_m, BLOCK_N=_GEMM_BLOCK_N, BLOCK_K=BLOCK,
                            QUANTIZE_A=quantize, UE8M0=scale_fmt == "ue8m0", SPLIT=split, PDL=pdl,
                            num_warps=4, num_stages=3)
     if split:
@@ -297,7 +314,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scal
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *,
              out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-             split: bool | None = None) -> torch.Tensor:
+             split: bool | None = None, fast_accum: bool = False) -> torch.Tensor:
     """Block-scaled FP8 GEMM in K groups of ``G = k_group(N, K, SMs)`` blocks of 128:
 
         acc_g[m, n]  = sum over the blocks kb of group g in order, from 0, of
@@ -312,19 +329,22 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     fp32 ``acc_g`` to a ``[groups, M, N]`` buffer (allocated per call) that a second launch adds
     and casts; False: one program per tile, all groups in turn; None: split where the unsplit
     tiles leave SMs idle (module docstring). Both forms give the same bits, and G does not depend
-    on M: each row's result is bitwise independent of M and of the other rows. No host sync."""
+    on M: each row's result is bitwise independent of M and of the other rows. ``fast_accum``:
+    tiles of :func:`tile_rows` rows (64 from ``TALL_TILE_MIN_M``, each 128-column block summed at
+    the e4m3 MMA's precision: not fp32, not row-invariant across the switch). No host sync."""
     check_tensor("a", a, dtype=torch.float8_e4m3fn, ndim=2)
     m, k = a.shape
     check_count("a.shape[0] (M)", m)
     _check_k("a", k)
     check_tensor("a_scale", a_scale, dtype=torch.float32, shape=(m, k // BLOCK), device=a.device)
     n = _check_weight(w, w_scale, k, a.device)
-    return _gemm(a, a_scale, w, w_scale, out, out_dtype, None, gemm_plan(m, n, k, a.device, split))
+    block_m = tile_rows(m, fast_accum)
+    return _gemm(a, a_scale, w, w_scale, out, out_dtype, None, gemm_plan(m, n, k, a.device, split, block_m), block_m)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, scale_fmt: str | None = None, *,
                out: torch.Tensor | None = None, fuse_quant: bool | None = None,
-               split: bool | None = None) -> torch.Tensor:
+               split: bool | None = None, fast_accum: bool = False) -> torch.Tensor:
     """``x @ W^T`` for an FP8 block-scaled ``W`` (``w`` e4m3 ``[N, K]``, ``w_scale``
     ``[ceil(N / 128), K / 128]``): ``x`` (bf16 or fp32 ``[M, K]``, unit last stride) quantized as
     :func:`act_quant` does, then the :func:`fp8_gemm` product (``split`` as there); writes and
@@ -332,17 +352,18 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, scale_fm
     their rows' K blocks in registers (no :func:`act_quant` launch); False: :func:`act_quant` then
     :func:`fp8_gemm`; None (default): fused for ``M <= FUSED_QUANT_MAX_M`` where a program runs at
     most ``FUSED_QUANT_MAX_STEPS`` K blocks (G split, ``K / 128`` unsplit). All forms give the same
-    bits, so each row's result is independent of M."""
+    bits, so each row's result is independent of M; ``fast_accum`` as :func:`fp8_gemm`'s."""
     _check_scale_fmt(scale_fmt)
     m, k = _check_x(x)
     n = _check_weight(w, w_scale, k, x.device)
-    plan = gemm_plan(m, n, k, x.device, split)
+    block_m = tile_rows(m, fast_accum)
+    plan = gemm_plan(m, n, k, x.device, split, block_m)
     if fuse_quant is None:
         fuse_quant = fuses_quant(m, k, plan)
     if fuse_quant:
-        return _gemm(x, None, w, w_scale, out, x.dtype, scale_fmt, plan)
+        return _gemm(x, None, w, w_scale, out, x.dtype, scale_fmt, plan, block_m)
     q, s = act_quant(x, scale_fmt)
-    return _gemm(q, s, w, w_scale, out, x.dtype, None, plan)
+    return _gemm(q, s, w, w_scale, out, x.dtype, None, plan, block_m)
 
 
 def quantize_blocks(x: torch.Tensor, block_rows: int, scale_fmt: str | None = None
