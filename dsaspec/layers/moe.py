@@ -51,8 +51,6 @@ class CheckpointPart:
     target: torch.Tensor
 
 
-
-
 class Router(Linear):
     """``mlp.gate``: fp32 ``weight`` ``[E, hidden]`` and ``e_score_correction_bias`` ``[E]``
     (replicated). ``forward(x)`` -> ``(topk_ids int32 [T, k], topk_weights fp32 [T, k])``:
@@ -67,13 +65,14 @@ class Router(Linear):
     (fp32 FMAs on ``x`` as stored) in one tile for every T when ``row_invariant`` (so
     row-invariant), or with ``use_triton`` in the tile for T up to
     :data:`~dsaspec.ops.moe_router.DECODE_MAX_TOKENS` rows (decode sizes;
-    :func:`~dsaspec.ops.moe_router.decode_tile`); torch's on ``x.float()`` otherwise. With ``use_triton`` (set by the model) or ``row_invariant`` everything
-    after the GEMM is one kernel (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum
-    in id order; one program per token, so row-invariant by construction, where torch's CPU
-    ``sigmoid`` rounds an element by its vector path or its scalar tail, which the row count
-    decides), else torch ops. ``forward(x, shared)`` appends ``shared`` slots to each token, ids
-    ``E, E + 1, ...`` at weight 1.0: the shared experts run by the fused MoE
-    (:meth:`MoE.fuse_shared_experts`); the kernel writes them itself, the torch path concatenates."""
+    :func:`~dsaspec.ops.moe_router.decode_tile`); torch's on ``x.float()`` otherwise. With
+    ``use_triton`` (set by the model) or ``row_invariant`` everything after the GEMM is one kernel
+    (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in id order; one program per
+    token, so row-invariant by construction, where torch's CPU ``sigmoid`` rounds an element by its
+    vector path or its scalar tail, which the row count decides), else torch ops.
+    ``forward(x, shared)`` appends ``shared`` slots to each token, ids ``E, E + 1, ...`` at weight
+    1.0: the shared experts run by the fused MoE (:meth:`MoE.fuse_shared_experts`); the kernel
+    writes them itself, the torch path concatenates."""
 
     use_triton: bool = False
 

@@ -83,11 +83,12 @@ _QUANT_ROWS = 16         # rows per act_quant program
 # is computed the same way whatever the other rows are (row-invariant by construction).
 _GEMM_BLOCK_M, _GEMM_BLOCK_N = 16, 64
 # With fast_accum, TALL_TILE_MIN_M rows and more take 64-row tiles: the e4m3 warpgroup MMA (16-row
-# tiles compile to MMAs on codes widened to fp16) and the weights read M / 64 times instead of
+# tiles compile to HMMAs on widened codes, fp32 sums) and the weights read M / 64 times instead of
 # M / 16: 1.4 - 2.2x faster from 64 rows at the GLM-5 rank shapes, about even at 32
-# (logs/fp8_linear_tall_e4m3_session10.md). That MMA keeps fewer bits than fp32 in its sum of a
-# 128-column block (errors to 2^-9.9 of sum |a||w| measured, logs/fp8_tall_tile_accuracy_session10.log;
-# fp32-exact with fp16-widened codes, which are no faster than 16-row tiles).
+# (benchmarks/results/h200/logs/fp8_linear_tall_e4m3_session10.md). That MMA keeps fewer bits than
+# fp32 in its sum of a 128-column block: errors to 2^-9.9 of sum |a||w| against 2^-22 with the
+# codes widened to fp16 first, which is no faster than 16-row tiles
+# (benchmarks/results/h200/logs/fp8_tall_tile_accuracy_session10.log, fp8_linear_tall_widened_session10.md).
 TALL_BLOCK_M = 64
 TALL_TILE_MIN_M = 32
 # The split form aims at this many programs per SM for one row block (k_group): two 16 x 64 programs
@@ -352,7 +353,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, scale_fm
     their rows' K blocks in registers (no :func:`act_quant` launch); False: :func:`act_quant` then
     :func:`fp8_gemm`; None (default): fused for ``M <= FUSED_QUANT_MAX_M`` where a program runs at
     most ``FUSED_QUANT_MAX_STEPS`` K blocks (G split, ``K / 128`` unsplit). All forms give the same
-    bits, so each row's result is independent of M; ``fast_accum`` as :func:`fp8_gemm`'s."""
+    bits, so without ``fast_accum`` each row's result is independent of M; ``fast_accum`` as
+    :func:`fp8_gemm`'s."""
     _check_scale_fmt(scale_fmt)
     m, k = _check_x(x)
     n = _check_weight(w, w_scale, k, x.device)

@@ -29,10 +29,11 @@ the bf16 hidden rows as stored and the fp32 gate weight ``W [E, hidden]``, by FM
 ``x.float()`` copy; bf16 converts to fp32 exactly). A program holds a tile of ``rows`` tokens x
 ``experts`` experts and walks K in blocks of ``block_k``: per block, each (token, expert) sum of
 its ``block_k`` products is one reduction over the block, added to the running sum in K order. The
-tile, block and warps are a :class:`RouterGemmConfig` fixed by the caller, never by T, so a
-token's logits are the same bits whatever the other tokens are (a reduction's order is the
-layout's, the same for every row of the tile). At decode sizes the weight (6-7 MB at E = 256) is
-the traffic: small expert tiles put a program on every SM.
+tile, block and warps are a :class:`RouterGemmConfig` the caller passes; for a fixed one a token's
+logits are the same bits whatever the other tokens are (a reduction's order is the layout's, the
+same for every row of the tile), so the row-invariant mode passes one for every T and the default
+mode the fastest for its T (:func:`decode_tile`). At decode sizes the weight (6-7 MB at E = 256)
+is the traffic: small expert tiles put a program on every SM.
 """
 
 from __future__ import annotations
