@@ -102,8 +102,8 @@ def _weight(n, k, device, seed=1):
 def _check_gemm(y, a, a_s, w, w_s, fast_accum=False):
     """``y`` within the fp32-accumulation bound of the dequantized product (+ bf16 rounding of a bf16
     ``y``). ``fast_accum`` (64-row tiles on the GPU): the e4m3 warpgroup MMA sums each 128-column
-    block in 4 instructions of 32 products, each keeping about 13 bits below the largest magnitude
-    it meets (DeepSeek-V3's report, 3.3.2): 4 * 2^-13 = 2^-11 of the block's sum |a||w| a step,
+    block in 4 instructions of 32 products, each keeping about 14 bits of the largest magnitude it
+    meets (DeepSeek-V3's report, 3.3.2): 4 * 2^-13 = 2^-11 of the block's sum |a||w| a step,
     2^-8 allowed (measured: 2^-9.9, benchmarks/results/h200/logs/fp8_tall_tile_accuracy_session10.log)."""
     a_deq = ref.dequantize(a.cpu(), a_s.cpu(), 1)
     w_deq = ref.dequantize(w.cpu(), w_s.cpu(), 128)

@@ -84,7 +84,8 @@ _QUANT_ROWS = 16         # rows per act_quant program
 _GEMM_BLOCK_M, _GEMM_BLOCK_N = 16, 64
 # With fast_accum, TALL_TILE_MIN_M rows and more take 64-row tiles: the e4m3 warpgroup MMA (16-row
 # tiles compile to HMMAs on widened codes, fp32 sums) and the weights read M / 64 times instead of
-# M / 16: 1.4 - 2.2x faster from 64 rows at the GLM-5 rank shapes, about even at 32
+# M / 16: at the GLM-5 rank shapes 1.08 - 1.44x faster at 64 rows, 1.02 - 1.62x at 128,
+# 1.3 - 2.4x at 256 and 1.3 - 2.8x at 1024, 1.00 - 1.04x at 32
 # (benchmarks/results/h200/logs/fp8_linear_tall_e4m3_session10.md). That MMA keeps fewer bits than
 # fp32 in its sum of a 128-column block: errors to 2^-9.9 of sum |a||w| against 2^-22 with the
 # codes widened to fp16 first, which is no faster than 16-row tiles
