@@ -479,6 +479,12 @@ def test_serve_option_errors_are_one_line(capsys, argv, named):
     assert_one_line_error(capsys, ["serve", "--dtype", "fp32", *argv], *named)
 
 
+def test_serve_refuses_fp8_fast_accumulation_with_row_invariant(capsys, monkeypatch):
+    from test_cli import assert_one_line_error
+
+    monkeypatch.setenv("DSASPEC_FP8_FAST_ACCUM", "1")
+    assert_one_line_error(capsys, ["serve", "--row-invariant"], "--row-invariant", "DSASPEC_FP8_FAST_ACCUM")
+
 
 def test_word_tokenizer_gives_every_token_text(tmp_path):
     from dsaspec.testing.tokenizer import build_word_tokenizer

@@ -173,6 +173,17 @@ def check_requests(args, config, page_size: int, draft_tokens: int = 1) -> int:
     return args.num_slots
 
 
+def runtime_options(args):
+    """The ``RuntimeOptions`` of the ``DSASPEC_*`` variables, checked against the model arguments:
+    UserError for ``DSASPEC_FP8_FAST_ACCUM`` with ``--row-invariant``."""
+    from dsaspec.configs.runtime_options import RuntimeOptions
+
+    options = RuntimeOptions.from_environment()
+    if args.row_invariant and options.fp8_fast_accum:
+        raise UserError("--row-invariant needs the FP8 GEMMs' exact tiles: unset DSASPEC_FP8_FAST_ACCUM")
+    return options
+
+
 def device_and_ops(args) -> tuple[torch.device, bool, torch.dtype]:
     """The device (``--device``, default cuda if available), whether the Triton ops run and the
     dtype; UserError for a device, ops and dtype that do not go together."""
@@ -222,14 +233,11 @@ def weights_source(args) -> str:
 def run(args) -> int:
     """Check the options, build the model and the engine, generate, print ids and timings.
     Returns 0; raises UserError for bad options, checkpoints or a model that does not fit."""
-    from dsaspec.configs.runtime_options import RuntimeOptions
     from dsaspec.engine.engine import Engine
     from dsaspec.distributed.launch import check_gpus, check_world, relaunch, under_torchrun
     from dsaspec.memory import PAGE_SIZE
 
-    options = RuntimeOptions.from_environment()
-    if args.row_invariant and options.fp8_fast_accum:
-        raise UserError("--row-invariant needs the FP8 GEMMs' exact tiles: unset DSASPEC_FP8_FAST_ACCUM")
+    options = runtime_options(args)
     if args.tp > 1:
         check_gpus(args.tp)
         if args.device is not None and (args.device.type != "cuda" or args.device.index is not None):

@@ -123,8 +123,8 @@ def build_engine(args, plan: EnginePlan):
 def build_server(args):
     """Check the options, then build the engine (in its process with ``--engine-process``, else
     here, with its engine loop) and the Server; UserError for what cannot be honoured."""
-    from dsaspec.commands.generate import device_and_ops, model_config, speculative_config, weights_source
-    from dsaspec.configs.runtime_options import RuntimeOptions
+    from dsaspec.commands.generate import (device_and_ops, model_config, runtime_options, speculative_config,
+                                           weights_source)
     from dsaspec.memory import PAGE_SIZE
     from dsaspec.serving.api import Server
     from dsaspec.serving.engine_loop import EngineLoop
@@ -133,7 +133,7 @@ def build_server(args):
     from dsaspec.serving.text import load_text
 
     check_packages()
-    options = RuntimeOptions.from_environment()
+    options = runtime_options(args)
     device, use_triton, dtype = device_and_ops(args)
     config, source = model_config(args)
     spec = speculative_config(args, config, options)
