@@ -31,19 +31,22 @@ def _archived_commit() -> str | None:
 
 
 def source_commit() -> str | None:
-    """HEAD of the checkout this package runs from, else the commit of the ``git archive`` it was
-    exported from (a GPU run's snapshot); None for any other tree (one copied inside another
-    repository's work tree would otherwise report that repository's HEAD)."""
+    """HEAD of the checkout this package runs from, with ``+modified`` where tracked files differ
+    from it (a run of uncommitted changes), else the commit of the ``git archive`` it was exported
+    from (a GPU run's snapshot); None for any other tree (one copied inside another repository's
+    work tree would otherwise report that repository's HEAD)."""
     root = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10, cwd=root)
+        lines = out.stdout.split()
+        if out.returncode or len(lines) != 2 or Path(lines[0]).resolve() != root:
+            return _archived_commit()
+        modified = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, timeout=30,
+                                  cwd=root).returncode != 0
     except (OSError, subprocess.SubprocessError):
         return _archived_commit()
-    lines = out.stdout.split()
-    if out.returncode or len(lines) != 2 or Path(lines[0]).resolve() != root:
-        return _archived_commit()
-    return lines[1]
+    return lines[1] + ("+modified" if modified else "")
 
 
 def machine_info() -> dict:
