@@ -109,7 +109,7 @@ def main() -> int:
         experts = "fp8" if fp8 else "bf16"
         for sort_pairs in (True, False):
             layout = "sorted" if sort_pairs else "pairs"
-            for kernel, split_k in [("gate_up", s) for s in SPLITS] + [("split_reduce", 4), ("down", 1)]:
+            for kernel, split_k in [("gate_up", s) for s in SPLITS] + [("split_reduce", 2), ("down", 1)]:
                 name = f"{kernel} {experts} {layout}" + (f" split_k={split_k}" if kernel != "down" else "")
                 result = compile_moe(kernel, fp8, split_k, sort_pairs)
                 fma = f"; {result['ptx'].count('fma.rn.f32')} fp32 FMAs in the PTX" if kernel == "down" else ""

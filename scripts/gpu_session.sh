@@ -12,8 +12,8 @@
 #   the norms writing the FP8 GEMMs' codes; their time: decode-rank), moe-launches (the router,
 #   the pair layout's one-token down tile, the histogram align: their GPU tests; their time: moe-small-t, decode-rank),
 #   router-gemm (the router GEMM's GPU tests + scripts/bench_router_gemm.py), fast-accum (DSASPEC_FP8_FAST_ACCUM:
-#   its GPU tests + e2e-rank-glm5 with it), moe-tiles (scripts/bench_moe_tiles.py: the fused MoE's gate/up tile
-#   sweep at T 1, 2, 4 on the GLM-5 rank, ~5 min), kv-accuracy, e2e-rank-glm5,
+#   its GPU tests + e2e-rank-glm5 with it), moe-tiles (scripts/bench_moe_tiles.py: sweeps of the fused MoE's
+#   gate/up and down tiles at T 1, 2, 4, 32, 128 on the GLM-5 rank; the gate/up's at T 1, 2, 4 took 30 s), moe-gpu-tests (the fused MoE's GPU tests), kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
 #   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
@@ -107,6 +107,8 @@ for step in "$@"; do
                           tests/test_router_logits.py tests/test_moe_router.py 2>&1 | tee "$OUT/router_gemm_tests.log";
                       python3 scripts/bench_router_gemm.py "$OUT/router_gemm" ;;
         moe-tiles)    python3 scripts/bench_moe_tiles.py "$OUT/moe_tiles" ;;
+        moe-gpu-tests) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 4 --timeout 400 \
+                          tests/test_fused_moe.py tests/test_moe_shared_experts.py 2>&1 | tee "$OUT/moe_gpu_tests.log" ;;
         fast-accum)   python3 -m pytest -v -p no:cacheprovider -rfE --tb=short -n 4 --timeout 300 tests/test_fp8_gemm.py \
                           -k "fast_accum or fp8_gemm_production" 2>&1 | tee "$OUT/fast_accum_tests.log";
                       DSASPEC_FP8_FAST_ACCUM=1 python3 -m dsaspec bench e2e --presets glm5-fp8-tp8-rank --num-steps 3 \

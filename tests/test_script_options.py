@@ -32,6 +32,7 @@ def test_parse_or_exit_is_one_line_and_status_2(capsys):
     (["scripts/bench_router_gemm.py", "out", "--rows", "1,0"], "--rows"),
     (["scripts/bench_moe_tiles.py", "out", "--tokens", "x"], "--tokens"),
     (["scripts/bench_moe_tiles.py", "out", "--preset", "tiny-moe"], "--preset"),
+    (["scripts/bench_moe_tiles.py", "out", "--kernels", "gate_up,combine"], "--kernels"),
     (["scripts/compile_sparse_mla_gluon.py", "--heads", "8,x"], "--heads"),
     (["scripts/compile_fp8_dsa.py", "--bogus"], "--bogus"),
     (["scripts/compile_decode_epilogues.py", "--bogus"], "--bogus"),

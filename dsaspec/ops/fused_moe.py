@@ -93,16 +93,19 @@ _STAGE_BYTES = 160 * 1024  # shared memory of a GEMM's pipeline stages (the H200
 _COMBINE_ELEMENTS = 1024  # outputs per combine program
 
 
-# FP8 experts of I <= 256 (a TP 8 rank of GLM-5 / DeepSeek-V3.2): gate/up in 4 K splits took 0.81x the
-# time of one at T = 1 and 0.94x at T = 2, and no longer from T = 4 to 16 (0.98-1.00x); bf16 experts in 2
-# splits were 0.90x at T = 1 but 1.16x at T = 4 (H 7168, E 256, k 8; H200, moe_split.md). A rule by shape
-# only, so the row invariance holds (fused_moe's split_k).
-_FP8_SMALL_I, _FP8_SMALL_I_SPLIT = 256, 4
+# FP8 experts of I <= 256 (a TP 8 rank of GLM-5 / DeepSeek-V3.2): gate/up in 2 K splits of 32-wide tiles
+# (_tile: one program per SM at one token) took 0.84 / 0.72 / 0.67 / 0.65 / 0.62 / 0.59 / 0.56x the time of
+# the 4 splits of 16-wide tiles before at T = 1 / 2 / 4 / 8 / 16 / 32 / 128 on the GLM-5 rank (22.7 us at
+# T = 1, 3.4x its bytes floor; 213 us at 128, 1.03x), 0.85 - 0.58x on DeepSeek-V3.2's, and within 5% of the
+# best of 36 tiles at every T (DeepSeek-V3.2's T = 1: 10%; H200, cold L2, gate/up + split reduce:
+# moe_tiles_*.md). bf16 experts in 2 splits were 0.90x one at T = 1 but 1.16x at T = 4 (moe_split.md). A
+# rule by shape only, so the row invariance holds (fused_moe's split_k).
+_FP8_SMALL_I, _FP8_SMALL_I_SPLIT = 256, 2
 
 
 def moe_split_k(intermediate_size: int, fp8: bool) -> int:
     """The gate/up K splits :class:`~dsaspec.layers.moe.RoutedExperts` passes to :func:`fused_moe` for
-    experts of intermediate size ``intermediate_size`` (this rank's) and ``fp8`` weights: 4 for FP8
+    experts of intermediate size ``intermediate_size`` (this rank's) and ``fp8`` weights: 2 for FP8
     experts of I <= 256, else 1. A function of the shape only, never of the token count."""
     return _FP8_SMALL_I_SPLIT if fp8 and intermediate_size <= _FP8_SMALL_I else 1
 
@@ -222,13 +225,14 @@ class _Tile:
 
 
 def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.device,
-          weight_tiles: int = 1, fp8: bool = False) -> _Tile:
-    """Tile of a grouped GEMM with N outputs and reduction K (never a function of T): bf16 and
-    FP8 (e4m3 operands, one 128-column scale block per K step) tiles of ``BLOCK_N x 128``, fp32
-    (FMA) ``BLOCK_N x 32``, with ``BLOCK_N`` the widest of 128/64/32/16 that still gives a one-token
-    call (k blocks) about two programs per SM (off-GPU: the widest, so the interpreter runs few
-    programs); up to 4 (bf16, FP8) or 3 (fp32) stages of the activation tile and ``weight_tiles``
-    weight tiles within ``_STAGE_BYTES`` of shared memory."""
+          weight_tiles: int = 1, fp8: bool = False, split_k: int = 1) -> _Tile:
+    """Tile of a grouped GEMM with N outputs and reduction K in ``split_k`` splits (never a function
+    of T): bf16 and FP8 (e4m3 operands, one 128-column scale block per K step) tiles of
+    ``BLOCK_N x 128``, fp32 (FMA) ``BLOCK_N x 32``, with ``BLOCK_N`` the widest of 128/64/32/16 that
+    still gives a one-token call (k blocks x splits) about two programs per SM, one for the FP8
+    gate/up (``weight_tiles`` 2; measured, ``_FP8_SMALL_I``'s note) (off-GPU: the widest, so the
+    interpreter runs few programs); up to 4 (bf16, FP8) or 3 (fp32) stages of the activation tile and
+    ``weight_tiles`` weight tiles within ``_STAGE_BYTES`` of shared memory."""
     if fp8:
         dtype = FP8
         block_k, widths, num_warps, max_stages = FP8_BLOCK, (128, 64, 32, 16), 4, 4
@@ -236,10 +240,10 @@ def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.devic
         block_k, widths, num_warps, max_stages = 32, (32, 16), 4, 3
     else:
         block_k, widths, num_warps, max_stages = 128, (128, 64, 32, 16), 4, 4
-    wanted = 2 * sm_count(device, without_cuda=1)
+    wanted = (1 if fp8 and weight_tiles == 2 else 2) * sm_count(device, without_cuda=1)
     block_n = widths[-1]
     for width in widths:
-        if topk * triton.cdiv(n, width) >= wanted:
+        if topk * triton.cdiv(n, width) * split_k >= wanted:
             block_n = width
             break
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
@@ -675,7 +679,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         x, x_scale = act_quant(hidden, scale_fmt, out=workspace.hidden_q[:tokens],
                                scale_out=workspace.hidden_scale[:tokens])
         a, a_scale, w13_s, w2_s = workspace.act_q, workspace.act_scale, w13_scale, w2_scale
-    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8)
+    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8, split_k=split_k)
     k_span = triton.cdiv(triton.cdiv(h, tile.block_k), split_k) * tile.block_k
     gate_up = workspace.gate_up if split_k > 1 else act
     split_stride = gate_up.stride(0) if split_k > 1 else 0
