@@ -626,6 +626,27 @@ def test_fp8_split_k_matches_reference_and_is_row_invariant(split_k, dtype, devi
         assert torch.equal(got[0], full[t]), f"token {t} alone differs from token {t} of 9"
 
 
+@fp8_warnings
+@pytest.mark.parametrize("sort_pairs", [False, True])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_fp8_hidden_codes_are_read_instead_of_quantizing(scale_fmt, sort_pairs, device):
+    """Codes written ahead (the post-attention norm's): act_quant's of the rows give the same bits as
+    quantizing inside, at one and at several splits; another rows' codes give those rows' output
+    (the codes are what gate/up reads, not a recomputation from ``hidden``)."""
+    hidden, w13, s13, w2, s2, ids, weights = _fp8_case(5, 3, 8, dtype=torch.bfloat16, device=device, seed=4)
+    other = _fp8_case(5, 3, 8, dtype=torch.bfloat16, device=device, seed=5)[0]
+    for split_k in (1, 2):
+        kwargs = dict(scale_fmt=scale_fmt, split_k=split_k, sort_pairs=sort_pairs)
+        inside = _run_fp8(hidden, w13, s13, w2, s2, ids, weights, **kwargs)
+        ahead = _run_fp8(hidden, w13, s13, w2, s2, ids, weights, hidden_codes=fp8_ref.act_quant(hidden, scale_fmt),
+                         **kwargs)
+        assert torch.equal(ahead, inside)
+        swapped = _run_fp8(hidden, w13, s13, w2, s2, ids, weights, hidden_codes=fp8_ref.act_quant(other, scale_fmt),
+                           **kwargs)
+        assert torch.equal(swapped, _run_fp8(other, w13, s13, w2, s2, ids, weights, **kwargs))
+        assert not torch.equal(swapped, inside)
+
+
 FP8_BAD = [
     ("w13_scale", lambda g: None, "w13_scale: FP8 \\(e4m3\\) experts need their fp32 block scales, got None"),
     ("w2_scale", lambda g: None, "w2_scale: FP8 \\(e4m3\\) experts need"),
@@ -637,6 +658,12 @@ FP8_BAD = [
     ("scale_fmt", lambda g: "e8m0", "scale_fmt: expected one of"),
     ("workspace", lambda g: moe.fused_moe_workspace(4, 2, 8, 256, 256, "cpu", torch.float32),
      "workspace: allocated with fp8=False, but the experts are torch.float8_e4m3fn"),
+    ("hidden_codes", lambda g: (torch.zeros(4, 128, dtype=moe.FP8), torch.ones(4, 2)),
+     r"hidden_codes\[0\]: expected shape \(4, 256\)"),
+    ("hidden_codes", lambda g: (torch.zeros(4, 256, dtype=moe.FP8), torch.ones(4, 2, dtype=torch.float64)),
+     r"hidden_codes\[1\]: expected dtype torch.float32"),
+    ("hidden_codes", lambda g: (torch.zeros(4, 256, dtype=moe.FP8), torch.ones(4, 4)),
+     r"hidden_codes\[1\]: expected shape \(4, 2\)"),
 ]
 
 
@@ -657,6 +684,11 @@ def test_fp8_shapes_off_the_blocks_and_scales_of_bf16_experts_are_refused():
         moe.fused_moe(h, *codes, ids, weights, torch.empty_like(h), w13_scale=scales[0], w2_scale=scales[1])
     with pytest.raises(ValueError, match="^w13_scale: block scales go with e4m3 experts; w13 is torch.float32"):
         moe.fused_moe(h, w13, w2, ids, weights, torch.empty_like(h), w13_scale=scales[0])
+    with pytest.raises(ValueError, match="^hidden_codes: quantized rows go with e4m3 experts; w13 is torch.float32"):
+        moe.fused_moe(h, w13, w2, ids, weights, torch.empty_like(h), hidden_codes=fp8_ref.act_quant(h))
+    fp8_args = _fp8_case(4, 2, 8, dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="^hidden_codes: expected a \\(codes, scales\\) tuple, got list"):
+        _run_fp8(*fp8_args, hidden_codes=list(fp8_ref.act_quant(fp8_args[0])))
     with pytest.raises(ValueError, match="^hidden_size: FP8 experts need a multiple of 128"):
         moe.fused_moe_workspace(4, 2, 8, 96, 128, "cpu", torch.float32, fp8=True)
 

@@ -494,24 +494,32 @@ def test_gpu_decode_step_replays_in_a_cuda_graph(preset):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["glm5-fp8-tp8-rank", "deepseek-v32-fp8-tp8-rank"])
-def test_gpu_norm_quant_decode_step_is_the_act_quant_step_at_rank_shapes(preset):
+def test_gpu_norm_quant_decode_step_is_the_act_quant_step_at_rank_shapes(preset, monkeypatch):
     """A TP 8 rank's shapes (FP8 weights, GLM-5: fp32 activation scales, DeepSeek-V3.2: ue8m0; 2
-    layers, the second MoE): a decode step of 2 rows whose norms write the attention GEMMs' codes
-    equals the step whose GEMMs quantize (act_quant launches at these widths), output and caches
-    bitwise, eagerly and replayed from a CUDA graph per path (twice, new tokens and lengths written
-    into the same buffers)."""
+    layers, the second MoE): a decode step of 2 rows whose norms write the codes of the attention's
+    GEMMs, the dense FFN's gate/up and the fused MoE's gate/up equals the step whose GEMMs quantize
+    (act_quant launches at these widths), output and caches bitwise, eagerly and replayed from a
+    CUDA graph per path (twice, new tokens and lengths written into the same buffers)."""
+    from dsaspec.layers.moe import MoE
     from dsaspec.ops.indexer_schedule import indexer_programs, indexer_schedule
 
     config = get_config(preset, num_hidden_layers=2, first_k_dense_replace=1)
     model = DSAModel(config, device="cuda", use_triton=True).init_weights(0)
     attns = [layer.self_attn for layer in model.model.layers]
+    dense, moe = (layer.mlp for layer in model.model.layers)
     quants = [(attn.input_quant, attn.latent_quant) for attn in attns]
     fmt = config.quantization.scale_fmt
     assert all(q == (ActQuant(fmt), ActQuant(fmt)) for q in quants)
+    assert isinstance(moe, MoE) and dense.input_quant == moe.input_quant == ActQuant(fmt)
 
     def quantize(on):
         for attn, q in zip(attns, quants):
             attn.input_quant, attn.latent_quant = q if on else (None, None)
+        dense.input_quant = ActQuant(fmt) if on else None
+        if on:
+            monkeypatch.undo()
+        else:
+            monkeypatch.setattr(MoE, "input_quant", property(lambda self: None))
 
     session = Session(model, device="cuda")
     rows = [session.slots.admit(150), session.slots.admit(40)]
@@ -731,24 +739,32 @@ def _layer_with_and_without_norm_quant(row_invariant, two_launch, monkeypatch):
     model = DSAModel(config, dtype=torch.bfloat16, use_triton=True, row_invariant=row_invariant).init_weights(21)
     layer = model.model.layers[0]
     attn = layer.self_attn
-    quants = attn.input_quant, attn.latent_quant
-    assert quants == (ActQuant("ue8m0"), ActQuant("ue8m0"))
+    quants = attn.input_quant, attn.latent_quant, layer.mlp.input_quant
+    assert quants == (ActQuant("ue8m0"),) * 3
     gen = torch.Generator().manual_seed(22)
     x, residual = (torch.randn(3, config.hidden_size, generator=gen).bfloat16() for _ in range(2))
     runs = []
     for quantize in (True, False):
-        attn.input_quant, attn.latent_quant = quants if quantize else (None, None)
-        session = Session(model)
-        row = session.slots.admit(3)
-        session.slots.extend(row, 3)
-        positions, loc, inputs = build_extend_inputs(session.table, [row], [0], [3])
-        inputs.topk_slots = torch.empty(3, config.index_topk, dtype=torch.int32)
-        launches.count = 0
-        with torch.no_grad():
-            out = layer(x, model._state(positions, loc, inputs, True), session.kv.mla_cache[0],
-                        session.kv.index_k_cache[0], residual)
-        runs.append(([*out, inputs.topk_slots, session.kv.mla_cache[0], session.kv.index_k_cache[0]], launches.count))
+        attn.input_quant, attn.latent_quant, layer.mlp.input_quant = quants if quantize else (None, None, None)
+        runs.append(_prompt_through_layer(model, 0, x, residual, launches))
     return runs
+
+
+def _prompt_through_layer(model, index, x, residual, launches):
+    """Decoder layer ``index`` of ``model`` over the prompt rows ``x`` of a new request (and their
+    ``residual``): its outputs, the top-k slots and the layer's caches it wrote, and the launches
+    ``launches`` counted in it."""
+    tokens = x.shape[0]
+    session = Session(model)
+    row = session.slots.admit(tokens)
+    session.slots.extend(row, tokens)
+    positions, loc, inputs = build_extend_inputs(session.table, [row], [0], [tokens])
+    inputs.topk_slots = torch.empty(tokens, model.config.index_topk, dtype=torch.int32)
+    launches.count = 0
+    with torch.no_grad():
+        out = model.model.layers[index](x, model._state(positions, loc, inputs, True), session.kv.mla_cache[index],
+                                        session.kv.index_k_cache[index], residual)
+    return [*out, inputs.topk_slots, session.kv.mla_cache[index], session.kv.index_k_cache[index]], launches.count
 
 
 @pytest.mark.interpreter
@@ -757,11 +773,40 @@ def _layer_with_and_without_norm_quant(row_invariant, two_launch, monkeypatch):
 def test_norms_quantizing_for_the_fp8_gemms_are_bitwise_the_act_quant_path(row_invariant, two_launch, monkeypatch):
     """The input norm (residual add + RMSNorm) writes the codes of ``fused_input`` (q_a / wk / kv_a)
     and ``q_a_layernorm`` those of ``fused_latent`` (q_b / wq_b): a layer's forward runs 2
-    act_quant launches fewer (3 left: ``o_proj`` and the dense FFN's two); its outputs, the new
-    residual, the selection and the caches bitwise the same."""
+    act_quant launches fewer, and the post-attention norm those of the dense FFN's ``gate_up``: one
+    more (2 left: ``o_proj`` and ``down_proj``); its outputs, the new residual, the selection and
+    the caches bitwise the same."""
     (fused, fused_launches), (unfused, unfused_launches) = _layer_with_and_without_norm_quant(
         row_invariant, two_launch, monkeypatch)
-    assert (unfused_launches, fused_launches) == ((5, 3) if two_launch else (0, 0))
+    assert (unfused_launches, fused_launches) == ((5, 2) if two_launch else (0, 0))
+    for got, want in zip(fused, unfused):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_post_attention_norm_writes_the_fused_moe_codes(scale_fmt, monkeypatch):
+    """An FP8 MoE layer on the fused path with its shared expert stacked (``mlp.input_quant``): the
+    post-attention norm writes the codes that the fused MoE's gate/up reads, one act_quant launch
+    fewer; the layer's output, residual, selection and caches bitwise those of the MoE quantizing its
+    input."""
+    from dsaspec.layers.moe import MoE
+    from dsaspec.ops import fp8_gemm
+
+    launches = _Launches(fp8_gemm._act_quant_kernel)
+    monkeypatch.setattr(fp8_gemm, "_act_quant_kernel", launches)
+    config = get_config("tiny-moe", num_hidden_layers=2, quantization=Fp8Quantization(scale_fmt=scale_fmt))
+    model = DSAModel(config, dtype=torch.bfloat16, use_triton=True,
+                     options=RuntimeOptions(fused_moe=True)).init_weights(23)
+    layer = model.model.layers[1]
+    assert isinstance(layer.mlp, MoE) and layer.mlp.experts.stacked is not None
+    assert layer.mlp.input_quant == ActQuant(scale_fmt)
+    gen = torch.Generator().manual_seed(24)
+    x, residual = (torch.randn(5, config.hidden_size, generator=gen).bfloat16() for _ in range(2))
+    fused, fused_launches = _prompt_through_layer(model, 1, x, residual, launches)
+    monkeypatch.setattr(MoE, "input_quant", property(lambda self: None))
+    unfused, unfused_launches = _prompt_through_layer(model, 1, x, residual, launches)
+    assert unfused_launches == fused_launches + 1
     for got, want in zip(fused, unfused):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 

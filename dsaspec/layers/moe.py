@@ -31,7 +31,7 @@ from torch import nn
 
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
-from dsaspec.layers.fp8_linear import Fp8Linear
+from dsaspec.layers.fp8_linear import ActQuant, Fp8Input, Fp8Linear
 from dsaspec.layers.linear import Linear
 from dsaspec.layers.mlp import MLP
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
@@ -236,7 +236,16 @@ class RoutedExperts(RowInvariant, nn.Module):
         codes, scales = quantize_blocks(x, 1, self.scale_fmt)
         return codes.float() * scales.repeat_interleave(BLOCK, dim=1)
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Input, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``x`` may be an :class:`~dsaspec.layers.fp8_linear.Fp8Input` of this module's ``scale_fmt``
+        (:attr:`MoE.input_quant`): the fused FP8 path then reads its codes instead of quantizing
+        ``x`` (the same codes); every other path reads its ``x``."""
+        codes = None
+        if isinstance(x, Fp8Input):
+            if x.scale_fmt != self.scale_fmt:
+                raise ValueError(f"RoutedExperts: the input was quantized with scale_fmt {x.scale_fmt!r}, "
+                                 f"the experts' is {self.scale_fmt!r}")
+            codes, x = (x.codes, x.scales), x.x
         if self.use_fused:
             from dsaspec.ops.fused_moe import fused_moe, moe_split_k
 
@@ -246,7 +255,7 @@ class RoutedExperts(RowInvariant, nn.Module):
             # the router's ids are in range by construction: no host-synced range check (graph-safe)
             fused_moe(x.contiguous(), held["w13"], held["w2"], topk_ids, topk_weights, out,
                       scale_fmt=self.scale_fmt, split_k=moe_split_k(self.intermediate, self.fp8),
-                      check_values=False, **scales)
+                      check_values=False, hidden_codes=codes if self.fp8 else None, **scales)
             return out
         linear = row_invariant_ops().linear if self.row_invariant else F.linear
         per_expert = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
@@ -335,14 +344,28 @@ class MoE(nn.Module):
             self._stack()
         return module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def input_quant(self) -> ActQuant | None:
+        """How the layer's FP8 GEMMs quantize its input where every one of them reads the same codes:
+        the fused FP8 experts with the shared expert stacked (the router reads the bf16 rows), so
+        the norm before it writes them (:class:`~dsaspec.layers.norm.RMSNorm` ``quant``; one
+        act_quant launch fewer); else None."""
+        experts = self.experts
+        if experts.fp8 and experts.use_fused and (self.shared_experts is None or experts.stacked is not None):
+            return ActQuant(experts.scale_fmt)
+        return None
+
+    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+        """``x [T, hidden]``, or an :class:`~dsaspec.layers.fp8_linear.Fp8Input` of it with
+        :attr:`input_quant`'s codes -> ``[T, hidden]`` (summed over the TP group)."""
+        experts_x, x = x, x.x if isinstance(x, Fp8Input) else x
         fused_shared = self.experts.use_fused and self.experts.stacked is not None
         if fused_shared and self._pointers() != self._views:
             raise RuntimeError("MoE: the experts' parameters no longer view their stacked storage (the routed or "
                                "shared experts were moved or replaced on their own); move the MoE layer, which "
                                "stacks them again")
         topk_ids, topk_weights = self.gate(x, int(fused_shared))
-        out = self.experts(x, topk_ids, topk_weights)
+        out = self.experts(experts_x, topk_ids, topk_weights)
         if self.shared_experts is not None and not fused_shared:
             out = out + self.shared_experts.partial(x)
         return self.group.all_reduce(out)

@@ -31,11 +31,12 @@ class DecoderLayer(nn.Module):
         whose sum is the layer's output: the residual adds run fused into the next norm (this
         layer's post-attention norm, the next layer's input norm or the final norm). The input norm
         quantizes for the attention's FP8 input GEMMs where they share one format
-        (``self_attn.input_quant``)."""
+        (``self_attn.input_quant``), the post-attention norm for the FFN's (``mlp.input_quant``)."""
         quant = self.self_attn.input_quant
         if residual is None:
             h, residual = self.input_layernorm(x, quant=quant), x
         else:
             h, residual = self.input_layernorm(x, residual, quant)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, step, mla_cache, index_k_cache), residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, step, mla_cache, index_k_cache), residual,
+                                                    self.mlp.input_quant)
         return self.mlp(h), residual

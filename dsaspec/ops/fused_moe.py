@@ -536,7 +536,7 @@ def _combine_kernel(partial_ptr, ids_ptr, out_ptr, T, H, stride_partial, stride_
 
 
 def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace,
-                  split_k, sort_pairs) -> bool:
+                  split_k, sort_pairs, hidden_codes) -> bool:
     """Check the arguments; returns whether the experts are FP8."""
     check_count("split_k", split_k)
     if sort_pairs is not None and not isinstance(sort_pairs, bool):
@@ -562,9 +562,16 @@ def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_sc
             if not scale.is_contiguous():
                 raise ValueError(f"{name}: expected a contiguous tensor, got strides {scale.stride()}")
     else:
-        for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-            if scale is not None:
-                raise ValueError(f"{name}: block scales go with e4m3 experts; w13 is {w13.dtype}")
+        for name, given, what in (("w13_scale", w13_scale, "block scales"), ("w2_scale", w2_scale, "block scales"),
+                                  ("hidden_codes", hidden_codes, "quantized rows")):
+            if given is not None:
+                raise ValueError(f"{name}: {what} go with e4m3 experts; w13 is {w13.dtype}")
+    if fp8 and hidden_codes is not None:
+        if not isinstance(hidden_codes, tuple) or len(hidden_codes) != 2:
+            raise TypeError(f"hidden_codes: expected a (codes, scales) tuple, got {type(hidden_codes).__name__}")
+        check_tensor("hidden_codes[0]", hidden_codes[0], dtype=FP8, shape=(tokens, h), device=device)
+        check_tensor("hidden_codes[1]", hidden_codes[1], dtype=torch.float32, shape=(tokens, h // FP8_BLOCK),
+                     device=device)
     check_tensor("topk_ids", topk_ids, dtype=torch.int32, shape=(tokens, None), device=device)
     topk = topk_ids.shape[1]
     if topk < 1:
@@ -598,7 +605,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
               topk_weights: torch.Tensor, out: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, scale_fmt: str | None = None,
               workspace: FusedMoEWorkspace | None = None, split_k: int = 1,
-              sort_pairs: bool | None = None, check_values: bool = True) -> torch.Tensor:
+              sort_pairs: bool | None = None, check_values: bool = True,
+              hidden_codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Routed-expert MLP: ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x) *
     (w13[e, I:] @ x))``, ``x = hidden[t]``, ``e = topk_ids[t, j]``; fp32 accumulation, the
     activation rounded once to the hidden dtype, the k weighted expert outputs summed in fp32 in
@@ -636,13 +644,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     check_values : also check that every id is in ``[0, E)`` (a host sync, so not inside CUDA
         graphs). Shapes, dtypes and devices are always checked. Graph replay relies on the caller
         for the range; an id outside it contributes nothing (reads and writes nothing).
+    hidden_codes : with e4m3 experts, ``act_quant(hidden, scale_fmt)`` written ahead (e4m3 ``[T, H]``,
+        fp32 ``[T, H / 128]``, unit last strides; the norm before the MoE writes them), read instead of
+        quantizing ``hidden`` in a launch of its own; what it holds is not checked against
+        ``hidden``. None (default): quantized here.
 
     Returns
     -------
     ``out``.
     """
     fp8 = _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace,
-                        split_k, sort_pairs)
+                        split_k, sort_pairs, hidden_codes)
     if scale_fmt not in SCALE_FORMATS:
         raise ValueError(f"scale_fmt: expected one of {SCALE_FORMATS}, got {scale_fmt!r}")
     tokens, h = hidden.shape
@@ -676,8 +688,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     act, partial = workspace.act, workspace.partial
     x, x_scale, w13_s, a, a_scale, w2_s = hidden, hidden, w13, act, act, w2  # unread without FP8
     if fp8:
-        x, x_scale = act_quant(hidden, scale_fmt, out=workspace.hidden_q[:tokens],
-                               scale_out=workspace.hidden_scale[:tokens])
+        x, x_scale = hidden_codes if hidden_codes is not None else act_quant(
+            hidden, scale_fmt, out=workspace.hidden_q[:tokens], scale_out=workspace.hidden_scale[:tokens])
         a, a_scale, w13_s, w2_s = workspace.act_q, workspace.act_scale, w13_scale, w2_scale
     tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8, split_k=split_k)
     k_span = triton.cdiv(triton.cdiv(h, tile.block_k), split_k) * tile.block_k
