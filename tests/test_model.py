@@ -505,8 +505,8 @@ def test_gpu_norm_quant_decode_step_is_the_act_quant_step_at_rank_shapes(preset,
 
     config = get_config(preset, num_hidden_layers=2, first_k_dense_replace=1)
     model = DSAModel(config, device="cuda", use_triton=True).init_weights(0)
-    attns = [layer.self_attn for layer in model.model.layers]
-    dense, moe = (layer.mlp for layer in model.model.layers)
+    attns = [layer.self_attn for layer in model.model.layers]       # the MTP layer's last
+    dense, moe = (layer.mlp for layer in model.model.layers[:config.num_hidden_layers])
     quants = [(attn.input_quant, attn.latent_quant) for attn in attns]
     fmt = config.quantization.scale_fmt
     assert all(q == (ActQuant(fmt), ActQuant(fmt)) for q in quants)
