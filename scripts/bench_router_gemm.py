@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dsaspec.bench.results import markdown_table, write_results
-from dsaspec.bench.timing import Floors, time_in_graph, warm_up_gpu
+from dsaspec.bench.timing import measured_floors_or_none, time_in_graph
 from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int, positive_int_list
 from dsaspec.configs.model_config import PRESETS
 from dsaspec.ops import row_invariant as ri
@@ -48,11 +48,9 @@ def main() -> int:
                         help="T values, comma-separated")
     parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
     args = parse_or_exit(parser)
-    if not torch.cuda.is_available():
-        print("bench_router_gemm: error: needs a CUDA device", file=sys.stderr)
+    floors = measured_floors_or_none("bench_router_gemm")
+    if floors is None:
         return 2
-    warm_up_gpu()
-    floors = Floors.measure()
     gen = torch.Generator(device="cuda").manual_seed(0)
     results, ok = [], True
     for preset in PRESET_NAMES:

@@ -372,6 +372,18 @@ def test_norm_quant_rows_are_row_invariant_and_strided(device):
             assert torch.equal(got.view(torch.uint8), want[rows].view(torch.uint8)), f"rows {rows} differ"
 
 
+def test_norm_rows_split_over_programs_keep_their_bits(device):
+    """Up to two programs per SM (132 off-GPU) split each row's outputs over 1024-column programs, more
+    take one program a row: rows 0..2 of a 133-row call equal a 3-row call's bitwise (D 1536: the
+    second program's columns half masked), the residual, output, codes and scales."""
+    d = 1536
+    x, residual, w = _quant_norm_inputs(133, d, torch.bfloat16, device, seed=11)
+    full = _norm_quant(x, residual, w, "ue8m0")
+    part = _norm_quant(x[:3], residual[:3], w, "ue8m0")
+    for got, want in zip(part, full):
+        assert torch.equal(got.view(torch.uint8), want[:3].view(torch.uint8))
+
+
 def test_norm_quant_kernels_compile_for_sm90_without_spills():
     """Without a GPU: the input norm (residual add, hidden 6144) and q_a_layernorm (2048) writing
     the FP8 codes compile for sm_90 with no spills (scripts/compile_decode_epilogues.py, in a

@@ -10,6 +10,7 @@ excluded. A second measurement, the graph difference (``iters`` copies of ``[flu
 from __future__ import annotations
 
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -258,6 +259,17 @@ class Floors:
     def floor_us(self, nbytes: int) -> float:
         """``max(bytes / copy bandwidth, empty kernel)``: no launch moving ``nbytes`` beats it."""
         return max(nbytes / (self.copy_gbps * 1e3), self.empty_us)
+
+
+def measured_floors_or_none(prog: str) -> Floors | None:
+    """For the benchmark script ``prog``: without a CUDA device print ``prog: error: needs a CUDA device``
+    to stderr and return None (the script then exits 2); else warm the GPU up and return its measured
+    :class:`Floors`."""
+    if not torch.cuda.is_available():
+        print(f"{prog}: error: needs a CUDA device", file=sys.stderr)
+        return None
+    warm_up_gpu()
+    return Floors.measure()
 
 
 def compare(baseline: Callable[[], None], new: Callable[[], None], *, nbytes: int, floors: Floors,

@@ -14,8 +14,9 @@ number of rows; here nothing that shapes the arithmetic depends on M:
   arrives last at a tile (an atomic tile counter, which it resets to 0) sums them in split order
   0, 1, ..., S-1 and writes the tile: the order of arrival decides who sums, never the order of
   the sum. fp32 operands use ``input_precision="ieee"`` (FMA, no TF32).
-* Norms (``rms_norm``, ``add_rms_norm``, ``layer_norm``): one program per row, blocks and warps chosen from the row
-  width only. The RMSNorms can also write the FP8 GEMM's input in the same launch: act_quant's
+* Norms (``rms_norm``, ``add_rms_norm``, ``layer_norm``): the row's statistics in blocks and warps chosen
+  from the row width only, by every program of the row alike (few rows: several programs a row, each
+  writing its share of the columns). The RMSNorms can also write the FP8 GEMM's input in the same launch: act_quant's
   e4m3 codes and scales of each stored output row per 128 columns (``q_out`` / ``scale_out``:
   :func:`~dsaspec.ops.fp8_gemm.act_quant`'s math through :func:`~dsaspec.ops.e4m3.quantize_rows`,
   on the output's rounded values), per row, so row-invariant too.
@@ -50,6 +51,10 @@ _MIN_K_BLOCKS_PER_SPLIT = 2
 _MAX_SPLIT_K = 32
 _COUNTER_CAPACITY = 1 << 20  # tile counters per device: B * M-tiles * N-tiles of a split launch
 _NORM_MAX_BLOCK = 8192
+# The hidden-width norms writing FP8 codes at bs 1 / 4 / 32 took 2.96 / 3.10 / 4.03 us in programs of 1024
+# columns against 6.11 / 6.02 / 6.24 in one program a row (GLM-5's 6144; DeepSeek-V3.2's 7168: 2.88 / 2.94 /
+# 4.03 against 4.19 / 4.19 / 4.51) but 9.98 against 7.30 at 128 rows (768 programs; H200, cold L2, norms.md)
+_NORM_TILE, _NORM_TILED_PROGRAMS_PER_SM = 1024, 2
 
 
 @dataclass(frozen=True)
@@ -298,45 +303,49 @@ def _norm_load(x_row, r_row, idx, mask, ADD: tl.constexpr):
 @triton.jit
 def _norm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, D, stride_x, stride_r, stride_s, stride_y,
                  stride_q, stride_qs, eps, LAYER_NORM: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
-                 UE8M0: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
-    # The last pass walks a BLOCK of columns as [BLOCK / QBLOCK, QBLOCK] (QBLOCK divides BLOCK).
-    # QUANT: also act_quant of the stored y (its dtype's values) per QBLOCK columns, e4m3 codes to
-    # q_ptr and fp32 scales to qs_ptr (D a multiple of QBLOCK)
+                 UE8M0: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, QBLOCK: tl.constexpr):
+    # Program (row, c): the row's statistics over BLOCK-wide chunks (every program of the row the same
+    # sums, so the same bits), then the outputs of columns [c * TILE, (c + 1) * TILE) as
+    # [TILE / QBLOCK, QBLOCK] (QBLOCK divides TILE, TILE divides BLOCK). With ADD this program also
+    # stores s over its columns. QUANT: act_quant of the stored y (its dtype's values) per QBLOCK
+    # columns, e4m3 codes to q_ptr and fp32 scales to qs_ptr (D a multiple of QBLOCK).
     row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * TILE
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
-    y_row = y_ptr + row * stride_y
+    groups = tl.arange(0, TILE // QBLOCK)
+    cols = start + groups[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    mask = cols < D
+    # this program's columns and weights first: their loads overlap the statistics' loads
+    x_tile = _norm_load(x_row, r_row, cols, mask, ADD)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if LAYER_NORM:
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     offs = tl.arange(0, BLOCK)
     if LAYER_NORM:
         total = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, D, BLOCK):
-            total += tl.load(x_row + start + offs, mask=start + offs < D, other=0.0).to(tl.float32)
+        for chunk in range(0, D, BLOCK):
+            total += tl.load(x_row + chunk + offs, mask=chunk + offs < D, other=0.0).to(tl.float32)
         mean = tl.sum(total, axis=0) / D
     else:
         mean = 0.0
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, D, BLOCK):
-        mask = start + offs < D
-        x = _norm_load(x_row, r_row, start + offs, mask, ADD)
-        if ADD:
-            tl.store(s_ptr + row * stride_s + start + offs, x.to(s_ptr.dtype.element_ty), mask=mask)
-        centred = tl.where(mask, x - mean, 0.0)
+    for chunk in range(0, D, BLOCK):
+        in_row = chunk + offs < D
+        centred = tl.where(in_row, _norm_load(x_row, r_row, chunk + offs, in_row, ADD) - mean, 0.0)
         squares += centred * centred
     rstd = tl.rsqrt(tl.sum(squares, axis=0) / D + eps)
-    groups = tl.arange(0, BLOCK // QBLOCK)
-    cols = groups[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]      # offs as [groups, QBLOCK]
-    for start in range(0, D, BLOCK):
-        mask = start + cols < D
-        x = _norm_load(x_row, r_row, start + cols, mask, ADD)
-        y = (x - mean) * rstd * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-        if LAYER_NORM:
-            y += tl.load(b_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-        y = y.to(y_ptr.dtype.element_ty)
-        tl.store(y_row + start + cols, y, mask=mask)
-        if QUANT:
-            codes, scales = quantize_rows(y.to(tl.float32), UE8M0)
-            tl.store(q_ptr + row * stride_q + start + cols, codes.to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(qs_ptr + row * stride_qs + start // QBLOCK + groups, scales, mask=start + groups * QBLOCK < D)
+    if ADD:
+        tl.store(s_ptr + row * stride_s + cols, x_tile.to(s_ptr.dtype.element_ty), mask=mask)
+    y = (x_tile - mean) * rstd * w
+    if LAYER_NORM:
+        y += b
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+    if QUANT:
+        codes, scales = quantize_rows(y.to(tl.float32), UE8M0)
+        tl.store(q_ptr + row * stride_q + cols, codes.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(qs_ptr + row * stride_qs + start // QBLOCK + groups, scales, mask=start + groups * QBLOCK < D)
 
 
 def _norm(x, weight, bias, eps, out, residual=None, residual_out=None, q_out=None, scale_out=None, scale_fmt=None):
@@ -375,12 +384,19 @@ def _norm(x, weight, bias, eps, out, residual=None, residual_out=None, q_out=Non
     if m == 0:
         return (out, residual_out) if add else out
     block = min(triton.next_power_of_2(d), _NORM_MAX_BLOCK)
-    _norm_kernel[(m,)](x, residual if add else x, residual_out if add else x, weight,
-                       weight if bias is None else bias, out, q_out if quant else out, scale_out if quant else out,
-                       d, x.stride(0), residual.stride(0) if add else 0, residual_out.stride(0) if add else 0,
-                       out.stride(0), q_out.stride(0) if quant else 0, scale_out.stride(0) if quant else 0,
-                       float(eps), LAYER_NORM=bias is not None, ADD=add, QUANT=quant, UE8M0=scale_fmt == "ue8m0",
-                       BLOCK=block, QBLOCK=min(block, FP8_BLOCK), num_warps=min(16, max(1, block // 512)))
+    # few rows: a row's outputs split over programs of _NORM_TILE columns, each summing the whole row
+    # again (the row's bytes from L2), so one row's normalize and quantize arithmetic is not one SM's;
+    # up to two programs per SM (more lost: norms.md)
+    tile = min(block, _NORM_TILE)
+    if m * triton.cdiv(d, tile) > _NORM_TILED_PROGRAMS_PER_SM * sm_count(x.device):
+        tile = block
+    _norm_kernel[(m, triton.cdiv(d, tile))](
+        x, residual if add else x, residual_out if add else x, weight, weight if bias is None else bias, out,
+        q_out if quant else out, scale_out if quant else out, d, x.stride(0), residual.stride(0) if add else 0,
+        residual_out.stride(0) if add else 0, out.stride(0), q_out.stride(0) if quant else 0,
+        scale_out.stride(0) if quant else 0, float(eps), LAYER_NORM=bias is not None, ADD=add, QUANT=quant,
+        UE8M0=scale_fmt == "ue8m0", BLOCK=block, TILE=tile, QBLOCK=min(tile, FP8_BLOCK),
+        num_warps=min(16, max(1, block // 512)))
     return (out, residual_out) if add else out
 
 
