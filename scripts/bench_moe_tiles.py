@@ -1,8 +1,8 @@
 """Sweep the fused MoE's tiles on one GPU at the per-rank MoE shapes and small T, one kernel at a
 time with the other on its default tile:
 
-- gate/up: (BLOCK_N, split K, warps, stages); timed: the gate/up launch and the split reduction
-  after it (``_gate_up_kernel`` + ``_split_reduce_kernel``); floor: the gate/up codes and scales
+- gate/up: (BLOCK_N, split K, warps, stages); timed: the gate/up launch (``_gate_up_kernel``, its
+  last programs also adding the K splits); floor: the gate/up codes and scales
   of the distinct experts hit;
 - down: (BLOCK_N, warps, stages); timed: ``_down_kernel`` (the pair layout's, which also combines,
   up to ``PAIR_LAYOUT_MAX_PAIRS`` pairs; the sorted layout's above); floor: the down codes and
@@ -31,16 +31,16 @@ import torch
 
 from dsaspec.bench.moe import quantize_experts
 from dsaspec.bench.results import markdown_table, write_results
-from dsaspec.bench.timing import Floors, replay_events, warm_up_gpu
+from dsaspec.bench.timing import measured_floors_or_none, replay_events
 from dsaspec.cli_parsing import Parser, choice_list, parse_or_exit, positive_int, positive_int_list
 from dsaspec.configs.model_config import PRESETS
 from dsaspec.ops import fused_moe as op
 
 METHOD = ("CUDA-graph replays with a cold L2 (replay_events), per replay the summed CUPTI durations of the swept "
-          "kernel's launches (gate/up: _gate_up_kernel + _split_reduce_kernel; down: _down_kernel), medians; one "
+          "kernel's launches (gate/up: _gate_up_kernel, which also reduces its K splits; down: _down_kernel), medians; one "
           "kernel swept at a time, the other on its default tile; floor = the distinct experts' e4m3 codes + fp32 "
           "scales of that kernel's weights at the measured copy bandwidth")
-KERNELS = {"gate_up": ("_gate_up_kernel", "_split_reduce_kernel"), "down": ("_down_kernel",)}
+KERNELS = {"gate_up": ("_gate_up_kernel",), "down": ("_down_kernel",)}
 
 
 def _configs(kernel: str) -> list[tuple[int, ...]]:
@@ -69,7 +69,7 @@ def _sweep(kernel, tokens, hidden, ids, weights, w13, w13_s, w2, w2_s, scale_fmt
         t = real_tile(inter, h, topk, torch.bfloat16, hidden.device, weight_tiles=2, fp8=True, split_k=default_split)
         default = (t.block_n, default_split, t.num_warps, t.num_stages)
     else:
-        t = real_tile(h, inter, topk if sort else 1, torch.bfloat16, hidden.device, fp8=True)
+        t = real_tile(h, inter, topk, torch.bfloat16, hidden.device, fp8=True, per_token=not sort)
         default = (t.block_n, t.num_warps, t.num_stages)
     row = dict(tokens=tokens, layout="sorted" if sort else "pairs", bytes=nbytes, floor_us=floors.floor_us(nbytes),
                default=_name(kernel, default))
@@ -77,11 +77,12 @@ def _sweep(kernel, tokens, hidden, ids, weights, w13, w13_s, w2, w2_s, scale_fmt
     for cfg in [default] + [c for c in _configs(kernel) if c != default]:
         split = cfg[1] if kernel == "gate_up" else default_split
 
-        def tile(n, k_dim, k, dtype, device, weight_tiles=1, fp8=False, split_k=1, cfg=cfg):
+        def tile(n, k_dim, k, dtype, device, weight_tiles=1, fp8=False, split_k=1, per_token=False, cfg=cfg):
             if (weight_tiles == 2) == (kernel == "gate_up"):
                 block_n, warps, stages = (cfg[0], cfg[2], cfg[3]) if kernel == "gate_up" else cfg
                 return op._Tile(block_n, op.FP8_BLOCK, warps, stages)
-            return real_tile(n, k_dim, k, dtype, device, weight_tiles=weight_tiles, fp8=fp8, split_k=split_k)
+            return real_tile(n, k_dim, k, dtype, device, weight_tiles=weight_tiles, fp8=fp8, split_k=split_k,
+                             per_token=per_token)
 
         workspace = op.fused_moe_workspace(tokens, topk, experts, h, inter, hidden.device, torch.bfloat16,
                                            fp8=True, split_k=split)
@@ -116,15 +117,13 @@ def main() -> int:
                         help="kernels to sweep, comma-separated: gate_up, down")
     parser.add_argument("--iters", type=positive_int, default=50, help="timed replays per point")
     args = parse_or_exit(parser)
-    if not torch.cuda.is_available():
-        print("bench_moe_tiles: error: needs a CUDA device", file=sys.stderr)
+    floors = measured_floors_or_none("bench_moe_tiles")
+    if floors is None:
         return 2
     config = PRESETS[args.preset]
     experts = config.n_routed_experts + 1                      # the shared expert fused as expert E
     topk = config.num_experts_per_tok + 1
     h, inter = config.hidden_size, config.moe_intermediate_size       # a rank preset's: already split
-    warm_up_gpu()
-    floors = Floors.measure()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, w13_s = quantize_experts((torch.randn(experts, 2 * inter, h, generator=gen, device="cuda") * h ** -0.5)
                                   .bfloat16())

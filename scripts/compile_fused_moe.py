@@ -1,5 +1,5 @@
-"""Compile the fused MoE's align kernel, gate/up grouped GEMM (``split_k`` 1, 2, 4, bf16 and FP8 experts), the
-split-K reduce and the down GEMM, in the sorted layout and the pair layout (down: the combine folded
+"""Compile the fused MoE's align kernel, gate/up grouped GEMM (``split_k`` 1, 2, 4, bf16 and FP8 experts; with
+a split, the last program of a group adds the partials), and the down GEMM, in the sorted layout and the pair layout (down: the combine folded
 in), and the FP8 block-scaled GEMM of the shared expert and the other FP8 linear layers
 (``fp8_linear``: unsplit and K-group split, with and without the fused activation quantization, and
 the split's reduce), for sm_90 without a GPU and print registers, spilled bytes, shared memory and
@@ -30,7 +30,7 @@ from dsaspec.ops import fp8_gemm, fused_moe as moe  # noqa: E402
 from dsaspec.ops.device import H200_SMS  # noqa: E402
 
 TOPK, EXPERTS, HIDDEN, INTER = 9, 9, 7168, 256  # k: 8 routed slots and the shared expert's
-KERNELS = {"gate_up": moe._gate_up_kernel, "split_reduce": moe._split_reduce_kernel, "down": moe._down_kernel}
+KERNELS = {"gate_up": moe._gate_up_kernel, "down": moe._down_kernel}
 SPLITS = (1, 2, 4)
 
 
@@ -62,11 +62,10 @@ def compile_moe(kernel: str, fp8: bool, split_k: int, sort_pairs: bool = True) -
     launch = lambda: moe.fused_moe(  # noqa: E731
         hidden, w13, w2, ids, torch.ones(1, TOPK), torch.empty_like(hidden), split_k=split_k,
         sort_pairs=sort_pairs, check_values=False, **scales)
-    skipped = [k for k in (moe._align_kernel, moe._gate_up_kernel, moe._split_reduce_kernel, moe._down_kernel,
-                           moe._combine_kernel, fp8_gemm._act_quant_kernel) if k is not KERNELS[kernel]]
+    skipped = [k for k in (moe._align_kernel, moe._gate_up_kernel, moe._down_kernel, moe._combine_kernel,
+                           fp8_gemm._act_quant_kernel) if k is not KERNELS[kernel]]
     with mock.patch.object(moe, "sm_count", lambda device, without_cuda=1: H200_SMS):
-        return _compile_alone(KERNELS[kernel], launch, skipped,
-                              (("UPCAST", False),) if kernel != "split_reduce" else ())
+        return _compile_alone(KERNELS[kernel], launch, skipped, (("UPCAST", False),))
 
 
 ALIGN_EXPERTS = (9, 257)  # this script's experts; a rank's 256 routed + the shared one
@@ -82,7 +81,7 @@ def compile_align(experts: int) -> dict:
     launch = lambda: moe.fused_moe(hidden, w13, w2, ids, torch.ones(1, TOPK), torch.empty_like(hidden),  # noqa: E731
                                    sort_pairs=True, check_values=False)
     return _compile_alone(moe._align_kernel, launch,
-                          (moe._gate_up_kernel, moe._split_reduce_kernel, moe._down_kernel, moe._combine_kernel), ())
+                          (moe._gate_up_kernel, moe._down_kernel, moe._combine_kernel), ())
 
 
 FP8_LINEAR = {"gemm": fp8_gemm._fp8_gemm_kernel, "reduce": fp8_gemm._fp8_gemm_reduce_kernel}
@@ -109,7 +108,7 @@ def main() -> int:
         experts = "fp8" if fp8 else "bf16"
         for sort_pairs in (True, False):
             layout = "sorted" if sort_pairs else "pairs"
-            for kernel, split_k in [("gate_up", s) for s in SPLITS] + [("split_reduce", 2), ("down", 1)]:
+            for kernel, split_k in [("gate_up", s) for s in SPLITS] + [("down", 1)]:
                 name = f"{kernel} {experts} {layout}" + (f" split_k={split_k}" if kernel != "down" else "")
                 result = compile_moe(kernel, fp8, split_k, sort_pairs)
                 fma = f"; {result['ptx'].count('fma.rn.f32')} fp32 FMAs in the PTX" if kernel == "down" else ""

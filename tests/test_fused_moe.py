@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
 
 from compile_scripts import integer_rows, run_in_scripts
-from dsaspec.ops import fp8_gemm, fused_moe as moe
+from dsaspec.ops import fp8_gemm, fused_moe as moe, row_invariant as ri
 from dsaspec.reference import fp8_gemm as fp8_ref
 from dsaspec.reference.fused_moe import fused_moe as reference
 from dsaspec.reference.fused_moe import fused_moe_fp8 as fp8_reference
@@ -266,8 +267,8 @@ def test_split_k_partials_are_the_k_ranges(device):
 @pytest.mark.parametrize("split_k", [2, 9])
 def test_split_k_poisoned_workspace_changes_nothing(split_k, device):
     """NaN partials of every split (a workspace for 9 splits, reused at T = 23, 4, 23: sorted, pair
-    layout, sorted) change nothing; split 9 of 13 K blocks (span 2) leaves 2 splits without a
-    block, which add zeros."""
+    layout, sorted) change nothing, and each call leaves the reduction counters at 0; split 9 of 13
+    K blocks (span 2) leaves 2 splits without a block, which add zeros."""
     experts, topk, inter = 8, 3, 16
     workspace = moe.fused_moe_workspace(23, topk, experts, SPLIT_H, inter, device, torch.float32, split_k=9)
     for tokens, seed in ((23, 1), (4, 2), (23, 3)):
@@ -278,6 +279,7 @@ def test_split_k_poisoned_workspace_changes_nothing(split_k, device):
                                         split_k=split_k)
         fresh.gate_up.zero_()
         got = _run(*args, workspace=workspace, split_k=split_k)
+        assert not ri._tile_counters(torch.device(device), 1).any(), "a call left a reduction counter set"
         assert torch.equal(got, _run(*args, workspace=fresh, split_k=split_k))
         _assert_close(got, reference(*args), torch.float32)
 
@@ -312,20 +314,19 @@ def test_align_compiles_for_sm90_without_spills():
 
 
 def test_split_k_kernels_compile_for_sm90_without_spills():
-    """Without a GPU: gate/up at split 1, 2, 4, the split reduce and down, bf16 and FP8 experts, in
-    the sorted and the pair layout, at the TP 8 rank's shapes (k 8 + the shared slot, H 7168, I 256,
-    H200 tiles), compile for sm_90 with no register spills and within a block's shared memory, the
+    """Without a GPU: gate/up at split 1, 2, 4 (with a split also the last program's reduction) and
+    down, bf16 and FP8 experts, in the sorted and the pair layout, at the TP 8 rank's shapes (k 8 + the
+    shared slot, H 7168, I 256, H200 tiles), compile for sm_90 with no register spills and within a block's shared memory, the
     down kernel without fp32 FMAs (scripts/compile_fused_moe.py, in a subprocess)."""
     out = run_in_scripts("compile_fused_moe",
                          "for fp8 in (False, True):\n"
                          "    for sort in (True, False):\n"
-                         "        for kernel, split in [('gate_up', s) for s in c.SPLITS] + [('split_reduce', 2),"
-                         " ('down', 1)]:\n"
+                         "        for kernel, split in [('gate_up', s) for s in c.SPLITS] + [('down', 1)]:\n"
                          "            r = c.compile_moe(kernel, fp8, split, sort)\n"
                          "            print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED,"
                          " r['ptx'].count('fma.rn.f32') if kernel == 'down' else 0)")
     results = integer_rows(out)
-    assert len(results) == 2 * 2 * (len((1, 2, 4)) + 2), out
+    assert len(results) == 2 * 2 * (len((1, 2, 4)) + 1), out
     for regs, spilled, shared, limit, fmas in results:
         assert 0 < regs <= 255 and spilled == 0 and shared <= limit and fmas == 0, out
 
@@ -575,6 +576,30 @@ def test_fp8_quantized_activations_are_act_quant_bitwise(scale_fmt, split_k, dev
     down = torch.stack([fp8_ref.dequantize(w2[e], s2[e], 128) @ a for e, a in zip(experts_of.tolist(), act)])
     want = down * weights.flatten()[pairs].double()[:, None]
     torch.testing.assert_close(workspace.partial[pairs].double(), want, rtol=1e-5, atol=1e-6)
+
+
+@fp8_warnings
+@pytest.mark.parametrize("sort_pairs", [False, True])
+def test_fp8_split_reduction_groups_of_several_tiles(sort_pairs, device):
+    """Two splits of 16-wide gate/up tiles (the narrowest, as on a GPU of many SMs): each 128-column
+    group's reduction waits for its 2 x 8 programs, then gives the activation codes, scales and
+    output of the one-tile groups (the widest tiles) bit for bit, and leaves the counters at 0."""
+    tokens, topk, experts = 5, 3, 8
+    args = _fp8_case(tokens, topk, experts, dtype=torch.bfloat16, device=device, seed=6)
+    results = []
+    for sms in (1, 4096):
+        workspace = moe.fused_moe_workspace(tokens, topk, experts, 256, 256, device, torch.bfloat16, fp8=True,
+                                            split_k=2)
+        with mock.patch.object(moe, "sm_count", lambda device, without_cuda=1, sms=sms: sms):
+            assert moe._tile(256, 256, topk, torch.bfloat16, device, weight_tiles=2, fp8=True,
+                             split_k=2).block_n == (128 if sms == 1 else 16)
+            out = _run_fp8(*args, workspace=workspace, scale_fmt="ue8m0", split_k=2, sort_pairs=sort_pairs)
+        assert not ri._tile_counters(torch.device(device), 1).any()
+        rows = ([r for r, p in enumerate(workspace.sorted_pairs.tolist()) if p >= 0] if sort_pairs
+                else list(range(tokens * topk)))
+        results.append([out, workspace.act_q[rows].view(torch.uint8), workspace.act_scale[rows]])
+    wide, narrow = results
+    assert all(torch.equal(a, b) for a, b in zip(wide, narrow))
 
 
 @fp8_warnings
@@ -1002,7 +1027,7 @@ def test_layout_choice_across_the_threshold_changes_no_bit(fp8, device):
 def _launches(tokens, topk, fp8, split_k, sort_pairs=None):
     """The kernels one ``fused_moe`` call launches, in order, with their grids (none run)."""
     kernels = {"align": moe._align_kernel, "act_quant": fp8_gemm._act_quant_kernel,
-               "gate_up": moe._gate_up_kernel, "split_reduce": moe._split_reduce_kernel, "down": moe._down_kernel,
+               "gate_up": moe._gate_up_kernel, "down": moe._down_kernel,
                "combine": moe._combine_kernel}
     launched = []
     if fp8:
@@ -1025,14 +1050,14 @@ def _launches(tokens, topk, fp8, split_k, sort_pairs=None):
 
 @pytest.mark.parametrize("fp8,split_k,sorted_names,pair_names", [
     (False, 1, "align gate_up down combine", "gate_up down"),
-    (False, 4, "align gate_up split_reduce down combine", "gate_up split_reduce down"),
+    (False, 4, "align gate_up down combine", "gate_up down"),
     (True, 1, "align act_quant gate_up act_quant down combine", "act_quant gate_up act_quant down"),
-    (True, 4, "align act_quant gate_up split_reduce down combine", "act_quant gate_up split_reduce down")])
+    (True, 4, "align act_quant gate_up down combine", "act_quant gate_up down")])
 def test_pair_layout_drops_align_and_combine(fp8, split_k, sorted_names, pair_names):
     """T = 1, 2, 4 (k = 9: P = 9 .. 36) launch the pair layout's kernels by default, two fewer, on
-    grids from T alone (gate/up P blocks x splits x column tiles, the reduce ceil(P / 16) row
-    blocks, down T tokens x column tiles, the tiles the same at every T); at T = 8 (P = 72) the
-    sorted layout's."""
+    grids from T alone (gate/up P blocks x splits x column tiles, down T tokens x column tiles, the
+    tiles the same at every T); at T = 8 (P = 72) the sorted layout's. A split adds no launch: the
+    gate/up programs reduce it."""
     tiles = set()
     for tokens in (1, 2, 4):
         launched = _launches(tokens, 9, fp8, split_k)
@@ -1040,8 +1065,6 @@ def test_pair_layout_drops_align_and_combine(fp8, split_k, sorted_names, pair_na
         grids = dict(launched)
         pairs = 9 * tokens
         tiles.add((grids["gate_up"][0] / (pairs * split_k), grids["down"][0] / tokens))
-        if split_k > 1:
-            assert grids["split_reduce"][0] == -(-pairs // moe.BLOCK_M)
         assert " ".join(name for name, _ in _launches(tokens, 9, fp8, split_k, True)) == sorted_names
     assert len(tiles) == 1 and all(n == int(n) >= 1 for n in tiles.pop())
     assert " ".join(name for name, _ in _launches(8, 9, fp8, split_k)) == sorted_names

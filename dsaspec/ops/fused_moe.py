@@ -18,29 +18,33 @@ padding rows -1. Two layouts place these blocks, chosen by ``P = T * k`` alone
    rounded to the hidden dtype (the one intermediate rounding). With ``split_k = S > 1``: S
    programs per tile, split ``s`` over the K blocks ``[s * ceil(nk / S), (s + 1) * ceil(nk / S))``
    of the ``nk = ceil(H / BLOCK_K)``, each writing its fp32 gate and up sums to row ``s`` of an
-   ``[S, rows, 2I]`` workspace buffer; a reduce launch adds the S partials in order s = 0..S-1 in
-   fp32 and writes ``silu(gate) * up`` rounded once (five launches). This is for small I, where
-   one split leaves the SMs idle behind long serial K loops.
+   ``[S, rows, 2I]`` workspace buffer. The last program of a block's reduction group (FP8: 128
+   columns, the activation's scale block; else its tile) to finish, told by an atomic counter per
+   block and group that it resets to 0 (the device's split-K tile counters of
+   :mod:`~dsaspec.ops.row_invariant`: zeroed on the first split call, which must come before any
+   CUDA-graph capture), adds the group's S partials in order s = 0..S-1 in fp32 and
+   writes ``silu(gate) * up`` rounded once: the order of arrival picks who sums, never the order of
+   the sum, and no launch is added. This is for small I, where one split leaves the SMs idle behind
+   long serial K loops.
 3. down: one grouped GEMM launch, fp32 accumulation, the pair's routing weight multiplied in fp32,
    written as fp32 to the pair's row ``p`` of a ``[P, H]`` partial buffer.
 4. combine: ``out[t] = sum_{j = 0..k-1} partial[t * k + j]`` in that order, fp32, one cast.
 
-The pair layout (P <= :data:`PAIR_LAYOUT_MAX_PAIRS`), two launches (three with a split), no align
-and no combine:
+The pair layout (P <= :data:`PAIR_LAYOUT_MAX_PAIRS`), two launches, no align and no combine:
 
 1. gate/up: P blocks, block ``b`` pair ``b``'s. Each program reads the P ids: where ``b``'s rank ``r``
    among its expert's pairs is a multiple of ``BLOCK_M`` (always, for an expert of at most 16
    pairs, at its first one) the block holds that expert's ranks ``[r, r + BLOCK_M)``, the sorted
    layout's block, else the program returns. The activation of pair ``p`` goes to row ``p`` (split
-   partials likewise; the reduce runs over rows ``0..P-1``).
+   partials likewise, the counters indexed by ``b``).
 2. down: one program per token and ``BLOCK_N`` columns runs the token's k pairs in order j, each
    the sorted layout's tile product (its activation row in a tile of the same shape) times its
    weight, added to an fp32 sum, cast once and written to ``out``: the combine folded in, no
    partial buffer. An expert picked by n tokens is read n times here, once by the sorted down.
 
 Row invariance: the tiles and warps are chosen from ``(N, K, k, dtype, device)`` and the layout
-(the pair layout's down has one program per token where the sorted one has k, so its tile is the
-one for k = 1: ``BLOCK_N`` 16 instead of 128 at H 6144 on 132 SMs), never from T; a row of a tile
+(the pair layout's down has one program per token where the sorted one has k, so its tile is sized
+for one program per token: FP8 ``BLOCK_N`` 32 instead of 128 at H 6144 on 132 SMs), never from T; a row of a tile
 meets the weight tile in a ``tl.dot`` (each output element from its own row and column, over the
 same K blocks in the same order whatever ``BLOCK_N``), K blocks are accumulated in order, the
 split partials are added in order and the combine order is fixed. ``split_k`` changes the
@@ -55,8 +59,9 @@ FP8 block-scaled experts (``w13`` / ``w2`` e4m3 with fp32 ``weight_scale_inv`` p
 of each expert's projection, the official checkpoints' format, :mod:`dsaspec.ops.fp8_gemm`): the
 same launches with a constexpr ``FP8`` switch in the two GEMM kernels, plus
 :func:`~dsaspec.ops.fp8_gemm.act_quant` launches per token per 128 columns: the hidden rows before
-gate/up and, with one gate/up split, the activations before down (with ``split_k > 1`` the split
-reduction quantizes each activation row as it stores it, with act_quant's math). Each 128-column
+gate/up (unless the norm before wrote them: ``hidden_codes``) and, with one gate/up split, the
+activations before down (with ``split_k > 1`` the program that reduces a group quantizes its rows'
+128 columns as it stores them, with act_quant's math). Each 128-column
 K block is one e4m3 ``tl.dot`` with fp32 accumulation, scaled by ``a_scale[row, kb] *
 w_scale[expert, n // 128, kb]`` and added in fp32 in K order, as
 :func:`~dsaspec.ops.fp8_gemm.fp8_gemm` does. Row invariance holds as above (the quantization is
@@ -82,6 +87,7 @@ from dsaspec.ops.checks import check_count, check_tensor
 from dsaspec.ops.device import sm_count
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS, act_quant
+from dsaspec.ops.row_invariant import _tile_counters
 
 BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's segment
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -97,10 +103,18 @@ _COMBINE_ELEMENTS = 1024  # outputs per combine program
 # (_tile: one program per SM at one token) took 0.84 / 0.72 / 0.67 / 0.65 / 0.62 / 0.59 / 0.56x the time of
 # the 4 splits of 16-wide tiles before at T = 1 / 2 / 4 / 8 / 16 / 32 / 128 on the GLM-5 rank (22.7 us at
 # T = 1, 3.4x its bytes floor; 213 us at 128, 1.03x), 0.85 - 0.58x on DeepSeek-V3.2's, and within 5% of the
-# best of 36 tiles at every T (DeepSeek-V3.2's T = 1: 10%; H200, cold L2, gate/up + split reduce:
+# best of 36 tiles at every T (DeepSeek-V3.2's T = 1: 10%; H200, cold L2, gate/up + the split reduce launch then:
 # moe_tiles_*.md). bf16 experts in 2 splits were 0.90x one at T = 1 but 1.16x at T = 4 (moe_split.md). A
 # rule by shape only, so the row invariance holds (fused_moe's split_k).
 _FP8_SMALL_I, _FP8_SMALL_I_SPLIT = 256, 2
+
+
+# The FP8 down: in the pair layout (a program per token looping over its k pairs' K blocks) 32-wide tiles of
+# 2 warps and 3 stages (one program per SM at one token) took 0.94 / 0.69 / 0.45x the time of the 16-wide
+# 4-warp 4-stage tiles before at T = 1 / 2 / 4 on the GLM-5 rank (14.4 / 16.3 / 19.1 us) and were within 5% of
+# the best of 36 tiles at each; the sorted layout's 128-wide tiles 0.97 / 0.96x with 3 stages instead of 4 at
+# T = 32 / 128 (H200, cold L2, moe_tiles_glm5-fp8-tp8-rank_down.md). Tiles never change a token's bits.
+_FP8_DOWN_PER_TOKEN_WARPS, _FP8_DOWN_STAGES = 2, 3
 
 
 def moe_split_k(intermediate_size: int, fp8: bool) -> int:
@@ -225,25 +239,31 @@ class _Tile:
 
 
 def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.device,
-          weight_tiles: int = 1, fp8: bool = False, split_k: int = 1) -> _Tile:
+          weight_tiles: int = 1, fp8: bool = False, split_k: int = 1, per_token: bool = False) -> _Tile:
     """Tile of a grouped GEMM with N outputs and reduction K in ``split_k`` splits (never a function
     of T): bf16 and FP8 (e4m3 operands, one 128-column scale block per K step) tiles of
     ``BLOCK_N x 128``, fp32 (FMA) ``BLOCK_N x 32``, with ``BLOCK_N`` the widest of 128/64/32/16 that
-    still gives a one-token call (k blocks x splits) about two programs per SM, one for the FP8
-    gate/up (``weight_tiles`` 2; measured, ``_FP8_SMALL_I``'s note) (off-GPU: the widest, so the
-    interpreter runs few programs); up to 4 (bf16, FP8) or 3 (fp32) stages of the activation tile and
-    ``weight_tiles`` weight tiles within ``_STAGE_BYTES`` of shared memory."""
+    still gives a one-token call (``topk`` blocks, or one with ``per_token``: the pair layout's down, a
+    program per token, x splits) about two programs per SM, one for the FP8 gate/up (``weight_tiles``
+    2) and the FP8 pair-layout down (both measured: the notes on ``_FP8_SMALL_I`` and ``_FP8_DOWN_STAGES``)
+    (off-GPU: the widest, so the interpreter runs few programs); up to 4 (bf16, FP8 gate/up), 3 (FP8
+    down, fp32) stages of the activation tile and ``weight_tiles`` weight tiles within
+    ``_STAGE_BYTES`` of shared memory; 4 warps (2 for the FP8 pair-layout down)."""
     if fp8:
         dtype = FP8
         block_k, widths, num_warps, max_stages = FP8_BLOCK, (128, 64, 32, 16), 4, 4
+        if weight_tiles == 1:
+            num_warps, max_stages = (_FP8_DOWN_PER_TOKEN_WARPS if per_token else 4), _FP8_DOWN_STAGES
     elif dtype == torch.float32:
         block_k, widths, num_warps, max_stages = 32, (32, 16), 4, 3
     else:
         block_k, widths, num_warps, max_stages = 128, (128, 64, 32, 16), 4, 4
-    wanted = (1 if fp8 and weight_tiles == 2 else 2) * sm_count(device, without_cuda=1)
+    one_per_sm = fp8 and (weight_tiles == 2 or per_token)
+    wanted = (1 if one_per_sm else 2) * sm_count(device, without_cuda=1)
+    programs = 1 if per_token else topk
     block_n = widths[-1]
     for width in widths:
-        if topk * triton.cdiv(n, width) * split_k >= wanted:
+        if programs * triton.cdiv(n, width) * split_k >= wanted:
             block_n = width
             break
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
@@ -322,16 +342,20 @@ def _pair_rows(ids_ptr, expert, first, num_pairs, PAIRS_PAD: tl.constexpr, BLOCK
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
-def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, act_ptr,
-                    num_blocks, num_experts, H, I, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
-                    stride_wsn, stride_act, k_span, stride_split, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    UPCAST: tl.constexpr, FP8: tl.constexpr, PAIRS: tl.constexpr, PAIRS_PAD: tl.constexpr):
+def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts_ptr, gate_up_ptr, act_ptr,
+                    q_ptr, qs_ptr, counters_ptr, num_blocks, num_experts, H, I, stride_xt, stride_xst, stride_we,
+                    stride_wn, stride_wse, stride_wsn, stride_gate_up, stride_act, stride_q, stride_qs, k_span,
+                    stride_split, num_groups, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr,
+                    FP8: tl.constexpr, UE8M0: tl.constexpr, PAIRS: tl.constexpr, PAIRS_PAD: tl.constexpr):
     # FP8: x and w are e4m3 codes, xs [T, H / BLOCK_K] and ws [E, 2I / BLOCK_K, H / BLOCK_K] their
     # scales, BLOCK_K = 128 and BLOCK_N divides 128 (one weight scale per tile and K block)
     # blocks vary fastest: the programs that read one weight tile run together (L2 reuse)
     # SPLIT > 1: this program sums K in [split * k_span, (split + 1) * k_span) (k_span a multiple
-    # of BLOCK_K) and writes fp32 gate / up to act_ptr + split * stride_split (columns I + c: up)
+    # of BLOCK_K) and writes fp32 gate / up to gate_up_ptr + split * stride_split (columns I + c: up);
+    # the last of the SPLIT * GROUP / BLOCK_N programs of its block's GROUP columns to arrive (a counter
+    # per block and group, reset by that program) adds the partials in split order and writes act (and
+    # with FP8 act_quant's codes and scale of each row's GROUP = 128 columns)
     # PAIRS: the pair layout, num_blocks = P pairs, block_experts_ptr = topk_ids; a row's outputs go
     # to row p of its pair (sorted: row block * BLOCK_M + i)
     pid = tl.program_id(0)
@@ -385,43 +409,46 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_expert
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    act_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT == 1:
         act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask)
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=mask)
     else:
-        act_ptrs += split.to(tl.int64) * stride_split
-        tl.store(act_ptrs, gate, mask=mask)
-        tl.store(act_ptrs + I, up, mask=mask)
+        partial_ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_gate_up + cols[None, :]
+        tl.store(partial_ptrs + split.to(tl.int64) * stride_split, gate, mask=mask)
+        tl.store(partial_ptrs + split.to(tl.int64) * stride_split + I, up, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        group = pid_n * BLOCK_N // GROUP
+        counter = counters_ptr + block * num_groups + group
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT * (GROUP // BLOCK_N) - 1:
+            _reduce_splits(gate_up_ptr, act_ptr, q_ptr, qs_ptr, rows, row_ok, group, I, stride_gate_up, stride_act,
+                           stride_q, stride_qs, stride_split, SPLIT, BLOCK_M, GROUP, FP8, UE8M0)
+            tl.store(counter, 0)
 
 
-@triton.jit(do_not_specialize=["num_rows", "row_limit"])
-def _split_reduce_kernel(gate_up_ptr, row_ids_ptr, act_ptr, q_ptr, qs_ptr, num_rows, row_limit, I, stride_split,
-                         stride_row, stride_act, stride_q, stride_qs, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_C: tl.constexpr, QUANTIZE: tl.constexpr, UE8M0: tl.constexpr):
-    # act[r, c] = silu(sum_s gate_up[s, r, c]) * sum_s gate_up[s, r, I + c], s = 0..SPLIT-1 in order
-    # QUANTIZE (FP8 experts, BLOCK_C = 128): also act_quant's codes and scale of each stored act block
-    # row r is live where 0 <= row_ids[r] < row_limit: sorted_pairs and P (sorted layout), topk_ids and E
-    # (pair layout: row r is pair r's)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_ids = tl.load(row_ids_ptr + rows, mask=rows < num_rows, other=-1)
-    row_ok = (row_ids >= 0) & (row_ids < row_limit)
-    mask = row_ok[:, None] & (cols < I)[None, :]  # padding rows' partials were never written
-    ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
-    gate = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    up = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        gate += tl.load(ptrs + s * stride_split, mask=mask, other=0.0)
-        up += tl.load(ptrs + s * stride_split + I, mask=mask, other=0.0)
+@triton.jit
+def _reduce_splits(gate_up_ptr, act_ptr, q_ptr, qs_ptr, rows, row_ok, group, I, stride_gate_up, stride_act, stride_q,
+                   stride_qs, stride_split, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+                   QUANTIZE: tl.constexpr, UE8M0: tl.constexpr):
+    # act[r, c] = silu(sum_s gate_up[s, r, c]) * sum_s gate_up[s, r, I + c], s = 0..SPLIT-1 in order, over
+    # the rows' live entries and the group's columns; QUANTIZE: also act_quant's codes and scale of the
+    # stored act (GROUP = 128 columns, one scale a row)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    mask = row_ok[:, None] & (cols < I)[None, :]
+    ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_gate_up + cols[None, :]
+    gate = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):  # .cg: the other programs' partials from L2, not a stale L1
+        gate += tl.load(ptrs + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+        up += tl.load(ptrs + s * stride_split + I, mask=mask, other=0.0, cache_modifier=".cg")
     act = (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty)
     tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act, mask=mask)
     if QUANTIZE:  # the stored values, as act_quant would load them
         codes, scale = quantize_rows(act.to(tl.float32), UE8M0)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], codes.to(q_ptr.dtype.element_ty),
                  mask=mask)
-        tl.store(qs_ptr + rows.to(tl.int64) * stride_qs + tl.program_id(1), scale, mask=row_ok)
+        tl.store(qs_ptr + rows.to(tl.int64) * stride_qs + group, scale, mask=row_ok)
 
 
 @triton.jit
@@ -679,11 +706,11 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
                             RANK_CHUNK=_ALIGN_RANK_CHUNK, BLOCK_CHUNK=_ALIGN_BLOCK_CHUNK, FILL=1024,
                             BLOCK_M=BLOCK_M, num_warps=8)
         # the rows of act and its codes: the blocks' (padding rows too), a live one's pair in [0, P)
-        row_ids, block_experts, row_limit, rows, down_blocks = (
-            workspace.sorted_pairs, workspace.block_experts, pairs, blocks * BLOCK_M, blocks)
+        row_ids, block_experts, rows, down_blocks = (
+            workspace.sorted_pairs, workspace.block_experts, blocks * BLOCK_M, blocks)
     else:  # pair layout: a block per pair; row p pair p's, live where its id is in [0, E); down per token
         blocks = pairs
-        row_ids, block_experts, row_limit, rows, down_blocks = topk_ids, topk_ids, experts, pairs, tokens
+        row_ids, block_experts, rows, down_blocks = topk_ids, topk_ids, pairs, tokens
     upcast = not hidden.is_cuda and not fp8
     act, partial = workspace.act, workspace.partial
     x, x_scale, w13_s, a, a_scale, w2_s = hidden, hidden, w13, act, act, w2  # unread without FP8
@@ -693,27 +720,25 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         a, a_scale, w13_s, w2_s = workspace.act_q, workspace.act_scale, w13_scale, w2_scale
     tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8, split_k=split_k)
     k_span = triton.cdiv(triton.cdiv(h, tile.block_k), split_k) * tile.block_k
-    gate_up = workspace.gate_up if split_k > 1 else act
-    split_stride = gate_up.stride(0) if split_k > 1 else 0
+    # a split's reduction covers GROUP columns: FP8 one 128-column scale block (several tiles), else a tile
+    group = FP8_BLOCK if fp8 else tile.block_n
+    # a counter per block (the pair layout's: a pair's) and group, from the device's shared zeroed counters
+    gate_up, counters = ((workspace.gate_up, _tile_counters(hidden.device, blocks * triton.cdiv(inter, group)))
+                         if split_k > 1 else (act, act))
     _gate_up_kernel[(blocks * split_k * triton.cdiv(inter, tile.block_n),)](
-        x, x_scale, w13, w13_s, row_ids, block_experts, gate_up, blocks, experts, h, inter,
-        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
-        gate_up.stride(-2), k_span, split_stride, TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, SPLIT=split_k, UPCAST=upcast, FP8=fp8, PAIRS=not sort,
-        PAIRS_PAD=BLOCK_M if sort else _pairs_pad(pairs), num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
-    if split_k > 1:  # FP8: the activations quantized in the same launch (live rows only)
-        block_c = FP8_BLOCK if fp8 else min(_COMBINE_ELEMENTS // BLOCK_M, triton.next_power_of_2(inter))
-        _split_reduce_kernel[(triton.cdiv(rows, BLOCK_M), triton.cdiv(inter, block_c))](
-            gate_up, row_ids, act, a, a_scale, rows, row_limit, inter, gate_up.stride(0), gate_up.stride(1),
-            act.stride(0), a.stride(0), a_scale.stride(0), SPLIT=split_k, BLOCK_R=BLOCK_M, BLOCK_C=block_c,
-            QUANTIZE=fp8, UE8M0=scale_fmt == "ue8m0", num_warps=4)
-    elif fp8:  # every row in use: padding rows are quantized too and never read
+        x, x_scale, w13, w13_s, row_ids, block_experts, gate_up, act, a, a_scale, counters, blocks, experts, h,
+        inter, x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
+        gate_up.stride(-2), act.stride(0), a.stride(0), a_scale.stride(0), k_span,
+        gate_up.stride(0) if split_k > 1 else 0, triton.cdiv(inter, group), TOPK=topk, BLOCK_M=BLOCK_M,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT=split_k, GROUP=group, UPCAST=upcast, FP8=fp8,
+        UE8M0=scale_fmt == "ue8m0", PAIRS=not sort, PAIRS_PAD=BLOCK_M if sort else _pairs_pad(pairs),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if fp8 and split_k == 1:  # every row in use: padding rows are quantized too and never read
         act_quant(act[:rows], scale_fmt, out=a[:rows], scale_out=a_scale[:rows])
     # the down programs: a block's (sorted) or a token's (pair layout) x BLOCK_N columns, so the pair
     # layout sizes its tile for one program per token; no FMA contraction, so the pair layout's fp32
     # sum of weighted products has the combine's bits
-    tile = _tile(h, inter, topk if sort else 1, hidden.dtype, hidden.device, fp8=fp8)
+    tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8, per_token=not sort)
     target = partial if sort else out
     _down_kernel[(down_blocks * triton.cdiv(h, tile.block_n),)](
         a, a_scale, w2, w2_s, row_ids, block_experts, topk_weights, target, down_blocks, experts, h, inter,
