@@ -9,9 +9,10 @@
 #   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / fused-quant forms at the rank shapes),
 #   fp8-linear-tiles (the FP8 GEMM with 32- and 64-row tiles: warpgroup MMA from 64, at verify and prefill M),
 #   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), norm-quant (the GPU tests of
-#   the norms writing the FP8 GEMMs' codes; their time: decode-rank), moe-launches (the router,
+#   the norms writing the FP8 GEMMs' codes; their time: decode-rank), norms (scripts/bench_norms.py: one program a row
+#   against 1024-column programs), moe-launches (the router,
 #   the pair layout's one-token down tile, the histogram align: their GPU tests; their time: moe-small-t, decode-rank),
-#   router-gemm (the router GEMM's GPU tests + scripts/bench_router_gemm.py), fast-accum (DSASPEC_FP8_FAST_ACCUM:
+#   router-gemm (the router GEMM's and the one-launch route's GPU tests + scripts/bench_router_gemm.py), fast-accum (DSASPEC_FP8_FAST_ACCUM:
 #   its GPU tests + e2e-rank-glm5 with it), moe-tiles (scripts/bench_moe_tiles.py: sweeps of the fused MoE's
 #   gate/up and down tiles at T 1, 2, 4, 32, 128 on the GLM-5 rank; the gate/up's at T 1, 2, 4 took 30 s), moe-gpu-tests (the fused MoE's GPU tests), kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
@@ -121,6 +122,7 @@ for step in "$@"; do
                           or (cuda_graph_replay and default)" 2>&1 | tee "$OUT/fp8_mla_one_split_tests.log" &&
                       python3 -m dsaspec bench dsa-ops --ops sparse_mla --kv-cache-dtype fp8_e4m3 --modes decode,target_verify \
                           --bs 1,16,32,64 --live-kv 8192,65536 --out "$OUT/fp8_one_split" ;;
+        norms)        python3 scripts/bench_norms.py "$OUT/norms" ;;
         norm-quant)   python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout 600 -k norm_quant \
                           tests/test_row_invariant.py tests/test_model.py 2>&1 | tee "$OUT/norm_quant_tests.log" ;;
         moe-launches) python3 -m pytest -v -p no:cacheprovider -rfE --tb=short -n 4 --timeout 400 \
