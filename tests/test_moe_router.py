@@ -233,16 +233,16 @@ def test_router_logits_read_the_rows_as_stored(monkeypatch):
                          ids=["1x1", "2x2", "4x2", "4x8"])
 def test_route_is_router_logits_then_route_topk_bitwise(tile, device):
     """One launch (the GEMM's last program of each row tile routes its tokens) gives the logits, ids
-    and weights of router_logits then route_topk bit for bit: tiles of 1-4 rows and 1-8 experts, T
-    around the row tiles (a last tile part empty), GLM-5's / DeepSeek-V3.2's / a small routing, with
-    and without shared slots, outputs poisoned first; the counters are left at 0."""
+    and weights of router_logits then route_topk bit for bit: tiles of 1-4 rows and 1-8 experts, T 1
+    and 5 (several row tiles, the last part empty but at 1 row), GLM-5's / DeepSeek-V3.2's / a small
+    routing, with and without shared slots, outputs poisoned first; the counters are left at 0."""
     gen = torch.Generator().manual_seed(9)
     for (experts, n_group, topk_group, top_k), n_shared in zip(ROUTINGS[:3], (1, 0, 2)):
         w = (torch.randn(experts, 160, generator=gen) / 160 ** 0.5).to(device)
         bias = (torch.randn(experts, generator=gen) * 0.1).to(device)
         routing = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=True, scaling=2.5,
                        n_shared=n_shared)
-        for tokens in (1, 3, 5, 16):
+        for tokens in (1, 5):
             x = (torch.randn(tokens, 160, generator=gen) * 2).to(torch.bfloat16).to(device)
             slots = top_k + n_shared
             logits = torch.full((tokens, experts), float("nan"), device=device)
