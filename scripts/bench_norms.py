@@ -1,9 +1,8 @@
 """Time the decode step's RMSNorms on one GPU at the per-rank presets' widths and few rows: each row's
 outputs from one program (the layout before, ``_NORM_TILE`` set to the row's block) against
 programs of ``_NORM_TILE`` columns each (the default up to ``_NORM_TILED_PROGRAMS_PER_SM`` programs
-per SM; here at every row count), side by side in one run. Norms: the input / post-attention norm
-(residual add, hidden width, FP8 codes written), ``q_a_layernorm`` (q latent width, FP8 codes) and
-``kv_a_layernorm`` (the 512 latent, no codes).
+per SM; here at every row count), side by side in one run. Norms: the input / post-attention norm (residual add, hidden width, FP8 codes written),
+``q_a_layernorm`` (q latent width, FP8 codes) and ``kv_a_layernorm`` (the 512 latent, no codes).
 Per point: the median per-replay span of a cold-L2 CUDA-graph replay (time_in_graph) against the
 bytes floor (rows, residual, weight read; outputs, new residual, codes, scales written, at the
 measured copy bandwidth; no launch beats an empty kernel node), and the two layouts' outputs

@@ -94,20 +94,11 @@ def compile_router(experts: int, n_group: int, topk_group: int, top_k: int, n_sh
                          div_approx=ptx.count("div.full.f32") + ptx.count("div.approx"))
 
 
-def compile_router_logits(tile: moe_router.RouterGemmConfig, tokens: int, hidden: int = 7168,
-                          routing: tuple | None = None) -> dict:
-    """One ``router_logits`` launch in ``tile`` over ``tokens`` bf16 rows of ``hidden`` (256 experts);
-    with ``routing`` (a :data:`ROUTINGS` entry) the ``route`` launch: the GEMM whose last programs
-    also route."""
+def compile_router_logits(tile: moe_router.RouterGemmConfig, tokens: int, hidden: int = 7168) -> dict:
+    """One ``router_logits`` launch in ``tile`` over ``tokens`` bf16 rows of ``hidden`` (256 experts)."""
     x, weight = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(256, hidden)
-    if routing is None:
-        launch = lambda: moe_router.router_logits(x, weight, config=tile)  # noqa: E731
-    else:
-        experts, n_group, topk_group, top_k, n_shared = routing
-        launch = lambda: moe_router.route(  # noqa: E731
-            x, weight, torch.zeros(experts), top_k=top_k, n_group=n_group, topk_group=topk_group,
-            norm_topk_prob=True, scaling=2.5, n_shared=n_shared, config=tile)
-    return dsa.compile_kernel(moe_router._router_logits_kernel, launch, overrides=())
+    return dsa.compile_kernel(moe_router._router_logits_kernel,
+                              lambda: moe_router.router_logits(x, weight, config=tile), overrides=())
 
 
 # (D, residual add): GLM-5's and DeepSeek-V3.2's input norms (hidden), their q_a_layernorm (q latent)
@@ -157,9 +148,6 @@ def main() -> int:
               f"{result['div_rn']} div.rn, {result['div_approx']} approximate divisions", flush=True)
     for tokens, tile in ((1, moe_router.RouterGemmConfig()), *moe_router._DECODE_TILES):
         print(_line(f"router_logits {tile}, {tokens} rows", compile_router_logits(tile, tokens)), flush=True)
-        for routing in ROUTINGS:
-            result = compile_router_logits(tile, tokens, routing=routing)
-            print(_line(f"route {tile}, {tokens} rows, {routing}", result), flush=True)
     for d, add in NORMS:
         for quant in (False, True):
             print(_line(f"{'add_rms_norm' if add else 'rms_norm'} {d}{' + act_quant' if quant else ''}",

@@ -315,10 +315,9 @@ def test_align_compiles_for_sm90_without_spills():
 
 def test_split_k_kernels_compile_for_sm90_without_spills():
     """Without a GPU: gate/up at split 1, 2, 4 (with a split also the last program's reduction) and
-    down, bf16 and FP8 experts, in the sorted and the pair layout, at the TP 8 rank's shapes (k 8 +
-    the shared slot, H 7168, I 256, H200 tiles), compile for sm_90 with no register spills and
-    within a block's shared memory, the down kernel without fp32 FMAs (scripts/compile_fused_moe.py,
-    in a subprocess)."""
+    down, bf16 and FP8 experts, in the sorted and the pair layout, at the TP 8 rank's shapes (k 8 + the
+    shared slot, H 7168, I 256, H200 tiles), compile for sm_90 with no register spills and within a block's shared memory, the
+    down kernel without fp32 FMAs (scripts/compile_fused_moe.py, in a subprocess)."""
     out = run_in_scripts("compile_fused_moe",
                          "for fp8 in (False, True):\n"
                          "    for sort in (True, False):\n"

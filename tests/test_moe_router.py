@@ -14,8 +14,7 @@ import torch
 
 from compile_scripts import compiled_counts
 from dsaspec.configs.model_config import get_config
-from dsaspec.ops import row_invariant as ri
-from dsaspec.ops.moe_router import RouterGemmConfig, decode_tile, route, route_topk, router_logits
+from dsaspec.ops.moe_router import route_topk
 from dsaspec.reference import moe_router as ref
 
 pytestmark = pytest.mark.interpreter
@@ -165,8 +164,8 @@ def test_bad_arguments_are_named(change, message):
 
 def test_router_takes_the_kernel_with_the_triton_ops(monkeypatch):
     """The Router of a model with the Triton ops runs the kernel (same ids as its torch path, weights
-    within a few ulps: the sums' order, and torch's CPU sigmoid against numpy's exp), in the router
-    GEMM's launch at decode sizes; without them the torch path."""
+    within a few ulps: the sums' order, and torch's CPU sigmoid against numpy's exp); without them
+    the torch path."""
     import dsaspec.layers.moe as moe_module
     from dsaspec.models.dsa_model import DSAModel
 
@@ -180,15 +179,12 @@ def test_router_takes_the_kernel_with_the_triton_ops(monkeypatch):
             torch.randn(config.n_routed_experts, generator=torch.Generator().manual_seed(4)) * 0.1)
     x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(3))
     calls = []
-    monkeypatch.setattr(moe_module, "route_topk", lambda *a, **k: calls.append("route_topk") or route_topk(*a, **k))
-    monkeypatch.setattr(moe_module, "route", lambda *a, **k: calls.append("route") or route(*a, **k))
+    monkeypatch.setattr(moe_module, "route_topk", lambda *a, **k: calls.append(1) or route_topk(*a, **k))
     ids, weights = router(x)
-    assert calls == ["route"]                          # decode sizes: GEMM and selection in one launch
-    router(torch.cat([x, x]))
-    assert calls == ["route", "route_topk"]            # above DECODE_MAX_TOKENS: torch's GEMM, then the kernel
+    assert calls == [1]
     router.use_triton = False
     want_ids, want_weights = router(x)
-    assert len(calls) == 2 and torch.equal(ids, want_ids)
+    assert calls == [1] and torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
     model.use_triton = False
     assert not any(r.use_triton for r in routers)
@@ -201,7 +197,7 @@ def test_router_logits_read_the_rows_as_stored(monkeypatch):
     within fp32 rounding of it."""
     import dsaspec.layers.moe as moe_module
     from dsaspec.layers.moe import Router
-    from dsaspec.ops.moe_router import DECODE_MAX_TOKENS
+    from dsaspec.ops.moe_router import DECODE_MAX_TOKENS, decode_tile, router_logits
 
     config = get_config("tiny-moe")
     router = Router(config)
@@ -215,7 +211,7 @@ def test_router_logits_read_the_rows_as_stored(monkeypatch):
         plain = router.logits(x)
         assert seen == []
         for tokens in (1, 4, DECODE_MAX_TOKENS):
-            for flag, tile in (("use_triton", decode_tile(tokens)), ("row_invariant", RouterGemmConfig())):
+            for flag, tile in (("use_triton", decode_tile(tokens)), ("row_invariant", None)):
                 setattr(router, flag, True)
                 got = router.logits(x[:tokens])
                 setattr(router, flag, False)
@@ -226,53 +222,7 @@ def test_router_logits_read_the_rows_as_stored(monkeypatch):
         router.use_triton, calls = True, len(seen)   # a prefill's rows: to cuBLAS ...
         assert torch.equal(router.logits(x), plain) and len(seen) == calls
         router.row_invariant = True                  # ... but never in the row-invariant mode
-        assert torch.equal(router.logits(x), router_logits(x, router.weight)) and seen[-1][1] == RouterGemmConfig()
-
-
-@pytest.mark.parametrize("tile", [decode_tile(1), decode_tile(4), RouterGemmConfig(), RouterGemmConfig(4, 8, 64, 2)],
-                         ids=["1x1", "2x2", "4x2", "4x8"])
-def test_route_is_router_logits_then_route_topk_bitwise(tile, device):
-    """One launch (the GEMM's last program of each row tile routes its tokens) gives the logits, ids
-    and weights of router_logits then route_topk bit for bit: tiles of 1-4 rows and 1-8 experts, T 1
-    and 5 (several row tiles, the last part empty but at 1 row), GLM-5's / DeepSeek-V3.2's / a small
-    routing, with and without shared slots, outputs poisoned first; the counters are left at 0."""
-    gen = torch.Generator().manual_seed(9)
-    for (experts, n_group, topk_group, top_k), n_shared in zip(ROUTINGS[:3], (1, 0, 2)):
-        w = (torch.randn(experts, 160, generator=gen) / 160 ** 0.5).to(device)
-        bias = (torch.randn(experts, generator=gen) * 0.1).to(device)
-        routing = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=True, scaling=2.5,
-                       n_shared=n_shared)
-        for tokens in (1, 5):
-            x = (torch.randn(tokens, 160, generator=gen) * 2).to(torch.bfloat16).to(device)
-            slots = top_k + n_shared
-            logits = torch.full((tokens, experts), float("nan"), device=device)
-            ids = torch.full((tokens, slots), -7, dtype=torch.int32, device=device)
-            weights = torch.full((tokens, slots), float("nan"), device=device)
-            got = route(x, w, bias, config=tile, logits=logits, ids=ids, weights=weights, **routing)
-            assert got[0] is ids and got[1] is weights
-            want_logits = router_logits(x, w, config=tile)
-            want_ids, want_weights = route_topk(want_logits, bias, **routing)
-            assert torch.equal(logits.view(torch.int32), want_logits.view(torch.int32)), (experts, tokens)
-            assert torch.equal(ids, want_ids), (experts, tokens)
-            assert torch.equal(weights.view(torch.int32), want_weights.view(torch.int32)), (experts, tokens)
-            assert not ri._tile_counters(torch.device(device), 1).any()
-    empty = route(torch.empty(0, 160, device=device), w, bias, config=tile, **routing)
-    assert empty[0].shape == (0, top_k + n_shared)
-
-
-@pytest.mark.parametrize("change, message", [
-    (dict(x=torch.zeros(2, 32, dtype=torch.int32)), "x: expected dtype"),
-    (dict(weight=torch.zeros(16, 31)), r"weight: expected shape \('\*', 32\)"),
-    (dict(bias=torch.zeros(15)), r"bias: expected shape \(16,\)"),
-    (dict(logits=torch.zeros(2, 15)), r"logits: expected shape \(2, 16\)"),
-    (dict(topk_group=5), "topk_group: expected at most n_group = 4, got 5"),
-    (dict(ids=torch.zeros(2, 3, dtype=torch.int32)), r"ids: expected shape \(2, 4\)"),
-])
-def test_route_bad_arguments_are_named(change, message):
-    args = dict(x=torch.zeros(2, 32), weight=torch.zeros(16, 32), bias=torch.zeros(16), top_k=4, n_group=4,
-                topk_group=2, norm_topk_prob=True, scaling=1.0) | change
-    with pytest.raises((ValueError, TypeError), match=message):
-        route(args.pop("x"), args.pop("weight"), args.pop("bias"), **args)
+        assert torch.equal(router.logits(x), router_logits(x, router.weight)) and seen[-1][1] is None
 
 
 def test_compiles_for_sm90():
@@ -310,35 +260,3 @@ def test_gpu_scores_are_torch_sigmoid_and_ids_the_torch_routers():
         ids, weights = router(hidden)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["glm5-fp8-tp8-rank", "deepseek-v32-fp8-tp8-rank"])
-def test_gpu_route_is_the_two_launches_in_graph_replays(preset):
-    """The rank's router (E 256, hidden 6144 / 7168, the shared slot) at the decode tiles and the
-    row-invariant one: ``route`` gives router_logits + route_topk's logits, ids and weights bitwise,
-    eagerly and replayed from a CUDA graph with new rows (the counters reset by every launch), and
-    leaves the counters at 0."""
-    config = get_config(preset)
-    device = torch.device("cuda")
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    w = torch.randn(config.n_routed_experts, config.hidden_size, device=device, generator=gen)
-    w /= config.hidden_size ** 0.5
-    bias = torch.randn(config.n_routed_experts, device=device, generator=gen) * 0.1
-    routing = dict(top_k=config.num_experts_per_tok, n_group=config.n_group, topk_group=config.topk_group,
-                   norm_topk_prob=config.norm_topk_prob, scaling=config.routed_scaling_factor, n_shared=1)
-    for tokens, tile in ((1, decode_tile(1)), (4, decode_tile(4)), (16, decode_tile(16)), (64, RouterGemmConfig())):
-        x = torch.randn(tokens, config.hidden_size, device=device, generator=gen).bfloat16()
-        logits = torch.empty(tokens, config.n_routed_experts, device=device)
-        ids, weights = route(x, w, bias, config=tile, logits=logits, **routing)      # eager, compiles
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            route(x, w, bias, config=tile, logits=logits, ids=ids, weights=weights, **routing)
-        for step in range(3):
-            x.copy_(torch.randn(tokens, config.hidden_size, device=device, generator=gen).bfloat16())
-            graph.replay()
-            want_logits = router_logits(x, w, config=tile)
-            want_ids, want_weights = route_topk(want_logits, bias, **routing)
-            assert torch.equal(logits, want_logits) and torch.equal(ids, want_ids), (tokens, step)
-            assert torch.equal(weights.view(torch.int32), want_weights.view(torch.int32)), (tokens, step)
-        assert not ri._tile_counters(device, 1).any()

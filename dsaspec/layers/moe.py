@@ -36,7 +36,7 @@ from dsaspec.layers.linear import Linear
 from dsaspec.layers.mlp import MLP
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
 from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, quantize_blocks, quantize_weight
-from dsaspec.ops.moe_router import DECODE_MAX_TOKENS, RouterGemmConfig, decode_tile, route, route_topk, router_logits
+from dsaspec.ops.moe_router import DECODE_MAX_TOKENS, decode_tile, route_topk, router_logits
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,10 +67,9 @@ class Router(Linear):
     :data:`~dsaspec.ops.moe_router.DECODE_MAX_TOKENS` rows (decode sizes;
     :func:`~dsaspec.ops.moe_router.decode_tile`); torch's on ``x.float()`` otherwise. With
     ``use_triton`` (set by the model) or ``row_invariant`` everything after the GEMM is one kernel
-    (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in id order; per token, so
-    row-invariant by construction, where torch's CPU ``sigmoid`` rounds an element by its vector
-    path or its scalar tail, which the row count decides), run by the GEMM's last programs where the
-    GEMM is the Triton one (:func:`~dsaspec.ops.moe_router.route`: one launch), else torch ops.
+    (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in id order; one program per
+    token, so row-invariant by construction, where torch's CPU ``sigmoid`` rounds an element by its
+    vector path or its scalar tail, which the row count decides), else torch ops.
     ``forward(x, shared)`` appends ``shared`` slots to each token, ids ``E, E + 1, ...`` at weight
     1.0: the shared experts run by the fused MoE (:meth:`MoE.fuse_shared_experts`); the kernel
     writes them itself, the torch path concatenates."""
@@ -84,27 +83,19 @@ class Router(Linear):
         self.top_k, self.groups, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
-    def _gemm_tile(self, tokens: int) -> RouterGemmConfig | None:
-        """The router_logits tile for ``tokens`` rows, None where torch's GEMM runs (class docstring)."""
-        if self.row_invariant:
-            return RouterGemmConfig()
-        if self.use_triton and tokens <= DECODE_MAX_TOKENS:
-            return decode_tile(tokens)
-        return None
-
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` (bf16 or fp32) -> fp32 ``x @ weight.T`` ``[T, E]`` (class docstring)."""
-        tile = self._gemm_tile(x.shape[0])
-        return F.linear(x.float(), self.weight) if tile is None else router_logits(x, self.weight, config=tile)
+        if self.row_invariant:
+            return router_logits(x, self.weight)
+        if self.use_triton and x.shape[0] <= DECODE_MAX_TOKENS:
+            return router_logits(x, self.weight, config=decode_tile(x.shape[0]))
+        return F.linear(x.float(), self.weight)
 
     def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_triton or self.row_invariant:
-            routing = dict(top_k=self.top_k, n_group=self.groups, topk_group=self.topk_group,
-                           norm_topk_prob=self.norm_topk_prob, scaling=self.scaling, n_shared=shared)
-            tile = self._gemm_tile(x.shape[0])
-            if tile is None:
-                return route_topk(F.linear(x.float(), self.weight), self.e_score_correction_bias, **routing)
-            return route(x, self.weight, self.e_score_correction_bias, config=tile, **routing)
+            return route_topk(self.logits(x), self.e_score_correction_bias, top_k=self.top_k,
+                              n_group=self.groups, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                              scaling=self.scaling, n_shared=shared)
         scores = self.logits(x).sigmoid()
         tokens, experts = scores.shape
         choice = (scores + self.e_score_correction_bias).view(tokens, self.groups, experts // self.groups)

@@ -34,10 +34,6 @@ logits are the same bits whatever the other tokens are (a reduction's order is t
 same for every row of the tile), so the row-invariant mode passes one for every T and the default
 mode the fastest for its T (:func:`decode_tile`). At decode sizes the weight (6-7 MB at E = 256)
 is the traffic: small expert tiles put a program on every SM.
-
-:func:`route` runs both in one launch: the last GEMM program of each tile of tokens to store its
-logits (an atomic counter per row tile, which it resets) routes those tokens with the selection
-kernel's code, so the ids and weights are the two launches' bits.
 """
 
 from __future__ import annotations
@@ -50,23 +46,22 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
 from dsaspec.ops.device import interpreted
-from dsaspec.ops.row_invariant import _tile_counters
 from dsaspec.ops.silu_and_mul import torch_exp
 
 
 @triton.jit
-def _route_token(logits_ptr, bias_ptr, ids_ptr, weights_ptr, row, stride_logits, stride_ids, stride_weights,
-                 scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-                 SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, GROUPS_PAD: tl.constexpr,
-                 GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
-    # token row's ids and weights; its E = GROUPS * GROUP logits as a [GROUPS_PAD, GROUP_PAD] tile, expert
-    # g * GROUP + j, loaded past the SM's L1 (.cg: other programs of the fused GEMM wrote them)
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, stride_ids, stride_weights,
+                   scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   TOPK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                   GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
+    # the token's E = GROUPS * GROUP logits as a [GROUPS_PAD, GROUP_PAD] tile, expert g * GROUP + j
+    row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS_PAD)[:, None]
     j = tl.arange(0, GROUP_PAD)[None, :]
     live = (g < GROUPS) & (j < GROUP)
     none = GROUPS_PAD * GROUP_PAD                  # the padding's expert id: no real expert's
     expert = tl.where(live, g * GROUP + j, none)
-    logit = tl.load(logits_ptr + row * stride_logits + expert, mask=live, other=0.0, cache_modifier=".cg")
+    logit = tl.load(logits_ptr + row * stride_logits + expert, mask=live, other=0.0)
     e = torch_exp(-logit, LIBDEVICE_EXP)
     score = tl.math.div_rn(tl.full(logit.shape, 1.0, tl.float32), 1.0 + e)
     choice = tl.where(live, score + tl.load(bias_ptr + expert, mask=live, other=0.0), -float("inf"))
@@ -108,45 +103,6 @@ def _route_token(logits_ptr, bias_ptr, ids_ptr, weights_ptr, row, stride_logits,
     tl.store(weights_ptr + row * stride_weights + slot, weights, mask=keep)
 
 
-@triton.jit
-def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, stride_ids, stride_weights,
-                   scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   TOPK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                   GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
-    _route_token(logits_ptr, bias_ptr, ids_ptr, weights_ptr, tl.program_id(0).to(tl.int64), stride_logits,
-                 stride_ids, stride_weights, scaling, GROUP, GROUPS, TOPK_GROUP, TOPK, SHARED, NORM, LIBDEVICE_EXP,
-                 GROUPS_PAD, GROUP_PAD, TOPK_PAD)
-
-
-def _routing(tokens: int, experts: int, device: torch.device, top_k: int, n_group: int, topk_group: int,
-             norm_topk_prob: bool, n_shared: int, ids: torch.Tensor | None, weights: torch.Tensor | None) -> tuple:
-    """Checks :func:`route_topk`'s routing arguments and outputs (allocating those None): ``(ids,
-    weights, the selection's constexprs)``."""
-    for name, value in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
-        check_count(name, value)
-    check_count("n_shared", n_shared, minimum=0)
-    if experts % n_group or experts // n_group < 2:
-        raise ValueError(f"n_group: expected a divisor of the {experts} experts leaving at least two a group, "
-                         f"got {n_group}")
-    group = experts // n_group
-    if topk_group > n_group:
-        raise ValueError(f"topk_group: expected at most n_group = {n_group}, got {topk_group}")
-    if top_k > topk_group * group:
-        raise ValueError(f"top_k: expected at most topk_group x experts a group = {topk_group * group}, got {top_k}")
-    slots = top_k + n_shared
-    if ids is None:
-        ids = torch.empty(tokens, slots, dtype=torch.int32, device=device)
-    if weights is None:
-        weights = torch.empty(tokens, slots, dtype=torch.float32, device=device)
-    check_tensor("ids", ids, dtype=torch.int32, shape=(tokens, slots), device=device)
-    check_tensor("weights", weights, dtype=torch.float32, shape=(tokens, slots), device=device)
-    constexprs = dict(GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, SHARED=n_shared,
-                      NORM=bool(norm_topk_prob), LIBDEVICE_EXP=not interpreted(_router_kernel),
-                      GROUPS_PAD=max(2, triton.next_power_of_2(n_group)), GROUP_PAD=triton.next_power_of_2(group),
-                      TOPK_PAD=max(2, triton.next_power_of_2(slots)))
-    return ids, weights, constexprs
-
-
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
                norm_topk_prob: bool, scaling: float, n_shared: int = 0, ids: torch.Tensor | None = None,
                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,11 +117,31 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group:
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     tokens, experts = logits.shape
     check_tensor("bias", bias, dtype=torch.float32, shape=(experts,), device=logits.device)
-    ids, weights, constexprs = _routing(tokens, experts, logits.device, top_k, n_group, topk_group, norm_topk_prob,
-                                        n_shared, ids, weights)
+    for name, value in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
+        check_count(name, value)
+    check_count("n_shared", n_shared, minimum=0)
+    if experts % n_group or experts // n_group < 2:
+        raise ValueError(f"n_group: expected a divisor of the {experts} experts leaving at least two a group, "
+                         f"got {n_group}")
+    group = experts // n_group
+    if topk_group > n_group:
+        raise ValueError(f"topk_group: expected at most n_group = {n_group}, got {topk_group}")
+    if top_k > topk_group * group:
+        raise ValueError(f"top_k: expected at most topk_group x experts a group = {topk_group * group}, got {top_k}")
+    slots = top_k + n_shared
+    if ids is None:
+        ids = torch.empty(tokens, slots, dtype=torch.int32, device=logits.device)
+    if weights is None:
+        weights = torch.empty(tokens, slots, dtype=torch.float32, device=logits.device)
+    check_tensor("ids", ids, dtype=torch.int32, shape=(tokens, slots), device=logits.device)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(tokens, slots), device=logits.device)
     if tokens:
-        _router_kernel[(tokens,)](logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0),
-                                  float(scaling), **constexprs, num_warps=1)
+        _router_kernel[(tokens,)](
+            logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
+            GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, SHARED=n_shared,
+            NORM=bool(norm_topk_prob), LIBDEVICE_EXP=not interpreted(_router_kernel),
+            GROUPS_PAD=max(2, triton.next_power_of_2(n_group)), GROUP_PAD=triton.next_power_of_2(group),
+            TOPK_PAD=max(2, triton.next_power_of_2(slots)), num_warps=1)
     return ids, weights
 
 
@@ -208,15 +184,9 @@ def decode_tile(tokens: int) -> RouterGemmConfig:
 
 
 @triton.jit(do_not_specialize=["tokens"])
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ids_ptr, weights_ptr, counters_ptr, tokens, E, K,
-                          stride_x, stride_w, stride_out, stride_ids, stride_weights, scaling,
-                          ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
-                          GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-                          SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                          GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_w, stride_out,
+                          ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
     # out[t, e] = sum over K blocks in order of (one reduction of the block's x[t, k] * w[e, k]), fp32
-    # ROUTE: the last program of a row tile to store its logits (a counter per row tile, which it resets)
-    # routes the tile's tokens, as _router_kernel would
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     experts = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
     ks = tl.arange(0, BLOCK_K)
@@ -232,47 +202,6 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ids_ptr, weights_ptr,
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + experts[None, :]
     tl.store(out_ptrs, acc, mask=row_live[:, None] & expert_live[None, :])
-    if ROUTE:
-        tl.debug_barrier()  # every thread's logits are stored before the release below
-        counter = counters_ptr + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            for r in tl.static_range(ROWS):
-                row = tl.program_id(1) * ROWS + r
-                if row < tokens:
-                    _route_token(out_ptr, bias_ptr, ids_ptr, weights_ptr, row.to(tl.int64), stride_out, stride_ids,
-                                 stride_weights, scaling, GROUP, GROUPS, TOPK_GROUP, TOPK, SHARED, NORM,
-                                 LIBDEVICE_EXP, GROUPS_PAD, GROUP_PAD, TOPK_PAD)
-            tl.store(counter, 0)
-
-
-def _check_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, out_name: str) -> torch.Tensor:
-    """Checks :func:`router_logits`'s operands, its output as the argument ``out_name``; returns the
-    output (allocated when None)."""
-    check_tensor("x", x, dtype=(torch.bfloat16, torch.float32), ndim=2)
-    tokens, k = x.shape
-    check_tensor("weight", weight, dtype=torch.float32, shape=(None, k), device=x.device)
-    experts = weight.shape[0]
-    if out is None:
-        out = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
-    check_tensor(out_name, out, dtype=torch.float32, shape=(tokens, experts), device=x.device)
-    return out
-
-
-def _launch_gemm(x, weight, out, config, route=None, bias=None, ids=None, weights=None, scaling=0.0) -> None:
-    """One :func:`router_logits` launch; with ``route`` (the selection's constexprs) also the routing."""
-    tokens, experts = out.shape
-    if not tokens or not experts:
-        return
-    grid = (triton.cdiv(experts, config.experts), triton.cdiv(tokens, config.rows))
-    # the device's split-K tile counters (dsaspec.ops.row_invariant): one a row tile
-    counters = _tile_counters(x.device, grid[1]) if route else out
-    constexprs = route or dict(GROUP=1, GROUPS=1, TOPK_GROUP=1, TOPK=1, SHARED=0, NORM=False, LIBDEVICE_EXP=False,
-                               GROUPS_PAD=2, GROUP_PAD=1, TOPK_PAD=2)
-    _router_logits_kernel[grid](
-        x, weight, out, bias if route else out, ids if route else out, weights if route else out, counters, tokens,
-        experts, x.shape[1], x.stride(0), weight.stride(0), out.stride(0), ids.stride(0) if route else 0,
-        weights.stride(0) if route else 0, float(scaling), ROWS=config.rows, EXPERTS=config.experts,
-        BLOCK_K=config.block_k, ROUTE=route is not None, **constexprs, num_warps=config.num_warps)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -285,27 +214,17 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     (allocated when None; contiguous last dimension). ``config`` None: :class:`RouterGemmConfig`'s
     defaults (the row-invariant mode's tile); each token's logits are bitwise independent of T and
     of the other tokens for a fixed configuration."""
-    out = _check_gemm(x, weight, out, "out")
-    _launch_gemm(x, weight, out, config or RouterGemmConfig())
+    check_tensor("x", x, dtype=(torch.bfloat16, torch.float32), ndim=2)
+    tokens, k = x.shape
+    check_tensor("weight", weight, dtype=torch.float32, shape=(None, k), device=x.device)
+    experts = weight.shape[0]
+    if out is None:
+        out = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+    check_tensor("out", out, dtype=torch.float32, shape=(tokens, experts), device=x.device)
+    config = config or RouterGemmConfig()
+    if tokens and experts:
+        grid = (triton.cdiv(experts, config.experts), triton.cdiv(tokens, config.rows))
+        _router_logits_kernel[grid](x, weight, out, tokens, experts, k, x.stride(0), weight.stride(0),
+                                    out.stride(0), ROWS=config.rows, EXPERTS=config.experts,
+                                    BLOCK_K=config.block_k, num_warps=config.num_warps)
     return out
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int,
-          topk_group: int, norm_topk_prob: bool, scaling: float, n_shared: int = 0,
-          config: RouterGemmConfig | None = None, logits: torch.Tensor | None = None,
-          ids: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`router_logits` and :func:`route_topk` in one launch: the GEMM's programs store the
-    logits, and the last program of each tile of ``config.rows`` tokens to finish (an atomic counter
-    a tile, on the device's split-K tile counters of :mod:`dsaspec.ops.row_invariant`, which it
-    resets) routes those tokens with :func:`route_topk`'s code, so ids and weights are bitwise
-    ``route_topk(router_logits(x, weight, config=config), bias, ...)``'s. Arguments as those two
-    take them (``logits``: the fp32 ``[T, E]`` logits buffer, allocated when None); returns ``(ids,
-    weights)``. No host sync; the counters are allocated (zeroed) on the device's first split-K or
-    routing call, which must come before any CUDA-graph capture."""
-    logits = _check_gemm(x, weight, logits, "logits")
-    tokens, experts = logits.shape
-    check_tensor("bias", bias, dtype=torch.float32, shape=(experts,), device=x.device)
-    ids, weights, constexprs = _routing(tokens, experts, x.device, top_k, n_group, topk_group, norm_topk_prob,
-                                        n_shared, ids, weights)
-    _launch_gemm(x, weight, logits, config or RouterGemmConfig(), constexprs, bias, ids, weights, scaling)
-    return ids, weights
