@@ -1,16 +1,18 @@
 """Time the MoE router's GEMM (fp32 logits of the hidden rows against the fp32 gate weight) on one
 GPU at the router shapes of the per-rank presets and T tokens: ``router_logits`` in several tiles
 (:class:`~dsaspec.ops.moe_router.RouterGemmConfig`), against cuBLAS on ``x.float()`` (the copy
-included: the default mode's path for prefill rows) and the row-invariant GEMM on ``x.float()``
+included: the default mode's path for prefill rows where the weight is not bf16), cuBLAS's bf16 GEMM
+with fp32 output on the bf16 weight (the default mode's from ``BF16_GEMM_MIN_TOKENS`` rows; the
+weights here hold bf16 values, as the checkpoints' gate weights) and the row-invariant GEMM on ``x.float()``
 (16 x 32 FMA tiles, split K). Per point: the median per-replay span of a cold-L2 CUDA-graph replay
 (time_in_graph), each against the bytes floor (the fp32 weight, the bf16 rows read, the fp32
 logits written, at the measured copy bandwidth; no launch beats an empty kernel node), and every
 result checked within fp32 rounding of cuBLAS's. Writes ``router_gemm.json`` and ``.md`` to the
 folder given: the tile that wins over all T is the row-invariant mode's (one tile for every T), the
-best tile at each T the default mode's (``dsaspec.ops.moe_router._DECODE_TILES``), and where cuBLAS
-starts winning ``DECODE_MAX_TOKENS``.
+best tile at each T the default mode's (``dsaspec.ops.moe_router._DECODE_TILES``), where cuBLAS
+starts winning ``DECODE_MAX_TOKENS`` and where its bf16 GEMM does ``dsaspec.layers.moe.BF16_GEMM_MIN_TOKENS``.
 
-    python3 scripts/bench_router_gemm.py OUT [--rows 1,4,16,32,64,128,256]
+    python3 scripts/bench_router_gemm.py OUT [--rows 1,2,3,4,16,32,64,128,256]
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from dsaspec.ops import row_invariant as ri
 from dsaspec.ops.moe_router import RouterGemmConfig, router_logits
 
 METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; router_logits in each "
-          "tile, cuBLAS F.linear(x.float(), W) (copy included) and the row-invariant GEMM on x.float() on the same "
-          "inputs; floor = max((fp32 weight + bf16 rows + fp32 logits) / measured copy bandwidth, empty kernel)")
+          "tile, cuBLAS F.linear(x.float(), W) (copy included), cuBLAS torch.mm(x, W_bf16.T, out_dtype=fp32) and the "
+          "row-invariant GEMM on x.float() on the same inputs (W holds bf16 values); floor = max((fp32 weight + bf16 "
+          "rows + fp32 logits) / measured copy bandwidth, empty kernel)")
 PRESET_NAMES = ("glm5-fp8-tp8-rank", "deepseek-v32-fp8-tp8-rank")
 # rows x experts x block_k, warps: at most 64 products a thread
 TILES = [RouterGemmConfig(r, e, b, w) for r, e, b, w in (
@@ -44,7 +47,7 @@ def _name(c: RouterGemmConfig) -> str:
 def main() -> int:
     parser = Parser(prog="bench_router_gemm", description="The MoE router's GEMM: router_logits tiles vs cuBLAS.")
     parser.add_argument("out", help="folder for router_gemm.json / .md")
-    parser.add_argument("--rows", type=positive_int_list, default=[1, 4, 16, 32, 64, 128, 256],
+    parser.add_argument("--rows", type=positive_int_list, default=[1, 2, 3, 4, 16, 32, 64, 128, 256],
                         help="T values, comma-separated")
     parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
     args = parse_or_exit(parser)
@@ -56,13 +59,16 @@ def main() -> int:
     for preset in PRESET_NAMES:
         config = PRESETS[preset]
         experts, k = config.n_routed_experts, config.hidden_size
-        w = torch.randn(experts, k, device="cuda", generator=gen) / k ** 0.5
+        # bf16 values held in fp32, as the checkpoints' gate weights load
+        w = (torch.randn(experts, k, device="cuda", generator=gen) / k ** 0.5).bfloat16().float()
+        w_bf16 = w.bfloat16()
         for t in args.rows:
             x = torch.randn(t, k, device="cuda", generator=gen).bfloat16()
             nbytes = 4 * experts * k + 2 * t * k + 4 * t * experts
             point = dict(preset=preset, experts=experts, k=k, t=t, bytes=nbytes, floor_us=floors.floor_us(nbytes))
             want = F.linear(x.float(), w)
-            forms = {"cublas": lambda: F.linear(x.float(), w), "row_invariant": lambda: ri.linear(x.float(), w)}
+            forms = {"cublas": lambda: F.linear(x.float(), w), "row_invariant": lambda: ri.linear(x.float(), w),
+                     "cublas_bf16": lambda: torch.mm(x, w_bf16.t(), out_dtype=torch.float32)}
             outs = {}
             for tile in TILES:
                 out = outs[_name(tile)] = torch.empty(t, experts, device="cuda")
@@ -71,6 +77,7 @@ def main() -> int:
                 timing = time_in_graph(fn, iters=args.iters)
                 point[form] = timing.summary()
                 point[f"{form}_us"] = timing.median_us
+            outs["cublas_bf16"] = torch.mm(x, w_bf16.t(), out_dtype=torch.float32)
             for form, out in outs.items():
                 ok &= bool(torch.allclose(out, want, rtol=1e-4, atol=1e-4))
             tiles = [_name(tile) for tile in TILES]
@@ -79,7 +86,8 @@ def main() -> int:
             point["best_vs_cublas"] = point["cublas_us"] / point[f"{point['best_tile']}_us"]
             results.append(point)
     columns = ([("preset", "preset"), ("t", "T"), ("k", "K"), ("floor_us", "floor µs"), ("cublas_us", "cuBLAS µs"),
-                ("row_invariant_us", "row-invariant GEMM µs")]
+                ("row_invariant_us", "row-invariant GEMM µs"),
+                ("cublas_bf16_us", "cuBLAS bf16 -> fp32 µs")]
                + [(f"{_name(tile)}_us", f"{_name(tile)} µs") for tile in TILES]
                + [("best_tile", "best tile"), ("best_over_floor", "best / floor"), ("best_vs_cublas", "cuBLAS / best")])
     write_results("router_gemm", dict(

@@ -260,3 +260,53 @@ def test_gpu_scores_are_torch_sigmoid_and_ids_the_torch_routers():
         ids, weights = router(hidden)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+
+
+def test_bf16_weight_only_where_exact_and_kept_until_written():
+    """``Router.bf16_weight``: the bf16 copy where the fp32 weight holds bf16 values (the random
+    init's, as the checkpoints'), None where a value would round; decided again after a write."""
+    from dsaspec.layers.moe import Router
+    from dsaspec.models.dsa_model import DSAModel
+
+    model = DSAModel(get_config("tiny-moe"), dtype=torch.float32).init_weights(2)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    assert routers and all(torch.equal(r.bf16_weight(), r.weight.bfloat16()) for r in routers)
+    router = routers[0]
+    kept = router.bf16_weight()
+    assert router.bf16_weight() is kept
+    with torch.no_grad():
+        router.weight[0, 0] += 2.0 ** -20                  # no longer a bf16 value
+    assert router.bf16_weight() is None
+    with torch.no_grad():
+        router.weight.copy_(router.weight.bfloat16().float() * 2)
+    assert torch.equal(router.bf16_weight(), router.weight.bfloat16())
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_weights_take_cublas_bf16_from_its_token_count():
+    """On CUDA with the Triton ops and bf16 weight values: from BF16_GEMM_MIN_TOKENS rows the logits
+    are cuBLAS's bf16 GEMM with fp32 output (bitwise), below it the FMA tile's; all within fp32
+    rounding of the float64 product; a weight that is not bf16 keeps torch's fp32 GEMM."""
+    from dsaspec.layers.moe import BF16_GEMM_MIN_TOKENS, Router
+    from dsaspec.ops.moe_router import decode_tile, router_logits
+
+    device = torch.device("cuda")
+    config = get_config("glm5-fp8-tp8-rank")
+    router = Router(config, device).eval()
+    router.use_triton = True
+    gen = torch.Generator(device=device).manual_seed(8)
+    x = torch.randn(256, config.hidden_size, device=device, generator=gen).bfloat16()
+    with torch.no_grad():
+        weight = torch.randn(router.weight.shape, device=device, generator=gen) / config.hidden_size ** 0.5
+        router.weight.copy_(weight.bfloat16().float())
+        for tokens in (1, BF16_GEMM_MIN_TOKENS - 1, BF16_GEMM_MIN_TOKENS, 32, 256):
+            got = router.logits(x[:tokens])
+            exact = (x[:tokens].double() @ router.weight.double().t()).float()
+            torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+            if tokens >= BF16_GEMM_MIN_TOKENS:
+                want = torch.mm(x[:tokens], router.weight.bfloat16().t(), out_dtype=torch.float32)
+            else:
+                want = router_logits(x[:tokens], router.weight, config=decode_tile(tokens))
+            assert torch.equal(got, want), tokens
+        router.weight.copy_(weight)
+        assert torch.equal(router.logits(x[:32]), torch.nn.functional.linear(x[:32].float(), weight))

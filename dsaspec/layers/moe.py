@@ -51,6 +51,13 @@ class CheckpointPart:
     target: torch.Tensor
 
 
+# The default mode's router GEMM from 3 rows (bf16 weight values): cuBLAS bf16 -> fp32 took 7.0 / 7.2 / 7.8 /
+# 8.8 us at T 4 / 32 / 128 / 256 where the FMA tile took 7.7 at T 4 and cuBLAS on x.float() (fp32 weight)
+# 21.0 / 27.8 / 39.5 at T 32 / 128 / 256; the one-row tile (T <= 2) 6.4 against 6.7 at T 1 (GLM-5 rank,
+# H200, cold L2; benchmarks/results/h200/router_gemm.md).
+BF16_GEMM_MIN_TOKENS = 3
+
+
 class Router(Linear):
     """``mlp.gate``: fp32 ``weight`` ``[E, hidden]`` and ``e_score_correction_bias`` ``[E]``
     (replicated). ``forward(x)`` -> ``(topk_ids int32 [T, k], topk_weights fp32 [T, k])``:
@@ -65,7 +72,11 @@ class Router(Linear):
     (fp32 FMAs on ``x`` as stored) in one tile for every T when ``row_invariant`` (so
     row-invariant), or with ``use_triton`` in the tile for T up to
     :data:`~dsaspec.ops.moe_router.DECODE_MAX_TOKENS` rows (decode sizes;
-    :func:`~dsaspec.ops.moe_router.decode_tile`); torch's on ``x.float()`` otherwise. With
+    :func:`~dsaspec.ops.moe_router.decode_tile`); torch's on ``x.float()`` otherwise. In the
+    default mode on CUDA, from :data:`BF16_GEMM_MIN_TOKENS` bf16 rows, where ``weight`` holds bf16
+    values (the checkpoints' gate dtype, and the random init's), cuBLAS's bf16 GEMM with fp32
+    output replaces both: the products are exact in fp32 either way, the sums fp32 in the tensor
+    cores' order (:meth:`bf16_weight`). With
     ``use_triton`` (set by the model) or ``row_invariant`` everything after the GEMM is one kernel
     (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in id order; one program per
     token, so row-invariant by construction, where torch's CPU ``sigmoid`` rounds an element by its
@@ -78,15 +89,29 @@ class Router(Linear):
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__(config.hidden_size, config.n_routed_experts, bias=False, device=device, dtype=torch.float32)
+        self._bf16 = None   # (the weight's version and storage, bf16_weight()) once asked for
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(config.n_routed_experts, device=device, dtype=torch.float32))
         self.top_k, self.groups, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
+    def bf16_weight(self) -> torch.Tensor | None:
+        """``weight`` as bf16 ``[E, hidden]`` where that is exact, else None. Decided (a host sync)
+        and kept until ``weight`` is written or replaced, so the first call must be eager: the
+        graph runner's warm-up runs before every capture."""
+        key = (self.weight._version, self.weight.data_ptr(), self.weight.device)
+        if self._bf16 is None or self._bf16[0] != key:
+            bf16 = self.weight.detach().bfloat16()
+            self._bf16 = (key, bf16 if torch.equal(bf16.float(), self.weight) else None)
+        return self._bf16[1]
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` (bf16 or fp32) -> fp32 ``x @ weight.T`` ``[T, E]`` (class docstring)."""
         if self.row_invariant:
             return router_logits(x, self.weight)
+        if (self.use_triton and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_TOKENS
+                and self.bf16_weight() is not None):
+            return torch.mm(x, self.bf16_weight().t(), out_dtype=torch.float32)
         if self.use_triton and x.shape[0] <= DECODE_MAX_TOKENS:
             return router_logits(x, self.weight, config=decode_tile(x.shape[0]))
         return F.linear(x.float(), self.weight)

@@ -220,8 +220,8 @@ class DSAModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int, *, progress: bool = False) -> "DSAModel":
         """Seeded random init (same seed, device type and dtype -> same weights): projections
-        and experts ``N(0, 1/fan_in)``, embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.1^2)``,
-        norm biases and the MoE correction bias ``N(0, 0.1^2)``. Every tensor is drawn at its
+        and experts ``N(0, 1/fan_in)`` (the MoE router's rounded to bf16), embedding ``N(0, 1)``,
+        norm weights ``1 + N(0, 0.1^2)``, norm biases and the MoE correction bias ``N(0, 0.1^2)``. Every tensor is drawn at its
         checkpoint shape (the experts as transformers' fused ``[E, 2I, hidden]`` / ``[E, hidden,
         I]``) and a TP rank keeps its shard, so the ranks of any TP size hold the shards of the
         TP 1 model of the same seed. An FP8 projection (or expert) holds the block quantization of
@@ -246,6 +246,8 @@ class DSAModel(nn.Module):
             noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
             if name.endswith("embed_tokens.weight"):
                 value = noise
+            elif name.endswith("mlp.gate.weight"):   # the router: bf16 values, as the checkpoints store it
+                value = (noise / math.sqrt(shape[-1])).bfloat16().float()
             elif len(shape) >= 2:
                 value = noise / math.sqrt(shape[-1])
             elif name.endswith("bias"):
