@@ -107,8 +107,8 @@ def compile_index_rope(kind: str) -> dict:
     """One launch of the indexer epilogue kernel, bf16 model, GLM-5's 32 index heads: ``kind``
     ``q`` (RoPE), ``q_rotated`` (RoPE, Hadamard), ``k_dense`` (LayerNorm, RoPE, copy into a bf16
     cache), ``k_fp8`` (LayerNorm, RoPE, Hadamard, quantize into the FP8 paged cache), or a layer's
-    query and key in one launch (``index_q_rope_store_k``): ``qk_dense`` (``q`` + ``k_dense``),
-    ``qk_fp8`` (``q_rotated`` + ``k_fp8``)."""
+    query, key and head weights in one launch (``indexer_epilogues``, the weights over GLM-5's
+    hidden 6144): ``qk_dense`` (``q`` + ``k_dense``), ``qk_fp8`` (``q_rotated`` + ``k_fp8``)."""
     cos = sin = torch.zeros(ROWS, 32)
     q = torch.zeros(ROWS, 32, INDEX_HEAD_DIM, dtype=torch.bfloat16)
     cache = (torch.zeros(16, INDEX_FP8_PAGE_BYTES, dtype=torch.uint8) if kind.endswith("fp8")
@@ -117,8 +117,9 @@ def compile_index_rope(kind: str) -> dict:
     w = torch.ones(INDEX_HEAD_DIM, dtype=torch.bfloat16)
     loc = torch.zeros(ROWS, dtype=torch.int64)
     if kind.startswith("qk"):
-        launch = lambda: index_rope.index_q_rope_store_k(  # noqa: E731
-            q, cache, loc, k, w, w, 1e-6, cos, sin, 64, True, check_values=False)
+        x, head_weight = torch.zeros(ROWS, 6144, dtype=torch.bfloat16), torch.zeros(32, 6144)
+        launch = lambda: index_rope.indexer_epilogues(  # noqa: E731
+            q, cache, loc, k, w, w, 1e-6, cos, sin, 64, True, x, head_weight, 0.01, check_values=False)
     elif kind.startswith("q"):
         launch = lambda: index_rope.index_q_rope(q, cos, sin, 64, True, rotate=kind == "q_rotated")  # noqa: E731
     else:

@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_scripts import run_in_scripts
-from dsaspec.ops.index_rope import index_q_rope, index_q_rope_store_k, store_index_k_normed
+from dsaspec.ops.index_rope import index_q_rope, indexer_epilogues, store_index_k_normed
+from dsaspec.ops.index_weights import index_weights
 from dsaspec.reference.fp8_kv import read_index_k, write_index_k
 from dsaspec.reference.index_rope import reference_index_k, reference_index_q_rope
 
@@ -161,7 +162,13 @@ def _cache(fp8, slots, dtype, device):
     return torch.full((slots, 128), 7.0, dtype=dtype, device=device)
 
 
-def _one_launch_is_the_two(rows, heads, rope_dim, dtype, interleaved, fp8, device, seed):
+def _head_inputs(rows, hidden, dtype, gen, device):
+    """The layer input ``[rows, hidden]`` and an fp32 ``weights_proj`` of 32 heads."""
+    return (torch.randn(rows, hidden, generator=gen).to(dtype).to(device),
+            torch.randn(32, hidden, generator=gen).to(device) / hidden ** 0.5)
+
+
+def _one_launch_is_the_two(rows, heads, rope_dim, dtype, interleaved, fp8, device, seed, hidden=512):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(rows, heads, 128, generator=gen).to(dtype).to(device)
     k, w, b = _keys(rows, dtype, gen, device)
@@ -169,20 +176,25 @@ def _one_launch_is_the_two(rows, heads, rope_dim, dtype, interleaved, fp8, devic
     slots = 2 * rows + 70
     loc = torch.randperm(slots, generator=gen)[:rows].to(device)
     two, one = _cache(fp8, slots, dtype, device), _cache(fp8, slots, dtype, device)
+    x, head_weight = _head_inputs(rows, hidden, dtype, gen, device)
     q_two = index_q_rope(q, cos, sin, rope_dim, interleaved, rotate=fp8)
     store_index_k_normed(two, loc, k, w, b, EPS, cos, sin, rope_dim, interleaved)
-    q_one = index_q_rope_store_k(q, one, loc, k, w, b, EPS, cos, sin, rope_dim, interleaved)
+    weights_two = index_weights(x, head_weight, 0.03)
+    q_one, weights_one = indexer_epilogues(q, one, loc, k, w, b, EPS, cos, sin, rope_dim, interleaved, x,
+                                           head_weight, 0.03)
     assert q_one.shape == q.shape and q_one.dtype == q.dtype
     assert torch.equal(q_one, q_two)
     assert torch.equal(one, two)
+    assert torch.equal(weights_one, weights_two)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rows", EDGE_ROWS)
 def test_one_launch_is_the_two_launches(rows, fp8, device):
-    """``index_q_rope_store_k``: the query and the whole cache (written slots and the untouched
-    rest) bit for bit what ``index_q_rope`` and ``store_index_k_normed`` give, bf16, at the edge
-    row counts (one grid: query blocks, then key blocks)."""
+    """``indexer_epilogues``: the query, the whole cache (written slots and the untouched rest) and
+    the head weights bit for bit what ``index_q_rope``, ``store_index_k_normed`` and
+    ``index_weights`` give, bf16, at the edge row counts (one grid: query blocks, key blocks, then
+    the head weights' programs: 2 K chunks at 512 columns)."""
     _one_launch_is_the_two(rows, 3, 64, torch.bfloat16, True, fp8, device, rows)
 
 
@@ -191,9 +203,11 @@ def test_one_launch_is_the_two_launches(rows, fp8, device):
 @pytest.mark.parametrize("heads,rope_dim,rows", [(32, 64, 1), (32, 64, 5), (5, 32, 17)])
 def test_one_launch_is_the_two_launches_shapes(dtype, interleaved, heads, rope_dim, rows, device):
     """The same for GLM-5's 32 index heads and an odd head count with a 32-wide rope, both
-    layouts, bf16 and fp32 (the FP8 cache takes bf16 keys only in the runtime; fp32 here too)."""
+    layouts, bf16 and fp32 (the FP8 cache takes bf16 keys only in the runtime; fp32 here too), the
+    head weights over one K chunk (256 columns) and over 8 (GLM-5's 6144 at one row)."""
     for fp8 in (False, True):
-        _one_launch_is_the_two(rows, heads, rope_dim, dtype, interleaved, fp8, device, rows + heads)
+        _one_launch_is_the_two(rows, heads, rope_dim, dtype, interleaved, fp8, device, rows + heads,
+                               hidden=6144 if rows == 1 else 256)
 
 
 class _CountOps(TorchDispatchMode):
@@ -213,7 +227,7 @@ class _CountOps(TorchDispatchMode):
 def test_query_read_in_place_from_a_column_view(rows, heads, head_stride, fp8, device):
     """The query as the layer's fused ``q_b_proj`` + ``wq_b`` GEMM hands it over: a column view of
     a wider output (row stride past the heads, the indexer's columns last; and a head stride past
-    128). ``index_q_rope_store_k`` and ``index_q_rope`` read it in place: the same bits as from
+    128). ``indexer_epilogues`` and ``index_q_rope`` read it in place: the same bits as from
     its contiguous copy, and the same aten ops (no copy of the query)."""
     gen = torch.Generator().manual_seed(rows * 7 + heads)
     wide = torch.randn(rows, 320 + heads * head_stride, generator=gen).to(torch.bfloat16).to(device)
@@ -221,12 +235,13 @@ def test_query_read_in_place_from_a_column_view(rows, heads, head_stride, fp8, d
     k, w, b = _keys(rows, torch.bfloat16, gen, device)
     cos, sin = _angles(rows, 64, gen, device)
     loc = torch.randperm(2 * rows + 8, generator=gen)[:rows].to(device)
+    x, head_weight = _head_inputs(rows, 256, torch.bfloat16, gen, device)
     results = []
     for q in (view.contiguous(), view):
         cache = _cache(fp8, 2 * rows + 8, torch.bfloat16, device)
         counted = _CountOps()
         with counted:
-            out = index_q_rope_store_k(q, cache, loc, k, w, b, EPS, cos, sin, 64, True)
+            out, _ = indexer_epilogues(q, cache, loc, k, w, b, EPS, cos, sin, 64, True, x, head_weight, 0.03)
             alone = index_q_rope(q, cos, sin, 64, True, rotate=fp8)
         results.append((out, alone, cache, counted.ops))
     (want, want_alone, want_cache, want_ops), (got, got_alone, got_cache, got_ops) = results
@@ -276,12 +291,16 @@ def test_bad_inputs(device):
         store_index_k_normed(torch.zeros(16, 128, dtype=torch.bfloat16, device=device), loc, k, w, w, EPS,
                              cos, sin, 64, True)
     cache = torch.zeros(16, 128, device=device)
+    x, head_weight = torch.zeros(2, 256, device=device), torch.zeros(32, 256, device=device)
     with pytest.raises(ValueError, match="k: expected q's dtype"):
-        index_q_rope_store_k(q, cache, loc, k.bfloat16(), w, w, EPS, cos, sin, 64, True)
+        indexer_epilogues(q, cache, loc, k.bfloat16(), w, w, EPS, cos, sin, 64, True, x, head_weight, 1.0)
     with pytest.raises(ValueError, match=r"loc: slots must lie in \[0, 8\)"):
-        index_q_rope_store_k(q, torch.zeros(8, 128, device=device), loc, k, w, w, EPS, cos, sin, 64, True)
+        indexer_epilogues(q, torch.zeros(8, 128, device=device), loc, k, w, w, EPS, cos, sin, 64, True, x,
+                          head_weight, 1.0)
     with pytest.raises(ValueError, match="q: expected rows of 128"):
-        index_q_rope_store_k(q[..., :64], cache, loc, k, w, w, EPS, cos, sin, 64, True)
+        indexer_epilogues(q[..., :64], cache, loc, k, w, w, EPS, cos, sin, 64, True, x, head_weight, 1.0)
+    with pytest.raises(ValueError, match="head_weight: expected shape"):
+        indexer_epilogues(q, cache, loc, k, w, w, EPS, cos, sin, 64, True, x, head_weight[:, :128], 1.0)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -318,21 +337,25 @@ def test_compiles_for_sm90_without_spills():
     a dense or an FP8 cache, a layer's query and key in one launch) compiles for sm_90 without
     spills or local memory, the rotated ones in at most 3x the instructions of the plain query
     (the rotation by a [128, 128] register tile spilled 5.5 - 6.4 KB, 6048 / 7840 instructions),
-    one launch of both parts in no more instructions and registers than the two launches (sm_90:
-    1568 / 3536 SASS instructions against 528 + 1064 / 824 + 2768); scripts/compile_fp8_dsa.py's
-    compile, in a subprocess (it compiles instead of interpreting)."""
+    a layer's query, key and head weights in one launch in no more instructions than the three
+    launches (sm_90: 1952 / 3696 SASS instructions against 528 + 1072 + the head weights' alone /
+    824 + 2552 + them) and at most 128 registers (72 / 80: 64 / 80 for the key alone);
+    scripts/compile_fp8_dsa.py's compile, in a subprocess (it compiles instead of interpreting)."""
     out = run_in_scripts("compile_fp8_dsa",
+                         "import compile_decode_epilogues as e\n"
                          "for kind in c.INDEX_ROPE_KINDS:\n"
                          "    r = c.compile_index_rope(kind)\n"
                          "    local = sum(n for op, n in r['sass'].items() if op.startswith(('LDL', 'STL')))\n"
-                         "    print('kind', kind, r['regs'], r['spill'], local, r['instructions'])")
+                         "    print('kind', kind, r['regs'], r['spill'], local, r['instructions'])\n"
+                         "r = e.compile_index_weights(32, 6144, c.ROWS)\n"
+                         "print('kind', 'w', r['regs'], r['spill'], 0, r['instructions'])")
     lines = [line.split()[1:] for line in out.splitlines() if line.startswith("kind ")]
     results = {kind: tuple(map(int, rest)) for kind, *rest in lines}
-    assert sorted(results) == ["k_dense", "k_fp8", "q", "q_rotated", "qk_dense", "qk_fp8"], out
+    assert sorted(results) == ["k_dense", "k_fp8", "q", "q_rotated", "qk_dense", "qk_fp8", "w"], out
     for kind, (regs, spilled, local, _) in results.items():
         assert 0 < regs <= 255 and spilled == 0 and local == 0, out
     assert results["q_rotated"][3] <= 3 * results["q"][3], out
     assert results["k_fp8"][3] <= 3 * results["k_dense"][3], out
     for fused, q, k in (("qk_dense", "q", "k_dense"), ("qk_fp8", "q_rotated", "k_fp8")):
-        assert results[fused][3] <= results[q][3] + results[k][3], out
-        assert results[fused][0] <= max(results[q][0], results[k][0]), out
+        assert results[fused][3] <= results[q][3] + results[k][3] + results["w"][3], out
+        assert results[fused][0] <= 128, out

@@ -695,7 +695,7 @@ def test_fused_projections_decode_what_the_separate_ones_do(row_invariant):
 @pytest.mark.parametrize("quantization", [None, Fp8Quantization()], ids=["bf16", "fp8"])
 def test_fused_latent_with_the_triton_ops_decodes_what_the_separate_ones_do(quantization):
     """bf16 and FP8 weights (tiny: K 128 and 256), the Triton ops (under the interpreter on CPU):
-    the indexer's query reaches ``index_q_rope_store_k`` as a column view of the fused output;
+    the indexer's query reaches ``indexer_epilogues`` as a column view of the fused output;
     outputs and caches bitwise the unfused model's (the Triton FP8 GEMM and the interpreter's
     bf16 dot compute an output column from its own weight rows, K in the same order: at tiny's
     widths the FP8 GEMM's K groups (``k_group``) are one block fused and unfused alike; at

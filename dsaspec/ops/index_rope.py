@@ -1,8 +1,9 @@
 """The lightning indexer's query and key epilogues in one kernel (Triton): RoPE on the first
 ``rope_dim`` values of every 128-wide row, the key's LayerNorm before it, the 128-wide Hadamard
-rotation after it (FP8 key caches), and the key's cache write. A layer runs both in one launch
-(``index_q_rope_store_k``: one grid, the query's programs first, then the key's); each alone is
-``index_q_rope`` / ``store_index_k_normed``, the same bits.
+rotation after it (FP8 key caches), and the key's cache write. A layer runs both and its head
+weights (:mod:`dsaspec.ops.index_weights`' programs) in one launch (``indexer_epilogues``: one
+grid, the query's programs first, then the key's, then the head weights'); ``index_q_rope`` /
+``store_index_k_normed`` run one part alone, the same bits.
 
 Per row ``x`` (model dtype; ``round`` rounds fp32 to the model dtype, to nearest even):
 
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
 from dsaspec.ops.e4m3 import quantize_rows
+from dsaspec.ops.index_weights import HeadWeightsLaunch, head_weights_program, prepare_index_weights
 from dsaspec.ops.kv_cache_layout import INDEX_HEAD_DIM, PAGE_SIZE, index_k_fp8_views, is_fp8_cache
 
 _ROWS = 16                # rows per program
@@ -129,26 +131,37 @@ def _epilogue(block, x_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, out_ptr, loc_ptr, sc
             tl.store(scale_ptr + page * stride_scale + offset, s, mask=live)
 
 
-@triton.jit(do_not_specialize=["q_rows", "heads", "q_blocks", "k_rows"])
+@triton.jit(do_not_specialize=["q_rows", "heads", "q_blocks", "k_rows", "k_blocks", "w_rows"])
 def _index_rope_kernel(q_ptr, q_out_ptr, q_rows, heads, stride_q, stride_qh, stride_q_out, q_blocks,
                        k_ptr, w_ptr, b_ptr, cache_ptr, loc_ptr, scale_ptr, k_rows, eps, stride_k, stride_cache,
-                       stride_scale, cos_ptr, sin_ptr, stride_cos, ROWS: tl.constexpr, DIM: tl.constexpr,
+                       stride_scale, k_blocks, cos_ptr, sin_ptr, stride_cos,
+                       wx_ptr, ww_ptr, w_out_ptr, w_ws_ptr, w_counters_ptr, w_rows, w_heads, w_k, w_scale,
+                       stride_wx, stride_ww, stride_w_out, w_blocks_per_split,
+                       ROWS: tl.constexpr, DIM: tl.constexpr,
                        ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, ROTATE: tl.constexpr, K_DEST: tl.constexpr,
-                       BF16: tl.constexpr, PAGE: tl.constexpr, QUERY: tl.constexpr, KEY: tl.constexpr):
+                       BF16: tl.constexpr, PAGE: tl.constexpr, QUERY: tl.constexpr, KEY: tl.constexpr,
+                       WEIGHTS: tl.constexpr, W_SPLITS: tl.constexpr, W_BLOCK_M: tl.constexpr,
+                       W_BLOCK_K: tl.constexpr, W_STAGES: tl.constexpr):
     # programs [0, q_blocks) rope the query rows (token = row // heads, read through q's token and
-    # head strides) into q_out (contiguous), the rest norm + rope the key rows (one a token) into
-    # the cache; QUERY / KEY: the launch has that part
+    # head strides) into q_out (contiguous), the next k_blocks norm + rope the key rows (one a token)
+    # into the cache, the rest compute the head weights (head_weights_program); QUERY / KEY /
+    # WEIGHTS: the launch has that part
     block = tl.program_id(0)
     if block < q_blocks:
         if QUERY:
             _epilogue(block, q_ptr, cos_ptr, sin_ptr, q_ptr, q_ptr, q_out_ptr, q_ptr, q_ptr, q_rows, heads, 0.0,
                       stride_q, stride_qh, stride_cos, stride_q_out, 0, ROWS, DIM, ROPE, INTERLEAVED, False, ROTATE, 0,
                       BF16, PAGE)
-    else:
+    elif block < q_blocks + k_blocks:
         if KEY:
             _epilogue(block - q_blocks, k_ptr, cos_ptr, sin_ptr, w_ptr, b_ptr, cache_ptr, loc_ptr, scale_ptr,
                       k_rows, 1, eps, stride_k, 0, stride_cos, stride_cache, stride_scale, ROWS, DIM, ROPE,
                       INTERLEAVED, True, ROTATE, K_DEST, BF16, PAGE)
+    else:
+        if WEIGHTS:
+            head_weights_program(block - q_blocks - k_blocks, wx_ptr, ww_ptr, w_out_ptr, w_ws_ptr, w_counters_ptr,
+                                 w_rows, w_heads, w_k, w_scale, stride_wx, stride_ww, stride_w_out,
+                                 w_blocks_per_split, W_SPLITS, W_BLOCK_M, W_BLOCK_K, W_STAGES)
 
 
 def _check_angles(cos, sin, tokens: int, rope_dim: int, device) -> None:
@@ -188,14 +201,15 @@ def _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values):
 
 
 def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, k=None, weight=None, bias=None,
-            eps=0.0, codes=None, loc=None, scale=None, dest=_DENSE):
+            eps=0.0, codes=None, loc=None, scale=None, dest=_DENSE, head_weights: HeadWeightsLaunch | None = None):
     """One launch over the query ``q`` ``[R, heads, 128]`` (unit last stride; into ``q_out``,
-    contiguous, same shape) and the key rows ``k`` ``[R, 128]`` (into ``codes`` at ``loc``),
-    either part left out when None."""
+    contiguous, same shape), the key rows ``k`` ``[R, 128]`` (into ``codes`` at ``loc``) and the
+    programs of ``head_weights``, any part left out when None (or without programs)."""
     q_rows = 0 if q is None else q.shape[0] * q.shape[1]
     k_rows = 0 if k is None else k.shape[0]
-    q_blocks = triton.cdiv(q_rows, _ROWS)
-    blocks = q_blocks + triton.cdiv(k_rows, _ROWS)
+    q_blocks, k_blocks = triton.cdiv(q_rows, _ROWS), triton.cdiv(k_rows, _ROWS)
+    w_programs = 0 if head_weights is None else head_weights.programs
+    blocks = q_blocks + k_blocks + w_programs
     if not blocks:
         return
     any_x = k if q is None else q   # stands in for the pointers of a part left out (never read)
@@ -204,10 +218,17 @@ def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, k=None,
         0 if scale is None else scale.stride(0))
     q_args = (any_x, any_x, 0, 1, 0, 0, 0) if q is None else (q, q_out, q_rows, q.shape[1], q.stride(0), q.stride(1),
                                                                INDEX_HEAD_DIM)
+    if w_programs:
+        w_args = head_weights.args
+        w_constexprs = {f"W_{name}": value for name, value in head_weights.constexprs.items()}
+    else:
+        w_args = (any_x,) * 5 + (0, 1, 0, 0.0, 0, 0, 0, 1)
+        w_constexprs = dict(W_SPLITS=1, W_BLOCK_M=1, W_BLOCK_K=1, W_STAGES=1)
     _index_rope_kernel[(blocks,)](
-        *q_args, q_blocks, *k_args, cos, sin, cos.stride(0), ROWS=_ROWS, DIM=INDEX_HEAD_DIM, ROPE=rope_dim,
-        INTERLEAVED=interleaved, ROTATE=rotate, K_DEST=dest, BF16=any_x.dtype == torch.bfloat16, PAGE=PAGE_SIZE,
-        QUERY=q is not None, KEY=k is not None, enable_fp_fusion=False)
+        *q_args, q_blocks, *k_args, k_blocks, cos, sin, cos.stride(0), *w_args, ROWS=_ROWS, DIM=INDEX_HEAD_DIM,
+        ROPE=rope_dim, INTERLEAVED=interleaved, ROTATE=rotate, K_DEST=dest, BF16=any_x.dtype == torch.bfloat16,
+        PAGE=PAGE_SIZE, QUERY=q is not None, KEY=k is not None, WEIGHTS=w_programs > 0, **w_constexprs,
+        enable_fp_fusion=False)
 
 
 def index_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,
@@ -235,19 +256,24 @@ def store_index_k_normed(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor
             loc=loc, scale=scale, dest=dest)
 
 
-def index_q_rope_store_k(q: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-                         weight: torch.Tensor, bias: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                         rope_dim: int, interleaved: bool, check_values: bool = True) -> torch.Tensor:
-    """A layer's two indexer epilogues in one launch: ``index_q_rope(q, cos, sin, rope_dim,
-    interleaved, rotate)`` with ``rotate`` when ``cache`` is an FP8 cache, and
-    ``store_index_k_normed(cache, loc, k, weight, bias, eps, cos, sin, rope_dim, interleaved,
-    check_values)``, on one grid (the query's programs first, then the key's): the same checks,
-    the same bits in the returned query and in ``cache``. ``q`` and ``k`` of one dtype, both read
-    in place through their strides."""
+def indexer_epilogues(q: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                      weight: torch.Tensor, bias: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                      rope_dim: int, interleaved: bool, x: torch.Tensor, head_weight: torch.Tensor,
+                      head_scale: float, check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's indexer epilogues and head weights in one launch, on one grid (the query's
+    programs, the key's, then the head weights'), the same checks and bits as
+    ``index_q_rope(q, cos, sin, rope_dim, interleaved, rotate)`` with ``rotate`` when ``cache`` is an
+    FP8 cache, ``store_index_k_normed(cache, loc, k, weight, bias, eps, cos, sin, rope_dim,
+    interleaved, check_values)`` and :func:`~dsaspec.ops.index_weights.index_weights` ``(x,
+    head_weight, head_scale)``. ``q`` and ``k`` of one dtype, both read in place through their
+    strides. Returns ``(query, head weights)``: a new contiguous tensor like ``q``, fp32 ``[R, N]``."""
     out = _query(q, cos, sin, rope_dim)
     if isinstance(k, torch.Tensor) and k.dtype != q.dtype:
         raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
     codes, scale, dest = _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values)
+    check_tensor("x", x, dtype=_FLOAT_DTYPES, ndim=2, device=q.device)
+    check_tensor("head_weight", head_weight, dtype=_FLOAT_DTYPES, shape=(None, x.shape[1]), device=q.device)
+    head_weights = prepare_index_weights(x, head_weight, head_scale)
     _launch(cos, sin, rope_dim, interleaved, dest == _FP8, q=q, q_out=out, k=k, weight=weight, bias=bias, eps=eps,
-            codes=codes, loc=loc, scale=scale, dest=dest)
-    return out
+            codes=codes, loc=loc, scale=scale, dest=dest, head_weights=head_weights)
+    return out, head_weights.out

@@ -12,8 +12,8 @@ x 7168: 4 of 7, on the H200's 132 SMs), so a decode row fills the GPU instead of
 each walking K alone, and a row's bits never depend on the row count or the other rows.
 
 Summation order, per row and head: a split keeps an fp32 ``[8, 256]`` tile of products, each
-column accumulating its chunk's blocks in order (``acc += x * w``; the compiler fuses it into an
-FMA where it can), then sums the tile's 256 columns once (``tl.sum``) into its partial ``p_s``;
+column accumulating its chunk's blocks in order (``acc = fma(x, w, acc)``), then sums the tile's
+256 columns once (``tl.sum``) into its partial ``p_s``;
 the program that arrives last at the (row tile, head) (an atomic counter, which it resets to 0,
 so the launch is CUDA-graph safe and leaves the counters as it found them) adds the partials in
 split order, ``((p_0 + p_1) + p_2) + ... + p_(S-1)``, and multiplies by ``scale``. The order of
@@ -29,6 +29,8 @@ capture, and two split launches must not run at the same time on different strea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -40,12 +42,13 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 _BLOCK_M, _BLOCK_K, _STAGES = 8, 256, 3
 
 
-@triton.jit(do_not_specialize=["M"])
-def _index_weights_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, scale, stride_x, stride_w,
-                          stride_out, k_blocks_per_split, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+@triton.jit
+def head_weights_program(pid, x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, scale, stride_x, stride_w,
+                         stride_out, k_blocks_per_split, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Program ``pid`` of the launch the module docstring describes (also run inside another
+    launch's grid: :func:`~dsaspec.ops.index_rope.indexer_epilogues`)."""
     # splits vary fastest, then heads: the programs of one row tile run together (x from L2)
-    pid = tl.program_id(0)
     split = pid % SPLITS
     tile = pid // SPLITS
     head = (tile % N).to(tl.int64)
@@ -61,7 +64,8 @@ def _index_weights_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, 
         k_ok = k + ks < k_hi
         x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + k, mask=k_ok, other=0.0).to(tl.float32)
-        products += x * w[None, :]
+        # an explicit FMA: the same bits in a launch compiled without FMA contraction
+        products = tl.fma(x, w[None, :], products)
     partial = tl.sum(products, 1)
     out_ptrs = out_ptr + rows.to(tl.int64) * stride_out + head
     if SPLITS == 1:
@@ -79,12 +83,54 @@ def _index_weights_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, 
             tl.store(counters_ptr + tile, 0)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _index_weights_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, scale, stride_x, stride_w,
+                          stride_out, k_blocks_per_split, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    head_weights_program(tl.program_id(0), x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, scale, stride_x,
+                         stride_w, stride_out, k_blocks_per_split, SPLITS, BLOCK_M, BLOCK_K, STAGES)
+
+
 def index_weights_splits(heads: int, k: int, device: torch.device | str) -> tuple[int, int]:
     """``(K blocks per chunk, chunks S)`` of :func:`index_weights` for ``heads`` x ``k`` weights
     on ``device``: the row-invariant GEMM's split rule at one head a tile
     (:func:`~dsaspec.ops.row_invariant.split_k_for`: ``min(2 * SMs // heads, K-blocks // 2, 32)``
     chunks, at least 1, none empty; SMs: the device's, 132 off-GPU). Independent of the rows."""
     return _k_split(k, _BLOCK_K, split_k_for(heads, k, 1, _BLOCK_K, device))
+
+
+@dataclass(frozen=True)
+class HeadWeightsLaunch:
+    """A checked :func:`index_weights` call, ready to run: ``out`` (fp32 ``[R, N]``, written by
+    the launch), its ``programs`` and ``args`` / ``constexprs`` for :func:`head_weights_program`
+    (after the program id)."""
+
+    out: torch.Tensor
+    programs: int
+    args: tuple
+    constexprs: dict
+
+
+def prepare_index_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> HeadWeightsLaunch:
+    """Check :func:`index_weights`'s arguments and allocate its output, workspace and counters."""
+    check_tensor("x", x, dtype=_FLOAT_DTYPES, ndim=2)
+    rows, k = x.shape
+    check_tensor("weight", weight, dtype=_FLOAT_DTYPES, shape=(None, k), device=x.device)
+    heads = weight.shape[0]
+    out = torch.empty(rows, heads, dtype=torch.float32, device=x.device)
+    if not rows or not heads:
+        return HeadWeightsLaunch(out, 0, (), {})
+    per_split, splits = index_weights_splits(heads, k, x.device)
+    tiles = triton.cdiv(rows, _BLOCK_M) * heads
+    if splits > 1:
+        counters = _tile_counters(x.device, tiles)
+        workspace = torch.empty(tiles * splits * _BLOCK_M, dtype=torch.float32, device=x.device)
+    else:
+        counters = workspace = out  # not read by a one-split launch
+    args = (x, weight, out, workspace, counters, rows, heads, k, float(scale), x.stride(0), weight.stride(0),
+            out.stride(0), per_split)
+    return HeadWeightsLaunch(out, tiles * splits, args,
+                             dict(SPLITS=splits, BLOCK_M=_BLOCK_M, BLOCK_K=_BLOCK_K, STAGES=_STAGES))
 
 
 def index_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
@@ -94,21 +140,7 @@ def index_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.
     (``S > 1``, :func:`index_weights_splits`) also takes an fp32 workspace of ``8 S`` values per 8 rows
     and head and the device's tile counters (allocated on the first split launch: make it
     outside CUDA-graph capture)."""
-    check_tensor("x", x, dtype=_FLOAT_DTYPES, ndim=2)
-    rows, k = x.shape
-    check_tensor("weight", weight, dtype=_FLOAT_DTYPES, shape=(None, k), device=x.device)
-    heads = weight.shape[0]
-    out = torch.empty(rows, heads, dtype=torch.float32, device=x.device)
-    if not rows or not heads:
-        return out
-    per_split, splits = index_weights_splits(heads, k, x.device)
-    tiles = triton.cdiv(rows, _BLOCK_M) * heads
-    if splits > 1:
-        counters = _tile_counters(x.device, tiles)
-        workspace = torch.empty(tiles * splits * _BLOCK_M, dtype=torch.float32, device=x.device)
-    else:
-        counters = workspace = out  # not read by a one-split launch
-    _index_weights_kernel[(tiles * splits,)](
-        x, weight, out, workspace, counters, rows, heads, k, float(scale), x.stride(0), weight.stride(0),
-        out.stride(0), per_split, SPLITS=splits, BLOCK_M=_BLOCK_M, BLOCK_K=_BLOCK_K, STAGES=_STAGES)
-    return out
+    launch = prepare_index_weights(x, weight, scale)
+    if launch.programs:
+        _index_weights_kernel[(launch.programs,)](*launch.args, **launch.constexprs)
+    return launch.out

@@ -12,9 +12,8 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
     """The four DSA ops (``indexer_schedule``, ``indexer_logits``, ``topk_slots``,
     ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check_values``)
     and the two cache writes (``store_mla``, ``store_index_k``: a copy, or quantize-on-write into
-    an FP8 cache), and the fused epilogues: the indexer's query and key in one launch
-    (``index_q_rope_store_k`` of :mod:`dsaspec.ops.index_rope`), its head weights
-    (``index_weights``, :mod:`dsaspec.ops.index_weights`) and the MLA latent's norm + RoPE + store
+    an FP8 cache), and the fused epilogues: the indexer's query, key and head weights in one
+    launch (``indexer_epilogues`` of :mod:`dsaspec.ops.index_rope`), the MLA latent's norm + RoPE + store
     (``store_mla_normed``, :mod:`dsaspec.ops.mla_latent`) and the absorbed query's assembly with
     its RoPE (``mla_query``, the same module); ``None`` on the torch path, where the
     layers run their torch ops:
@@ -27,8 +26,7 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
         from dsaspec.ops.indexer_schedule import indexer_schedule
         from dsaspec.ops.sparse_mla import sparse_mla_decode
         from dsaspec.ops.fp8_kv import store_index_k, store_mla
-        from dsaspec.ops.index_rope import index_q_rope_store_k
-        from dsaspec.ops.index_weights import index_weights
+        from dsaspec.ops.index_rope import indexer_epilogues
         from dsaspec.ops.mla_latent import mla_query, store_mla_normed
         from dsaspec.ops.topk import topk_slots
         if not sparse_mla_gluon:
@@ -36,11 +34,11 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
     else:
         from dsaspec.layers.attention.torch_ops import (indexer_logits, indexer_schedule, sparse_mla_decode,
                                                         store_index_k, store_mla, topk_slots)
-        index_q_rope_store_k = index_weights = store_mla_normed = mla_query = None
+        indexer_epilogues = store_mla_normed = mla_query = None
     return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
                            topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode,
                            store_mla=store_mla, store_index_k=store_index_k,
-                           index_q_rope_store_k=index_q_rope_store_k, index_weights=index_weights,
+                           indexer_epilogues=indexer_epilogues,
                            store_mla_normed=store_mla_normed, mla_query=mla_query)
 
 

@@ -96,19 +96,16 @@ class Indexer(RowInvariant, nn.Module):
         wq_b_out = self.wq_b(q_latent) if wq_b_out is None else wq_b_out
         q = wq_b_out.view(rows, cfg.index_n_heads, cfg.index_head_dim)
         wk_out = self.wk(x) if wk_out is None else wk_out
-        fp8 = is_fp8_cache(index_k_cache)
-        if step.ops.index_q_rope_store_k is not None:   # the Triton ops: q's and k's epilogues in one launch
-            q = step.ops.index_q_rope_store_k(q, index_k_cache, step.out_cache_loc, wk_out, self.k_norm.weight,
+        if step.ops.indexer_epilogues is not None:   # the Triton ops: q's, k's and the weights' in one launch
+            return step.ops.indexer_epilogues(q, index_k_cache, step.out_cache_loc, wk_out, self.k_norm.weight,
                                               self.k_norm.bias, self.k_norm.eps, step.cos, step.sin, rope,
-                                              interleaved, check_values=step.check_values)
-        else:
-            q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
-            k = apply_rope_first(self.k_norm(wk_out), rope, step.cos, step.sin, interleaved)
-            if fp8:
-                q, k = self._rotate(q), self._rotate(k)
-            step.ops.store_index_k(index_k_cache, step.out_cache_loc, k, check_values=step.check_values)
-        if step.ops.index_weights is not None:
-            return q, step.ops.index_weights(x, self.weights_proj.weight, cfg.index_weight_scale)
+                                              interleaved, x, self.weights_proj.weight, cfg.index_weight_scale,
+                                              check_values=step.check_values)
+        q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
+        k = apply_rope_first(self.k_norm(wk_out), rope, step.cos, step.sin, interleaved)
+        if is_fp8_cache(index_k_cache):
+            q, k = self._rotate(q), self._rotate(k)
+        step.ops.store_index_k(index_k_cache, step.out_cache_loc, k, check_values=step.check_values)
         if self.row_invariant:
             weights = row_invariant_ops().linear(x.float(), self.weights_proj.weight.float())
         else:
