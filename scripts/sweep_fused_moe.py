@@ -3,10 +3,13 @@
 to both grouped GEMMs, the per-kernel device times of a cold-L2 CUDA-graph replay (CUPTI medians),
 next to the default tile's. E 256 experts, k 8, H 7168, bf16 activations, the inputs of ``dsaspec
 bench moe``; ``--weight-dtype fp8``: its FP8 experts (e4m3, 128 x 128 block scales), whose K step is
-the 128-column scale block, so only ``BLOCK_K`` 128 is tried. Prints the best tile per kernel and
-point; writes ``sweep_fused_moe.json`` to the folder given.
+the 128-column scale block, so only ``BLOCK_K`` 128 is tried. ``--align CxW,...``: the align
+programs' pair chunk C and warps W instead of the tiles (the sorted layout, T * 8 > 64 pairs), the
+layout checked against the default's. Prints the best tile (or align form) per kernel and point;
+writes ``sweep_fused_moe.json`` to the folder given.
 
     python3 scripts/sweep_fused_moe.py $OUT [--tokens 1,2,4,8,16,64] [--intermediate 256] [--weight-dtype fp8]
+    python3 scripts/sweep_fused_moe.py $OUT --tokens 16,32,64,128,512 --align 1024x4,512x4,256x4,2048x4,1024x8
 """
 
 from __future__ import annotations
@@ -40,6 +43,36 @@ def _kernel_medians(fn, iters: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in per.items()}
 
 
+def _align_forms(text: str) -> list[tuple[int, int]]:
+    """``"1024x4,512x8"`` -> [(1024, 4), (512, 8)]: pair chunks and warps, powers of two."""
+    forms = []
+    for item in text.split(","):
+        chunk, _, warps = item.partition("x")
+        if not (chunk.isdigit() and warps.isdigit()) or any(v < 1 or v & (v - 1) for v in (int(chunk), int(warps))):
+            raise argparse.ArgumentTypeError(f"expected CHUNKxWARPS pairs of powers of two, got {item!r}")
+        forms.append((int(chunk), int(warps)))
+    return forms
+
+
+def _sweep_align(run, workspace, forms, iters: int) -> list[dict]:
+    """The align kernel's median µs per form (pair chunk, warps) and whether its layout is the
+    default form's; printed a line per form."""
+    default = (moe._ALIGN_PAIR_CHUNK, moe._ALIGN_WARPS)
+    run()
+    want = (workspace.sorted_pairs.clone(), workspace.block_experts.clone())
+    out = []
+    for chunk, warps in forms:
+        moe._ALIGN_PAIR_CHUNK, moe._ALIGN_WARPS = chunk, warps
+        try:
+            us = _kernel_medians(run, iters)["align"]
+            same = (torch.equal(workspace.sorted_pairs, want[0]) and torch.equal(workspace.block_experts, want[1]))
+        finally:
+            moe._ALIGN_PAIR_CHUNK, moe._ALIGN_WARPS = default
+        print(f"align pair chunk {chunk:4d} warps {warps}: {us:7.2f} us, layout identical {same}", flush=True)
+        out.append({"pair_chunk": chunk, "warps": warps, "us": us, "layout_identical": same})
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Tiles of the fused MoE's grouped GEMMs.")
     parser.add_argument("out", type=Path, help="folder for sweep_fused_moe.json")
@@ -47,6 +80,8 @@ def main() -> int:
     parser.add_argument("--intermediate", default="256")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--align", type=_align_forms, default=None,
+                        help="sweep the align programs instead: pair chunk x warps, e.g. 1024x4,512x8")
     args = parser.parse_args()
     fp8 = args.weight_dtype == "fp8"
     shape = SimpleNamespace(hidden=7168, experts=256, topk=8, seed=0)
@@ -72,6 +107,10 @@ def main() -> int:
         moe._tile = default_tile
         point = {"tokens": tokens, "intermediate": inter, "weight_dtype": args.weight_dtype,
                  "default": _kernel_medians(run, args.iters), "tiles": []}
+        if args.align is not None:
+            point["align"] = _sweep_align(run, workspace, args.align, args.iters)
+            results.append(point)
+            continue
         for tile in candidates:
             def fixed(n, k_dim, topk, dtype, device, weight_tiles=1, fp8=False, tile=tile):
                 return tile

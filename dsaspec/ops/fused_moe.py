@@ -7,10 +7,13 @@ from :func:`fused_moe_workspace`). The GEMMs work on blocks of ``BLOCK_M`` rows,
 padding rows -1. Two layouts place these blocks, chosen by ``P = T * k`` alone
 (:func:`sorts_pairs`); the sorted layout, four launches:
 
-1. align (one program): the P pairs are sorted by expert, stably, into segments padded to
-   ``BLOCK_M`` rows; each block is mapped to its expert, blocks past the last segment to -1
-   (histograms of the ids give the segments, a histogram of the segments' ends the block -> expert
-   map, and an ``[n, n]`` compare of a chunk of pairs their ranks within their experts). The
+1. align (a program per expert): the P pairs are sorted by expert, stably, into segments padded
+   to ``BLOCK_M`` rows; each block is mapped to its expert, blocks past the last segment to -1.
+   Program e ranks expert e's pairs in pair order (a running count over the ids) and counts them;
+   the last program to finish, told by an atomic counter that it resets to 0 (the device's
+   split-K tile counters, as gate/up's), places every pair at its expert's first row (the
+   segments' running sum) plus its rank and spreads each segment's expert over its blocks (a
+   running max from the segment's first block). The
    grid of the GEMMs is the static bound ``(P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M`` blocks;
    programs of unused blocks return at once.
 2. gate/up: one grouped GEMM launch; a program takes one block and ``BLOCK_N`` columns of both the
@@ -92,9 +95,10 @@ from dsaspec.ops.row_invariant import _tile_counters
 BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's segment
 _DTYPES = (torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
-# the align program's chunks: pairs counted by one histogram, pairs ranked by one [n, n] compare,
-# blocks mapped to their experts by one histogram
-_ALIGN_COUNT_CHUNK, _ALIGN_RANK_CHUNK, _ALIGN_BLOCK_CHUNK = 1024, 128, 1024
+# the align programs' chunks: the pairs one program ranks (its expert's) or places (the last) at a
+# time, the blocks its running max spreads the experts over at a time; warps per program
+_ALIGN_PAIR_CHUNK, _ALIGN_BLOCK_CHUNK = 1024, 1024
+_ALIGN_WARPS = 4
 _STAGE_BYTES = 160 * 1024  # shared memory of a GEMM's pipeline stages (the H200 has 227 KB)
 _COMBINE_ELEMENTS = 1024  # outputs per combine program
 
@@ -167,6 +171,8 @@ class FusedMoEWorkspace:
     dtype: torch.dtype
     sorted_pairs: torch.Tensor  # int32 [max_blocks * BLOCK_M]: pair per sorted row, -1 = padding
     block_experts: torch.Tensor  # int32 [max_blocks]: expert of each block, -1 = unused
+    expert_counts: torch.Tensor  # int32 [E]: the align programs' pairs per expert
+    pair_ranks: torch.Tensor  # int32 [max_tokens * k]: each pair's rank among its expert's (align)
     act: torch.Tensor  # dtype [max_blocks * BLOCK_M, I]: silu(gate) * up per sorted row (pair layout: per pair)
     partial: torch.Tensor  # fp32 [max_tokens * k, H]: weighted down projection per pair (sorted layout)
     fp8: bool = False  # for FP8 experts: the quantized activations below are allocated
@@ -218,6 +224,8 @@ def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_siz
         max_tokens, topk, num_experts, hidden_size, intermediate_size, dtype,
         sorted_pairs=torch.empty(rows, dtype=torch.int32, device=device),
         block_experts=torch.empty(rows // BLOCK_M, dtype=torch.int32, device=device),
+        expert_counts=torch.empty(num_experts, dtype=torch.int32, device=device),
+        pair_ranks=torch.empty(pairs, dtype=torch.int32, device=device),
         act=torch.empty(rows, intermediate_size, dtype=dtype, device=device),
         partial=torch.empty(pairs, hidden_size, dtype=torch.float32, device=device), fp8=fp8,
         split_k=split_k, **quantized)
@@ -272,50 +280,61 @@ def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.devic
     return _Tile(block_n, block_k, num_warps, max(1, min(max_stages, _STAGE_BYTES // stage)))
 
 
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_blocks,
-                  NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, COUNT_CHUNK: tl.constexpr,
-                  RANK_CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr, FILL: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
-    # pairs per expert, a histogram a chunk (ids outside [0, E) count for no expert)
-    experts = tl.arange(0, E_PAD)
-    live = experts < NUM_EXPERTS
-    offs = tl.arange(0, COUNT_CHUNK)
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for start in range(0, num_pairs, COUNT_CHUNK):
+def _align_kernel(ids_ptr, counts_ptr, ranks_ptr, counter_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs,
+                  num_blocks, NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, PAIR_CHUNK: tl.constexpr,
+                  BLOCK_CHUNK: tl.constexpr, FILL: tl.constexpr, BLOCK_M: tl.constexpr):
+    # program e: the ranks of expert e's pairs among them (a running count over the pairs in order)
+    # to ranks_ptr[pair], their number to counts_ptr[e]; the last program to arrive (an atomic
+    # counter it resets to 0) lays every pair out from the counts and ranks
+    e = tl.program_id(0)
+    offs = tl.arange(0, PAIR_CHUNK)
+    seen = tl.sum(tl.zeros((PAIR_CHUNK,), tl.int32), axis=0)
+    for start in range(0, num_pairs, PAIR_CHUNK):
         ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
-        counts += tl.histogram(ids, E_PAD, mask=(ids >= 0) & (ids < NUM_EXPERTS))
-    seg_blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    block_end = tl.cumsum(seg_blocks, axis=0)  # one past the expert's last block
-    row_start = (block_end - seg_blocks) * BLOCK_M
-
-    # block b -> expert: the live segments that end at or before b, i.e. those ending before the
-    # chunk plus a running sum of a histogram of the ends inside it
-    blocks = tl.arange(0, BLOCK_CHUNK)
-    for start in range(0, num_blocks, BLOCK_CHUNK):
-        before = tl.sum((live & (block_end < start)).to(tl.int32), axis=0)
-        inside = live & (block_end >= start) & (block_end < start + BLOCK_CHUNK)
-        expert = before + tl.cumsum(tl.histogram(block_end - start, BLOCK_CHUNK, mask=inside), axis=0)
-        expert = tl.where(expert < NUM_EXPERTS, expert, -1)
-        tl.store(block_experts_ptr + start + blocks, expert, mask=start + blocks < num_blocks)
-    for start in range(0, num_blocks * BLOCK_M, FILL):
-        rows = start + tl.arange(0, FILL)
-        tl.store(sorted_pairs_ptr + rows, tl.full((FILL,), -1, tl.int32),
-                 mask=rows < num_blocks * BLOCK_M)
-    tl.debug_barrier()  # the padding is written before the pairs land on top of it
-
-    # stable scatter: a pair's row is its expert's next free row before the chunk plus the earlier
-    # pairs of that expert inside the chunk
-    next_row = row_start
-    r = tl.arange(0, RANK_CHUNK)
-    for start in range(0, num_pairs, RANK_CHUNK):
-        pairs = start + r
-        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        valid = (ids >= 0) & (ids < NUM_EXPERTS)
-        earlier = tl.sum(((ids[:, None] == ids[None, :]) & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
-        row = tl.gather(next_row, tl.where(valid, ids, 0), 0) + earlier
-        tl.store(sorted_pairs_ptr + row, pairs, mask=valid)
-        next_row += tl.histogram(ids, E_PAD, mask=valid)
+        hit = (ids == e).to(tl.int32)
+        tl.store(ranks_ptr + start + offs, seen + tl.cumsum(hit, axis=0) - 1, mask=hit > 0)
+        seen += tl.sum(hit, axis=0)
+    tl.store(counts_ptr + e, seen)
+    tl.debug_barrier()  # every thread's ranks are written before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == NUM_EXPERTS - 1:
+        experts = tl.arange(0, E_PAD)
+        live = experts < NUM_EXPERTS
+        counts = tl.load(counts_ptr + experts, mask=live, other=0, cache_modifier=".cg")
+        seg_blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        block_start = tl.cumsum(seg_blocks, axis=0) - seg_blocks
+        used = tl.sum(seg_blocks, axis=0)
+        for start in range(0, num_blocks * BLOCK_M, FILL):
+            rows = start + tl.arange(0, FILL)
+            tl.store(sorted_pairs_ptr + rows, tl.full((FILL,), -1, tl.int32), mask=rows < num_blocks * BLOCK_M)
+        for start in range(0, num_blocks, FILL):
+            blocks = start + tl.arange(0, FILL)
+            tl.store(block_experts_ptr + blocks, tl.full((FILL,), -1, tl.int32), mask=blocks < num_blocks)
+        tl.debug_barrier()  # the padding is written before the pairs and the segment heads land on it
+        # a segment's first block names its expert; the running max below spreads it to the segment
+        tl.store(block_experts_ptr + block_start, experts, mask=live & (seg_blocks > 0))
+        row_start = block_start * BLOCK_M
+        for start in range(0, num_pairs, PAIR_CHUNK):
+            ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
+            valid = (ids >= 0) & (ids < NUM_EXPERTS)
+            rank = tl.load(ranks_ptr + start + offs, mask=valid, other=0, cache_modifier=".cg")
+            row = tl.gather(row_start, tl.where(valid, ids, 0), 0) + rank
+            tl.store(sorted_pairs_ptr + row, start + offs, mask=valid)
+        tl.debug_barrier()  # the segment heads are written before the scan reads them
+        carry = -1
+        for start in range(0, num_blocks, BLOCK_CHUNK):
+            blocks = start + tl.arange(0, BLOCK_CHUNK)
+            named = tl.load(block_experts_ptr + blocks, mask=blocks < num_blocks, other=-1)
+            expert = tl.maximum(tl.associative_scan(named, 0, _max_combine), carry)
+            carry = tl.max(expert, axis=0)
+            tl.store(block_experts_ptr + blocks, tl.where(blocks < used, expert, -1), mask=blocks < num_blocks)
+        tl.store(counter_ptr, 0)
 
 
 @triton.jit
@@ -701,10 +720,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     if sort:
         blocks = max_blocks(pairs, experts)
         e_pad = triton.next_power_of_2(experts)
-        _align_kernel[(1,)](topk_ids, workspace.sorted_pairs, workspace.block_experts, pairs, blocks,
-                            NUM_EXPERTS=experts, E_PAD=e_pad, COUNT_CHUNK=_ALIGN_COUNT_CHUNK,
-                            RANK_CHUNK=_ALIGN_RANK_CHUNK, BLOCK_CHUNK=_ALIGN_BLOCK_CHUNK, FILL=1024,
-                            BLOCK_M=BLOCK_M, num_warps=8)
+        _align_kernel[(experts,)](topk_ids, workspace.expert_counts, workspace.pair_ranks,
+                                  _tile_counters(hidden.device, 1), workspace.sorted_pairs, workspace.block_experts,
+                                  pairs, blocks, NUM_EXPERTS=experts, E_PAD=e_pad, PAIR_CHUNK=_ALIGN_PAIR_CHUNK,
+                                  BLOCK_CHUNK=_ALIGN_BLOCK_CHUNK, FILL=1024, BLOCK_M=BLOCK_M, num_warps=_ALIGN_WARPS)
         # the rows of act and its codes: the blocks' (padding rows too), a live one's pair in [0, P)
         row_ids, block_experts, rows, down_blocks = (
             workspace.sorted_pairs, workspace.block_experts, blocks * BLOCK_M, blocks)
