@@ -14,8 +14,8 @@
 #   the pair layout's one-token down tile, the histogram align: their GPU tests; their time: moe-small-t, decode-rank),
 #   router-gemm (the router's GPU tests: the FMA tiles, the selection, cuBLAS bf16 from 3 rows + scripts/bench_router_gemm.py), fast-accum (DSASPEC_FP8_FAST_ACCUM:
 #   its GPU tests + e2e-rank-glm5 with it), moe-tiles (scripts/bench_moe_tiles.py: sweeps of the fused MoE's
-#   gate/up and down tiles at T 1, 2, 4, 32, 128 on the GLM-5 rank; the gate/up's at T 1, 2, 4 took 30 s), moe-align (the sorted layout's align programs at pair chunks 256-2048 and 4 / 8 warps,
-#   T 16-512: scripts/sweep_fused_moe.py --align), moe-gpu-tests (the fused MoE's GPU tests), kv-accuracy, e2e-rank-glm5,
+#   gate/up and down tiles at T 1, 2, 4, 32, 128 on the GLM-5 rank; the gate/up's at T 1, 2, 4 took 30 s), moe-align (the sorted layout's tests on the GPU, then its align programs at pair chunks 256-2048
+#   and 4 / 8 warps, T 16-512: scripts/sweep_fused_moe.py --align), moe-gpu-tests (the fused MoE's GPU tests), kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
 #   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
@@ -109,7 +109,10 @@ for step in "$@"; do
                           tests/test_router_logits.py tests/test_moe_router.py 2>&1 | tee "$OUT/router_gemm_tests.log";
                       python3 scripts/bench_router_gemm.py "$OUT/router_gemm" ;;
         moe-tiles)    python3 scripts/bench_moe_tiles.py "$OUT/moe_tiles" ;;
-        moe-align)    python3 scripts/sweep_fused_moe.py "$OUT/moe_align" --tokens 16,32,64,128,512 --weight-dtype fp8 \
+        moe-align)    python3 -m pytest -v -p no:cacheprovider -rfE --tb=short -n 4 --timeout 400 tests/test_fused_moe.py \
+                          -k "stable_padded_sort or matches_reference or routing_extremes or repeated_ids" 2>&1 \
+                          | tee "$OUT/moe_align_tests.log" &&
+                      python3 scripts/sweep_fused_moe.py "$OUT/moe_align" --tokens 16,32,64,128,512 --weight-dtype fp8 \
                           --align 1024x4,512x4,256x4,2048x4,1024x8 ;;
         moe-gpu-tests) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 4 --timeout 400 \
                           tests/test_fused_moe.py tests/test_moe_shared_experts.py 2>&1 | tee "$OUT/moe_gpu_tests.log" ;;
