@@ -11,7 +11,7 @@
 #   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), norm-quant (the GPU tests of
 #   the norms writing the FP8 GEMMs' codes; their time: decode-rank), norms (scripts/bench_norms.py: one program a row
 #   against 1024-column programs), moe-launches (the router,
-#   the pair layout's one-token down tile, the histogram align: their GPU tests; their time: moe-small-t, decode-rank),
+#   the pair layout's one-token down tile, the align: their GPU tests; their time: moe-small-t, decode-rank),
 #   router-gemm (the router's GPU tests: the FMA tiles, the selection, cuBLAS bf16 from 3 rows + scripts/bench_router_gemm.py), fast-accum (DSASPEC_FP8_FAST_ACCUM:
 #   its GPU tests + e2e-rank-glm5 with it), moe-tiles (scripts/bench_moe_tiles.py: sweeps of the fused MoE's
 #   gate/up and down tiles at T 1, 2, 4, 32, 128 on the GLM-5 rank; the gate/up's at T 1, 2, 4 took 30 s), moe-align (the sorted layout's tests on the GPU, then its align programs at pair chunks 256-2048
