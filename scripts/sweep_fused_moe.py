@@ -14,7 +14,6 @@ writes ``sweep_fused_moe.json`` to the folder given.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -27,6 +26,7 @@ import torch
 
 from dsaspec.bench.moe import _inputs, quantize_experts
 from dsaspec.bench.timing import replay_events, warm_up_gpu
+from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int, positive_int_list
 from dsaspec.ops import fused_moe as moe
 
 KERNELS = {"gate_up": "_gate_up_kernel", "down": "_down_kernel", "align": "_align_kernel",
@@ -49,7 +49,7 @@ def _align_forms(text: str) -> list[tuple[int, int]]:
     for item in text.split(","):
         chunk, _, warps = item.partition("x")
         if not (chunk.isdigit() and warps.isdigit()) or any(v < 1 or v & (v - 1) for v in (int(chunk), int(warps))):
-            raise argparse.ArgumentTypeError(f"expected CHUNKxWARPS pairs of powers of two, got {item!r}")
+            raise ValueError(f"expected CHUNKxWARPS pairs of powers of two, got {item!r}")
         forms.append((int(chunk), int(warps)))
     return forms
 
@@ -74,15 +74,15 @@ def _sweep_align(run, workspace, forms, iters: int) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="Tiles of the fused MoE's grouped GEMMs.")
+    parser = Parser(prog="sweep_fused_moe", description="Tiles of the fused MoE's grouped GEMMs.")
     parser.add_argument("out", type=Path, help="folder for sweep_fused_moe.json")
-    parser.add_argument("--tokens", default="1,2,4,8,16,64")
-    parser.add_argument("--intermediate", default="256")
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--tokens", type=positive_int_list, default=[1, 2, 4, 8, 16, 64], help="T values")
+    parser.add_argument("--intermediate", type=positive_int_list, default=[256], help="I values")
+    parser.add_argument("--iters", type=positive_int, default=50, help="timed replays per point")
     parser.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--align", type=_align_forms, default=None,
                         help="sweep the align programs instead: pair chunk x warps, e.g. 1024x4,512x8")
-    args = parser.parse_args()
+    args = parse_or_exit(parser)
     fp8 = args.weight_dtype == "fp8"
     shape = SimpleNamespace(hidden=7168, experts=256, topk=8, seed=0)
     default_tile = moe._tile
@@ -91,8 +91,7 @@ def main() -> int:
     itemsize = 1 if fp8 else 2
     warm_up_gpu()
     results = []
-    for inter, tokens in itertools.product([int(i) for i in args.intermediate.split(",")],
-                                           [int(t) for t in args.tokens.split(",")]):
+    for inter, tokens in itertools.product(args.intermediate, args.tokens):
         hidden, w13, w2, ids, weights = _inputs(tokens, shape, inter, "cuda", torch.bfloat16)
         scales = {}
         if fp8:

@@ -35,6 +35,8 @@ def test_parse_or_exit_is_one_line_and_status_2(capsys):
     (["scripts/bench_moe_tiles.py", "out", "--kernels", "gate_up,combine"], "--kernels"),
     (["scripts/bench_norms.py", "out", "--rows", "1,0"], "--rows"),
     (["scripts/bench_norms.py", "out", "--iters", "0"], "--iters"),
+    (["scripts/sweep_fused_moe.py", "out", "--tokens", "16,x"], "--tokens"),
+    (["scripts/sweep_fused_moe.py", "out", "--align", "1024x3"], "--align"),
     (["scripts/compile_sparse_mla_gluon.py", "--heads", "8,x"], "--heads"),
     (["scripts/compile_fp8_dsa.py", "--bogus"], "--bogus"),
     (["scripts/compile_decode_epilogues.py", "--bogus"], "--bogus"),

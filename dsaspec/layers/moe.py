@@ -97,8 +97,8 @@ class Router(Linear):
 
     def bf16_weight(self) -> torch.Tensor | None:
         """``weight`` as bf16 ``[E, hidden]`` where that is exact, else None. Decided (a host sync)
-        and kept until ``weight`` is written or replaced, so the first call must be eager: the
-        graph runner's warm-up runs before every capture."""
+        and kept (a copy: 3 MB a GLM-5 layer) until ``weight`` is written or replaced, so the first
+        call must be eager: the graph runner's warm-up runs before every capture."""
         key = (self.weight._version, self.weight.data_ptr(), self.weight.device)
         if self._bf16 is None or self._bf16[0] != key:
             bf16 = self.weight.detach().bfloat16()
@@ -109,9 +109,10 @@ class Router(Linear):
         """``x [T, hidden]`` (bf16 or fp32) -> fp32 ``x @ weight.T`` ``[T, E]`` (class docstring)."""
         if self.row_invariant:
             return router_logits(x, self.weight)
-        if (self.use_triton and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_TOKENS
-                and self.bf16_weight() is not None):
-            return torch.mm(x, self.bf16_weight().t(), out_dtype=torch.float32)
+        if self.use_triton and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_TOKENS:
+            bf16 = self.bf16_weight()
+            if bf16 is not None:
+                return torch.mm(x, bf16.t(), out_dtype=torch.float32)
         if self.use_triton and x.shape[0] <= DECODE_MAX_TOKENS:
             return router_logits(x, self.weight, config=decode_tile(x.shape[0]))
         return F.linear(x.float(), self.weight)

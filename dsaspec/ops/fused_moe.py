@@ -294,7 +294,7 @@ def _align_kernel(ids_ptr, counts_ptr, ranks_ptr, counter_ptr, sorted_pairs_ptr,
     # counter it resets to 0) lays every pair out from the counts and ranks
     e = tl.program_id(0)
     offs = tl.arange(0, PAIR_CHUNK)
-    seen = tl.sum(tl.zeros((PAIR_CHUNK,), tl.int32), axis=0)
+    seen = 0
     for start in range(0, num_pairs, PAIR_CHUNK):
         ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
         hit = (ids == e).to(tl.int32)

@@ -208,27 +208,22 @@ def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, k=None,
     q_rows = 0 if q is None else q.shape[0] * q.shape[1]
     k_rows = 0 if k is None else k.shape[0]
     q_blocks, k_blocks = triton.cdiv(q_rows, _ROWS), triton.cdiv(k_rows, _ROWS)
-    w_programs = 0 if head_weights is None else head_weights.programs
-    blocks = q_blocks + k_blocks + w_programs
+    any_x = k if q is None else q   # stands in for the pointers of a part left out (never read)
+    head_weights = head_weights or HeadWeightsLaunch.absent(any_x)
+    blocks = q_blocks + k_blocks + head_weights.programs
     if not blocks:
         return
-    any_x = k if q is None else q   # stands in for the pointers of a part left out (never read)
     k_args = (any_x, any_x, any_x, any_x, any_x, any_x, 0, eps, 0, 0, 0) if k is None else (
         k, weight, bias, codes, loc, any_x if scale is None else scale, k_rows, eps, k.stride(0), codes.stride(0),
         0 if scale is None else scale.stride(0))
     q_args = (any_x, any_x, 0, 1, 0, 0, 0) if q is None else (q, q_out, q_rows, q.shape[1], q.stride(0), q.stride(1),
                                                                INDEX_HEAD_DIM)
-    if w_programs:
-        w_args = head_weights.args
-        w_constexprs = {f"W_{name}": value for name, value in head_weights.constexprs.items()}
-    else:
-        w_args = (any_x,) * 5 + (0, 1, 0, 0.0, 0, 0, 0, 1)
-        w_constexprs = dict(W_SPLITS=1, W_BLOCK_M=1, W_BLOCK_K=1, W_STAGES=1)
+    w_constexprs = {f"W_{name}": value for name, value in head_weights.constexprs.items()}
     _index_rope_kernel[(blocks,)](
-        *q_args, q_blocks, *k_args, k_blocks, cos, sin, cos.stride(0), *w_args, ROWS=_ROWS, DIM=INDEX_HEAD_DIM,
-        ROPE=rope_dim, INTERLEAVED=interleaved, ROTATE=rotate, K_DEST=dest, BF16=any_x.dtype == torch.bfloat16,
-        PAGE=PAGE_SIZE, QUERY=q is not None, KEY=k is not None, WEIGHTS=w_programs > 0, **w_constexprs,
-        enable_fp_fusion=False)
+        *q_args, q_blocks, *k_args, k_blocks, cos, sin, cos.stride(0), *head_weights.args, ROWS=_ROWS,
+        DIM=INDEX_HEAD_DIM, ROPE=rope_dim, INTERLEAVED=interleaved, ROTATE=rotate, K_DEST=dest,
+        BF16=any_x.dtype == torch.bfloat16, PAGE=PAGE_SIZE, QUERY=q is not None, KEY=k is not None,
+        WEIGHTS=head_weights.programs > 0, **w_constexprs, enable_fp_fusion=False)
 
 
 def index_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,
@@ -271,9 +266,7 @@ def indexer_epilogues(q: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, k
     if isinstance(k, torch.Tensor) and k.dtype != q.dtype:
         raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
     codes, scale, dest = _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values)
-    check_tensor("x", x, dtype=_FLOAT_DTYPES, ndim=2, device=q.device)
-    check_tensor("head_weight", head_weight, dtype=_FLOAT_DTYPES, shape=(None, x.shape[1]), device=q.device)
-    head_weights = prepare_index_weights(x, head_weight, head_scale)
+    head_weights = prepare_index_weights(x, head_weight, head_scale, weight_name="head_weight", device=q.device)
     _launch(cos, sin, rope_dim, interleaved, dest == _FP8, q=q, q_out=out, k=k, weight=weight, bias=bias, eps=eps,
             codes=codes, loc=loc, scale=scale, dest=dest, head_weights=head_weights)
     return out, head_weights.out

@@ -110,16 +110,25 @@ class HeadWeightsLaunch:
     args: tuple
     constexprs: dict
 
+    @classmethod
+    def absent(cls, placeholder: torch.Tensor) -> "HeadWeightsLaunch":
+        """No head weights: no programs, arguments of the right kinds (``placeholder`` for the
+        pointers, never read) for a launch that compiles the part out."""
+        return cls(placeholder, 0, (placeholder,) * 5 + (0, 1, 0, 0.0, 0, 0, 0, 1),
+                   dict(SPLITS=1, BLOCK_M=1, BLOCK_K=1, STAGES=1))
 
-def prepare_index_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> HeadWeightsLaunch:
-    """Check :func:`index_weights`'s arguments and allocate its output, workspace and counters."""
-    check_tensor("x", x, dtype=_FLOAT_DTYPES, ndim=2)
+
+def prepare_index_weights(x: torch.Tensor, weight: torch.Tensor, scale: float, *, weight_name: str = "weight",
+                          device: torch.device | None = None) -> HeadWeightsLaunch:
+    """Check :func:`index_weights`'s arguments (``weight`` named ``weight_name`` in errors; ``x``
+    on ``device`` when given) and allocate its output, workspace and counters."""
+    check_tensor("x", x, dtype=_FLOAT_DTYPES, ndim=2, device=device)
     rows, k = x.shape
-    check_tensor("weight", weight, dtype=_FLOAT_DTYPES, shape=(None, k), device=x.device)
+    check_tensor(weight_name, weight, dtype=_FLOAT_DTYPES, shape=(None, k), device=x.device)
     heads = weight.shape[0]
     out = torch.empty(rows, heads, dtype=torch.float32, device=x.device)
     if not rows or not heads:
-        return HeadWeightsLaunch(out, 0, (), {})
+        return HeadWeightsLaunch.absent(out)
     per_split, splits = index_weights_splits(heads, k, x.device)
     tiles = triton.cdiv(rows, _BLOCK_M) * heads
     if splits > 1:
