@@ -7,7 +7,8 @@ of each form, the form the defaults pick (``rule``), and each against the bytes 
 and scales, the bf16 rows read and written, at the measured copy bandwidth; no launch beats an
 empty kernel node); every form's bits checked equal. ``--programs-per-sm`` also times the split
 forms with other ``SPLIT_PROGRAMS_PER_SM`` (other K groups: other bits, not compared across
-values), and ``--block-m`` both forms with other tile heights (``_GEMM_BLOCK_M``: 64 rows a tile
+values), ``--stages`` both forms with other pipeline depths of 16-row tiles (``_GEMM_STAGES``: the same bits),
+and ``--block-m`` both forms with other tile heights (``_GEMM_BLOCK_M``: 64 rows a tile
 give the tensor cores' warpgroup MMA and read the weights M / 64 times instead of M / 16, but make
 each row's bits a function of the tile; other bits, not compared across values). Writes
 ``fp8_linear_<preset>.json`` and ``.md`` to the folder given and prints the table: where split
@@ -16,7 +17,7 @@ stops winning sets the split threshold, where fused stops winning ``FUSED_QUANT_
 row-invariant) mode should take it from some M on.
 
     python3 scripts/bench_fp8_linear.py OUT [--preset deepseek-v32-fp8-tp8-rank] [--rows 1,4,16,64,128]
-        [--programs-per-sm 2,4] [--block-m 32,64]
+        [--programs-per-sm 2,4] [--stages 4,6] [--block-m 32,64]
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def main() -> int:
     parser.add_argument("--programs-per-sm", type=positive_int_list, default=[],
                         help=f"also time the split forms at these SPLIT_PROGRAMS_PER_SM (default "
                              f"{op.SPLIT_PROGRAMS_PER_SM} only), comma-separated")
+    parser.add_argument("--stages", type=positive_int_list, default=[],
+                        help=f"also time both forms with these many pipeline stages in 16-row tiles (default "
+                             f"{op._GEMM_STAGES} only), comma-separated")
     parser.add_argument("--block-m", type=positive_int_list, default=[],
                         help=f"also time both forms with tiles of these many rows, powers of two >= 16 "
                              f"(default {op._GEMM_BLOCK_M} only), comma-separated")
@@ -92,11 +96,14 @@ def main() -> int:
     scale_fmt = config.quantization.scale_fmt
     sweep = [v for v in args.programs_per_sm if v != op.SPLIT_PROGRAMS_PER_SM]
     tiles = [v for v in args.block_m if v != op._GEMM_BLOCK_M]
-    # form -> (split, fused, the constant it overrides, its value)
+    stages = [v for v in args.stages if v != op._GEMM_STAGES]
+    # form -> (split, fused, the constant it overrides, its value); a form's name tags the value
+    tags = {"SPLIT_PROGRAMS_PER_SM": "", "_GEMM_BLOCK_M": "m", "_GEMM_STAGES": "s"}
     variants = ([(False, None, None), (True, None, None)] + [(True, "SPLIT_PROGRAMS_PER_SM", v) for v in sweep]
+                + [(split, "_GEMM_STAGES", v) for v in stages for split in (False, True)]
                 + [(split, "_GEMM_BLOCK_M", v) for v in tiles for split in (False, True)])
     forms = {f"{'split' if split else 'unsplit'}_{'fused' if fused else 'two'}"
-             + ("" if const is None else f"@{v}" if const == "SPLIT_PROGRAMS_PER_SM" else f"@m{v}"):
+             + ("" if const is None else f"@{tags[const]}{v}"):
              (split, fused, const, v) for split, const, v in variants for fused in (False, True)}
     warm_up_gpu()
     floors = Floors.measure()
@@ -121,7 +128,8 @@ def main() -> int:
                 point[form] = timing.summary()
                 point[f"{form}_us"] = timing.median_us
                 point[f"{form}_over_floor"] = timing.median_us / point["floor_us"]
-            same_groups = [outs[form].view(torch.int16) for form, (_, _, const, _) in forms.items() if const is None]
+            same_groups = [outs[form].view(torch.int16) for form, (_, _, const, _) in forms.items()
+                           if const in (None, "_GEMM_STAGES")]
             point["bitwise_equal"] = all(torch.equal(bits, same_groups[0]) for bits in same_groups)
             point["rule_us"] = point[f"{rule}_us"]
             point["rule_over_floor"] = point["rule_us"] / point["floor_us"]
@@ -136,6 +144,7 @@ def main() -> int:
     write_results(f"fp8_linear_{args.preset}", dict(
         method=METHOD, params=dict(preset=args.preset, scale_fmt=scale_fmt, rows=args.rows, iters=args.iters,
                                    programs_per_sm=[op.SPLIT_PROGRAMS_PER_SM] + sweep,
+                                   stages=[op._GEMM_STAGES] + stages,
                                    block_m=[op._GEMM_BLOCK_M] + tiles),
         copy_gbps=floors.copy_gbps, empty_kernel_us=floors.empty_us,
         split_programs_per_sm=op.SPLIT_PROGRAMS_PER_SM, fused_quant_max_m=op.FUSED_QUANT_MAX_M,

@@ -93,8 +93,13 @@ _GEMM_BLOCK_M, _GEMM_BLOCK_N = 16, 64
 TALL_BLOCK_M = 64
 TALL_TILE_MIN_M = 32
 # The split form aims at this many programs per SM for one row block (k_group): two 16 x 64 programs
-# of 3 stages keep ~48 KB of weight loads in flight per SM.
+# of 4 stages (_GEMM_STAGES) keep ~64 KB of weight loads in flight per SM.
 SPLIT_PROGRAMS_PER_SM = 2
+# K blocks a program keeps in flight (pipeline stages): 4 for 16-row tiles, alone at cold L2 on the
+# GLM-5 rank shapes 3 - 5% faster split at M 1 - 16 and 10 - 15% unsplit than 3 (6 and 8 slower
+# than 4; benchmarks/results/h200/logs/fp8_linear_stages_glm5_rank_session14.md); 3 for the tall
+# 64-row tiles, not timed at 4
+_GEMM_STAGES, _TALL_GEMM_STAGES = 4, 3
 _REDUCE_BLOCK = 512      # output columns per reduce program
 # fp8_linear quantizes inside the GEMM for M <= FUSED_QUANT_MAX_M where a program runs at most
 # FUSED_QUANT_MAX_STEPS K blocks (G split, K / 128 unsplit). Every N program quantizes its 16 rows
@@ -306,7 +311,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scal
                            c.stride(0) if split else 0,
                            BLOCK_M=block_m, BLOCK_N=_GEMM_BLOCK_N, BLOCK_K=BLOCK,
                            QUANTIZE_A=quantize, UE8M0=scale_fmt == "ue8m0", SPLIT=split, PDL=pdl,
-                           num_warps=4, num_stages=3)
+                           num_warps=4, num_stages=_GEMM_STAGES if block_m == _GEMM_BLOCK_M else _TALL_GEMM_STAGES)
     if split:
         _fp8_gemm_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
             c, out, n, c.stride(0), c.stride(1), out.stride(0), GROUPS=groups, BLOCK_C=_REDUCE_BLOCK, PDL=pdl,
