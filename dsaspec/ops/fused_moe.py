@@ -96,11 +96,12 @@ BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's seg
 _DTYPES = (torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
 # the align programs' chunks: the pairs one program ranks (its expert's) or places (the last) at a
-# time, the blocks its running max spreads the experts over at a time; warps per program. 8 warps:
-# 4.3 - 13.0 µs at T 16 - 512 (GLM-5 rank, 8 pairs a token) against 4.7 - 13.4 with 4; pair chunks
-# of 256 / 512 lose from T 64, 2048 wins only at T 512 (benchmarks/results/h200/logs/moe_align_sweep_session14.json)
+# time, the blocks its running max spreads the experts over at a time; warps per program. 4 warps:
+# 4.7 - 13.4 µs at T 16 - 512 (GLM-5 rank, 8 pairs a token); 8 warps 4.3 - 13.0 but the sm_90
+# compile spills 4 bytes at 9 experts; pair chunks of 256 / 512 lose from T 64, 2048 wins only at
+# T 512 (benchmarks/results/h200/logs/moe_align_sweep_session14.json)
 _ALIGN_PAIR_CHUNK, _ALIGN_BLOCK_CHUNK = 1024, 1024
-_ALIGN_WARPS = 8
+_ALIGN_WARPS = 4
 _STAGE_BYTES = 160 * 1024  # shared memory of a GEMM's pipeline stages (the H200 has 227 KB)
 _COMBINE_ELEMENTS = 1024  # outputs per combine program
 
