@@ -124,7 +124,8 @@ def test_compiles_for_sm90_on_tensor_cores_without_spills():
                          "for heads, v in c.ABSORB_SHAPES:\n"
                          "    for rows in c.ROW_COUNTS:\n"
                          "        r = c.compile_absorb_v(heads, v, rows)\n"
-                         "        mma = sum(n for op, n in r['sass'].items() if op.startswith('HMMA') and 'BF16' in op)\n"
+                         "        mma = sum(n for op, n in r['sass'].items()\n"
+                         "                  if op.startswith('HMMA') and 'BF16' in op)\n"
                          "        local = sum(n for op, n in r['sass'].items() if op.startswith(('LDL', 'STL')))\n"
                          "        print(r['regs'], r['spill'], local, mma)")
     results = integer_rows(out)
@@ -197,8 +198,8 @@ def test_attention_hands_o_proj_the_absorption_codes():
         ops = SimpleNamespace(**vars(dsa_ops(True, False)))
         ops.sparse_mla_decode = attend
         ops.absorb_v_quant = counted if fused else None
-        step = SimpleNamespace(cos=torch.ones(rows, 32), sin=torch.zeros(rows, 32), out_cache_loc=torch.tensor([1, 4, 6]),
-                               ops=ops, check_values=True, seeded=True, selected=None,
+        step = SimpleNamespace(cos=torch.ones(rows, 32), sin=torch.zeros(rows, 32),
+                               out_cache_loc=torch.tensor([1, 4, 6]), ops=ops, check_values=True, seeded=True, selected=None,
                                attn=SimpleNamespace(workspace=None))
         with torch.no_grad():
             outputs.append(attn(x, step, torch.zeros(8, 576, dtype=torch.bfloat16), None).float())

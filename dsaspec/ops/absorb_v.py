@@ -29,7 +29,8 @@ _BLOCK_L = 64   # latent values a K step
 def _absorb_v_quant_kernel(o_ptr, w_ptr, y_ptr, q_ptr, s_ptr, R, L, stride_or, stride_oh, stride_wh, stride_wv,
                            stride_y, stride_q, stride_s, V: tl.constexpr, QBLOCK: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK_L: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr):
-    # program (i, h, c): rows [16 i, 16 i + 16), head h, its value columns [128 c, 128 c + 128); acc = sum over L blocks in order of their dots.
+    # program (i, h, c): rows [16 i, 16 i + 16), head h, its value columns [128 c, 128 c + 128);
+    # acc = the sum over the L blocks, in order, of their dots.
     # UPCAST (CPU tensors): the interpreter's dot misreads bf16, so both sides go to fp32 first
     # (the products of bf16 values are exact in fp32 either way)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
