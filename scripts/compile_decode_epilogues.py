@@ -9,9 +9,7 @@ router's selection (``moe_router``: GLM-5's and DeepSeek-V3.2's routing, 256 exp
 slot of their shared expert) and GEMM (``router_logits``: each tile, bf16 rows of 7168 on the fp32
 weight), and the RMSNorms before the attention's FP8 GEMMs (``rms_norm``: the
 input norm with its residual add at hidden 6144 / 7168, ``q_a_layernorm`` at 2048 / 1536, each
-plain and writing act_quant's codes and scales too), and the MLA output's value absorption with
-``o_proj``'s codes (``absorb_v``: GLM-5's 8 heads of V 256 and DeepSeek-V3.2's 16 of V 128 at a
-TP 8 rank, latent 512, 1 and 64 rows).
+plain and writing act_quant's codes and scales too).
 
 Each case goes through the real host wrapper on small CPU tensors; the launch is intercepted and
 compiled as Triton's JIT would specialize it on a CUDA device, K splits as on the H200's 132 SMs.
@@ -27,8 +25,7 @@ import torch  # noqa: E402
 from triton import knobs  # noqa: E402
 
 from dsaspec.cli_parsing import Parser, parse_or_exit  # noqa: E402
-from dsaspec.ops import (absorb_v, decode_inputs, index_weights, moe_router, rope_cos_sin, row_invariant,  # noqa: E402
-                         silu_and_mul)
+from dsaspec.ops import decode_inputs, index_weights, moe_router, rope_cos_sin, row_invariant, silu_and_mul  # noqa: E402
 
 WEIGHT_SHAPES = ((32, 6144), (64, 7168))   # (index heads, hidden): GLM-5, DeepSeek-V3.2
 ROW_COUNTS = (1, 64)
@@ -122,18 +119,6 @@ def compile_rms_norm(d: int, add: bool, quant: bool, rows: int = 4) -> dict:
     return dsa.compile_kernel(row_invariant._norm_kernel, launch, overrides=())
 
 
-ABSORB_SHAPES = ((8, 256), (16, 128))   # (heads, V) of a TP 8 rank: GLM-5, DeepSeek-V3.2
-
-
-def compile_absorb_v(heads: int, v: int, rows: int, latent: int = 512) -> dict:
-    """One ``absorb_v_quant`` launch: ``rows`` bf16 rows of ``heads`` x ``latent``, a W_UV view of
-    ``kv_b_proj``'s weight (192 key rows before each head's ``v`` value rows), ue8m0 scales."""
-    o_latent = torch.zeros(rows, heads, latent, dtype=torch.bfloat16)
-    w_uv = torch.zeros(heads, 192 + v, latent, dtype=torch.bfloat16)[:, 192:]
-    return dsa.compile_kernel(absorb_v._absorb_v_quant_kernel,
-                              lambda: absorb_v.absorb_v_quant(o_latent, w_uv, "ue8m0"))
-
-
 def _line(name: str, result: dict) -> str:
     return (f"{name}: {result['regs']} regs, {result['spill']} B spilled, {result['shared']} B shared, "
             f"{result['instructions']} SASS instructions")
@@ -167,9 +152,6 @@ def main() -> int:
         for quant in (False, True):
             print(_line(f"{'add_rms_norm' if add else 'rms_norm'} {d}{' + act_quant' if quant else ''}",
                         compile_rms_norm(d, add, quant)), flush=True)
-    for heads, v in ABSORB_SHAPES:
-        for rows in ROW_COUNTS:
-            print(_line(f"absorb_v {heads} heads x {v}, {rows} rows", compile_absorb_v(heads, v, rows)), flush=True)
     for kind in dsa.INDEX_ROPE_KINDS:
         print(dsa.summary_line(f"index_rope {kind}", dsa.compile_index_rope(kind)), flush=True)
     return 0

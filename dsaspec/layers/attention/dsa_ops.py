@@ -14,16 +14,14 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
     and the two cache writes (``store_mla``, ``store_index_k``: a copy, or quantize-on-write into
     an FP8 cache), and the fused epilogues: the indexer's query, key and head weights in one
     launch (``indexer_epilogues`` of :mod:`dsaspec.ops.index_rope`), the MLA latent's norm + RoPE + store
-    (``store_mla_normed``, :mod:`dsaspec.ops.mla_latent`), the absorbed query's assembly with
-    its RoPE (``mla_query``, the same module) and the output's value absorption writing ``o_proj``'s
-    FP8 codes (``absorb_v_quant``, :mod:`dsaspec.ops.absorb_v`); ``None`` on the torch path, where the
+    (``store_mla_normed``, :mod:`dsaspec.ops.mla_latent`) and the absorbed query's assembly with
+    its RoPE (``mla_query``, the same module); ``None`` on the torch path, where the
     layers run their torch ops:
     the Triton kernels when ``use_triton`` (sparse MLA's Gluon kernel where its default
     configuration takes it, unless ``sparse_mla_gluon`` is off, on an ``fp8_ds_mla`` layer cache
     with its FP8 tiles, chosen from the cache's dtype on the host), else the runtime's plain-torch
     versions (:mod:`dsaspec.layers.attention.torch_ops`; eager only: they read lengths on the host)."""
     if use_triton:
-        from dsaspec.ops.absorb_v import absorb_v_quant
         from dsaspec.ops.indexer import indexer_logits
         from dsaspec.ops.indexer_schedule import indexer_schedule
         from dsaspec.ops.sparse_mla import sparse_mla_decode
@@ -36,13 +34,12 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool) -> SimpleNamespace:
     else:
         from dsaspec.layers.attention.torch_ops import (indexer_logits, indexer_schedule, sparse_mla_decode,
                                                         store_index_k, store_mla, topk_slots)
-        indexer_epilogues = store_mla_normed = mla_query = absorb_v_quant = None
+        indexer_epilogues = store_mla_normed = mla_query = None
     return SimpleNamespace(indexer_schedule=indexer_schedule, indexer_logits=indexer_logits,
                            topk_slots=topk_slots, sparse_mla_decode=sparse_mla_decode,
                            store_mla=store_mla, store_index_k=store_index_k,
                            indexer_epilogues=indexer_epilogues,
-                           store_mla_normed=store_mla_normed, mla_query=mla_query,
-                           absorb_v_quant=absorb_v_quant)
+                           store_mla_normed=store_mla_normed, mla_query=mla_query)
 
 
 def _sparse_mla_decode_triton_only(q, kv_cache, slots, sm_scale, out, *, workspace=None, **kwargs):

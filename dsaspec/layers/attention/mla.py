@@ -26,7 +26,6 @@ from dsaspec.layers.linear import COLUMN, ROW, bmm, make_linear
 from dsaspec.layers.norm import LayerNorm, RMSNorm
 from dsaspec.layers.rotary import apply_rope, apply_rope_first
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
-from dsaspec.ops.absorb_v import fits
 from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.ops.kv_cache_layout import is_fp8_cache
 
@@ -152,7 +151,7 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         self.o_proj = make_linear(heads * config.v_head_dim, config.hidden_size, device, dtype, split=ROW, **tp)
         self.indexer = Indexer(config, device, dtype) if config.has_indexer(layer) else None
         self.fused_input = self.fused_latent = None
-        self.input_quant = self.latent_quant = self.output_quant = None
+        self.input_quant = self.latent_quant = None
 
     def fuse_projections(self) -> None:
         """One GEMM for the projections of the layer input: ``q_a_proj``, the indexer's ``wk``
@@ -166,10 +165,8 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         Where all the GEMMs of one input are FP8 of one ``scale_fmt``, its norm writes their codes
         too (:class:`~dsaspec.layers.norm.RMSNorm` ``quant``; one act_quant launch fewer each):
         ``input_quant`` for the layer input (the decoder layer's ``input_layernorm``),
-        ``latent_quant`` for ``q_a_layernorm``'s, ``output_quant`` for ``o_proj``'s input, which the
-        value absorption writes with its codes (``absorb_v_quant`` of the Triton ops, where
-        :func:`~dsaspec.ops.absorb_v.fits` the head's shape)
-        (:func:`~dsaspec.layers.fp8_linear.act_quant_of`; None: the GEMMs quantize)."""
+        ``latent_quant`` for ``q_a_layernorm``'s (:func:`~dsaspec.layers.fp8_linear.act_quant_of`;
+        None: the GEMMs quantize)."""
         parts = [self.q_a_proj] + ([self.indexer.wk] if self.indexer is not None else []) + [self.kv_a_proj_with_mqa]
         self.fused_input = fuse_linears(parts)
         self.input_quant = act_quant_of(parts)
@@ -177,8 +174,6 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         if self.indexer is not None:
             self.fused_latent = fuse_linears(latent)
         self.latent_quant = act_quant_of(latent)
-        cfg = self.config
-        self.output_quant = act_quant_of([self.o_proj]) if fits(cfg.v_head_dim, cfg.kv_lora_rank) else None
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``kv_b_proj``'s weight (dequantized when FP8): ``W_UK [H, qk_nope, 512]`` and
@@ -236,11 +231,6 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         workspace = step.attn.workspace or NO_WORKSPACE
         step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
                                    check_values=step.check_values, workspace=workspace.sparse_mla)
-        if step.ops.absorb_v_quant is not None and self.output_quant is not None and x.dtype == torch.bfloat16:
-            # the Triton ops: W_UV's product and o_proj's FP8 codes in one launch
-            scale_fmt = self.output_quant.scale_fmt
-            o, codes, scales = step.ops.absorb_v_quant(o_latent, w_uv, scale_fmt)
-            return self.group.all_reduce(self.o_proj(Fp8Input(o, codes, scales, scale_fmt)))
         # [R, H, v], written through its [H, R, v] view: o_proj reads it as [R, H * v] without a copy
         o = torch.empty(rows, heads, cfg.v_head_dim, device=x.device, dtype=x.dtype)
         bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), self.row_invariant, out=o.transpose(0, 1))
