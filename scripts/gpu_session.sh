@@ -163,6 +163,12 @@ for step in "$@"; do
                           --concurrency 1,8,32 --accept real --out "$OUT/rank_glm5_real" ;;
         decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/decode_fp8" ;;
+        read-chain)   python3 scripts/bench_read_chain.py "$OUT/read_chain" --iters 50 ;;
+        small-m-ncu)  ncu --clock-control none --target-processes all \
+                          -k regex:'_gate_up_kernel|_down_kernel|_fp8_gemm_kernel' --launch-skip 5 --launch-count 5 \
+                          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                          --section SchedulerStats --section Occupancy --section LaunchStats --section SourceCounters \
+                          --print-details all python3 scripts/small_m_kernels.py > "$OUT/ncu_small_m.txt" 2>&1 ;;
         pack)         (cd "$OUT" && tar -czf /tmp/out.tgz --exclude=out.tgz . && find . -mindepth 1 -delete \
                           && mv /tmp/out.tgz out.tgz) ;;
         *) echo "unknown step $step"; status=2; continue ;;

@@ -1,0 +1,180 @@
+"""What a decode layer's kernel count costs by itself: the GLM-5 rank's decode layer (bs 1, 4, 32)
+replayed as a chain of pure-read kernels, one per kernel the runtime launches, each reading as many bytes as its
+namesake must, against the same bytes read by one kernel and the bytes floor.
+
+Every link is one launch of a streaming read (int32 loads XOR-folded, one int32 written per program;
+no math) over its own buffer, on the best of a few grids for its size (programs, elements a step,
+warps: measured alone first). The chain runs in one CUDA graph after an L2 flush, so each link starts
+when the one before it ends, as the layer's kernels do. The gap between the chain and the bytes floor
+is what launches, ramp-up and tails cost at these sizes before any math: the practical floor of
+kernels split as the layer's are, which do more than read.
+
+    python3 scripts/bench_read_chain.py OUT [--preset glm5-fp8-tp8-rank] [--live 1032] [--tokens 1,4,32]
+                                            [--iters 100]
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaspec.bench.results import markdown_table, write_results
+from dsaspec.bench.timing import measured_floors_or_none, time_in_graph
+from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int, positive_int_list
+from dsaspec.configs.model_config import PRESETS, ModelConfig
+from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, k_group
+from dsaspec.ops.fused_moe import sorts_pairs
+
+METHOD = ("CUDA-graph replays after an L2 flush (time_in_graph, cold L2), CUPTI span from the first link's start to "
+          "the last link's end, median; a link = one launch of a Triton streaming read (int32 loads XOR-folded, one "
+          "int32 written per program) over its own buffer of the link's bytes, on the grid (programs x elements a "
+          "step x warps) fastest for that size alone; floor = bytes / the measured copy bandwidth")
+PROGRAMS_PER_SM = (1, 2, 4)
+STEP_ELEMENTS = (1024, 4096)
+WARPS = (4, 8)
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, per_program, BLOCK: tl.constexpr):
+    # XOR of program pid's int32 elements [pid * per_program, (pid + 1) * per_program) written to out[pid]
+    pid = tl.program_id(0)
+    start = pid * per_program
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for off in range(start, tl.minimum(start + per_program, n), BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        acc ^= tl.load(x_ptr + idx, mask=idx < n, other=0)
+    tl.store(out_ptr + pid, tl.xor_sum(acc, axis=0))
+
+
+def layer_links(config: ModelConfig, live: int, sms: int, tokens: int = 1) -> list[tuple[str, int]]:
+    """The decode layer's launches at ``tokens`` rows of ``live`` keys each (a MoE layer of an FP8 rank
+    preset, in launch order: the bs-1 layer's, plus the MoE's align and combine where it sorts its
+    pairs) and the bytes each must move: FP8 weights at one byte (their fp32 block scales left out),
+    bf16 W_UK / W_UV and caches, the router in fp32, the split GEMMs' fp32 partials (their K groups on
+    ``sms`` SMs, written and read), norms reading and writing the hidden rows and residuals; the
+    experts hit are the expected number under uniform routing, ``E (1 - (1 - k / E) ** T)``, plus
+    the shared ones (as bench decode's floors)."""
+    h, heads, t = config.hidden_size, config.num_attention_heads, tokens
+    latent, rope, nope, v = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+    index_dim, index_heads = config.index_head_dim, config.index_n_heads
+    experts, k, inter = config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    hit = experts * (1 - (1 - k / experts) ** t) + config.n_shared_experts
+    slots = k + config.n_shared_experts
+    fused_input = config.q_lora_rank + index_dim + latent + rope
+    fused_latent = heads * (nope + rope) + index_heads * index_dim
+    norm = t * 4 * h * 2 + h * 2                       # x and residual in, both out, the weight
+
+    def partials(n: int, k_dim: int) -> int:
+        return 2 * t * triton.cdiv(k_dim // FP8_BLOCK, k_group(n, k_dim, sms)) * n * 4
+
+    links = [
+        ("input_layernorm", norm),
+        ("fused_input GEMM", fused_input * h),
+        ("fused_input split reduce", partials(fused_input, h)),
+        ("q_a_layernorm", t * 2 * config.q_lora_rank * 2 + config.q_lora_rank * 2),
+        ("index_rope", t * 2 * index_dim * 2 + index_heads * h * 2),
+        ("fused_latent GEMM", fused_latent * config.q_lora_rank),
+        ("fused_latent split reduce", partials(fused_latent, config.q_lora_rank)),
+        ("mla_latent", t * 3 * (latent + rope) * 2),
+        ("W_UK bmm", heads * nope * latent * 2),
+        ("mla_query", t * 2 * heads * (latent + rope) * 2),
+        ("indexer_logits", t * (live * index_dim * 2 + index_heads * index_dim * 2)),
+        ("topk", t * live * 4),
+        ("sparse_mla", t * min(live, config.index_topk) * (latent + rope) * 2),
+        ("sparse_mla combine", t * 2 * heads * latent * 4),
+        ("W_UV bmm", heads * v * latent * 2),
+        ("o_proj act_quant", t * 2 * heads * v * 2),
+        ("o_proj GEMM", h * heads * v),
+        ("o_proj split reduce", partials(h, heads * v)),
+        ("post_attention_layernorm", norm),
+        ("router_logits", experts * h * 4),
+        ("router", t * experts * 4 * 2),
+    ]
+    sort = sorts_pairs(t * slots)
+    if sort:
+        links.append(("moe align", t * slots * 4 * 4))
+    links += [("gate_up", round(hit * 2 * inter * h)), ("down", round(hit * h * inter))]
+    if sort:
+        links.append(("moe combine", t * slots * h * 4 + t * h * 2))
+    return links
+
+
+def _read(buf: torch.Tensor, out: torch.Tensor, grid: tuple[int, int, int]):
+    programs, block, warps = grid
+    n = buf.numel()
+    per_program = triton.cdiv(triton.cdiv(n, programs), block) * block
+    programs = triton.cdiv(n, per_program)
+    return lambda: _read_kernel[(programs,)](buf, out, n, per_program, BLOCK=block, num_warps=warps)
+
+
+def _grids(n: int, sms: int) -> list[tuple[int, int, int]]:
+    """(programs, elements a step, warps) worth trying for ``n`` int32 elements: no program without work."""
+    grids = set()
+    for per_sm, block, warps in itertools.product(PROGRAMS_PER_SM, STEP_ELEMENTS, WARPS):
+        grids.add((max(1, min(per_sm * sms, triton.cdiv(n, block))), block, warps))
+    return sorted(grids)
+
+
+def _chain(links: list[tuple[str, int]], out: torch.Tensor, sms: int, floors, iters: int) -> tuple[dict, list]:
+    """Time each link alone on its fastest grid, then the links as one chain and their bytes as one
+    read; returns the summary and the per-link rows."""
+    rows, chain = [], []
+    for name, nbytes in links:
+        buf = torch.randint(-2 ** 31, 2 ** 31 - 1, (triton.cdiv(nbytes, 4),), dtype=torch.int32, device="cuda")
+        best = min((time_in_graph(_read(buf, out, g), iters=iters, graph_diff=False).median_us, g)
+                   for g in _grids(buf.numel(), sms))
+        chain.append(_read(buf, out, best[1]))
+        rows.append(dict(link=name, bytes=nbytes, floor_us=nbytes / (floors.copy_gbps * 1e3), alone_us=best[0],
+                         grid=f"{best[1][0]} x {best[1][1]} x {best[1][2]}w"))
+    total = sum(r["bytes"] for r in rows)
+    whole = torch.empty(triton.cdiv(total, 4), dtype=torch.int32, device="cuda")
+    one_kernel = min(time_in_graph(_read(whole, out, g), iters=iters, graph_diff=False).median_us
+                     for g in _grids(whole.numel(), sms))
+    chain_us = time_in_graph(lambda: [link() for link in chain], iters=iters, graph_diff=False).median_us
+    floor = total / (floors.copy_gbps * 1e3)
+    return dict(links=len(rows), bytes=total, floor_us=floor, chain_us=chain_us, chain_over_floor=chain_us / floor,
+                alone_sum_us=sum(r["alone_us"] for r in rows), one_kernel_us=one_kernel,
+                one_kernel_over_floor=one_kernel / floor), rows
+
+
+def main() -> int:
+    parser = Parser(prog="bench_read_chain", description="A decode layer as a chain of pure-read kernels.")
+    parser.add_argument("out", help="folder for read_chain_<preset>.json / .md")
+    fp8_moe = sorted(name for name, c in PRESETS.items() if c.quantization is not None and c.is_moe)
+    parser.add_argument("--preset", default="glm5-fp8-tp8-rank", choices=fp8_moe)
+    parser.add_argument("--live", type=positive_int, default=1032,
+                        help="live KV length of the row (bench decode's mean at 1k: 1032)")
+    parser.add_argument("--tokens", type=positive_int_list, default=[1, 4, 32],
+                        help="decode rows (batch sizes), comma-separated: a chain each")
+    parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
+    args = parse_or_exit(parser)
+    floors = measured_floors_or_none("bench_read_chain")
+    if floors is None:
+        return 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.empty(8 * sms, dtype=torch.int32, device="cuda")
+    summaries, tables = [], []
+    for tokens in args.tokens:
+        summary, rows = _chain(layer_links(PRESETS[args.preset], args.live, sms, tokens), out, sms, floors, args.iters)
+        summaries.append(dict(summary, tokens=tokens, links_rows=rows))
+        tables.append(f"### {tokens} token{'s' if tokens > 1 else ''}\n\n" + markdown_table(
+            [("link", "link"), ("bytes", "bytes"), ("floor_us", "floor µs"), ("alone_us", "alone µs"),
+             ("grid", "grid (programs x step x warps)")], rows))
+    head = markdown_table([("tokens", "bs"), ("links", "links"), ("bytes", "bytes"), ("floor_us", "floor µs"),
+                           ("one_kernel_us", "one kernel µs"), ("one_kernel_over_floor", "one kernel / floor"),
+                           ("chain_us", "chain µs"), ("chain_over_floor", "chain / floor"),
+                           ("alone_sum_us", "sum alone µs")], summaries)
+    write_results(f"read_chain_{args.preset}", dict(
+        method=METHOD, params=dict(preset=args.preset, live=args.live, tokens=args.tokens, iters=args.iters),
+        copy_gbps=floors.copy_gbps, empty_kernel_us=floors.empty_us, chains=summaries),
+        f"{args.preset} decode layer (live {args.live} a row) as read kernels (copy {floors.copy_gbps:.0f} GB/s, "
+        f"empty kernel {floors.empty_us:.2f} µs)\n\n{head}\n\n" + "\n\n".join(tables), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""scripts/bench_read_chain.py: its read kernel folds exactly the elements of each program's range,
+and its links carry the bytes of the layer they stand for."""
+
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_read_chain as chain  # noqa: E402
+
+from dsaspec.configs.model_config import PRESETS  # noqa: E402
+
+GLM5_RANK = PRESETS["glm5-fp8-tp8-rank"]
+
+
+@pytest.mark.parametrize("n,grid", [(1, (1, 1024, 4)), (1023, (3, 1024, 4)), (10_000, (3, 1024, 8)),
+                                    (5000, (132, 4096, 4))])
+def test_read_kernel_xors_each_programs_range(n, grid):
+    x = torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
+    out = torch.full((160,), 7, dtype=torch.int32)
+    chain._read(x, out, grid)()
+    per = -(-(-(-n // grid[0])) // grid[1]) * grid[1]
+    programs = -(-n // per)
+    want = [functools.reduce(operator.xor, x[p * per:(p + 1) * per].tolist(), 0) for p in range(programs)]
+    assert out[:programs].tolist() == want
+    assert (out[programs:] == 7).all()           # no program past the data
+
+
+def test_links_at_one_token_read_the_routed_and_shared_experts():
+    links = dict(chain.layer_links(GLM5_RANK, 1032, 132, tokens=1))
+    expert = 3 * GLM5_RANK.moe_intermediate_size * GLM5_RANK.hidden_size     # gate, up, down at one byte
+    assert links["gate_up"] + links["down"] == (GLM5_RANK.num_experts_per_tok + 1) * expert
+    assert links["o_proj GEMM"] == GLM5_RANK.hidden_size * GLM5_RANK.num_attention_heads * GLM5_RANK.v_head_dim
+    assert links["sparse_mla"] == 1032 * 576 * 2
+
+
+def test_links_add_align_and_combine_where_the_moe_sorts_its_pairs():
+    few = [name for name, _ in chain.layer_links(GLM5_RANK, 1032, 132, tokens=4)]
+    many = [name for name, _ in chain.layer_links(GLM5_RANK, 1032, 132, tokens=32)]
+    assert "moe align" not in few and "moe combine" not in few
+    assert many == few[:-2] + ["moe align", "gate_up", "down", "moe combine"]
