@@ -54,7 +54,7 @@ def _codes_equal(a, b):
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m,k", [(1, 128), (3, 384), (16, 256), (17, 1024), (40, 128)])
+@pytest.mark.parametrize("m,k", [(1, 128), (2, 256), (3, 384), (8, 128), (16, 256), (17, 1024), (40, 128)])
 def test_act_quant_matches_reference_bitwise(m, k, dtype, fmt, device):
     x = _activations(m, k, dtype, device, seed=m + k)
     q, s = op.act_quant(x, fmt)

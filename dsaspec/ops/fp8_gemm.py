@@ -78,7 +78,9 @@ AMAX_FLOOR = 1e-4
 SCALE_FORMATS = (None, "ue8m0")
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
-_QUANT_ROWS = 16         # rows per act_quant program
+# rows per act_quant program: up to 16, fewer for fewer rows (every row of a program is computed,
+# padding included: at M = 1 a 16-row program did 16x the work); one warp up to 2 rows
+_QUANT_ROWS = 16
 # One GEMM tile for every M and K groups fixed by the weight's shape (k_group), so each output row
 # is computed the same way whatever the other rows are (row-invariant by construction).
 _GEMM_BLOCK_M, _GEMM_BLOCK_N = 16, 64
@@ -151,9 +153,10 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None, *, out: torch.Tenso
         scale_out = torch.empty(m, k // BLOCK, dtype=torch.float32, device=x.device)
     check_tensor("out", out, dtype=torch.float8_e4m3fn, shape=(m, k), device=x.device)
     check_tensor("scale_out", scale_out, dtype=torch.float32, shape=(m, k // BLOCK), device=x.device)
-    grid = (triton.cdiv(m, _QUANT_ROWS), k // BLOCK)
+    rows = min(_QUANT_ROWS, triton.next_power_of_2(max(m, 1)))
+    grid = (triton.cdiv(m, rows), k // BLOCK)
     _act_quant_kernel[grid](x, out, scale_out, m, x.stride(0), out.stride(0), scale_out.stride(0),
-                            UE8M0=scale_fmt == "ue8m0", ROWS=_QUANT_ROWS, BLOCK_K=BLOCK)
+                            UE8M0=scale_fmt == "ue8m0", ROWS=rows, BLOCK_K=BLOCK, num_warps=1 if rows <= 2 else 4)
     return out, scale_out
 
 
