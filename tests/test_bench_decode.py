@@ -255,3 +255,24 @@ def test_context_ratios_use_the_reference_of_the_same_cache_dtype():
     decode._add_context_ratios(rows, 128)
     assert [r["vs_reference_context"]["tpot_ratio"]["new"] for r in rows] == [1.1, 1.0, 1.5, 1.0]
     assert [r["vs_reference_context"]["new_within_target"] for r in rows] == [False, True, False, True]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU run of bench decode")
+def test_moe_floors_take_the_experts_counted_in_a_step(tmp_path, monkeypatch):
+    """tiny-moe (8 experts, 3 a token, layer 1 MoE; on the CPU the shared expert runs apart from the
+    routed ids): one request hits exactly its 3 experts, two hit 3 to 6; each row's floor bytes are
+    the floor model's with those counts (uniform routing's 4.875 at two rows is never a count)."""
+    from dsaspec.bench.floors import FloorModel
+    from dsaspec.cli_parsing import use_cpu_sizes
+    from dsaspec.commands import cli
+
+    monkeypatch.setattr(decode, "_apply_cpu_sizes", lambda args: use_cpu_sizes(args, decode.add_arguments, {
+        "preset": "tiny-moe", "contexts": [256], "live": 70, "bs": [1, 2], "steps": 2, "runs": 1, "budget": 8}))
+    assert cli.main(["bench", "decode", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "decode.json").read_text())
+    hits = {r["bs"]: r["experts_hit"] for r in payload["rows"]}
+    assert hits[1] == 3 and 3 <= hits[2] <= 6
+    live = payload["params"]["live"] + payload["params"]["steps"] // 2
+    for row in payload["rows"]:
+        costs = FloorModel(get_config("tiny-moe"), act_bytes=4, experts_hit=hits).decode_step(row["bs"], live)
+        assert {t["phase"]: t["bytes"] for t in row["floor_table"]}["ffn"] == costs["ffn"].bytes

@@ -83,6 +83,19 @@ def test_moe_counts_the_experts_a_token_hits():
     assert ffn.bytes == pytest.approx(256 * 8 * 4 + 3 * expert + expert + 2 * 256 * 2)
 
 
+def test_moe_takes_the_counted_experts_where_given():
+    """A count for a row count replaces uniform routing's expectation for that row count only."""
+    config = get_config("tiny-moe")
+    expert = 3 * 256 * 128 * 2
+    uniform = FloorModel(config, act_bytes=2)
+    counted = FloorModel(config, act_bytes=2, experts_hit={4: 5.5})
+    ffn = {m: {rows: m._layer("model.layers.1", 1, rows, 1, 10, seeded=False)["ffn"].bytes for rows in (2, 4)}
+           for m in (uniform, counted)}
+    expected_4 = 8 * (1 - (1 - 3 / 8) ** 4)
+    assert ffn[counted][4] - ffn[uniform][4] == pytest.approx((5.5 - expected_4) * expert, abs=1)
+    assert ffn[counted][2] == ffn[uniform][2]
+
+
 def test_spec_iteration_phases():
     """draft: S - 1 MTP steps, no MTP indexer with IndexShare; verify: LM head on every row;
     extend: on one row a request."""

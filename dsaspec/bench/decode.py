@@ -397,6 +397,7 @@ class _Measured:
     consistent: dict = field(default_factory=lambda: defaultdict(lambda: True))
     phases: dict = field(default_factory=dict)
     phase_errors: list = field(default_factory=list)
+    experts_hit: dict = field(default_factory=dict)      # (kv_cache_dtype, bs) -> experts_hit_in_step
 
 
 def _measure(model, prompts, kv_cache_dtype: str, args, device, out: _Measured) -> None:
@@ -427,6 +428,10 @@ def _measure(model, prompts, kv_cache_dtype: str, args, device, out: _Measured) 
                     elif not torch.equal(tokens, out.tokens[key]):
                         out.consistent[key] = False
                     bar.update(1)
+    if model.routed_experts():
+        context = contexts[0]
+        for bs in args.bs:
+            out.experts_hit[(kv_cache_dtype, bs)] = experts_hit_in_step(model, context.runners[BOUNDED], context, bs)
     if on_gpu and args.profile_steps > 0:
         for context, kernel in tqdm(configs, desc=f"profile ({kv_cache_dtype})", unit="config"):
             try:
@@ -435,6 +440,32 @@ def _measure(model, prompts, kv_cache_dtype: str, args, device, out: _Measured) 
             except RuntimeError as err:      # keep the timings if the attribution fails
                 out.phase_errors.append(f"{kv_cache_dtype}, context {context.context_len}, {kernel}: {err}")
                 print(f"warning: phase breakdown failed: {out.phase_errors[-1]}")
+
+
+@torch.no_grad()
+def experts_hit_in_step(model, runner: DecodeWorker, context: _Context, bs: int) -> float:
+    """The routed experts a MoE layer reads in one decode step of requests ``[0, bs)`` from their
+    prefilled state: the distinct routed ids (``< n_routed_experts``: the fused MoE's shared-expert
+    slots left out) of each MoE layer's rows in one eager step, padding rows of the bucket included
+    (the fused MoE runs them too), averaged over the MoE layers. The step writes what a decode step
+    writes; every run restores the rows' carry first."""
+    routed = model.config.n_routed_experts
+    counts = []
+
+    def count(module, args):
+        ids = args[1]
+        counts.append(int(torch.unique(ids[ids < routed]).numel()))
+
+    hooks = [experts.register_forward_pre_hook(count) for experts in model.routed_experts().values()]
+    try:
+        bucket = runner.bucket_for(bs)
+        runner.state.restore(context.rows, context.snapshot)
+        runner.load(context.rows[:bs], bucket)
+        runner.run(bucket, use_graph=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(counts) / len(counts)
 
 
 def token_agreement(reference: torch.Tensor, other: torch.Tensor) -> dict:
@@ -504,7 +535,9 @@ def run(args) -> int:
     reference_context = args.contexts[-1]
     rows = []
     for kv_dtype in args.kv_cache_dtype:
-        floor_model = FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(), kv_cache_dtype=kv_dtype)
+        hits = {bs: hit for (dtype, bs), hit in measured.experts_hit.items() if dtype == kv_dtype}
+        floor_model = FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(), kv_cache_dtype=kv_dtype,
+                                 experts_hit=hits)
         for context_len in args.contexts:
             for bs in args.bs:
                 costs = floor_model.decode_step(bs, args.live + args.steps // 2)
@@ -518,6 +551,7 @@ def run(args) -> int:
                            torch.equal(tokens[keys[k]], tokens[(kv_dtype, reference_context, k, bs)]) for k in KERNELS),
                        "vs_bf16": (token_agreement(tokens[bf16], tokens[keys[BOUNDED]])
                                    if kv_dtype != "bf16" and bf16 in tokens else None),
+                       "experts_hit": hits.get(bs),
                        "baseline_us": None, "new_us": None, "speedup": None, "spread": None,
                        "floor_table": floor_rows(costs, rates, None, layers=model.config.num_hidden_layers,
                                                  step_us=None)}
@@ -544,8 +578,9 @@ def run(args) -> int:
               f"every other run) after one warm-up run; TPOT = median step time over all runs, spread = "
               f"(max - min) / median of the per-run medians. floor = the floor model of dsaspec/bench/floors.py "
               f"(per phase: max(bytes read + written / measured copy bandwidth, FLOPs / measured bf16 and FP8 "
-              f"matmul rates, one empty kernel a layer) at the mean live length {args.live + args.steps // 2}), "
-              f"summed over the phases; measured / floor per phase from the bounded runs' phases. Phases: "
+              f"matmul rates, one empty kernel a layer) at the mean live length {args.live + args.steps // 2}; "
+              f"MoE layers: the routed experts hit as counted in one eager step per batch size, "
+              f"experts_hit_in_step), summed over the phases; measured / floor per phase from the bounded runs' phases. Phases: "
               f"CUPTI kernel durations of {args.profile_steps} profiled steps of a marker-instrumented graph "
               f"(median per step), attributed as in phase_patterns. KV caches: {', '.join(args.kv_cache_dtype)}, "
               f"one dtype's pools and graphs at a time."

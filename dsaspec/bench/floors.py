@@ -27,8 +27,9 @@ block and does its FLOPs at the FP8 rate; ``k = index_topk``; MLA entry = 576 x 
   runs, also the indexer's ``wq_b`` and ``wk`` (one GEMM with ``q_b_proj``, one with ``q_a_proj``
   and ``kv_a_proj_with_mqa``: :meth:`~dsaspec.layers.attention.mla.MLAAttention.fuse_projections`)
   and their outputs ``[T, heads x 128 + 128]`` written.
-- ``ffn``: dense SwiGLU weights, or the router (fp32), the experts hit (uniform routing:
-  ``E (1 - (1 - top_k / E) ** T)`` of them) and the shared experts; read x, write the output.
+- ``ffn``: dense SwiGLU weights, or the router (fp32), the experts hit (as counted in the run
+  where the caller passes them, else uniform routing's ``E (1 - (1 - top_k / E) ** T)``) and the
+  shared experts; read x, write the output.
 - ``other``: the embedding rows, per layer two fused residual-add + RMSNorm (read x and the
   residual, write both, the norm weight) and the final norm (MTP: also ``enorm`` + ``hnorm``
   (read the embedding and the hidden, write both, their weights) and ``eh_proj`` (its weights,
@@ -94,14 +95,18 @@ def add_costs(*parts: dict[str, Cost]) -> dict[str, Cost]:
 class FloorModel:
     """The floor costs of one model (``config``) run in a dtype of ``act_bytes`` bytes with
     caches in ``kv_cache_dtype`` (``"bf16"``: the model dtype, or ``"fp8_e4m3"``), sharded over
-    ``tp`` ranks (the costs of one rank). See the module docstring for what each phase counts."""
+    ``tp`` ranks (the costs of one rank). ``experts_hit``: rows of a forward -> the routed experts
+    a MoE layer's rows hit, as counted in a run (bench decode); other row counts take uniform
+    routing's expectation. See the module docstring for what each phase counts."""
 
-    def __init__(self, config: ModelConfig, *, act_bytes: int, kv_cache_dtype: str = "bf16", tp: int = 1):
+    def __init__(self, config: ModelConfig, *, act_bytes: int, kv_cache_dtype: str = "bf16", tp: int = 1,
+                 experts_hit: dict[int, float] | None = None):
         if kv_cache_dtype not in ("bf16", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype: expected 'bf16' or 'fp8_e4m3', got {kv_cache_dtype!r}")
         if act_bytes not in (2, 4) or tp < 1:
             raise ValueError(f"act_bytes must be 2 or 4 and tp >= 1, got {act_bytes}, {tp}")
         self.config, self.a, self.tp = config, act_bytes, tp
+        self.experts_hit = dict(experts_hit or {})
         fp8 = kv_cache_dtype == "fp8_e4m3"
         self.mla_entry = MLA_FP8_BYTES if fp8 else config.kv_cache_dim * act_bytes
         self.index_entry = INDEX_FP8_BYTES if fp8 else config.index_head_dim * act_bytes
@@ -187,7 +192,7 @@ class FloorModel:
         if not cfg.is_moe_layer(layer):
             return self._swiglu(mlp, cfg.intermediate_size // self.tp, rows)
         experts = cfg.n_routed_experts
-        hit = experts * (1 - (1 - cfg.num_experts_per_tok / experts) ** rows)
+        hit = self.experts_hit.get(rows, experts * (1 - (1 - cfg.num_experts_per_tok / experts) ** rows))
         width = cfg.moe_intermediate_size // self.tp
         # FLOPs: each row through its top_k experts; bytes: the experts hit
         one = self._swiglu(f"{mlp}.experts.0", width, 1)
