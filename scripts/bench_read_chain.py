@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaspec.bench.floors import uniform_experts_hit
 from dsaspec.bench.results import markdown_table, write_results
 from dsaspec.bench.timing import measured_floors_or_none, time_in_graph
 from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int, positive_int_list
@@ -62,7 +63,7 @@ def layer_links(config: ModelConfig, live: int, sms: int, tokens: int = 1) -> li
     latent, rope, nope, v = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
     index_dim, index_heads = config.index_head_dim, config.index_n_heads
     experts, k, inter = config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size
-    hit = experts * (1 - (1 - k / experts) ** t) + config.n_shared_experts
+    hit = uniform_experts_hit(config, t) + config.n_shared_experts
     slots = k + config.n_shared_experts
     fused_input = config.q_lora_rank + index_dim + latent + rope
     fused_latent = heads * (nope + rope) + index_heads * index_dim

@@ -92,6 +92,13 @@ def add_costs(*parts: dict[str, Cost]) -> dict[str, Cost]:
     return out
 
 
+def uniform_experts_hit(config: ModelConfig, rows: int) -> float:
+    """The routed experts ``rows`` tokens hit in expectation under uniform routing:
+    ``E (1 - (1 - top_k / E) ** rows)``."""
+    experts = config.n_routed_experts
+    return experts * (1 - (1 - config.num_experts_per_tok / experts) ** rows)
+
+
 class FloorModel:
     """The floor costs of one model (``config``) run in a dtype of ``act_bytes`` bytes with
     caches in ``kv_cache_dtype`` (``"bf16"``: the model dtype, or ``"fp8_e4m3"``), sharded over
@@ -192,7 +199,7 @@ class FloorModel:
         if not cfg.is_moe_layer(layer):
             return self._swiglu(mlp, cfg.intermediate_size // self.tp, rows)
         experts = cfg.n_routed_experts
-        hit = self.experts_hit.get(rows, experts * (1 - (1 - cfg.num_experts_per_tok / experts) ** rows))
+        hit = self.experts_hit.get(rows, uniform_experts_hit(cfg, rows))
         width = cfg.moe_intermediate_size // self.tp
         # FLOPs: each row through its top_k experts; bytes: the experts hit
         one = self._swiglu(f"{mlp}.experts.0", width, 1)
