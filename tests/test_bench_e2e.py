@@ -136,3 +136,29 @@ def test_cache_dtype_and_budget_options_are_checked(capsys):
 
     assert_one_line_error(capsys, ["bench", "e2e", "--kv-cache-dtype", "bf16,fp8"], "--kv-cache-dtype", "fp8_e4m3")
     assert_one_line_error(capsys, ["bench", "e2e", "--kv-budget-gb", "0"], "--kv-budget-gb", "positive number")
+
+
+def test_moe_floors_take_the_experts_counted_in_an_iteration(tmp_path, monkeypatch):
+    """tiny-moe (8 experts, 3 a token; the MTP layer is MoE too), S = 3: a draft step of one request
+    hits exactly its 3 experts, the verify / extend's 4 rows 3 to 8; two requests 3 to 6 and 3 to
+    8. Each phase's ffn floor bytes are the floor model's with those counts, not uniform routing's
+    (6.78 experts at 4 rows, never a mean of counts)."""
+    def small(args):
+        args.presets, args.contexts, args.concurrency, args.prompt_len, args.iterations = \
+            ["tiny-moe"], [128], [1, 2], 70, 2
+
+    monkeypatch.setattr(e2e, "_apply_cpu_sizes", small)
+    assert cli.main(["bench", "e2e", "--accept", "3.0", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    for row in rows:
+        hits = {int(k): v for k, v in row["experts_hit"].items()}
+        c = row["concurrency"]
+        assert sorted(hits) == [c, 4 * c]
+        assert (hits[1] == 3) if c == 1 else (3 <= hits[c] <= 6)
+        assert 3 <= hits[4 * c] <= 8
+        counted = FloorModel(get_config("tiny-moe"), act_bytes=4, experts_hit=hits).spec_iteration(c, row["floor_live"], 3)
+        uniform = FloorModel(get_config("tiny-moe"), act_bytes=4).spec_iteration(c, row["floor_live"], 3)
+        for phase in ("draft", "verify", "extend"):
+            ffn = {r["phase"]: r["bytes"] for r in row["floor_detail"][phase]}["ffn"]
+            assert ffn == counted[phase]["ffn"].bytes
+        assert counted["verify"]["ffn"].bytes != uniform["verify"]["ffn"].bytes

@@ -55,6 +55,7 @@ from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.configs.model_config import PRESETS, get_config
+from dsaspec.bench.experts_hit import ExpertsHitCounter
 from dsaspec.bench.floors import LAYER_PHASES, PER_LAYER, STEP, FloorModel, Rates, floor_markdown, floor_rows
 from dsaspec.executor.decode_worker import DecodeWorker
 from dsaspec.memory import KV_CACHE_DTYPES, PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots, \
@@ -445,27 +446,15 @@ def _measure(model, prompts, kv_cache_dtype: str, args, device, out: _Measured) 
 @torch.no_grad()
 def experts_hit_in_step(model, runner: DecodeWorker, context: _Context, bs: int) -> float:
     """The routed experts a MoE layer reads in one decode step of requests ``[0, bs)`` from their
-    prefilled state: the distinct routed ids (``< n_routed_experts``: the fused MoE's shared-expert
-    slots left out) of each MoE layer's rows in one eager step, padding rows of the bucket included
-    (the fused MoE runs them too), averaged over the MoE layers. The step writes what a decode step
-    writes; every run restores the rows' carry first."""
-    routed = model.config.n_routed_experts
-    counts = []
-
-    def count(module, args):
-        ids = args[1]
-        counts.append(int(torch.unique(ids[ids < routed]).numel()))
-
-    hooks = [experts.register_forward_pre_hook(count) for experts in model.routed_experts().values()]
-    try:
-        bucket = runner.bucket_for(bs)
-        runner.state.restore(context.rows, context.snapshot)
-        runner.load(context.rows[:bs], bucket)
+    prefilled state: :class:`~dsaspec.bench.experts_hit.ExpertsHitCounter` over one eager step of
+    the bucket (its padding rows included), averaged over the MoE layers. The step writes what a
+    decode step writes; every run restores the rows' carry first."""
+    bucket = runner.bucket_for(bs)
+    runner.state.restore(context.rows, context.snapshot)
+    runner.load(context.rows[:bs], bucket)
+    with ExpertsHitCounter(model) as counter:
         runner.run(bucket, use_graph=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return sum(counts) / len(counts)
+    return counter.by_rows()[bucket]
 
 
 def token_agreement(reference: torch.Tensor, other: torch.Tensor) -> dict:

@@ -15,7 +15,10 @@ rewritten by every run before they are read, as rejected positions are in a run.
 Per point and path: iteration wall time (host, each iteration ends with its tokens on the host),
 the device time of each phase (CUDA events), the mean accept length, per-token latency =
 median iteration time / mean accept length, tok/s/user = 1000 / per-token latency [ms], output
-tok/s = concurrency x tok/s/user. Runs are interleaved baseline / new / new / baseline; the two
+tok/s = concurrency x tok/s/user. Floors (new path, :mod:`dsaspec.bench.floors`) take, for a MoE
+layer, the distinct routed experts its calls hit in one eager iteration of the point
+(:class:`~dsaspec.bench.experts_hit.ExpertsHitCounter`), not uniform routing's expectation. Runs are
+interleaved baseline / new / new / baseline; the two
 paths must commit identical tokens. Accept modes: a simulated mean accept length (default 3.0,
 every iteration forced to it) and the real acceptance of the weights (seeded random weights: the
 MTP layer drafts noise, so about 1.0).
@@ -71,6 +74,7 @@ from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
 from dsaspec.models.footprint import available_bytes, required_bytes
+from dsaspec.bench.experts_hit import ExpertsHitCounter
 from dsaspec.bench.floors import ITERATION, FloorModel, Rates, iteration_rows
 from dsaspec.configs.model_config import PRESETS, check_implemented, get_config
 from dsaspec.memory import KV_CACHE_DTYPES, PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots, \
@@ -207,9 +211,11 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
 
 
 @torch.no_grad()
-def _run(worker: SpecWorker, setup: _Setup, concurrency: int, accept: str, args, *, timed: bool) -> dict:
-    """One run from the prefilled state: ``--iterations`` iterations of the first ``concurrency``
-    requests. Returns per-iteration wall ms, phase ms, accept lengths and committed tokens."""
+def _run(worker: SpecWorker, setup: _Setup, concurrency: int, accept: str, args, *, timed: bool,
+         iterations: int | None = None) -> dict:
+    """One run from the prefilled state: ``iterations`` (default ``--iterations``) iterations of the
+    first ``concurrency`` requests. Returns per-iteration wall ms, phase ms, accept lengths and
+    committed tokens."""
     rows = setup.rows[:concurrency]
     worker.state.restore(setup.rows, setup.snapshot)
     worker.simulate_accept_len = None if accept == REAL else float(accept)
@@ -217,7 +223,7 @@ def _run(worker: SpecWorker, setup: _Setup, concurrency: int, accept: str, args,
     out = {"iter_ms": [], "phase_ms": [], "accept_lens": [], "tokens": []}
     if timed:
         torch.cuda.synchronize()
-    for _ in range(args.iterations):
+    for _ in range(args.iterations if iterations is None else iterations):
         began = time.perf_counter()
         result = worker.step(rows, timed=timed)
         out["iter_ms"].append(1e3 * (time.perf_counter() - began))
@@ -225,6 +231,22 @@ def _run(worker: SpecWorker, setup: _Setup, concurrency: int, accept: str, args,
         out["accept_lens"].extend(result.accept_lens)
         out["tokens"].append(result.committed)
     return out
+
+
+def _experts_hit(worker: SpecWorker, setup: _Setup, concurrency: int, accept: str, args) -> dict[int, float]:
+    """Rows of a MoE call -> the routed experts it reads, counted in the first iteration of a run
+    of ``concurrency`` requests, its phases run eagerly over the graphs' static buffers: the MTP
+    draft steps' rows (one a request) and the verify's and extend's (S + 1 a request)."""
+    enabled = {phase: graphs.enabled for phase, graphs in worker.graphs.items()}
+    try:
+        for graphs in worker.graphs.values():
+            graphs.enabled = False
+        with ExpertsHitCounter(worker.model) as counter:
+            _run(worker, setup, concurrency, accept, args, timed=False, iterations=1)
+    finally:
+        for phase, graphs in worker.graphs.items():
+            graphs.enabled = enabled[phase]
+    return counter.by_rows()
 
 
 def _summary(runs: list[dict], concurrency: int) -> dict:
@@ -310,8 +332,6 @@ def run(args) -> int:
         capacity += capacity_rows(preset, model, args, device)
         for num_steps, context_len, kv_dtype in [(s, c, d) for s in args.num_steps for c in args.contexts
                                                  for d in args.kv_cache_dtype]:
-            floors = (FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(), kv_cache_dtype=kv_dtype,
-                                 tp=args.tp), rates)
             setup = _build(model, context_len, prompts, args, device, paths, options, num_steps, kv_dtype,
                            progress=leader)
             points = [(accept, c) for accept in args.accept for c in args.concurrency]
@@ -321,6 +341,10 @@ def run(args) -> int:
                 tokens = {path: _run(setup.workers[path], setup, concurrency, accept, args, timed=False)["tokens"]
                           for path in paths}                      # warm-up, and the tokens to compare
                 identical = all(tokens[path] == tokens["baseline"] for path in paths)
+                hits = _experts_hit(setup.workers["new"], setup, concurrency, accept, args) \
+                    if model.routed_experts() else {}
+                floors = (FloorModel(model.config, act_bytes=model.lm_head.weight.element_size(),
+                                     kv_cache_dtype=kv_dtype, tp=args.tp, experts_hit=hits), rates)
                 if on_gpu:
                     for r in range(args.runs):
                         for path in (paths if r % 2 == 0 else paths[::-1]):
@@ -355,7 +379,8 @@ def run(args) -> int:
                    f"{EXCHANGE_SWITCH}=0; predicted exchange saving per iteration = S x (gather - exchange) µs "
                    "per draft step from bench draft-step at this TP and rows = concurrency.")
     method += (" Floors (new path): dsaspec/bench/floors.py at the run's mean live length, rates measured in the "
-               "same run.")
+               "same run; MoE layers read the routed experts counted in one eager iteration of the point (rows of a "
+               "MoE call -> distinct experts, the rows' experts_hit).")
     payload = {"method": method, "params": bench_params(args), "floors": vars(rates), "kill_switches": list(KILL_SWITCHES),
                "paths": {path: SWITCHES[path] for path in paths}, "capacity": capacity, "rows": rows}
     markdown = _markdown(rows, on_gpu, args, markdown_table) + "\n\n" + capacity_markdown(capacity, markdown_table)
@@ -373,7 +398,7 @@ def _row(preset, num_steps, context_len, accept, concurrency, runs, identical, s
            "kv_cache_dtype": kv_cache_dtype, "accept": accept,
            "tokens_identical": identical, "accept_len": None, "baseline_tok_s_user": None, "new_tok_s_user": None,
            "speedup": None, "baseline_ms_per_iter": None, "new_ms_per_iter": None, "ttft_ms": setup.ttft_ms,
-           "capture_s": setup.capture_s}
+           "capture_s": setup.capture_s, "experts_hit": floors[0].experts_hit or None}
     new = _summary(runs["new"], concurrency) if on_gpu else None
     accept_len = new["accept_len"] if on_gpu else (1.0 if accept == REAL else float(accept))
     live = args.prompt_len + round(args.iterations * accept_len / 2)     # the mean over the run
