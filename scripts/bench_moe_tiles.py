@@ -17,7 +17,8 @@ to the folder given: where a tile beats the default at every T, ``_tile`` / ``mo
 should take it.
 
     python3 scripts/bench_moe_tiles.py OUT [--preset glm5-fp8-tp8-rank] [--tokens 1,2,4,32,128]
-                                           [--kernels gate_up,down]
+                                           [--kernels gate_up,down] [--block-n 32,64] [--splits 2,4]
+                                           [--warps 4] [--stages 4,6,8]
 """
 
 from __future__ import annotations
@@ -43,11 +44,16 @@ METHOD = ("CUDA-graph replays with a cold L2 (replay_events), per replay the sum
 KERNELS = {"gate_up": ("_gate_up_kernel",), "down": ("_down_kernel",)}
 
 
-def _configs(kernel: str) -> list[tuple[int, ...]]:
-    """gate/up: (BLOCK_N, split K, warps, stages); down: (BLOCK_N, warps, stages)."""
-    if kernel == "gate_up":
-        return list(itertools.product((16, 32, 64), (2, 4, 8), (4, 8), (3, 4)))
-    return list(itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4)))
+# the swept values of each tile parameter by default (--block-n, --splits, --warps, --stages narrow or widen them)
+GRID = {"gate_up": dict(block_n=(16, 32, 64), splits=(2, 4, 8), warps=(4, 8), stages=(3, 4)),
+        "down": dict(block_n=(16, 32, 64, 128), warps=(2, 4, 8), stages=(2, 3, 4))}
+
+
+def _configs(kernel: str, grid: dict | None = None) -> list[tuple[int, ...]]:
+    """gate/up: (BLOCK_N, split K, warps, stages); down: (BLOCK_N, warps, stages); each parameter's values
+    from ``grid`` where it names them, else :data:`GRID`'s."""
+    values = dict(GRID[kernel], **{k: v for k, v in (grid or {}).items() if v and k in GRID[kernel]})
+    return list(itertools.product(*(values[k] for k in GRID[kernel])))
 
 
 def _name(kernel: str, config: tuple[int, ...]) -> str:
@@ -58,7 +64,7 @@ def _name(kernel: str, config: tuple[int, ...]) -> str:
     return f"n{block_n}w{warps}p{stages}"
 
 
-def _sweep(kernel, tokens, hidden, ids, weights, w13, w13_s, w2, w2_s, scale_fmt, iters, nbytes, floors):
+def _sweep(kernel, configs, tokens, hidden, ids, weights, w13, w13_s, w2, w2_s, scale_fmt, iters, nbytes, floors):
     """One T's row of ``kernel``'s sweep; returns (row, every output within bf16 rounding of the default's)."""
     real_tile = op._tile
     topk, (experts, inter2, h) = ids.shape[1], w13.shape
@@ -74,7 +80,7 @@ def _sweep(kernel, tokens, hidden, ids, weights, w13, w13_s, w2, w2_s, scale_fmt
     row = dict(tokens=tokens, layout="sorted" if sort else "pairs", bytes=nbytes, floor_us=floors.floor_us(nbytes),
                default=_name(kernel, default))
     want, ok = None, True
-    for cfg in [default] + [c for c in _configs(kernel) if c != default]:
+    for cfg in [default] + [c for c in configs if c != default]:
         split = cfg[1] if kernel == "gate_up" else default_split
 
         def tile(n, k_dim, k, dtype, device, weight_tiles=1, fp8=False, split_k=1, per_token=False, cfg=cfg):
@@ -99,7 +105,7 @@ def _sweep(kernel, tokens, hidden, ids, weights, w13, w13_s, w2, w2_s, scale_fmt
         if want is None:
             want = out.float()
         ok &= bool(torch.allclose(out.float(), want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item()))
-    best = min((_name(kernel, c) for c in [default] + _configs(kernel)), key=lambda n: row[f"{n}_us"])
+    best = min((_name(kernel, c) for c in [default] + configs), key=lambda n: row[f"{n}_us"])
     row.update(best=best, best_us=row[f"{best}_us"], default_us=row[f"{row['default']}_us"],
                best_over_floor=row[f"{best}_us"] / row["floor_us"])
     return row, ok
@@ -116,7 +122,20 @@ def main() -> int:
     parser.add_argument("--kernels", type=choice_list(tuple(KERNELS)), default=list(KERNELS),
                         help="kernels to sweep, comma-separated: gate_up, down")
     parser.add_argument("--iters", type=positive_int, default=50, help="timed replays per point")
+    for name, what in (("block_n", "BLOCK_N"), ("splits", "gate/up K splits"), ("warps", "warps"),
+                       ("stages", "pipeline stages")):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=positive_int_list, default=None,
+                            help=f"{what} to sweep, comma-separated (default: gate/up "
+                                 f"{','.join(map(str, GRID['gate_up'][name]))}"
+                                 + (f"; down {','.join(map(str, GRID['down'][name]))}" if name in GRID["down"] else "")
+                                 + ")")
     args = parse_or_exit(parser)
+    if args.splits and "gate_up" not in args.kernels:
+        print(f"{parser.prog}: error: --splits: K splits are gate/up's; --kernels does not include gate_up",
+              file=sys.stderr)
+        return 2
+    grid = dict(block_n=args.block_n, splits=args.splits, warps=args.warps, stages=args.stages)
+    configs = {kernel: _configs(kernel, grid) for kernel in args.kernels}
     floors = measured_floors_or_none("bench_moe_tiles")
     if floors is None:
         return 2
@@ -140,7 +159,7 @@ def main() -> int:
         for kernel in args.kernels:
             codes, scales = weights_of[kernel]
             nbytes = hit * (codes[0].numel() + scales[0].numel() * 4)
-            row, row_ok = _sweep(kernel, tokens, hidden, ids, weights, w13, w13_s, w2, w2_s,
+            row, row_ok = _sweep(kernel, configs[kernel], tokens, hidden, ids, weights, w13, w13_s, w2, w2_s,
                                  config.quantization.scale_fmt, args.iters, nbytes, floors)
             results[kernel].append(dict(row, experts_hit=hit))
             ok &= row_ok
@@ -149,11 +168,11 @@ def main() -> int:
         columns = ([("tokens", "T"), ("layout", "layout"), ("experts_hit", "experts hit"), ("floor_us", "floor µs"),
                     ("default", "default"), ("default_us", "default µs"), ("best", "best"), ("best_us", "best µs"),
                     ("best_over_floor", "best / floor")]
-                   + [(f"{_name(kernel, c)}_us", f"{_name(kernel, c)} µs") for c in _configs(kernel)])
+                   + [(f"{_name(kernel, c)}_us", f"{_name(kernel, c)} µs") for c in configs[kernel]])
         tables.append(f"### {kernel}\n\n{markdown_table(columns, rows)}")
     write_results(f"moe_tiles_{args.preset}", dict(
         method=METHOD, params=dict(preset=args.preset, tokens=args.tokens, iters=args.iters,
-                                   configs={k: [_name(k, c) for c in _configs(k)] for k in args.kernels}),
+                                   configs={k: [_name(k, c) for c in configs[k]] for k in args.kernels}),
         copy_gbps=floors.copy_gbps, empty_kernel_us=floors.empty_us, results=results),
         f"fused MoE tiles, {args.preset} (E {experts} with the shared expert, k {topk}, H {h}, I {inter}, FP8; copy "
         f"{floors.copy_gbps:.0f} GB/s)\n\n" + "\n\n".join(tables), args.out)

@@ -537,6 +537,30 @@ def test_fp8_matches_reference(tokens, dtype, device):
 
 
 @fp8_warnings
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_fp8_each_k_block_takes_its_own_scales(tokens, split_k, device):
+    """Hidden rows, gate/up rows and down columns whose 128-wide blocks differ in magnitude by powers
+    of two, so every K block of gate/up (H 512: 4) and of down (I 384: 3) has scales of its own and a
+    scale taken from the wrong block is off by 2x or more (the kernels load a program's scales before
+    the K loop and pick one a step). Pair layout at T 1 and 3, sorted at 40 (120 pairs)."""
+    hidden, w13, w2, ids, weights = _case(tokens, 3, 8, 512, 384, dtype=torch.float32, device="cpu", seed=11)
+    blocks = lambda base, n: (base ** torch.arange(n, dtype=torch.float32)).repeat_interleave(128)  # noqa: E731
+    hidden = hidden * blocks(4.0, 4)
+    w13 = w13 * blocks(2.0, 4) * blocks(2.0, 3).repeat(2)[:, None]   # K blocks; each I block's gate / up rows
+    w2 = w2 * blocks(0.5, 3)
+
+    def quantize(w):
+        codes, scales = zip(*(fp8_ref.quantize_weight(w[e]) for e in range(len(w))))
+        return torch.stack(codes).to(device), torch.stack(scales).to(device)
+
+    (q13, s13), (q2, s2) = quantize(w13), quantize(w2)
+    assert len(set(s13[0, 0].tolist())) == 4 and len(set(s2[0, 0].tolist())) == 3   # a scale per K block
+    args = (hidden.to(device), q13, s13, q2, s2, ids.to(device), weights.to(device))
+    _assert_fp8_close(_run_fp8(*args, split_k=split_k), fp8_reference(*args), torch.float32)
+
+
+@fp8_warnings
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 @pytest.mark.parametrize("routing", ["one-expert-for-all", "all-pairs-one-expert", "repeats"])
 def test_fp8_routing_extremes_match_reference(routing, scale_fmt, device):

@@ -33,6 +33,8 @@ def test_parse_or_exit_is_one_line_and_status_2(capsys):
     (["scripts/bench_moe_tiles.py", "out", "--tokens", "x"], "--tokens"),
     (["scripts/bench_moe_tiles.py", "out", "--preset", "tiny-moe"], "--preset"),
     (["scripts/bench_moe_tiles.py", "out", "--kernels", "gate_up,combine"], "--kernels"),
+    (["scripts/bench_moe_tiles.py", "out", "--stages", "0"], "--stages"),
+    (["scripts/bench_moe_tiles.py", "out", "--kernels", "down", "--splits", "2"], "--splits"),
     (["scripts/bench_read_chain.py", "out", "--tokens", "1,0"], "--tokens"),
     (["scripts/bench_read_chain.py", "out", "--live", "0"], "--live"),
     (["scripts/bench_read_chain.py", "out", "--preset", "tiny"], "--preset"),
