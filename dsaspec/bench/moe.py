@@ -26,9 +26,11 @@ of the bytes floor from 1 to 64 tokens; and never slower than the baseline. Afte
 fused output is compared with the gather baseline's (bf16 rounding) and, at T <= 8, with the fp64
 reference; an FP8 one, at T <= 8, with the fp64 FP8 reference (dequantized weights, quantized
 activations; normwise within 2**-4 in bf16), its normwise distance to the bf16 output recorded.
-``--split-k 1,4``: each point and weight dtype once per gate/up split count (``fused_moe``'s
-``split_k``; rows carry ``split_k``), every one checked as above; the FP8 baseline stays the bf16
-fused op at split 1. ``--layout sorted,pairs``: likewise a row per block layout (``fused_moe``'s
+Gate/up K splits: by default the MoE layer's rule per point (``moe_split_k(I, fp8)``: 2 for FP8
+experts of I <= 256, else 1), so a row times the path the model runs; ``--split-k 1,4``: each point
+and weight dtype once per split count instead (``fused_moe``'s ``split_k``), every one checked as
+above. Rows carry ``split_k``; the FP8 baseline stays the bf16 fused op at split 1. ``--layout
+sorted,pairs``: likewise a row per block layout (``fused_moe``'s
 ``sort_pairs``: True, False; ``auto``, the default, is its own choice by T * k; rows carry
 ``layout``), the FP8 baseline at ``auto``. Without CUDA: fixed small sizes under the Triton
 interpreter at fp32, every output checked against its reference, no times.
@@ -47,7 +49,7 @@ from dsaspec.cli_parsing import (choice_list, format_value, nonnegative_int, pos
                                  use_cpu_sizes)
 from dsaspec.errors import UserError
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, quantize_weight
-from dsaspec.ops.fused_moe import FP8, fused_moe, fused_moe_workspace
+from dsaspec.ops.fused_moe import FP8, fused_moe, fused_moe_workspace, moe_split_k
 from dsaspec.reference.fused_moe import fused_moe as reference_fused_moe, fused_moe_fp8 as reference_fused_moe_fp8
 
 FLOOR_FACTOR, NOISE = 1.3, 1.05
@@ -71,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-dtype", type=choice_list(WEIGHT_DTYPES), default=list(WEIGHT_DTYPES),
                    help="expert weights, comma-separated: bf16, fp8 (e4m3 + fp32 scale per 128 x 128 block, "
                         "quantized from the same bf16 weights; H and I multiples of 128)")
-    p.add_argument("--split-k", type=positive_int_list, default=[1],
-                   help="gate/up K splits of the fused op, comma-separated (each a row; 1: no split)")
+    p.add_argument("--split-k", type=positive_int_list, default=None,
+                   help="gate/up K splits of the fused op, comma-separated (each a row; 1: no split); default: "
+                        "the MoE layer's rule per point (2 for FP8 experts of I <= 256, else 1)")
     p.add_argument("--layout", type=choice_list(LAYOUTS), default=["auto"],
                    help="block layouts of the fused op, comma-separated (each a row): sorted (align, combine), "
                         "pairs (no align, the combine in the down launch), auto (the op's choice by T * k)")
@@ -270,7 +273,7 @@ def run(args) -> int:
         if ignored:
             print(ignored)
     args.weight_dtype = list(dict.fromkeys(args.weight_dtype))
-    args.split_k = list(dict.fromkeys(args.split_k))
+    args.split_k = list(dict.fromkeys(args.split_k or []))
     args.layout = list(dict.fromkeys(args.layout))
     if "fp8" in args.weight_dtype:
         bad = [f"--{name} {value}" for name, value in [("hidden", args.hidden)]
@@ -291,7 +294,9 @@ def run(args) -> int:
     for inter, tokens in tqdm(points, desc="moe", unit="point"):
         args_in = _inputs(tokens, args, inter, device, dtype)
         rows.extend(_row(args, weight_dtype, split_k, layout, args_in, floors)
-                    for weight_dtype in args.weight_dtype for split_k in args.split_k for layout in args.layout)
+                    for weight_dtype in args.weight_dtype
+                    for split_k in (args.split_k or [moe_split_k(inter, weight_dtype == "fp8")])
+                    for layout in args.layout)
         del args_in
     if on_gpu:
         torch.cuda.synchronize()
