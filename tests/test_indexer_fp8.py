@@ -20,9 +20,11 @@ from dsa_inputs import (POISON_SLOT, SENTINEL, launch_indexer, random_indexer_in
                         random_tiny_indexer)
 from compile_scripts import integer_rows, run_in_scripts
 from dsaspec.bench.dsa_ops import TUNE_INDEXER_FP8
-from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_GATHER_CONFIG,
-                                 INDEXER_FP8_CONFIG, indexer_logits)
-from dsaspec.ops.indexer_schedule import indexer_schedule
+from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
+                                 INDEXER_FP8_GATHER_CONFIG, INDEXER_FP8_GROUP_CONFIG,
+                                 INDEXER_FP8_WIDE_GROUP_CONFIG, default_indexer_config, indexer_logits,
+                                 resident_registers)
+from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.reference.fp8_gemm import act_quant
 from dsaspec.reference.indexer import reference_indexer_logits_fp8
 
@@ -404,6 +406,22 @@ def test_gpu_page_blocks(rows_per_group):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [32, 64])
+def test_gpu_default_row_groups(num_heads):
+    """The op's default for verify groups of 4 (4 warps at GLM-5's 32 index heads, 8 at DeepSeek-V3.2's
+    64), 2k .. 64k live, against the reference."""
+    gen = torch.Generator().manual_seed(num_heads)
+    seqlens = []
+    for live in torch.randint(2_000, 64_000, (6,), generator=gen).tolist():
+        seqlens += [live + j for j in range(4)]
+    inputs = fp8_inputs(seqlens, num_heads, width=GPU_WIDTH, num_pages=1 << 12, device="cuda", seed=5,
+                        rows_per_group=4, table=paged_table(seqlens, GPU_WIDTH, 1 << 12, 5, rows_per_group=4))
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = launch_indexer(inputs, num_sms, out_width=GPU_WIDTH, skip_len=2048, rows_per_group=4)
+    _assert_matches(out, inputs, skip_len=2048, relative=GPU_TOLERANCE)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_replay_with_new_lengths():
     """One capture over the static metadata replays with new lengths (no host sync)."""
     num_rows, skip_len = 16, 2048
@@ -432,9 +450,10 @@ def test_gpu_cuda_graph_replay_with_new_lengths():
 
 def test_tune_candidates_compile_for_sm90_without_spills():
     """Without a GPU: every FP8 candidate ``bench dsa-ops --tune`` times (``TUNE_INDEXER_FP8``)
-    compiles for sm_90 at 64 index heads with e4m3 wgmmas, no register spills and within the
-    shared memory of a block; scripts/compile_fp8_dsa.py's compile, in a subprocess (it compiles
-    instead of interpreting)."""
+    compiles for sm_90 at 64 index heads with e4m3 wgmmas, no register spills, within the shared
+    memory of a block and within its register cap; the default's registers let the schedule's
+    programs per SM all be resident (64 index heads take 185 uncapped: 2 of 3 resident).
+    scripts/compile_fp8_dsa.py's compile, in a subprocess (it compiles instead of interpreting)."""
     out = run_in_scripts("compile_fp8_dsa",
                          "for config in c.TUNE_INDEXER_FP8:\n"
                          "    r = c.compile_indexer(True, config)\n"
@@ -443,4 +462,25 @@ def test_tune_candidates_compile_for_sm90_without_spills():
     results = integer_rows(out)
     assert len(results) == len(TUNE_INDEXER_FP8), out
     for config, (regs, spilled, shared, limit, e4m3) in zip(TUNE_INDEXER_FP8, results):
-        assert 0 < regs <= 255 and spilled == 0 and shared <= limit and e4m3 > 0, (config, out)
+        assert 0 < regs <= (config.max_registers or 255) and spilled == 0 and shared <= limit and e4m3 > 0, \
+            (config, out)
+    default_regs = results[TUNE_INDEXER_FP8.index(INDEXER_FP8_CONFIG)][0]
+    assert default_regs * 32 * INDEXER_FP8_CONFIG.num_warps * PROGRAMS_PER_SM <= 65536, out
+
+
+def test_default_configs():
+    """Single rows take the register-capped config, groups the compiler's count, groups of 256 and more
+    dot columns 8 warps; bf16 keys the bf16 default whatever the group."""
+    assert default_indexer_config(True, 1, 64) == INDEXER_FP8_CONFIG
+    assert default_indexer_config(True, 4, 32) == INDEXER_FP8_GROUP_CONFIG      # 128 columns
+    assert default_indexer_config(True, 3, 64) == INDEXER_FP8_WIDE_GROUP_CONFIG  # next_pow2(3) * 64
+    assert default_indexer_config(True, 2, 64) == INDEXER_FP8_GROUP_CONFIG
+    assert default_indexer_config(False, 4, 64) == INDEXER_CONFIG
+    assert INDEXER_FP8_WIDE_GROUP_CONFIG.num_warps == 8 and INDEXER_FP8_GROUP_CONFIG.max_registers is None
+
+
+def test_resident_registers():
+    assert resident_registers(3, 4) == 168    # 3 x 128 threads: 170.7, allocation unit 8
+    assert resident_registers(2, 8) == 128
+    assert resident_registers(1, 4) == 255    # a thread's most
+    assert INDEXER_FP8_CONFIG.max_registers == resident_registers(PROGRAMS_PER_SM, INDEXER_FP8_CONFIG.num_warps)

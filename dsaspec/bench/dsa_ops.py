@@ -167,14 +167,17 @@ TUNE_INDEXER = (
     INDEXER_BASELINE_CONFIG,
 )
 # On the FP8 key cache (--kv-cache-dtype fp8_e4m3), INDEXER_FP8_CONFIG first (a page per block, 4 warps,
-# 6 stages), then other depths and warp counts of both read forms (the point's tables are page-consistent):
-# more stages keep more key bytes in flight (a block is 8.4 KB). All compile for sm_90 without spills
-# (scripts/compile_fp8_dsa.py --sweep, 64 index heads: 124-128 registers on 8 warps, 190-191 on 4).
+# 8 stages, registers capped for 3 programs an SM), then other depths, the compiler's register count and
+# other warp counts of both read forms (the point's tables are page-consistent): more stages keep more key
+# bytes in flight (a block is 8.4 KB). All compile for sm_90 without spills (scripts/compile_fp8_dsa.py
+# --sweep; 64 index heads: 122-128 registers on 8 warps, 185-191 on 4 uncapped).
 TUNE_INDEXER_FP8 = (
     INDEXER_FP8_CONFIG,
-    replace(INDEXER_FP8_CONFIG, num_stages=4),
-    replace(INDEXER_FP8_CONFIG, num_stages=8),
-    replace(INDEXER_FP8_CONFIG, num_warps=8, num_stages=10),
+    replace(INDEXER_FP8_CONFIG, num_stages=6),
+    replace(INDEXER_FP8_CONFIG, max_registers=None),
+    replace(INDEXER_FP8_CONFIG, num_stages=6, max_registers=None),
+    replace(INDEXER_FP8_CONFIG, num_warps=8, num_stages=10, max_registers=None),
+    replace(INDEXER_FP8_CONFIG, num_warps=8, max_registers=None),
     INDEXER_FP8_GATHER_CONFIG,
     replace(INDEXER_FP8_GATHER_CONFIG, num_warps=4),
     replace(INDEXER_FP8_GATHER_CONFIG, num_warps=4, num_stages=8),

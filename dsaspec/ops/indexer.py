@@ -19,7 +19,7 @@ sum. Every scale is a power of two, so applying them is exact (docs/fp8-kv-cache
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -27,9 +27,12 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_live_width, check_tensor
 from dsaspec.ops.e4m3 import quantize_rows
-from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, check_rows_per_group
+from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, PROGRAMS_PER_SM, check_rows_per_group
 from dsaspec.ops.kv_cache_layout import (INDEX_FP8_PAGE_BYTES, INDEX_HEAD_DIM, PAGE_SIZE,
                                          index_k_fp8_views, is_fp8_cache)
+
+
+SM_REGISTERS, THREAD_REGISTERS = 65536, 255  # 32-bit registers of one SM and of one thread (sm_80 .. sm_90)
 
 
 @dataclass(frozen=True)
@@ -46,12 +49,22 @@ class IndexerConfig:
         first) names the page, then the block's keys (and FP8 scales) are one contiguous run
         instead of 64 gathers. Needs page-consistent tables (:func:`indexer_logits`,
         ``page_table_1``), which the runtime's page allocator writes.
+    max_registers : cap on a thread's registers (ptxas ``maxnreg``), so that the schedule's
+        programs per SM are all resident (:func:`resident_registers`); None: the compiler's count.
     """
 
     tokens_as_m: bool
     num_warps: int
     num_stages: int
     page_blocks: bool = False
+    max_registers: int | None = None
+
+
+def resident_registers(programs_per_sm: int, num_warps: int) -> int:
+    """The most registers a thread may hold for ``programs_per_sm`` programs of ``num_warps`` warps
+    to be resident on one SM at once: the SM's 65,536 over their threads, in the allocation unit 8,
+    at most a thread's 255."""
+    return min(SM_REGISTERS // (programs_per_sm * num_warps * 32) // 8 * 8, THREAD_REGISTERS)
 
 
 INDEXER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=3)
@@ -60,9 +73,27 @@ INDEXER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=3)
 # the bf16 kernel's time, 175 against 185 µs at bs 32 / 64k, H200), and each 64-position block is read
 # as one page (contiguous codes and scales, one page-table entry): the fastest of the FP8 tune's
 # candidates at every decode point, 0.62-0.64x the 8-warp gather form at bs 32-64 / 64k (89 and 169 µs
-# at 3 programs per SM; benchmarks/results/h200/dsa_ops_tune_fp8_indexer.md). Needs page-consistent
+# at 3 programs per SM, GLM-5's 32 index heads; benchmarks/results/h200/dsa_ops_tune_fp8_indexer.md). Needs page-consistent
 # tables, which the runtime's allocator writes (the eager check names a block that is not).
-INDEXER_FP8_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=6, page_blocks=True)
+#
+# Registers: with 64 index heads (DeepSeek-V3.2) the 4-warp kernel takes 185 registers a thread, so only
+# 2 of the schedule's 3 programs an SM were resident (the third ran as a second wave); capped at 168 (3 x
+# 128 threads fit, no spills) it took 0.70 - 0.75x the time at bs 16 - 64 / 64k; 8 stages took 0.96 -
+# 1.01x the time of 6 on both presets (benchmarks/results/h200/logs/idx_tune_v32_session18.md,
+# logs/idx_tune_glm5_tma_session18.md). GLM-5's 32 index heads take 122 registers: the cap changes
+# nothing there.
+INDEXER_FP8_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=8, page_blocks=True,
+                                   max_registers=resident_registers(PROGRAMS_PER_SM, 4))
+# Row groups (target verify) on FP8 keys: the compiler's register count (255 at G = 4; capped at 168 a
+# G = 4 group spills, 560 B of stack at 32 index heads, 2,360 at 64, and took the same time). From
+# WIDE_GROUP_COLUMNS dot columns (G x H: DeepSeek-V3.2's 64 index heads at G = 4) 8 warps: on 4 the
+# [64, 256] fp32 scores alone are 128 registers a thread and the kernel spills 1,160 B; on 8 it does not,
+# and took 0.69 / 0.77x the 4-warp time at bs 32 / 64, 64k (GLM-5's G = 4, 128 columns: 1.08 / 1.05x, so
+# it keeps 4; benchmarks/results/h200/logs/idx_tune_verify_v32_session18.md,
+# logs/idx_tune_verify_glm5_session18.md).
+INDEXER_FP8_GROUP_CONFIG = replace(INDEXER_FP8_CONFIG, max_registers=None)
+INDEXER_FP8_WIDE_GROUP_CONFIG = replace(INDEXER_FP8_GROUP_CONFIG, num_warps=8)
+WIDE_GROUP_COLUMNS = 256
 # The FP8 gather form (any slot table: each position's slot read on its own), the earlier FP8 default.
 INDEXER_FP8_GATHER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=6)
 # The earlier kernel (heads as M, Triton's default pipelining depth): the benchmark's baseline.
@@ -254,9 +285,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         devices and strides are always checked. With ``False`` (graph replay) these are
         preconditions the caller guarantees (a longer row reads past its page-table row, an
         out-of-range slot outside ``k_cache``, a block that is not one page the wrong keys).
-    config : launch configuration (default :data:`INDEXER_CONFIG`, on an FP8 cache
-        :data:`INDEXER_FP8_CONFIG`, which reads a page per block, so the table must be
-        page-consistent); :data:`INDEXER_BASELINE_CONFIG` is the earlier kernel (the benchmark's
+    config : launch configuration (default: :func:`default_indexer_config`; the FP8 defaults read
+        a page per block, so the table must be page-consistent); :data:`INDEXER_BASELINE_CONFIG` is the earlier kernel (the benchmark's
         baseline); :data:`INDEXER_FP8_GATHER_CONFIG` reads each position's slot on its own, for any
         table (bitwise equal logits on page-consistent tables).
 
@@ -270,7 +300,7 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     num_rows, num_heads, head_dim = q.shape
     check_rows_per_group(rows_per_group, num_rows)
     fp8 = is_fp8_cache(k_cache)
-    config = config or (INDEXER_FP8_CONFIG if fp8 else INDEXER_CONFIG)
+    config = config or default_indexer_config(fp8, rows_per_group, num_heads)
     if fp8:
         codes, scales = index_k_fp8_views(k_cache)
         keys, key_stride, scale_stride = codes, codes.stride(0), scales.stride(0)
@@ -294,8 +324,22 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         GROUP=rows_per_group, HEAD_DIM=head_dim, GROUP_P2=group_p2, HEADS_P2=heads_p2,
         BLOCK_KV=INDEXER_BLOCK_KV,
         TOKENS_AS_M=config.tokens_as_m, NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
-        FP8=fp8, PAGE=PAGE_SIZE, PAGE_BLOCKS=config.page_blocks, num_warps=config.num_warps)
+        FP8=fp8, PAGE=PAGE_SIZE, PAGE_BLOCKS=config.page_blocks, num_warps=config.num_warps,
+        maxnreg=config.max_registers if rows_per_group == 1 else None)
     return out
+
+
+def default_indexer_config(fp8: bool, rows_per_group: int, num_heads: int) -> IndexerConfig:
+    """:func:`indexer_logits`' configuration when none is given: :data:`INDEXER_CONFIG` on bf16 keys;
+    on FP8 keys :data:`INDEXER_FP8_CONFIG` for single rows, :data:`INDEXER_FP8_GROUP_CONFIG` for row
+    groups, :data:`INDEXER_FP8_WIDE_GROUP_CONFIG` where a group's dot has at least
+    :data:`WIDE_GROUP_COLUMNS` columns (``next_pow2(G) * next_pow2(H)``)."""
+    if not fp8:
+        return INDEXER_CONFIG
+    if rows_per_group == 1:
+        return INDEXER_FP8_CONFIG
+    columns = triton.next_power_of_2(rows_per_group) * triton.next_power_of_2(num_heads)
+    return INDEXER_FP8_WIDE_GROUP_CONFIG if columns >= WIDE_GROUP_COLUMNS else INDEXER_FP8_GROUP_CONFIG
 
 
 def _check_inputs(q, weights, k_cache, page_table_1, seqlens, schedule, out) -> None:
