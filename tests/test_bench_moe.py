@@ -22,8 +22,8 @@ def test_cpu_run_matches_reference(tmp_path):
                                                                 for d in ("bf16", "fp8")]
     assert all(r["matches_reference"] and not r["baseline_skipped"] for r in rows)
     assert [r["baseline"] for r in rows[:2]] == ["torch gather", "bf16 fused"]
-    # no --split-k: the MoE layer's rule, FP8 experts of I 128 in 2 splits, bf16 unsplit
-    assert [r["split_k"] for r in rows[:2]] == [1, 2]
+    # no --split-k: the MoE layer's rule, FP8 experts of I 128 in 4 splits, bf16 unsplit
+    assert [r["split_k"] for r in rows[:2]] == [1, 4]
     assert not any("new_us" in r for r in rows)
 
 

@@ -534,7 +534,7 @@ def test_fp8_expert_paths_match_the_reference(path):
                      options=RuntimeOptions(fused_moe=True)).init_weights(5)
     experts = model.model.layers[1].mlp.experts
     assert experts.fp8 and experts.use_fused == (path == "fused")
-    assert moe_split_k(experts.intermediate, experts.fp8) == 2  # the fused path runs split gate/up
+    assert moe_split_k(experts.intermediate, experts.fp8) == 4  # the fused path runs split gate/up
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(17, config.hidden_size, generator=generator)
     ids = torch.randint(2, 6, (17, config.num_experts_per_tok), generator=generator, dtype=torch.int32)  # 0, 1, 6, 7 unhit

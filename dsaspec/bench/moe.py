@@ -26,7 +26,7 @@ of the bytes floor from 1 to 64 tokens; and never slower than the baseline. Afte
 fused output is compared with the gather baseline's (bf16 rounding) and, at T <= 8, with the fp64
 reference; an FP8 one, at T <= 8, with the fp64 FP8 reference (dequantized weights, quantized
 activations; normwise within 2**-4 in bf16), its normwise distance to the bf16 output recorded.
-Gate/up K splits: by default the MoE layer's rule per point (``moe_split_k(I, fp8)``: 2 for FP8
+Gate/up K splits: by default the MoE layer's rule per point (``moe_split_k(I, fp8)``: 4 for FP8
 experts of I <= 256, else 1), so a row times the path the model runs; ``--split-k 1,4``: each point
 and weight dtype once per split count instead (``fused_moe``'s ``split_k``), every one checked as
 above. Rows carry ``split_k``; the FP8 baseline stays the bf16 fused op at split 1. ``--layout
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "quantized from the same bf16 weights; H and I multiples of 128)")
     p.add_argument("--split-k", type=positive_int_list, default=None,
                    help="gate/up K splits of the fused op, comma-separated (each a row; 1: no split); default: "
-                        "the MoE layer's rule per point (2 for FP8 experts of I <= 256, else 1)")
+                        "the MoE layer's rule per point (4 for FP8 experts of I <= 256, else 1)")
     p.add_argument("--layout", type=choice_list(LAYOUTS), default=["auto"],
                    help="block layouts of the fused op, comma-separated (each a row): sorted (align, combine), "
                         "pairs (no align, the combine in the down launch), auto (the op's choice by T * k)")

@@ -113,7 +113,13 @@ _COMBINE_ELEMENTS = 1024  # outputs per combine program
 # best of 36 tiles at every T (DeepSeek-V3.2's T = 1: 10%; H200, cold L2, gate/up + the split reduce launch then:
 # moe_tiles_*.md). bf16 experts in 2 splits were 0.90x one at T = 1 but 1.16x at T = 4 (moe_split.md). A
 # rule by shape only, so the row invariance holds (fused_moe's split_k).
-_FP8_SMALL_I, _FP8_SMALL_I_SPLIT = 256, 2
+# 4 splits (64-wide tiles) then took 0.83 - 1.03x the time of 2 at T = 1 - 128 on both ranks
+# (logs/moe_tiles_*_split4_session17.md); in the GLM-5 rank on one machine, baseline and new in one run
+# each: decode TPOT 7.97 / 10.36 / 19.44 ms against 8.14 / 10.38 / 19.46 at bs 1 / 4 / 32, end to end
+# 234 / 141 / 87.5 tok/s/user against 236 / 134 / 87.3 at concurrency 1 / 8 / 32, TTFT 332 against 355 ms
+# (logs/decode_rank_glm5_split4_session18.md, logs/decode_rank_glm5_split2_session18.md,
+# logs/e2e_rank_glm5_split4_session18.md, logs/e2e_rank_glm5_split2_session18.md).
+_FP8_SMALL_I, _FP8_SMALL_I_SPLIT = 256, 4
 
 
 # The FP8 down: in the pair layout (a program per token looping over its k pairs' K blocks) 32-wide tiles of
@@ -126,7 +132,7 @@ _FP8_DOWN_PER_TOKEN_WARPS, _FP8_DOWN_STAGES = 2, 3
 
 def moe_split_k(intermediate_size: int, fp8: bool) -> int:
     """The gate/up K splits :class:`~dsaspec.layers.moe.RoutedExperts` passes to :func:`fused_moe` for
-    experts of intermediate size ``intermediate_size`` (this rank's) and ``fp8`` weights: 2 for FP8
+    experts of intermediate size ``intermediate_size`` (this rank's) and ``fp8`` weights: 4 for FP8
     experts of I <= 256, else 1. A function of the shape only, never of the token count."""
     return _FP8_SMALL_I_SPLIT if fp8 and intermediate_size <= _FP8_SMALL_I else 1
 
