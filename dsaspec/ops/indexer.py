@@ -85,7 +85,7 @@ INDEXER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=3)
 INDEXER_FP8_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=8, page_blocks=True,
                                    max_registers=resident_registers(PROGRAMS_PER_SM, 4))
 # Row groups (target verify) on FP8 keys: the compiler's register count (255 at G = 4; capped at 168 a
-# G = 4 group spills, 560 B of stack at 32 index heads, 2,360 at 64, and took the same time). From
+# G = 4 group spills, 560 B of stack at 32 index heads, 2,360 at 64; sm_90 offline compile). From
 # WIDE_GROUP_COLUMNS dot columns (G x H: DeepSeek-V3.2's 64 index heads at G = 4) 8 warps: on 4 the
 # [64, 256] fp32 scores alone are 128 registers a thread and the kernel spills 1,160 B; on 8 it does not,
 # and took 0.69 / 0.77x the 4-warp time at bs 32 / 64, 64k (GLM-5's G = 4, 128 columns: 1.08 / 1.05x, so
@@ -325,7 +325,7 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         BLOCK_KV=INDEXER_BLOCK_KV,
         TOKENS_AS_M=config.tokens_as_m, NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
         FP8=fp8, PAGE=PAGE_SIZE, PAGE_BLOCKS=config.page_blocks, num_warps=config.num_warps,
-        maxnreg=config.max_registers if rows_per_group == 1 else None)
+        maxnreg=config.max_registers)
     return out
 
 
