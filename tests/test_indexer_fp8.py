@@ -22,8 +22,8 @@ from compile_scripts import integer_rows, run_in_scripts
 from dsaspec.bench.dsa_ops import TUNE_INDEXER_FP8
 from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
                                  INDEXER_FP8_GATHER_CONFIG, INDEXER_FP8_GROUP_CONFIG,
-                                 INDEXER_FP8_WIDE_GROUP_CONFIG, default_indexer_config, indexer_logits,
-                                 resident_registers)
+                                 INDEXER_FP8_WIDE_GROUP_CONFIG, default_indexer_config, indexer_logits)
+from dsaspec.ops.device import resident_registers
 from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
 from dsaspec.reference.fp8_gemm import act_quant
 from dsaspec.reference.indexer import reference_indexer_logits_fp8

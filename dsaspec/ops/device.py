@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 H200_SMS = 132  # used off-GPU where the interpreter should take the H200's launch shapes
+SM_REGISTERS, THREAD_REGISTERS = 65536, 255  # 32-bit registers of one SM and of one thread (sm_80 .. sm_90)
 
 
 def sm_count(device: torch.device | str, without_cuda: int = H200_SMS) -> int:
@@ -13,6 +14,13 @@ def sm_count(device: torch.device | str, without_cuda: int = H200_SMS) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return without_cuda
+
+
+def resident_registers(programs_per_sm: int, num_warps: int) -> int:
+    """The most registers a thread may hold (a ``maxnreg`` cap) for ``programs_per_sm`` programs of
+    ``num_warps`` warps to be resident on one SM at once: the SM's 65,536 over their threads, in the
+    allocation unit 8, at most a thread's 255."""
+    return min(SM_REGISTERS // (programs_per_sm * num_warps * 32) // 8 * 8, THREAD_REGISTERS)
 
 
 def interpreted(kernel) -> bool:

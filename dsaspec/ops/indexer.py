@@ -26,13 +26,11 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_live_width, check_tensor
+from dsaspec.ops.device import resident_registers
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, PROGRAMS_PER_SM, check_rows_per_group
 from dsaspec.ops.kv_cache_layout import (INDEX_FP8_PAGE_BYTES, INDEX_HEAD_DIM, PAGE_SIZE,
                                          index_k_fp8_views, is_fp8_cache)
-
-
-SM_REGISTERS, THREAD_REGISTERS = 65536, 255  # 32-bit registers of one SM and of one thread (sm_80 .. sm_90)
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,8 @@ class IndexerConfig:
         instead of 64 gathers. Needs page-consistent tables (:func:`indexer_logits`,
         ``page_table_1``), which the runtime's page allocator writes.
     max_registers : cap on a thread's registers (ptxas ``maxnreg``), so that the schedule's
-        programs per SM are all resident (:func:`resident_registers`); None: the compiler's count.
+        programs per SM are all resident (:func:`dsaspec.ops.device.resident_registers`); None: the
+        compiler's count.
     """
 
     tokens_as_m: bool
@@ -60,21 +59,15 @@ class IndexerConfig:
     max_registers: int | None = None
 
 
-def resident_registers(programs_per_sm: int, num_warps: int) -> int:
-    """The most registers a thread may hold for ``programs_per_sm`` programs of ``num_warps`` warps
-    to be resident on one SM at once: the SM's 65,536 over their threads, in the allocation unit 8,
-    at most a thread's 255."""
-    return min(SM_REGISTERS // (programs_per_sm * num_warps * 32) // 8 * 8, THREAD_REGISTERS)
-
-
 INDEXER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=3)
 # FP8 keys: a block is 8.4 KB instead of 16 KB, so twice the pipelining depth keeps as many bytes in
 # flight (the loop is bound by gathers in flight, not by bandwidth: at 3 stages the FP8 kernel took
 # the bf16 kernel's time, 175 against 185 µs at bs 32 / 64k, H200), and each 64-position block is read
 # as one page (contiguous codes and scales, one page-table entry): the fastest of the FP8 tune's
 # candidates at every decode point, 0.62-0.64x the 8-warp gather form at bs 32-64 / 64k (89 and 169 µs
-# at 3 programs per SM, GLM-5's 32 index heads; benchmarks/results/h200/dsa_ops_tune_fp8_indexer.md). Needs page-consistent
-# tables, which the runtime's allocator writes (the eager check names a block that is not).
+# at 3 programs per SM, GLM-5's 32 index heads; benchmarks/results/h200/dsa_ops_tune_fp8_indexer.md).
+# Needs page-consistent tables, which the runtime's allocator writes (the eager check names a block
+# that is not).
 #
 # Registers: with 64 index heads (DeepSeek-V3.2) the 4-warp kernel takes 185 registers a thread, so only
 # 2 of the schedule's 3 programs an SM were resident (the third ran as a second wave); capped at 168 (3 x
@@ -286,8 +279,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         preconditions the caller guarantees (a longer row reads past its page-table row, an
         out-of-range slot outside ``k_cache``, a block that is not one page the wrong keys).
     config : launch configuration (default: :func:`default_indexer_config`; the FP8 defaults read
-        a page per block, so the table must be page-consistent); :data:`INDEXER_BASELINE_CONFIG` is the earlier kernel (the benchmark's
-        baseline); :data:`INDEXER_FP8_GATHER_CONFIG` reads each position's slot on its own, for any
+        a page per block, so the table must be page-consistent); :data:`INDEXER_BASELINE_CONFIG`
+        is the earlier kernel (the benchmark's baseline); :data:`INDEXER_FP8_GATHER_CONFIG` reads each position's slot on its own, for any
         table (bitwise equal logits on page-consistent tables).
 
     Returns

@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_count, check_live_width, check_tensor
-from dsaspec.ops.device import interpreted, sm_count, supports_pdl
+from dsaspec.ops.device import interpreted, resident_registers, sm_count, supports_pdl
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU (one program per row)
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps
@@ -87,7 +87,7 @@ SINGLE_LAUNCH_PROGRAMS_PER_SM = 4
 _CHUNK_WARPS = 4  # warps of a chunked-form program
 # ... which holds for the kernel with lists (155 registers uncapped: three per SM) when each of its
 # programs gets at most a quarter of an SM's 64K registers: 128
-_SINGLE_LAUNCH_MAX_REGISTERS = 65536 // (SINGLE_LAUNCH_PROGRAMS_PER_SM * _CHUNK_WARPS * 32)
+_SINGLE_LAUNCH_MAX_REGISTERS = resident_registers(SINGLE_LAUNCH_PROGRAMS_PER_SM, _CHUNK_WARPS)
 _PASSES = 5  # histograms of digits 0..3, then the write
 _LIST_PASS = tl.constexpr(5)  # the launched form's first pass with candidate lists
 # Candidate lists in the chunked form only up to this many chunks a row: with more, every chunk's
