@@ -5,8 +5,8 @@ baseline = ``DSASPEC_BOUNDED_REPLAY_METADATA=0``, ``DSASPEC_SPEC_DRAFT_ARGMAX_EX
 draft steps, logits gather for the draft and verify tokens); new = all on (the defaults). Per model preset and configured context, one
 ``req_to_token`` table, the target and MTP KV pools, and two captured
 :class:`~dsaspec.speculative.spec_worker.SpecWorker` (baseline, new) over them. ``max(concurrency)``
-requests with ``--prompt-len``-token random prompts are prefilled once (eager; that prefill time
-per request is the TTFT reported; each path's graph capture, first Triton compiles included, is timed
+requests with ``--prompt-len``-token random prompts are prefilled once (eager, in chunks of at most
+``PREFILL_CHUNK`` tokens; that prefill time per request is the TTFT reported; each path's graph capture, first Triton compiles included, is timed
 once per setup and reported in seconds); every run restores that state and runs ``--iterations``
 speculative iterations of the first ``concurrency`` requests, exactly as the Engine does
 (metadata, draft / verify / extend graphs, one device-to-host copy). Positions past the prompt are
@@ -84,6 +84,9 @@ from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
 
 FULL_CONTEXT = 1 << 20
+# Prefill rows per eager forward: a chunk's page tables and indexer logits are [rows, live] (a 32k
+# prompt in one chunk needed 4 GiB for its page table and ran out of memory on the GLM-5 rank preset).
+PREFILL_CHUNK = 4096
 BOUNDED_SWITCH, EXCHANGE_SWITCH, VERIFY_SWITCH = KILL_SWITCHES = (
     "DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE")
 # path -> the kill switches it is built with; "gather" (TP > 1) differs from "new" in the draft exchange only
@@ -202,7 +205,7 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
     times = []
     for row, prompt in tqdm(list(zip(rows, prompts)), desc="prefill", unit="request", disable=not progress):
         began = time.perf_counter()
-        workers["new"].prefill(row, prompt, chunk_size=args.prompt_len)
+        workers["new"].prefill(row, prompt, chunk_size=min(args.prompt_len, PREFILL_CHUNK))
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - began))
