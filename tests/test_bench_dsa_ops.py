@@ -178,9 +178,10 @@ def test_fp8_indexer_tune_candidates_match_the_default():
     point = _fp8_tune_point()
     candidates = dsa_ops._fp8_indexer_tune_candidates(point)
     first = candidates[0][0]
-    assert first == vars(dsa_ops.INDEXER_FP8_CONFIG) | {"programs_per_sm": dsa_ops.PROGRAMS_PER_SM,
-                                                         "rows_per_group": 2, "kv_cache": "fp8_e4m3"}
-    assert len(candidates) == len(dsa_ops.TUNE_INDEXER_FP8) * len(dsa_ops.TUNE_FP8_PROGRAMS_PER_SM)
+    default = dsa_ops.default_indexer_config(True, 2, point.shapes.index_heads)
+    assert default.programs_per_sm == 2  # the row groups' own programs an SM
+    assert first == vars(default) | {"rows_per_group": 2, "kv_cache": "fp8_e4m3"}
+    assert len(candidates) == len(dsa_ops.TUNE_INDEXER_FP8) * len(dsa_ops.TUNE_PROGRAMS_PER_SM)
     assert len({tuple(sorted(config.items())) for config, _ in candidates}) == len(candidates)
     for config, fn in candidates:
         assert dsa_ops._check_fp8_indexer_candidate(point, fn, on_gpu=False) == 0.0, config

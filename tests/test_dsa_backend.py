@@ -54,6 +54,7 @@ def backend(table, kernel=None, **kwargs) -> DSAAttnBackend:
     kwargs.setdefault("page_size", P)
     kwargs.setdefault("num_draft_tokens", N)
     kwargs.setdefault("num_sms", 7)
+    kwargs.setdefault("group_num_sms", 5)  # the grouped verify rows' own program count
     kwargs.setdefault("budget", 16)
     return DSAAttnBackend(table, force_kernel=kernel, **kwargs)
 
@@ -127,6 +128,7 @@ def test_replay_matches_reference_and_keeps_buffers(kernel, mode):
         out = be.capture(bs, mode)
         assert be.capture(bs, mode) is out
         schedule = be.schedule(bs, mode)
+        assert schedule.shape == (be.programs(mode) + 1, 2)
         ptrs = [t.data_ptr() for t in out.tensors()] + [schedule.data_ptr()]
         assert out.page_table_1.shape == (out.rows, W_CPU)
         assert out.real_page_table.shape == (out.rows, -(-W_CPU // P))
@@ -137,7 +139,7 @@ def test_replay_matches_reference_and_keeps_buffers(kernel, mode):
             assert got is out
             want = reference_metadata(mode, table, rpi, sl, index_topk=K, page_size=P, num_draft_tokens=N)
             assert_contract_equal(got, want, mode, sl, N)
-            assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.num_sms, skip_len=be.index_topk,
+            assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.programs(mode), skip_len=be.index_topk,
                                                                     rows_per_group=be.rows_per_group(mode)))
         assert [t.data_ptr() for t in out.tensors()] + [schedule.data_ptr()] == ptrs
 
@@ -195,8 +197,8 @@ def test_eager_width_is_live_max(kernel, mode):
     assert out.width == live_max and out.batch == 5
     want = reference_metadata(mode, table[:, :live_max], rpi, sl, index_topk=K, page_size=P, num_draft_tokens=N)
     assert_contract_equal(out, want, mode, sl, N)
-    assert schedule.shape == (be.num_sms + 1, 2)
-    assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.num_sms, skip_len=be.index_topk,
+    assert schedule.shape == ((5 if mode is Mode.TARGET_VERIFY else 7) + 1, 2)
+    assert torch.equal(schedule, reference_indexer_schedule(out.seqlens_expanded, be.programs(mode), skip_len=be.index_topk,
                                                                     rows_per_group=be.rows_per_group(mode)))
 
 
@@ -241,6 +243,26 @@ def test_attention_inputs_over_the_buffers(mode):
 
 
 # ---------------------------------------------------------------- bad input
+
+def test_grouped_verify_rows_have_their_own_program_count():
+    """Target verify with row groups sizes its schedule by group_num_sms, every other mode (and
+    verify without groups, the row-invariant mode) by num_sms; None means num_sms."""
+    table = make_table(POOL, W_CPU, "cpu")
+    grouped = backend(table, BOUNDED, bucket_sizes=(2,))
+    ungrouped = backend(table, BOUNDED, bucket_sizes=(2,), group_verify_rows=False)
+    assert [grouped.programs(m) for m in Mode] == [5 if m is Mode.TARGET_VERIFY else 7 for m in Mode]
+    assert [ungrouped.programs(m) for m in Mode] == [7] * len(Mode)
+    assert backend(table, BOUNDED, group_num_sms=None).programs(Mode.TARGET_VERIFY) == 7
+    for be in (grouped, ungrouped):
+        be.capture(2, Mode.TARGET_VERIFY)
+        assert be.schedule(2, Mode.TARGET_VERIFY).shape == (be.programs(Mode.TARGET_VERIFY) + 1, 2)
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="group_num_sms must be an integer >= 1"):
+            backend(table, BOUNDED, group_num_sms=bad)
+    other = backend(table, BOUNDED, bucket_sizes=(2,), group_num_sms=6)
+    with pytest.raises(ValueError, match="share_from has group_num_sms=5, this backend 6"):
+        other.capture(2, Mode.TARGET_VERIFY, share_from=grouped)
+
 
 def test_bad_input_errors():
     table = make_table(POOL, W_CPU, "cpu")
@@ -315,7 +337,7 @@ def _graph_replay_case(width: int, bs: int, lengths_list, kernel=None):
             want = reference_metadata(mode, table, rpi, sl, index_topk=2048, page_size=P, num_draft_tokens=N)
             assert_contract_equal(out, want, mode, sl, N)
             assert torch.equal(be.schedule(bs, mode).cpu(),
-                               reference_indexer_schedule(out.seqlens_expanded.cpu(), be.num_sms,
+                               reference_indexer_schedule(out.seqlens_expanded.cpu(), be.programs(mode),
                                                           skip_len=be.index_topk,
                                                           rows_per_group=be.rows_per_group(mode)))
         assert [t.data_ptr() for t in out.tensors()] == ptrs

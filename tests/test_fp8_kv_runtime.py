@@ -11,8 +11,11 @@ import torch
 from dsaspec.commands import generate
 from dsaspec.configs.model_config import get_config
 from dsaspec.engine.engine import Engine
+from dsaspec.forward_mode import Mode
 from dsaspec.memory import PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots
 from dsaspec.models.dsa_model import DSAModel
+from dsaspec.ops.indexer import default_indexer_programs
+from dsaspec.ops.indexer_schedule import SMS_WITHOUT_CUDA
 from dsaspec.speculative.spec_worker import SpecConfig
 from dsaspec.testing.spec_models import random_prompts
 
@@ -79,6 +82,21 @@ def test_fp8_generation_is_deterministic_and_close_to_bf16(model, prompts, fp8_t
 
 def test_speculative_on_fp8_caches_equals_plain_on_fp8_caches(model, prompts, fp8_tokens):
     assert _generate(model, prompts, "fp8_e4m3", SpecConfig(num_steps=3)) == fp8_tokens
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
+def test_verify_schedule_follows_the_cache_dtype(model, kv_cache_dtype):
+    """The grouped verify rows' schedule has the programs of the indexer configuration their cache
+    dtype runs (FP8 groups: 2 an SM, bf16 ones of this width: 3); decode keeps 3 an SM."""
+    spec = SpecConfig(num_steps=3)
+    engine = Engine(model, context_len=CONTEXT, max_batch=2, bucket_sizes=(1, 2), progress=False,
+                    speculative=spec, kv_cache_dtype=kv_cache_dtype)
+    fp8 = kv_cache_dtype == "fp8_e4m3"
+    want = default_indexer_programs("cpu", fp8, spec.num_draft_tokens, model.config.index_n_heads)
+    assert want == (2 if fp8 else 3) * SMS_WITHOUT_CUDA
+    assert engine.backend.programs(Mode.TARGET_VERIFY) == want
+    assert engine.backend.schedule(2, Mode.TARGET_VERIFY).shape == (want + 1, 2)
+    assert engine.backend.programs(Mode.DRAFT_EXTEND) == 3 * SMS_WITHOUT_CUDA
 
 
 def test_attention_metadata_does_not_depend_on_the_cache_dtype(model, prompts, monkeypatch):

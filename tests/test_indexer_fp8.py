@@ -22,9 +22,11 @@ from compile_scripts import integer_rows, run_in_scripts
 from dsaspec.bench.dsa_ops import TUNE_INDEXER_FP8
 from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
                                  INDEXER_FP8_GATHER_CONFIG, INDEXER_FP8_GROUP_CONFIG,
-                                 INDEXER_FP8_WIDE_GROUP_CONFIG, default_indexer_config, indexer_logits)
+                                 INDEXER_FP8_WIDE_GROUP_CONFIG, INDEXER_WIDE_GROUP_CONFIG,
+                                 default_indexer_config, default_indexer_programs, indexer_logits)
 from dsaspec.ops.device import resident_registers
-from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
+from dsaspec.ops.indexer_schedule import (PROGRAMS_PER_SM, SMS_WITHOUT_CUDA, indexer_programs,
+                                          indexer_schedule)
 from dsaspec.reference.fp8_gemm import act_quant
 from dsaspec.reference.indexer import reference_indexer_logits_fp8
 
@@ -470,13 +472,47 @@ def test_tune_candidates_compile_for_sm90_without_spills():
 
 def test_default_configs():
     """Single rows take the register-capped config, groups the compiler's count, groups of 256 and more
-    dot columns 8 warps; bf16 keys the bf16 default whatever the group."""
+    dot columns 8 warps; on bf16 keys wide groups run fewer programs an SM, narrower ones and single
+    rows the bf16 default."""
     assert default_indexer_config(True, 1, 64) == INDEXER_FP8_CONFIG
     assert default_indexer_config(True, 4, 32) == INDEXER_FP8_GROUP_CONFIG      # 128 columns
     assert default_indexer_config(True, 3, 64) == INDEXER_FP8_WIDE_GROUP_CONFIG  # next_pow2(3) * 64
     assert default_indexer_config(True, 2, 64) == INDEXER_FP8_GROUP_CONFIG
-    assert default_indexer_config(False, 4, 64) == INDEXER_CONFIG
+    assert default_indexer_config(False, 4, 64) == INDEXER_WIDE_GROUP_CONFIG
+    assert default_indexer_config(False, 4, 32) == INDEXER_CONFIG
+    assert default_indexer_config(False, 1, 128) == INDEXER_CONFIG
     assert INDEXER_FP8_WIDE_GROUP_CONFIG.num_warps == 8 and INDEXER_FP8_GROUP_CONFIG.max_registers is None
+    # the schedule follows the configuration: 132 SMs of an H200 off-GPU
+    assert default_indexer_programs("cpu", True, 4, 32) == 2 * SMS_WITHOUT_CUDA
+    assert default_indexer_programs("cpu", True, 4, 64) == SMS_WITHOUT_CUDA
+    assert default_indexer_programs("cpu", False, 1, 64) == PROGRAMS_PER_SM * SMS_WITHOUT_CUDA
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        indexer_programs("cpu", 0)
+
+
+# (FP8 keys, rows per group, index heads): decode and verify groups of GLM-5 (32) and DeepSeek-V3.2 (64)
+RESIDENCY_SHAPES = [(fp8, group, heads) for fp8 in (False, True) for group in (1, 4) for heads in (32, 64)]
+
+
+def test_default_programs_per_sm_are_all_resident():
+    """Without a GPU: each default configuration's ``programs_per_sm`` is the number of its programs
+    an SM holds at once (registers in units of 8 a thread over the SM's 65,536; shared memory, 1 KiB
+    reserved a block, over the SM's 228 KiB), at most PROGRAMS_PER_SM: more would run as a second
+    wave, fewer would leave gathers unissued (the verify tunes, logs/idx_tune_verify_*_session19.md).
+    scripts/compile_fp8_dsa.py's sm_90 compile, in a subprocess."""
+    out = run_in_scripts("compile_fp8_dsa",
+                         "from dsaspec.ops.indexer import default_indexer_config\n"
+                         f"for fp8, group, heads in {RESIDENCY_SHAPES}:\n"
+                         "    r = c.compile_indexer(fp8, default_indexer_config(fp8, group, heads), group, heads)\n"
+                         "    print(r['regs'], r['spill'], r['shared'])")
+    results = integer_rows(out)
+    assert len(results) == len(RESIDENCY_SHAPES), out
+    for (fp8, group, heads), (regs, spilled, shared) in zip(RESIDENCY_SHAPES, results):
+        config = default_indexer_config(fp8, group, heads)
+        by_registers = 65536 // (-(-regs // 8) * 8 * 32 * config.num_warps)
+        by_shared = 233472 // (shared + 1024)
+        resident = min(by_registers, by_shared, PROGRAMS_PER_SM)
+        assert spilled == 0 and config.programs_per_sm == resident, (fp8, group, heads, regs, shared, config)
 
 
 def test_resident_registers():

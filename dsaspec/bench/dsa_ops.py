@@ -12,7 +12,8 @@ CUPTI kernel time, median and spread).
 
 - ``indexer``: ``indexer_schedule`` + ``indexer_logits``. new: ``skip_len`` = top-k (rows with
   live <= k get no blocks), ``rows_per_group`` = rows per request (the N verify rows share each
-  key read), ``INDEXER_CONFIG`` and ``PROGRAMS_PER_SM`` programs per SM; baseline: ``skip_len`` 0, one row per unit and
+  key read), the cache's default configuration (``default_indexer_config``) at its
+  ``programs_per_sm`` programs per SM; baseline: ``skip_len`` 0, one row per unit and
   ``INDEXER_BASELINE_CONFIG`` with one program per SM (the earlier kernel).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
   without reading logits, and each row is split over the chunks of the workspace
@@ -50,8 +51,8 @@ rows stay on the bf16 caches (holding the dequantized values).
 
 With ``--kv-cache-dtype fp8_e4m3``, ``--tune`` times the sparse MLA candidates on the FP8 cache
 too (and ``TUNE_SPARSE_MLA_FP8``), each row's ``config`` naming its ``kv_cache``, and the indexer
-on the FP8 key cache: ``TUNE_INDEXER_FP8`` at ``TUNE_FP8_PROGRAMS_PER_SM`` programs per SM, each candidate's logits
-checked against ``INDEXER_FP8_CONFIG``'s (bitwise under the interpreter, within
+on the FP8 key cache: the point's default, then ``TUNE_INDEXER_FP8`` at ``TUNE_PROGRAMS_PER_SM`` programs per
+SM, each candidate's logits checked against the default's (bitwise under the interpreter, within
 ``FP8_INDEXER_TUNE_RTOL`` of their absolute sums on the GPU; a mismatch is the row's error); the Gluon
 kernel's FP8 gather candidates (``SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS``) and its one-split default are
 checked bitwise against the staged FP8 default of their block size (a mismatch is the row's error).
@@ -92,8 +93,9 @@ from dsaspec.ops.device import sm_count
 from dsaspec.ops.fp8_kv import gather_index_k, gather_mla, store_index_k, store_mla
 from dsaspec.ops.kv_cache_layout import INDEX_FP8_BYTES, INDEX_FP8_PAGE_BYTES, MLA_FP8_BYTES
 from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
-                                 INDEXER_FP8_GATHER_CONFIG, IndexerConfig, indexer_logits)
-from dsaspec.ops.indexer_schedule import PROGRAMS_PER_SM, indexer_schedule
+                                 INDEXER_FP8_GATHER_CONFIG, IndexerConfig, default_indexer_config,
+                                 indexer_logits)
+from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
@@ -182,9 +184,9 @@ TUNE_INDEXER_FP8 = (
     replace(INDEXER_FP8_GATHER_CONFIG, num_warps=4),
     replace(INDEXER_FP8_GATHER_CONFIG, num_warps=4, num_stages=8),
 )
-TUNE_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 2, 4)  # indexer programs (schedule entries) per SM, the default first
-# FP8 indexer programs per SM, the default first: more resident programs, more gathers in flight.
-TUNE_FP8_PROGRAMS_PER_SM = (PROGRAMS_PER_SM, 2, 4)
+# Indexer programs (schedule entries) per SM, on either cache: more resident programs keep more key
+# gathers in flight, as long as all of them fit on the SM at once.
+TUNE_PROGRAMS_PER_SM = (1, 2, 3, 4)
 # Two FP8 indexer configurations on the GPU: each within the FP8 GPU tests' 2**-10 of a logit's absolute
 # sum from the fp8_index reference (tests/test_indexer_fp8.py), so within twice that of each other.
 FP8_INDEXER_TUNE_RTOL = 2.0 ** -9
@@ -313,16 +315,18 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
 # the ops, new and baseline, on a point's static buffers
 
 
-def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, programs: int | None = None,
-             rows_per_group: int | None = None, fp8: bool = False, out: str | None = None):
+def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, rows_per_group: int | None = None,
+             fp8: bool = False, out: str | None = None):
     """Schedule + logits into buffer ``out`` (default ``logits_new`` / ``logits_baseline``, and
     ``logits_fp8`` with ``fp8``: on the FP8 key cache). The new form skips rows with live <= k and
-    reads each key block once per request (``rows_per_group`` = N in verify)."""
+    reads each key block once per request (``rows_per_group`` = N in verify); its configuration
+    defaults to the cache's (``default_indexer_config``), the baseline's is
+    ``INDEXER_BASELINE_CONFIG``; the schedule has ``config.programs_per_sm`` programs an SM."""
     s = p.shapes
     skip = s.topk if new else 0
-    config = config or (None if new else INDEXER_BASELINE_CONFIG)  # None: the cache's default
-    programs = programs or (PROGRAMS_PER_SM * s.num_sms if new else s.num_sms)
     groups = rows_per_group or (p.n if new else 1)
+    config = config or (default_indexer_config(fp8, groups, s.index_heads) if new else INDEXER_BASELINE_CONFIG)
+    programs = config.programs_per_sm * s.num_sms
     schedule = p.buffer(f"schedule_{skip}_{programs}_{groups}", (programs + 1, 2), torch.int32)
     name = out or ("logits_fp8" if fp8 else "logits_new" if new else "logits_baseline")
     logits = p.buffer(name, (p.rows, p.live), torch.float32)
@@ -567,13 +571,15 @@ def _compare_fp8_indexer(p: _Point, on_gpu: bool) -> dict:
 
 
 def _fp8_indexer_tune_candidates(p: _Point) -> list[tuple[dict, object]]:
-    """(config, callable) per FP8 indexer candidate: :data:`TUNE_INDEXER_FP8` at
-    :data:`TUNE_FP8_PROGRAMS_PER_SM` programs per SM, the default (``INDEXER_FP8_CONFIG``,
-    ``PROGRAMS_PER_SM``) first; each writes buffer ``logits_fp8_tune`` with the new form's skip and
-    row groups."""
-    return [(vars(config) | {"programs_per_sm": per_sm, "rows_per_group": p.n, "kv_cache": "fp8_e4m3"},
-             _indexer(p, True, config, per_sm * p.shapes.num_sms, fp8=True, out="logits_fp8_tune"))
-            for per_sm in TUNE_FP8_PROGRAMS_PER_SM for config in TUNE_INDEXER_FP8]
+    """(config, callable) per FP8 indexer candidate: the point's default (``default_indexer_config``)
+    first, then :data:`TUNE_INDEXER_FP8` at :data:`TUNE_PROGRAMS_PER_SM` programs per SM; each
+    writes buffer ``logits_fp8_tune`` with the new form's skip and row groups."""
+    configs = dict.fromkeys([default_indexer_config(True, p.n, p.shapes.index_heads)]
+                            + [replace(config, programs_per_sm=per_sm) for per_sm in TUNE_PROGRAMS_PER_SM
+                               for config in TUNE_INDEXER_FP8])
+    return [(vars(config) | {"rows_per_group": p.n, "kv_cache": "fp8_e4m3"},
+             _indexer(p, True, config, fp8=True, out="logits_fp8_tune"))
+            for config in configs]
 
 
 def _check_fp8_indexer_candidate(p: _Point, candidate, on_gpu: bool) -> float:
@@ -864,11 +870,15 @@ def _tune(args) -> int:
         fp8 = args.kv_cache_dtype == "fp8_e4m3"
         point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed, fp8=fp8)
         _prepare(point)
-        candidates = [("indexer", vars(config) | {"programs_per_sm": per_sm, "rows_per_group": groups},
-                       _indexer(point, True, config, per_sm * shapes.num_sms, groups))
-                      for config in TUNE_INDEXER for per_sm in TUNE_PROGRAMS_PER_SM
-                      for groups in dict.fromkeys((point.n, 1))
-                      if (per_sm == PROGRAMS_PER_SM and groups == point.n) or config == INDEXER_CONFIG]
+        # the point's default first, then the other configurations at their own programs an SM,
+        # the default's kernel at each of TUNE_PROGRAMS_PER_SM and also without row groups
+        indexer_tries = dict.fromkeys(
+            [(default_indexer_config(False, point.n, shapes.index_heads), point.n)]
+            + [(replace(config, programs_per_sm=per_sm), groups) for config in TUNE_INDEXER
+               for per_sm in TUNE_PROGRAMS_PER_SM for groups in dict.fromkeys((point.n, 1))
+               if (per_sm == config.programs_per_sm and groups == point.n) or config == INDEXER_CONFIG])
+        candidates = [("indexer", vars(config) | {"rows_per_group": groups}, _indexer(point, True, config, groups))
+                      for config, groups in indexer_tries]
         twins = {}  # candidate index -> the launch its output must equal (_check_gluon_fp8_candidate)
         sparse_mla_tries = [("bf16", config) for config in TUNE_SPARSE_MLA]
         if fp8:

@@ -28,7 +28,8 @@ import triton.language as tl
 from dsaspec.ops.checks import check_live_width, check_tensor
 from dsaspec.ops.device import resident_registers
 from dsaspec.ops.e4m3 import quantize_rows
-from dsaspec.ops.indexer_schedule import INDEXER_BLOCK_KV, PROGRAMS_PER_SM, check_rows_per_group
+from dsaspec.ops.indexer_schedule import (INDEXER_BLOCK_KV, PROGRAMS_PER_SM, check_rows_per_group,
+                                          indexer_programs)
 from dsaspec.ops.kv_cache_layout import (INDEX_FP8_PAGE_BYTES, INDEX_HEAD_DIM, PAGE_SIZE,
                                          index_k_fp8_views, is_fp8_cache)
 
@@ -50,6 +51,9 @@ class IndexerConfig:
     max_registers : cap on a thread's registers (ptxas ``maxnreg``), so that the schedule's
         programs per SM are all resident (:func:`dsaspec.ops.device.resident_registers`); None: the
         compiler's count.
+    programs_per_sm : the schedule this configuration runs with: programs (schedule entries) per
+        SM, ``indexer_programs(device, programs_per_sm)``; the kernel takes whatever schedule it
+        is given, so this is what its callers size the schedule by.
     """
 
     tokens_as_m: bool
@@ -57,6 +61,7 @@ class IndexerConfig:
     num_stages: int
     page_blocks: bool = False
     max_registers: int | None = None
+    programs_per_sm: int = PROGRAMS_PER_SM
 
 
 INDEXER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=3)
@@ -84,13 +89,24 @@ INDEXER_FP8_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=8, 
 # and took 0.69 / 0.77x the 4-warp time at bs 32 / 64, 64k (GLM-5's G = 4, 128 columns: 1.08 / 1.05x, so
 # it keeps 4; benchmarks/results/h200/logs/idx_tune_verify_v32_session18.md,
 # logs/idx_tune_verify_glm5_session18.md).
-INDEXER_FP8_GROUP_CONFIG = replace(INDEXER_FP8_CONFIG, max_registers=None)
-INDEXER_FP8_WIDE_GROUP_CONFIG = replace(INDEXER_FP8_GROUP_CONFIG, num_warps=8)
+#
+# Programs per SM: as many as are resident at once, at most PROGRAMS_PER_SM (a CPU test compiles every
+# default for sm_90 and checks it). The row groups' kernels hold more registers, so the schedule's
+# third program an SM ran as a second wave: the uncapped 4-warp FP8 groups (255 registers) and the
+# bf16 kernel on wide groups (254 registers, 97 KiB of shared memory at G = 4 and 64 heads) fit 2, the
+# 8-warp FP8 groups (255 registers) 1. At bs 32 / 64, 64k (H200): GLM-5's FP8 groups at 2 an SM took
+# 0.79 / 0.77x the time at 3, bf16 groups of 64 heads at 2 0.78 / 0.78x, the 8-warp FP8 groups at 1
+# 0.86 / 0.90x, while bf16 groups of 32 heads (168 registers, 3 resident) took 1.26 / 1.25x at 2
+# (logs/idx_tune_verify_glm5_session19.md, logs/idx_tune_verify_v32_session19.md).
+INDEXER_FP8_GROUP_CONFIG = replace(INDEXER_FP8_CONFIG, max_registers=None, programs_per_sm=2)
+INDEXER_FP8_WIDE_GROUP_CONFIG = replace(INDEXER_FP8_GROUP_CONFIG, num_warps=8, programs_per_sm=1)
+INDEXER_WIDE_GROUP_CONFIG = replace(INDEXER_CONFIG, programs_per_sm=2)
 WIDE_GROUP_COLUMNS = 256
 # The FP8 gather form (any slot table: each position's slot read on its own), the earlier FP8 default.
 INDEXER_FP8_GATHER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=6)
-# The earlier kernel (heads as M, Triton's default pipelining depth): the benchmark's baseline.
-INDEXER_BASELINE_CONFIG = IndexerConfig(tokens_as_m=False, num_warps=4, num_stages=3)
+# The earlier kernel (heads as M, Triton's default pipelining depth, one program per SM): the
+# benchmark's baseline.
+INDEXER_BASELINE_CONFIG = IndexerConfig(tokens_as_m=False, num_warps=4, num_stages=3, programs_per_sm=1)
 
 
 @triton.jit
@@ -257,7 +273,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     seqlens : int32 ``[R]``, causal length of each row (``seqlens_expanded``).
     schedule : int32 ``[num_sms + 1, 2]``, from ``indexer_schedule(seqlens, num_sms, out,
         skip_len=skip_len, rows_per_group=rows_per_group)`` with the same ``seqlens``,
-        ``skip_len``, ``rows_per_group`` and block 64; the grid is ``num_sms`` programs.
+        ``skip_len``, ``rows_per_group`` and block 64; the grid is ``num_sms`` programs (size it by
+        the configuration's ``programs_per_sm``: :func:`default_indexer_programs` for the default).
     out : fp32 ``[R, W_out]``, written for every row with ``seqlens[r] > skip_len`` at
         ``[r, t]`` for ``t < min(64 * cdiv(seqlens[r], 64), W_out)``: the logit for
         ``t < seqlens[r]``, ``-inf`` up to the 64-token block edge. Everything else is left
@@ -323,16 +340,25 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
 
 
 def default_indexer_config(fp8: bool, rows_per_group: int, num_heads: int) -> IndexerConfig:
-    """:func:`indexer_logits`' configuration when none is given: :data:`INDEXER_CONFIG` on bf16 keys;
-    on FP8 keys :data:`INDEXER_FP8_CONFIG` for single rows, :data:`INDEXER_FP8_GROUP_CONFIG` for row
-    groups, :data:`INDEXER_FP8_WIDE_GROUP_CONFIG` where a group's dot has at least
-    :data:`WIDE_GROUP_COLUMNS` columns (``next_pow2(G) * next_pow2(H)``)."""
+    """:func:`indexer_logits`' configuration when none is given. Single rows: :data:`INDEXER_CONFIG`
+    on bf16 keys, :data:`INDEXER_FP8_CONFIG` on FP8 keys. Row groups whose dot has at least
+    :data:`WIDE_GROUP_COLUMNS` columns (``next_pow2(G) * next_pow2(H)``):
+    :data:`INDEXER_WIDE_GROUP_CONFIG` / :data:`INDEXER_FP8_WIDE_GROUP_CONFIG`; narrower groups:
+    :data:`INDEXER_CONFIG` / :data:`INDEXER_FP8_GROUP_CONFIG`."""
+    wide = (rows_per_group > 1 and triton.next_power_of_2(rows_per_group)
+            * triton.next_power_of_2(num_heads) >= WIDE_GROUP_COLUMNS)
     if not fp8:
-        return INDEXER_CONFIG
+        return INDEXER_WIDE_GROUP_CONFIG if wide else INDEXER_CONFIG
     if rows_per_group == 1:
         return INDEXER_FP8_CONFIG
-    columns = triton.next_power_of_2(rows_per_group) * triton.next_power_of_2(num_heads)
-    return INDEXER_FP8_WIDE_GROUP_CONFIG if columns >= WIDE_GROUP_COLUMNS else INDEXER_FP8_GROUP_CONFIG
+    return INDEXER_FP8_WIDE_GROUP_CONFIG if wide else INDEXER_FP8_GROUP_CONFIG
+
+
+def default_indexer_programs(device: torch.device | str, fp8: bool, rows_per_group: int,
+                             num_heads: int) -> int:
+    """Schedule entries for :func:`default_indexer_config`'s configuration on ``device``: its
+    ``programs_per_sm`` times the SM count (:func:`indexer_programs`)."""
+    return indexer_programs(device, default_indexer_config(fp8, rows_per_group, num_heads).programs_per_sm)
 
 
 def _check_inputs(q, weights, k_cache, page_table_1, seqlens, schedule, out) -> None:

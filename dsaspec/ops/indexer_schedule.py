@@ -28,11 +28,14 @@ PROGRAMS_PER_SM = 3
 SMS_WITHOUT_CUDA = 4  # off-GPU (the interpreter): a small schedule of PROGRAMS_PER_SM * 4 programs
 
 
-def indexer_programs(device: torch.device | str) -> int:
-    """Schedule entries, i.e. indexer programs, for ``device``: :data:`PROGRAMS_PER_SM` times its
-    SM count (:data:`SMS_WITHOUT_CUDA` off-GPU). Pass it as ``num_sms`` to
-    :func:`indexer_schedule` and size the schedule ``[programs + 1, 2]``."""
-    return PROGRAMS_PER_SM * sm_count(device, without_cuda=SMS_WITHOUT_CUDA)
+def indexer_programs(device: torch.device | str, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Schedule entries, i.e. indexer programs, for ``device``: ``programs_per_sm`` (a launch
+    configuration's, ``IndexerConfig.programs_per_sm``; default :data:`PROGRAMS_PER_SM`) times its SM
+    count (:data:`SMS_WITHOUT_CUDA` off-GPU). Pass it as ``num_sms`` to :func:`indexer_schedule` and
+    size the schedule ``[programs + 1, 2]``."""
+    if programs_per_sm < 1:
+        raise ValueError(f"programs_per_sm: expected >= 1, got {programs_per_sm}")
+    return programs_per_sm * sm_count(device, without_cuda=SMS_WITHOUT_CUDA)
 
 
 @triton.jit

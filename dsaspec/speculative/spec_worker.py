@@ -47,6 +47,7 @@ from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
 from dsaspec.forward_mode import Mode
 from dsaspec.speculative.accept import Acceptance, greedy_accept
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
+from dsaspec.ops.indexer import default_indexer_programs
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionScratch, AttentionWorkspace
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.draft_step import greedy_draft_step
@@ -415,7 +416,10 @@ def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPo
     common = dict(index_topk=config.index_topk, page_size=PAGE_SIZE, bucket_sizes=bucket_sizes,
                   num_sms=num_sms, budget=options.metadata_program_budget, force_kernel=force_kernel,
                   bounded_metadata=options.bounded_replay_metadata)
-    backend = DSAAttnBackend(table, num_draft_tokens=spec.num_draft_tokens,
+    # the grouped verify rows' indexer configuration sets its own programs an SM
+    group_num_sms = default_indexer_programs(table.device, target_kv.kv_cache_dtype == "fp8_e4m3",
+                                             spec.num_draft_tokens, config.index_n_heads)
+    backend = DSAAttnBackend(table, num_draft_tokens=spec.num_draft_tokens, group_num_sms=group_num_sms,
                              group_verify_rows=not model.row_invariant, **common)
     multi_step = None
     if spec.num_steps > 1:

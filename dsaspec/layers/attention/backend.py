@@ -83,6 +83,9 @@ class DSAAttnBackend:
     num_sms : indexer programs the schedule splits the KV blocks over (default
         ``indexer_programs``: three per SM, 12 off-GPU); the schedule buffers are
         ``[num_sms + 1, 2]``.
+    group_num_sms : the same for the schedules of grouped rows (target verify with
+        ``group_verify_rows``), whose indexer configuration may run fewer programs an SM
+        (``default_indexer_programs``); None: ``num_sms``.
     budget : program budget of the bounded kernels (``RuntimeOptions.metadata_program_budget``; None:
         ``DEFAULT_BUDGET``); fixed
         here because the bounded grid depends on it and must not change between capture and replay.
@@ -104,7 +107,8 @@ class DSAAttnBackend:
     def __init__(self, req_to_token: torch.Tensor, *, index_topk: int, page_size: int = 64,
                  num_draft_tokens: int = 1, bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
                  index_kpool: int = 1, kpool_metadata_fusion: bool = False,
-                 num_sms: int | None = None, budget: int | None = None, row_align: int = 1,
+                 num_sms: int | None = None, group_num_sms: int | None = None,
+                 budget: int | None = None, row_align: int = 1,
                  force_kernel: str | None = None, group_verify_rows: bool = True,
                  bounded_metadata: bool = True):
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2 or req_to_token.dtype != torch.int32:
@@ -127,14 +131,18 @@ class DSAAttnBackend:
             raise ValueError(f"force_kernel must be None, {BOUNDED!r} or {CONTEXT_WIDE!r}, got {force_kernel!r}")
         if num_sms is None:
             num_sms = indexer_programs(req_to_token.device)
-        if num_sms < 1:
-            raise ValueError(f"num_sms must be >= 1, got {num_sms}")
+        if group_num_sms is None:
+            group_num_sms = num_sms
+        for name, value in (("num_sms", num_sms), ("group_num_sms", group_num_sms)):
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.req_to_token = req_to_token
         self.index_topk = int(index_topk)
         self.page_size = int(page_size)
         self.num_draft_tokens = int(num_draft_tokens)
         self.bucket_sizes = buckets
         self.num_sms = int(num_sms)
+        self.group_num_sms = int(group_num_sms)
         self.budget = DEFAULT_BUDGET if budget is None else int(budget)
         if int(row_align) != row_align or row_align < 1:
             raise ValueError(f"row_align must be an integer >= 1, got {row_align!r}")
@@ -179,7 +187,8 @@ class DSAAttnBackend:
         if share_from is not None:
             if share_from.req_to_token.data_ptr() != self.req_to_token.data_ptr():
                 raise ValueError("share_from reads a different req_to_token: cannot alias its buffers")
-            for name in ("width", "page_size", "num_draft_tokens", "index_topk", "num_sms", "device"):
+            for name in ("width", "page_size", "num_draft_tokens", "index_topk", "num_sms", "group_num_sms",
+                         "device"):
                 if getattr(share_from, name) != getattr(self, name):
                     raise ValueError(f"share_from has {name}={getattr(share_from, name)}, this backend "
                                      f"{getattr(self, name)}: cannot alias its buffers")
@@ -189,7 +198,7 @@ class DSAAttnBackend:
             self._buffers[key] = MetadataBuffers.allocate(mode, bs, self.width, self.page_size, self.device,
                                                           num_draft_tokens=self.num_draft_tokens,
                                                           row_align=self.row_align)
-            self._schedules[key] = torch.zeros(self.num_sms + 1, 2, dtype=torch.int32, device=self.device)
+            self._schedules[key] = torch.zeros(self.programs(mode) + 1, 2, dtype=torch.int32, device=self.device)
         return self._buffers[key]
 
     def _lookup(self, store: dict, bs: int, mode: Mode | str):
@@ -209,7 +218,7 @@ class DSAAttnBackend:
         return self._lookup(self._buffers, bs, mode)
 
     def schedule(self, bs: int, mode: Mode | str) -> torch.Tensor:
-        """The static int32 ``[num_sms + 1, 2]`` indexer schedule of ``(bs, mode)``."""
+        """The static int32 ``[programs(mode) + 1, 2]`` indexer schedule of ``(bs, mode)``."""
         return self._lookup(self._schedules, bs, mode)
 
     def attention_inputs(self, bs: int, mode: Mode | str, *, scratch: AttentionScratch | None = None,
@@ -257,8 +266,13 @@ class DSAAttnBackend:
         grouped = self.group_verify_rows and as_mode(mode) is Mode.TARGET_VERIFY
         return self.num_draft_tokens if grouped else 1
 
+    def programs(self, mode: Mode | str) -> int:
+        """Indexer programs (schedule entries) in ``mode``: ``group_num_sms`` where rows are
+        grouped (:meth:`rows_per_group` > 1), else ``num_sms``."""
+        return self.group_num_sms if self.rows_per_group(mode) > 1 else self.num_sms
+
     def _write_schedule(self, seqlens: torch.Tensor, mode: Mode, out: torch.Tensor) -> torch.Tensor:
-        return indexer_schedule(seqlens, self.num_sms, out, block_kv=INDEXER_BLOCK_KV, skip_len=self.index_topk,
+        return indexer_schedule(seqlens, self.programs(mode), out, block_kv=INDEXER_BLOCK_KV, skip_len=self.index_topk,
                                 rows_per_group=self.rows_per_group(mode))
 
     def refresh_schedule(self, bs: int, mode: Mode | str) -> torch.Tensor:
@@ -301,7 +315,7 @@ class DSAAttnBackend:
         every column a consumer reads, nothing more. ``req_pool_indices``, ``seq_lens``,
         ``extend_seq_lens``: int32/int64 ``[B]``, any ``B >= 1``. Returns the new buffers (rows
         ``sum(extend_seq_lens)`` in the variable draft-extend form) and a new int32
-        ``[num_sms + 1, 2]`` schedule.
+        ``[programs(mode) + 1, 2]`` schedule.
         """
         mode = as_mode(mode)
         batch = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 else 0
@@ -322,6 +336,6 @@ class DSAAttnBackend:
                                        num_draft_tokens=self.num_draft_tokens, rows=rows)
         self.write_metadata(mode, req_pool_indices, seq_lens, out, extend_seq_lens, check_values=True,
                             req_to_token=self.req_to_token[:, :width])
-        schedule = torch.zeros(self.num_sms + 1, 2, dtype=torch.int32, device=self.device)
+        schedule = torch.zeros(self.programs(mode) + 1, 2, dtype=torch.int32, device=self.device)
         self._write_schedule(out.seqlens_expanded, mode, schedule)
         return out, schedule

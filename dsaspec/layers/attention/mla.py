@@ -26,7 +26,7 @@ from dsaspec.layers.linear import COLUMN, ROW, bmm, make_linear
 from dsaspec.layers.norm import LayerNorm, RMSNorm
 from dsaspec.layers.rotary import apply_rope, apply_rope_first
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
-from dsaspec.ops.indexer_schedule import indexer_programs
+from dsaspec.ops.indexer import default_indexer_programs
 from dsaspec.ops.kv_cache_layout import is_fp8_cache
 
 
@@ -244,7 +244,8 @@ def _select_slots(q_index, index_weights, index_k_cache, step: ForwardState, ind
     attn, ops = step.attn, step.ops
     schedule = attn.schedule
     if schedule is None:
-        sms = indexer_programs(device)
+        sms = default_indexer_programs(device, is_fp8_cache(index_k_cache), attn.rows_per_group,
+                                       q_index.shape[1])
         schedule = ops.indexer_schedule(attn.seqlens, sms,
                                         out=torch.empty(sms + 1, 2, dtype=torch.int32, device=device),
                                         skip_len=index_topk, rows_per_group=attn.rows_per_group)
