@@ -35,9 +35,11 @@ def round_to_e4m3(y):
 
 
 @triton.jit
-def quantize_rows(x, UE8M0: tl.constexpr):
+def quantize_rows(x, UE8M0: tl.constexpr, ROUND: tl.constexpr = True):
     """Quantize each row of ``x`` (fp32 ``[M, G]``) with one scale (module docstring): returns the
-    codes as fp32 values on the e4m3 grid ``[M, G]`` and the scales fp32 ``[M]``."""
+    codes as fp32 values on the e4m3 grid ``[M, G]`` and the scales fp32 ``[M]``. ``ROUND=False``
+    leaves ``x / s`` clamped but not rounded, for a caller whose GPU cast to e4m3 rounds it (to
+    nearest even: the same codes, but a negative value that rounds to zero gives -0, not +0)."""
     ax = tl.abs(x)
     # max() drops NaNs on the GPU: count them apart
     bad = (tl.max((x != x).to(tl.int32), axis=1) > 0) | (tl.max(ax, axis=1) == float("inf"))
@@ -53,7 +55,9 @@ def quantize_rows(x, UE8M0: tl.constexpr):
         y = x * tl.broadcast_to(inverse[:, None], x.shape)
     else:
         y = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
-    y = round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if ROUND:
+        y = round_to_e4m3(y)
     y = tl.where(bad[:, None], 0.0, y)
     s = tl.where(bad, float("nan"), s)
     return y, s

@@ -171,11 +171,12 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, k_scale_ptr, page_ta
         head_weights = tl.load(weights_ptr + col_rows * weights_stride_row + head, mask=real_col,
                                other=0.0)
         if FP8:
-            # padding columns: zero codes, a finite scale, weight 0
-            q, q_scale = quantize_rows(q.to(tl.float32), True)
+            # padding columns: zero codes, a finite scale, weight 0; on the GPU the cast to e4m3
+            # rounds (the codes of the rounding under the interpreter, a -0 for +0 aside)
+            q, q_scale = quantize_rows(q.to(tl.float32), True, UPCAST)
             head_weights = head_weights * q_scale
             if not UPCAST:
-                q = q.to(k_cache_ptr.dtype.element_ty)  # exact: q is on the e4m3 grid
+                q = q.to(k_cache_ptr.dtype.element_ty)
         elif UPCAST:
             q = q.to(tl.float32)
         if TOKENS_AS_M and GROUP > 1:
