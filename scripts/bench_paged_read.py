@@ -14,6 +14,7 @@ bandwidth.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 
@@ -24,8 +25,8 @@ import triton.language as tl
 from dsaspec.bench.results import markdown_table, write_results
 from dsaspec.bench.timing import measured_floors_or_none, time_in_graph
 from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int, positive_int_list
-from dsaspec.ops.indexer import indexer_logits
-from dsaspec.ops.indexer_schedule import indexer_programs, indexer_schedule
+from dsaspec.ops.indexer import default_indexer_programs, indexer_logits
+from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.kv_cache_layout import INDEX_FP8_PAGE_BYTES, INDEX_FP8_SCALE_OFFSET, INDEX_HEAD_DIM, PAGE_SIZE
 
 METHOD = ("CUDA-graph replays after an L2 flush (time_in_graph, cold L2), CUPTI, median over --iters; read = a "
@@ -81,7 +82,7 @@ def _indexer(pool: torch.Tensor, order: torch.Tensor, bs: int, live: int, gen: t
     q = torch.randn(bs, INDEX_HEADS, INDEX_HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
     weights = torch.randn(bs, INDEX_HEADS, generator=gen, device=device)
     seqlens = torch.full((bs,), live, dtype=torch.int32, device=device)
-    programs = indexer_programs(device)
+    programs = default_indexer_programs(device, True, 1, INDEX_HEADS)
     schedule = torch.zeros(programs + 1, 2, dtype=torch.int32, device=device)
     out = torch.empty(bs, live, device=device)
     indexer_schedule(seqlens, programs, schedule)
@@ -93,15 +94,21 @@ def _indexer(pool: torch.Tensor, order: torch.Tensor, bs: int, live: int, gen: t
     return run
 
 
+def _whole_pages(text: str) -> int:
+    """argparse type: a positive multiple of the page size (64)."""
+    value = positive_int(text)
+    if value % PAGE_SIZE:
+        raise argparse.ArgumentTypeError(f"expected a multiple of {PAGE_SIZE}, got {text!r}")
+    return value
+
+
 def main() -> int:
     parser = Parser(prog="bench_paged_read", description="The FP8 indexer's page reads alone, random and in order.")
     parser.add_argument("out", help="folder for paged_read.json / .md")
     parser.add_argument("--bs", type=positive_int_list, default=[16, 32, 64], help="decode rows, comma-separated")
-    parser.add_argument("--live", type=positive_int, default=65536, help="live keys a row (a multiple of 64)")
+    parser.add_argument("--live", type=_whole_pages, default=65536, help="live keys a row (a multiple of 64)")
     parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
     args = parse_or_exit(parser)
-    if args.live % PAGE_SIZE:
-        parser.error(f"--live: expected a multiple of {PAGE_SIZE}, got {args.live}")
     floors = measured_floors_or_none("bench_paged_read")
     if floors is None:
         return 2

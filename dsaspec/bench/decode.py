@@ -58,11 +58,11 @@ from dsaspec.configs.model_config import PRESETS, get_config
 from dsaspec.bench.experts_hit import ExpertsHitCounter
 from dsaspec.bench.floors import LAYER_PHASES, PER_LAYER, STEP, FloorModel, Rates, floor_markdown, floor_rows
 from dsaspec.executor.decode_worker import DecodeWorker
+from dsaspec.executor.worker import indexer_programs_for
 from dsaspec.memory import KV_CACHE_DTYPES, PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots, \
     resolve_kv_cache_dtype
 from dsaspec.ops import dsa_metadata, indexer, indexer_schedule, sparse_mla, sparse_mla_gluon, topk
 from dsaspec.ops.baseline import dsa_metadata as context_wide_metadata
-from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.models.dsa_model import DSAModel
 
 FULL_CONTEXT = 1 << 20
@@ -316,7 +316,8 @@ def _build_context(model, context_len: int, prompts: list[torch.Tensor], args, d
     context = _Context(context_len, pool, kv)
     for kernel in KERNELS:
         backend = DSAAttnBackend(pool.req_to_token, index_topk=model.config.index_topk, page_size=PAGE_SIZE,
-                                 bucket_sizes=args.bs, num_sms=indexer_programs(device), budget=args.budget,
+                                 bucket_sizes=args.bs, num_sms=indexer_programs_for(model, kv, device),
+                                 budget=args.budget,
                                  force_kernel=kernel)
         context.runners[kernel] = DecodeWorker(model, kv, backend).capture()
     first = context.runners[KERNELS[0]]

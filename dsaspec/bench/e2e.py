@@ -79,7 +79,6 @@ from dsaspec.bench.floors import ITERATION, FloorModel, Rates, iteration_rows
 from dsaspec.configs.model_config import PRESETS, check_implemented, get_config
 from dsaspec.memory import KV_CACHE_DTYPES, PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots, \
     resolve_kv_cache_dtype
-from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
 
@@ -197,7 +196,7 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
     for path in tqdm(paths, desc="capture", unit="path", disable=not progress):
         began = time.perf_counter()
         workers[path] = build_spec_worker(
-            model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency, num_sms=indexer_programs(device),
+            model, pool, target_kv, mtp_kv, spec, bucket_sizes=args.concurrency,
             force_kernel=BOUNDED if SWITCHES[path][BOUNDED_SWITCH] else CONTEXT_WIDE,
             options=path_options(options, path))
         capture_s[path] = time.perf_counter() - began      # capture() ends with a device sync

@@ -47,7 +47,6 @@ from dsaspec.executor.worker import Worker
 from dsaspec.layers.attention.backend import DEFAULT_BUCKETS
 from dsaspec.memory import (PAGE_SIZE, KVPool, PageAllocator, PoolExhaustedError, ReqToTokenPool,
                             RequestSlots)
-from dsaspec.ops.indexer_schedule import indexer_programs
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import SpecConfig, build_spec_worker
 
@@ -217,7 +216,7 @@ class Engine:
         buckets = sorted(set(int(b) for b in bucket_sizes))
         holding = [b for b in buckets if b >= max_batch]
         buckets = [b for b in buckets if b < max_batch] + holding[:1]
-        common = dict(bucket_sizes=buckets, num_sms=indexer_programs(self.device), force_kernel=force_kernel,
+        common = dict(bucket_sizes=buckets, force_kernel=force_kernel,
                       use_cuda_graph=use_cuda_graph, options=options)
         self.mtp_kv = None
         self.worker: Worker

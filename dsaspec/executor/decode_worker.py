@@ -30,7 +30,8 @@ import torch
 
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.executor.graph_runner import BucketGraphs
-from dsaspec.executor.worker import BucketWorker, RowCarry, StepResult, greedy_target_tokens
+from dsaspec.executor.worker import (BucketWorker, RowCarry, StepResult, greedy_target_tokens,
+                                     indexer_programs_for)
 from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.attention.inputs import AttentionInputs
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
@@ -197,14 +198,16 @@ class DecodeWorker(BucketWorker):
         return StepResult(committed=[[t] for t in tokens[:n].tolist()], accept_lens=[1] * n)
 
 
-def build_decode_worker(model: DSAModel, req_pool: ReqToTokenPool, kv: KVPool, *, bucket_sizes, num_sms: int,
+def build_decode_worker(model: DSAModel, req_pool: ReqToTokenPool, kv: KVPool, *, bucket_sizes,
                         force_kernel: str | None = None, use_cuda_graph: bool | None = None,
                         options: RuntimeOptions | None = None) -> DecodeWorker:
     """A captured :class:`DecodeWorker` over ``req_pool``'s table with its own decode backend, whose
-    metadata kernels and budget come from ``options`` (default ``model.options``)."""
+    metadata kernels and budget come from ``options`` (default ``model.options``) and whose indexer
+    schedules have the default configuration's programs (:func:`indexer_programs_for`)."""
     options = model.options if options is None else options
     backend = DSAAttnBackend(req_pool.req_to_token, index_topk=model.config.index_topk, page_size=PAGE_SIZE,
-                             bucket_sizes=bucket_sizes, num_sms=num_sms, force_kernel=force_kernel,
+                             bucket_sizes=bucket_sizes, force_kernel=force_kernel,
+                             num_sms=indexer_programs_for(model, kv, req_pool.req_to_token.device),
                              budget=options.metadata_program_budget,
                              bounded_metadata=options.bounded_replay_metadata)
     return DecodeWorker(model, kv, backend, use_cuda_graph=use_cuda_graph).capture()

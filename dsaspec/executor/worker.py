@@ -32,7 +32,15 @@ from dsaspec.layers.logits_processor import LogitsProcessor
 from dsaspec.memory import KVPool
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.ops.argmax_exchange import CarryWrite, draft_finalize, greedy_tokens
+from dsaspec.ops.indexer import default_indexer_programs
 
+
+def indexer_programs_for(model: DSAModel, kv: KVPool, device: torch.device, rows_per_group: int = 1) -> int:
+    """Indexer schedule entries on ``device`` for ``model``'s index heads over ``kv``'s key cache
+    dtype, rows of ``rows_per_group`` (the default configuration's programs an SM times the SMs:
+    :func:`~dsaspec.ops.indexer.default_indexer_programs`)."""
+    return default_indexer_programs(device, kv.kv_cache_dtype == "fp8_e4m3", rows_per_group,
+                                    model.config.index_n_heads)
 
 @dataclass
 class StepResult:

@@ -41,13 +41,13 @@ import torch
 
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.executor.graph_runner import BucketGraphs
-from dsaspec.executor.worker import BucketWorker, RowCarry, StepResult, greedy_target_tokens
+from dsaspec.executor.worker import (BucketWorker, RowCarry, StepResult, greedy_target_tokens,
+                                     indexer_programs_for)
 from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.attention.multi_step import DSAMultiStepDraftBackend
 from dsaspec.forward_mode import Mode
 from dsaspec.speculative.accept import Acceptance, greedy_accept
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
-from dsaspec.ops.indexer import default_indexer_programs
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionScratch, AttentionWorkspace
 from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.draft_step import greedy_draft_step
@@ -403,22 +403,23 @@ class SpecWorker(BucketWorker):
 
 
 def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPool, mtp_kv: KVPool,
-                      spec: SpecConfig, *, bucket_sizes, num_sms: int, force_kernel: str | None = None,
+                      spec: SpecConfig, *, bucket_sizes, force_kernel: str | None = None,
                       use_cuda_graph: bool | None = None,
                       options: RuntimeOptions | None = None) -> SpecWorker:
     """A captured :class:`SpecWorker` with its parts: the DSA backend (N rows per request), the
     ``S - 1`` draft step backends, and the LogitsProcessor over the model's (vocab-parallel) LM
     head, opted in to the draft argmax exchange (collective at TP > 1). ``options`` (default
-    ``model.options``) sets the metadata kernels, their budget and the exchanges."""
+    ``model.options``) sets the metadata kernels, their budget and the exchanges; the indexer
+    schedules have the default configurations' programs, the grouped verify rows' their own
+    (:func:`~dsaspec.executor.worker.indexer_programs_for`)."""
     config = model.config
     options = model.options if options is None else options
     table = req_pool.req_to_token
     common = dict(index_topk=config.index_topk, page_size=PAGE_SIZE, bucket_sizes=bucket_sizes,
-                  num_sms=num_sms, budget=options.metadata_program_budget, force_kernel=force_kernel,
+                  num_sms=indexer_programs_for(model, target_kv, table.device),
+                  budget=options.metadata_program_budget, force_kernel=force_kernel,
                   bounded_metadata=options.bounded_replay_metadata)
-    # the grouped verify rows' indexer configuration sets its own programs an SM
-    group_num_sms = default_indexer_programs(table.device, target_kv.kv_cache_dtype == "fp8_e4m3",
-                                             spec.num_draft_tokens, config.index_n_heads)
+    group_num_sms = indexer_programs_for(model, target_kv, table.device, spec.num_draft_tokens)
     backend = DSAAttnBackend(table, num_draft_tokens=spec.num_draft_tokens, group_num_sms=group_num_sms,
                              group_verify_rows=not model.row_invariant, **common)
     multi_step = None
