@@ -10,7 +10,8 @@ place of the copy-completion arrive (the ring slot is signalled after the dequan
 the line adds the gather partition's loop: its instructions and barriers per block, from the wait
 for a free ring slot to the ``full`` arrive (the dequantizing) and from there to the next block's
 commit (its copies; with ``refill="step"`` the earlier steps' copies come before the arrive), and
-the two together; with ``staging=0`` (the gathers through registers) the loop from the wait to the
+the two together; with ``staging=0`` (the gathers through registers, or with ``in_slot`` in the
+ring slot) the loop from the wait to the
 arrive, its global loads and shared stores.
 
 Both forms (single pass and split records) over each cache at each of ``--heads`` (default 8,
@@ -138,7 +139,8 @@ def main() -> int:
         if loop is None:
             loop_line = ""
         elif "loads" in loop:
-            loop_line = (f"; gather loop per block (through registers, wait to arrive): "
+            where = "in the ring slot" if tiles.in_slot else "through registers"
+            loop_line = (f"; gather loop per block ({where}, wait to arrive): "
                          f"{loop['block']} instructions, {loop['block_bars']} barriers, "
                          f"{loop['loads']} LDG, {loop['stores']} STS")
         else:

@@ -217,12 +217,13 @@ def test_tune_winners():
 
 
 def test_gluon_fp8_tune_candidates_are_checked_against_their_twin():
-    """Each Gluon FP8 gather candidate of the tune and the one-split default have the staged FP8
+    """Each Gluon FP8 gather candidate of the tune and the one-split and in-slot tiles have the staged FP8
     default of their block size as their twin (no other config has one); the check passes two
     launches that write the same output and fails a candidate that writes nothing (its output
     stays NaN)."""
     staged = (dsa_ops.SPARSE_MLA_GLUON_FP8_CONFIG, dsa_ops.SPARSE_MLA_GLUON_FP8_NARROW_CONFIG)
-    for config in (dsa_ops.SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, *dsa_ops.SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):
+    for config in (dsa_ops.SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, dsa_ops.SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
+                   *dsa_ops.SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):
         assert config in dsa_ops.TUNE_SPARSE_MLA_FP8
         twin = dsa_ops._gluon_fp8_twin(config)
         assert twin in staged and twin.block_n == config.block_n

@@ -266,20 +266,20 @@ def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match=re.escape(
             "kernel: the Gluon kernel's tiles ('block_h', 'block_n', 'num_warps', 'num_stages', "
             "'block_dv', 'staging', 'gather_warps', 'gather_registers', 'dequant_steps', "
-            "'slot_loads', 'refill') are one of ((64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', "
-            "'block'), (64, 64, 8, 1, 512, None, 4, 88, 2, 'per_layout', 'block'), ")):
+            "'slot_loads', 'refill', 'in_slot') are one of ((64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', "
+            "'block', False), (64, 64, 8, 1, 512, None, 4, 88, 2, 'per_layout', 'block', False), ")):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, kernel="gluon")
     with pytest.raises(ValueError, match=re.escape(
-            "got (64, 64, 8, 1, 512, None, 8, 40, 4, 'convert', 'block')")):
+            "got (64, 64, 8, 1, 512, None, 8, 40, 4, 'convert', 'block', False)")):
         SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=1, kernel="gluon",
                         gather_warps=8, gather_registers=40)  # 16 warps: ptxas cannot fit the dots
     with pytest.raises(ValueError, match=re.escape(
-            "staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill: the "
+            "staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill, in_slot: the "
             "Triton kernel has no gather partition, expected the defaults (None, 4, 88, 4, "
-            "'convert', 'block'), got (3, 4, 88, 4, 'convert', 'block')")):
+            "'convert', 'block', False), got (3, 4, 88, 4, 'convert', 'block', False)")):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, staging=3)
     with pytest.raises(ValueError, match=re.escape(
-            "got (None, 4, 88, 4, 'per_layout', 'block')")):
+            "got (None, 4, 88, 4, 'per_layout', 'block', False)")):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, slot_loads="per_layout")
     with pytest.raises(ValueError, match=re.escape(
             "slot_loads: expected one of ('convert', 'per_layout'), got 'once'")):

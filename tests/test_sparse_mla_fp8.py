@@ -1,12 +1,11 @@
 """sparse_mla_decode on the ``fp8_ds_mla`` cache (uint8 ``[slots, 656]``) against the plain-torch
 reference that dequantizes the bytes (fp64 attention), and against the bf16 kernel on the
 dequantized cache (bitwise: the dequantization to bf16 is exact); splits, poisoned unselected
-entries, config routing (GLUON_FP8_DEFAULT_CONFIGS where the Gluon kernel runs: the gathers
-through registers for a launch of one split, the staged 64-slot tiles for several), and the
-Triton ops' wiring. On Hopper the Gluon kernel's FP8 tiles and its gather-partition tune
-candidates (gpu-marked): against the reference at 8-128 heads, split or not, the 64-slot defaults
-bitwise against the bf16 Gluon kernel on the dequantized cache, and each candidate bitwise
-against the staged FP8 default of its block size.
+entries, config routing (GLUON_FP8_DEFAULT_CONFIG where the Gluon kernel runs: 64-slot blocks
+dequantized in their ring slot), and the Triton ops' wiring. On Hopper the Gluon kernel's FP8
+tiles and its gather-partition tune candidates (gpu-marked): against the reference at 8-128
+heads, split or not, the 64-slot defaults bitwise against the bf16 Gluon kernel on the
+dequantized cache, and each candidate bitwise against the staged FP8 default of its block size.
 
 Tolerance under the interpreter (atol 1e-3, rtol 1e-2): the kernel runs the math in fp32 on
 exactly the values the cache holds, so the error is fp32 summation (about 1e-6) plus the bf16
@@ -31,7 +30,7 @@ from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFI
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
-                                    SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SparseMLAConfig,
                                     sparse_mla_config, sparse_mla_decode, sparse_mla_num_splits,
                                     sparse_mla_workspace)
@@ -119,14 +118,15 @@ def _dequantized(inputs):
 EDGE_COUNTS = [0, 1, 31, 32, 33, 63, 64]
 # The Gluon kernel's FP8 defaults, then its gather-partition tune candidates (the bench's
 # --tune rows), named by block size, ring slots, staging stages, gather warps, registers, steps,
-# slot-id loads and refill.
+# slot-id loads, refill and, for the dequantizing in the ring slot, "in_slot".
 GLUON_FP8 = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
              "gluon_fp8_narrow": SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
              "gluon_fp8_one_split": SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
+             "gluon_fp8_in_slot": SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
              **{f"gluon_fp8_tune_n{c.block_n}_r{c.num_stages}_"
                 f"s{c.num_stages if c.staging is None else c.staging}_"
                 f"w{c.gather_warps}_g{c.gather_registers}_d{c.dequant_steps}_{c.slot_loads}_"
-                f"{c.refill}": c
+                f"{c.refill}{'_in_slot' if c.in_slot else ''}": c
                 for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS}}
 GLUON_FP8_TUNE = [name for name in GLUON_FP8 if name.startswith("gluon_fp8_tune")]
 needs_hopper = pytest.mark.skipif(
@@ -266,19 +266,20 @@ def test_bad_arguments(device):
         bad[0, 0] = 10
         sparse_mla_decode(**dict(inputs, slots=bad), out=out)
     fields = ("('block_h', 'block_n', 'num_warps', 'num_stages', 'block_dv', 'staging', "
-              "'gather_warps', 'gather_registers', 'dequant_steps', 'slot_loads', 'refill')")
+              "'gather_warps', 'gather_registers', 'dequant_steps', 'slot_loads', 'refill', 'in_slot')")
     with pytest.raises(ValueError, match=re.escape(
             f"config: the Gluon kernel's tiles {fields} on an fp8_ds_mla kv_cache are one of "
-            f"((64, 64, 8, 1, 512, None, 4, 88, 2, 'per_layout', 'block'), "
-            f"(64, 32, 8, 2, 512, None, 4, 96, 1, 'convert', 'block'), "
-            f"(64, 64, 8, 2, 512, 0, 4, 104, 4, 'per_layout', 'block'), "
-            f"(64, 64, 8, 1, 512, None, 4, 88, 4, 'convert', 'block'), ") + ".*" + re.escape(
-            "got (64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', 'block')")):
+            f"((64, 64, 8, 1, 512, None, 4, 88, 2, 'per_layout', 'block', False), "
+            f"(64, 32, 8, 2, 512, None, 4, 96, 1, 'convert', 'block', False), "
+            f"(64, 64, 8, 2, 512, 0, 4, 104, 4, 'per_layout', 'block', False), "
+            f"(64, 64, 8, 2, 512, 0, 4, 88, 8, 'per_layout', 'block', True), "
+            f"(64, 64, 8, 1, 512, None, 4, 88, 4, 'convert', 'block', False), ") + ".*" + re.escape(
+            "got (64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', 'block', False)")):
         sparse_mla_decode(**inputs, out=out, config=SPARSE_MLA_GLUON_CONFIG)
     for config in GLUON_FP8.values():
         with pytest.raises(ValueError, match=re.escape(
                 f"config: the Gluon kernel's tiles {fields} on a bf16 kv_cache are one of "
-                f"((64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', 'block'),), got "
+                f"((64, 64, 8, 2, 512, None, 4, 88, 4, 'convert', 'block', False),), got "
                 f"{config.tiles}")):
             sparse_mla_decode(**_dequantized(inputs), out=out, config=config)
     for config in GLUON_FP8.values():  # the right tiles, but 4 heads (and here no Hopper GPU)
@@ -293,16 +294,13 @@ def test_bad_arguments(device):
 @pytest.mark.parametrize("configured", [True, False])
 def test_fp8_cache_default_where_gluon_runs(capability, num_sms, configured, monkeypatch):
     """Where a bf16 cache takes the Gluon kernel (compute capability 9.x, 8-32 heads or a multiple
-    of 64; a split of at least two 64-head programs) an FP8 cache takes the one-split config for
-    a launch of one split (no workspace, or rows x cdiv(H, 64) programs on more than half the
-    device's SMs) and the staged 64-slot config for several; the workspace sized with the config
-    it gives is None exactly for the one-split config, and the launch over that workspace takes
-    the same config. Elsewhere, or with GLUON_FP8_DEFAULT_CONFIGS None, the Triton configuration
-    the CPU gets."""
+    of 64; a split of at least two 64-head programs) an FP8 cache takes the in-slot config, split
+    or not, whatever the SM count; the launch over the workspace sized with it takes it again.
+    Elsewhere, or with GLUON_FP8_DEFAULT_CONFIG None, the Triton configuration the CPU gets."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(sparse_mla, "sm_count", lambda device: num_sms)
     if not configured:
-        monkeypatch.setattr(sparse_mla, "GLUON_FP8_DEFAULT_CONFIGS", None)
+        monkeypatch.setattr(sparse_mla, "GLUON_FP8_DEFAULT_CONFIG", None)
     for heads in (8, 16, 32, 48, 64, 128):
         for rows in (1, 2, 3, 4, 5, 16, 33, 34, 39, 40, 66, 67, 256):
             programs = rows * -(-heads // 64)
@@ -313,9 +311,7 @@ def test_fp8_cache_default_where_gluon_runs(capability, num_sms, configured, mon
                 where = (heads, rows, split)
                 assert (bf16 == SPARSE_MLA_GLUON_CONFIG) == (gluon and (not split or programs >= 2)), where
                 if bf16.kernel == "gluon" and configured:
-                    one_split = not split or 2 * programs > num_sms
-                    assert fp8 is (SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG if one_split
-                                   else SPARSE_MLA_GLUON_FP8_CONFIG), where
+                    assert fp8 is SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG, where
                 else:
                     assert fp8 == sparse_mla_config(rows, heads, split) and fp8.kernel == "triton", where
             sized = sparse_mla_config(rows, heads, True, device="cuda:0", fp8_cache=True)
@@ -323,7 +319,7 @@ def test_fp8_cache_default_where_gluon_runs(capability, num_sms, configured, mon
                 workspace = sparse_mla_workspace(rows, heads, "cpu", num_sms=num_sms, config=sized)
                 assert sparse_mla_config(rows, heads, workspace is not None, device="cuda:0",
                                          fp8_cache=True) is sized, (heads, rows)
-                assert (workspace is None) == (sized is SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG), (heads, rows)
+                assert (workspace is None) == (2 * programs > num_sms), (heads, rows)
 
 
 @pytest.mark.parametrize("gluon", [True, False])
@@ -441,7 +437,7 @@ def test_gpu_gluon_edge_counts_holes_and_poison(config, num_heads, num_splits):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("config", ["gluon_fp8", "gluon_fp8_one_split"])
+@pytest.mark.parametrize("config", ["gluon_fp8", "gluon_fp8_one_split", "gluon_fp8_in_slot"])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_heads", [16, 64, 128])
 def test_gpu_gluon_bitwise_equal_to_bf16_gluon_kernel(num_heads, split, config):
@@ -461,7 +457,7 @@ def test_gluon_fp8_tune_candidates():
     assert len(GLUON_FP8_TUNE) == len(SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS) > 0
     assert len(set(GLUON_FP8.values())) == len(GLUON_FP8)
     defaults = (SPARSE_MLA_GLUON_FP8_CONFIG, SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
-                SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG)
+                SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG)
     for config in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS:
         assert config.kernel == "gluon" and config.block_n in (64, 32)
         assert config not in defaults
@@ -475,9 +471,18 @@ def test_gluon_fp8_tune_candidates():
     # slots: eighth-block steps at 88 gather registers a candidate, quarter-block steps at 104 the
     # one-split default
     through_registers = {(c.block_n, c.num_stages, c.dequant_steps, c.gather_registers)
-                         for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS if c.staging == 0}
+                         for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS if c.staging == 0 and not c.in_slot}
     assert through_registers == {(64, 2, 8, 88)}
     assert "gluon_fp8_tune_n64_r2_s0_w4_g88_d8_per_layout_block" in GLUON_FP8_TUNE
+    # the dequantizing in the ring slot, a chunk a step: the default at 88 gather registers, a
+    # candidate at 104
+    in_slot = {(c.block_n, c.num_stages, c.staging, c.dequant_steps, c.gather_registers)
+               for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS if c.in_slot}
+    assert in_slot == {(64, 2, 0, 8, 104)}
+    assert "gluon_fp8_tune_n64_r2_s0_w4_g104_d8_per_layout_block_in_slot" in GLUON_FP8_TUNE
+    default = SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG
+    assert (default.block_n, default.num_stages, default.staging, default.dequant_steps,
+            default.gather_registers, default.in_slot) == (64, 2, 0, 8, 88, True)
     one_split = SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG
     assert (one_split.block_n, one_split.num_stages, one_split.staging, one_split.dequant_steps,
             one_split.gather_registers, one_split.slot_loads) == (64, 2, 0, 4, 104, "per_layout")
@@ -528,13 +533,33 @@ def test_fp8_tiles_reject_what_the_register_gathers_do_not_implement():
     assert sparse_mla_gluon.FP8Tiles(16, 2).dequant_steps == 4
     assert sparse_mla_gluon.FP8Tiles(64, 2, staging=0, dequant_steps=8, slot_loads="per_layout").staging == 0
     with pytest.raises(ValueError, match=re.escape(
-            "staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill: the Triton kernel "
+            "staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill, in_slot: the Triton kernel "
             "has no gather partition")):
         SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, staging=0,
                         dequant_steps=8, slot_loads="per_layout")
     with pytest.raises(ValueError, match=re.escape("kernel: the Gluon kernel's tiles")):
         SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon", staging=0,
                         dequant_steps=4, slot_loads="per_layout")
+
+
+def test_fp8_tiles_reject_what_the_in_slot_gathers_do_not_implement():
+    """The dequantizing in the ring slot is laid out for 64-slot blocks in the bf16 kernel's two
+    ring slots, without staging stages, a 64-column chunk a step: anything else is refused by
+    name, in FP8Tiles and in SparseMLAConfig."""
+    good = dict(block_n=64, stages=2, staging=0, dequant_steps=8, slot_loads="per_layout", in_slot=True)
+    assert sparse_mla_gluon.FP8Tiles(**good).in_slot
+    for field, value in (("staging", None), ("block_n", 32), ("stages", 1), ("dequant_steps", 4)):
+        bad = dict(good, **{field: value})
+        message = re.escape(f"in_slot: the dequantizing in the ring slot needs staging 0, block_n 64, stages 2 "
+                            f"and dequant_steps 8 (a 64-column chunk a step), got staging {bad['staging']}, "
+                            f"block_n {bad['block_n']}, stages {bad['stages']}, dequant_steps "
+                            f"{bad['dequant_steps']}")
+        with pytest.raises(ValueError, match=message):
+            sparse_mla_gluon.FP8Tiles(**bad)
+        with pytest.raises(ValueError, match=message):
+            SparseMLAConfig(block_h=64, block_n=bad["block_n"], num_warps=8, num_stages=bad["stages"],
+                            kernel="gluon", staging=bad["staging"], dequant_steps=bad["dequant_steps"],
+                            slot_loads="per_layout", in_slot=True)
 
 
 @pytest.mark.gpu

@@ -40,7 +40,7 @@ its logits are checked against the bf16 row's within ``FP8_INDEXER_RTOL`` of the
 (``--preset deepseek_v32``; glm5 has 32) has the targets ``FP8_INDEXER_TARGET_US``. Sparse MLA:
 the point's cache quantized (``store_mla``) and the bf16 cache replaced
 by its dequantized values, so both rows attend over the same values. There new is the default
-configuration on the FP8 cache (``GLUON_FP8_DEFAULT_CONFIGS`` where the Gluon kernel runs, else a
+configuration on the FP8 cache (``GLUON_FP8_DEFAULT_CONFIG`` where the Gluon kernel runs, else a
 Triton one) with the point's workspace, ``new_nosplit`` the same without it, where the Gluon kernel runs
 ``gluon_fp8`` / ``gluon_fp8_narrow`` / ``gluon_fp8_one_split`` the Gluon kernel on the FP8 cache with
 the point's workspace (``SPARSE_MLA_GLUON_FP8_CONFIG``, ``SPARSE_MLA_GLUON_FP8_NARROW_CONFIG``,
@@ -54,8 +54,8 @@ too (and ``TUNE_SPARSE_MLA_FP8``), each row's ``config`` naming its ``kv_cache``
 on the FP8 key cache: the point's default, then ``TUNE_INDEXER_FP8`` at ``TUNE_PROGRAMS_PER_SM`` programs per
 SM, each candidate's logits checked against the default's (bitwise under the interpreter, within
 ``FP8_INDEXER_TUNE_RTOL`` of their absolute sums on the GPU; a mismatch is the row's error); the Gluon
-kernel's FP8 gather candidates (``SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS``) and its one-split default are
-checked bitwise against the staged FP8 default of their block size (a mismatch is the row's error).
+kernel's FP8 gather candidates (``SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS``) and its one-split and in-slot
+tiles are checked bitwise against the staged FP8 default of their block size (a mismatch is the row's error).
 After timing, ``--tune`` prints and writes the fastest error-free configuration per op and point.
 ``--tune`` also times the top-k at other chunk counts (``TUNE_TOPK_CHUNKS`` times the default,
 ``TUNE_TOPK_FEW_CHUNKS``, and 1: one program per row), each in one launch (where it fits) and in five,
@@ -99,6 +99,7 @@ from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
                                     SparseMLAConfig, sparse_mla_config, sparse_mla_decode, sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
@@ -148,11 +149,12 @@ TUNE_SPARSE_MLA = (
 # and the Gluon kernel's FP8 tiles and its gather-partition candidates (SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
 # docs/dsa-kernels.md; Hopper only: elsewhere their rows record the refusal). A candidate's output (and
 # the one-split default's) is checked bitwise against the staged FP8 default of its block size
-# (_check_gluon_fp8_candidate).
+# (_check_gluon_fp8_candidate); so is the one-split and the in-slot tiles'.
 TUNE_SPARSE_MLA_FP8 = (
     SPARSE_MLA_GLUON_FP8_CONFIG,
     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
     SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
+    SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
     *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
     SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, block_dv=256),
     SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, block_dv=256),
@@ -618,11 +620,13 @@ def _check_fp8_indexer_candidate(p: _Point, candidate, on_gpu: bool) -> float:
 
 
 def _gluon_fp8_twin(config: SparseMLAConfig) -> SparseMLAConfig | None:
-    """For one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` or :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`,
+    """For one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS`, :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`
+    or :data:`SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG`,
     the staged FP8 Gluon default of its block size (:data:`SPARSE_MLA_GLUON_FP8_CONFIG` or
     :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`: the same dots in the same order, only the gather
     partition differs, so the same output bit for bit); else None."""
-    if config not in (SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):
+    if config not in (SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
+                      *SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS):
         return None
     return next(default for default in (SPARSE_MLA_GLUON_FP8_CONFIG, SPARSE_MLA_GLUON_FP8_NARROW_CONFIG)
                 if default.block_n == config.block_n)

@@ -29,9 +29,9 @@ count and for the split path from :data:`GLUON_MIN_SPLIT_HEAD_BLOCKS` programs w
 :mod:`dsaspec.ops.sparse_mla_gluon` (same contract, same split records and combine; its own
 summation order). On an FP8 cache its gathers dequantize each block into the bf16 ring
 (:data:`SPARSE_MLA_GLUON_FP8_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`,
-:data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`); :func:`sparse_mla_config` gives FP8 caches
-:data:`GLUON_FP8_DEFAULT_CONFIGS` (64-slot blocks, the one-split config for a launch of one
-split) where it gives bf16 caches the Gluon kernel.
+:data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG`);
+:func:`sparse_mla_config` gives FP8 caches :data:`GLUON_FP8_DEFAULT_CONFIG` (64-slot blocks
+dequantized in their ring slot) where it gives bf16 caches the Gluon kernel.
 """
 
 from __future__ import annotations
@@ -91,15 +91,16 @@ class SparseMLAConfig:
         warp-specialized kernel of :mod:`dsaspec.ops.sparse_mla_gluon`: compute capability 9.x,
         8, 16 or 32 heads or a multiple of 64, and only its own tiles: those of
         :data:`SPARSE_MLA_GLUON_CONFIG` on a bf16 cache, of :data:`SPARSE_MLA_GLUON_FP8_CONFIG`,
-        :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`
-        or one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` on an ``fp8_ds_mla`` one).
-    staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill : the Gluon
+        :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`,
+        :data:`SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG` or one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` on an ``fp8_ds_mla`` one).
+    staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill, in_slot : the Gluon
         kernel's gather partition on an ``fp8_ds_mla`` cache (:class:`sparse_mla_gluon.FP8Tiles`:
         its staging stages, None for as many as ``num_stages``, 0 for none: the codes and
         scales loaded into registers and dequantized there; its warps; its registers per
         thread; the steps a staged block is dequantized in; how the copies get their slot ids,
         ``"convert"`` or ``"per_layout"``; when a staging stage is refilled, ``"block"`` or
-        ``"step"``); the Triton kernel has none and takes only the defaults. A row's output does
+        ``"step"``; with ``staging=0``, whether the block's bytes are copied into its ring slot
+        and dequantized there); the Triton kernel has none and takes only the defaults. A row's output does
         not depend on them.
     """
 
@@ -116,6 +117,7 @@ class SparseMLAConfig:
     dequant_steps: int = sparse_mla_gluon.DEQUANT_STEPS
     slot_loads: str = sparse_mla_gluon.SLOT_LOADS[0]
     refill: str = sparse_mla_gluon.REFILLS[0]
+    in_slot: bool = False
 
     def __post_init__(self):
         if self.block_dv not in (128, 256, 512):
@@ -174,27 +176,22 @@ SPARSE_MLA_GLUON_CONFIG = _gluon_config(_gluon_tiles()[0])
 # The Gluon kernel on an fp8_ds_mla cache (the gathers dequantize into the bf16 ring): blocks of 64
 # slots, one ring slot and one staging stage (the bf16 kernel's dots: bitwise its output on the
 # dequantized cache); blocks of 32, two of each (dequantizing overlaps the dots); blocks of 64
-# gathered through registers into two ring slots (the same dots in the same order, so the first
-# one's output bit for bit; faster in launches of one split: sparse_mla_gluon.FP8_TILES).
+# gathered through registers into two ring slots, and blocks of 64 copied into their ring slot and
+# dequantized there (both the same dots in the same order, so the first one's output bit for bit;
+# sparse_mla_gluon.FP8_TILES).
 (SPARSE_MLA_GLUON_FP8_CONFIG, SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
- SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG) = (
+ SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG) = (
     _gluon_config(tiles) for tiles in _gluon_tiles(fp8=True)[:len(sparse_mla_gluon.FP8_TILES)])
 # The Gluon kernel's FP8 tune candidates (sparse_mla_gluon.FP8_TUNE_TILES: other gather partitions),
 # timed by `bench dsa-ops --tune --kv-cache-dtype fp8_e4m3`; none is a default.
 SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS = tuple(
     _gluon_config(tiles) for tiles in _gluon_tiles(fp8=True)[len(sparse_mla_gluon.FP8_TILES):])
-# What sparse_mla_config gives an FP8 cache where the Gluon kernel runs, for a launch of one split
-# and for one of several (None: the Triton configs). The staged 64-slot config was the fastest of
-# the three at every point of `bench dsa-ops --kv-cache-dtype fp8_e4m3` (GLM-5, 64 heads, 64k
-# live): 49.5 / 82.1 us at 32 / 64 decode rows, 139.2 / 268.7 at 128 / 256 verify rows, against
-# 53.2 / 91.4 / 163.8 / 319.1 (32-slot) and 64.3 / 108.6 / 193.4 / 373.7 (Triton);
-# benchmarks/results/h200/dsa_ops_fp8_kv.json (the tiles' quarter-block dequantizing steps then;
-# sparse_mla_gluon.FP8_TILES says what the tune changed since). The one-split config beat it by
-# 4 - 8% in launches of one split and lost by 3 - 7% in launches of several (64 heads; unmeasured
-# at 8 - 32 and 128, where a program gathers the same blocks: the same rule there); both split alike
-# (block_h, block_dv, max_splits), so a workspace sized with either fits the launch.
-GLUON_FP8_DEFAULT_CONFIGS: tuple[SparseMLAConfig, SparseMLAConfig] | None = (
-    SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG)
+# What sparse_mla_config gives an FP8 cache where the Gluon kernel runs (None: the Triton configs):
+# the dequantizing in the ring slot, faster than the other FP8 tiles at every point from 4 rows in
+# launches of one split and of several (3 - 11%; GLM-5, 64 heads, 64k live, H200:
+# sparse_mla_gluon.FP8_TILES). Measured at 64 heads; at 8 - 32 (one padded program a row) and 128
+# (two programs a row) a program gathers the same blocks.
+GLUON_FP8_DEFAULT_CONFIG: SparseMLAConfig | None = SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG
 # Programs without splits (rows x 64-head blocks) from which the split path takes the Gluon kernel;
 # at one (one row of 64 heads) the Triton few-rows config is faster: 9.8 against 14.5 us at 1k live,
 # 12.3 against 17.4 at 64k; from two rows on the Gluon kernel
@@ -403,27 +400,17 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
     Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` in 8, 16, 32 or a
     multiple of 64: :func:`sparse_mla_gluon_supported`), without a workspace, and with one
     (``split``) from ``R * cdiv(H, 64) >= GLUON_MIN_SPLIT_HEAD_BLOCKS``: on a bf16 cache
-    :data:`SPARSE_MLA_GLUON_CONFIG`; on an FP8 cache (unless :data:`GLUON_FP8_DEFAULT_CONFIGS` is
-    None: the Triton configurations) its one-split config (:data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`)
-    without a workspace or where :func:`sparse_mla_num_splits` with its other config on the
-    device's SM count gives 1 (:func:`sparse_mla_workspace` then gives None: both configs split
-    alike), else the other (:data:`SPARSE_MLA_GLUON_FP8_CONFIG`). Elsewhere (and with ``device``
-    None): with a workspace and ``R * cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``,
-    :data:`SPARSE_MLA_FEW_ROWS_CONFIG`, else :data:`SPARSE_MLA_CONFIG`. Without a workspace the
-    choice never depends on ``R``, so a row's output there does not depend on ``R``; with one the
-    two FP8 configs it picks between by ``R`` have the same dots in the same order, so a row's
-    output is the same bits under either."""
+    :data:`SPARSE_MLA_GLUON_CONFIG`; on an FP8 cache :data:`GLUON_FP8_DEFAULT_CONFIG` (None: the
+    Triton configurations). Elsewhere (and with ``device`` None): with a workspace and ``R *
+    cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``, :data:`SPARSE_MLA_FEW_ROWS_CONFIG`, else
+    :data:`SPARSE_MLA_CONFIG`. Without a workspace the choice never depends on ``R``, so a row's
+    output there does not depend on ``R``."""
     rows = max(num_rows, 1)
-    if ((not fp8_cache or GLUON_FP8_DEFAULT_CONFIGS is not None) and device is not None
+    if ((not fp8_cache or GLUON_FP8_DEFAULT_CONFIG is not None) and device is not None
             and sparse_mla_gluon_supported(device, num_heads)):
         head_blocks = triton.cdiv(num_heads, sparse_mla_gluon.HEADS_PER_PROGRAM)
         if not split or rows * head_blocks >= GLUON_MIN_SPLIT_HEAD_BLOCKS:
-            if not fp8_cache:
-                return SPARSE_MLA_GLUON_CONFIG
-            one_split, several = GLUON_FP8_DEFAULT_CONFIGS
-            if split and sparse_mla_num_splits(rows, num_heads, sm_count(device), several) > 1:
-                return several
-            return one_split
+            return GLUON_FP8_DEFAULT_CONFIG if fp8_cache else SPARSE_MLA_GLUON_CONFIG
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads, SPARSE_MLA_FEW_ROWS_CONFIG))
     if split and rows * head_blocks <= FEW_ROWS_HEAD_BLOCKS:
         return SPARSE_MLA_FEW_ROWS_CONFIG
@@ -517,8 +504,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         q.device, fp8_cache)``); :data:`SPARSE_MLA_BASELINE_CONFIG` is the earlier kernel (the
         benchmark's baseline). A Gluon config must have the tiles of the cache's dtype
         (:data:`SPARSE_MLA_GLUON_CONFIG` for bf16, :data:`SPARSE_MLA_GLUON_FP8_CONFIG`,
-        :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`
-        or one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` for ``fp8_ds_mla``).
+        :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`,
+        :data:`SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG` or one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` for ``fp8_ds_mla``).
 
     Returns
     -------

@@ -21,7 +21,9 @@ padded wgmma rows cost tensor-core time it has to spare.
   dequantizes each block into its ring slot (bf16, exact), then signals it, refilling the staging
   stage after the block or after each dequantizing step (``FP8Tiles.refill``); with
   ``FP8Tiles.staging=0`` it loads the codes and scales from global memory into registers instead,
-  dequantizes them there into the ring slot and copies the rope values into it by ``cp.async``;
+  dequantizes them there into the ring slot and copies the rope values into it by ``cp.async``,
+  or with ``FP8Tiles.in_slot`` (the default's) copies the block's bytes into the ring slot itself
+  and dequantizes them there in place;
 - the attend partition (8 warps, two warpgroups, each owning half of the score columns and half
   of the 512 value columns) per block waits for its slot, runs the QK dot of the 64 heads against
   it as wgmma (latent, then rope), the online softmax (fp32, log2 domain), stores the
@@ -95,6 +97,10 @@ class FP8Tiles:
         the steps a block is loaded in, of at least 8 rows: its first step's loads issued before
         the wait for its ring slot, each later step's before the step ahead of it is converted;
         needs ``slot_loads="per_layout"`` and ``refill="block"``).
+    in_slot : with ``staging=0``, copy each block's cache bytes by ``cp.async`` into its own ring
+        slot instead (codes and scales into the slot's latent rows, the rope values into its rope
+        rows) and dequantize them there in place, a 64-column chunk a step
+        (:func:`_gather_fp8_in_slot`; 64-slot blocks, 2 ring slots, ``dequant_steps=8``).
     gather_warps : warps of the gather partition, which copies and dequantizes (the attend
         partition keeps its 8). Only 4 compiles for sm_90: with 8 (16 warps) the launch bound
         is 128 registers a thread and ptxas needs 154 for the attend partition's dots.
@@ -121,14 +127,15 @@ class FP8Tiles:
     dequant_steps: int = DEQUANT_STEPS
     slot_loads: str = SLOT_LOADS[0]
     refill: str = REFILLS[0]
+    in_slot: bool = False
 
     def __post_init__(self):
-        _check_gather_options(self.block_n, self.staging, self.gather_warps, self.dequant_steps,
-                              self.slot_loads, self.refill)
+        _check_gather_options(self.block_n, self.stages, self.staging, self.gather_warps,
+                              self.dequant_steps, self.slot_loads, self.refill, self.in_slot)
 
 
-def _check_gather_options(block_n: int, staging: int | None, gather_warps: int, dequant_steps: int,
-                          slot_loads: str, refill: str) -> None:
+def _check_gather_options(block_n: int, stages: int, staging: int | None, gather_warps: int,
+                          dequant_steps: int, slot_loads: str, refill: str, in_slot: bool) -> None:
     """Raise ValueError naming the argument unless ``staging`` is None or ``>= 0``, ``slot_loads``
     is one of :data:`SLOT_LOADS`, ``refill`` one of :data:`REFILLS`, a ``"step"`` refill has at
     least two dequantizing steps of at least ``8 * gather_warps`` rows each (``block_n //
@@ -136,10 +143,15 @@ def _check_gather_options(block_n: int, staging: int | None, gather_warps: int, 
     through registers) comes with ``dequant_steps`` dividing ``block_n`` into steps of at least
     8 rows (sm_90 compile: a ring-slot slice of 4 rows splits its swizzle pattern),
     ``slot_loads="per_layout"`` and ``refill="block"`` (it has no staging stage to refill and
-    loads each layout's slot ids itself); for :class:`FP8Tiles` (and ``SparseMLAConfig``, which
-    builds one)."""
+    loads each layout's slot ids itself), and ``in_slot`` comes with ``staging=0``, 64-slot
+    blocks, 2 ring slots and ``dequant_steps=8``; for :class:`FP8Tiles` (and
+    ``SparseMLAConfig``, which builds one)."""
     if staging is not None and staging < 0:
         raise ValueError(f"staging: expected None or >= 0 staging stages, got {staging}")
+    if in_slot and (staging != 0 or block_n != BLOCK_N or stages != STAGES or dequant_steps != 8):
+        raise ValueError(f"in_slot: the dequantizing in the ring slot needs staging 0, block_n {BLOCK_N}, "
+                         f"stages {STAGES} and dequant_steps 8 (a 64-column chunk a step), got staging "
+                         f"{staging}, block_n {block_n}, stages {stages}, dequant_steps {dequant_steps}")
     if staging == 0 and (block_n % dequant_steps or block_n // dequant_steps < 8):
         raise ValueError(f"dequant_steps: staging 0 (the gathers through registers) needs a divisor of "
                          f"block_n {block_n} leaving at least 8 rows a step (a step's rows of the ring "
@@ -158,7 +170,8 @@ def _check_gather_options(block_n: int, staging: int | None, gather_warps: int, 
 
 
 # The fields of FP8Tiles past (block_n, stages): the gather partition's shape.
-GATHER_FIELDS = ("staging", "gather_warps", "gather_registers", "dequant_steps", "slot_loads", "refill")
+GATHER_FIELDS = ("staging", "gather_warps", "gather_registers", "dequant_steps", "slot_loads", "refill",
+                 "in_slot")
 # The bf16 cache's launch shape: blocks of BLOCK_N slots in STAGES ring slots, the default gathers.
 BF16_TILES = FP8Tiles(BLOCK_N, STAGES)
 # The FP8 cache's defaults. Staged: the gathers stage each block's cache bytes in as many staging
@@ -177,10 +190,18 @@ BF16_TILES = FP8Tiles(BLOCK_N, STAGES)
 # rows, 129.7 / 252.2 against 135.4 / 265.4 at 128 / 256 verify rows) and 3 - 7% slower in
 # launches of several (32.4 / 50.0 / 81.5 against 30.6 / 46.6 / 78.8 at 16 / 32 / 64 decode rows,
 # 8 / 4 / 2 splits), so sparse_mla.sparse_mla_config takes them for launches of one split
-# (benchmarks/results/h200/dsa_ops_tune_fp8_sparse_mla_registers.json, H200, same shapes).
+# (benchmarks/results/h200/dsa_ops_tune_fp8_sparse_mla_registers.json, H200, same shapes). Last, the
+# dequantizing in the ring slot (in_slot: the block's bytes copied into its own ring slot by
+# cp.async in two commit groups and dequantized there, a 64-column chunk a step, the first half
+# while the second lands; the bf16 kernel's two ring slots, no staging stage): the 64-slot output bit
+# for bit, and 3 - 11% faster than the staged and register forms at every point from 4 rows (GLM-5,
+# 64 heads, 64k live, H200: 70.3 against 79.3 us at 64 decode rows, 118.2 / 226.6 against 130.7 /
+# 254.2 at 128 / 256 verify rows; benchmarks/results/h200/logs/sparse_mla_fp8_in_slot_session20.md
+# against logs/sparse_mla_fp8_in_slot_before_session20.md), so sparse_mla's default on FP8 caches.
 FP8_TILES = (FP8Tiles(64, 1, dequant_steps=2, slot_loads="per_layout"),
              FP8Tiles(32, 2, gather_registers=96, dequant_steps=1),
-             FP8Tiles(64, 2, staging=0, gather_registers=104, dequant_steps=4, slot_loads="per_layout"))
+             FP8Tiles(64, 2, staging=0, gather_registers=104, dequant_steps=4, slot_loads="per_layout"),
+             FP8Tiles(64, 2, staging=0, dequant_steps=8, slot_loads="per_layout", in_slot=True))
 # Candidates for ``bench dsa-ops --tune --kv-cache-dtype fp8_e4m3`` (issue 28), each compiled for
 # sm_90 without spills (scripts/compile_sparse_mla_gluon.py), with GPU tests like the defaults'
 # (tests/test_sparse_mla_fp8.py); docs/dsa-kernels.md says what each is meant to test: the former
@@ -189,7 +210,8 @@ FP8_TILES = (FP8Tiles(64, 1, dequant_steps=2, slot_loads="per_layout"),
 # dequantizing step, each and both (more gather registers where 88 spilled), the loads per layout
 # at the 32-slot default; then the gathers through registers at 64 slots in eighth-block steps at
 # 88 gather registers (the quarter-block steps at 104 are a default; at 88 and 96 they spilled 16
-# and 12 B; half-block steps spilled at 104 and 120).
+# and 12 B; half-block steps spilled at 104 and 120); and the dequantizing in the ring slot at 104
+# gather registers (the default has 88).
 FP8_TUNE_TILES = (
     FP8Tiles(64, 1),
     FP8Tiles(32, 2),
@@ -202,6 +224,8 @@ FP8_TUNE_TILES = (
     FP8Tiles(64, 1, gather_registers=104, dequant_steps=2, slot_loads="per_layout", refill="step"),
     FP8Tiles(32, 2, gather_registers=96, dequant_steps=1, slot_loads="per_layout"),
     FP8Tiles(64, 2, staging=0, dequant_steps=8, slot_loads="per_layout"),
+    FP8Tiles(64, 2, staging=0, gather_registers=104, dequant_steps=8, slot_loads="per_layout",
+             in_slot=True),
 )
 
 
@@ -523,13 +547,121 @@ def _gather_fp8_registers(kv_ptr, kv_stride, row_slots, topk, first_block, stop_
 
 
 @gluon.jit
+def _gather_fp8_in_slot(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, latent_ring,
+                        rope_ring, full, empty, trace_ptr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+                        GROUPS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        WARPS: gl.constexpr, TRACE: gl.constexpr):
+    """The split's blocks from an ``fp8_ds_mla`` cache, each copied into its own ring slot and
+    dequantized there (``in_slot``): once ring slot ``i % STAGES`` is free, block ``first_block +
+    i``'s codes, scales and rope values go into it by ``cp.async`` in two commit groups (the
+    scales and code chunks 0 - 3, then chunks 4 - 7 and the rope values; the first block's first
+    group also holds the queries' copies); its 64-column chunks are dequantized in place, one a
+    step (:func:`_store_dequantized`' arithmetic), the first half once every gather thread's first
+    group landed, the second half once the second did; then ``full`` is signalled by one arrive.
+
+    The latent slot holds its ``[BLOCK_N, 64]`` bf16 column chunks one after another (8 KiB each:
+    the 128-byte swizzle pattern is 64 columns wide). The codes are staged in its upper half,
+    code chunk ``j`` (``[BLOCK_N, 64]`` bytes) at byte ``32 Ki + 4 Ki j``, the scales
+    (``[BLOCK_N, GROUPS]`` fp32) in its first KiB. Output chunk ``c`` covers bytes ``[8 Ki c,
+    8 Ki c + 8 Ki)``: chunk 0 overwrites the scales, chunks 1 - 3 nothing staged, chunk ``c >= 4``
+    code chunks ``2 c - 8`` and ``2 c - 7``. A thread loads the scales, then each chunk's codes a
+    step ahead of its stores (chunk 4 once the second group landed), and the gather warps meet at
+    a barrier before the stores of chunks 0 (after every thread loaded the scales and code chunks
+    0 - 1), 4 (0 - 5) and 6 (0 - 7), so no store overwrites bytes a gather thread has yet to
+    read."""
+    CHUNK: gl.constexpr = 64
+    CHUNKS: gl.constexpr = LATENT // CHUNK
+    HALF: gl.constexpr = CHUNKS // 2
+    gl.static_assert(CHUNKS == 8, "the in-slot order is laid out for 512 latent values")
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    plain_2d: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    # 16-byte copies of the codes (a warp 8 rows x 64 bytes of one chunk; the columns of half the
+    # chunks, the second half offset by HALF chunks), a row's 4 fp32 scales as
+    # two 8-byte copies, the rope values as in the other FP8 paths; a chunk's values 16 a thread in
+    # the same rows, the scales of those rows (all groups) in every thread of the row
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, WARPS, 1], [2, 1, 0])
+    scale_copy_layout: gl.constexpr = gl.BlockedLayout([1, GROUPS // 2], [16, 2], [WARPS, 1], [1, 0])
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    value_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
+    code_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, copy_layout)))
+    code_chunks = gl.arange(0, CHUNKS // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, copy_layout)))
+    code_bytes = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, gl.SliceLayout(1, copy_layout)))
+    code_columns = code_chunks[:, None, None] * CHUNK + code_bytes[None, None, :]
+    scale_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, scale_copy_layout))
+    scale_columns = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scale_copy_layout))
+    rope_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_layout))
+    groups = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, value_layout))
+    for block in range(first_block, stop_block):
+        i = block - first_block
+        stage = i % STAGES
+        # the slot ids, in each copy's layout, load while the ring slot may still be in use
+        code_index = block * BLOCK_N + code_rows
+        code_slot = gl.load(row_slots + code_index, mask=code_index < topk, other=-1)
+        scale_index = block * BLOCK_N + scale_rows
+        scale_slot = gl.load(row_slots + scale_index, mask=scale_index < topk, other=-1)
+        rope_index = block * BLOCK_N + rope_rows
+        rope_slot = gl.load(row_slots + rope_index, mask=rope_index < topk, other=-1)
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        latent_slot = latent_ring.index(stage)
+        # the slot's bytes as code chunks ([chunk, row, byte] for the copies, [chunk x row, byte]
+        # for the loads) and as fp32 scales
+        codes = latent_slot._reinterpret(gl.uint8, [2 * CHUNKS, BLOCK_N, CHUNK], plain).slice(
+            CHUNKS, CHUNKS, dim=0)
+        code_rows_2d = latent_slot._reinterpret(gl.uint8, [2 * CHUNKS * BLOCK_N, CHUNK], plain_2d)
+        scales = latent_slot._reinterpret(gl.float32, [BLOCK_N, GROUPS], plain_2d)  # its first KiB
+        # two commit groups: the scales and the first half of the code chunks, then the second
+        # half and the rope values, so that the first half is dequantized while the second lands
+        code_row = kv_ptr + gl.where(code_slot >= 0, code_slot, 0).to(gl.int64) * kv_stride
+        scale_row = (kv_ptr + LATENT + gl.where(scale_slot >= 0, scale_slot, 0).to(gl.int64)
+                     * kv_stride).to(gl.pointer_type(gl.float32), bitcast=True)
+        async_copy.async_copy_global_to_shared(scales, scale_row[:, None] + scale_columns[None, :],
+                                               mask=(scale_slot >= 0)[:, None])
+        async_copy.async_copy_global_to_shared(codes.slice(0, HALF, dim=0),
+                                               code_row[None, :, None] + code_columns,
+                                               mask=(code_slot >= 0)[None, :, None])
+        async_copy.commit_group()
+        async_copy.async_copy_global_to_shared(codes.slice(HALF, HALF, dim=0),
+                                               code_row[None, :, None] + HALF * CHUNK + code_columns,
+                                               mask=(code_slot >= 0)[None, :, None])
+        _copy_fp8_rope(rope_ring.index(stage), kv_ptr, kv_stride, rope_slot, LATENT, ROPE, GROUPS,
+                       WARPS)
+        async_copy.commit_group()
+        if i == 0:
+            _stamp(trace_ptr, 7, TRACE)
+        async_copy.wait_group(1)  # this thread's first group (and the queries') landed
+        gl.thread_barrier()  # ... and every gather thread's
+        row_scales = scales.load(value_layout)  # [BLOCK_N, GROUPS]: every scale of the thread's rows
+        next_code = code_rows_2d.slice(CHUNKS * BLOCK_N, BLOCK_N, dim=0).load(value_layout)
+        for c in gl.static_range(CHUNKS):
+            if c == HALF:
+                async_copy.wait_group(0)  # the second group landed, for every gather thread
+                gl.thread_barrier()
+                next_code = code_rows_2d.slice((CHUNKS + c) * BLOCK_N, BLOCK_N, dim=0).load(
+                    value_layout)
+            code = next_code
+            if c + 1 < CHUNKS and c + 1 != HALF:
+                next_code = code_rows_2d.slice((CHUNKS + c + 1) * BLOCK_N, BLOCK_N, dim=0).load(
+                    value_layout)
+            if c == 0 or c == HALF or c == CHUNKS - 2:
+                gl.thread_barrier()  # see the docstring: what the next stores overwrite was read
+            group = c * CHUNK // (LATENT // GROUPS)
+            scale = gl.sum(gl.where(groups[None, :] == group, row_scales, 0.0), axis=1)
+            value = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+            latent_slot.slice(c * CHUNK, CHUNK, dim=1).store(value.to(gl.bfloat16))
+        fence_async_shared()  # the bf16 stores, before the wgmma reads them
+        gl.thread_barrier()  # every gather thread stored
+        mbarrier.arrive(full.index(stage), count=1)
+
+
+@gluon.jit
 def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr, kv_stride,
                       row_slots, topk, latent_ring, rope_ring, codes, scales, rope, full, empty,
                       trace_ptr, LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
                       FP8: gl.constexpr, GROUPS: gl.constexpr, STAGING: gl.constexpr,
                       STEPS: gl.constexpr, PER_LAYOUT: gl.constexpr,
-                      STEP_REFILL: gl.constexpr, WARPS: gl.constexpr, TRACE: gl.constexpr):
+                      STEP_REFILL: gl.constexpr, IN_SLOT: gl.constexpr, WARPS: gl.constexpr,
+                      TRACE: gl.constexpr):
     """The queries into shared memory (the first ``real_heads`` of them, zeros in the padding
     head slots), then block ``first_block + i``'s cache rows into ring slot ``i % STAGES`` once
     it is free: by ``cp.async`` from a bf16 cache, through the staging stages ``codes, scales,
@@ -554,7 +686,11 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
     first_block, stop_block = _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N,
                                             SCAN, WARPS)
     _stamp(trace_ptr, 6, TRACE)
-    if FP8 and STAGING == 0:
+    if FP8 and IN_SLOT:
+        _gather_fp8_in_slot(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, latent_ring,
+                            rope_ring, full, empty, trace_ptr, LATENT, ROPE, GROUPS, BLOCK_N, STAGES,
+                            WARPS, TRACE)
+    elif FP8 and STAGING == 0:
         _gather_fp8_registers(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block,
                               latent_ring, rope_ring, full, empty, trace_ptr, LATENT, ROPE, GROUPS,
                               BLOCK_N, STAGES, STEPS, WARPS, TRACE)
@@ -693,7 +829,7 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
                              GATHER_WARPS: gl.constexpr,
                              GATHER_REGISTERS: gl.constexpr, DEQUANT_STEPS: gl.constexpr,
                              PER_LAYOUT: gl.constexpr, STEP_REFILL: gl.constexpr,
-                             TRACE: gl.constexpr, STAMPS: gl.constexpr):
+                             IN_SLOT: gl.constexpr, TRACE: gl.constexpr, STAMPS: gl.constexpr):
     """Program ``(row, head block, split)``: shared memory and its barriers, then the gather and
     attend partitions (each finds the split's blocks itself, so the gathers start at once)."""
     row = gl.program_id(0).to(gl.int64)
@@ -744,7 +880,7 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
                               kv_stride, row_slots, topk, latent_ring, rope_ring, codes, scales,
                               rope, full, empty, trace_ptr, LATENT, ROPE, BLOCK_H, BLOCK_N,
                               STAGES, SCAN, FP8, GROUPS, STAGING, DEQUANT_STEPS, PER_LAYOUT,
-                              STEP_REFILL, GATHER_WARPS, TRACE))],
+                              STEP_REFILL, IN_SLOT, GATHER_WARPS, TRACE))],
         [GATHER_WARPS], [GATHER_REGISTERS])
 
 
@@ -795,5 +931,6 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
         STAGING=tiles.stages if tiles.staging is None else tiles.staging,
         GATHER_WARPS=tiles.gather_warps, GATHER_REGISTERS=tiles.gather_registers,
         DEQUANT_STEPS=tiles.dequant_steps, PER_LAYOUT=tiles.slot_loads == "per_layout",
-        STEP_REFILL=tiles.refill == "step", TRACE=trace is not None, STAMPS=len(TRACE_STAMPS),
+        STEP_REFILL=tiles.refill == "step", IN_SLOT=tiles.in_slot, TRACE=trace is not None,
+        STAMPS=len(TRACE_STAMPS),
         num_warps=ATTEND_WARPS)
