@@ -42,6 +42,7 @@ def indexer_programs_for(model: DSAModel, kv: KVPool, device: torch.device, rows
     return default_indexer_programs(device, kv.kv_cache_dtype == "fp8_e4m3", rows_per_group,
                                     model.config.index_n_heads)
 
+
 @dataclass
 class StepResult:
     """One step's outcome per request (the order of ``rows``): ``accept_lens[i]`` tokens

@@ -373,14 +373,20 @@ def _dequant_layout(GROUPS, WARPS):
 
 
 @gluon.jit
+def _dequantized(code, scale):
+    """uint8 e4m3 ``code`` times the fp32 ``scale`` broadcast against it, as bf16 (e4m3 -> fp32,
+    the product in fp32, then bf16; exact: a power-of-two scale times an e4m3 code is a bf16
+    value, as in the Triton kernel's ``_gather_latent``)."""
+    return (code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
+
+
+@gluon.jit
 def _store_dequantized(code, scale, latent_out, FIRST: gl.constexpr, ROWS: gl.constexpr,
                        LATENT: gl.constexpr):
     """uint8 e4m3 ``code`` ``[ROWS, groups, group]`` times its group's fp32 ``scale`` ``[ROWS,
-    groups, 1]``, as bf16 ``[ROWS, LATENT]`` into rows ``FIRST .. FIRST + ROWS`` of the latent ring
-    slot ``latent_out`` (exact: a power-of-two scale times an e4m3 code is a bf16 value, as in
-    the Triton kernel's ``_gather_latent``)."""
-    value = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
-    latent_out.slice(FIRST, ROWS, dim=0).store(gl.reshape(value.to(gl.bfloat16), [ROWS, LATENT]))
+    groups, 1]`` (:func:`_dequantized`), as bf16 ``[ROWS, LATENT]`` into rows ``FIRST .. FIRST +
+    ROWS`` of the latent ring slot ``latent_out``."""
+    latent_out.slice(FIRST, ROWS, dim=0).store(gl.reshape(_dequantized(code, scale), [ROWS, LATENT]))
 
 
 @gluon.jit
@@ -556,7 +562,7 @@ def _gather_fp8_in_slot(kv_ptr, kv_stride, row_slots, topk, first_block, stop_bl
     i``'s codes, scales and rope values go into it by ``cp.async`` in two commit groups (the
     scales and code chunks 0 - 3, then chunks 4 - 7 and the rope values; the first block's first
     group also holds the queries' copies); its 64-column chunks are dequantized in place, one a
-    step (:func:`_store_dequantized`' arithmetic), the first half once every gather thread's first
+    step (:func:`_dequantized`), the first half once every gather thread's first
     group landed, the second half once the second did; then ``full`` is signalled by one arrive.
 
     The latent slot holds its ``[BLOCK_N, 64]`` bf16 column chunks one after another (8 KiB each:
@@ -646,8 +652,7 @@ def _gather_fp8_in_slot(kv_ptr, kv_stride, row_slots, topk, first_block, stop_bl
                 gl.thread_barrier()  # see the docstring: what the next stores overwrite was read
             group = c * CHUNK // (LATENT // GROUPS)
             scale = gl.sum(gl.where(groups[None, :] == group, row_scales, 0.0), axis=1)
-            value = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-            latent_slot.slice(c * CHUNK, CHUNK, dim=1).store(value.to(gl.bfloat16))
+            latent_slot.slice(c * CHUNK, CHUNK, dim=1).store(_dequantized(code, scale[:, None]))
         fence_async_shared()  # the bf16 stores, before the wgmma reads them
         gl.thread_barrier()  # every gather thread stored
         mbarrier.arrive(full.index(stage), count=1)
