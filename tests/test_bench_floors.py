@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from dsaspec.bench import decode, e2e
-from dsaspec.bench.floors import (ITERATION, PER_LAYER, PHASES, STEP, Cost, FloorModel, Rates, floor_markdown,
-                                  floor_rows, iteration_rows)
+from dsaspec.bench import e2e, phases
+from dsaspec.bench.floors import (ITERATION, PER_LAYER, PHASES, STEP, Cost, FloorModel, QueryRows, Rates,
+                                  floor_markdown, floor_rows, iteration_rows)
 from dsaspec.bench.results import markdown_table
 from dsaspec.configs.model_config import get_config
 from dsaspec.configs.quantization import Fp8Quantization
@@ -61,6 +61,7 @@ def test_fp8_caches_and_weights_count_codes_scales_and_rope():
     rows, a = 2, 2
     assert costs["sparse_mla"].bytes == 2 * (2 * 64 * 656 + rows * 64 * 4 + rows * 4 * (576 + 512) * a)
     assert costs["indexer_logits"].bytes == 2 * (2 * 100 * (132 + 4) + rows * (4 * 128 * a + 4 * 4) + rows * 100 * 4)
+    assert costs["indexer_logits"].flops == 0 and costs["indexer_logits"].fp8_flops == 2 * 2 * rows * 100 * 4 * 128
     weights = (256 * 128 + 1 * 2 * 4 + 128 * 512 + 4 * 1 * 4 + 256 * 576 + 5 * 2 * 4
                + 512 * 512 + 4 * 4 * 4 + 256 * 256 + 2 * 2 * 4        # q_a, q_b, kv_a, kv_b, o_proj + scales
                + 128 * 512 + 4 * 1 * 4 + 256 * 128 + 1 * 2 * 4)       # the indexer's wq_b, wk + scales
@@ -79,7 +80,7 @@ def test_moe_counts_the_experts_a_token_hits():
     config = get_config("tiny-moe")
     model = FloorModel(config, act_bytes=2)
     expert = 3 * 256 * 128 * 2
-    ffn = model._layer("model.layers.1", 1, 1, 1, 10, seeded=False)["ffn"]
+    ffn = model._layer("model.layers.1", 1, QueryRows.uniform(1, 1, 10, 64), seeded=False)["ffn"]
     assert ffn.bytes == pytest.approx(256 * 8 * 4 + 3 * expert + expert + 2 * 256 * 2)
 
 
@@ -89,7 +90,8 @@ def test_moe_takes_the_counted_experts_where_given():
     expert = 3 * 256 * 128 * 2
     uniform = FloorModel(config, act_bytes=2)
     counted = FloorModel(config, act_bytes=2, experts_hit={4: 5.5})
-    ffn = {m: {rows: m._layer("model.layers.1", 1, rows, 1, 10, seeded=False)["ffn"].bytes for rows in (2, 4)}
+    ffn = {m: {rows: m._layer("model.layers.1", 1, QueryRows.uniform(rows, 1, 10, 64), seeded=False)["ffn"].bytes
+               for rows in (2, 4)}
            for m in (uniform, counted)}
     expected_4 = 8 * (1 - (1 - 3 / 8) ** 4)
     assert ffn[counted][4] - ffn[uniform][4] == pytest.approx((5.5 - expected_4) * expert, abs=1)
@@ -158,7 +160,7 @@ def test_iteration_floor_is_the_sum_of_its_phases():
 
 
 def test_decode_phases_are_the_floor_phases():
-    assert tuple(decode.PHASE_PATTERNS) == PHASES
+    assert tuple(phases.PHASE_PATTERNS) == PHASES
 
 
 def test_floor_model_rejects_bad_arguments():
@@ -166,3 +168,32 @@ def test_floor_model_rejects_bad_arguments():
         FloorModel(get_config("tiny"), act_bytes=2, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="act_bytes"):
         FloorModel(get_config("tiny"), act_bytes=3)
+
+
+@pytest.mark.parametrize("prefix, rows, k", [(0, 1, 64), (0, 64, 64), (0, 65, 64), (63, 1, 64), (64, 1, 64),
+                                             (10, 200, 64), (100, 7, 64), (0, 129, 128), (127, 2, 128)])
+def test_causal_rows_sum_what_each_row_reads(prefix, rows, k):
+    """A prefill chunk's aggregates against a row-by-row count: row i lives over prefix + i + 1
+    positions, selects min(live, k), runs the indexer logits only when live > k."""
+    lives = [prefix + i + 1 for i in range(rows)]
+    long = [live for live in lives if live > k]
+    assert QueryRows.causal(prefix, rows, k) == QueryRows(
+        requests=1, rows=rows, positions=sum(lives), selected=sum(min(live, k) for live in lives),
+        gathered=min(max(lives), k), logit_rows=len(long), logit_positions=sum(long),
+        logit_keys=max(long, default=0))
+
+
+def test_prefill_chunks_read_the_weights_once_each_and_the_lm_head_once():
+    """The attention and indexer FLOPs do not depend on the chunking; the weights are read once a
+    chunk; the LM head runs on the last row only, once for the target and once for the MTP layer."""
+    model = FloorModel(get_config("tiny"), act_bytes=2)
+    whole, chunked = model.prefill(300, 300), model.prefill(300, 100)
+    for part in ("target", "mtp"):
+        for phase in ("indexer_logits", "sparse_mla"):
+            assert chunked[part][phase].flops == whole[part][phase].flops > 0
+        assert chunked[part]["lm_head"] == whole[part]["lm_head"] == model.forward(1, 1, 300, mtp=part == "mtp")["lm_head"]
+    weights = model.forward(1, 0, 10)["attention_proj"].bytes        # no rows: the weights alone
+    assert 0 < weights < model.forward(1, 1, 10)["attention_proj"].bytes
+    assert chunked["target"]["attention_proj"].bytes - whole["target"]["attention_proj"].bytes == 2 * weights
+    layers, heads, dim = 2, 4, 128
+    assert whole["target"]["indexer_logits"].flops == layers * 2 * heads * dim * sum(range(65, 301))

@@ -323,44 +323,6 @@ def test_bench_decode_smoke_on_cpu(tmp_path):
     assert all(r["new_us"] is None for r in payload["rows"])
 
 
-@pytest.mark.parametrize("name, phase", [
-    ("_bounded_kernel", "metadata"), ("_context_wide_kernel", "metadata"), ("_indexer_schedule_kernel", "metadata"),
-    ("_indexer_logits_kernel", "indexer_logits"), ("_topk_slots_kernel", "topk"), ("_topk_chunk_pass_kernel", "topk"),
-    ("_topk_chunk_single_launch_kernel", "topk"), ("_topk_chunk_lists_kernel", "topk"),
-    ("_sparse_mla_decode_kernel", "sparse_mla"),
-    ("_sparse_mla_combine_kernel", "sparse_mla"), ("_sparse_mla_gluon_kernel", "sparse_mla"),
-    # kernels of other ops fall to their module region, even where the name looks alike
-    ("_topk_partials_kernel", None), ("_argmax_partials_kernel", None), ("ampere_bf16_gemm", None)])
-def test_bench_decode_attributes_dsa_kernels_by_name(name, phase):
-    """The decode bench's phase of a CUPTI kernel name: the DSA-op kernels by name (read from the op
-    modules, so the single-launch top-k, added later, is there too), everything else by region."""
-    from dsaspec.bench import decode
-
-    assert decode._phase_by_name(name) == phase
-
-
-def test_bench_decode_phases_count_the_time_each_kernel_adds():
-    """Overlapping kernels (a programmatic dependent launch waits inside its predecessor's run) are
-    counted once: each kernel from the later of its start and the end of every earlier one; the
-    phases of a step add up to the union of its kernel intervals, markers excluded."""
-    from dsaspec.bench import decode
-
-    marker = decode.MARKER
-    events = [  # (name, start_ns, end_ns), sorted by start
-        (marker, 0, 1_000), ("gemm_a", 2_000, 10_000),                      # step 0, region "attn"
-        (marker, 10_000, 11_000), ("_sparse_mla_decode_kernel", 12_000, 20_000),
-        ("_sparse_mla_combine_kernel", 13_000, 23_000),                     # started early (PDL)
-        ("gemm_b", 24_000, 26_000),
-        (marker, 27_000, 28_000), ("inner", 29_000, 30_000), ("tail", 29_500, 31_000),   # step 1
-        (marker, 32_000, 33_000), ("_sparse_mla_decode_kernel", 34_000, 35_000)]
-    per_step = decode.attribute_phases(events, [("attn", None), ("ffn", None)], steps=2)
-    assert per_step[0] == {"attn": 8.0, "sparse_mla": 11.0, "ffn": 2.0}
-    assert per_step[1] == {"attn": 2.0, "sparse_mla": 1.0}
-    # a kernel lying wholly inside an earlier one adds nothing
-    inside = decode.attribute_phases([(marker, 0, 1), ("long", 2, 100), ("short", 10, 20)], [("r", None)], 1)
-    assert inside == [{"r": 0.098}]
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: `python -m pytest -q -m gpu tests/test_engine.py`
 

@@ -15,7 +15,8 @@ block and does its FLOPs at the FP8 rate; ``k = index_topk``; MLA entry = 576 x 
   Layers without an indexer (IndexShare) and seeded draft steps: nothing.
 - ``indexer_logits``: only where ``live > k`` (shorter rows take every position and skip it):
   per request the ``live`` keys and their int32 page-table entries, q and head weights, write
-  fp32 logits ``[T, live]``; ``2 T live heads 128`` FLOPs.
+  fp32 logits ``[T, live]``; ``2 T live heads 128`` FLOPs (at the FP8 rate on an FP8 key cache:
+  e4m3 dots).
 - ``topk``: read ``[T, live]`` fp32 logits (or int32 page-table entries where ``live <= k``),
   write int32 slots ``[T, k]``.
 - ``sparse_mla``: per request ``min(live, k)`` gathered MLA entries (rows of one request may
@@ -99,6 +100,46 @@ def uniform_experts_hit(config: ModelConfig, rows: int) -> float:
     return experts * (1 - (1 - config.num_experts_per_tok / experts) ** rows)
 
 
+@dataclass(frozen=True)
+class QueryRows:
+    """The query rows of one forward, as the per-layer costs need them: ``rows`` in ``requests``
+    requests; ``positions`` = sum of the rows' live lengths; ``selected`` = sum of ``min(live, k)``
+    (sparse MLA's slots); ``gathered`` = MLA entries each request must read at least once
+    (``min(longest live, k)`` a request); the indexer logits run for the ``logit_rows`` rows longer
+    than ``k``, over ``logit_positions`` positions (their live lengths summed), reading
+    ``logit_keys`` index keys (each request's longest such row)."""
+
+    requests: int
+    rows: int
+    positions: int
+    selected: int
+    gathered: int
+    logit_rows: int
+    logit_positions: int
+    logit_keys: int
+
+    @classmethod
+    def uniform(cls, requests: int, q: int, live: int, k: int) -> "QueryRows":
+        """``requests`` requests of ``q`` rows, every row at ``live`` positions (decode, verify)."""
+        rows, logits = requests * q, live > k
+        return cls(requests, rows, rows * live, rows * min(live, k), requests * min(live, k),
+                   rows * logits, rows * live * logits, requests * live * logits)
+
+    @classmethod
+    def causal(cls, prefix: int, rows: int, k: int) -> "QueryRows":
+        """One request's prefill chunk: ``rows`` rows at positions ``prefix .. prefix + rows - 1``,
+        row ``i`` live over ``prefix + i + 1`` positions."""
+        def total(first: int, last: int) -> int:   # first + ... + last (0 when last < first)
+            return max(0, last - first + 1) * (first + last) // 2
+
+        first, last = prefix + 1, prefix + rows
+        short_last = min(last, k)                  # rows at live <= k: every position selected
+        long_first = max(first, k + 1)
+        long_rows = max(0, last - long_first + 1)
+        return cls(1, rows, total(first, last), total(first, short_last) + long_rows * k, min(last, k),
+                   long_rows, total(long_first, last), last if long_rows else 0)
+
+
 class FloorModel:
     """The floor costs of one model (``config``) run in a dtype of ``act_bytes`` bytes with
     caches in ``kv_cache_dtype`` (``"bf16"``: the model dtype, or ``"fp8_e4m3"``), sharded over
@@ -114,7 +155,7 @@ class FloorModel:
             raise ValueError(f"act_bytes must be 2 or 4 and tp >= 1, got {act_bytes}, {tp}")
         self.config, self.a, self.tp = config, act_bytes, tp
         self.experts_hit = dict(experts_hit or {})
-        fp8 = kv_cache_dtype == "fp8_e4m3"
+        fp8 = self.fp8_cache = kv_cache_dtype == "fp8_e4m3"
         self.mla_entry = MLA_FP8_BYTES if fp8 else config.kv_cache_dim * act_bytes
         self.index_entry = INDEX_FP8_BYTES if fp8 else config.index_head_dim * act_bytes
 
@@ -134,14 +175,20 @@ class FloorModel:
         """Phase -> Cost of one forward (the target's decoder layers, or with ``mtp`` the MTP layer,
         its indexer skipped when ``seeded``) over ``requests x q`` rows at ``live`` KV positions a
         request, then the LM head and the greedy token over ``head_rows`` rows (default all)."""
+        return self.forward_rows(QueryRows.uniform(requests, q, live, self.config.index_topk), mtp=mtp,
+                                 seeded=seeded, head_rows=head_rows)
+
+    def forward_rows(self, query: QueryRows, *, mtp: bool = False, seeded: bool = False,
+                     head_rows: int | None = None) -> dict[str, Cost]:
+        """:meth:`forward` over the rows ``query`` describes."""
         cfg, a = self.config, self.a
-        rows = requests * q
+        rows = query.rows
         head_rows = rows if head_rows is None else head_rows
         layers = [cfg.num_hidden_layers] if mtp else range(cfg.num_hidden_layers)
         act = rows * cfg.hidden_size * a
         out = {p: Cost() for p in PHASES}
         for layer in layers:
-            for phase, cost in self._layer(f"model.layers.{layer}", layer, requests, q, live, seeded=mtp and seeded).items():
+            for phase, cost in self._layer(f"model.layers.{layer}", layer, query, seeded=mtp and seeded).items():
                 out[phase] = out[phase] + cost
         fused_norm = Cost(bytes=4 * act + cfg.hidden_size * a)
         other = Cost(bytes=2 * act, launches=1) + fused_norm * (2 * len(layers)) + Cost(bytes=2 * act + cfg.hidden_size * a)
@@ -151,14 +198,15 @@ class FloorModel:
                 f"model.layers.{cfg.num_hidden_layers}.eh_proj", 2 * h, h, rows) + Cost(bytes=3 * act)
         out["other"] = other
         vocab = -(-cfg.vocab_size // self.tp)
-        out["lm_head"] = self.linear("lm_head", cfg.hidden_size, vocab, head_rows, element=a) + Cost(
-            bytes=head_rows * (cfg.hidden_size + vocab) * a, launches=1)
-        out["sampling"] = Cost(bytes=head_rows * (vocab * a + 8), launches=1)
+        if head_rows:
+            out["lm_head"] = self.linear("lm_head", cfg.hidden_size, vocab, head_rows, element=a) + Cost(
+                bytes=head_rows * (cfg.hidden_size + vocab) * a, launches=1)
+            out["sampling"] = Cost(bytes=head_rows * (vocab * a + 8), launches=1)
         return out
 
-    def _layer(self, prefix: str, layer: int, requests: int, q: int, live: int, *, seeded: bool) -> dict[str, Cost]:
+    def _layer(self, prefix: str, layer: int, query: QueryRows, *, seeded: bool) -> dict[str, Cost]:
         cfg, a, tp = self.config, self.a, self.tp
-        rows, h, k = requests * q, cfg.hidden_size, cfg.index_topk
+        rows, h, k = query.rows, cfg.hidden_size, cfg.index_topk
         heads = cfg.num_attention_heads // tp
         nh, d = cfg.index_n_heads, cfg.index_head_dim
         attn = f"{prefix}.self_attn"
@@ -171,16 +219,16 @@ class FloorModel:
             out["indexer"] = (self.linear(f"{ix}.weights_proj", h, nh, rows)
                               + Cost(bytes=2 * d * a + rows * ((h + nh * d + d + nh * d) * a + nh * 4)
                                      + rows * self.index_entry, launches=1))
-            if live > k:
+            if query.logit_rows:
                 out["indexer_logits"] = Cost(
-                    bytes=requests * live * (self.index_entry + 4) + rows * (nh * d * a + nh * 4) + rows * live * 4,
-                    flops=2 * rows * live * nh * d, launches=1)
-            out["topk"] = Cost(bytes=rows * (live + k) * 4, launches=1)
-        selected = min(live, k)
+                    bytes=query.logit_keys * (self.index_entry + 4) + query.logit_rows * (nh * d * a + nh * 4)
+                    + query.logit_positions * 4,
+                    launches=1, **{"fp8_flops" if self.fp8_cache else "flops": 2 * query.logit_positions * nh * d})
+            out["topk"] = Cost(bytes=(query.positions + rows * k) * 4, launches=1)
         out["sparse_mla"] = Cost(
-            bytes=requests * selected * self.mla_entry + rows * selected * 4
+            bytes=query.gathered * self.mla_entry + query.selected * 4
             + rows * heads * (cfg.kv_cache_dim + cfg.kv_lora_rank) * a,
-            flops=2 * rows * heads * selected * (cfg.kv_cache_dim + cfg.kv_lora_rank), launches=1)
+            flops=2 * heads * query.selected * (cfg.kv_cache_dim + cfg.kv_lora_rank), launches=1)
         out["attention_proj"] = (
             self.linear(f"{attn}.q_a_proj", h, cfg.q_lora_rank, rows)
             + self.linear(f"{attn}.q_b_proj", cfg.q_lora_rank, heads * cfg.qk_head_dim, rows)
@@ -220,6 +268,23 @@ class FloorModel:
         (metadata, the target forward, LM head, greedy token, the tokens copied out)."""
         return add_costs(self.forward(bs, 1, live), {"metadata": Cost(bytes=bs * live * 4, launches=1),
                                                      "feedback": Cost(bytes=2 * bs * 8, launches=1)})
+
+    def prefill(self, prompt_len: int, chunk: int) -> dict[str, dict[str, Cost]]:
+        """Prefill part (``target``, ``mtp``) -> phase -> Cost of one request's eager prefill of
+        ``prompt_len`` tokens in chunks of at most ``chunk`` rows (``DSAModel.prefill`` and
+        ``prefill_mtp``): a forward a chunk over its causal rows (:meth:`QueryRows.causal`), no LM
+        head, then the LM head and the greedy token on the prompt's last row."""
+        if prompt_len < 1 or chunk < 1:
+            raise ValueError(f"prompt_len and chunk must be >= 1, got {prompt_len}, {chunk}")
+        k = self.config.index_topk
+        last_row = QueryRows.causal(prompt_len - 1, 1, k)
+        out = {}
+        for part, mtp in (("target", False), ("mtp", True)):
+            chunks = [self.forward_rows(QueryRows.causal(start, min(chunk, prompt_len - start), k), mtp=mtp,
+                                        head_rows=0) for start in range(0, prompt_len, chunk)]
+            head = self.forward_rows(last_row, mtp=mtp, head_rows=1)
+            out[part] = add_costs(*chunks, {p: head[p] for p in ("lm_head", "sampling")})
+        return out
 
     def spec_iteration(self, bs: int, live: int, num_steps: int) -> dict[str, dict[str, Cost]]:
         """Iteration phase (``metadata``, ``draft``, ``verify``, ``extend``) -> phase -> Cost of one

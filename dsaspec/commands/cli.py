@@ -23,6 +23,7 @@ BENCHMARKS = {
     "draft-step": "draft_step",
     "verify-step": "verify_step",
     "decode": "decode",
+    "prefill": "prefill",
     "dsa-ops": "dsa_ops",
     "moe": "moe",
     "e2e": "e2e",
