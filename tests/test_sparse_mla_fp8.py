@@ -475,11 +475,12 @@ def test_gluon_fp8_tune_candidates():
     assert through_registers == {(64, 2, 8, 88)}
     assert "gluon_fp8_tune_n64_r2_s0_w4_g88_d8_per_layout_block" in GLUON_FP8_TUNE
     # the dequantizing in the ring slot, a chunk a step: the default at 88 gather registers, a
-    # candidate at 104
+    # candidate at 104; a scale group (two chunks) a step at 88 a candidate
     in_slot = {(c.block_n, c.num_stages, c.staging, c.dequant_steps, c.gather_registers)
                for c in SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS if c.in_slot}
-    assert in_slot == {(64, 2, 0, 8, 104)}
+    assert in_slot == {(64, 2, 0, 8, 104), (64, 2, 0, 4, 88)}
     assert "gluon_fp8_tune_n64_r2_s0_w4_g104_d8_per_layout_block_in_slot" in GLUON_FP8_TUNE
+    assert "gluon_fp8_tune_n64_r2_s0_w4_g88_d4_per_layout_block_in_slot" in GLUON_FP8_TUNE
     default = SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG
     assert (default.block_n, default.num_stages, default.staging, default.dequant_steps,
             default.gather_registers, default.in_slot) == (64, 2, 0, 8, 88, True)
@@ -544,16 +545,17 @@ def test_fp8_tiles_reject_what_the_register_gathers_do_not_implement():
 
 def test_fp8_tiles_reject_what_the_in_slot_gathers_do_not_implement():
     """The dequantizing in the ring slot is laid out for 64-slot blocks in the bf16 kernel's two
-    ring slots, without staging stages, a 64-column chunk a step: anything else is refused by
-    name, in FP8Tiles and in SparseMLAConfig."""
+    ring slots, without staging stages, a 64-column chunk or a scale group a step: anything else
+    is refused by name, in FP8Tiles and in SparseMLAConfig."""
     good = dict(block_n=64, stages=2, staging=0, dequant_steps=8, slot_loads="per_layout", in_slot=True)
     assert sparse_mla_gluon.FP8Tiles(**good).in_slot
-    for field, value in (("staging", None), ("block_n", 32), ("stages", 1), ("dequant_steps", 4)):
+    assert sparse_mla_gluon.FP8Tiles(**dict(good, dequant_steps=4)).dequant_steps == 4
+    for field, value in (("staging", None), ("block_n", 32), ("stages", 1), ("dequant_steps", 2)):
         bad = dict(good, **{field: value})
         message = re.escape(f"in_slot: the dequantizing in the ring slot needs staging 0, block_n 64, stages 2 "
-                            f"and dequant_steps 8 (a 64-column chunk a step), got staging {bad['staging']}, "
-                            f"block_n {bad['block_n']}, stages {bad['stages']}, dequant_steps "
-                            f"{bad['dequant_steps']}")
+                            f"and dequant_steps 8 or 4 (a 64-column chunk or a scale group a step), got "
+                            f"staging {bad['staging']}, block_n {bad['block_n']}, stages {bad['stages']}, "
+                            f"dequant_steps {bad['dequant_steps']}")
         with pytest.raises(ValueError, match=message):
             sparse_mla_gluon.FP8Tiles(**bad)
         with pytest.raises(ValueError, match=message):

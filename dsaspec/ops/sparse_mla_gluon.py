@@ -99,8 +99,9 @@ class FP8Tiles:
         needs ``slot_loads="per_layout"`` and ``refill="block"``).
     in_slot : with ``staging=0``, copy each block's cache bytes by ``cp.async`` into its own ring
         slot instead (codes and scales into the slot's latent rows, the rope values into its rope
-        rows) and dequantize them there in place, a 64-column chunk a step
-        (:func:`_gather_fp8_in_slot`; 64-slot blocks, 2 ring slots, ``dequant_steps=8``).
+        rows) and dequantize them there in place, a 64-column chunk a step (``dequant_steps=8``)
+        or two, one scale group (``dequant_steps=4``) (:func:`_gather_fp8_in_slot`; 64-slot
+        blocks, 2 ring slots).
     gather_warps : warps of the gather partition, which copies and dequantizes (the attend
         partition keeps its 8). Only 4 compiles for sm_90: with 8 (16 warps) the launch bound
         is 128 registers a thread and ptxas needs 154 for the attend partition's dots.
@@ -144,14 +145,15 @@ def _check_gather_options(block_n: int, stages: int, staging: int | None, gather
     8 rows (sm_90 compile: a ring-slot slice of 4 rows splits its swizzle pattern),
     ``slot_loads="per_layout"`` and ``refill="block"`` (it has no staging stage to refill and
     loads each layout's slot ids itself), and ``in_slot`` comes with ``staging=0``, 64-slot
-    blocks, 2 ring slots and ``dequant_steps=8``; for :class:`FP8Tiles` (and
+    blocks, 2 ring slots and ``dequant_steps`` 8 or 4; for :class:`FP8Tiles` (and
     ``SparseMLAConfig``, which builds one)."""
     if staging is not None and staging < 0:
         raise ValueError(f"staging: expected None or >= 0 staging stages, got {staging}")
-    if in_slot and (staging != 0 or block_n != BLOCK_N or stages != STAGES or dequant_steps != 8):
+    if in_slot and (staging != 0 or block_n != BLOCK_N or stages != STAGES or dequant_steps not in (4, 8)):
         raise ValueError(f"in_slot: the dequantizing in the ring slot needs staging 0, block_n {BLOCK_N}, "
-                         f"stages {STAGES} and dequant_steps 8 (a 64-column chunk a step), got staging "
-                         f"{staging}, block_n {block_n}, stages {stages}, dequant_steps {dequant_steps}")
+                         f"stages {STAGES} and dequant_steps 8 or 4 (a 64-column chunk or a scale group "
+                         f"a step), got staging {staging}, block_n {block_n}, stages {stages}, "
+                         f"dequant_steps {dequant_steps}")
     if staging == 0 and (block_n % dequant_steps or block_n // dequant_steps < 8):
         raise ValueError(f"dequant_steps: staging 0 (the gathers through registers) needs a divisor of "
                          f"block_n {block_n} leaving at least 8 rows a step (a step's rows of the ring "
@@ -211,7 +213,8 @@ FP8_TILES = (FP8Tiles(64, 1, dequant_steps=2, slot_loads="per_layout"),
 # at the 32-slot default; then the gathers through registers at 64 slots in eighth-block steps at
 # 88 gather registers (the quarter-block steps at 104 are a default; at 88 and 96 they spilled 16
 # and 12 B; half-block steps spilled at 104 and 120); and the dequantizing in the ring slot at 104
-# gather registers (the default has 88).
+# gather registers (the default has 88), and in scale-group steps (two chunks a step: fewer
+# alternations of loads from and stores to the slot, so fewer of the compiler's barriers).
 FP8_TUNE_TILES = (
     FP8Tiles(64, 1),
     FP8Tiles(32, 2),
@@ -226,6 +229,7 @@ FP8_TUNE_TILES = (
     FP8Tiles(64, 2, staging=0, dequant_steps=8, slot_loads="per_layout"),
     FP8Tiles(64, 2, staging=0, gather_registers=104, dequant_steps=8, slot_loads="per_layout",
              in_slot=True),
+    FP8Tiles(64, 2, staging=0, dequant_steps=4, slot_loads="per_layout", in_slot=True),
 )
 
 
@@ -556,31 +560,39 @@ def _gather_fp8_registers(kv_ptr, kv_stride, row_slots, topk, first_block, stop_
 def _gather_fp8_in_slot(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, latent_ring,
                         rope_ring, full, empty, trace_ptr, LATENT: gl.constexpr, ROPE: gl.constexpr,
                         GROUPS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        WARPS: gl.constexpr, TRACE: gl.constexpr):
+                        STEPS: gl.constexpr, WARPS: gl.constexpr, TRACE: gl.constexpr):
     """The split's blocks from an ``fp8_ds_mla`` cache, each copied into its own ring slot and
     dequantized there (``in_slot``): once ring slot ``i % STAGES`` is free, block ``first_block +
     i``'s codes, scales and rope values go into it by ``cp.async`` in two commit groups (the
     scales and code chunks 0 - 3, then chunks 4 - 7 and the rope values; the first block's first
-    group also holds the queries' copies); its 64-column chunks are dequantized in place, one a
-    step (:func:`_dequantized`), the first half once every gather thread's first
-    group landed, the second half once the second did; then ``full`` is signalled by one arrive.
+    group also holds the queries' copies); its 64-column chunks are dequantized in place
+    (:func:`_dequantized`), one a step (``STEPS`` 8) or two, one scale group (``STEPS`` 4), the
+    first half once every gather thread's first group landed, the second half once the second
+    did; then ``full`` is signalled by one arrive.
 
     The latent slot holds its ``[BLOCK_N, 64]`` bf16 column chunks one after another (8 KiB each:
     the 128-byte swizzle pattern is 64 columns wide). The codes are staged in its upper half,
     code chunk ``j`` (``[BLOCK_N, 64]`` bytes) at byte ``32 Ki + 4 Ki j``, the scales
-    (``[BLOCK_N, GROUPS]`` fp32) in its first KiB. Output chunk ``c`` covers bytes ``[8 Ki c,
+    (``[BLOCK_N, GROUPS]`` fp32) in its first KiB, once per chunk of a step (with two chunks a
+    step twice, so a step's ``[2 BLOCK_N, GROUPS]`` load matches its ``[2 BLOCK_N, 64]`` codes
+    row for row). A step stores through the slot's ``[8 BLOCK_N, 64]`` bf16 view (chunk ``c``'s
+    rows ``c BLOCK_N ..``: the same bytes and swizzle). Output chunk ``c`` covers bytes ``[8 Ki c,
     8 Ki c + 8 Ki)``: chunk 0 overwrites the scales, chunks 1 - 3 nothing staged, chunk ``c >= 4``
-    code chunks ``2 c - 8`` and ``2 c - 7``. A thread loads the scales, then each chunk's codes a
-    step ahead of its stores (chunk 4 once the second group landed), and the gather warps meet at
-    a barrier before the stores of chunks 0 (after every thread loaded the scales and code chunks
-    0 - 1), 4 (0 - 5) and 6 (0 - 7), so no store overwrites bytes a gather thread has yet to
-    read."""
+    code chunks ``2 c - 8`` and ``2 c - 7``. A thread loads the scales, then each step's codes a
+    step ahead of its stores (chunk 4's once the second group landed), and the gather warps meet
+    at a barrier before the stores of chunks 0 (after every thread loaded the scales and code
+    chunks 0 - 1), 4 (0 - 5) and 6 (0 - 7), so no store overwrites bytes a gather thread has yet
+    to read."""
     CHUNK: gl.constexpr = 64
     CHUNKS: gl.constexpr = LATENT // CHUNK
     HALF: gl.constexpr = CHUNKS // 2
+    PER_STEP: gl.constexpr = CHUNKS // STEPS  # chunks a step: 1, or 2 (one scale group)
     gl.static_assert(CHUNKS == 8, "the in-slot order is laid out for 512 latent values")
+    gl.static_assert(STEPS == 8 or STEPS == 4, "a chunk or a scale group (two chunks) a step")
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     plain_2d: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    # the slot as [chunk x row, 64] bf16 rows: the same bytes and swizzle as its [BLOCK_N, LATENT] view
+    chunk_rows: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # 16-byte copies of the codes (a warp 8 rows x 64 bytes of one chunk; the columns of half the
     # chunks, the second half offset by HALF chunks), a row's 4 fp32 scales as
     # two 8-byte copies, the rope values as in the other FP8 paths; a chunk's values 16 a thread in
@@ -614,14 +626,19 @@ def _gather_fp8_in_slot(kv_ptr, kv_stride, row_slots, topk, first_block, stop_bl
         codes = latent_slot._reinterpret(gl.uint8, [2 * CHUNKS, BLOCK_N, CHUNK], plain).slice(
             CHUNKS, CHUNKS, dim=0)
         code_rows_2d = latent_slot._reinterpret(gl.uint8, [2 * CHUNKS * BLOCK_N, CHUNK], plain_2d)
-        scales = latent_slot._reinterpret(gl.float32, [BLOCK_N, GROUPS], plain_2d)  # its first KiB
+        # the scales once per chunk of a step (PER_STEP KiB), so that a step's [PER_STEP x BLOCK_N,
+        # GROUPS] load gives every row of its codes its scales
+        scales = latent_slot._reinterpret(gl.float32, [PER_STEP * BLOCK_N, GROUPS], plain_2d)
+        values = latent_slot._reinterpret(gl.bfloat16, [CHUNKS * BLOCK_N, CHUNK], chunk_rows)
         # two commit groups: the scales and the first half of the code chunks, then the second
         # half and the rope values, so that the first half is dequantized while the second lands
         code_row = kv_ptr + gl.where(code_slot >= 0, code_slot, 0).to(gl.int64) * kv_stride
         scale_row = (kv_ptr + LATENT + gl.where(scale_slot >= 0, scale_slot, 0).to(gl.int64)
                      * kv_stride).to(gl.pointer_type(gl.float32), bitcast=True)
-        async_copy.async_copy_global_to_shared(scales, scale_row[:, None] + scale_columns[None, :],
-                                               mask=(scale_slot >= 0)[:, None])
+        for copy in gl.static_range(PER_STEP):
+            async_copy.async_copy_global_to_shared(scales.slice(copy * BLOCK_N, BLOCK_N, dim=0),
+                                                   scale_row[:, None] + scale_columns[None, :],
+                                                   mask=(scale_slot >= 0)[:, None])
         async_copy.async_copy_global_to_shared(codes.slice(0, HALF, dim=0),
                                                code_row[None, :, None] + code_columns,
                                                mask=(code_slot >= 0)[None, :, None])
@@ -636,23 +653,25 @@ def _gather_fp8_in_slot(kv_ptr, kv_stride, row_slots, topk, first_block, stop_bl
             _stamp(trace_ptr, 7, TRACE)
         async_copy.wait_group(1)  # this thread's first group (and the queries') landed
         gl.thread_barrier()  # ... and every gather thread's
-        row_scales = scales.load(value_layout)  # [BLOCK_N, GROUPS]: every scale of the thread's rows
-        next_code = code_rows_2d.slice(CHUNKS * BLOCK_N, BLOCK_N, dim=0).load(value_layout)
-        for c in gl.static_range(CHUNKS):
-            if c == HALF:
+        row_scales = scales.load(value_layout)  # every scale of the thread's rows
+        ROWS: gl.constexpr = PER_STEP * BLOCK_N   # a step's [chunk x row] rows
+        SECOND: gl.constexpr = HALF // PER_STEP   # the first step of the second commit group
+        next_code = code_rows_2d.slice(CHUNKS * BLOCK_N, ROWS, dim=0).load(value_layout)
+        for step in gl.static_range(STEPS):
+            if step == SECOND:
                 async_copy.wait_group(0)  # the second group landed, for every gather thread
                 gl.thread_barrier()
-                next_code = code_rows_2d.slice((CHUNKS + c) * BLOCK_N, BLOCK_N, dim=0).load(
+                next_code = code_rows_2d.slice(CHUNKS * BLOCK_N + step * ROWS, ROWS, dim=0).load(
                     value_layout)
             code = next_code
-            if c + 1 < CHUNKS and c + 1 != HALF:
-                next_code = code_rows_2d.slice((CHUNKS + c + 1) * BLOCK_N, BLOCK_N, dim=0).load(
+            if step + 1 < STEPS and step + 1 != SECOND:
+                next_code = code_rows_2d.slice(CHUNKS * BLOCK_N + (step + 1) * ROWS, ROWS, dim=0).load(
                     value_layout)
-            if c == 0 or c == HALF or c == CHUNKS - 2:
+            if step == 0 or step == SECOND or step == (CHUNKS - 2) // PER_STEP:
                 gl.thread_barrier()  # see the docstring: what the next stores overwrite was read
-            group = c * CHUNK // (LATENT // GROUPS)
+            group = step * PER_STEP * CHUNK // (LATENT // GROUPS)
             scale = gl.sum(gl.where(groups[None, :] == group, row_scales, 0.0), axis=1)
-            latent_slot.slice(c * CHUNK, CHUNK, dim=1).store(_dequantized(code, scale[:, None]))
+            values.slice(step * ROWS, ROWS, dim=0).store(_dequantized(code, scale[:, None]))
         fence_async_shared()  # the bf16 stores, before the wgmma reads them
         gl.thread_barrier()  # every gather thread stored
         mbarrier.arrive(full.index(stage), count=1)
@@ -694,7 +713,7 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
     if FP8 and IN_SLOT:
         _gather_fp8_in_slot(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block, latent_ring,
                             rope_ring, full, empty, trace_ptr, LATENT, ROPE, GROUPS, BLOCK_N, STAGES,
-                            WARPS, TRACE)
+                            STEPS, WARPS, TRACE)
     elif FP8 and STAGING == 0:
         _gather_fp8_registers(kv_ptr, kv_stride, row_slots, topk, first_block, stop_block,
                               latent_ring, rope_ring, full, empty, trace_ptr, LATENT, ROPE, GROUPS,
