@@ -103,6 +103,21 @@ def test_generate_on_cpu_says_its_times_mean_nothing(capsys):
                                         "--context-len", "64", "--no-progress", "--dtype", "fp32"])
     assert status == 0, err
     assert "mean nothing for GPU performance" in out and "request 0: prompt 3 tokens, 2 generated" in out
+    assert "prefill chunks of 512 tokens" in out
+
+
+def test_generate_prefills_in_chunks_of_the_given_size(capsys):
+    """--chunked-prefill-size reaches the engine (its setup line) and, chunking being exact up to
+    fp32 rounding, gives the default's tokens for a prompt of several chunks."""
+    argv = ["generate", "--prompt-lens", "70", "--max-new-tokens", "3", "--context-len", "128", "--no-progress",
+            "--dtype", "fp32"]
+    status, default, err = run_cli(capsys, argv)
+    assert status == 0, err
+    status, chunked, err = run_cli(capsys, argv + ["--chunked-prefill-size", "16"])
+    assert status == 0, err
+    assert "prefill chunks of 16 tokens" in chunked
+    ids = [line for line in default.splitlines() if line.strip().startswith("ids:")]
+    assert ids and ids == [line for line in chunked.splitlines() if line.strip().startswith("ids:")]
 
 
 def test_huge_max_batch_is_refused_before_any_host_list(capsys):

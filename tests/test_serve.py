@@ -479,6 +479,19 @@ def test_serve_option_errors_are_one_line(capsys, argv, named):
     assert_one_line_error(capsys, ["serve", "--dtype", "fp32", *argv], *named)
 
 
+def test_serve_chunked_prefill_size_reaches_the_engine():
+    """--chunked-prefill-size is the engine's prefill chunk, and /get_server_info says it."""
+    import argparse
+
+    from dsaspec.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--dtype", "fp32", "--no-engine-process", "--chunked-prefill-size", "32"])
+    server = serve.build_server(args)
+    assert server.loop.engine.prefill_chunk == 32 and server.info["chunked_prefill_size"] == 32
+
+
 def test_serve_refuses_fp8_fast_accumulation_with_row_invariant(capsys, monkeypatch):
     from test_cli import assert_one_line_error
 
@@ -537,6 +550,7 @@ def test_engine_process_concurrent_clients_equal_generate(model, text):
         assert line in metrics, line
     info = json.loads(info)
     assert info["internal_states"][0]["avg_spec_accept_length"] == 1.0 and info["num_running"] == 0
+    assert server.loop.info["chunked_prefill_size"] == 512          # the child's engine, reported
     assert health == 200 and not process.is_alive() and process.exitcode == 0
 
 

@@ -83,6 +83,11 @@ def add_model_arguments(p: argparse.ArgumentParser, *, seed_help: str = "seed of
                         "different orders, so in bf16 their tokens can differ where two logits nearly tie, "
                         "on CPU (the Triton interpreter) as on a GPU")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on CUDA (default: graphs)")
+    p.add_argument("--chunked-prefill-size", type=positive_int, default=512,
+                   help="prompt tokens a prefill forward takes (a request's prompt is prefilled eagerly in "
+                        "chunks of this many): larger chunks read the weights, a MoE layer's experts "
+                        "included, fewer times, and hold chunk x live positions of fp32 indexer logits and "
+                        "int32 page-table entries (default: 512)")
     p.add_argument("--row-invariant", action="store_true",
                    help="row-invariant GEMMs and norms: speculative output equals plain greedy output token "
                         "for token (default: cuBLAS and torch norms)")
@@ -271,7 +276,7 @@ def run(args) -> int:
     engine = Engine(model, context_len=args.context_len, max_batch=args.max_batch, num_slots=num_slots,
                     use_cuda_graph=False if args.no_cuda_graph else None,
                     progress=leader and not args.no_progress, speculative=spec,
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    kv_cache_dtype=args.kv_cache_dtype, prefill_chunk=args.chunked_prefill_size)
     if leader:
         _print_setup(args, source, device, use_triton, engine, spec, group)
     results = engine.generate(prompts, args.max_new_tokens, eos_token_id=args.eos_token_id)
@@ -286,7 +291,8 @@ def _print_setup(args, source, device, use_triton, engine, spec, group) -> None:
     print(f"model: {source}{tp}; device {device}, {args.dtype}, KV cache {engine.kv.kv_cache_dtype}, "
           f"ops {'triton' if use_triton else 'torch'}, "
           f"CUDA graphs {'on' if engine.use_cuda_graph else 'off'}, metadata kernel "
-          f"{engine.backend.kernel} ({engine.backend.kernel_reason})")
+          f"{engine.backend.kernel} ({engine.backend.kernel_reason}), prefill chunks of "
+          f"{engine.prefill_chunk} tokens")
     if spec is not None:
         print(f"speculative decoding: {args.speculative_algorithm}, {spec.num_steps} draft steps, topk 1, "
               f"{spec.num_draft_tokens} tokens verified per iteration")

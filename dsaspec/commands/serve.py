@@ -117,7 +117,7 @@ def build_engine(args, plan: EnginePlan):
     model, _ = build_model(args, plan.config, plan.device, plan.dtype, plan.use_triton, plan.options)
     return Engine(model, context_len=args.context_len, max_batch=args.max_batch, num_slots=plan.num_slots,
                   use_cuda_graph=False if args.no_cuda_graph else None, progress=False, speculative=plan.spec,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, prefill_chunk=args.chunked_prefill_size)
 
 
 def build_server(args):
@@ -162,13 +162,14 @@ def build_server(args):
     else:
         engine = build_engine(args, plan)
         loop = EngineLoop(engine, max_waiting=args.max_waiting, metrics=ServerMetrics())
-        built = {"cuda_graphs": engine.use_cuda_graph, "kv_cache_dtype": engine.kv.kv_cache_dtype}
+        built = {"cuda_graphs": engine.use_cuda_graph, "kv_cache_dtype": engine.kv.kv_cache_dtype,
+                 "chunked_prefill_size": engine.prefill_chunk}
     name = args.served_model_name or (Path(args.checkpoint).resolve().name if args.checkpoint else args.preset)
     info = {"source": weights_source(args), "device": str(device), "dtype": args.dtype,
             "kv_cache_dtype": built["kv_cache_dtype"], "ops": "triton" if use_triton else "torch",
             "engine_process": args.engine_process,
             "cuda_graphs": built["cuda_graphs"], "context_len": args.context_len, "max_batch": args.max_batch,
-            "num_slots": num_slots, "tokenizer": text is not None,
+            "num_slots": num_slots, "chunked_prefill_size": built["chunked_prefill_size"], "tokenizer": text is not None,
             "speculative_algorithm": args.speculative_algorithm,
             "speculative_num_steps": spec.num_steps if spec else None,
             "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,

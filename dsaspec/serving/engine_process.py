@@ -48,7 +48,7 @@ class EngineProcess:
     ``factory``: picklable, called with no arguments in the child, returns the
     :class:`~dsaspec.engine.engine.Engine`; ``max_waiting``: as :class:`EngineLoop`'s.
     ``info`` holds what the child reports of its engine: ``context_len``, ``max_batch``,
-    ``cuda_graphs``, ``kv_cache_dtype``.
+    ``cuda_graphs``, ``kv_cache_dtype``, ``chunked_prefill_size`` (its ``prefill_chunk``).
     """
 
     def __init__(self, factory: Callable[[], object], *, max_waiting: int):
@@ -216,7 +216,8 @@ def serve_engine(conn, factory, max_waiting: int) -> None:
         engine = factory()
         loop = EngineLoop(engine, max_waiting=max_waiting, metrics=ServerMetrics())
         info = {"context_len": engine.context_len, "max_batch": engine.max_batch,
-                "cuda_graphs": engine.use_cuda_graph, "kv_cache_dtype": engine.kv.kv_cache_dtype}
+                "cuda_graphs": engine.use_cuda_graph, "kv_cache_dtype": engine.kv.kv_cache_dtype,
+                "chunked_prefill_size": engine.prefill_chunk}
     except UserError as err:                         # options the engine cannot honour: the message says why
         send(("failed", str(err)))
         return
