@@ -48,6 +48,11 @@ from dsaspec.models.decoder_layer import DecoderLayer
 from dsaspec.models.mtp import MTPLayer
 
 
+# Rows of a prefill chunk (consecutive positions of one request) the indexer groups so that they
+# share each key block it reads: the kernel and configurations of grouped target-verify rows.
+PREFILL_INDEX_GROUP = 4
+
+
 class DSABackbone(nn.Module):
     """``model.*`` of the HF layout: embedding, decoder layers (+ the MTP layer last), final norm."""
 
@@ -390,8 +395,9 @@ class DSAModel(nn.Module):
     def prefill(self, input_ids: torch.Tensor, req_to_token: torch.Tensor, row: int, kv: KVPool, *,
                 prefix_len: int = 0, chunk_size: int = 512) -> torch.Tensor:
         """Eager prefill of one request: positions ``prefix_len + [0, T)`` of table row ``row``
-        (slots already allocated), in chunks of ``chunk_size`` rows. Returns the post-norm hidden
-        ``[T, hidden]``; writes the target caches."""
+        (slots already allocated), in chunks of ``chunk_size`` rows (the indexer's rows grouped by
+        :meth:`prefill_index_group`). Returns the post-norm hidden ``[T, hidden]``; writes the
+        target caches."""
         return self._chunked(lambda ids, _, pos, loc, attn: self.forward(ids, pos, loc, kv, attn),
                              input_ids, None, req_to_token, row, prefix_len, chunk_size)
 
@@ -412,11 +418,19 @@ class DSAModel(nn.Module):
 
         return self._chunked(step, next_ids, hidden, req_to_token, row, prefix_len, chunk_size)
 
+    def prefill_index_group(self, rows: int) -> int:
+        """The indexer's ``rows_per_group`` for a prefill chunk of ``rows`` rows of one request:
+        :data:`PREFILL_INDEX_GROUP` consecutive positions share each key block read (the target
+        verify groups' kernel), where it divides ``rows``; 1 otherwise and in the row-invariant
+        mode (a group's head sum runs in another order than a single row's)."""
+        return 1 if self.row_invariant or rows % PREFILL_INDEX_GROUP else PREFILL_INDEX_GROUP
+
     def _chunked(self, step, input_ids, hidden, req_to_token, row, prefix_len, chunk_size):
         outputs = []
         for start in range(0, input_ids.shape[0], chunk_size):
             ids = input_ids[start:start + chunk_size]
             positions, loc, attn = build_extend_inputs(req_to_token, [row], [prefix_len + start], [ids.shape[0]])
+            attn.rows_per_group = self.prefill_index_group(ids.shape[0])
             attn.topk_slots = torch.empty(ids.shape[0], self.config.index_topk, dtype=torch.int32,
                                           device=ids.device)
             chunk_hidden = None if hidden is None else hidden[start:start + chunk_size]
