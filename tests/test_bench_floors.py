@@ -178,7 +178,7 @@ def test_causal_rows_sum_what_each_row_reads(prefix, rows, k):
     lives = [prefix + i + 1 for i in range(rows)]
     long = [live for live in lives if live > k]
     assert QueryRows.causal(prefix, rows, k) == QueryRows(
-        requests=1, rows=rows, positions=sum(lives), selected=sum(min(live, k) for live in lives),
+        rows=rows, positions=sum(lives), selected=sum(min(live, k) for live in lives),
         gathered=min(max(lives), k), logit_rows=len(long), logit_positions=sum(long),
         logit_keys=max(long, default=0))
 

@@ -20,8 +20,9 @@ reversed every other run); spread = (max - min) / median of the per-run medians.
 are reported across contexts); an FP8 cache's tokens may differ from the bf16 cache's (quantized
 keys): each FP8 row reports the first step where they differ (``vs_bf16``, as bench kv-accuracy).
 
-Per-phase breakdown: a second runner per configuration is captured with an empty marker kernel
-launched at module boundaries (forward hooks on the phase modules and on every leaf module), so the
+Per-phase breakdown (:mod:`dsaspec.bench.phases`): a second runner per configuration is captured
+with an empty marker kernel launched at module boundaries (forward hooks on the phase modules and on
+every leaf module), so the
 graph's kernels can be attributed to the module that launched them; DSA kernels are attributed by
 name (``PHASE_PATTERNS``). Phase time = the GPU time its kernels add in one step (CUPTI,
 torch.profiler), median over ``--profile-steps`` steps: each kernel counts from the later of its

@@ -1,12 +1,14 @@
-"""Floor model of a decode step and a speculative iteration: per phase, the bytes its kernels must
-read and write and the FLOPs they must do, and the floor time at the device's measured rates.
+"""Floor model of a decode step, a speculative iteration and a prefill: per phase, the bytes its
+kernels must read and write and the FLOPs they must do, and the floor time at the device's
+measured rates.
 
 A forward over ``requests`` requests of ``q`` query rows each (``T = requests * q`` rows), every
 request with ``live`` KV positions, costs per decoder layer (``a`` = bytes of the model dtype; an
 FP8 linear (``ModelConfig.quantization``) is 1 byte a weight plus one fp32 scale per 128 x 128
 block and does its FLOPs at the FP8 rate; ``k = index_topk``; MLA entry = 576 x ``a`` bytes, or
 656 in ``fp8_e4m3`` (latent codes, 4 fp32 scales, bf16 rope key); indexer key = 128 x ``a``, or
-132):
+132). A prefill chunk's rows live over different lengths (:class:`QueryRows`: row ``i`` of a chunk
+at prefix ``p`` over ``p + i + 1`` positions): the per-row terms below are summed over its rows.
 
 - ``indexer``: the weights of ``k_norm`` (weight, bias) and ``weights_proj``; read x ``[T,
   hidden]`` and the query and key projections ``[T, heads x 128 + 128]`` (``wq_b`` and ``wk`` run in
@@ -102,14 +104,13 @@ def uniform_experts_hit(config: ModelConfig, rows: int) -> float:
 
 @dataclass(frozen=True)
 class QueryRows:
-    """The query rows of one forward, as the per-layer costs need them: ``rows`` in ``requests``
-    requests; ``positions`` = sum of the rows' live lengths; ``selected`` = sum of ``min(live, k)``
+    """The query rows of one forward, as the per-layer costs need them: ``rows`` rows;
+    ``positions`` = sum of the rows' live lengths; ``selected`` = sum of ``min(live, k)``
     (sparse MLA's slots); ``gathered`` = MLA entries each request must read at least once
     (``min(longest live, k)`` a request); the indexer logits run for the ``logit_rows`` rows longer
     than ``k``, over ``logit_positions`` positions (their live lengths summed), reading
     ``logit_keys`` index keys (each request's longest such row)."""
 
-    requests: int
     rows: int
     positions: int
     selected: int
@@ -122,8 +123,8 @@ class QueryRows:
     def uniform(cls, requests: int, q: int, live: int, k: int) -> "QueryRows":
         """``requests`` requests of ``q`` rows, every row at ``live`` positions (decode, verify)."""
         rows, logits = requests * q, live > k
-        return cls(requests, rows, rows * live, rows * min(live, k), requests * min(live, k),
-                   rows * logits, rows * live * logits, requests * live * logits)
+        return cls(rows, rows * live, rows * min(live, k), requests * min(live, k), rows * logits,
+                   rows * live * logits, requests * live * logits)
 
     @classmethod
     def causal(cls, prefix: int, rows: int, k: int) -> "QueryRows":
@@ -136,7 +137,7 @@ class QueryRows:
         short_last = min(last, k)                  # rows at live <= k: every position selected
         long_first = max(first, k + 1)
         long_rows = max(0, last - long_first + 1)
-        return cls(1, rows, total(first, last), total(first, short_last) + long_rows * k, min(last, k),
+        return cls(rows, total(first, last), total(first, short_last) + long_rows * k, min(last, k),
                    long_rows, total(long_first, last), last if long_rows else 0)
 
 

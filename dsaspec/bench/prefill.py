@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", type=choice_list(KV_CACHE_DTYPES), default=["bf16", "fp8_e4m3"],
                    help="KV cache dtypes, comma-separated: bf16 (the model's dtype; auto is bf16) and/or fp8_e4m3")
     p.add_argument("--runs", type=positive_int, default=3, help="timed prefills per point, after one warm-up")
-    p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no phases, no kernel table; default: one profiled run a point)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the profiled run (no phases, no kernel table; default: one profiled run a point)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights and the prompt")
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<machine>)")
 
@@ -62,7 +63,8 @@ def _apply_cpu_sizes(args) -> None:
     ignored = use_cpu_sizes(args, add_arguments, {"preset": "tiny", "prompt_len": 150, "chunk_sizes": [32, 150],
                                                   "runs": 1, "no_profile": True})
     print(f"No CUDA: tiny preset (fp32) with the torch reference ops, prompt {args.prompt_len} tokens, chunks "
-          f"{format_value(args.chunk_sizes)}. The first token and draft are reported; no time is measured.")
+          f"{format_value(args.chunk_sizes)}. The first token and draft and the MTP layer's last-row output against "
+          "the largest chunk's are reported; no time is measured.")
     if ignored:
         print(ignored)
 
@@ -185,7 +187,8 @@ def run(args) -> int:
               f"one run under torch.profiler with module markers (dsaspec/bench/phases.py), CUPTI kernel time "
               f"each kernel adds; GPU busy = their sum. Floor: FloorModel.prefill (dsaspec/bench/floors.py) at the "
               f"rates measured in the run; per layer over the {layers - 1} target layers and the MTP layer."
-              if on_gpu else "torch reference ops on CPU: first tokens only, no time.")
+              if on_gpu else "torch reference ops on CPU: first tokens and the MTP output's agreement across "
+              "chunk sizes only, no time.")
     payload = {"method": method, "params": bench_params(args), "floors": vars(rates),
                "phase_patterns": PHASE_PATTERNS, "rows": rows}
     write_results("prefill", payload, _markdown(rows, on_gpu, markdown_table), args.out)
