@@ -922,3 +922,17 @@ def test_prefill_groups_the_indexer_rows_of_a_chunk(monkeypatch, row_invariant):
     single = prefill()
     assert {g for _, g in groups} == {1}
     torch.testing.assert_close(grouped, single, atol=1e-4, rtol=1e-4)
+
+
+def test_extend_inputs_page_table_of_one_request_is_its_row_without_a_copy():
+    """One request: page_table_1 is its table row repeated with stride 0 (no [R, W] copy); several:
+    each row's request's row. Both cut to the longest live length."""
+    pool = ReqToTokenPool(3, CONTEXT, device="cpu")
+    pool.req_to_token.copy_(torch.randint(0, 1000, pool.req_to_token.shape, dtype=torch.int32))
+    _, _, one = build_extend_inputs(pool.req_to_token, [1], [10], [5])
+    assert one.page_table_1.stride(0) == 0 and one.page_table_1.shape == (5, 15)
+    assert torch.equal(one.page_table_1, pool.req_to_token[1, :15].expand(5, -1))
+    _, _, two = build_extend_inputs(pool.req_to_token, [2, 0], [3, 20], [2, 4])
+    assert two.page_table_1.shape == (6, 24)
+    assert torch.equal(two.page_table_1, pool.req_to_token[[2, 2, 0, 0, 0, 0], :24])
+    assert torch.equal(two.seqlens, torch.tensor([4, 5, 21, 22, 23, 24], dtype=torch.int32))

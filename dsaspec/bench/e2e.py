@@ -83,8 +83,9 @@ from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
 
 FULL_CONTEXT = 1 << 20
-# Prefill rows per eager forward: a chunk's page tables and indexer logits are [rows, live] (a 32k
-# prompt in one chunk needed 4 GiB for its page table and ran out of memory on the GLM-5 rank preset).
+# Prefill rows per eager forward: a chunk's indexer logits are fp32 [rows, live] (a 32k prompt in one
+# chunk needed 4 GiB for them, and as much for a page-table copy that is now a view, and ran out of
+# memory on the GLM-5 rank preset).
 PREFILL_CHUNK = 4096
 BOUNDED_SWITCH, EXCHANGE_SWITCH, VERIFY_SWITCH = KILL_SWITCHES = (
     "DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE")

@@ -125,7 +125,8 @@ def build_extend_inputs(req_to_token: torch.Tensor, rows, prefix_lens, extend_le
 
     Returns ``(positions int64 [R], out_cache_loc int64 [R], AttentionInputs)`` with
     ``R = sum(extend_lens)``, request-major; ``page_table_1`` holds each request's table row cut
-    to the longest live length, and ``index_logits`` is allocated at that width.
+    to the longest live length (one request: a view of its row repeated with stride 0, no ``[R,
+    W]`` copy), and ``index_logits`` is allocated at that width.
     """
     device = req_to_token.device
     live_width = max(int(p) + int(e) for p, e in zip(prefix_lens, extend_lens))
@@ -136,7 +137,11 @@ def build_extend_inputs(req_to_token: torch.Tensor, rows, prefix_lens, extend_le
     positions = torch.cat(positions)
     table_rows = torch.cat(table_rows)
     out_cache_loc = req_to_token[table_rows, positions].long()
-    inputs = AttentionInputs(page_table_1=req_to_token[table_rows, :live_width],
+    if len(rows) == 1:
+        page_table = req_to_token[int(rows[0]), :live_width].expand(positions.numel(), -1)
+    else:
+        page_table = req_to_token[table_rows, :live_width]
+    inputs = AttentionInputs(page_table_1=page_table,
                              seqlens=(positions + 1).to(torch.int32),
                              index_logits=torch.empty(positions.numel(), live_width, device=device))
     return positions, out_cache_loc, inputs
