@@ -103,7 +103,7 @@ def test_generate_on_cpu_says_its_times_mean_nothing(capsys):
                                         "--context-len", "64", "--no-progress", "--dtype", "fp32"])
     assert status == 0, err
     assert "mean nothing for GPU performance" in out and "request 0: prompt 3 tokens, 2 generated" in out
-    assert "prefill chunks of 512 tokens" in out
+    assert "prefill chunks of 4096 tokens" in out
 
 
 def test_generate_prefills_in_chunks_of_the_given_size(capsys):

@@ -6,6 +6,8 @@ bf16 models are compared with the reference only where no selection can flip (to
 at bf16 a top-k boundary tie flips with rounding, and that is a property of DSA, not a bug.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -936,3 +938,51 @@ def test_extend_inputs_page_table_of_one_request_is_its_row_without_a_copy():
     assert two.page_table_1.shape == (6, 24)
     assert torch.equal(two.page_table_1, pool.req_to_token[[2, 2, 0, 0, 0, 0], :24])
     assert torch.equal(two.seqlens, torch.tensor([4, 5, 21, 22, 23, 24], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 63, 64, 65, 1000, 16384, 131072, 1 << 20])
+@pytest.mark.parametrize("chunk_size", [1, 512, 4096, 1 << 20])
+def test_prefill_chunk_rows_keep_the_logits_within_their_budget(prefix, chunk_size):
+    """A chunk's fp32 logits [rows, prefix + rows] fit PREFILL_LOGITS_BYTES; a chunk the budget cuts
+    is a multiple of the index group and the largest such; never more rows than asked or left."""
+    from dsaspec.models.dsa_model import PREFILL_INDEX_GROUP, PREFILL_LOGITS_BYTES
+
+    def logits_bytes(rows):
+        return 4 * rows * (prefix + rows)
+
+    for remaining in (1, 3, 5000, 1 << 21):
+        rows = DSAModel.prefill_chunk_rows(prefix, remaining, chunk_size)
+        assert 1 <= rows <= min(chunk_size, remaining)
+        assert logits_bytes(rows) <= PREFILL_LOGITS_BYTES
+        if rows < min(chunk_size, remaining):
+            assert rows % PREFILL_INDEX_GROUP == 0
+            assert logits_bytes(rows + PREFILL_INDEX_GROUP) > PREFILL_LOGITS_BYTES
+
+
+def test_prefill_of_a_long_prefix_takes_fewer_rows_a_chunk(monkeypatch):
+    """With a logits budget of 4 * 2000 bytes, chunks of 64 asked for get 44 rows at prefix 0 (44 x
+    44 <= 2000), then fewer as the prefix grows; the prompt's hidden states equal one unbounded
+    prefill's to fp32 rounding."""
+    import dsaspec.models.dsa_model as dsa_model
+
+    model = _model(seed=6)
+    ids = _tokens(100, model.config.vocab_size, seed=7)
+    extends = []
+    real = dsa_model.build_extend_inputs
+    monkeypatch.setattr(dsa_model, "build_extend_inputs", lambda table, rows, prefixes, lens: extends.append(
+        tuple(lens)) or real(table, rows, prefixes, lens))
+
+    def prefill():
+        session = Session(model)
+        row = session.slots.admit(ids.numel())
+        return model.prefill(ids, session.table, row, session.kv, chunk_size=64)
+
+    whole = prefill()
+    assert extends == [(64,), (36,)]
+    extends.clear()
+    monkeypatch.setattr(dsa_model, "PREFILL_LOGITS_BYTES", 4 * 2000)
+    bounded = prefill()
+    assert extends[0] == (44,) and sum(n for (n,) in extends) == 100
+    starts = itertools.accumulate([0] + [n for (n,) in extends])
+    assert all(n * (start + n) <= 2000 for (n,), start in zip(extends, starts))
+    torch.testing.assert_close(bounded, whole, atol=1e-5, rtol=1e-5)

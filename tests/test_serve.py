@@ -550,7 +550,7 @@ def test_engine_process_concurrent_clients_equal_generate(model, text):
         assert line in metrics, line
     info = json.loads(info)
     assert info["internal_states"][0]["avg_spec_accept_length"] == 1.0 and info["num_running"] == 0
-    assert server.loop.info["chunked_prefill_size"] == 512          # the child's engine, reported
+    assert server.loop.info["chunked_prefill_size"] == 4096         # the child's engine, reported
     assert health == 200 and not process.is_alive() and process.exitcode == 0
 
 

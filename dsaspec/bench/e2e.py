@@ -6,7 +6,7 @@ draft steps, logits gather for the draft and verify tokens); new = all on (the d
 ``req_to_token`` table, the target and MTP KV pools, and two captured
 :class:`~dsaspec.speculative.spec_worker.SpecWorker` (baseline, new) over them. ``max(concurrency)``
 requests with ``--prompt-len``-token random prompts are prefilled once (eager, in chunks of at most
-``PREFILL_CHUNK`` tokens; that prefill time per request is the TTFT reported; each path's graph capture, first Triton compiles included, is timed
+the engine's default chunk, ``DEFAULT_PREFILL_CHUNK`` tokens; that prefill time per request is the TTFT reported; each path's graph capture, first Triton compiles included, is timed
 once per setup and reported in seconds); every run restores that state and runs ``--iterations``
 speculative iterations of the first ``concurrency`` requests, exactly as the Engine does
 (metadata, draft / verify / extend graphs, one device-to-host copy). Positions past the prompt are
@@ -83,10 +83,6 @@ from dsaspec.models.dsa_model import DSAModel
 from dsaspec.speculative.spec_worker import PHASES, SpecConfig, SpecWorker, build_spec_worker
 
 FULL_CONTEXT = 1 << 20
-# Prefill rows per eager forward: a chunk's indexer logits are fp32 [rows, live] (a 32k prompt in one
-# chunk needed 4 GiB for them, and as much for a page-table copy that is now a view, and ran out of
-# memory on the GLM-5 rank preset).
-PREFILL_CHUNK = 4096
 BOUNDED_SWITCH, EXCHANGE_SWITCH, VERIFY_SWITCH = KILL_SWITCHES = (
     "DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE", "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE")
 # path -> the kill switches it is built with; "gather" (TP > 1) differs from "new" in the draft exchange only
@@ -205,7 +201,7 @@ def _build(model: DSAModel, context_len: int, prompts: list[list[int]], args, de
     times = []
     for row, prompt in tqdm(list(zip(rows, prompts)), desc="prefill", unit="request", disable=not progress):
         began = time.perf_counter()
-        workers["new"].prefill(row, prompt, chunk_size=min(args.prompt_len, PREFILL_CHUNK))
+        workers["new"].prefill(row, prompt)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - began))

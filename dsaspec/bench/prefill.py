@@ -2,7 +2,7 @@
 
 Model: ``--preset`` (default ``glm5-fp8-tp8-rank``, one TP 8 rank of GLM-5 with FP8 weights), seeded
 random weights, bf16, Triton ops. Per KV cache dtype (``--kv-cache-dtype``) and chunk size
-(``--chunk-sizes``: the engine's default 512 and bench e2e's 4,096), one request with a
+(``--chunk-sizes``: 512, the engine's former default, and 4,096, its default), one request with a
 ``--prompt-len``-token random prompt is prefilled the way the engine prefills it
 (:meth:`~dsaspec.speculative.spec_worker.SpecWorker.prefill`: the target over the prompt in
 chunks, eagerly, its greedy token from the last row; then the MTP layer over the prompt shifted by

@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_model_arguments(p: argparse.ArgumentParser, *, seed_help: str = "seed of the weights") -> None:
     """The model and engine options ``dsaspec generate`` and ``dsaspec serve`` share."""
     from dsaspec.configs.model_config import PRESETS
+    from dsaspec.models.dsa_model import DEFAULT_PREFILL_CHUNK
 
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (random weights)")
     p.add_argument("--checkpoint", default=None,
@@ -83,11 +84,11 @@ def add_model_arguments(p: argparse.ArgumentParser, *, seed_help: str = "seed of
                         "different orders, so in bf16 their tokens can differ where two logits nearly tie, "
                         "on CPU (the Triton interpreter) as on a GPU")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on CUDA (default: graphs)")
-    p.add_argument("--chunked-prefill-size", type=positive_int, default=512,
-                   help="prompt tokens a prefill forward takes (a request's prompt is prefilled eagerly in "
-                        "chunks of this many): larger chunks read the weights, a MoE layer's experts "
-                        "included, fewer times, and hold chunk x live positions of fp32 indexer logits and "
-                        "int32 page-table entries (default: 512)")
+    p.add_argument("--chunked-prefill-size", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
+                   help="prompt tokens a prefill forward takes at most (a request's prompt is prefilled "
+                        "eagerly in chunks of this many; fewer where their fp32 indexer logits, chunk x "
+                        "live positions, would pass 1 GiB): larger chunks read the weights, a MoE layer's "
+                        f"experts included, fewer times (default: {DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--row-invariant", action="store_true",
                    help="row-invariant GEMMs and norms: speculative output equals plain greedy output token "
                         "for token (default: cuBLAS and torch norms)")

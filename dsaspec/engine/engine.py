@@ -47,7 +47,7 @@ from dsaspec.executor.worker import Worker
 from dsaspec.layers.attention.backend import DEFAULT_BUCKETS
 from dsaspec.memory import (PAGE_SIZE, KVPool, PageAllocator, PoolExhaustedError, ReqToTokenPool,
                             RequestSlots)
-from dsaspec.models.dsa_model import DSAModel
+from dsaspec.models.dsa_model import DEFAULT_PREFILL_CHUNK, DSAModel
 from dsaspec.speculative.spec_worker import SpecConfig, build_spec_worker
 
 LENGTH, EOS, REFUSED = "length", "eos", "refused"
@@ -175,7 +175,7 @@ class Engine:
     bucket_sizes : batch buckets captured as CUDA graphs (only those up to the first bucket
         holding ``max_batch`` are kept); larger batches run eagerly.
     use_cuda_graph : capture graphs (default: on CUDA with the Triton ops).
-    prefill_chunk : rows per eager prefill forward.
+    prefill_chunk : rows per eager prefill forward (fewer at long prefixes: ``DSAModel.prefill_chunk_rows``).
     force_kernel : ``"bounded"`` / ``"context_wide"`` metadata kernels for tests and benchmarks
         (default: the backend's selection, see ``RuntimeOptions.bounded_replay_metadata``).
     progress : show a tqdm bar over generated tokens.
@@ -189,7 +189,7 @@ class Engine:
 
     def __init__(self, model: DSAModel, *, context_len: int, max_batch: int = 8,
                  num_slots: int | None = None, bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
-                 use_cuda_graph: bool | None = None, prefill_chunk: int = 512,
+                 use_cuda_graph: bool | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  force_kernel: str | None = None, progress: bool = True,
                  speculative: SpecConfig | None = None, time_phases: bool = False,
                  options: RuntimeOptions | None = None, kv_cache_dtype: str = "auto"):

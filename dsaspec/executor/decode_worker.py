@@ -37,7 +37,7 @@ from dsaspec.layers.attention.inputs import AttentionInputs
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.ops.argmax_exchange import CarryWrite
 from dsaspec.ops.decode_inputs import decode_inputs
-from dsaspec.models.dsa_model import DSAModel
+from dsaspec.models.dsa_model import DEFAULT_PREFILL_CHUNK, DSAModel
 from dsaspec.forward_mode import Mode
 
 
@@ -112,7 +112,7 @@ class DecodeWorker(BucketWorker):
 
     # ---- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, row: int, prompt: Sequence[int], *, chunk_size: int = 512) -> int:
+    def prefill(self, row: int, prompt: Sequence[int], *, chunk_size: int = DEFAULT_PREFILL_CHUNK) -> int:
         """Eager prefill of one admitted request (slots allocated): the target over the prompt
         in chunks of ``chunk_size`` rows. Returns the first generated token (the row's pending
         token, at position ``len(prompt)``)."""

@@ -30,7 +30,7 @@ from dsaspec.executor.graph_runner import graphs_usable
 from dsaspec.layers.attention.backend import DSAAttnBackend
 from dsaspec.layers.logits_processor import LogitsProcessor
 from dsaspec.memory import KVPool
-from dsaspec.models.dsa_model import DSAModel
+from dsaspec.models.dsa_model import DEFAULT_PREFILL_CHUNK, DSAModel
 from dsaspec.ops.argmax_exchange import CarryWrite, draft_finalize, greedy_tokens
 from dsaspec.ops.indexer import default_indexer_programs
 
@@ -66,7 +66,7 @@ class Worker(Protocol):
 
     def bucket_for(self, bs: int) -> int | None: ...
 
-    def prefill(self, row: int, prompt: Sequence[int], *, chunk_size: int = 512) -> int: ...
+    def prefill(self, row: int, prompt: Sequence[int], *, chunk_size: int = DEFAULT_PREFILL_CHUNK) -> int: ...
 
     def step(self, rows: Sequence[int], *, timed: bool = False) -> StepResult: ...
 

@@ -48,9 +48,16 @@ from dsaspec.models.decoder_layer import DecoderLayer
 from dsaspec.models.mtp import MTPLayer
 
 
+# Rows a prefill forward takes by default (the engine's --chunked-prefill-size): a forward reads every
+# weight it touches once, a MoE layer's experts included (at 512 rows a chunk hits every expert of a
+# GLM-5 rank), so long prompts want few chunks; the logits budget below bounds their scratch.
+DEFAULT_PREFILL_CHUNK = 4096
 # Rows of a prefill chunk (consecutive positions of one request) the indexer groups so that they
 # share each key block it reads: the kernel and configurations of grouped target-verify rows.
 PREFILL_INDEX_GROUP = 4
+# The fp32 indexer logits ([rows, live]) a prefill chunk may hold: at long prefixes a chunk gets fewer
+# rows than asked for (1 GiB: 16k rows from position 0, about 2k from 128k, 250 from 1M).
+PREFILL_LOGITS_BYTES = 1 << 30
 
 
 class DSABackbone(nn.Module):
@@ -393,17 +400,18 @@ class DSAModel(nn.Module):
     # ---- eager prefill helpers --------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, req_to_token: torch.Tensor, row: int, kv: KVPool, *,
-                prefix_len: int = 0, chunk_size: int = 512) -> torch.Tensor:
+                prefix_len: int = 0, chunk_size: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
         """Eager prefill of one request: positions ``prefix_len + [0, T)`` of table row ``row``
-        (slots already allocated), in chunks of ``chunk_size`` rows (the indexer's rows grouped by
-        :meth:`prefill_index_group`). Returns the post-norm hidden ``[T, hidden]``; writes the
-        target caches."""
+        (slots already allocated), in chunks of at most ``chunk_size`` rows (fewer at long prefixes:
+        :meth:`prefill_chunk_rows`; the indexer's rows grouped by :meth:`prefill_index_group`).
+        Returns the post-norm hidden ``[T, hidden]``; writes the target caches."""
         return self._chunked(lambda ids, _, pos, loc, attn: self.forward(ids, pos, loc, kv, attn),
                              input_ids, None, req_to_token, row, prefix_len, chunk_size)
 
     @torch.no_grad()
     def prefill_mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, req_to_token: torch.Tensor,
-                    row: int, kv: KVPool, *, prefix_len: int = 0, chunk_size: int = 512,
+                    row: int, kv: KVPool, *, prefix_len: int = 0,
+                    chunk_size: int = DEFAULT_PREFILL_CHUNK,
                     selection_out: torch.Tensor | None = None) -> torch.Tensor:
         """Eager MTP prefill (draft extend) of one request: row at position ``prefix_len + i``
         takes ``next_ids[i]`` (the token at position + 1) and ``hidden[i]``. Returns the MTP
@@ -425,14 +433,28 @@ class DSAModel(nn.Module):
         mode (a group's head sum runs in another order than a single row's)."""
         return 1 if self.row_invariant or rows % PREFILL_INDEX_GROUP else PREFILL_INDEX_GROUP
 
+    @staticmethod
+    def prefill_chunk_rows(prefix: int, remaining: int, chunk_size: int) -> int:
+        """Rows of the prefill chunk that starts at position ``prefix`` with ``remaining`` rows to
+        go: at most ``chunk_size``, and no more than fit their fp32 indexer logits ``[rows, prefix
+        + rows]`` in :data:`PREFILL_LOGITS_BYTES` (a multiple of :data:`PREFILL_INDEX_GROUP` when
+        that bound cuts the chunk; at least one row)."""
+        cells = PREFILL_LOGITS_BYTES // 4
+        fit = (math.isqrt(prefix * prefix + 4 * cells) - prefix) // 2     # rows * (prefix + rows) <= cells
+        rows = min(chunk_size, remaining)
+        if fit < rows:
+            rows = max(1, fit - fit % PREFILL_INDEX_GROUP if fit >= PREFILL_INDEX_GROUP else fit)
+        return rows
+
     def _chunked(self, step, input_ids, hidden, req_to_token, row, prefix_len, chunk_size):
-        outputs = []
-        for start in range(0, input_ids.shape[0], chunk_size):
-            ids = input_ids[start:start + chunk_size]
-            positions, loc, attn = build_extend_inputs(req_to_token, [row], [prefix_len + start], [ids.shape[0]])
-            attn.rows_per_group = self.prefill_index_group(ids.shape[0])
-            attn.topk_slots = torch.empty(ids.shape[0], self.config.index_topk, dtype=torch.int32,
-                                          device=ids.device)
-            chunk_hidden = None if hidden is None else hidden[start:start + chunk_size]
+        outputs, start, total = [], 0, input_ids.shape[0]
+        while start < total:
+            rows = self.prefill_chunk_rows(prefix_len + start, total - start, chunk_size)
+            ids = input_ids[start:start + rows]
+            positions, loc, attn = build_extend_inputs(req_to_token, [row], [prefix_len + start], [rows])
+            attn.rows_per_group = self.prefill_index_group(rows)
+            attn.topk_slots = torch.empty(rows, self.config.index_topk, dtype=torch.int32, device=ids.device)
+            chunk_hidden = None if hidden is None else hidden[start:start + rows]
             outputs.append(step(ids, chunk_hidden, positions, loc, attn))
+            start += rows
         return torch.cat(outputs)

@@ -49,7 +49,7 @@ from dsaspec.forward_mode import Mode
 from dsaspec.speculative.accept import Acceptance, greedy_accept
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionScratch, AttentionWorkspace
-from dsaspec.models.dsa_model import DSAModel
+from dsaspec.models.dsa_model import DEFAULT_PREFILL_CHUNK, DSAModel
 from dsaspec.speculative.draft_step import greedy_draft_step
 from dsaspec.layers.logits_processor import LogitsProcessor
 
@@ -254,7 +254,7 @@ class SpecWorker(BucketWorker):
 
     # ---- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, row: int, prompt: Sequence[int], *, chunk_size: int = 512) -> int:
+    def prefill(self, row: int, prompt: Sequence[int], *, chunk_size: int = DEFAULT_PREFILL_CHUNK) -> int:
         """Eager prefill of one admitted request: the target over the prompt (its first token, the
         bonus), then the MTP layer over the prompt shifted by one with the bonus last (the first draft,
         its hidden and the IndexShare seed). Returns the first generated token."""
