@@ -684,9 +684,9 @@ def test_single_launch_with_one_program_per_row_runs_anywhere(monkeypatch, devic
 
 def test_decode_bench_attributes_every_topk_kernel():
     """Every kernel of this module (a jitted function nothing in dsaspec/ops/topk.py calls: what is
-    launched), found in its source apart from the bench's own lookup, lands in the decode bench's
-    topk phase, so a kernel added here cannot be missed there."""
-    from dsaspec.bench import decode
+    launched), found in its source apart from the bench's own lookup, lands in the benches' topk
+    phase (dsaspec/bench/phases.py), so a kernel added here cannot be missed there."""
+    from dsaspec.bench import phases
 
     tree = ast.parse(inspect.getsource(topk_module))
     jitted = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
@@ -695,7 +695,7 @@ def test_decode_bench_attributes_every_topk_kernel():
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
     kernels = jitted - called
     assert {"_topk_slots_kernel", "_topk_chunk_lists_kernel"} <= kernels
-    assert {name: decode._phase_by_name(name) for name in kernels} == dict.fromkeys(kernels, "topk")
+    assert {name: phases._phase_by_name(name) for name in kernels} == dict.fromkeys(kernels, "topk")
 
 
 def test_bad_workspace(device):
