@@ -895,7 +895,7 @@ def test_o_proj_reads_the_value_product_where_it_was_written(row_invariant):
 
 @pytest.mark.parametrize("row_invariant", [False, True])
 def test_prefill_groups_the_indexer_rows_of_a_chunk(monkeypatch, row_invariant):
-    """Prefill chunks give the indexer groups of 4 consecutive positions (a chunk of 4k rows; the
+    """Prefill chunks give the indexer groups of 4 consecutive positions (chunks of 32 rows; the
     last chunk of 6 rows and the row-invariant mode keep single rows), and the grouped logits
     (another head-sum order) select what single rows select: the prompt's hidden states agree with
     an ungrouped prefill to fp32 rounding. Triton ops under the interpreter; 96 of the 102 rows
