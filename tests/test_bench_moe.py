@@ -31,9 +31,11 @@ def test_cpu_run_matches_reference(tmp_path):
 @pytest.mark.parametrize("option,values,key,want,column", [
     ("--split-k", "1,3,3", "split_k", (1, 3), "split-K"),            # H 128: 4 fp32 K blocks; repeats dropped
     ("--layout", "sorted,pairs", "layout", ("sorted", "pairs"), "layout"),
+    ("--block-m", "16,64", "block_m", (16, 64), "block M"),         # 64: unsplit by the layer's rule
 ])
 def test_cpu_run_checks_each_variant(option, values, key, want, column, monkeypatch, tmp_path):
-    """``--split-k`` / ``--layout``: a checked row per point, weight dtype and value, in its column."""
+    """``--split-k`` / ``--layout`` / ``--block-m``: a checked row per point, weight dtype and value, in its
+    column."""
     monkeypatch.setitem(moe.CPU_SIZES, "tokens", [3])
     parser = argparse.ArgumentParser()
     moe.add_arguments(parser)
@@ -123,3 +125,22 @@ def test_targets():
                    (1, "fp8", "not slower than bf16 fused (x1.05 noise)", True),
                    (64, "fp8", "<= 1.3x bytes floor", True),
                    (64, "fp8", "not slower than bf16 fused (x1.05 noise)", False)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
+def test_cpu_run_block_m_and_shared_expert(monkeypatch, tmp_path):
+    """``--block-m 64,128 --shared-experts 1``: each token's last slot is expert E at weight 1.0 (every
+    token hits it), rows on tall blocks unsplit (the layer's rule), each checked; ``--block-m 32`` is refused."""
+    monkeypatch.setitem(moe.CPU_SIZES, "tokens", [3])
+    parser = argparse.ArgumentParser()
+    moe.add_arguments(parser)
+    args = parser.parse_args(["--block-m", "64,128", "--shared-experts", "1", "--out", str(tmp_path)])
+    assert moe.run(args) == 0
+    rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
+    assert [(r["weight_dtype"], r["block_m"], r["split_k"]) for r in rows] == [
+        (d, b, 1) for d in ("bf16", "fp8") for b in (64, 128)]
+    assert all(r["matches_reference"] for r in rows)
+    ids = moe._inputs(3, args, 128, torch.device("cpu"), torch.float32)[3]
+    assert ids.shape == (3, moe.CPU_SIZES["topk"] + 1) and ids[:, -1].tolist() == [moe.CPU_SIZES["experts"]] * 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--block-m", "16,32"])

@@ -270,6 +270,30 @@ def test_fp8_linear_layer_passes_fast_accum_to_the_tiles(monkeypatch, device):
         assert recorded.block_m[-2:] == [tile, tile], (fast_accum, recorded.block_m)
 
 
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_fp8_linear_layer_takes_tall_tiles_at_prefill_rows(row_invariant, monkeypatch, device):
+    """Without ``fast_accum``, Fp8Linear takes the 64-row tiles from PREFILL_TALL_MIN_M rows (one row
+    fewer: 16), unless ``row_invariant`` (16 at every M, each row's bits those of its row alone); bf16
+    rows and an Fp8Input's codes alike, within the tall tiles' bound."""
+    from dsaspec.layers.fp8_linear import Fp8Input, Fp8Linear
+
+    recorded = _RecordedTiles(op._fp8_gemm_kernel)
+    monkeypatch.setattr(op, "_fp8_gemm_kernel", recorded)
+    layer = Fp8Linear(256, 128, device)
+    layer.set_dense(_weight(128, 256, "cpu", seed=5))
+    layer.use_triton, layer.row_invariant = True, row_invariant
+    x = _activations(op.PREFILL_TALL_MIN_M, 256, torch.float32, device, seed=6)
+    codes, scales = op.act_quant(x)
+    tall = 16 if row_invariant else 64
+    full = layer(x)
+    layer(Fp8Input(x, codes, scales, None))
+    layer(x[1:])
+    assert recorded.block_m == [tall, tall, 16]
+    _check_gemm(full, codes, scales, layer.weight, layer.weight_scale_inv, fast_accum=tall == 64)
+    if row_invariant:
+        assert _bits_equal(layer(x[-1:]), full[-1:])
+
+
 def test_rows_do_not_depend_on_m_across_the_split_threshold(monkeypatch, device):
     """5 SMs, N 130 (3 tiles), K 896 (G 3): M 1 splits (and fuses the quantization), M 40 (9 tiles)
     does neither; its rows equal the M 1 results bitwise (fp32 activations and output: no bf16

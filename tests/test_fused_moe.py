@@ -111,18 +111,18 @@ def test_out_may_be_hidden(device):
     assert torch.equal(hidden, want)
 
 
-def _expected_layout(ids, experts):
+def _expected_layout(ids, experts, block_m=moe.BLOCK_M):
     """sorted_pairs / block_experts of the contract: pairs stably sorted by expert, each
-    expert's segment padded with -1 to whole blocks of BLOCK_M, unused blocks -1."""
+    expert's segment padded with -1 to whole blocks of ``block_m`` rows, unused blocks -1."""
     flat = ids.flatten().tolist()
     rows, blocks = [], []
     for e in range(experts):
         segment = [p for p, got in enumerate(flat) if got == e]
-        padded = -(-len(segment) // moe.BLOCK_M) * moe.BLOCK_M
+        padded = -(-len(segment) // block_m) * block_m
         rows += segment + [-1] * (padded - len(segment))
-        blocks += [e] * (padded // moe.BLOCK_M)
-    total = moe.max_blocks(len(flat), experts)
-    return rows + [-1] * (total * moe.BLOCK_M - len(rows)), blocks + [-1] * (total - len(blocks))
+        blocks += [e] * (padded // block_m)
+    total = moe.max_blocks(len(flat), experts, block_m)
+    return rows + [-1] * (total * block_m - len(rows)), blocks + [-1] * (total - len(blocks))
 
 
 @pytest.mark.parametrize("chunks", [None, (16, 16), (64, 8)], ids=["default", "chunks16", "chunks64-8"])
@@ -413,17 +413,19 @@ def test_workspace_dtype_is_checked(device):
         moe.fused_moe_workspace(4, 2, 8, 32, 16, device, torch.float16)
 
 
-@pytest.mark.parametrize("pairs,experts", [(1, 4), (8, 256), (512, 256), (4096, 64), (4096, 256), (3, 2)])
-def test_max_blocks_bounds_every_routing(pairs, experts):
+@pytest.mark.parametrize("block_m", moe.BLOCK_MS)
+@pytest.mark.parametrize("pairs,experts", [(1, 4), (8, 256), (512, 256), (4096, 64), (4096, 256), (3, 2),
+                                           (36864, 257)])
+def test_max_blocks_bounds_every_routing(pairs, experts, block_m):
     """The static block count is reached by the worst routing (min(E, P) experts one pair over
-    a whole number of blocks) and never exceeded."""
+    a whole number of blocks) and never exceeded, at every block height."""
     used = min(experts, pairs)
     counts = [1] * used
     counts[0] += pairs - used
-    worst = sum(-(-c // moe.BLOCK_M) for c in counts)
-    assert worst <= moe.max_blocks(pairs, experts)
+    worst = sum(-(-c // block_m) for c in counts)
+    assert worst <= moe.max_blocks(pairs, experts, block_m)
     spread = [pairs // used + (i < pairs % used) for i in range(used)]
-    assert max(worst, sum(-(-c // moe.BLOCK_M) for c in spread)) <= moe.max_blocks(pairs, experts)
+    assert max(worst, sum(-(-c // block_m) for c in spread)) <= moe.max_blocks(pairs, experts, block_m)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1167,3 +1169,206 @@ def test_gpu_pair_layout_graph_replay_with_new_routing(tokens):
         graph.replay()
         want = moe.fused_moe(hidden, w13, w2, ids, weights, torch.empty_like(hidden), sort_pairs=True, **kwargs)
         assert torch.equal(out, want), f"same experts {same_experts}: replay differs from eager sorted"
+
+
+# -------------------------------------------------------------------------------------------------
+# Tall row blocks (block_m 64 / 128: prefill chunks). Each expert's segment is padded to block_m rows
+# and the GEMM tiles have block_m rows; against the references as the 16-row blocks are (same tolerances).
+
+TALL = [64, 128]
+
+
+def _tall_routing(name, tokens=48):
+    """3 routed slots over experts 0..3 and the shared slot (expert 4, weight 1.0 set by the caller):
+    "counts": expert 0 no pair, expert 1 exactly 64, expert 2 65 (one block of 64 and one row over),
+    expert 3 15, shuffled so rows repeat ids; "one-expert": every routed pair on expert 2 (144 pairs:
+    64 + 64 + 16 rows, or 128 + 16)."""
+    if name == "counts":
+        flat = torch.tensor([1] * 64 + [2] * 65 + [3] * (3 * tokens - 129))
+        routed = flat[torch.randperm(len(flat), generator=torch.Generator().manual_seed(7))].view(tokens, 3)
+        assert any(len(set(row)) < 3 for row in routed.tolist()), "no row repeats an id"
+    else:
+        routed = torch.full((tokens, 3), 2)
+    return routed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("block_m", TALL)
+@pytest.mark.parametrize("routing", ["counts", "one-expert"])
+def test_tall_blocks_match_reference(routing, block_m, split_k, dtype, device):
+    """T 48, 3 routed slots and the shared expert as expert 4 (every token's last slot): the output
+    against the reference with its shared SwiGLU, and the align launch's layout padded to block_m
+    (H 256: 8 fp32 / 2 bf16 K blocks, so split 2 changes the order; I 40: masked columns)."""
+    tokens, experts, hidden_size, inter = 48, 4, 256, 40
+    routed = _tall_routing(routing, tokens)
+    hidden, w13, w2, ids, weights = _case(tokens, 3, experts, hidden_size, inter, dtype=dtype, device=device,
+                                          ids=routed)
+    shared = tuple(w.to(dtype).to(device) for w in _shared(hidden_size, inter, 1))
+    extra13, extra2 = _as_experts(*shared, inter)
+    all_ids, all_weights = _with_shared_slots(ids, weights, experts, 1)
+    workspace = moe.fused_moe_workspace(tokens, 4, experts + 1, hidden_size, inter, device, dtype, split_k=split_k,
+                                        block_m=block_m)
+    assert workspace.block_m == block_m
+    got = _run(hidden, torch.cat([w13, extra13]), torch.cat([w2, extra2]), all_ids, all_weights, workspace,
+               split_k=split_k, block_m=block_m)
+    _assert_close(got, reference(hidden, w13, w2, ids, weights, shared=shared), dtype)
+    rows, blocks = _expected_layout(all_ids, experts + 1, block_m)
+    assert workspace.sorted_pairs.tolist() == rows and workspace.block_experts.tolist() == blocks
+    assert not ri._tile_counters(torch.device(device), 1).any()
+
+
+@fp8_warnings
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("block_m", TALL)
+@pytest.mark.parametrize("routing", ["counts", "one-expert"])
+def test_fp8_tall_blocks_match_reference(routing, block_m, split_k, dtype, device):
+    """FP8 experts (H 256: 2 K blocks, I 128), the routings above with the shared expert; split 2 has the
+    reducing program quantize the activations of its block_m rows."""
+    tokens, experts, hidden_size, inter = 48, 4, 256, 128
+    hidden, w13, s13, w2, s2, ids, weights = _fp8_case(tokens, 3, experts, hidden_size, inter, dtype=dtype,
+                                                       device=device, ids=_tall_routing(routing, tokens))
+    shared = _fp8_shared(hidden_size, inter, 1, device)
+    (gate, gate_s), (up, up_s), (down, down_s) = shared
+    extra13, extra2 = _as_experts(gate, up, down, inter)
+    extra_s13, extra_s2 = _as_experts(gate_s, up_s, down_s, inter, 128, 128)
+    all_ids, all_weights = _with_shared_slots(ids, weights, experts, 1)
+    got = _run_fp8(hidden, torch.cat([w13, extra13]), torch.cat([s13, extra_s13]), torch.cat([w2, extra2]),
+                   torch.cat([s2, extra_s2]), all_ids, all_weights, split_k=split_k, block_m=block_m)
+    _assert_fp8_close(got, fp8_reference(hidden, w13, s13, w2, s2, ids, weights, shared=shared), dtype)
+
+
+@pytest.mark.parametrize("block_m", TALL)
+def test_tall_blocks_sort_few_pairs_by_default(block_m, device):
+    """At P <= 64 (the pair layout's range at 16 rows) a tall call sorts: the align launch writes the
+    layout of block_m-row segments over a poisoned workspace, and the output matches the reference."""
+    args = _case(2, 3, 8, 32, 16, dtype=torch.float32, device=device, ids=torch.tensor([[1, 1, 5], [5, 0, 1]]))
+    workspace = moe.fused_moe_workspace(2, 3, 8, 32, 16, device, torch.float32, block_m=block_m)
+    workspace.sorted_pairs.fill_(3)
+    workspace.block_experts.fill_(2)
+    _assert_close(_run(*args, workspace=workspace, block_m=block_m), reference(*args), torch.float32)
+    rows, blocks = _expected_layout(args[3], 8, block_m)
+    assert workspace.sorted_pairs.tolist() == rows and workspace.block_experts.tolist() == blocks
+
+
+def test_block_m_arguments_are_checked(device):
+    args = _case(4, 2, 8, 32, 16, dtype=torch.float32, device=device)
+    for bad in (32, 0, True, 64.0):
+        with pytest.raises(ValueError, match=r"^block_m: expected one of \(16, 64, 128\), got "):
+            _run(*args, block_m=bad)
+        with pytest.raises(ValueError, match=r"^block_m: expected one of \(16, 64, 128\)"):
+            moe.fused_moe_workspace(4, 2, 8, 32, 16, device, torch.float32, block_m=bad)
+    with pytest.raises(ValueError, match="^sort_pairs: the pair layout .* 16-row blocks only, got block_m 64"):
+        _run(*args, sort_pairs=False, block_m=64)
+    for allocated, called in ((16, 64), (64, 16), (128, 64)):
+        workspace = moe.fused_moe_workspace(4, 2, 8, 32, 16, device, torch.float32, block_m=allocated)
+        with pytest.raises(ValueError, match=f"^workspace: allocated for block_m {allocated}, this call has "
+                                             f"block_m {called}"):
+            _run(*args, workspace=workspace, block_m=called)
+    assert moe.fused_moe_workspace(4, 2, 8, 32, 16, device, torch.float32).block_m == moe.BLOCK_M == 16
+
+
+def test_block_m_rule():
+    """16-row blocks below TALL_BLOCK_MIN_TOKENS (512) tokens, TALL_BLOCK_M (64) from there."""
+    assert (moe.TALL_BLOCK_MIN_TOKENS, moe.TALL_BLOCK_M) == (512, 64)
+    assert [moe.moe_block_m(t) for t in (1, 64, 511, 512, 513, 4096)] == [16, 16, 16, 64, 64, 64]
+
+
+@pytest.mark.parametrize("table", ["default", "wide"])
+def test_tall_tiles_keep_two_stages_within_shared_memory(table, monkeypatch):
+    """Every tall tile (gate/up and down, FP8 / bf16 / fp32) pipelines >= 2 stages of its block_m-row
+    activation tile and weight tiles within _STAGE_BYTES; FP8 keeps 128-column K blocks and BLOCK_N
+    dividing 128 (one weight scale per tile and K block). Also with 256-wide tiles in the table (a
+    retune), where bf16 must narrow BLOCK_K and FP8 BLOCK_N to keep two stages."""
+    if table == "wide":
+        for key in list(moe._TALL_TILES):
+            monkeypatch.setitem(moe._TALL_TILES, key, (256, 8))
+    for block_m in TALL:
+        for dtype, fp8 in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)):
+            for n, k_dim, weight_tiles in ((256, 6144, 2), (6144, 256, 1), (2048, 7168, 2), (7168, 2048, 1)):
+                t = moe._tile(n, k_dim, 9, dtype, "cpu", weight_tiles=weight_tiles, fp8=fp8, block_m=block_m)
+                size = 1 if fp8 else dtype.itemsize
+                assert t.num_stages >= 2, (block_m, dtype, fp8, n, t)
+                assert t.num_stages * (block_m + weight_tiles * t.block_n) * t.block_k * size <= moe._STAGE_BYTES
+                if fp8:
+                    assert t.block_k == 128 and 128 % t.block_n == 0
+
+
+@fp8_warnings
+def test_layer_runs_tall_unsplit_blocks_from_512_tokens(device):
+    """RoutedExperts' fused path (FP8, I 128, H 1024: 8 K blocks, so the layer's split 4 at 16 rows sums
+    them in another order than one split): at T 512 its output is bitwise the op's on 64-row blocks unsplit and
+    not the op's on 16-row blocks in 4 splits; at T 511 the other way round; both match the layer's torch
+    path within the FP8 tolerance; the layer's call names the block height."""
+    from dsaspec.configs.model_config import get_config
+    from dsaspec.distributed.tp_group import TPGroup
+    from dsaspec.layers.moe import RoutedExperts
+
+    config = get_config("tiny-moe", hidden_size=1024)
+    layer = RoutedExperts(config, TPGroup.single(device), device, torch.float32, fp8=True)
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden_size, inter, topk = layer.num_experts, layer.hidden, layer.intermediate, 2
+    assert (hidden_size, inter, moe.moe_split_k(inter, True)) == (1024, 128, 4)
+    layer.set_from_fused("w13", torch.randn(experts, 2 * inter, hidden_size, generator=gen) * hidden_size ** -0.5)
+    layer.set_from_fused("w2", torch.randn(experts, hidden_size, inter, generator=gen) * inter ** -0.5)
+    x = torch.randn(512, hidden_size, generator=gen).to(device)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(512)]).to(torch.int32).to(device)
+    weights = (torch.rand(512, topk, generator=gen) + 0.1).to(device)
+    scales = dict(w13_scale=layer.w13_scale_inv, w2_scale=layer.w2_scale_inv)
+    for tokens, (block_m, split_k), other in ((512, (64, 1), (16, 4)), (511, (16, 4), (64, 1))):
+        args = (x[:tokens], layer.w13, layer.w2, ids[:tokens], weights[:tokens])
+        layer.use_fused = True
+        # the block height changes no bit under the interpreter (numpy's row-invariant matmul): seen in the call
+        with mock.patch.object(moe, "fused_moe", wraps=moe.fused_moe) as spy:
+            got = layer(*args[:1], *args[3:])
+        assert (spy.call_args.kwargs["block_m"], spy.call_args.kwargs["split_k"]) == (block_m, split_k)
+        assert torch.equal(got, _run(*args, **scales, block_m=block_m, split_k=split_k)), f"T={tokens}"
+        assert not torch.equal(got, _run(*args, **scales, block_m=other[0], split_k=other[1])), f"T={tokens}"
+        layer.use_fused = False
+        _assert_fp8_close(got, layer(*args[:1], *args[3:]), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("block_m", TALL)
+def test_gpu_tall_blocks_production_shape(block_m, fp8):
+    """A TP 8 rank of GLM-5 (E 256 + the shared expert, k 8 + its slot, H 6144, I 256) at T 4096 on tall
+    blocks, unsplit and in 4 splits: the first 16 tokens match the reference; the whole output is
+    normwise within 2**-6 of the 16-row blocks' (FP8: the e4m3 warpgroup MMA sums with fewer bits); two
+    calls give the same bits; an expert of every pair (token 0's first id on every token) too."""
+    tokens, dtype, hidden_size, inter = 4096, torch.bfloat16, 6144, 256
+    if fp8:
+        hidden, w13, s13, w2, s2, ids, weights = _fp8_case(tokens, 8, 256, hidden_size, inter, dtype=dtype,
+                                                           device="cuda")
+        shared = _fp8_shared(hidden_size, inter, 1, "cuda")
+        extra13, extra2 = _as_experts(shared[0][0], shared[1][0], shared[2][0], inter)
+        extra_s13, extra_s2 = _as_experts(shared[0][1], shared[1][1], shared[2][1], inter, 128, 128)
+        scales = dict(w13_scale=torch.cat([s13, extra_s13]), w2_scale=torch.cat([s2, extra_s2]))
+    else:
+        hidden, w13, w2, ids, weights = _case(tokens, 8, 256, hidden_size, inter, dtype=dtype, device="cuda")
+        shared = tuple(w.to(dtype).cuda() for w in _shared(hidden_size, inter, 1))
+        extra13, extra2 = _as_experts(*shared, inter)
+        scales = {}
+    all13, all2 = torch.cat([w13, extra13]), torch.cat([w2, extra2])
+    for routing in ("random", "one-expert"):
+        if routing == "one-expert":
+            ids = ids[:1, :1].expand(tokens, 8).contiguous()
+        all_ids, all_weights = _with_shared_slots(ids, weights, 256, 1)
+
+        def run(**kwargs):
+            out = torch.empty_like(hidden)
+            return moe.fused_moe(hidden, all13, all2, all_ids, all_weights, out, **scales, **kwargs)
+
+        short = run(block_m=16)
+        for split_k in (1, 4):
+            tall = run(block_m=block_m, split_k=split_k)
+            again = run(block_m=block_m, split_k=split_k)
+            assert torch.equal(again, tall), f"{routing} split {split_k}: not deterministic"
+            error = float((tall.double() - short.double()).norm() / short.double().norm())
+            assert error <= 2**-6, f"{routing} split {split_k}: {error:.3g} from the 16-row blocks"
+            if fp8:
+                want = fp8_reference(hidden[:16], w13, s13, w2, s2, ids[:16], weights[:16], shared=shared)
+                _assert_fp8_close(tall[:16], want, dtype)
+            else:
+                _assert_close(tall[:16], reference(hidden[:16], w13, w2, ids[:16], weights[:16], shared=shared), dtype)

@@ -32,8 +32,13 @@ and weight dtype once per split count instead (``fused_moe``'s ``split_k``), eve
 above. Rows carry ``split_k``; the FP8 baseline stays the bf16 fused op at split 1. ``--layout
 sorted,pairs``: likewise a row per block layout (``fused_moe``'s
 ``sort_pairs``: True, False; ``auto``, the default, is its own choice by T * k; rows carry
-``layout``), the FP8 baseline at ``auto``. Without CUDA: fixed small sizes under the Triton
-interpreter at fp32, every output checked against its reference, no times.
+``layout``), the FP8 baseline at ``auto``. Row blocks: by default the MoE layer's rule per T
+(``moe_block_m``: 16 below 512 tokens, ``TALL_BLOCK_M`` from there, unsplit on tall blocks);
+``--block-m 16,64,128``: a row per height instead (``fused_moe``'s ``block_m``; the pair layout,
+16 rows only, is skipped at taller ones), the FP8 baseline at the same height; rows carry
+``block_m``. ``--shared-experts S``: S more experts, each in every token's last S slots at
+weight 1.0, as the MoE layer runs its shared expert (GLM-5 / DeepSeek-V3.2 ranks: 1). Without CUDA:
+fixed small sizes under the Triton interpreter at fp32, every output checked against its reference, no times.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ from dsaspec.cli_parsing import (choice_list, format_value, nonnegative_int, pos
                                  use_cpu_sizes)
 from dsaspec.errors import UserError
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, quantize_weight
-from dsaspec.ops.fused_moe import FP8, fused_moe, fused_moe_workspace, moe_split_k
+from dsaspec.ops.fused_moe import (BLOCK_M, BLOCK_MS, FP8, fused_moe, fused_moe_workspace, moe_block_m,
+                                   moe_split_k)
 from dsaspec.reference.fused_moe import fused_moe as reference_fused_moe, fused_moe_fp8 as reference_fused_moe_fp8
 
 FLOOR_FACTOR, NOISE = 1.3, 1.05
@@ -60,6 +66,18 @@ LAYOUTS = {"auto": None, "sorted": True, "pairs": False}  # --layout: fused_moe'
 BASELINES = {"bf16": "torch gather", "fp8": "bf16 fused"}
 # Without CUDA: tokens, experts, k, H, I (FP8 blocks need H and I multiples of 128).
 CPU_SIZES = dict(tokens=[1, 3, 8], experts=8, topk=2, hidden=128, intermediate=[128])
+
+
+def _block_m_list(text: str) -> list[int]:
+    """argparse type of ``--block-m``: comma-separated heights from :data:`BLOCK_MS`."""
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v not in BLOCK_MS for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated values from {','.join(map(str, BLOCK_MS))}, "
+                                         f"got {text!r}")
+    return values
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,6 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", type=choice_list(LAYOUTS), default=["auto"],
                    help="block layouts of the fused op, comma-separated (each a row): sorted (align, combine), "
                         "pairs (no align, the combine in the down launch), auto (the op's choice by T * k)")
+    p.add_argument("--block-m", type=_block_m_list, default=None,
+                   help="row-block heights of the fused op, comma-separated from 16,64,128 (each a row); default: "
+                        "the MoE layer's rule per T (16 below 512 tokens, else 64)")
+    p.add_argument("--shared-experts", type=nonnegative_int, default=0,
+                   help="shared experts run as extra experts in every token's last slots at weight 1.0 (as the MoE "
+                        "layer runs them; GLM-5 / DeepSeek-V3.2: 1); --experts and --topk count the routed ones")
     p.add_argument("--baseline-max-gb", type=positive_int, default=16,
                    help="skip the baseline where its gathered expert weights exceed this many GB")
     p.add_argument("--iters", type=positive_int, default=100, help="timed graph replays per measurement")
@@ -88,15 +112,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _inputs(tokens: int, args, inter: int, device, dtype) -> tuple:
     gen = torch.Generator(device=device).manual_seed(args.seed + tokens + inter)
-    h, e, k = args.hidden, args.experts, args.topk
+    h, e, k, shared = args.hidden, args.experts, args.topk, args.shared_experts
     if k > e:
         raise ValueError(f"--topk {k}: more than the {e} experts")
     hidden = torch.randn(tokens, h, generator=gen, device=device).to(dtype)
-    w13 = (torch.randn(e, 2 * inter, h, generator=gen, device=device) * h ** -0.5).to(dtype)
-    w2 = (torch.randn(e, h, inter, generator=gen, device=device) * inter ** -0.5).to(dtype)
-    ids = torch.rand(tokens, e, generator=gen, device=device).argsort(dim=1)[:, :k].to(torch.int32).contiguous()
+    w13 = (torch.randn(e + shared, 2 * inter, h, generator=gen, device=device) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e + shared, h, inter, generator=gen, device=device) * inter ** -0.5).to(dtype)
+    ids = torch.rand(tokens, e, generator=gen, device=device).argsort(dim=1)[:, :k].to(torch.int32)
     weights = torch.rand(tokens, k, generator=gen, device=device)
-    return hidden, w13, w2, ids, weights
+    if shared:  # the shared experts' slots: ids E .. E + S - 1 at weight 1.0
+        slots = torch.arange(e, e + shared, dtype=torch.int32, device=device).expand(tokens, shared)
+        ids = torch.cat([ids, slots], dim=1)
+        weights = torch.cat([weights, weights.new_ones(tokens, shared)], dim=1)
+    return hidden, w13, w2, ids.contiguous(), weights.contiguous()
 
 
 def baseline_moe(hidden, w13, w2, ids, weights, out) -> torch.Tensor:
@@ -180,7 +208,7 @@ def _targets(rows: list[dict]) -> list[dict]:
         if "new_us" not in r:
             continue
         where = {"tokens": r["tokens"], "intermediate": r["intermediate"], "weight_dtype": r["weight_dtype"],
-                 "split_k": r["split_k"], "layout": r["layout"]}
+                 "split_k": r["split_k"], "layout": r["layout"], "block_m": r.get("block_m", BLOCK_M)}
         if r["tokens"] <= TARGET_MAX_TOKENS:
             out.append(dict(where, target=f"<= {FLOOR_FACTOR:g}x bytes floor", value=r["new_over_floor"],
                             met=r["new_over_floor"] <= FLOOR_FACTOR))
@@ -205,30 +233,31 @@ def _time(new, baseline, nbytes: int, floors, iters: int) -> dict:
             "spread": {"new": timing.spread}, "detail": {"new": timing.summary()}}
 
 
-def _row(args, weight_dtype: str, split_k: int, layout: str, args_in: tuple, floors) -> dict:
+def _row(args, weight_dtype: str, split_k: int, layout: str, args_in: tuple, floors,
+         block_m: int = BLOCK_M) -> dict:
     """One point with ``weight_dtype`` experts made from ``args_in`` (``_inputs``) and the fused
-    op at ``split_k`` in ``layout`` (a :data:`LAYOUTS` key): timed against its baseline where
-    ``floors`` (CUDA) is given, then checked."""
+    op at ``split_k`` in ``layout`` (a :data:`LAYOUTS` key) on ``block_m``-row blocks: timed against
+    its baseline where ``floors`` (CUDA) is given, then checked."""
     hidden, w13, w2, ids, weights = args_in
     tokens, inter = hidden.shape[0], w2.shape[2]
-    shape = (tokens, args.topk, args.experts, args.hidden, inter, hidden.device, hidden.dtype)
-    # the FP8 baseline: the bf16 op unsplit, its own layout
+    shape = (tokens, ids.shape[1], w13.shape[0], args.hidden, inter, hidden.device, hidden.dtype)
+    # the FP8 baseline: the bf16 op unsplit, its own layout, the same block height
     bf16_split, bf16_sort = (1, None) if weight_dtype == "fp8" else (split_k, LAYOUTS[layout])
-    bf16_workspace = fused_moe_workspace(*shape, split_k=bf16_split)
+    bf16_workspace = fused_moe_workspace(*shape, split_k=bf16_split, block_m=block_m)
     bf16_out, base_out = torch.empty_like(hidden), torch.empty_like(hidden)
 
     def bf16_fused():
         fused_moe(*args_in, bf16_out, workspace=bf16_workspace, split_k=bf16_split, sort_pairs=bf16_sort,
-                  check_values=False)
+                  check_values=False, block_m=block_m)
 
     if weight_dtype == "fp8":
         (w13_q, w13_s), (w2_q, w2_s) = quantize_experts(w13), quantize_experts(w2)
         fp8_in = (hidden, w13_q, w13_s, w2_q, w2_s, ids, weights)
-        fp8_workspace = fused_moe_workspace(*shape, fp8=True, split_k=split_k)
+        fp8_workspace = fused_moe_workspace(*shape, fp8=True, split_k=split_k, block_m=block_m)
         new_out = torch.empty_like(hidden)
         fp8_args = (hidden, w13_q, w2_q, ids, weights, new_out)
         fp8_kwargs = dict(w13_scale=w13_s, w2_scale=w2_s, workspace=fp8_workspace, split_k=split_k,
-                          sort_pairs=LAYOUTS[layout])
+                          sort_pairs=LAYOUTS[layout], block_m=block_m)
         fused_moe(*fp8_args, **fp8_kwargs)  # eager checks once
 
         def new():
@@ -237,15 +266,16 @@ def _row(args, weight_dtype: str, split_k: int, layout: str, args_in: tuple, flo
         baseline, nbytes = bf16_fused, bytes_moved(hidden, w13_q, w2_q, ids, weights, w13_s, w2_s)
     else:
         fused_moe(*args_in, bf16_out, workspace=bf16_workspace, split_k=split_k,
-                  sort_pairs=bf16_sort)  # eager checks once
+                  sort_pairs=bf16_sort, block_m=block_m)  # eager checks once
         new, new_out, baseline = bf16_fused, bf16_out, None
-        gathered = tokens * args.topk * (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        gathered = tokens * ids.shape[1] * (w13[0].numel() + w2[0].numel()) * w13.element_size()
         if gathered <= args.baseline_max_gb * 1e9:
             def baseline():
                 baseline_moe(*args_in, base_out)
         nbytes = bytes_moved(*args_in)
     row = {"tokens": tokens, "intermediate": inter, "weight_dtype": weight_dtype, "split_k": split_k,
-           "layout": layout, "baseline": BASELINES[weight_dtype], "experts_hit": int(torch.unique(ids).numel()),
+           "layout": layout, "block_m": block_m, "baseline": BASELINES[weight_dtype],
+           "experts_hit": int(torch.unique(ids).numel()),
            "baseline_skipped": baseline is None}
     if floors is not None:
         row.update(_time(new, baseline, nbytes, floors, args.iters))
@@ -258,6 +288,11 @@ def _row(args, weight_dtype: str, split_k: int, layout: str, args_in: tuple, flo
     else:
         row.update(_check(new_out, base_out if baseline is not None else None, args_in, tokens, on_gpu))
     return row
+
+
+def _layer_split_k(inter: int, weight_dtype: str, block_m: int) -> int:
+    """The MoE layer's gate/up splits: ``moe_split_k`` on 16-row blocks, none on taller ones."""
+    return moe_split_k(inter, weight_dtype == "fp8") if block_m == BLOCK_M else 1
 
 
 def run(args) -> int:
@@ -275,6 +310,7 @@ def run(args) -> int:
     args.weight_dtype = list(dict.fromkeys(args.weight_dtype))
     args.split_k = list(dict.fromkeys(args.split_k or []))
     args.layout = list(dict.fromkeys(args.layout))
+    args.block_m = list(dict.fromkeys(args.block_m or []))
     if "fp8" in args.weight_dtype:
         bad = [f"--{name} {value}" for name, value in [("hidden", args.hidden)]
                + [("intermediate", i) for i in args.intermediate] if value % FP8_BLOCK]
@@ -293,10 +329,11 @@ def run(args) -> int:
     points = [(inter, tokens) for inter in args.intermediate for tokens in args.tokens]
     for inter, tokens in tqdm(points, desc="moe", unit="point"):
         args_in = _inputs(tokens, args, inter, device, dtype)
-        rows.extend(_row(args, weight_dtype, split_k, layout, args_in, floors)
+        rows.extend(_row(args, weight_dtype, split_k, layout, args_in, floors, block_m)
                     for weight_dtype in args.weight_dtype
-                    for split_k in (args.split_k or [moe_split_k(inter, weight_dtype == "fp8")])
-                    for layout in args.layout)
+                    for block_m in (args.block_m or [moe_block_m(tokens)])
+                    for split_k in (args.split_k or [_layer_split_k(inter, weight_dtype, block_m)])
+                    for layout in args.layout if not (layout == "pairs" and block_m > BLOCK_M))
         del args_in
     if on_gpu:
         torch.cuda.synchronize()
@@ -307,21 +344,23 @@ def run(args) -> int:
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
         cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"), ("split_k", "split-K"),
-                ("layout", "layout"), ("experts_hit", "experts hit"), ("baseline", "baseline"),
+                ("layout", "layout"), ("block_m", "block M"), ("experts_hit", "experts hit"), ("baseline", "baseline"),
                 ("baseline_us", "baseline µs"), ("new_us", "fused µs"), ("speedup", "speedup"),
                 ("floor_us", "floor µs"), ("new_over_floor", "fused / floor"), ("copy_us", "same-bytes copy µs"),
                 ("new_gbps", "fused GB/s"), ("spread_new", "spread fused")]
         table = [dict(r, spread_new=r["spread"]["new"]) for r in rows]
     else:
         cols = [("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"), ("split_k", "split-K"),
-                ("layout", "layout"), ("experts_hit", "experts hit"), ("matches_reference", "== reference")]
+                ("layout", "layout"), ("block_m", "block M"), ("experts_hit", "experts hit"),
+                ("matches_reference", "== reference")]
         table = rows
     md = markdown_table(cols, table)
     if targets:
         met = sum(t["met"] for t in targets)
         md += (f"\n\n## Targets: {met} of {len(targets)} met\n\n"
                + markdown_table([("tokens", "T"), ("intermediate", "I"), ("weight_dtype", "weights"),
-                                 ("split_k", "split-K"), ("layout", "layout"), ("target", "target"),
+                                 ("split_k", "split-K"), ("layout", "layout"), ("block_m", "block M"),
+                                 ("target", "target"),
                                  ("value", "value"), ("met", "met")],
                                 [t for t in targets if not t["met"]] or [{"tokens": "(all met)"}]))
     write_results("moe", payload, md, args.out)

@@ -39,10 +39,11 @@ class RuntimeOptions:
         Triton ops and is not row-invariant; False: the plain-torch experts (every expert on every
         token).
     fp8_fast_accum : the FP8 block-scaled GEMMs of :class:`~dsaspec.layers.fp8_linear.Fp8Linear` take
-        64-row tiles from 32 rows (``DSASPEC_FP8_FAST_ACCUM``, default off): the e4m3 warpgroup MMA,
-        faster at verify and prefill sizes, whose sum of each 128-column block keeps fewer bits
-        than fp32 (:mod:`dsaspec.ops.fp8_gemm`); refused with the
-        row-invariant mode.
+        64-row tiles from 32 rows (``DSASPEC_FP8_FAST_ACCUM``, default off: from
+        ``PREFILL_TALL_MIN_M`` rows outside the row-invariant mode, ``Fp8Linear.tall_tiles``): the
+        e4m3 warpgroup MMA, faster at verify and prefill sizes, whose sum of each 128-column block
+        keeps fewer bits than fp32 (:mod:`dsaspec.ops.fp8_gemm`); refused with the row-invariant
+        mode.
     metadata_program_budget : program budget of the bounded metadata kernels
         (``DSASPEC_METADATA_BUDGET``), >= 1; None: the kernels' default (2048).
     simulate_accept_len : None for real acceptance, or a mean accept length >= 1 that every

@@ -13,7 +13,8 @@ from torch import nn
 
 from dsaspec.layers.linear import Linear, Shard
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
-from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, fp8_gemm, fp8_linear, quantize_blocks, quantize_weight
+from dsaspec.ops.fp8_gemm import (BLOCK, PREFILL_TALL_MIN_M, dequantize_weight, fp8_gemm, fp8_linear, quantize_blocks,
+                                   quantize_weight)
 
 
 def _blocks(size: int) -> int:
@@ -59,7 +60,8 @@ class Fp8Linear(RowInvariant, nn.Module):
     multiple of 128). The activations are quantized per token per 128 columns (``scale_fmt``), then
     ``use_triton``: the Triton FP8 GEMM (:func:`~dsaspec.ops.fp8_gemm.fp8_linear`, row-invariant by
     construction; ``fast_accum``, set by the model from ``RuntimeOptions.fp8_fast_accum``: its
-    64-row tiles from 32 rows); else plain torch, the same quantization and an fp32 dequantize-then-matmul
+    64-row tiles from 32 rows; without it from ``PREFILL_TALL_MIN_M`` rows, the prefill chunks,
+    unless ``row_invariant``: :meth:`tall_tiles`); else plain torch, the same quantization and an fp32 dequantize-then-matmul
     (the row-invariant GEMM when ``row_invariant``). Output in ``x``'s dtype. ``forward`` also
     takes an :class:`Fp8Input` of its ``scale_fmt`` for ``x``: its codes and scales replace the
     quantization (the same bits), and with ``use_triton`` the GEMM is
@@ -124,6 +126,12 @@ class Fp8Linear(RowInvariant, nn.Module):
             self._dense = (key, dequantize_weight(self.weight, self.weight_scale_inv, self.dtype))
         return self._dense[1]
 
+    def tall_tiles(self, rows: int) -> bool:
+        """Whether the Triton GEMM of ``rows`` rows takes the tall e4m3-MMA tiles (its
+        ``fast_accum``): with ``fast_accum`` set, else from ``PREFILL_TALL_MIN_M`` rows unless
+        ``row_invariant`` (every row's bits then depend on whether its call reached that many)."""
+        return self.fast_accum or (not self.row_invariant and rows >= PREFILL_TALL_MIN_M)
+
     def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
         if isinstance(x, Fp8Input):
             if x.scale_fmt != self.scale_fmt:
@@ -131,10 +139,11 @@ class Fp8Linear(RowInvariant, nn.Module):
                                  f"this layer's is {self.scale_fmt!r}")
             if self.use_triton:
                 return fp8_gemm(x.codes, x.scales, self.weight, self.weight_scale_inv, out_dtype=x.x.dtype,
-                                fast_accum=self.fast_accum)
+                                fast_accum=self.tall_tiles(x.codes.shape[0]))
             q, s, x = x.codes, x.scales, x.x
         elif self.use_triton:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_fmt, fast_accum=self.fast_accum)
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.scale_fmt,
+                              fast_accum=self.tall_tiles(x.shape[0]))
         else:
             q, s = quantize_blocks(x, 1, self.scale_fmt)
         a = q.float() * s.repeat_interleave(BLOCK, dim=1)

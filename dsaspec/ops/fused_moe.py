@@ -1,20 +1,21 @@
-"""Fused MoE for decode and verify sizes (1..512 tokens): routed experts with SiLU-gated MLPs.
+"""Fused MoE: routed experts with SiLU-gated MLPs, for decode / verify sizes and prefill chunks.
 
 ``out[t] = sum_j topk_weights[t, j] * (w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)))`` with
 ``x = hidden[t]`` and ``e = topk_ids[t, j]``, with no host sync (CUDA-graph safe with a workspace
-from :func:`fused_moe_workspace`). The GEMMs work on blocks of ``BLOCK_M`` rows, each holding pairs
-``p = t * k + j`` of one expert, the ranks ``[16 q, 16 q + 16)`` of its pairs in ascending ``p``,
-padding rows -1. Two layouts place these blocks, chosen by ``P = T * k`` alone
-(:func:`sorts_pairs`); the sorted layout, four launches:
+from :func:`fused_moe_workspace`). The GEMMs work on blocks of ``M = block_m`` rows (16, or for
+prefill-sized calls 64 or 128: :func:`moe_block_m`), each holding pairs ``p = t * k + j`` of one
+expert, the ranks ``[M q, M q + M)`` of its pairs in ascending ``p``, padding rows -1. Two layouts
+place these blocks, chosen by ``P = T * k`` alone (:func:`sorts_pairs`; tall blocks always sort);
+the sorted layout, four launches:
 
 1. align (a program per expert): the P pairs are sorted by expert, stably, into segments padded
-   to ``BLOCK_M`` rows; each block is mapped to its expert, blocks past the last segment to -1.
+   to ``M`` rows; each block is mapped to its expert, blocks past the last segment to -1.
    Program e ranks expert e's pairs in pair order (a running count over the ids) and counts them;
    the last program to finish, told by an atomic counter that it resets to 0 (the device's
    split-K tile counters, as gate/up's), places every pair at its expert's first row (the
    segments' running sum) plus its rank and spreads each segment's expert over its blocks (a
    running max from the segment's first block). The
-   grid of the GEMMs is the static bound ``(P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M`` blocks;
+   grid of the GEMMs is the static bound ``(P + min(E, P) * (M - 1)) // M`` blocks;
    programs of unused blocks return at once.
 2. gate/up: one grouped GEMM launch; a program takes one block and ``BLOCK_N`` columns of both the
    gate and the up rows of its expert, accumulates both in fp32 and writes ``silu(gate) * up``
@@ -33,7 +34,8 @@ padding rows -1. Two layouts place these blocks, chosen by ``P = T * k`` alone
    written as fp32 to the pair's row ``p`` of a ``[P, H]`` partial buffer.
 4. combine: ``out[t] = sum_{j = 0..k-1} partial[t * k + j]`` in that order, fp32, one cast.
 
-The pair layout (P <= :data:`PAIR_LAYOUT_MAX_PAIRS`), two launches, no align and no combine:
+The pair layout (P <= :data:`PAIR_LAYOUT_MAX_PAIRS`, 16-row blocks only), two launches, no align and no
+combine:
 
 1. gate/up: P blocks, block ``b`` pair ``b``'s. Each program reads the P ids: where ``b``'s rank ``r``
    among its expert's pairs is a multiple of ``BLOCK_M`` (always, for an expert of at most 16
@@ -45,7 +47,17 @@ The pair layout (P <= :data:`PAIR_LAYOUT_MAX_PAIRS`), two launches, no align and
    weight, added to an fp32 sum, cast once and written to ``out``: the combine folded in, no
    partial buffer. An expert picked by n tokens is read n times here, once by the sorted down.
 
-Row invariance: the tiles and warps are chosen from ``(N, K, k, dtype, device)`` and the layout
+Tall blocks (``block_m`` 64 / 128, from :data:`TALL_BLOCK_MIN_TOKENS` tokens by :func:`moe_block_m`): at
+thousands of tokens an expert holds hundreds of pairs, and 16-row blocks read its weights once per 16 of
+them (and FP8 16-row dots run HMMA on widened codes); from 64 rows a block's FP8 dots take the e4m3
+warpgroup MMA and its weights are read a quarter (or an eighth) as often. Their tiles
+(:data:`_TALL_TILES`) are sized for many programs, not from the SM count.
+
+Row invariance, for ``block_m = 16`` (every call below :data:`TALL_BLOCK_MIN_TOKENS` tokens: every decode
+and verify graph). Tall blocks change a token's bits as a function of T: the e4m3 warpgroup MMA sums
+each 128-column K block with fewer bits than fp32, and which block height a call takes depends on T.
+The runtime never runs the fused MoE in its row-invariant mode (:func:`~dsaspec.layers.moe.set_fused_moe`)
+anyway. At 16 rows: the tiles and warps are chosen from ``(N, K, k, dtype, device)`` and the layout
 (the pair layout's down has one program per token where the sorted one has k, so its tile is sized
 for one program per token: FP8 ``BLOCK_N`` 32 instead of 128 at H 6144 on 132 SMs), never from T; a row of a tile
 meets the weight tile in a ``tl.dot`` (each output element from its own row and column, over the
@@ -56,7 +68,7 @@ invariance holds at every split. The two layouts do the same fp32 operations in 
 the same blocks (the down kernel compiles without FMA contraction, so the pair layout's ``sum +
 acc * w`` rounds the product as the stored partial is rounded), so the layout changes no bit
 either. A token's output bits depend only on its own hidden row, ids and weights: not on T, on the
-other tokens, or on where its pairs land. The result is deterministic.
+other tokens, or on where its pairs land. The result is deterministic (at every ``block_m``).
 
 FP8 block-scaled experts (``w13`` / ``w2`` e4m3 with fp32 ``weight_scale_inv`` per 128 x 128 block
 of each expert's projection, the official checkpoints' format, :mod:`dsaspec.ops.fp8_gemm`): the
@@ -73,7 +85,7 @@ per row).
 Shared experts: the MoE layer passes its shared expert as one more expert (``E + 1`` of them,
 :meth:`~dsaspec.layers.moe.MoE.fuse_shared_experts`) and one more slot per token, id ``E`` at
 weight 1.0, written by the router's kernel (``route_topk``'s ``n_shared``). Nothing here changes:
-its T pairs fill ``ceil(T / 16)`` blocks, the grids and the workspace follow ``(T * (k + 1), E + 1)``,
+its T pairs fill ``ceil(T / M)`` blocks, the grids and the workspace follow ``(T * (k + 1), E + 1)``,
 and the combine (or the pair layout's down) adds its product after the k routed ones, in fp32,
 before the one cast.
 """
@@ -92,7 +104,15 @@ from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS, act_quant
 from dsaspec.ops.row_invariant import _tile_counters
 
-BLOCK_M = 16  # rows of a grouped-GEMM tile: the padding unit of an expert's segment
+BLOCK_M = 16  # rows of a grouped-GEMM tile by default: the padding unit of an expert's segment
+BLOCK_MS = (16, 64, 128)  # the row-block heights fused_moe accepts (block_m)
+# moe_block_m's rule: 16-row blocks below TALL_BLOCK_MIN_TOKENS tokens (every decode / verify graph, so
+# those stay row-invariant), TALL_BLOCK_M rows from there (prefill chunks). On the GLM-5 FP8 rank's experts
+# (H 6144, I 256, 256 routed + the shared one, k 8; H200, CUDA graphs) 16 / 64 / 128 rows took 506 / 507 /
+# 777 us at T 512, 794 / 632 / 871 at 1,024 and 2,679 / 1,480 / 1,724 at 4,096
+# (benchmarks/results/h200/logs/moe_tall_blocks_glm5_rank_session22.md).
+TALL_BLOCK_M = 64
+TALL_BLOCK_MIN_TOKENS = 512
 _DTYPES = (torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
 # the align programs' chunks: the pairs one program ranks (its expert's) or places (the last) at a
@@ -133,7 +153,8 @@ _FP8_DOWN_PER_TOKEN_WARPS, _FP8_DOWN_STAGES = 2, 3
 def moe_split_k(intermediate_size: int, fp8: bool) -> int:
     """The gate/up K splits :class:`~dsaspec.layers.moe.RoutedExperts` passes to :func:`fused_moe` for
     experts of intermediate size ``intermediate_size`` (this rank's) and ``fp8`` weights: 4 for FP8
-    experts of I <= 256, else 1. A function of the shape only, never of the token count."""
+    experts of I <= 256, else 1. A function of the shape only, never of the token count; the layer
+    uses it on 16-row blocks and runs tall ones (:func:`moe_block_m`) unsplit."""
     return _FP8_SMALL_I_SPLIT if fp8 and intermediate_size <= _FP8_SMALL_I else 1
 
 
@@ -161,10 +182,22 @@ def _pairs_pad(num_pairs: int) -> int:
     return max(triton.next_power_of_2(PAIR_LAYOUT_MAX_PAIRS), triton.next_power_of_2(num_pairs))
 
 
-def max_blocks(num_pairs: int, num_experts: int) -> int:
-    """Blocks of ``BLOCK_M`` rows that ``num_pairs`` pairs can need at most over ``num_experts``
-    expert segments, each padded to a whole block: ``(P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M``."""
-    return (num_pairs + min(num_experts, num_pairs) * (BLOCK_M - 1)) // BLOCK_M
+def moe_block_m(num_tokens: int) -> int:
+    """The row-block height :class:`~dsaspec.layers.moe.RoutedExperts` passes to :func:`fused_moe` for
+    ``num_tokens`` tokens: :data:`BLOCK_M` (16) below :data:`TALL_BLOCK_MIN_TOKENS`, else
+    :data:`TALL_BLOCK_M`. A token's bits depend on it (module docstring: row invariance)."""
+    return BLOCK_M if num_tokens < TALL_BLOCK_MIN_TOKENS else TALL_BLOCK_M
+
+
+def _check_block_m(block_m) -> None:
+    if not isinstance(block_m, int) or isinstance(block_m, bool) or block_m not in BLOCK_MS:
+        raise ValueError(f"block_m: expected one of {BLOCK_MS}, got {block_m!r}")
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Blocks of ``block_m`` rows that ``num_pairs`` pairs can need at most over ``num_experts``
+    expert segments, each padded to a whole block: ``(P + min(E, P) * (block_m - 1)) // block_m``."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
 @dataclass(frozen=True)
@@ -178,47 +211,51 @@ class FusedMoEWorkspace:
     hidden_size: int
     intermediate_size: int
     dtype: torch.dtype
-    sorted_pairs: torch.Tensor  # int32 [max_blocks * BLOCK_M]: pair per sorted row, -1 = padding
+    sorted_pairs: torch.Tensor  # int32 [max_blocks * block_m]: pair per sorted row, -1 = padding
     block_experts: torch.Tensor  # int32 [max_blocks]: expert of each block, -1 = unused
     expert_counts: torch.Tensor  # int32 [E]: the align programs' pairs per expert
     pair_ranks: torch.Tensor  # int32 [max_tokens * k]: each pair's rank among its expert's (align)
-    act: torch.Tensor  # dtype [max_blocks * BLOCK_M, I]: silu(gate) * up per sorted row (pair layout: per pair)
+    act: torch.Tensor  # dtype [max_blocks * block_m, I]: silu(gate) * up per sorted row (pair layout: per pair)
     partial: torch.Tensor  # fp32 [max_tokens * k, H]: weighted down projection per pair (sorted layout)
     fp8: bool = False  # for FP8 experts: the quantized activations below are allocated
     hidden_q: torch.Tensor | None = None  # e4m3 [max_tokens, H]: act_quant of the hidden rows
     hidden_scale: torch.Tensor | None = None  # fp32 [max_tokens, H / 128]
-    act_q: torch.Tensor | None = None  # e4m3 [max_blocks * BLOCK_M, I]: act_quant of act
-    act_scale: torch.Tensor | None = None  # fp32 [max_blocks * BLOCK_M, I / 128]
+    act_q: torch.Tensor | None = None  # e4m3 [max_blocks * block_m, I]: act_quant of act
+    act_scale: torch.Tensor | None = None  # fp32 [max_blocks * block_m, I / 128]
     split_k: int = 1  # the most gate/up K splits a call may use
-    gate_up: torch.Tensor | None = None  # fp32 [split_k, max_blocks * BLOCK_M, 2I] (split_k > 1)
+    gate_up: torch.Tensor | None = None  # fp32 [split_k, max_blocks * block_m, 2I] (split_k > 1)
+    block_m: int = BLOCK_M  # the row-block height of the calls it serves (fused_moe's block_m)
 
 
 def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_size: int,
                         intermediate_size: int, device, dtype: torch.dtype, *,
-                        fp8: bool = False, split_k: int = 1) -> FusedMoEWorkspace:
+                        fp8: bool = False, split_k: int = 1, block_m: int = BLOCK_M) -> FusedMoEWorkspace:
     """Allocate the buffers of :func:`fused_moe` for calls of up to ``max_tokens`` tokens with
     ``topk`` experts per token out of ``num_experts``, hidden size H, intermediate size I and
     activations of ``dtype`` (bf16 or fp32); ``fp8``: for FP8 experts (also the e4m3 codes and
     scales of the quantized hidden rows and activations; H and I multiples of 128); ``split_k``:
-    for calls of up to that many gate/up K splits (fp32 partials). Allocate once, before capture;
-    a graph replays with the same workspace. Sizes: ``max_blocks(T * k, E) * 16`` rows of I
+    for calls of up to that many gate/up K splits (fp32 partials); ``block_m``: for calls of that
+    row-block height (:func:`fused_moe`'s, which must match). Allocate once, before capture;
+    a graph replays with the same workspace. Sizes: ``max_blocks(T * k, E, block_m) * block_m`` rows of I
     activations and ``T * k`` fp32 rows of H (at T = 512, k = 8, H = 7168: 117 MB), with
     ``split_k > 1`` also ``split_k`` fp32 partials of those rows x 2I (I = 256, split 4: 65 MB).
     Both layouts fit: the pair layout uses rows ``0..P-1`` of the activations and partials (``P <=
     max_blocks(P, E) * 16``) and neither the sorted pairs nor the fp32 partials of H.
 
     Raises ``TypeError`` / ``ValueError`` naming the argument unless the counts are ints >= 1,
-    ``dtype`` is bf16 or fp32 and, with ``fp8``, H and I are multiples of 128."""
+    ``dtype`` is bf16 or fp32, ``block_m`` one of :data:`BLOCK_MS` and, with ``fp8``, H and I are
+    multiples of 128."""
     for name, value in (("max_tokens", max_tokens), ("topk", topk), ("num_experts", num_experts),
                         ("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                         ("split_k", split_k)):
         check_count(name, value)
+    _check_block_m(block_m)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
     if fp8:
         _check_fp8_dims(hidden_size, intermediate_size)
     pairs = max_tokens * topk
-    rows = max_blocks(pairs, num_experts) * BLOCK_M
+    rows = max_blocks(pairs, num_experts, block_m) * block_m
     quantized = {}
     if fp8:
         quantized = dict(
@@ -232,12 +269,12 @@ def fused_moe_workspace(max_tokens: int, topk: int, num_experts: int, hidden_siz
     return FusedMoEWorkspace(
         max_tokens, topk, num_experts, hidden_size, intermediate_size, dtype,
         sorted_pairs=torch.empty(rows, dtype=torch.int32, device=device),
-        block_experts=torch.empty(rows // BLOCK_M, dtype=torch.int32, device=device),
+        block_experts=torch.empty(rows // block_m, dtype=torch.int32, device=device),
         expert_counts=torch.empty(num_experts, dtype=torch.int32, device=device),
         pair_ranks=torch.empty(pairs, dtype=torch.int32, device=device),
         act=torch.empty(rows, intermediate_size, dtype=dtype, device=device),
         partial=torch.empty(pairs, hidden_size, dtype=torch.float32, device=device), fp8=fp8,
-        split_k=split_k, **quantized)
+        split_k=split_k, block_m=block_m, **quantized)
 
 
 def _check_fp8_dims(hidden_size: int, intermediate_size: int) -> None:
@@ -255,8 +292,18 @@ class _Tile:
     num_stages: int
 
 
+# The tiles of tall blocks (block_m 64 / 128: prefill chunks, hundreds of pairs an expert and thousands of
+# programs, so not sized from the SM count): (block_m, weight tiles: 2 gate/up, 1 down) -> (BLOCK_N, warps).
+# Timed as a whole only (TALL_BLOCK_M's note; not swept): 128-wide down
+# tiles; FP8 gate/up 128 wide at 64 rows (64 at 128 rows) in 8 warps, so the two fp32 accumulators and the
+# two per-K-block dot results stay at 32 registers a thread each. Stages: as many as _STAGE_BYTES holds
+# (at most _tile's per-kernel caps), at least 2 (bf16 halves BLOCK_K, else BLOCK_N, until two fit).
+_TALL_TILES = {(64, 2): (128, 8), (64, 1): (128, 4), (128, 2): (64, 8), (128, 1): (128, 8)}
+
+
 def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.device,
-          weight_tiles: int = 1, fp8: bool = False, split_k: int = 1, per_token: bool = False) -> _Tile:
+          weight_tiles: int = 1, fp8: bool = False, split_k: int = 1, per_token: bool = False,
+          block_m: int = BLOCK_M) -> _Tile:
     """Tile of a grouped GEMM with N outputs and reduction K in ``split_k`` splits (never a function
     of T): bf16 and FP8 (e4m3 operands, one 128-column scale block per K step) tiles of
     ``BLOCK_N x 128``, fp32 (FMA) ``BLOCK_N x 32``, with ``BLOCK_N`` the widest of 128/64/32/16 that
@@ -265,7 +312,8 @@ def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.devic
     2) and the FP8 pair-layout down (both measured: the notes on ``_FP8_SMALL_I`` and ``_FP8_DOWN_STAGES``)
     (off-GPU: the widest, so the interpreter runs few programs); up to 4 (bf16, FP8 gate/up), 3 (FP8
     down, fp32) stages of the activation tile and ``weight_tiles`` weight tiles within
-    ``_STAGE_BYTES`` of shared memory; 4 warps (2 for the FP8 pair-layout down)."""
+    ``_STAGE_BYTES`` of shared memory; 4 warps (2 for the FP8 pair-layout down). Tall blocks
+    (``block_m`` > 16): ``BLOCK_N`` and warps from :data:`_TALL_TILES`, at least 2 stages."""
     if fp8:
         dtype = FP8
         block_k, widths, num_warps, max_stages = FP8_BLOCK, (128, 64, 32, 16), 4, 4
@@ -275,18 +323,31 @@ def _tile(n: int, k_dim: int, topk: int, dtype: torch.dtype, device: torch.devic
         block_k, widths, num_warps, max_stages = 32, (32, 16), 4, 3
     else:
         block_k, widths, num_warps, max_stages = 128, (128, 64, 32, 16), 4, 4
-    one_per_sm = fp8 and (weight_tiles == 2 or per_token)
-    wanted = (1 if one_per_sm else 2) * sm_count(device, without_cuda=1)
-    programs = 1 if per_token else topk
-    block_n = widths[-1]
-    for width in widths:
-        if programs * triton.cdiv(n, width) * split_k >= wanted:
-            block_n = width
-            break
+    if block_m > BLOCK_M:
+        block_n, num_warps = _TALL_TILES[block_m, weight_tiles]
+        if fp8:  # one weight scale per tile and K block
+            block_n = min(block_n, FP8_BLOCK)
+    else:
+        one_per_sm = fp8 and (weight_tiles == 2 or per_token)
+        wanted = (1 if one_per_sm else 2) * sm_count(device, without_cuda=1)
+        programs = 1 if per_token else topk
+        block_n = widths[-1]
+        for width in widths:
+            if programs * triton.cdiv(n, width) * split_k >= wanted:
+                block_n = width
+                break
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(block_k, max(16, triton.next_power_of_2(k_dim)))
-    stage = (BLOCK_M + weight_tiles * block_n) * block_k * dtype.itemsize
-    return _Tile(block_n, block_k, num_warps, max(1, min(max_stages, _STAGE_BYTES // stage)))
+
+    def stages() -> int:
+        return _STAGE_BYTES // ((block_m + weight_tiles * block_n) * block_k * dtype.itemsize)
+
+    while block_m > BLOCK_M and stages() < 2:  # tall blocks pipeline at least two stages
+        if not fp8 and block_k > 32:
+            block_k //= 2
+        else:
+            block_n //= 2
+    return _Tile(block_n, block_k, num_warps, max(1, min(max_stages, stages())))
 
 
 @triton.jit
@@ -591,11 +652,15 @@ def _combine_kernel(partial_ptr, ids_ptr, out_ptr, T, H, stride_partial, stride_
 
 
 def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace,
-                  split_k, sort_pairs, hidden_codes) -> bool:
+                  split_k, sort_pairs, hidden_codes, block_m) -> bool:
     """Check the arguments; returns whether the experts are FP8."""
     check_count("split_k", split_k)
+    _check_block_m(block_m)
     if sort_pairs is not None and not isinstance(sort_pairs, bool):
         raise TypeError(f"sort_pairs: expected None or a bool, got {sort_pairs!r}")
+    if sort_pairs is False and block_m != BLOCK_M:
+        raise ValueError(f"sort_pairs: the pair layout (False) runs {BLOCK_M}-row blocks only, got block_m "
+                         f"{block_m}; pass True or None")
     check_tensor("hidden", hidden, dtype=_DTYPES, ndim=2)
     tokens, h = hidden.shape
     dtype, device = hidden.dtype, hidden.device
@@ -646,6 +711,8 @@ def _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_sc
     if got != (topk, experts, h, inter, dtype) or tokens > workspace.max_tokens:
         raise ValueError(f"workspace: sized for <= {workspace.max_tokens} tokens, (k, E, H, I, dtype) = "
                          f"{got}; this call has {tokens} tokens, {(topk, experts, h, inter, dtype)}")
+    if workspace.block_m != block_m:
+        raise ValueError(f"workspace: allocated for block_m {workspace.block_m}, this call has block_m {block_m}")
     if workspace.fp8 != fp8:
         raise ValueError(f"workspace: allocated with fp8={workspace.fp8}, but the experts are {w13.dtype}")
     if split_k > 1 and workspace.split_k < split_k:
@@ -661,12 +728,15 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
               w2_scale: torch.Tensor | None = None, scale_fmt: str | None = None,
               workspace: FusedMoEWorkspace | None = None, split_k: int = 1,
               sort_pairs: bool | None = None, check_values: bool = True,
-              hidden_codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              hidden_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+              block_m: int = BLOCK_M) -> torch.Tensor:
     """Routed-expert MLP: ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x) *
     (w13[e, I:] @ x))``, ``x = hidden[t]``, ``e = topk_ids[t, j]``; fp32 accumulation, the
     activation rounded once to the hidden dtype, the k weighted expert outputs summed in fp32 in
-    order j = 0..k-1 and cast once. A token's output is bitwise independent of T and of the other
-    tokens (module docstring). Repeated ids within a row are allowed: each slot counts on its own.
+    order j = 0..k-1 and cast once. At one ``block_m`` and ``split_k`` a token's output is bitwise
+    independent of T and of the other tokens; a caller that picks ``block_m`` by T (:func:`moe_block_m`)
+    keeps that only below :data:`TALL_BLOCK_MIN_TOKENS` (module docstring). Repeated ids within a row are
+    allowed: each slot counts on its own.
 
     FP8 experts (``w13`` / ``w2`` e4m3 with ``w13_scale`` / ``w2_scale``): ``W = w * scale`` per
     128 x 128 block of each expert's projection; ``x`` and the activation are quantized per token per
@@ -687,15 +757,15 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         H / 128, I / 128]``; else None.
     scale_fmt : the activation scales, None (fp32) or ``"ue8m0"`` (powers of two), FP8 only.
     workspace : from :func:`fused_moe_workspace` for >= T tokens and this call's (k, E, H, I,
-        dtype, fp8) and ``split_k``; None allocates one (not for graph capture).
+        dtype, fp8), ``split_k`` and ``block_m``; None allocates one (not for graph capture).
     split_k : gate/up programs per output tile, each over a contiguous ``1 / split_k`` of the K
         blocks, their fp32 sums added in order (module docstring). It changes the summation order:
         fix it per shape (E, k, H, I, dtype), never per T, or a token's bits depend on T. Splits
         beyond the K blocks add zeros.
     sort_pairs : the block layout (module docstring): True sorts the pairs (align, down, combine),
-        False lays them out by pair (down sums each token's pairs itself: two launches fewer), None
-        (default) :func:`sorts_pairs` of ``T * k``. Both give the same bits; any workspace for T
-        tokens serves both.
+        False lays them out by pair (down sums each token's pairs itself: two launches fewer; 16-row
+        blocks only), None (default) :func:`sorts_pairs` of ``T * k`` at 16 rows, True for taller
+        blocks. Both give the same bits; any workspace for T tokens serves both.
     check_values : also check that every id is in ``[0, E)`` (a host sync, so not inside CUDA
         graphs). Shapes, dtypes and devices are always checked. Graph replay relies on the caller
         for the range; an id outside it contributes nothing (reads and writes nothing).
@@ -703,13 +773,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         fp32 ``[T, H / 128]``, unit last strides; the norm before the MoE writes them), read instead of
         quantizing ``hidden`` in a launch of its own; what it holds is not checked against
         ``hidden``. None (default): quantized here.
+    block_m : the row-block height, one of :data:`BLOCK_MS` (16 default; 64 / 128 for prefill chunks,
+        :func:`moe_block_m`): each expert's segment is padded to it and the GEMM tiles have that many
+        rows. It changes the summation (FP8 from 64 rows: the e4m3 warpgroup MMA), so a token's bits
+        differ between heights. ``ValueError`` for another value, or ``sort_pairs=False`` with a taller one.
 
     Returns
     -------
     ``out``.
     """
     fp8 = _check_inputs(hidden, w13, w2, topk_ids, topk_weights, out, w13_scale, w2_scale, workspace,
-                        split_k, sort_pairs, hidden_codes)
+                        split_k, sort_pairs, hidden_codes, block_m)
     if scale_fmt not in SCALE_FORMATS:
         raise ValueError(f"scale_fmt: expected one of {SCALE_FORMATS}, got {scale_fmt!r}")
     tokens, h = hidden.shape
@@ -723,19 +797,19 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         return out
     if workspace is None:
         workspace = fused_moe_workspace(tokens, topk, experts, h, inter, hidden.device, hidden.dtype, fp8=fp8,
-                                        split_k=split_k)
+                                        split_k=split_k, block_m=block_m)
     pairs = tokens * topk
-    sort = sorts_pairs(pairs) if sort_pairs is None else sort_pairs
+    sort = (sorts_pairs(pairs) or block_m > BLOCK_M) if sort_pairs is None else sort_pairs
     if sort:
-        blocks = max_blocks(pairs, experts)
+        blocks = max_blocks(pairs, experts, block_m)
         e_pad = triton.next_power_of_2(experts)
         _align_kernel[(experts,)](topk_ids, workspace.expert_counts, workspace.pair_ranks,
                                   _tile_counters(hidden.device, 1), workspace.sorted_pairs, workspace.block_experts,
                                   pairs, blocks, NUM_EXPERTS=experts, E_PAD=e_pad, PAIR_CHUNK=_ALIGN_PAIR_CHUNK,
-                                  BLOCK_CHUNK=_ALIGN_BLOCK_CHUNK, FILL=1024, BLOCK_M=BLOCK_M, num_warps=_ALIGN_WARPS)
+                                  BLOCK_CHUNK=_ALIGN_BLOCK_CHUNK, FILL=1024, BLOCK_M=block_m, num_warps=_ALIGN_WARPS)
         # the rows of act and its codes: the blocks' (padding rows too), a live one's pair in [0, P)
         row_ids, block_experts, rows, down_blocks = (
-            workspace.sorted_pairs, workspace.block_experts, blocks * BLOCK_M, blocks)
+            workspace.sorted_pairs, workspace.block_experts, blocks * block_m, blocks)
     else:  # pair layout: a block per pair; row p pair p's, live where its id is in [0, E); down per token
         blocks = pairs
         row_ids, block_experts, rows, down_blocks = topk_ids, topk_ids, pairs, tokens
@@ -746,7 +820,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         x, x_scale = hidden_codes if hidden_codes is not None else act_quant(
             hidden, scale_fmt, out=workspace.hidden_q[:tokens], scale_out=workspace.hidden_scale[:tokens])
         a, a_scale, w13_s, w2_s = workspace.act_q, workspace.act_scale, w13_scale, w2_scale
-    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8, split_k=split_k)
+    # block_m only for tall blocks: scripts/bench_moe_tiles.py stubs _tile for its 16-row sweeps
+    tall = dict(block_m=block_m) if block_m > BLOCK_M else {}
+    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8, split_k=split_k, **tall)
     k_span = triton.cdiv(triton.cdiv(h, tile.block_k), split_k) * tile.block_k
     # a split's reduction covers GROUP columns: FP8 one 128-column scale block (several tiles), else a tile
     group = FP8_BLOCK if fp8 else tile.block_n
@@ -757,21 +833,21 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         x, x_scale, w13, w13_s, row_ids, block_experts, gate_up, act, a, a_scale, counters, blocks, experts, h,
         inter, x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), w13_s.stride(0), w13_s.stride(1),
         gate_up.stride(-2), act.stride(0), a.stride(0), a_scale.stride(0), k_span,
-        gate_up.stride(0) if split_k > 1 else 0, triton.cdiv(inter, group), TOPK=topk, BLOCK_M=BLOCK_M,
+        gate_up.stride(0) if split_k > 1 else 0, triton.cdiv(inter, group), TOPK=topk, BLOCK_M=block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT=split_k, GROUP=group, UPCAST=upcast, FP8=fp8,
-        UE8M0=scale_fmt == "ue8m0", PAIRS=not sort, PAIRS_PAD=BLOCK_M if sort else _pairs_pad(pairs),
+        UE8M0=scale_fmt == "ue8m0", PAIRS=not sort, PAIRS_PAD=block_m if sort else _pairs_pad(pairs),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     if fp8 and split_k == 1:  # every row in use: padding rows are quantized too and never read
         act_quant(act[:rows], scale_fmt, out=a[:rows], scale_out=a_scale[:rows])
     # the down programs: a block's (sorted) or a token's (pair layout) x BLOCK_N columns, so the pair
     # layout sizes its tile for one program per token; no FMA contraction, so the pair layout's fp32
     # sum of weighted products has the combine's bits
-    tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8, per_token=not sort)
+    tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8, per_token=not sort, **tall)
     target = partial if sort else out
     _down_kernel[(down_blocks * triton.cdiv(h, tile.block_n),)](
         a, a_scale, w2, w2_s, row_ids, block_experts, topk_weights, target, down_blocks, experts, h, inter,
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0), w2_s.stride(1),
-        target.stride(0), TOPK=topk, BLOCK_M=BLOCK_M,
+        target.stride(0), TOPK=topk, BLOCK_M=block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=upcast, FP8=fp8, PAIRS=not sort,
         TOPK_PAD=triton.next_power_of_2(topk), num_warps=tile.num_warps, num_stages=tile.num_stages,
         enable_fp_fusion=False)
