@@ -189,6 +189,25 @@ def _one_launch_is_the_two(rows, heads, rope_dim, dtype, interleaved, fp8, devic
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+def test_epilogues_without_the_layer_input_leave_out_the_head_weights(fp8, device):
+    """``x`` None: no head weights (None back), the query and the whole cache as with them."""
+    rows, rope_dim = 33, 64
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(rows, 3, 128, generator=gen).to(torch.bfloat16).to(device)
+    k, w, b = _keys(rows, torch.bfloat16, gen, device)
+    cos, sin = _angles(rows, rope_dim, gen, device)
+    loc = torch.randperm(2 * rows + 70, generator=gen)[:rows].to(device)
+    x, head_weight = _head_inputs(rows, 512, torch.bfloat16, gen, device)
+    caches = [_cache(fp8, 2 * rows + 70, torch.bfloat16, device) for _ in range(2)]
+    q_with, weights = indexer_epilogues(q, caches[0], loc, k, w, b, EPS, cos, sin, rope_dim, True, x,
+                                        head_weight, 0.03)
+    q_without, none = indexer_epilogues(q, caches[1], loc, k, w, b, EPS, cos, sin, rope_dim, True, None,
+                                        head_weight, 0.03)
+    assert weights.shape == (rows, 32) and none is None
+    assert torch.equal(q_with, q_without) and torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rows", EDGE_ROWS)
 def test_one_launch_is_the_two_launches(rows, fp8, device):
     """``indexer_epilogues``: the query, the whole cache (written slots and the untouched rest) and

@@ -926,6 +926,60 @@ def test_prefill_groups_the_indexer_rows_of_a_chunk(monkeypatch, row_invariant):
     torch.testing.assert_close(grouped, single, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_prefill_chunks_of_many_rows_take_the_head_weights_from_a_gemm(monkeypatch, row_invariant):
+    """From HEAD_WEIGHTS_GEMM_MIN_ROWS rows (lowered to 32 here) the indexer's epilogue launch gets
+    no layer input and the head weights come from torch's fp32 GEMM, except in the row-invariant
+    mode; the prompt's hidden states agree with the epilogue's head weights to fp32 rounding.
+    Triton ops under the interpreter; chunks of 32, 32 and 6 rows."""
+    import dsaspec.layers.attention.mla as mla
+
+    model = DSAModel(get_config("tiny"), use_triton=True, row_invariant=row_invariant).init_weights(6)
+    ops = dsa_ops(True, model.sparse_mla_gluon)
+    inputs = []
+    real = ops.indexer_epilogues
+    monkeypatch.setattr(ops, "indexer_epilogues", lambda *a, **kw: inputs.append(
+        (a[0].shape[0], a[11] is not None)) or real(*a, **kw))
+    ids = _tokens(70, model.config.vocab_size, seed=7)
+
+    def prefill():
+        session = Session(model)
+        row = session.slots.admit(ids.numel())
+        return model.prefill(ids, session.table, row, session.kv, chunk_size=32)
+
+    launch = prefill()
+    monkeypatch.setattr(mla, "HEAD_WEIGHTS_GEMM_MIN_ROWS", 32)
+    inputs.clear()
+    gemm = prefill()
+    layers = model.config.num_hidden_layers
+    assert inputs == [(rows, row_invariant or rows < 32) for rows in (32, 32, 6) for _ in range(layers)]
+    torch.testing.assert_close(gemm, launch, atol=1e-4, rtol=1e-4)
+
+
+def test_only_the_first_layer_runs_the_value_checks(monkeypatch):
+    """check_values reaches the first layer's ops alone (the later layers would repeat its host
+    syncs on the same slots and tables), and a slot outside the pool is still refused there
+    (Triton ops under the interpreter)."""
+    model = DSAModel(get_config("tiny", num_hidden_layers=3), use_triton=True).init_weights(0)
+    ops = dsa_ops(True, model.sparse_mla_gluon)
+    checks = []
+    real = ops.store_mla_normed
+    monkeypatch.setattr(ops, "store_mla_normed", lambda *a, **kw: checks.append(kw["check_values"]) or real(*a, **kw))
+    session = Session(model)
+    ids = _tokens(12, model.config.vocab_size)
+    row = session.slots.admit(ids.numel())
+    positions, loc, attn = build_extend_inputs(session.table, [row], [0], [ids.numel()])
+    model(ids, positions, loc, session.kv, attn)
+    assert checks == [True, False, False]
+    checks.clear()
+    model(ids, positions, loc, session.kv, attn, check_values=False)
+    assert checks == [False, False, False]
+    bad = loc.clone()
+    bad[-1] = session.kv.mla_cache[0].shape[0]
+    with pytest.raises(ValueError, match="loc"):
+        model(ids, positions, bad, session.kv, attn)
+
+
 def test_extend_inputs_page_table_of_one_request_is_its_row_without_a_copy():
     """One request: page_table_1 is its table row repeated with stride 0 (no [R, W] copy); several:
     each row's request's row. Both cut to the longest live length."""

@@ -311,8 +311,10 @@ class DSAModel(nn.Module):
         input_ids : int ``[R]``; positions : int64 ``[R]`` (RoPE positions);
         out_cache_loc : int64 ``[R]`` (slot each row's KV is written to);
         kv : the target KVPool (``num_hidden_layers`` layers); attn : AttentionInputs of the rows.
-        check_values : let the ops check lengths and slots against their buffers (host syncs);
-        pass False inside CUDA graphs. Shapes and dtypes are always checked (host only).
+        check_values : let the first layer's ops check lengths and slots against their buffers
+        (host syncs; every layer reads the same rows, slots, tables and pool geometry, so the
+        others do not repeat them); pass False inside CUDA graphs. Shapes and dtypes are always
+        checked (host only).
 
         Returns
         -------
@@ -325,6 +327,7 @@ class DSAModel(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         for i in range(self.config.num_hidden_layers):
             x, residual = self.model.layers[i](x, step, kv.mla_cache[i], kv.index_k_cache[i], residual)
+            step.check_values = False
         return self.model.norm(x, residual)[0]
 
     def forward_mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

@@ -253,20 +253,22 @@ def store_index_k_normed(cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor
 
 def indexer_epilogues(q: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
                       weight: torch.Tensor, bias: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                      rope_dim: int, interleaved: bool, x: torch.Tensor, head_weight: torch.Tensor,
+                      rope_dim: int, interleaved: bool, x: torch.Tensor | None, head_weight: torch.Tensor,
                       head_scale: float, check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's indexer epilogues and head weights in one launch, on one grid (the query's
     programs, the key's, then the head weights'), the same checks and bits as
     ``index_q_rope(q, cos, sin, rope_dim, interleaved, rotate)`` with ``rotate`` when ``cache`` is an
     FP8 cache, ``store_index_k_normed(cache, loc, k, weight, bias, eps, cos, sin, rope_dim,
     interleaved, check_values)`` and :func:`~dsaspec.ops.index_weights.index_weights` ``(x,
-    head_weight, head_scale)``. ``q`` and ``k`` of one dtype, both read in place through their
-    strides. Returns ``(query, head weights)``: a new contiguous tensor like ``q``, fp32 ``[R, N]``."""
+    head_weight, head_scale)`` (``x`` None: no head weights). ``q`` and ``k`` of one dtype, both
+    read in place through their strides. Returns ``(query, head weights)``: a new contiguous
+    tensor like ``q``, fp32 ``[R, N]`` (None without ``x``)."""
     out = _query(q, cos, sin, rope_dim)
     if isinstance(k, torch.Tensor) and k.dtype != q.dtype:
         raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
     codes, scale, dest = _key(cache, loc, k, weight, bias, cos, sin, rope_dim, check_values)
-    head_weights = prepare_index_weights(x, head_weight, head_scale, weight_name="head_weight", device=q.device)
+    head_weights = None if x is None else prepare_index_weights(x, head_weight, head_scale,
+                                                                weight_name="head_weight", device=q.device)
     _launch(cos, sin, rope_dim, interleaved, dest == _FP8, q=q, q_out=out, k=k, weight=weight, bias=bias, eps=eps,
             codes=codes, loc=loc, scale=scale, dest=dest, head_weights=head_weights)
-    return out, head_weights.out
+    return out, None if head_weights is None else head_weights.out

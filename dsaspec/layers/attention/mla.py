@@ -48,6 +48,14 @@ class ForwardState:
     seeded: bool = False
 
 
+# From this many rows (eager prefill chunks; no captured step has as many) the indexer's head
+# weights run as torch's fp32 GEMM instead of the epilogue launch's programs, which read the
+# hidden rows once per head: 0.45 ms a 4,096-row chunk of the GLM-5 rank, where the launch's other
+# work takes ~0.02 ms (benchmarks/results/h200/logs/prefill_glm5_rank_session22.md). Other
+# summation order, so not in the row-invariant mode.
+HEAD_WEIGHTS_GEMM_MIN_ROWS = 512
+
+
 @functools.lru_cache(maxsize=8)
 def hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
     """The ``n x n`` Sylvester Hadamard matrix scaled by ``n**-0.5`` (fp32, orthonormal and
@@ -97,20 +105,25 @@ class Indexer(RowInvariant, nn.Module):
         q = wq_b_out.view(rows, cfg.index_n_heads, cfg.index_head_dim)
         wk_out = self.wk(x) if wk_out is None else wk_out
         if step.ops.indexer_epilogues is not None:   # the Triton ops: q's, k's and the weights' in one launch
-            return step.ops.indexer_epilogues(q, index_k_cache, step.out_cache_loc, wk_out, self.k_norm.weight,
-                                              self.k_norm.bias, self.k_norm.eps, step.cos, step.sin, rope,
-                                              interleaved, x, self.weights_proj.weight, cfg.index_weight_scale,
-                                              check_values=step.check_values)
+            gemm_weights = not self.row_invariant and rows >= HEAD_WEIGHTS_GEMM_MIN_ROWS
+            q, weights = step.ops.indexer_epilogues(q, index_k_cache, step.out_cache_loc, wk_out, self.k_norm.weight,
+                                                    self.k_norm.bias, self.k_norm.eps, step.cos, step.sin, rope,
+                                                    interleaved, None if gemm_weights else x,
+                                                    self.weights_proj.weight, cfg.index_weight_scale,
+                                                    check_values=step.check_values)
+            return q, self._head_weights(x) if gemm_weights else weights
         q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
         k = apply_rope_first(self.k_norm(wk_out), rope, step.cos, step.sin, interleaved)
         if is_fp8_cache(index_k_cache):
             q, k = self._rotate(q), self._rotate(k)
         step.ops.store_index_k(index_k_cache, step.out_cache_loc, k, check_values=step.check_values)
-        if self.row_invariant:
-            weights = row_invariant_ops().linear(x.float(), self.weights_proj.weight.float())
-        else:
-            weights = F.linear(x.float(), self.weights_proj.weight.float())
-        return q, weights * cfg.index_weight_scale
+        return q, self._head_weights(x)
+
+    def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[R, index_n_heads]``: ``weights_proj`` in fp32 (the row-invariant GEMM when
+        ``row_invariant``, else torch's) times ``index_weight_scale``."""
+        linear = row_invariant_ops().linear if self.row_invariant else F.linear
+        return linear(x.float(), self.weights_proj.weight.float()) * self.config.index_weight_scale
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ H`` over the last dim (fp32 math, ``x``'s dtype back), ``H`` symmetric."""
