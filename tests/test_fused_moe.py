@@ -1101,11 +1101,11 @@ def test_pair_layout_drops_align_and_combine(fp8, split_k, sorted_names, pair_na
 
 
 
-def _rank_experts(hidden_size, fp8, tokens=8):
-    """A TP 8 rank's experts with the shared one as expert 256 (E 256 + 1, k 8 + 1, I 256; FP8 or
-    bf16, bf16 activations) and ``tokens`` tokens' inputs, routed experts repeated across tokens
-    (tokens 0 and 1 share slot 0's, token 3 picks token 2's last): hidden, w13, w2, ids, weights and
-    the keyword arguments of the layer's call (scales, split_k)."""
+def _rank_case(hidden_size, fp8, tokens):
+    """A TP 8 rank's experts (E 256, k 8, I 256; FP8 or bf16, bf16 activations) and ``tokens`` random
+    tokens' inputs, on the GPU, with the shared expert built apart: hidden, w13, w2, ids, weights, the
+    shared expert's weights (the references' ``shared``), the FP8 scales (None for bf16), and the
+    experts with the shared one appended as expert 256 (w13, w2 and the scales keyword arguments)."""
     dtype, inter = torch.bfloat16, 256
     if fp8:
         hidden, w13, s13, w2, s2, ids, weights = _fp8_case(tokens, 8, 256, hidden_size, inter, dtype=dtype,
@@ -1113,17 +1113,28 @@ def _rank_experts(hidden_size, fp8, tokens=8):
         shared = _fp8_shared(hidden_size, inter, 1, "cuda")
         extra13, extra2 = _as_experts(shared[0][0], shared[1][0], shared[2][0], inter)
         extra_s13, extra_s2 = _as_experts(shared[0][1], shared[1][1], shared[2][1], inter, 128, 128)
-        kwargs = dict(w13_scale=torch.cat([s13, extra_s13]), w2_scale=torch.cat([s2, extra_s2]))
+        scales, all_scales = (s13, s2), dict(w13_scale=torch.cat([s13, extra_s13]), w2_scale=torch.cat([s2, extra_s2]))
     else:
         hidden, w13, w2, ids, weights = _case(tokens, 8, 256, hidden_size, inter, dtype=dtype, device="cuda")
-        extra13, extra2 = _as_experts(*(w.to(dtype).cuda() for w in _shared(hidden_size, inter, 1)), inter)
-        kwargs = {}
+        shared = tuple(w.to(dtype).cuda() for w in _shared(hidden_size, inter, 1))
+        extra13, extra2 = _as_experts(*shared, inter)
+        scales, all_scales = None, {}
+    return (hidden, w13, w2, ids, weights, shared, scales,
+            (torch.cat([w13, extra13]), torch.cat([w2, extra2]), all_scales))
+
+
+def _rank_experts(hidden_size, fp8, tokens=8):
+    """:func:`_rank_case`'s experts with the shared one as expert 256 (k 8 + 1) and ``tokens`` tokens'
+    inputs, routed experts repeated across tokens (tokens 0 and 1 share slot 0's, token 3 picks token
+    2's last): hidden, w13, w2, ids, weights and the keyword arguments of the layer's call (scales,
+    split_k)."""
+    hidden, _, _, ids, weights, _, _, (w13, w2, kwargs) = _rank_case(hidden_size, fp8, tokens)
     ids[1, 0] = ids[0, 0]
     if ids[2, 7] not in ids[3]:
         ids[3, 7] = ids[2, 7]
     ids, weights = _with_shared_slots(ids, weights, 256, 1)
-    kwargs["split_k"] = moe.moe_split_k(inter, fp8)
-    return hidden, torch.cat([w13, extra13]), torch.cat([w2, extra2]), ids, weights, kwargs
+    kwargs["split_k"] = moe.moe_split_k(256, fp8)
+    return hidden, w13, w2, ids, weights, kwargs
 
 
 @pytest.mark.gpu
@@ -1337,20 +1348,8 @@ def test_gpu_tall_blocks_production_shape(block_m, fp8):
     blocks, unsplit and in 4 splits: the first 16 tokens match the reference; the whole output is
     normwise within 2**-6 of the 16-row blocks' (FP8: the e4m3 warpgroup MMA sums with fewer bits); two
     calls give the same bits; an expert of every pair (token 0's first id on every token) too."""
-    tokens, dtype, hidden_size, inter = 4096, torch.bfloat16, 6144, 256
-    if fp8:
-        hidden, w13, s13, w2, s2, ids, weights = _fp8_case(tokens, 8, 256, hidden_size, inter, dtype=dtype,
-                                                           device="cuda")
-        shared = _fp8_shared(hidden_size, inter, 1, "cuda")
-        extra13, extra2 = _as_experts(shared[0][0], shared[1][0], shared[2][0], inter)
-        extra_s13, extra_s2 = _as_experts(shared[0][1], shared[1][1], shared[2][1], inter, 128, 128)
-        scales = dict(w13_scale=torch.cat([s13, extra_s13]), w2_scale=torch.cat([s2, extra_s2]))
-    else:
-        hidden, w13, w2, ids, weights = _case(tokens, 8, 256, hidden_size, inter, dtype=dtype, device="cuda")
-        shared = tuple(w.to(dtype).cuda() for w in _shared(hidden_size, inter, 1))
-        extra13, extra2 = _as_experts(*shared, inter)
-        scales = {}
-    all13, all2 = torch.cat([w13, extra13]), torch.cat([w2, extra2])
+    tokens, dtype = 4096, torch.bfloat16
+    hidden, w13, w2, ids, weights, shared, fp8_scales, (all13, all2, scales) = _rank_case(6144, fp8, tokens)
     for routing in ("random", "one-expert"):
         if routing == "one-expert":
             ids = ids[:1, :1].expand(tokens, 8).contiguous()
@@ -1368,6 +1367,7 @@ def test_gpu_tall_blocks_production_shape(block_m, fp8):
             error = float((tall.double() - short.double()).norm() / short.double().norm())
             assert error <= 2**-6, f"{routing} split {split_k}: {error:.3g} from the 16-row blocks"
             if fp8:
+                s13, s2 = fp8_scales
                 want = fp8_reference(hidden[:16], w13, s13, w2, s2, ids[:16], weights[:16], shared=shared)
                 _assert_fp8_close(tall[:16], want, dtype)
             else:

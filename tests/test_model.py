@@ -58,6 +58,13 @@ class Session:
             return self.model.forward_mtp(ids, mtp_hidden, positions, loc, self.kv_mtp, attn,
                                           seed_slots=seed_slots), attn
 
+    @classmethod
+    def prefill_prompt(cls, model: DSAModel, ids, chunk_size: int):
+        """A new session's prefill of ``ids`` in chunks of ``chunk_size`` rows: the prompt's hidden."""
+        session = cls(model)
+        return model.prefill(ids, session.table, session.slots.admit(ids.numel()), session.kv,
+                             chunk_size=chunk_size)
+
     def positions_of(self, row, slots):
         """Logical positions of ``row`` for selected slots (``-1`` entries dropped), ascending."""
         lookup = {int(s): p for p, s in enumerate(self.table[row].tolist())}
@@ -910,18 +917,13 @@ def test_prefill_groups_the_indexer_rows_of_a_chunk(monkeypatch, row_invariant):
         (q.shape[0], kw["rows_per_group"])) or real(q, *a, **kw))
     ids = _tokens(102, model.config.vocab_size, seed=4)
 
-    def prefill():
-        session = Session(model)
-        row = session.slots.admit(ids.numel())
-        return model.prefill(ids, session.table, row, session.kv, chunk_size=32)
-
-    grouped = prefill()
+    grouped = Session.prefill_prompt(model, ids, 32)
     expected_group = 1 if row_invariant else 4
     assert groups == [(rows, expected_group if rows % 4 == 0 else 1)
                       for rows in (32, 32, 32, 6) for _ in range(model.config.num_hidden_layers)]
     monkeypatch.setattr(dsa_model, "PREFILL_INDEX_GROUP", 1)
     groups.clear()
-    single = prefill()
+    single = Session.prefill_prompt(model, ids, 32)
     assert {g for _, g in groups} == {1}
     torch.testing.assert_close(grouped, single, atol=1e-4, rtol=1e-4)
 
@@ -942,15 +944,10 @@ def test_prefill_chunks_of_many_rows_take_the_head_weights_from_a_gemm(monkeypat
         (a[0].shape[0], a[11] is not None)) or real(*a, **kw))
     ids = _tokens(70, model.config.vocab_size, seed=7)
 
-    def prefill():
-        session = Session(model)
-        row = session.slots.admit(ids.numel())
-        return model.prefill(ids, session.table, row, session.kv, chunk_size=32)
-
-    launch = prefill()
+    launch = Session.prefill_prompt(model, ids, 32)
     monkeypatch.setattr(mla, "HEAD_WEIGHTS_GEMM_MIN_ROWS", 32)
     inputs.clear()
-    gemm = prefill()
+    gemm = Session.prefill_prompt(model, ids, 32)
     layers = model.config.num_hidden_layers
     assert inputs == [(rows, row_invariant or rows < 32) for rows in (32, 32, 6) for _ in range(layers)]
     torch.testing.assert_close(gemm, launch, atol=1e-4, rtol=1e-4)
@@ -1026,16 +1023,11 @@ def test_prefill_of_a_long_prefix_takes_fewer_rows_a_chunk(monkeypatch):
     monkeypatch.setattr(dsa_model, "build_extend_inputs", lambda table, rows, prefixes, lens: extends.append(
         tuple(lens)) or real(table, rows, prefixes, lens))
 
-    def prefill():
-        session = Session(model)
-        row = session.slots.admit(ids.numel())
-        return model.prefill(ids, session.table, row, session.kv, chunk_size=64)
-
-    whole = prefill()
+    whole = Session.prefill_prompt(model, ids, 64)
     assert extends == [(64,), (36,)]
     extends.clear()
     monkeypatch.setattr(dsa_model, "PREFILL_LOGITS_BYTES", 4 * 2000)
-    bounded = prefill()
+    bounded = Session.prefill_prompt(model, ids, 64)
     assert extends[0] == (44,) and sum(n for (n,) in extends) == 100
     starts = itertools.accumulate([0] + [n for (n,) in extends])
     assert all(n * (start + n) <= 2000 for (n,), start in zip(extends, starts))
