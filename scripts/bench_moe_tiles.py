@@ -83,12 +83,13 @@ def _sweep(kernel, configs, tokens, hidden, ids, weights, w13, w13_s, w2, w2_s, 
     for cfg in [default] + [c for c in configs if c != default]:
         split = cfg[1] if kernel == "gate_up" else default_split
 
-        def tile(n, k_dim, k, dtype, device, weight_tiles=1, fp8=False, split_k=1, per_token=False, cfg=cfg):
+        def tile(n, k_dim, k, dtype, device, weight_tiles=1, fp8=False, split_k=1, per_token=False,
+                 block_m=op.BLOCK_M, cfg=cfg):
             if (weight_tiles == 2) == (kernel == "gate_up"):
                 block_n, warps, stages = (cfg[0], cfg[2], cfg[3]) if kernel == "gate_up" else cfg
                 return op._Tile(block_n, op.FP8_BLOCK, warps, stages)
             return real_tile(n, k_dim, k, dtype, device, weight_tiles=weight_tiles, fp8=fp8, split_k=split_k,
-                             per_token=per_token)
+                             per_token=per_token, block_m=block_m)
 
         workspace = op.fused_moe_workspace(tokens, topk, experts, h, inter, hidden.device, torch.bfloat16,
                                            fp8=True, split_k=split)

@@ -820,9 +820,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         x, x_scale = hidden_codes if hidden_codes is not None else act_quant(
             hidden, scale_fmt, out=workspace.hidden_q[:tokens], scale_out=workspace.hidden_scale[:tokens])
         a, a_scale, w13_s, w2_s = workspace.act_q, workspace.act_scale, w13_scale, w2_scale
-    # block_m only for tall blocks: scripts/bench_moe_tiles.py stubs _tile for its 16-row sweeps
-    tall = dict(block_m=block_m) if block_m > BLOCK_M else {}
-    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8, split_k=split_k, **tall)
+    tile = _tile(inter, h, topk, hidden.dtype, hidden.device, weight_tiles=2, fp8=fp8, split_k=split_k,
+                 block_m=block_m)
     k_span = triton.cdiv(triton.cdiv(h, tile.block_k), split_k) * tile.block_k
     # a split's reduction covers GROUP columns: FP8 one 128-column scale block (several tiles), else a tile
     group = FP8_BLOCK if fp8 else tile.block_n
@@ -842,7 +841,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     # the down programs: a block's (sorted) or a token's (pair layout) x BLOCK_N columns, so the pair
     # layout sizes its tile for one program per token; no FMA contraction, so the pair layout's fp32
     # sum of weighted products has the combine's bits
-    tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8, per_token=not sort, **tall)
+    tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8, per_token=not sort, block_m=block_m)
     target = partial if sort else out
     _down_kernel[(down_blocks * triton.cdiv(h, tile.block_n),)](
         a, a_scale, w2, w2_s, row_ids, block_experts, topk_weights, target, down_blocks, experts, h, inter,
