@@ -17,7 +17,8 @@
 #   gate/up and down tiles at T 1, 2, 4, 32, 128 on the GLM-5 rank; the gate/up's at T 1, 2, 4 took 30 s), moe-align (the sorted layout's tests on the GPU, then its align programs at pair chunks 256-2048
 #   and 4 / 8 warps, T 16-512: scripts/sweep_fused_moe.py --align), moe-gpu-tests (the fused MoE's GPU tests), kv-accuracy, e2e-rank-glm5,
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
-#   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), prefill-rank (bench
+#   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), moe-tall (bench moe
+#   of the GLM-5 rank's experts at 16-, 64- and 128-row blocks, T 512 - 4,096: the prefill tiles), prefill-rank (bench
 #   prefill's GPU test, then the GLM-5 FP8 rank's 16k prefill by chunk size and cache dtype), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
@@ -162,6 +163,8 @@ for step in "$@"; do
                           --runs 2 --steps 16 --out "$OUT/decode_rank_v32" ;;
         e2e-rank-glm5-real) python3 -m dsaspec bench e2e --presets glm5-fp8-tp8-rank --num-steps 3 --contexts 1048576 \
                           --concurrency 1,8,32 --accept real --out "$OUT/rank_glm5_real" ;;
+        moe-tall)     python3 -m dsaspec bench moe --tokens 512,1024,4096 --experts 256 --topk 8 --shared-experts 1 \
+                          --hidden 6144 --intermediate 256 --weight-dtype fp8 --block-m 16,64,128 --out "$OUT/moe_tall" ;;
         prefill-rank) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_bench_prefill.py \
                           > "$OUT/prefill_gpu_test.log" 2>&1; python3 -m dsaspec bench prefill \
                           --preset glm5-fp8-tp8-rank --prompt-len 16384 --chunk-sizes 512,4096 \
