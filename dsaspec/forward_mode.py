@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import enum
 
+# Rows from which a forward counts as a prefill chunk: no captured step reaches it (the largest verify
+# bucket is 32 requests x 6 rows). From here the default mode (not the row-invariant one) takes the
+# kernels sized for many rows, whose per-row bits depend on the row count: Fp8Linear's tall e4m3-MMA
+# tiles, the fused MoE's tall row blocks, the indexer's head weights as one GEMM.
+PREFILL_MIN_ROWS = 512
+
 
 class Mode(str, enum.Enum):
     """Forward mode of a step (and of its metadata replay)."""

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from compile_scripts import integer_rows, run_in_scripts
+from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.ops import fp8_gemm as op
 from dsaspec.reference import fp8_gemm as ref
 
@@ -272,7 +273,7 @@ def test_fp8_linear_layer_passes_fast_accum_to_the_tiles(monkeypatch, device):
 
 @pytest.mark.parametrize("row_invariant", [False, True])
 def test_fp8_linear_layer_takes_tall_tiles_at_prefill_rows(row_invariant, monkeypatch, device):
-    """Without ``fast_accum``, Fp8Linear takes the 64-row tiles from PREFILL_TALL_MIN_M rows (one row
+    """Without ``fast_accum``, Fp8Linear takes the 64-row tiles from PREFILL_MIN_ROWS rows (one row
     fewer: 16), unless ``row_invariant`` (16 at every M, each row's bits those of its row alone); bf16
     rows and an Fp8Input's codes alike, within the tall tiles' bound."""
     from dsaspec.layers.fp8_linear import Fp8Input, Fp8Linear
@@ -282,7 +283,7 @@ def test_fp8_linear_layer_takes_tall_tiles_at_prefill_rows(row_invariant, monkey
     layer = Fp8Linear(256, 128, device)
     layer.set_dense(_weight(128, 256, "cpu", seed=5))
     layer.use_triton, layer.row_invariant = True, row_invariant
-    x = _activations(op.PREFILL_TALL_MIN_M, 256, torch.float32, device, seed=6)
+    x = _activations(PREFILL_MIN_ROWS, 256, torch.float32, device, seed=6)
     codes, scales = op.act_quant(x)
     tall = 16 if row_invariant else 64
     full = layer(x)

@@ -1281,9 +1281,11 @@ def test_block_m_arguments_are_checked(device):
 
 
 def test_block_m_rule():
-    """16-row blocks below TALL_BLOCK_MIN_TOKENS (512) tokens, TALL_BLOCK_M (64) from there."""
-    assert (moe.TALL_BLOCK_MIN_TOKENS, moe.TALL_BLOCK_M) == (512, 64)
+    """16-row blocks below PREFILL_MIN_ROWS (512) tokens, TALL_BLOCK_M (64) from there; FP8 gate/up
+    splits on 16-row blocks only."""
+    assert (moe.PREFILL_MIN_ROWS, moe.TALL_BLOCK_M) == (512, 64)
     assert [moe.moe_block_m(t) for t in (1, 64, 511, 512, 513, 4096)] == [16, 16, 16, 64, 64, 64]
+    assert [moe.moe_split_k(256, True, block_m) for block_m in (16, 64, 128)] == [4, 1, 1]
 
 
 @pytest.mark.parametrize("table", ["default", "wide"])

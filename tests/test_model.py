@@ -930,7 +930,7 @@ def test_prefill_groups_the_indexer_rows_of_a_chunk(monkeypatch, row_invariant):
 
 @pytest.mark.parametrize("row_invariant", [False, True])
 def test_prefill_chunks_of_many_rows_take_the_head_weights_from_a_gemm(monkeypatch, row_invariant):
-    """From HEAD_WEIGHTS_GEMM_MIN_ROWS rows (lowered to 32 here) the indexer's epilogue launch gets
+    """From PREFILL_MIN_ROWS rows (lowered to 32 here) the indexer's epilogue launch gets
     no layer input and the head weights come from torch's fp32 GEMM, except in the row-invariant
     mode; the prompt's hidden states agree with the epilogue's head weights to fp32 rounding.
     Triton ops under the interpreter; chunks of 32, 32 and 6 rows."""
@@ -945,7 +945,7 @@ def test_prefill_chunks_of_many_rows_take_the_head_weights_from_a_gemm(monkeypat
     ids = _tokens(70, model.config.vocab_size, seed=7)
 
     launch = Session.prefill_prompt(model, ids, 32)
-    monkeypatch.setattr(mla, "HEAD_WEIGHTS_GEMM_MIN_ROWS", 32)
+    monkeypatch.setattr(mla, "PREFILL_MIN_ROWS", 32)
     inputs.clear()
     gemm = Session.prefill_prompt(model, ids, 32)
     layers = model.config.num_hidden_layers

@@ -290,11 +290,6 @@ def _row(args, weight_dtype: str, split_k: int, layout: str, args_in: tuple, flo
     return row
 
 
-def _layer_split_k(inter: int, weight_dtype: str, block_m: int) -> int:
-    """The MoE layer's gate/up splits: ``moe_split_k`` on 16-row blocks, none on taller ones."""
-    return moe_split_k(inter, weight_dtype == "fp8") if block_m == BLOCK_M else 1
-
-
 def run(args) -> int:
     from dsaspec.bench.results import bench_params, markdown_table, write_results
 
@@ -332,7 +327,7 @@ def run(args) -> int:
         rows.extend(_row(args, weight_dtype, split_k, layout, args_in, floors, block_m)
                     for weight_dtype in args.weight_dtype
                     for block_m in (args.block_m or [moe_block_m(tokens)])
-                    for split_k in (args.split_k or [_layer_split_k(inter, weight_dtype, block_m)])
+                    for split_k in (args.split_k or [moe_split_k(inter, weight_dtype == "fp8", block_m)])
                     for layout in args.layout if not (layout == "pairs" and block_m > BLOCK_M))
         del args_in
     if on_gpu:

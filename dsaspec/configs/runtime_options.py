@@ -40,7 +40,7 @@ class RuntimeOptions:
         token).
     fp8_fast_accum : the FP8 block-scaled GEMMs of :class:`~dsaspec.layers.fp8_linear.Fp8Linear` take
         64-row tiles from 32 rows (``DSASPEC_FP8_FAST_ACCUM``, default off: from
-        ``PREFILL_TALL_MIN_M`` rows outside the row-invariant mode, ``Fp8Linear.tall_tiles``): the
+        ``PREFILL_MIN_ROWS`` rows outside the row-invariant mode, ``Fp8Linear.tall_tiles``): the
         e4m3 warpgroup MMA, faster at verify and prefill sizes, whose sum of each 128-column block
         keeps fewer bits than fp32 (:mod:`dsaspec.ops.fp8_gemm`); refused with the row-invariant
         mode.

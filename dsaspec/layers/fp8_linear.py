@@ -13,8 +13,8 @@ from torch import nn
 
 from dsaspec.layers.linear import Linear, Shard
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
-from dsaspec.ops.fp8_gemm import (BLOCK, PREFILL_TALL_MIN_M, dequantize_weight, fp8_gemm, fp8_linear, quantize_blocks,
-                                   quantize_weight)
+from dsaspec.forward_mode import PREFILL_MIN_ROWS
+from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, fp8_gemm, fp8_linear, quantize_blocks, quantize_weight
 
 
 def _blocks(size: int) -> int:
@@ -60,7 +60,7 @@ class Fp8Linear(RowInvariant, nn.Module):
     multiple of 128). The activations are quantized per token per 128 columns (``scale_fmt``), then
     ``use_triton``: the Triton FP8 GEMM (:func:`~dsaspec.ops.fp8_gemm.fp8_linear`, row-invariant by
     construction; ``fast_accum``, set by the model from ``RuntimeOptions.fp8_fast_accum``: its
-    64-row tiles from 32 rows; without it from ``PREFILL_TALL_MIN_M`` rows, the prefill chunks,
+    64-row tiles from 32 rows; without it from ``PREFILL_MIN_ROWS`` rows, the prefill chunks,
     unless ``row_invariant``: :meth:`tall_tiles`); else plain torch, the same quantization and an fp32 dequantize-then-matmul
     (the row-invariant GEMM when ``row_invariant``). Output in ``x``'s dtype. ``forward`` also
     takes an :class:`Fp8Input` of its ``scale_fmt`` for ``x``: its codes and scales replace the
@@ -128,9 +128,11 @@ class Fp8Linear(RowInvariant, nn.Module):
 
     def tall_tiles(self, rows: int) -> bool:
         """Whether the Triton GEMM of ``rows`` rows takes the tall e4m3-MMA tiles (its
-        ``fast_accum``): with ``fast_accum`` set, else from ``PREFILL_TALL_MIN_M`` rows unless
-        ``row_invariant`` (every row's bits then depend on whether its call reached that many)."""
-        return self.fast_accum or (not self.row_invariant and rows >= PREFILL_TALL_MIN_M)
+        ``fast_accum``): with ``fast_accum`` set, else from ``PREFILL_MIN_ROWS`` rows unless
+        ``row_invariant`` (every row's bits then depend on whether its call reached that many). In
+        a 4,096-row prefill chunk of the GLM-5 rank the 16-row tiles ran 7x their FLOP floor
+        (benchmarks/results/h200/logs/prefill_glm5_rank_session22.md)."""
+        return self.fast_accum or (not self.row_invariant and rows >= PREFILL_MIN_ROWS)
 
     def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
         if isinstance(x, Fp8Input):

@@ -151,9 +151,9 @@ class RoutedExperts(RowInvariant, nn.Module):
     ``forward(x [T, hidden], topk_ids int32 [T, k], topk_weights fp32 [T, k])`` -> ``[T, hidden]``
     in ``x``'s dtype, this rank's partial of ``sum_j w_j * down_j(silu(gate_j x) * up_j x)``:
     ``dsaspec.ops.fused_moe.fused_moe`` when ``use_fused`` (set by the model: the Triton ops with
-    ``RuntimeOptions.fused_moe``, not row-invariant; row blocks of ``moe_block_m(T)`` rows, 16 in a
-    graph capture, with ``moe_split_k`` gate/up splits at 16 rows and none on taller blocks), else
-    plain torch: a loop over all experts in a fixed order, each on every token, its output times the token's weight for it (the sum over the
+    ``RuntimeOptions.fused_moe``, not row-invariant; row blocks of ``moe_block_m(T)`` rows and
+    ``moe_split_k`` gate/up splits), else plain torch: a loop over all experts in a fixed order,
+    each on every token, its output times the token's weight for it (the sum over the
     slots that picked it, 0 when none did) added in fp32. The torch path has static shapes and no
     host sync (CUDA-graph safe) and computes each token from its own row only, so with the
     row-invariant GEMM its result does not depend on the other tokens; it costs every expert's
@@ -274,17 +274,13 @@ class RoutedExperts(RowInvariant, nn.Module):
                                  f"the experts' is {self.scale_fmt!r}")
             codes, x = (x.codes, x.scales), x.x
         if self.use_fused:
-            from dsaspec.ops.fused_moe import BLOCK_M, fused_moe, moe_block_m, moe_split_k
+            from dsaspec.ops.fused_moe import fused_moe, moe_block_m, moe_split_k
 
             out = torch.empty_like(x)
             held = dict(self.named_parameters(recurse=False)) if self.stacked is None else self.stacked
             scales = dict(w13_scale=held["w13_scale_inv"], w2_scale=held["w2_scale_inv"]) if self.fp8 else {}
-            # tall row blocks for prefill-sized calls, unsplit (the split fills decode's idle SMs); a graph
-            # capture keeps 16-row blocks whatever its T (captured batches are decode / verify sizes). No
-            # workspace: the op allocates one per call, of this call's block_m.
-            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-            block_m = BLOCK_M if capturing else moe_block_m(x.shape[0])
-            split_k = moe_split_k(self.intermediate, self.fp8) if block_m == BLOCK_M else 1
+            block_m = moe_block_m(x.shape[0])   # no workspace: the op allocates one of this block_m
+            split_k = moe_split_k(self.intermediate, self.fp8, block_m)
             # the router's ids are in range by construction: no host-synced range check (graph-safe)
             fused_moe(x.contiguous(), held["w13"], held["w2"], topk_ids, topk_weights, out,
                       scale_fmt=self.scale_fmt, split_k=split_k, block_m=block_m,

@@ -94,11 +94,6 @@ _GEMM_BLOCK_M, _GEMM_BLOCK_N = 16, 64
 # (benchmarks/results/h200/logs/fp8_tall_tile_accuracy_session10.log, fp8_linear_tall_widened_session10.md).
 TALL_BLOCK_M = 64
 TALL_TILE_MIN_M = 32
-# Fp8Linear outside the row-invariant mode takes the tall tiles from this many rows without
-# fast_accum too: rows that only eager prefill chunks reach (the largest captured verify step has
-# 32 requests x 6 rows), where the 16-row tiles ran 7x the FLOP floor of the GLM-5 rank's attention
-# GEMMs (4,096-row chunks: benchmarks/results/h200/logs/prefill_glm5_rank_session22.md)
-PREFILL_TALL_MIN_M = 512
 # The split form aims at this many programs per SM for one row block (k_group): two 16 x 64 programs
 # of 4 stages (_GEMM_STAGES) keep ~64 KB of weight loads in flight per SM.
 SPLIT_PROGRAMS_PER_SM = 2

@@ -47,13 +47,13 @@ combine:
    weight, added to an fp32 sum, cast once and written to ``out``: the combine folded in, no
    partial buffer. An expert picked by n tokens is read n times here, once by the sorted down.
 
-Tall blocks (``block_m`` 64 / 128, from :data:`TALL_BLOCK_MIN_TOKENS` tokens by :func:`moe_block_m`): at
+Tall blocks (``block_m`` 64 / 128, from ``PREFILL_MIN_ROWS`` tokens by :func:`moe_block_m`): at
 thousands of tokens an expert holds hundreds of pairs, and 16-row blocks read its weights once per 16 of
 them (and FP8 16-row dots run HMMA on widened codes); from 64 rows a block's FP8 dots take the e4m3
 warpgroup MMA and its weights are read a quarter (or an eighth) as often. Their tiles
 (:data:`_TALL_TILES`) are sized for many programs, not from the SM count.
 
-Row invariance, for ``block_m = 16`` (every call below :data:`TALL_BLOCK_MIN_TOKENS` tokens: every decode
+Row invariance, for ``block_m = 16`` (every call below ``PREFILL_MIN_ROWS`` tokens: every decode
 and verify graph). Tall blocks change a token's bits as a function of T: the e4m3 warpgroup MMA sums
 each 128-column K block with fewer bits than fp32, and which block height a call takes depends on T.
 The runtime never runs the fused MoE in its row-invariant mode (:func:`~dsaspec.layers.moe.set_fused_moe`)
@@ -98,6 +98,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.ops.checks import check_count, check_tensor
 from dsaspec.ops.device import sm_count
 from dsaspec.ops.e4m3 import quantize_rows
@@ -106,13 +107,12 @@ from dsaspec.ops.row_invariant import _tile_counters
 
 BLOCK_M = 16  # rows of a grouped-GEMM tile by default: the padding unit of an expert's segment
 BLOCK_MS = (16, 64, 128)  # the row-block heights fused_moe accepts (block_m)
-# moe_block_m's rule: 16-row blocks below TALL_BLOCK_MIN_TOKENS tokens (every decode / verify graph, so
+# moe_block_m's rule: 16-row blocks below PREFILL_MIN_ROWS tokens (every decode / verify graph, so
 # those stay row-invariant), TALL_BLOCK_M rows from there (prefill chunks). On the GLM-5 FP8 rank's experts
 # (H 6144, I 256, 256 routed + the shared one, k 8; H200, CUDA graphs) 16 / 64 / 128 rows took 506 / 507 /
 # 777 us at T 512, 794 / 632 / 871 at 1,024 and 2,679 / 1,480 / 1,724 at 4,096
 # (benchmarks/results/h200/logs/moe_tall_blocks_glm5_rank_session22.md).
 TALL_BLOCK_M = 64
-TALL_BLOCK_MIN_TOKENS = 512
 _DTYPES = (torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
 # the align programs' chunks: the pairs one program ranks (its expert's) or places (the last) at a
@@ -150,12 +150,13 @@ _FP8_SMALL_I, _FP8_SMALL_I_SPLIT = 256, 4
 _FP8_DOWN_PER_TOKEN_WARPS, _FP8_DOWN_STAGES = 2, 3
 
 
-def moe_split_k(intermediate_size: int, fp8: bool) -> int:
+def moe_split_k(intermediate_size: int, fp8: bool, block_m: int = BLOCK_M) -> int:
     """The gate/up K splits :class:`~dsaspec.layers.moe.RoutedExperts` passes to :func:`fused_moe` for
-    experts of intermediate size ``intermediate_size`` (this rank's) and ``fp8`` weights: 4 for FP8
-    experts of I <= 256, else 1. A function of the shape only, never of the token count; the layer
-    uses it on 16-row blocks and runs tall ones (:func:`moe_block_m`) unsplit."""
-    return _FP8_SMALL_I_SPLIT if fp8 and intermediate_size <= _FP8_SMALL_I else 1
+    experts of intermediate size ``intermediate_size`` (this rank's) and ``fp8`` weights on
+    ``block_m``-row blocks: 4 for FP8 experts of I <= 256 on 16-row blocks, else 1 (the split fills
+    the SMs a decode call leaves idle; tall blocks, :func:`moe_block_m`, have programs enough). A
+    function of the shape and the block height, never of the token count itself."""
+    return _FP8_SMALL_I_SPLIT if fp8 and intermediate_size <= _FP8_SMALL_I and block_m == BLOCK_M else 1
 
 
 # The pair layout (no align, no combine) up to 64 pairs: T <= 7 at k + 1 = 9 slots (GLM-5 / DeepSeek-V3.2
@@ -184,9 +185,9 @@ def _pairs_pad(num_pairs: int) -> int:
 
 def moe_block_m(num_tokens: int) -> int:
     """The row-block height :class:`~dsaspec.layers.moe.RoutedExperts` passes to :func:`fused_moe` for
-    ``num_tokens`` tokens: :data:`BLOCK_M` (16) below :data:`TALL_BLOCK_MIN_TOKENS`, else
+    ``num_tokens`` tokens: :data:`BLOCK_M` (16) below ``PREFILL_MIN_ROWS``, else
     :data:`TALL_BLOCK_M`. A token's bits depend on it (module docstring: row invariance)."""
-    return BLOCK_M if num_tokens < TALL_BLOCK_MIN_TOKENS else TALL_BLOCK_M
+    return BLOCK_M if num_tokens < PREFILL_MIN_ROWS else TALL_BLOCK_M
 
 
 def _check_block_m(block_m) -> None:
@@ -735,7 +736,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     activation rounded once to the hidden dtype, the k weighted expert outputs summed in fp32 in
     order j = 0..k-1 and cast once. At one ``block_m`` and ``split_k`` a token's output is bitwise
     independent of T and of the other tokens; a caller that picks ``block_m`` by T (:func:`moe_block_m`)
-    keeps that only below :data:`TALL_BLOCK_MIN_TOKENS` (module docstring). Repeated ids within a row are
+    keeps that only below ``PREFILL_MIN_ROWS`` (module docstring). Repeated ids within a row are
     allowed: each slot counts on its own.
 
     FP8 experts (``w13`` / ``w2`` e4m3 with ``w13_scale`` / ``w2_scale``): ``W = w * scale`` per

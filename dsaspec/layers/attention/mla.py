@@ -19,6 +19,7 @@ from torch import nn
 
 from dsaspec.configs.model_config import ModelConfig
 from dsaspec.distributed.tp_group import TPGroup
+from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.layers.attention.inputs import NO_WORKSPACE, AttentionInputs
 from dsaspec.layers.fp8_linear import Fp8Input, act_quant_of
 from dsaspec.layers.fused_linear import HoldsFusedLinear, fuse_linears
@@ -46,14 +47,6 @@ class ForwardState:
     check_values: bool
     selected: torch.Tensor | None = None
     seeded: bool = False
-
-
-# From this many rows (eager prefill chunks; no captured step has as many) the indexer's head
-# weights run as torch's fp32 GEMM instead of the epilogue launch's programs, which read the
-# hidden rows once per head: 0.45 ms a 4,096-row chunk of the GLM-5 rank, where the launch's other
-# work takes ~0.02 ms (benchmarks/results/h200/logs/prefill_glm5_rank_session22.md). Other
-# summation order, so not in the row-invariant mode.
-HEAD_WEIGHTS_GEMM_MIN_ROWS = 512
 
 
 @functools.lru_cache(maxsize=8)
@@ -105,7 +98,10 @@ class Indexer(RowInvariant, nn.Module):
         q = wq_b_out.view(rows, cfg.index_n_heads, cfg.index_head_dim)
         wk_out = self.wk(x) if wk_out is None else wk_out
         if step.ops.indexer_epilogues is not None:   # the Triton ops: q's, k's and the weights' in one launch
-            gemm_weights = not self.row_invariant and rows >= HEAD_WEIGHTS_GEMM_MIN_ROWS
+            # prefill chunks: the launch's head-weight programs read the hidden rows once per head
+            # (0.45 ms a 4,096-row chunk of the GLM-5 rank, benchmarks/results/h200/logs/
+            # prefill_glm5_rank_session22.md); one fp32 GEMM instead, another summation order
+            gemm_weights = not self.row_invariant and rows >= PREFILL_MIN_ROWS
             q, weights = step.ops.indexer_epilogues(q, index_k_cache, step.out_cache_loc, wk_out, self.k_norm.weight,
                                                     self.k_norm.bias, self.k_norm.eps, step.cos, step.sin, rope,
                                                     interleaved, None if gemm_weights else x,
