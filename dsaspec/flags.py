@@ -70,6 +70,13 @@ def sparse_mla_gluon() -> bool:
     return _switch("DSASPEC_SPARSE_MLA_GLUON")
 
 
+def sparse_mla_slot_major() -> bool:
+    """``DSASPEC_SPARSE_MLA_SLOT_MAJOR``: at 8 - 32 heads a rank (tensor parallel), sparse MLA takes
+    the Triton kernel's slot-major dots (the heads as the MMA's N dimension, no padding to a 64-row
+    tile) instead of the default configuration (default off: a candidate until timed)."""
+    return _switch("DSASPEC_SPARSE_MLA_SLOT_MAJOR", default=False)
+
+
 def fused_moe() -> bool:
     """``DSASPEC_FUSED_MOE``: MoE layers run the fused MoE kernel where the model runs the Triton ops
     and is not row-invariant (default on). Off keeps the plain-torch experts, which loop over every
@@ -132,6 +139,7 @@ def check_all() -> None:
     spec_verify_argmax_exchange()
     topk_single_launch()
     sparse_mla_gluon()
+    sparse_mla_slot_major()
     fused_moe()
     metadata_program_budget()
     simulate_accept_len()

@@ -14,13 +14,15 @@ specialize it on a CUDA device (``UPCAST`` off, the interpreter's fp32 upcast), 
     python3 scripts/compile_fp8_dsa.py [--sweep]
 
 ``--sweep`` also compiles the FP8 candidates (the indexer's ``TUNE_INDEXER_FP8`` of ``bench dsa-ops
---tune``, at 64 and at 32 index heads: DeepSeek-V3.2, GLM-5; sparse MLA tiles), printing their spills
-and marking those over the sm_90 shared-memory limit. Needs no GPU and no driver.
+--tune``, at 64 and at 32 index heads: DeepSeek-V3.2, GLM-5; sparse MLA tiles) and the slot-major
+sparse MLA tiles at 8, 16 and 32 heads on both caches, printing their spills and marking those over
+the sm_90 shared-memory limit. Needs no GPU and no driver.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 import subprocess
 from pathlib import Path
@@ -51,6 +53,12 @@ SPARSE_MLA_SWEEP = [SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stage
                                            (64, 32, 4, 2, 128), (64, 64, 4, 1, 128), (16, 32, 4, 2, 512),
                                            (32, 64, 8, 3, 512), (32, 32, 8, 2, 512), (32, 64, 8, 2, 512),
                                            (32, 32, 4, 2, 512))]
+# Slot-major tiles (SparseMLAConfig.slot_major) at a rank's 8 - 32 heads, on both caches: 16 heads a
+# program on 4 warps (one m64n16 wgmma per k step), 32 on 8 warps, 32-slot blocks (the QK dots' M
+# then falls below wgmma's 64, the PV dots keep it).
+SLOT_MAJOR_HEADS = (8, 16, 32)
+SLOT_MAJOR_SWEEP = [SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=2, slot_major=True)
+                    for h, n, w in ((16, 64, 4), (32, 64, 8), (16, 32, 4), (16, 64, 8))]
 INDEX_ROPE_KINDS = ("q", "q_rotated", "k_dense", "k_fp8", "qk_dense", "qk_fp8")   # compile_index_rope's variants
 SM90_SHARED = 232448  # bytes of shared memory one block may hold on sm_90 (227 KiB)
 
@@ -90,16 +98,16 @@ def compile_indexer(fp8: bool, config: IndexerConfig | None = None, rows_per_gro
     return compile_kernel(indexer._indexer_logits_kernel, launch)
 
 
-def compile_sparse_mla(fp8: bool, config: SparseMLAConfig | None = None) -> dict:
-    """One launch of the Triton sparse MLA kernel without a workspace (``config`` default: the
-    Triton configuration ``sparse_mla_decode`` takes there)."""
-    q = torch.zeros(ROWS, HEADS, QK_DIM, dtype=torch.bfloat16)
+def compile_sparse_mla(fp8: bool, config: SparseMLAConfig | None = None, heads: int = HEADS) -> dict:
+    """One launch of the Triton sparse MLA kernel without a workspace over ``heads`` heads
+    (``config`` default: the Triton configuration ``sparse_mla_decode`` takes there)."""
+    q = torch.zeros(ROWS, heads, QK_DIM, dtype=torch.bfloat16)
     cache = (torch.zeros(4096, MLA_FP8_BYTES, dtype=torch.uint8) if fp8
              else torch.zeros(4096, QK_DIM, dtype=torch.bfloat16))
-    config = config or sparse_mla_config(ROWS, HEADS, split=False, fp8_cache=fp8)
+    config = config or sparse_mla_config(ROWS, heads, split=False, fp8_cache=fp8)
     launch = lambda: sparse_mla.sparse_mla_decode(  # noqa: E731
         q, cache, torch.zeros(ROWS, TOPK, dtype=torch.int32), 0.1,
-        torch.zeros(ROWS, HEADS, LATENT_DIM, dtype=torch.bfloat16), check_values=False, config=config)
+        torch.zeros(ROWS, heads, LATENT_DIM, dtype=torch.bfloat16), check_values=False, config=config)
     return compile_kernel(sparse_mla._sparse_mla_decode_kernel, launch)
 
 
@@ -160,6 +168,9 @@ def main() -> int:
                       flush=True)
         for config in SPARSE_MLA_SWEEP:
             print(summary_line(f"sparse_mla fp8 {config}", compile_sparse_mla(True, config)), flush=True)
+        for fp8, heads, config in itertools.product((False, True), SLOT_MAJOR_HEADS, SLOT_MAJOR_SWEEP):
+            print(summary_line(f"sparse_mla {'fp8' if fp8 else 'bf16'} {heads} heads {config}",
+                               compile_sparse_mla(fp8, config, heads)), flush=True)
     return 0
 
 

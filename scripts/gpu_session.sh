@@ -19,7 +19,9 @@
 #   e2e-rank-glm5-chains (S = 4 and 5), e2e-rank-glm5-real (real acceptance), e2e-rank-v32, decode-rank (bench decode's
 #   per-kernel phases on both rank presets), e2e-rank-profile (where the rank preset's graph captures spend their time), moe-tall (bench moe
 #   of the GLM-5 rank's experts at 16-, 64- and 128-row blocks, T 512 - 4,096: the prefill tiles), prefill-rank (bench
-#   prefill's GPU test, then the GLM-5 FP8 rank's 16k prefill by chunk size and cache dtype), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
+#   prefill's GPU test, then the GLM-5 FP8 rank's 16k prefill by chunk size and cache dtype), slot-major (sparse MLA's
+#   slot-major tiles: their GPU tests, bench dsa-ops at 32 / 16 / 8 heads on both caches, the GLM-5 rank's 16k
+#   prefill with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
@@ -169,6 +171,13 @@ for step in "$@"; do
                           > "$OUT/prefill_gpu_test.log" 2>&1; python3 -m dsaspec bench prefill \
                           --preset glm5-fp8-tp8-rank --prompt-len 16384 --chunk-sizes 512,4096 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/prefill" ;;
+        slot-major)   python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_sparse_mla.py tests/test_sparse_mla_fp8.py \
+                          tests/test_model.py -k "slot_major" > "$OUT/slot_major_gpu_tests.log" 2>&1; tail -3 "$OUT/slot_major_gpu_tests.log"
+                      python3 -m dsaspec bench dsa-ops --ops sparse_mla --modes decode,target_verify --bs 1,16,64 \
+                          --live-kv 65536 --heads 32,16,8 --kv-cache-dtype fp8_e4m3 --out "$OUT/slot_major_dsa_ops"
+                      for slot_major in 0 1; do DSASPEC_SPARSE_MLA_SLOT_MAJOR=$slot_major python3 -m dsaspec bench prefill \
+                          --preset glm5-fp8-tp8-rank --prompt-len 16384 --chunk-sizes 4096 --kv-cache-dtype bf16,fp8_e4m3 \
+                          --out "$OUT/slot_major_prefill_$slot_major"; done ;;
         decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/decode_fp8" ;;
         read-chain)   python3 scripts/bench_read_chain.py "$OUT/read_chain" --iters 50 ;;

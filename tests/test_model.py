@@ -338,6 +338,35 @@ def test_sparse_mla_gluon_option(monkeypatch, option):
     assert calls == [expected] * model.config.num_hidden_layers
 
 
+@pytest.mark.parametrize("gluon", [True, False])
+def test_sparse_mla_slot_major_option(monkeypatch, gluon):
+    """With the ``sparse_mla_slot_major`` option every sparse MLA call of a forward over the tiny
+    model's few heads passes the slot-major configuration (with or without ``sparse_mla_gluon``),
+    and the attention workspace is sized for it."""
+    import dsaspec.ops.sparse_mla as sparse_mla_module
+
+    options = RuntimeOptions(sparse_mla_slot_major=True, sparse_mla_gluon=gluon)
+    model = DSAModel(get_config("tiny"), use_triton=True, options=options).init_weights(0)
+    assert model.num_local_heads <= sparse_mla_module.SLOT_MAJOR_MAX_HEADS
+    calls = []
+    real = sparse_mla_module.sparse_mla_decode
+    monkeypatch.setattr(sparse_mla_module, "sparse_mla_decode",
+                        lambda *a, **kw: calls.append(kw.get("config", "unset")) or real(*a, **kw))
+    dsa_ops.cache_clear()
+    session = Session(model)
+    row = session.slots.admit(4)
+    ids = torch.as_tensor(_tokens(3, model.config.vocab_size, seed=1))
+    session.slots.extend(row, 3)
+    positions, loc, attn = build_extend_inputs(session.table, [row], [0], [3])
+    attn.workspace = model.attention_workspace(3)
+    with torch.no_grad():
+        model(ids, positions, loc, session.kv, attn)
+    dsa_ops.cache_clear()
+    assert calls == [sparse_mla_module.SPARSE_MLA_SLOT_MAJOR_CONFIG] * model.config.num_hidden_layers
+    assert attn.workspace.sparse_mla.shape == sparse_mla_module.sparse_mla_workspace(
+        3, model.num_local_heads, "cpu", config=sparse_mla_module.SPARSE_MLA_SLOT_MAJOR_CONFIG).shape
+
+
 def test_cache_entries_hold_normed_latent_and_roped_key():
     """The MLA cache entry of a row is [kv_a_layernorm(latent) | rope(k_rope)]; position 0's RoPE
     is the identity, so its rope part equals the raw projection."""

@@ -7,18 +7,19 @@ import re
 
 import pytest
 
-from dsaspec.configs.runtime_options import SWITCH_FIELDS, RuntimeOptions
+from dsaspec.configs.runtime_options import OPT_IN_FIELDS, SWITCH_FIELDS, RuntimeOptions
 from dsaspec.errors import UserError
 
 VARIABLES = ("DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE",
              "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE", "DSASPEC_TOPK_SINGLE_LAUNCH", "DSASPEC_SPARSE_MLA_GLUON",
-             "DSASPEC_FUSED_MOE", "DSASPEC_FP8_FAST_ACCUM", "DSASPEC_METADATA_BUDGET", "DSASPEC_SIMULATE_ACCEPT_LEN")
+             "DSASPEC_SPARSE_MLA_SLOT_MAJOR", "DSASPEC_FUSED_MOE", "DSASPEC_FP8_FAST_ACCUM", "DSASPEC_METADATA_BUDGET", "DSASPEC_SIMULATE_ACCEPT_LEN")
 # variable -> (field, a value to set, the field's value then)
 MAPPING = {"DSASPEC_BOUNDED_REPLAY_METADATA": ("bounded_replay_metadata", "0", False),
            "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE": ("draft_argmax_exchange", "off", False),
            "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE": ("verify_argmax_exchange", "false", False),
            "DSASPEC_TOPK_SINGLE_LAUNCH": ("topk_single_launch", "no", False),
            "DSASPEC_SPARSE_MLA_GLUON": ("sparse_mla_gluon", "0", False),
+           "DSASPEC_SPARSE_MLA_SLOT_MAJOR": ("sparse_mla_slot_major", "yes", True),
            "DSASPEC_FUSED_MOE": ("fused_moe", "0", False),
            "DSASPEC_FP8_FAST_ACCUM": ("fp8_fast_accum", "on", True),
            "DSASPEC_METADATA_BUDGET": ("metadata_program_budget", " 96 ", 96),
@@ -35,9 +36,9 @@ def test_defaults_are_the_shipped_path():
     options = RuntimeOptions()
     assert all(getattr(options, name) is True for name in SWITCH_FIELDS)
     assert options.metadata_program_budget is None and options.simulate_accept_len is None
-    assert options.fp8_fast_accum is False     # opt-in: the FP8 GEMMs' exact tiles ship
+    assert all(getattr(options, name) is False for name in OPT_IN_FIELDS)
     assert RuntimeOptions.from_environment() == options
-    assert set(SWITCH_FIELDS) | {"fp8_fast_accum", "metadata_program_budget", "simulate_accept_len"} == \
+    assert set(SWITCH_FIELDS + OPT_IN_FIELDS) | {"metadata_program_budget", "simulate_accept_len"} == \
         {f.name for f in dataclasses.fields(RuntimeOptions)}
     assert {field for field, _, _ in MAPPING.values()} == {f.name for f in dataclasses.fields(RuntimeOptions)}
 
@@ -90,7 +91,7 @@ def test_simulate_accept_len_is_validated(sim):
         RuntimeOptions(simulate_accept_len=sim)
 
 
-@pytest.mark.parametrize("field", SWITCH_FIELDS + ("fp8_fast_accum",))
+@pytest.mark.parametrize("field", SWITCH_FIELDS + OPT_IN_FIELDS)
 @pytest.mark.parametrize("value", ["0", 0, 1, None])
 def test_switches_must_be_bools(field, value):
     with pytest.raises(TypeError, match=f"^{field} must be a bool, got {value!r}$"):

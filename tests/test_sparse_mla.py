@@ -1,11 +1,13 @@
 """sparse_mla_decode against the fp32 reference: ragged counts, holes, repeats, padded rows, a
 poisoned cache; split vs single pass; the single pass is row-invariant (bitwise)."""
 
+import dataclasses
 import re
 
 import pytest
 import torch
 
+from compile_scripts import compiled_counts
 from dsa_inputs import (poison_unselected, production_sparse_mla_inputs,
                         random_indexer_inputs, random_sparse_mla_inputs, to_cpu)
 from dsaspec.ops.indexer import indexer_logits
@@ -13,7 +15,8 @@ from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import (FEW_ROWS_HEAD_BLOCKS, GLUON_MIN_SPLIT_HEAD_BLOCKS,
                                     SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
-                                    SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
+                                    SPARSE_MLA_SLOT_MAJOR_CONFIG, SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG,
+                                    SLOT_MAJOR_MAX_HEADS, SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
                                     sparse_mla_num_splits, sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import topk_slots
@@ -27,6 +30,8 @@ CONFIGS = {
     "baseline": SPARSE_MLA_BASELINE_CONFIG,
     # half the value columns per program, no pipelining
     "value_256": SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=1, block_dv=256),
+    # slots and value columns as the dots' M, heads as their N
+    "slot_major": SPARSE_MLA_SLOT_MAJOR_CONFIG,
 }
 
 
@@ -112,16 +117,31 @@ def test_strided_views(device):
     assert torch.all(out_big[:, :, :256] == 0) and torch.all(out_big[:, :, 768:] == 0)
 
 
-def test_row_invariant_without_workspace(device):
+@pytest.mark.parametrize("config", ["default", "slot_major"])
+def test_row_invariant_without_workspace(config, device):
     """Without a workspace a row's output does not depend on R or on the other rows: a row
     computed alone equals, bitwise, the same row computed among four others."""
+    config = CONFIGS.get(config)
     inputs = random_sparse_mla_inputs(5, 16, num_slots=300, k=96, valid_counts=[96, 3, 0, 70, 95],
                                       device=device, seed=8)
-    together = _run(inputs)
+    together = _run(inputs, config=config)
     for row in range(5):
         alone = _run(dict(inputs, q=inputs["q"][row:row + 1].clone(),
-                          slots=inputs["slots"][row:row + 1].clone()))
+                          slots=inputs["slots"][row:row + 1].clone()), config=config)
         assert torch.equal(alone[0], together[row]), row
+
+
+def test_slot_major_compiles_to_wgmma_for_few_heads():
+    """Without a GPU: at 8, 16 and 32 heads on a bf16 cache the slot-major tiles compile for sm_90
+    to m64n16k16 wgmma dots only (36 QK + 32 PV k-steps of a 64-slot block), no mma.sync, no
+    spills; scripts/compile_fp8_dsa.py's compile, in a subprocess."""
+    rows = compiled_counts(
+        "compile_fp8_dsa", "(r | dict(wgmma=r['sass']['HGMMA.64x16x16.F32.BF16'], "
+        "mma=r['sass']['HMMA.16816.F32.BF16']) for h in (8, 16, 32) for r in "
+        "[c.compile_sparse_mla(False, c.sparse_mla.SPARSE_MLA_SLOT_MAJOR_CONFIG, h)])",
+        ("regs", "spill", "wgmma", "mma"))
+    assert [(row["spill"], row["wgmma"], row["mma"]) for row in rows] == [(0, 68, 0)] * 3, rows
+    assert all(0 < row["regs"] <= 255 for row in rows), rows
 
 
 def test_bad_arguments(device):
@@ -152,7 +172,7 @@ def test_bad_arguments(device):
                           check_values=False)
 
 
-@pytest.mark.parametrize("config", ["new", "few_rows"])
+@pytest.mark.parametrize("config", ["new", "few_rows", "slot_major"])
 @pytest.mark.parametrize("num_splits,num_heads", [(1, 8), (2, 8), (3, 8), (5, 8), (3, 48)])
 def test_split_workspace(num_splits, num_heads, config, device):
     """Split runs (some empty: fewer blocks than splits) combine to the single-pass answer; with
@@ -256,6 +276,22 @@ def test_gluon_supported_head_counts(capability, monkeypatch):
         assert sparse_mla_gluon_supported("cpu", heads) is False
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_slot_major_config_up_to_32_heads(fp8, monkeypatch):
+    """With ``slot_major`` the configuration is the slot-major one (the FP8 one on an FP8 cache) at
+    up to SLOT_MAJOR_MAX_HEADS heads for every row count, split or not, on any device; above, the
+    choice without it."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    want = SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG if fp8 else SPARSE_MLA_SLOT_MAJOR_CONFIG
+    for device in (None, "cuda"):
+        for rows in (1, 4, 64, 4096):
+            for split in (False, True):
+                for heads in (4, 8, 16, 32, 64, 128):
+                    got = sparse_mla_config(rows, heads, split, device, fp8_cache=fp8, slot_major=True)
+                    assert got == (want if heads <= SLOT_MAJOR_MAX_HEADS else
+                                   sparse_mla_config(rows, heads, split, device, fp8_cache=fp8)), (rows, heads)
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="block_dv: expected 128, 256 or 512, got 64"):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, block_dv=64)
@@ -263,6 +299,9 @@ def test_config_rejects_bad_values():
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, max_splits=0)
     with pytest.raises(ValueError, match="kernel: expected 'triton' or 'gluon', got 'cuda'"):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, kernel="cuda")
+    with pytest.raises(ValueError, match="slot_major: only the Triton kernel has the slot-major "
+                                         "dots, got kernel='gluon'"):
+        dataclasses.replace(SPARSE_MLA_GLUON_CONFIG, slot_major=True)
     with pytest.raises(ValueError, match=re.escape(
             "kernel: the Gluon kernel's tiles ('block_h', 'block_n', 'num_warps', 'num_stages', "
             "'block_dv', 'staging', 'gather_warps', 'gather_registers', 'dequant_steps', "
@@ -345,6 +384,23 @@ def test_gpu_production_sizes(config, num_heads, num_rows, split):
         2, sparse_mla_num_splits(num_rows, num_heads, 132))) if split else None)
     _run_and_compare(inputs, atol=GPU_ATOL, rtol=1e-2, workspace=workspace,
                      config=CONFIGS[config])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("num_heads", [8, 16, 32])
+@pytest.mark.parametrize("num_rows", [1, 16, 96])
+def test_gpu_slot_major_few_heads(num_heads, num_rows, split):
+    """The slot-major tiles at a rank's 8 - 32 heads (production widths, 2048 slots) against the
+    reference; without a workspace a row computed alone equals it among the others, bitwise."""
+    inputs = production_sparse_mla_inputs(num_rows, num_heads, seed=num_rows + num_heads)
+    workspace = (sparse_mla_workspace(num_rows, num_heads, "cuda", num_splits=max(2, sparse_mla_num_splits(
+        num_rows, num_heads, 132, SPARSE_MLA_SLOT_MAJOR_CONFIG))) if split else None)
+    out = _run_and_compare(inputs, atol=GPU_ATOL, rtol=1e-2, workspace=workspace, config=SPARSE_MLA_SLOT_MAJOR_CONFIG)
+    if not split:
+        alone = _run(dict(inputs, q=inputs["q"][-1:].clone(), slots=inputs["slots"][-1:].clone()),
+                     config=SPARSE_MLA_SLOT_MAJOR_CONFIG)
+        assert torch.equal(alone[0], out[-1])
 
 
 @pytest.mark.gpu

@@ -31,7 +31,9 @@ from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFI
                                     SPARSE_MLA_GLUON_FP8_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
-                                    SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SparseMLAConfig,
+                                    SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SPARSE_MLA_SLOT_MAJOR_CONFIG,
+                                    SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG,
+                                    SparseMLAConfig,
                                     sparse_mla_config, sparse_mla_decode, sparse_mla_num_splits,
                                     sparse_mla_workspace)
 from dsaspec.reference.sparse_mla import reference_sparse_mla_decode_fp8
@@ -46,6 +48,7 @@ CONFIGS = {
     # value columns over two and four programs: the value gathers dequantize groups 2-3 / 1..3
     "value_256": SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=1, block_dv=256),
     "value_128": SparseMLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, block_dv=128),
+    "slot_major": SPARSE_MLA_SLOT_MAJOR_CONFIG,
 }
 ATOL, RTOL = 1e-3, 1e-2
 NAN_CODES = (0x7F, 0xFF)  # e4m3fn's NaNs
@@ -187,7 +190,7 @@ def test_poison_does_not_leak(poison, device):
     assert _run(dict(inputs, kv_cache=cache))[1].isnan().all()
 
 
-@pytest.mark.parametrize("config", ["new", "few_rows", "value_256", "value_128"])
+@pytest.mark.parametrize("config", ["new", "few_rows", "value_256", "value_128", "slot_major"])
 @pytest.mark.parametrize("split", [False, True])
 def test_bitwise_equal_to_bf16_kernel_on_dequantized_cache(config, split, device):
     """Same configuration, same workspace: the FP8 gathers hand the dots exactly the bf16 values
@@ -200,7 +203,7 @@ def test_bitwise_equal_to_bf16_kernel_on_dequantized_cache(config, split, device
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("config", ["new", "few_rows"])
+@pytest.mark.parametrize("config", ["new", "few_rows", "slot_major"])
 @pytest.mark.parametrize("num_splits,num_heads", [(1, 8), (2, 8), (3, 16), (5, 8), (3, 48)])
 def test_split_workspace(num_splits, num_heads, config, device):
     """Split runs (some empty) combine to the reference and to the single pass; the NaN-filled
@@ -354,7 +357,7 @@ def _production(num_rows: int, num_heads: int, seed: int, k: int = 2048, num_slo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "new", "few_rows", "value_256", *GLUON_FP8])
+@pytest.mark.parametrize("config", ["default", "new", "few_rows", "value_256", "slot_major", *GLUON_FP8])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_rows", [1, 16, 96])
 def test_gpu_production_sizes(config, num_rows, split):
@@ -365,6 +368,20 @@ def test_gpu_production_sizes(config, num_rows, split):
         2, sparse_mla_num_splits(num_rows, 64, 132))) if split else None)
     config = {**CONFIGS, **GLUON_FP8}.get(config)
     _assert_within_gpu_rounding(_run(inputs, workspace, config), inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("num_heads", [8, 16, 32])
+def test_gpu_slot_major_few_heads(num_heads, split):
+    """The FP8 slot-major tiles at a rank's 8 - 32 heads (2048 slots, 96 rows of ragged counts)
+    within the GPU rounding bound of the reference, and bitwise the same tiles' output on the
+    dequantized bf16 cache."""
+    inputs = _production(96, num_heads, seed=num_heads)
+    workspace = sparse_mla_workspace(96, num_heads, "cuda", num_splits=3) if split else None
+    got = _run(inputs, workspace, SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG)
+    _assert_within_gpu_rounding(got, inputs)
+    assert torch.equal(got, _run(_dequantized(inputs), workspace, SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG))
 
 
 @pytest.mark.gpu

@@ -26,8 +26,10 @@ CUPTI kernel time, median and spread).
   combine; none when the rows fill the GPU); ``new_nosplit``: without a workspace (the row-invariant
   path); ``triton``: the Triton kernel's default configuration (``sparse_mla_config`` without a
   device) with the workspace it allocates, what runs where the Gluon kernel does not (the same as
-  new off Hopper); baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime
-  ran).
+  new off Hopper); ``slot_major`` (at up to ``SLOT_MAJOR_MAX_HEADS`` heads, on both caches): the
+  slot-major configuration of the cache (``SPARSE_MLA_SLOT_MAJOR_CONFIG`` /
+  ``SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG``) with the workspace it allocates; baseline:
+  ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
 ``--kv-cache-dtype fp8_e4m3`` adds an indexer and a sparse MLA row on the FP8 caches after each
@@ -100,7 +102,8 @@ from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONF
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
-                                    SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS,
+                                    SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SPARSE_MLA_SLOT_MAJOR_CONFIG,
+                                    SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG, SLOT_MAJOR_MAX_HEADS,
                                     SparseMLAConfig, sparse_mla_config, sparse_mla_decode, sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_chunks,
@@ -257,6 +260,7 @@ class _Point:
     q_mla: torch.Tensor
     workspace: torch.Tensor | None  # sparse MLA
     triton_workspace: torch.Tensor | None  # sparse MLA's Triton default configuration
+    slot_major_workspace: torch.Tensor | None  # sparse MLA's slot-major configurations (both caches)
     topk_workspace: torch.Tensor | None
     buffers: dict = field(default_factory=dict)
 
@@ -309,6 +313,8 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
         workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms),
         triton_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
                                               config=sparse_mla_config(rows, shapes.heads, True)),
+        slot_major_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
+                                                  config=SPARSE_MLA_SLOT_MAJOR_CONFIG),
         topk_workspace=topk_workspace(rows, device, num_sms=shapes.num_sms))
     return point
 
@@ -432,6 +438,9 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
         if sparse_mla_gluon_supported(p.q_mla.device, p.shapes.heads):
             for name, config in GLUON_FP8_VARIANTS.items():
                 variants[name] = _sparse_mla(p, "slots_new", f"out_{name}", config, p.workspace, fp8=True)
+        if p.shapes.heads <= SLOT_MAJOR_MAX_HEADS:
+            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_fp8_slot_major", SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG,
+                                                 p.slot_major_workspace, fp8=True)
         return variants
     if op == "indexer":
         return {"baseline": _indexer(p, False), "new": _indexer(p, True)}
@@ -443,10 +452,14 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
         return variants
     if op == "sparse_mla":
         triton = sparse_mla_config(p.rows, p.shapes.heads, p.triton_workspace is not None)
-        return {"baseline": _sparse_mla(p, "slots_new", "out_baseline", SPARSE_MLA_BASELINE_CONFIG, None),
-                "new": _sparse_mla(p, "slots_new", "out_new", None, p.workspace),
-                "new_nosplit": _sparse_mla(p, "slots_new", "out_nosplit", None, None),
-                "triton": _sparse_mla(p, "slots_new", "out_triton", triton, p.triton_workspace)}
+        variants = {"baseline": _sparse_mla(p, "slots_new", "out_baseline", SPARSE_MLA_BASELINE_CONFIG, None),
+                    "new": _sparse_mla(p, "slots_new", "out_new", None, p.workspace),
+                    "new_nosplit": _sparse_mla(p, "slots_new", "out_nosplit", None, None),
+                    "triton": _sparse_mla(p, "slots_new", "out_triton", triton, p.triton_workspace)}
+        if p.shapes.heads <= SLOT_MAJOR_MAX_HEADS:
+            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_slot_major", SPARSE_MLA_SLOT_MAJOR_CONFIG,
+                                                 p.slot_major_workspace)
+        return variants
     return {"baseline": _layer(p, False), "new": _layer(p, True)}
 
 
@@ -501,8 +514,8 @@ def _compare_outputs(p: _Point, op: str, on_gpu: bool, kv_cache: str = "bf16") -
         return _compare_fp8_indexer(p, on_gpu)
     if kv_cache == "fp8_e4m3":  # the same values in both caches: to summation order
         base = p.buffers["out_fp8_baseline"].float()
-        for name in ("out_fp8", "out_fp8_nosplit", *(f"out_{v}" for v in GLUON_FP8_VARIANTS)):
-            if name not in p.buffers:  # the Gluon variants, off Hopper
+        for name in ("out_fp8", "out_fp8_nosplit", "out_fp8_slot_major", *(f"out_{v}" for v in GLUON_FP8_VARIANTS)):
+            if name not in p.buffers:  # the Gluon variants off Hopper, slot-major above 32 heads
                 continue
             got = p.buffers[name].float()
             torch.testing.assert_close(got, base, rtol=2e-2, atol=1e-2)
@@ -524,7 +537,9 @@ def _compare_outputs(p: _Point, op: str, on_gpu: bool, kv_cache: str = "bf16") -
         raise AssertionError("topk: new and baseline slots differ on the same logits")
     if op == "sparse_mla":
         base = p.buffers["out_baseline"].float()
-        for name in ("out_new", "out_nosplit", "out_triton"):
+        for name in ("out_new", "out_nosplit", "out_triton", "out_slot_major"):
+            if name not in p.buffers:  # slot-major above 32 heads
+                continue
             got = p.buffers[name].float()
             torch.testing.assert_close(got, base, rtol=2e-2, atol=1e-2)
             checks[f"{name}_max_abs_diff"] = float((got - base).abs().max())
@@ -714,7 +729,7 @@ def _time_row(p: _Point, op: str, kv_cache: str, floors, peaks: dict, iters: int
         "spread": {name: t.spread for name, t in timings.items()},
         "detail": {name: t.summary() for name, t in timings.items()},
     }
-    for name in ("new_nosplit", "triton", *GLUON_FP8_VARIANTS):
+    for name in ("new_nosplit", "triton", "slot_major", *GLUON_FP8_VARIANTS):
         if name in timings:
             row[f"{name}_us"] = timings[name].median_us
     if "amax" in timings:
@@ -827,12 +842,15 @@ def run(args) -> int:
                            "sparse_mla": vars(SPARSE_MLA_CONFIG),
                            "sparse_mla_few_rows": vars(SPARSE_MLA_FEW_ROWS_CONFIG),
                            "sparse_mla_baseline": vars(SPARSE_MLA_BASELINE_CONFIG),
+                           "sparse_mla_slot_major": vars(SPARSE_MLA_SLOT_MAJOR_CONFIG),
+                           "sparse_mla_slot_major_fp8": vars(SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG),
                            **{f"sparse_mla_{name}": vars(config) for name, config in GLUON_FP8_VARIANTS.items()}},
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
         cols = [("op", "op"), ("kv_cache", "KV cache"), ("heads", "heads"), ("mode", "mode"), ("bs", "bs"),
                 ("live_kv", "live KV"), ("rows", "rows"), ("baseline_us", "baseline µs"), ("new_us", "new µs"),
                 ("speedup", "speedup"), ("new_nosplit_us", "new no-split µs"), ("triton_us", "Triton default µs"),
+                ("slot_major_us", "slot-major µs"),
                 ("gluon_fp8_us", "Gluon FP8 µs"), ("gluon_fp8_narrow_us", "Gluon FP8 32-slot µs"),
                 ("gluon_fp8_one_split_us", "Gluon FP8 one-split µs"), ("num_splits", "splits"),
                 ("topk_chunks", "top-k chunks"), ("floor_us", "floor µs"),

@@ -16,6 +16,8 @@ from dsaspec import flags
 # the fields that are on/off switches (bools)
 SWITCH_FIELDS = ("bounded_replay_metadata", "draft_argmax_exchange", "verify_argmax_exchange",
                  "topk_single_launch", "sparse_mla_gluon", "fused_moe")
+# the on/off choices that default to off (candidates and trade-offs the shipped path does not take)
+OPT_IN_FIELDS = ("sparse_mla_slot_major", "fp8_fast_accum")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class RuntimeOptions:
         (``DSASPEC_TOPK_SINGLE_LAUNCH``); False: its five launches.
     sparse_mla_gluon : sparse MLA takes the warp-specialized Gluon kernel where it runs
         (``DSASPEC_SPARSE_MLA_GLUON``); False: the Triton kernel everywhere.
+    sparse_mla_slot_major : at up to 32 heads a rank, sparse MLA takes the Triton kernel's
+        slot-major dots (``DSASPEC_SPARSE_MLA_SLOT_MAJOR``, default off; ``sparse_mla_config``).
     fused_moe : MoE layers run the fused MoE kernel (``DSASPEC_FUSED_MOE``) where the model runs the
         Triton ops and is not row-invariant; False: the plain-torch experts (every expert on every
         token).
@@ -55,17 +59,16 @@ class RuntimeOptions:
     verify_argmax_exchange: bool = True
     topk_single_launch: bool = True
     sparse_mla_gluon: bool = True
+    sparse_mla_slot_major: bool = False
     fused_moe: bool = True
     fp8_fast_accum: bool = False
     metadata_program_budget: int | None = None
     simulate_accept_len: float | None = None
 
     def __post_init__(self):
-        for name in SWITCH_FIELDS:
+        for name in SWITCH_FIELDS + OPT_IN_FIELDS:
             if not isinstance(getattr(self, name), bool):   # "0" would read as on
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.fp8_fast_accum, bool):
-            raise TypeError(f"fp8_fast_accum must be a bool, got {self.fp8_fast_accum!r}")
         budget = self.metadata_program_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"metadata_program_budget must be None or a positive int, got {budget!r}")
@@ -82,6 +85,7 @@ class RuntimeOptions:
                    verify_argmax_exchange=flags.spec_verify_argmax_exchange(),
                    topk_single_launch=flags.topk_single_launch(),
                    sparse_mla_gluon=flags.sparse_mla_gluon(),
+                   sparse_mla_slot_major=flags.sparse_mla_slot_major(),
                    fused_moe=flags.fused_moe(),
                    fp8_fast_accum=flags.fp8_fast_accum(),
                    metadata_program_budget=flags.metadata_program_budget(),

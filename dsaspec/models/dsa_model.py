@@ -96,7 +96,8 @@ class DSAModel(nn.Module):
         what the unsharded model does.
     options : RuntimeOptions
         The runtime's switches (default: the shipped path); the model uses ``sparse_mla_gluon``,
-        ``topk_single_launch``, ``fused_moe`` and ``fp8_fast_accum`` (a ``ValueError`` with
+        ``sparse_mla_slot_major``, ``topk_single_launch``, ``fused_moe`` and ``fp8_fast_accum`` (a
+        ``ValueError`` with
         ``row_invariant``), and the engine and workers built over it take the rest from
         ``model.options`` unless given their own.
 
@@ -139,6 +140,7 @@ class DSAModel(nn.Module):
             raise ValueError("options.fp8_fast_accum: the row-invariant mode needs the FP8 GEMMs' exact 16-row "
                              "tiles; turn one of the two off")
         self.sparse_mla_gluon = self.options.sparse_mla_gluon
+        self.sparse_mla_slot_major = self.options.sparse_mla_slot_major
         if config.quantization is None:
             self.model = DSABackbone(config, tp_group, device, dtype)
         else:  # built without storage, the FP8 layers swapped in, then allocated once
@@ -280,7 +282,7 @@ class DSAModel(nn.Module):
     def _state(self, positions, out_cache_loc, attn: AttentionInputs, check_values: bool,
                seed_slots: torch.Tensor | None = None) -> ForwardState:
         cos, sin = self.rotary(positions)
-        ops = dsa_ops(self.use_triton, self.sparse_mla_gluon)
+        ops = dsa_ops(self.use_triton, self.sparse_mla_gluon, self.sparse_mla_slot_major)
         return ForwardState(cos, sin, out_cache_loc, attn, ops, check_values,
                              selected=seed_slots, seeded=seed_slots is not None)
 
@@ -383,12 +385,12 @@ class DSAModel(nn.Module):
         candidates = topk_candidates(rows, self.config.index_topk, device,
                                      num_chunks=1 if topk is None else topk.shape[1])
         heads = self.num_local_heads
-        # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon, the
-        # cache dtype): the Gluon and Triton configurations split differently (the Gluon FP8
-        # one-split config comes exactly where this gives None, as sparse_mla_decode then takes)
+        # sized for the configuration sparse_mla_decode takes (options.sparse_mla_gluon and
+        # sparse_mla_slot_major, the cache dtype): the configurations split differently (the Gluon
+        # FP8 one-split config comes exactly where this gives None, as sparse_mla_decode then takes)
         mla_config = sparse_mla_config(rows, heads, split=True,
                                        device=device if self.sparse_mla_gluon else None,
-                                       fp8_cache=fp8_cache)
+                                       fp8_cache=fp8_cache, slot_major=self.sparse_mla_slot_major)
         return AttentionWorkspace(
             sparse_mla=None if self.row_invariant else sparse_mla_workspace(rows, heads, device,
                                                                             config=mla_config),

@@ -21,6 +21,9 @@ latent codes, 4 fp32 power-of-two scales, 64 bf16 rope values). On the FP8 cache
 latent to bf16 in registers before the same bf16 dots (exact: a power-of-two scale times an
 e4m3 code is a bf16 value), reading 656 bytes a selected slot instead of 1,152.
 
+With ``slot_major`` (:attr:`SparseMLAConfig.slot_major`) the dots swap roles: the block's slots,
+then the value columns, are their M dimension and the heads their N, for a rank's few heads.
+
 On Hopper (compute capability 9.x) with a head count of 8, 16 or 32 (a GLM-5 or DeepSeek-V3.2
 rank's share at TP 2 to 8: one program of 64 head slots, the rest padding) or a multiple of 64,
 the default configuration is :data:`SPARSE_MLA_GLUON_CONFIG` for the single pass at every row
@@ -78,7 +81,8 @@ class SparseMLAConfig:
     """Launch configuration of :func:`sparse_mla_decode`. It sets the summation order, so a
     row's output depends on it (and on nothing else of the launch without a workspace).
 
-    block_h : heads per program, the dots' M dimension (capped at ``max(16, next_pow2(H))``).
+    block_h : heads per program, the dots' M dimension (N with ``slot_major``; capped at
+        ``max(16, next_pow2(H))``: on sm_90 Triton takes wgmma for N = 16, mma.sync for 8).
     block_n : selected slots per online-softmax step.
     num_warps : warps per program (8: two warpgroups share a ``[block_h, 512]`` accumulator).
     num_stages : Triton's software-pipelining depth of the loop over slot blocks (2: the next
@@ -93,6 +97,10 @@ class SparseMLAConfig:
         :data:`SPARSE_MLA_GLUON_CONFIG` on a bf16 cache, of :data:`SPARSE_MLA_GLUON_FP8_CONFIG`,
         :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`,
         :data:`SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG` or one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` on an ``fp8_ds_mla`` one).
+    slot_major : the Triton kernel's dots with the roles swapped: the block's slots (then its
+        value columns) are the M dimension and the heads the N one, so a rank's 8 - 32 heads
+        fill no 64-row M tile (wgmma's) with padding. A row's output depends on it (the dots'
+        order differs).
     staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill, in_slot : the Gluon
         kernel's gather partition on an ``fp8_ds_mla`` cache (:class:`sparse_mla_gluon.FP8Tiles`:
         its staging stages, None for as many as ``num_stages``, 0 for none: the codes and
@@ -111,6 +119,7 @@ class SparseMLAConfig:
     block_dv: int = 512
     max_splits: int = 16
     kernel: str = "triton"
+    slot_major: bool = False
     staging: int | None = None
     gather_warps: int = sparse_mla_gluon.GATHER_WARPS
     gather_registers: int = sparse_mla_gluon.GATHER_REGISTERS
@@ -126,6 +135,9 @@ class SparseMLAConfig:
             raise ValueError(f"max_splits: expected >= 1, got {self.max_splits}")
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel: expected 'triton' or 'gluon', got {self.kernel!r}")
+        if self.slot_major and self.kernel != "triton":
+            raise ValueError(f"slot_major: only the Triton kernel has the slot-major dots, got "
+                             f"kernel={self.kernel!r}")
         gather = self.gather_tiles   # FP8Tiles checks the gather fields' values
         gluon_tiles = _gluon_tiles() + _gluon_tiles(fp8=True)
         if self.kernel == "gluon" and self.tiles not in gluon_tiles:
@@ -197,6 +209,19 @@ GLUON_FP8_DEFAULT_CONFIG: SparseMLAConfig | None = SPARSE_MLA_GLUON_FP8_IN_SLOT_
 # 12.3 against 17.4 at 64k; from two rows on the Gluon kernel
 # (benchmarks/results/h200/logs/sweep_sparse_mla_gluon_rows.json).
 GLUON_MIN_SPLIT_HEAD_BLOCKS = 2
+# Slot-major dots for a rank's few heads (8 - 32: GLM-5 at TP 8 - 2): the 64 slots of a block are the
+# QK dots' M, the 512 value columns the PV dots', the heads (16 a program) their N, where the
+# head-major kernels pad 8 - 32 heads to an M tile of 64 (wgmma's; the Gluon kernel) or run mma.sync
+# (16-row tiles; Triton). On sm_90 both dots compile to m64n16k16 wgmma, 68 a block, without spills
+# on a bf16 cache (scripts/compile_fp8_dsa.py --sweep). On an FP8 cache blocks of 32 slots (the QK
+# dots on mma.sync, the PV ones on wgmma): 64 spill 1.4 KB there, the codes dequantized in registers.
+# Taken with sparse_mla_config(slot_major=True) at up to SLOT_MAJOR_MAX_HEADS heads (the runtime's
+# sparse_mla_slot_major option, default off: not yet timed).
+SPARSE_MLA_SLOT_MAJOR_CONFIG = SparseMLAConfig(block_h=16, block_n=64, num_warps=4, num_stages=2,
+                                               slot_major=True)
+SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2,
+                                                   slot_major=True)
+SLOT_MAJOR_MAX_HEADS = 32
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.
 SPARSE_MLA_BASELINE_CONFIG = SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)
@@ -270,21 +295,35 @@ def _gather_values(latent_ptr, latent_stride, scale_ptr, scale_stride, slot, kv_
 
 @triton.jit
 def _attend_block(q_latent, q_rope, valid, kv_latent, kv_rope, kv_value, running_max,
-                  denominator, acc, qk_scale_log2, UPCAST: tl.constexpr):
+                  denominator, acc, qk_scale_log2, UPCAST: tl.constexpr,
+                  SLOT_MAJOR: tl.constexpr):
     """One online-softmax step over a block of slots: returns the updated running max (log2
-    domain), denominator and unnormalised ``[BLOCK_H, BLOCK_DV]`` accumulator."""
+    domain), denominator and unnormalised accumulator, ``[BLOCK_H, BLOCK_DV]`` (heads are the
+    dots' M dimension) or with ``SLOT_MAJOR`` ``[BLOCK_DV, BLOCK_H]`` (the queries come
+    transposed, ``[576 part, BLOCK_H]``: slots, then value columns, are the M dimension and the
+    heads the N one, so a few heads need no padding to an M tile)."""
     if UPCAST:
         kv_latent = kv_latent.to(tl.float32)
         kv_rope = kv_rope.to(tl.float32)
         kv_value = kv_value.to(tl.float32)
-    scores = tl.dot(q_latent, tl.trans(kv_latent))
-    scores = tl.dot(q_rope, tl.trans(kv_rope), scores)  # [BLOCK_H, BLOCK_N], fp32
-    scores = tl.where(valid[None, :], scores * qk_scale_log2, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 1))
-    rescale = tl.exp2(running_max - new_max)
-    probs = tl.exp2(scores - new_max[:, None])
-    denominator = denominator * rescale + tl.sum(probs, 1)
-    acc = tl.dot(probs.to(kv_value.dtype), kv_value, acc * rescale[:, None])
+    if SLOT_MAJOR:
+        scores = tl.dot(kv_latent, q_latent)
+        scores = tl.dot(kv_rope, q_rope, scores)  # [BLOCK_N, BLOCK_H], fp32
+        scores = tl.where(valid[:, None], scores * qk_scale_log2, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 0))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[None, :])
+        denominator = denominator * rescale + tl.sum(probs, 0)
+        acc = tl.dot(tl.trans(kv_value), probs.to(kv_value.dtype), acc * rescale[None, :])
+    else:
+        scores = tl.dot(q_latent, tl.trans(kv_latent))
+        scores = tl.dot(q_rope, tl.trans(kv_rope), scores)  # [BLOCK_H, BLOCK_N], fp32
+        scores = tl.where(valid[None, :], scores * qk_scale_log2, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        denominator = denominator * rescale + tl.sum(probs, 1)
+        acc = tl.dot(probs.to(kv_value.dtype), kv_value, acc * rescale[:, None])
     return new_max, denominator, acc
 
 
@@ -297,8 +336,8 @@ def _sparse_mla_decode_kernel(q_ptr, latent_ptr, scale_ptr, rope_ptr, slots_ptr,
                               FP8: tl.constexpr, BLOCK_H: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                               SCAN: tl.constexpr, NUM_STAGES: tl.constexpr,
-                              UPCAST: tl.constexpr, SPLIT: tl.constexpr, RECORD: tl.constexpr,
-                              PDL: tl.constexpr):
+                              UPCAST: tl.constexpr, SLOT_MAJOR: tl.constexpr,
+                              SPLIT: tl.constexpr, RECORD: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         # the combine kernel may launch now; it waits for this grid before reading the workspace
         gdc_launch_dependents()
@@ -324,10 +363,15 @@ def _sparse_mla_decode_kernel(q_ptr, latent_ptr, scale_ptr, rope_ptr, slots_ptr,
     if UPCAST:
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
+    if SLOT_MAJOR:
+        q_latent = tl.trans(q_latent)
+        q_rope = tl.trans(q_rope)
+        acc = tl.zeros((BLOCK_DV, BLOCK_H), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     # a finite start keeps exp2(running_max - new_max) NaN-free while every slot is masked
     running_max = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)
     denominator = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     # split `split` of `num_splits` takes an equal run of the row's slot blocks
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -343,8 +387,12 @@ def _sparse_mla_decode_kernel(q_ptr, latent_ptr, scale_ptr, rope_ptr, slots_ptr,
                                   kv_latent, value_start, LATENT, BLOCK_DV, GROUP, FP8)
         running_max, denominator, acc = _attend_block(
             q_latent, q_rope, slot >= 0, kv_latent, kv_rope, kv_value, running_max,
-            denominator, acc, qk_scale_log2, UPCAST)
-    result = acc / tl.where(denominator > 0, denominator, 1.0)[:, None]
+            denominator, acc, qk_scale_log2, UPCAST, SLOT_MAJOR)
+    safe_denominator = tl.where(denominator > 0, denominator, 1.0)
+    if SLOT_MAJOR:
+        result = tl.trans(acc / safe_denominator[None, :])
+    else:
+        result = acc / safe_denominator[:, None]
     if SPLIT:
         # workspace [R, H, num_splits, RECORD]: the split's normalised output, then its
         # log2-sum-exp2 of the scaled scores (-inf when the split saw no valid slot)
@@ -393,9 +441,12 @@ def _block_h(num_heads: int, config: SparseMLAConfig) -> int:
 
 def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
                       device: torch.device | str | None = None,
-                      fp8_cache: bool = False) -> SparseMLAConfig:
+                      fp8_cache: bool = False, slot_major: bool = False) -> SparseMLAConfig:
     """The default launch configuration of ``R = num_rows`` rows on ``device`` over a bf16 cache,
     or with ``fp8_cache`` an ``fp8_ds_mla`` one.
+
+    With ``slot_major`` and ``H <= SLOT_MAJOR_MAX_HEADS``: :data:`SPARSE_MLA_SLOT_MAJOR_CONFIG`
+    (:data:`SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG` on an FP8 cache) at every ``R``, split or not.
 
     Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` in 8, 16, 32 or a
     multiple of 64: :func:`sparse_mla_gluon_supported`), without a workspace, and with one
@@ -405,6 +456,8 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
     cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``, :data:`SPARSE_MLA_FEW_ROWS_CONFIG`, else
     :data:`SPARSE_MLA_CONFIG`. Without a workspace the choice never depends on ``R``, so a row's
     output there does not depend on ``R``."""
+    if slot_major and num_heads <= SLOT_MAJOR_MAX_HEADS:
+        return SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG if fp8_cache else SPARSE_MLA_SLOT_MAJOR_CONFIG
     rows = max(num_rows, 1)
     if ((not fp8_cache or GLUON_FP8_DEFAULT_CONFIG is not None) and device is not None
             and sparse_mla_gluon_supported(device, num_heads)):
@@ -556,7 +609,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         LATENT=LATENT_DIM, ROPE=ROPE_DIM, GROUP=FP8_GROUP, FP8=fp8,
         BLOCK_H=_block_h(num_heads, config),
         BLOCK_N=config.block_n, BLOCK_DV=config.block_dv, SCAN=scan,
-        NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
+        NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda, SLOT_MAJOR=config.slot_major,
         SPLIT=workspace is not None, RECORD=RECORD_WIDTH, PDL=pdl,
         num_warps=config.num_warps)
     if workspace is not None:
