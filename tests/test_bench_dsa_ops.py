@@ -204,18 +204,37 @@ def test_fp8_indexer_tune_check_catches_other_logits(on_gpu):
 
 
 def test_tune_winners():
-    """The fastest error-free row per op, KV cache, split choice and point."""
-    def row(us, kv_cache=None, bs=32, splits=None, error=None, name="c"):
+    """The fastest error-free row per op, heads, KV cache, split choice and point."""
+    def row(us, kv_cache=None, bs=32, splits=None, error=None, name="c", heads=64):
         config = {"name": name} | ({"kv_cache": kv_cache} if kv_cache else {}) | ({"splits": splits} if splits else {})
-        r = {"op": "indexer", "mode": "decode", "bs": bs, "live_kv": 65536, "config": config}
+        r = {"op": "indexer", "heads": heads, "mode": "decode", "bs": bs, "live_kv": 65536, "config": config}
         return r | ({"error": error} if error else {"us": us})
 
     rows = [row(10.0, name="default"), row(9.0, name="b"), row(None, error="shared memory"),
             row(20.0, "fp8_e4m3", name="fp8_default"), row(15.0, "fp8_e4m3", name="fp8_b"),
             row(16.0, "fp8_e4m3", name="fp8_c"), row(5.0, bs=64, name="other_point"),
-            row(3.0, splits=4, name="split"), row(4.0, splits=8, name="split_b")]
+            row(3.0, splits=4, name="split"), row(4.0, splits=8, name="split_b"),
+            row(12.0, heads=8, name="8_heads")]
     got = [r["config"]["name"] for r in dsa_ops._tune_winners(rows)]
-    assert got == ["b", "fp8_b", "other_point", "split"]
+    assert got == ["b", "fp8_b", "other_point", "split", "8_heads"]
+
+
+@pytest.mark.parametrize("gluon", [True, False])
+def test_sparse_mla_tune_tries_by_heads(gluon, monkeypatch):
+    """--tune's sparse MLA configurations: the Triton lists above 32 heads; at up to 32 the default
+    there first (the Gluon kernel's, where it runs), SPARSE_MLA_CONFIG and the slot-major tiles of
+    each cache, whose FP8 ones are timed only with the FP8 cache."""
+    monkeypatch.setattr(dsa_ops, "sparse_mla_gluon_supported", lambda device, heads: gluon)
+    assert dsa_ops._sparse_mla_tune_tries(64, False, "cuda") == [("bf16", c) for c in dsa_ops.TUNE_SPARSE_MLA]
+    for heads in (8, 16, 32):
+        tries = dsa_ops._sparse_mla_tune_tries(heads, True, "cuda")
+        bf16 = [c for cache, c in tries if cache == "bf16"]
+        fp8 = [c for cache, c in tries if cache == "fp8_e4m3"]
+        gluon_bf16 = [dsa_ops.SPARSE_MLA_GLUON_CONFIG] if gluon else []
+        gluon_fp8 = [dsa_ops.GLUON_FP8_DEFAULT_CONFIG] if gluon else []
+        assert bf16 == gluon_bf16 + [dsa_ops.SPARSE_MLA_CONFIG, *dsa_ops.TUNE_SPARSE_MLA_SLOT_MAJOR]
+        assert fp8 == gluon_fp8 + [dsa_ops.SPARSE_MLA_CONFIG, *dsa_ops.TUNE_SPARSE_MLA_SLOT_MAJOR_FP8]
+        assert all(cache == "bf16" for cache, _ in dsa_ops._sparse_mla_tune_tries(heads, False, "cuda"))
 
 
 def test_gluon_fp8_tune_candidates_are_checked_against_their_twin():

@@ -384,7 +384,6 @@ def test_python_m_dsaspec_prints_one_line():
     (["bench", "decode", "--profile-steps", "-1"], "--profile-steps"),
     (["bench", "dsa-ops", "--heads", "0"], "--heads"),
     (["bench", "dsa-ops", "--heads", "8,x"], "--heads"),
-    (["bench", "dsa-ops", "--heads", "8", "--tune"], "--heads: not used by --tune"),
     (["bench", "nope"], "nope"),
     (["bench", "all", "--bs", "1"], "--bs"),
 ])

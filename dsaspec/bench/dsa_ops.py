@@ -98,8 +98,9 @@ from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXE
                                  INDEXER_FP8_GATHER_CONFIG, IndexerConfig, default_indexer_config,
                                  indexer_logits)
 from dsaspec.ops.indexer_schedule import indexer_schedule
-from dsaspec.ops.sparse_mla import (LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
-                                    SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_FP8_CONFIG,
+from dsaspec.ops.sparse_mla import (GLUON_FP8_DEFAULT_CONFIG, LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG,
+                                    SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SPARSE_MLA_SLOT_MAJOR_CONFIG,
@@ -165,6 +166,18 @@ TUNE_SPARSE_MLA_FP8 = (
     SparseMLAConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, block_dv=512),
     SparseMLAConfig(block_h=64, block_n=16, num_warps=4, num_stages=2, block_dv=256),
 )
+# At up to SLOT_MAJOR_MAX_HEADS heads --tune times sparse MLA's default there (the Gluon kernel, where it
+# runs), SPARSE_MLA_CONFIG and these slot-major tiles in place of the 64-head lists above: 16 heads a
+# program on 4 warps with 64-, 32- and 16-slot blocks (the QK dots on wgmma at 64 only), 8 warps, 32
+# heads on 8 warps, 3 stages; on the FP8 cache the tiles that compile for sm_90 without spills
+# (scripts/compile_fp8_dsa.py --sweep).
+TUNE_SPARSE_MLA_SLOT_MAJOR = tuple(
+    SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=st, slot_major=True)
+    for h, n, w, st in ((16, 64, 4, 2), (16, 32, 4, 2), (16, 32, 4, 3), (16, 16, 4, 3), (16, 64, 8, 2),
+                        (32, 64, 8, 2)))
+TUNE_SPARSE_MLA_SLOT_MAJOR_FP8 = tuple(
+    SparseMLAConfig(block_h=h, block_n=n, num_warps=w, num_stages=st, slot_major=True)
+    for h, n, w, st in ((16, 32, 4, 2), (16, 32, 4, 3), (16, 32, 8, 2), (16, 16, 4, 3)))
 TUNE_INDEXER = (
     INDEXER_CONFIG,
     IndexerConfig(tokens_as_m=True, num_warps=4, num_stages=2),
@@ -221,7 +234,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=positive_int_list, default=None,
                    help="query heads per rank, comma-separated, each a separate set of points (e.g. "
                         "64,32,16,8: GLM-5 at TP 1 / 2 / 4 / 8); the index heads stay the preset's "
-                        "(default: the preset's heads; 16 without CUDA; not with --tune)")
+                        "(default: the preset's heads; 16 without CUDA)")
     p.add_argument("--iters", type=positive_int, default=100, help="timed graph replays per measurement")
     p.add_argument("--tune", action="store_true",
                    help="instead: time the candidate kernel configurations (TUNE_* in this module) of "
@@ -660,14 +673,14 @@ def _check_gluon_fp8_candidate(p: _Point, candidate, twin) -> None:
 
 
 def _tune_winners(rows: list[dict]) -> list[dict]:
-    """The fastest error-free row per (op, KV cache, split or not, mode, bs, live_kv), in the order
+    """The fastest error-free row per (op, heads, KV cache, split or not, mode, bs, live_kv), in the order
     the points first appear, with its ``vs_default``."""
     best: dict = {}
     for r in rows:
         if "us" not in r:
             continue
-        key = (r["op"], r["config"].get("kv_cache"), r["config"].get("splits", 1) > 1, r["mode"], r["bs"],
-               r["live_kv"])
+        key = (r["op"], r["heads"], r["config"].get("kv_cache"), r["config"].get("splits", 1) > 1, r["mode"],
+               r["bs"], r["live_kv"])
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
     return list(best.values())
@@ -776,8 +789,6 @@ def run(args) -> int:
 
     on_gpu = torch.cuda.is_available()
     if args.tune:
-        if args.heads:
-            raise UserError("--heads: not used by --tune (it times the preset's heads)")
         if not on_gpu:
             raise UserError("--tune needs a CUDA device (it times kernels)")
         return _tune(args)
@@ -875,21 +886,41 @@ def run(args) -> int:
     return 1 if failures else 0
 
 
+def _sparse_mla_tune_tries(heads: int, fp8: bool, device) -> list[tuple[str, SparseMLAConfig]]:
+    """(KV cache, configuration) pairs --tune times for sparse MLA at ``heads`` heads: the Triton
+    lists (``TUNE_SPARSE_MLA``; with ``fp8`` on the FP8 cache too, and ``TUNE_SPARSE_MLA_FP8``), or at
+    up to ``SLOT_MAJOR_MAX_HEADS`` heads the default there (the Gluon kernel where it runs),
+    ``SPARSE_MLA_CONFIG`` and the slot-major tiles of each cache."""
+    if heads > SLOT_MAJOR_MAX_HEADS:
+        tries = [("bf16", config) for config in TUNE_SPARSE_MLA]
+        if fp8:
+            tries += [("fp8_e4m3", config) for config in TUNE_SPARSE_MLA + TUNE_SPARSE_MLA_FP8]
+        return tries
+    gluon = sparse_mla_gluon_supported(device, heads)
+    caches = [("bf16", SPARSE_MLA_GLUON_CONFIG, TUNE_SPARSE_MLA_SLOT_MAJOR)]
+    if fp8:
+        caches.append(("fp8_e4m3", GLUON_FP8_DEFAULT_CONFIG, TUNE_SPARSE_MLA_SLOT_MAJOR_FP8))
+    return [(cache, config) for cache, default, slot_major in caches
+            for config in ([default] if gluon and default is not None else []) + [SPARSE_MLA_CONFIG, *slot_major]]
+
+
 def _tune(args) -> int:
-    """Time every TUNE_* configuration at TUNE_POINTS (new forms only) and write the table."""
+    """Time every TUNE_* configuration at TUNE_POINTS (new forms only), at each of ``--heads``, and
+    write the table."""
     from dsaspec.bench.results import bench_params, markdown_table, write_results
     from dsaspec.bench.timing import time_in_graph, warm_up_gpu
 
     warm_up_gpu()
-    shapes = _shapes(args, True)
+    preset = _shapes(args, True)
     device = torch.device("cuda")
     rows = []
-    points = [(mode, bs, live) for mode, bs, live in TUNE_POINTS
+    points = [(heads, mode, bs, live) for heads in args.heads or [preset.heads] for mode, bs, live in TUNE_POINTS
               if mode in args.modes and bs in args.bs and live in args.live_kv]
     if not points:
         raise UserError("--tune: no tune point (TUNE_POINTS) is within --modes, --bs and --live-kv")
-    for mode, bs, live in tqdm(points, desc="dsa-ops tune", unit="point"):
+    for heads, mode, bs, live in tqdm(points, desc="dsa-ops tune", unit="point"):
         fp8 = args.kv_cache_dtype == "fp8_e4m3"
+        shapes = replace(preset, heads=heads)
         point = _build_point(mode, bs, live, args.verify_rows, shapes, device, args.seed, fp8=fp8)
         _prepare(point)
         # the point's default first, then the other configurations at their own programs an SM,
@@ -902,10 +933,7 @@ def _tune(args) -> int:
         candidates = [("indexer", vars(config) | {"rows_per_group": groups}, _indexer(point, True, config, groups))
                       for config, groups in indexer_tries]
         twins = {}  # candidate index -> the launch its output must equal (_check_gluon_fp8_candidate)
-        sparse_mla_tries = [("bf16", config) for config in TUNE_SPARSE_MLA]
-        if fp8:
-            sparse_mla_tries += [("fp8_e4m3", config) for config in TUNE_SPARSE_MLA + TUNE_SPARSE_MLA_FP8]
-        for kv_cache, config in sparse_mla_tries:
+        for kv_cache, config in _sparse_mla_tune_tries(heads, fp8, device):
             for split in (False, True):
                 workspace = sparse_mla_workspace(point.rows, shapes.heads, device, num_sms=shapes.num_sms,
                                                  config=config) if split else None
@@ -937,7 +965,7 @@ def _tune(args) -> int:
         for index, (op, config, fn) in enumerate(candidates):
             if op not in args.ops:
                 continue
-            row = {"op": op, "mode": mode, "bs": bs, "live_kv": live, "config": config}
+            row = {"op": op, "heads": heads, "mode": mode, "bs": bs, "live_kv": live, "config": config}
             try:
                 timing = time_in_graph(fn, iters=args.iters, cold_l2=True, graph_diff=False)
                 row.update(us=timing.median_us, spread=timing.spread)
@@ -951,13 +979,14 @@ def _tune(args) -> int:
             rows.append(row)
         del point
     for r in rows:  # against the default configuration at the same point (split choice and KV cache)
-        same = [d for d in rows if (d["op"], d["mode"], d["bs"], d["live_kv"]) == (r["op"], r["mode"], r["bs"], r["live_kv"])
+        same = [d for d in rows if (d["op"], d["heads"], d["mode"], d["bs"], d["live_kv"])
+                == (r["op"], r["heads"], r["mode"], r["bs"], r["live_kv"])
                 and (d["config"].get("splits", 1) > 1) == (r["config"].get("splits", 1) > 1)
                 and d["config"].get("kv_cache") == r["config"].get("kv_cache")]
         default = same[0].get("us") if same else None
         r["vs_default"] = r["us"] / default if "us" in r and default else None
-    cols = [("op", "op"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"), ("config", "config"),
-            ("us", "µs"), ("vs_default", "vs default")]
+    cols = [("op", "op"), ("heads", "heads"), ("mode", "mode"), ("bs", "bs"), ("live_kv", "live KV"),
+            ("config", "config"), ("us", "µs"), ("vs_default", "vs default")]
     winners = _tune_winners(rows)
     md = (markdown_table(cols + [("spread", "spread"), ("max_abs_diff", "max abs diff vs default"),
                                  ("error", "error")], rows)
