@@ -15,8 +15,7 @@ from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import (FEW_ROWS_HEAD_BLOCKS, GLUON_MIN_SPLIT_HEAD_BLOCKS,
                                     SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
-                                    SPARSE_MLA_SLOT_MAJOR_CONFIG, SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG,
-                                    SLOT_MAJOR_MAX_HEADS, SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
+                                    SPARSE_MLA_SLOT_MAJOR_CONFIG, SLOT_MAJOR_MAX_HEADS, SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
                                     sparse_mla_num_splits, sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import topk_slots
@@ -131,17 +130,18 @@ def test_row_invariant_without_workspace(config, device):
         assert torch.equal(alone[0], together[row]), row
 
 
-def test_slot_major_compiles_to_wgmma_for_few_heads():
-    """Without a GPU: at 8, 16 and 32 heads on a bf16 cache the slot-major tiles compile for sm_90
-    to m64n16k16 wgmma dots only (36 QK + 32 PV k-steps of a 64-slot block), no mma.sync, no
-    spills; scripts/compile_fp8_dsa.py's compile, in a subprocess."""
+def test_slot_major_compiles_for_two_programs_an_sm():
+    """Without a GPU: at 8, 16 and 32 heads on both caches the slot-major tiles compile for sm_90
+    without spills, in registers and shared memory for two programs an SM (4 warps), with the PV
+    dot on m64n16k16 wgmma (8 value tiles x 2 k-steps of a 32-slot block) and the QK dot (M 32)
+    on mma.sync; scripts/compile_fp8_dsa.py's compile, in a subprocess."""
     rows = compiled_counts(
         "compile_fp8_dsa", "(r | dict(wgmma=r['sass']['HGMMA.64x16x16.F32.BF16'], "
-        "mma=r['sass']['HMMA.16816.F32.BF16']) for h in (8, 16, 32) for r in "
-        "[c.compile_sparse_mla(False, c.sparse_mla.SPARSE_MLA_SLOT_MAJOR_CONFIG, h)])",
-        ("regs", "spill", "wgmma", "mma"))
-    assert [(row["spill"], row["wgmma"], row["mma"]) for row in rows] == [(0, 68, 0)] * 3, rows
-    assert all(0 < row["regs"] <= 255 for row in rows), rows
+        "mma=r['sass']['HMMA.16816.F32.BF16']) for fp8 in (False, True) for h in (8, 16, 32) for r in "
+        "[c.compile_sparse_mla(fp8, c.sparse_mla.SPARSE_MLA_SLOT_MAJOR_CONFIG, h)])",
+        ("regs", "spill", "shared", "wgmma", "mma"))
+    assert len(rows) == 6 and all(row["spill"] == 0 and row["wgmma"] == 16 and row["mma"] > 0 for row in rows), rows
+    assert all(0 < row["regs"] * 128 * 2 <= 65536 and row["shared"] * 2 <= 232448 for row in rows), rows
 
 
 def test_bad_arguments(device):
@@ -278,11 +278,11 @@ def test_gluon_supported_head_counts(capability, monkeypatch):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_slot_major_config_up_to_32_heads(fp8, monkeypatch):
-    """With ``slot_major`` the configuration is the slot-major one (the FP8 one on an FP8 cache) at
-    up to SLOT_MAJOR_MAX_HEADS heads for every row count, split or not, on any device; above, the
-    choice without it."""
+    """With ``slot_major`` the configuration is the slot-major one at up to SLOT_MAJOR_MAX_HEADS
+    heads for every row count, split or not, on any device and cache; above, the choice without
+    it."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    want = SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG if fp8 else SPARSE_MLA_SLOT_MAJOR_CONFIG
+    want = SPARSE_MLA_SLOT_MAJOR_CONFIG
     for device in (None, "cuda"):
         for rows in (1, 4, 64, 4096):
             for split in (False, True):

@@ -32,7 +32,6 @@ from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFI
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SPARSE_MLA_SLOT_MAJOR_CONFIG,
-                                    SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG,
                                     SparseMLAConfig,
                                     sparse_mla_config, sparse_mla_decode, sparse_mla_num_splits,
                                     sparse_mla_workspace)
@@ -374,14 +373,14 @@ def test_gpu_production_sizes(config, num_rows, split):
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_heads", [8, 16, 32])
 def test_gpu_slot_major_few_heads(num_heads, split):
-    """The FP8 slot-major tiles at a rank's 8 - 32 heads (2048 slots, 96 rows of ragged counts)
+    """The slot-major tiles on the FP8 cache at a rank's 8 - 32 heads (2048 slots, 96 rows of ragged counts)
     within the GPU rounding bound of the reference, and bitwise the same tiles' output on the
     dequantized bf16 cache."""
     inputs = _production(96, num_heads, seed=num_heads)
     workspace = sparse_mla_workspace(96, num_heads, "cuda", num_splits=3) if split else None
-    got = _run(inputs, workspace, SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG)
+    got = _run(inputs, workspace, SPARSE_MLA_SLOT_MAJOR_CONFIG)
     _assert_within_gpu_rounding(got, inputs)
-    assert torch.equal(got, _run(_dequantized(inputs), workspace, SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG))
+    assert torch.equal(got, _run(_dequantized(inputs), workspace, SPARSE_MLA_SLOT_MAJOR_CONFIG))
 
 
 @pytest.mark.gpu

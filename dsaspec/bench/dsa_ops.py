@@ -27,8 +27,7 @@ CUPTI kernel time, median and spread).
   path); ``triton``: the Triton kernel's default configuration (``sparse_mla_config`` without a
   device) with the workspace it allocates, what runs where the Gluon kernel does not (the same as
   new off Hopper); ``slot_major`` (at up to ``SLOT_MAJOR_MAX_HEADS`` heads, on both caches): the
-  slot-major configuration of the cache (``SPARSE_MLA_SLOT_MAJOR_CONFIG`` /
-  ``SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG``) with the workspace it allocates; baseline:
+  slot-major configuration (``SPARSE_MLA_SLOT_MAJOR_CONFIG``) with the workspace it allocates; baseline:
   ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
@@ -104,7 +103,7 @@ from dsaspec.ops.sparse_mla import (GLUON_FP8_DEFAULT_CONFIG, LATENT_DIM, QK_DIM
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SPARSE_MLA_SLOT_MAJOR_CONFIG,
-                                    SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG, SLOT_MAJOR_MAX_HEADS,
+                                    SLOT_MAJOR_MAX_HEADS,
                                     SparseMLAConfig, sparse_mla_config, sparse_mla_decode, sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_chunks,
@@ -452,7 +451,7 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
             for name, config in GLUON_FP8_VARIANTS.items():
                 variants[name] = _sparse_mla(p, "slots_new", f"out_{name}", config, p.workspace, fp8=True)
         if p.shapes.heads <= SLOT_MAJOR_MAX_HEADS:
-            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_fp8_slot_major", SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG,
+            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_fp8_slot_major", SPARSE_MLA_SLOT_MAJOR_CONFIG,
                                                  p.slot_major_workspace, fp8=True)
         return variants
     if op == "indexer":
@@ -854,7 +853,6 @@ def run(args) -> int:
                            "sparse_mla_few_rows": vars(SPARSE_MLA_FEW_ROWS_CONFIG),
                            "sparse_mla_baseline": vars(SPARSE_MLA_BASELINE_CONFIG),
                            "sparse_mla_slot_major": vars(SPARSE_MLA_SLOT_MAJOR_CONFIG),
-                           "sparse_mla_slot_major_fp8": vars(SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG),
                            **{f"sparse_mla_{name}": vars(config) for name, config in GLUON_FP8_VARIANTS.items()}},
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:

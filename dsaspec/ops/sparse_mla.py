@@ -209,18 +209,18 @@ GLUON_FP8_DEFAULT_CONFIG: SparseMLAConfig | None = SPARSE_MLA_GLUON_FP8_IN_SLOT_
 # 12.3 against 17.4 at 64k; from two rows on the Gluon kernel
 # (benchmarks/results/h200/logs/sweep_sparse_mla_gluon_rows.json).
 GLUON_MIN_SPLIT_HEAD_BLOCKS = 2
-# Slot-major dots for a rank's few heads (8 - 32: GLM-5 at TP 8 - 2): the 64 slots of a block are the
-# QK dots' M, the 512 value columns the PV dots', the heads (16 a program) their N, where the
-# head-major kernels pad 8 - 32 heads to an M tile of 64 (wgmma's; the Gluon kernel) or run mma.sync
-# (16-row tiles; Triton). On sm_90 both dots compile to m64n16k16 wgmma, 68 a block, without spills
-# on a bf16 cache (scripts/compile_fp8_dsa.py --sweep). On an FP8 cache blocks of 32 slots (the QK
-# dots on mma.sync, the PV ones on wgmma): 64 spill 1.4 KB there, the codes dequantized in registers.
-# Taken with sparse_mla_config(slot_major=True) at up to SLOT_MAJOR_MAX_HEADS heads (the runtime's
-# sparse_mla_slot_major option, default off: not yet timed).
-SPARSE_MLA_SLOT_MAJOR_CONFIG = SparseMLAConfig(block_h=16, block_n=64, num_warps=4, num_stages=2,
+# Slot-major dots for a rank's few heads (8 - 32: GLM-5 at TP 8 - 2): the slots of a block are the QK
+# dots' M, the 512 value columns the PV dots', the heads (16 a program) their N, where the head-major
+# kernels pad 8 - 32 heads to an M tile of 64 (wgmma's; the Gluon kernel) or run mma.sync (16-row
+# tiles; Triton). Triton issues a block's gathers after the previous block's dots and waits for them
+# before its own, so one program does not overlap the two: blocks of 32 slots keep two programs an
+# SM on either cache (sm_90: 193 / 255 registers, 55 KiB of shared memory, no spills; the PV dots on
+# m64n16k16 wgmma, the QK ones, M 32, on mma.sync); 64 slots put both dots on wgmma but take 164 KiB
+# (one program) and spill 1.4 KB on an FP8 cache (scripts/compile_fp8_dsa.py --sweep). Taken with
+# sparse_mla_config(slot_major=True) at up to SLOT_MAJOR_MAX_HEADS heads (the runtime's
+# sparse_mla_slot_major option, default off: not yet timed; --tune times other tiles).
+SPARSE_MLA_SLOT_MAJOR_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2,
                                                slot_major=True)
-SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2,
-                                                   slot_major=True)
 SLOT_MAJOR_MAX_HEADS = 32
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.
@@ -445,8 +445,8 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
     """The default launch configuration of ``R = num_rows`` rows on ``device`` over a bf16 cache,
     or with ``fp8_cache`` an ``fp8_ds_mla`` one.
 
-    With ``slot_major`` and ``H <= SLOT_MAJOR_MAX_HEADS``: :data:`SPARSE_MLA_SLOT_MAJOR_CONFIG`
-    (:data:`SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG` on an FP8 cache) at every ``R``, split or not.
+    With ``slot_major`` and ``H <= SLOT_MAJOR_MAX_HEADS``: :data:`SPARSE_MLA_SLOT_MAJOR_CONFIG` on
+    either cache at every ``R``, split or not.
 
     Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` in 8, 16, 32 or a
     multiple of 64: :func:`sparse_mla_gluon_supported`), without a workspace, and with one
@@ -457,7 +457,7 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
     :data:`SPARSE_MLA_CONFIG`. Without a workspace the choice never depends on ``R``, so a row's
     output there does not depend on ``R``."""
     if slot_major and num_heads <= SLOT_MAJOR_MAX_HEADS:
-        return SPARSE_MLA_SLOT_MAJOR_FP8_CONFIG if fp8_cache else SPARSE_MLA_SLOT_MAJOR_CONFIG
+        return SPARSE_MLA_SLOT_MAJOR_CONFIG
     rows = max(num_rows, 1)
     if ((not fp8_cache or GLUON_FP8_DEFAULT_CONFIG is not None) and device is not None
             and sparse_mla_gluon_supported(device, num_heads)):
