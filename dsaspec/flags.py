@@ -72,8 +72,9 @@ def sparse_mla_gluon() -> bool:
 
 def sparse_mla_slot_major() -> bool:
     """``DSASPEC_SPARSE_MLA_SLOT_MAJOR``: at 8 - 32 heads a rank (tensor parallel), sparse MLA takes
-    the Triton kernel's slot-major dots (the heads as the MMA's N dimension, no padding to a 64-row
-    tile) instead of the default configuration (default off: a candidate until timed)."""
+    slot-major dots (the heads as the MMA's N dimension, no padding to a 64-row tile; the Gluon
+    kernel's where it runs) instead of the default configuration (default off: a candidate until
+    timed)."""
     return _switch("DSASPEC_SPARSE_MLA_SLOT_MAJOR", default=False)
 
 

@@ -15,8 +15,10 @@ ring slot) the loop from the wait to the
 arrive, its global loads and shared stores.
 
 Both forms (single pass and split records) over each cache at each of ``--heads`` (default 8,
-16, 32: one padded program of 64 head slots; 64 and 128: one and two full ones), and the split
-form of 64 heads with the phase stamps (``trace``, bf16 and the first FP8 tiles), go through the real host launch
+16, 32: one padded program of 64 head slots; 64 and 128: one and two full ones), the split
+form of 64 heads with the phase stamps (``trace``, bf16 and the first FP8 tiles), and at 8, 16 and
+32 heads both forms of the slot-major attend partition (``slot_major``: the bf16 gathers and the FP8
+default's in the ring slot) go through the real host launch
 (``launch_sparse_mla_gluon``) on small CPU tensors; the launch is intercepted and compiled for
 ``GPUTarget("cuda", 90, 32)`` with the wheel's ptxas, as Triton's JIT would specialize it. Runs on
 a CPU-only machine (the CPU tests run it in a subprocess); exits 1 when a check fails.
@@ -83,12 +85,12 @@ def gather_loop(sass: str, registers: bool = False) -> dict:
 
 
 def compile_form(heads: int, split: bool, traced: bool = False,
-                 fp8_tiles: sparse_mla_gluon.FP8Tiles | None = None) -> dict:
+                 fp8_tiles: sparse_mla_gluon.FP8Tiles | None = None, slot_major: bool = False) -> dict:
     """Registers, spills, shared memory, warps, the counts of :data:`REQUIRED` (bf16 cache) or
     :data:`REQUIRED_FP8` in the SASS and of unpredicated global stores in the PTX of one form
     (``heads`` per row; ``split``: with a 3-split workspace; ``traced``: with the phase stamps;
-    ``fp8_tiles``: on an ``fp8_ds_mla`` cache, then also :func:`gather_loop` under ``loop``) of
-    the kernel."""
+    ``fp8_tiles``: on an ``fp8_ds_mla`` cache, then also :func:`gather_loop` under ``loop``;
+    ``slot_major``: the slot-major attend partition) of the kernel."""
     rows, splits = 4, 3
     q = torch.zeros(rows, heads, QK_DIM, dtype=torch.bfloat16)
     out = torch.zeros(rows, heads, LATENT_DIM, dtype=torch.bfloat16)
@@ -102,7 +104,7 @@ def compile_form(heads: int, split: bool, traced: bool = False,
                                    keep_compiled=True):
         sparse_mla_gluon.launch_sparse_mla_gluon(
             q, cache, torch.zeros(rows, 2048, dtype=torch.int32), out, workspace, 0.1, scan=2048,
-            record_width=RECORD_WIDTH, tiles=tiles,
+            record_width=RECORD_WIDTH, tiles=tiles, slot_major=slot_major,
             trace=torch.zeros(rows * -(-heads // 64) * splits,
                               2 * len(sparse_mla_gluon.TRACE_STAMPS),
                               dtype=torch.int64) if traced else None)
@@ -131,10 +133,15 @@ def main() -> int:
     forms = [(heads, split, False, tiles) for tiles in caches for heads in args.heads
              for split in (False, True)]
     stamped = [(64, True, True, None), (64, True, True, caches[1])]
-    for heads, split, traced, tiles in forms + stamped:
-        form = f"{heads} heads, " + ("split" if split else "single pass") + (
+    # the slot-major attend partition beside the bf16 gathers and the FP8 default's
+    in_slot = sparse_mla_gluon.FP8_TILES[3]
+    slot_major = [(heads, split, False, tiles) for tiles in (None, in_slot) for heads in args.heads
+                  if heads in sparse_mla_gluon.FEW_HEADS for split in (False, True)]
+    for index, (heads, split, traced, tiles) in enumerate(forms + stamped + slot_major):
+        major = index >= len(forms + stamped)
+        form = f"{heads} heads, " + ("slot-major " if major else "") + ("split" if split else "single pass") + (
             " with stamps" if traced else "") + (f", fp8 cache ({tiles})" if tiles else "")
-        result = compile_form(heads, split, traced, tiles)
+        result = compile_form(heads, split, traced, tiles, major)
         loop = result["loop"]
         if loop is None:
             loop_line = ""

@@ -21,7 +21,7 @@
 #   of the GLM-5 rank's experts at 16-, 64- and 128-row blocks, T 512 - 4,096: the prefill tiles), prefill-rank (bench
 #   prefill's GPU test, then the GLM-5 FP8 rank's 16k prefill by chunk size and cache dtype), slot-major (sparse MLA's
 #   slot-major tiles: their GPU tests, bench dsa-ops at 32 / 16 / 8 heads on both caches, the GLM-5 rank's 16k
-#   prefill with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), slot-major-tune (bench dsa-ops --tune at 8 and 16
+#   prefill on FP8 caches with DSASPEC_SPARSE_MLA_SLOT_MAJOR off, on (Gluon) and on with DSASPEC_SPARSE_MLA_GLUON off), slot-major-tune (bench dsa-ops --tune at 8 and 16
 #   heads: the slot-major tiles against the Gluon default at 16 / 64 decode and 256 verify rows of 64k), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
@@ -172,14 +172,16 @@ for step in "$@"; do
                           > "$OUT/prefill_gpu_test.log" 2>&1; python3 -m dsaspec bench prefill \
                           --preset glm5-fp8-tp8-rank --prompt-len 16384 --chunk-sizes 512,4096 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/prefill" ;;
-        slot-major)   python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_sparse_mla.py tests/test_sparse_mla_fp8.py \
-                          tests/test_model.py -k "slot_major" > "$OUT/slot_major_gpu_tests.log" 2>&1; tail -3 "$OUT/slot_major_gpu_tests.log"
-                      python3 -m dsaspec bench dsa-ops --ops sparse_mla --modes decode,target_verify --bs 1,16,64 \
+        slot-major)   python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --timeout 180 tests/test_sparse_mla.py \
+                          tests/test_sparse_mla_fp8.py -k "slot_major" > "$OUT/slot_major_gpu_tests.log" 2>&1
+                      tail -3 "$OUT/slot_major_gpu_tests.log"
+                      timeout 240 python3 -m dsaspec bench dsa-ops --ops sparse_mla --modes decode,target_verify --bs 1,16,64 \
                           --live-kv 65536 --heads 32,16,8 --kv-cache-dtype fp8_e4m3 --out "$OUT/slot_major_dsa_ops"
-                      for slot_major in 0 1; do DSASPEC_SPARSE_MLA_SLOT_MAJOR=$slot_major python3 -m dsaspec bench prefill \
-                          --preset glm5-fp8-tp8-rank --prompt-len 16384 --chunk-sizes 4096 --kv-cache-dtype bf16,fp8_e4m3 \
-                          --out "$OUT/slot_major_prefill_$slot_major"; done ;;
-        slot-major-tune) python3 -m dsaspec bench dsa-ops --tune --ops sparse_mla --heads 8,16 --modes decode,target_verify \
+                      for run in "0 1" "1 1" "1 0"; do read -r slot_major gluon <<< "$run"
+                          DSASPEC_SPARSE_MLA_SLOT_MAJOR=$slot_major DSASPEC_SPARSE_MLA_GLUON=$gluon timeout 300 python3 -m dsaspec \
+                          bench prefill --preset glm5-fp8-tp8-rank --prompt-len 16384 --chunk-sizes 4096 \
+                          --kv-cache-dtype fp8_e4m3 --out "$OUT/slot_major_prefill_${slot_major}${gluon}"; done ;;
+        slot-major-tune) timeout 420 python3 -m dsaspec bench dsa-ops --tune --ops sparse_mla --heads 8,16 --modes decode,target_verify \
                           --bs 16,64 --live-kv 65536 --kv-cache-dtype fp8_e4m3 --out "$OUT/slot_major_tune" ;;
         decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/decode_fp8" ;;

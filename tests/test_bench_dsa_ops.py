@@ -222,16 +222,16 @@ def test_tune_winners():
 @pytest.mark.parametrize("gluon", [True, False])
 def test_sparse_mla_tune_tries_by_heads(gluon, monkeypatch):
     """--tune's sparse MLA configurations: the Triton lists above 32 heads; at up to 32 the default
-    there first (the Gluon kernel's, where it runs), SPARSE_MLA_CONFIG and the slot-major tiles of
-    each cache, whose FP8 ones are timed only with the FP8 cache."""
+    there first and the Gluon kernel's slot-major form (where it runs), SPARSE_MLA_CONFIG and the
+    Triton slot-major tiles of each cache, whose FP8 ones are timed only with the FP8 cache."""
     monkeypatch.setattr(dsa_ops, "sparse_mla_gluon_supported", lambda device, heads: gluon)
     assert dsa_ops._sparse_mla_tune_tries(64, False, "cuda") == [("bf16", c) for c in dsa_ops.TUNE_SPARSE_MLA]
     for heads in (8, 16, 32):
         tries = dsa_ops._sparse_mla_tune_tries(heads, True, "cuda")
         bf16 = [c for cache, c in tries if cache == "bf16"]
         fp8 = [c for cache, c in tries if cache == "fp8_e4m3"]
-        gluon_bf16 = [dsa_ops.SPARSE_MLA_GLUON_CONFIG] if gluon else []
-        gluon_fp8 = [dsa_ops.GLUON_FP8_DEFAULT_CONFIG] if gluon else []
+        gluon_bf16 = [dsa_ops.SPARSE_MLA_GLUON_CONFIG, dsa_ops.SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG] if gluon else []
+        gluon_fp8 = [dsa_ops.GLUON_FP8_DEFAULT_CONFIG, dsa_ops.SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG] if gluon else []
         assert bf16 == gluon_bf16 + [dsa_ops.SPARSE_MLA_CONFIG, *dsa_ops.TUNE_SPARSE_MLA_SLOT_MAJOR]
         assert fp8 == gluon_fp8 + [dsa_ops.SPARSE_MLA_CONFIG, *dsa_ops.TUNE_SPARSE_MLA_SLOT_MAJOR_FP8]
         assert all(cache == "bf16" for cache, _ in dsa_ops._sparse_mla_tune_tries(heads, False, "cuda"))

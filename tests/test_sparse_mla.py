@@ -15,6 +15,8 @@ from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import (FEW_ROWS_HEAD_BLOCKS, GLUON_MIN_SPLIT_HEAD_BLOCKS,
                                     SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFIG,
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG,
+                                    SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG,
                                     SPARSE_MLA_SLOT_MAJOR_CONFIG, SLOT_MAJOR_MAX_HEADS, SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
                                     sparse_mla_num_splits, sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
@@ -267,29 +269,35 @@ def test_default_config_where_gluon_runs(capability, gluon, monkeypatch):
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
 def test_gluon_supported_head_counts(capability, monkeypatch):
     """The Gluon kernel runs for 8, 16, 32 heads (one padded program) and positive multiples of
-    64, on compute capability 9.x CUDA devices only; never for other counts, 0, or the CPU."""
+    64, slot-major for 8, 16 and 32 only, on compute capability 9.x CUDA devices only; never for
+    other counts, 0, or the CPU."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     for heads in (1, 4, 8, 12, 16, 24, 32, 40, 48, 63, 64, 65, 96, 128, 192, 256, 0, -64):
         expected = capability[0] == 9 and heads in (8, 16, 32, 64, 128, 192, 256)
         assert sparse_mla_gluon_supported("cuda:0", heads) is expected, heads
         assert sparse_mla_gluon_supported(torch.device("cuda"), heads) is expected, heads
         assert sparse_mla_gluon_supported("cpu", heads) is False
+        assert sparse_mla_gluon_supported("cuda:0", heads, slot_major=True) is (
+            capability[0] == 9 and heads in (8, 16, 32)), heads
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_slot_major_config_up_to_32_heads(fp8, monkeypatch):
-    """With ``slot_major`` the configuration is the slot-major one at up to SLOT_MAJOR_MAX_HEADS
-    heads for every row count, split or not, on any device and cache; above, the choice without
-    it."""
+    """With ``slot_major`` the configuration is a slot-major one at up to SLOT_MAJOR_MAX_HEADS heads
+    for every row count, split or not: the Gluon kernel's of the cache where it runs (compute
+    capability 9.x, 8, 16 or 32 heads), else the Triton kernel's; above, the choice without it."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    want = SPARSE_MLA_SLOT_MAJOR_CONFIG
+    gluon = SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG if fp8 else SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG
     for device in (None, "cuda"):
         for rows in (1, 4, 64, 4096):
             for split in (False, True):
                 for heads in (4, 8, 16, 32, 64, 128):
                     got = sparse_mla_config(rows, heads, split, device, fp8_cache=fp8, slot_major=True)
-                    assert got == (want if heads <= SLOT_MAJOR_MAX_HEADS else
-                                   sparse_mla_config(rows, heads, split, device, fp8_cache=fp8)), (rows, heads)
+                    if heads > SLOT_MAJOR_MAX_HEADS:
+                        want = sparse_mla_config(rows, heads, split, device, fp8_cache=fp8)
+                    else:
+                        want = gluon if device and heads in (8, 16, 32) else SPARSE_MLA_SLOT_MAJOR_CONFIG
+                    assert got == want, (device, rows, heads)
 
 
 def test_config_rejects_bad_values():
@@ -299,9 +307,9 @@ def test_config_rejects_bad_values():
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, max_splits=0)
     with pytest.raises(ValueError, match="kernel: expected 'triton' or 'gluon', got 'cuda'"):
         SparseMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=1, kernel="cuda")
-    with pytest.raises(ValueError, match="slot_major: only the Triton kernel has the slot-major "
-                                         "dots, got kernel='gluon'"):
-        dataclasses.replace(SPARSE_MLA_GLUON_CONFIG, slot_major=True)
+    with pytest.raises(ValueError, match=re.escape("are one of ((32, 64, 4, 2, 512, None, 4, 88, 4, 'convert', "
+                                                   "'block', False), (32, 64, 4, 1, 512,")):
+        dataclasses.replace(SPARSE_MLA_GLUON_CONFIG, slot_major=True)  # the head-major tiles
     with pytest.raises(ValueError, match=re.escape(
             "kernel: the Gluon kernel's tiles ('block_h', 'block_n', 'num_warps', 'num_stages', "
             "'block_dv', 'staging', 'gather_warps', 'gather_registers', 'dequant_steps', "
@@ -387,19 +395,24 @@ def test_gpu_production_sizes(config, num_heads, num_rows, split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_heads", [8, 16, 32])
 @pytest.mark.parametrize("num_rows", [1, 16, 96])
-def test_gpu_slot_major_few_heads(num_heads, num_rows, split):
-    """The slot-major tiles at a rank's 8 - 32 heads (production widths, 2048 slots) against the
-    reference; without a workspace a row computed alone equals it among the others, bitwise."""
+def test_gpu_slot_major_few_heads(num_heads, num_rows, split, kernel):
+    """The slot-major tiles of both kernels at a rank's 8 - 32 heads (production widths, 2048
+    slots) against the reference; without a workspace a row computed alone equals it among the
+    others, bitwise."""
+    if kernel == "gluon" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel needs a compute-capability-9 GPU")
+    config = SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG if kernel == "gluon" else SPARSE_MLA_SLOT_MAJOR_CONFIG
     inputs = production_sparse_mla_inputs(num_rows, num_heads, seed=num_rows + num_heads)
     workspace = (sparse_mla_workspace(num_rows, num_heads, "cuda", num_splits=max(2, sparse_mla_num_splits(
-        num_rows, num_heads, 132, SPARSE_MLA_SLOT_MAJOR_CONFIG))) if split else None)
-    out = _run_and_compare(inputs, atol=GPU_ATOL, rtol=1e-2, workspace=workspace, config=SPARSE_MLA_SLOT_MAJOR_CONFIG)
+        num_rows, num_heads, 132, config))) if split else None)
+    out = _run_and_compare(inputs, atol=GPU_ATOL, rtol=1e-2, workspace=workspace, config=config)
     if not split:
         alone = _run(dict(inputs, q=inputs["q"][-1:].clone(), slots=inputs["slots"][-1:].clone()),
-                     config=SPARSE_MLA_SLOT_MAJOR_CONFIG)
+                     config=config)
         assert torch.equal(alone[0], out[-1])
 
 
@@ -451,15 +464,17 @@ def test_gpu_value_blocks_do_not_change_the_output(num_heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["triton", "gluon"])
+@pytest.mark.parametrize("kernel", ["triton", "gluon", "gluon_slot_major"])
 @pytest.mark.parametrize("split", [False, True])
 def test_gpu_cuda_graph_replay_with_new_slots(split, kernel):
     """Captured once, replayed with new slots (1, up to 100, up to 2048 valid per row): each
-    replay matches the reference. Both kernels (the Gluon one on compute capability 9.x)."""
+    replay matches the reference. Both kernels (the Gluon one on compute capability 9.x), and the
+    Gluon kernel's slot-major form at 8 heads."""
     device = torch.device("cuda")
-    num_rows, num_heads, k, num_slots = 24, 64, 2048, 1 << 18
-    config = SPARSE_MLA_GLUON_CONFIG if kernel == "gluon" else SPARSE_MLA_CONFIG
-    if kernel == "gluon" and torch.cuda.get_device_capability()[0] != 9:
+    num_rows, num_heads, k, num_slots = 24, 8 if kernel == "gluon_slot_major" else 64, 2048, 1 << 18
+    config = {"triton": SPARSE_MLA_CONFIG, "gluon": SPARSE_MLA_GLUON_CONFIG,
+              "gluon_slot_major": SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG}[kernel]
+    if kernel != "triton" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel needs a compute-capability-9 GPU")
     inputs = random_sparse_mla_inputs(num_rows, num_heads, num_slots, k, [0] * num_rows, device)
     out = torch.zeros(num_rows, num_heads, 512, dtype=torch.bfloat16, device=device)

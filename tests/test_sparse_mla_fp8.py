@@ -32,6 +32,7 @@ from dsaspec.ops.sparse_mla import (SPARSE_MLA_BASELINE_CONFIG, SPARSE_MLA_CONFI
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG, SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SPARSE_MLA_SLOT_MAJOR_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG, SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG,
                                     SparseMLAConfig,
                                     sparse_mla_config, sparse_mla_decode, sparse_mla_num_splits,
                                     sparse_mla_workspace)
@@ -370,17 +371,23 @@ def test_gpu_production_sizes(config, num_rows, split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_heads", [8, 16, 32])
-def test_gpu_slot_major_few_heads(num_heads, split):
-    """The slot-major tiles on the FP8 cache at a rank's 8 - 32 heads (2048 slots, 96 rows of ragged counts)
-    within the GPU rounding bound of the reference, and bitwise the same tiles' output on the
-    dequantized bf16 cache."""
+def test_gpu_slot_major_few_heads(num_heads, split, kernel):
+    """The slot-major tiles of both kernels on the FP8 cache at a rank's 8 - 32 heads (2048 slots,
+    96 rows of ragged counts) within the GPU rounding bound of the reference, and bitwise the same
+    tiles' output on the dequantized bf16 cache (the Gluon kernel's bf16 slot-major tiles: the same
+    dots in the same order)."""
+    if kernel == "gluon" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel needs a compute-capability-9 GPU")
+    fp8, bf16 = ((SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG, SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG) if kernel == "gluon"
+                 else (SPARSE_MLA_SLOT_MAJOR_CONFIG, SPARSE_MLA_SLOT_MAJOR_CONFIG))
     inputs = _production(96, num_heads, seed=num_heads)
     workspace = sparse_mla_workspace(96, num_heads, "cuda", num_splits=3) if split else None
-    got = _run(inputs, workspace, SPARSE_MLA_SLOT_MAJOR_CONFIG)
+    got = _run(inputs, workspace, fp8)
     _assert_within_gpu_rounding(got, inputs)
-    assert torch.equal(got, _run(_dequantized(inputs), workspace, SPARSE_MLA_SLOT_MAJOR_CONFIG))
+    assert torch.equal(got, _run(_dequantized(inputs), workspace, bf16))
 
 
 @pytest.mark.gpu

@@ -61,7 +61,8 @@ def test_refuses_what_it_cannot_run(device):
 def test_compiles_for_sm90_as_designed():
     """Without a GPU: every form (single pass and split at 8, 16, 32, 64 and 128 heads on the
     bf16 cache and with each FP8 tile set, the defaults and the tune candidates, on the
-    fp8_ds_mla cache, split with stamps) compiles for sm_90 with no spills, within the
+    fp8_ds_mla cache, split with stamps; the slot-major attend partition at 8, 16 and 32 heads on
+    the bf16 cache and the FP8 default's gathers) compiles for sm_90 with no spills, within the
     shared-memory limit, with cp.async gathers, wgmma, copy-completion arrives (FP8: the e4m3
     conversion) and the register split in the SASS and only predicated global stores (masked to
     the real heads) (scripts/compile_sparse_mla_gluon.py, in a subprocess: it compiles instead of
@@ -72,19 +73,22 @@ def test_compiles_for_sm90_as_designed():
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "every form compiles for sm_90 as designed" in proc.stdout
+    # the slot-major attend partition: 8, 16, 32 heads x single pass, split x bf16, FP8 in the ring slot
+    assert sum(", slot-major " in line for line in proc.stdout.splitlines()) == 12
     for tiles in sparse_mla_gluon.FP8_TILES + sparse_mla_gluon.FP8_TUNE_TILES:
         lines = [line for line in proc.stdout.splitlines() if f"fp8 cache ({tiles}):" in line]
         assert len(lines) >= 10 and all(" 0 B spilled" in line and "gather loop per block" in line
                                         for line in lines), (tiles, lines)
     # the gathers through registers and in the ring slot (staging=0) have the bf16 kernel's shared
-    # memory (two ring slots, no staging stage) and print their loop from the ring-slot wait to the
-    # arrive
+    # memory (two ring slots, no staging stage; head-major) and print their loop from the ring-slot
+    # wait to the arrive
     bf16 = next(line for line in proc.stdout.splitlines() if line.startswith("64 heads, single pass:"))
     bf16_shared = re.search(r"(\d+) B shared memory", bf16).group(1)
     registers = [t for t in sparse_mla_gluon.FP8_TILES + sparse_mla_gluon.FP8_TUNE_TILES if t.staging == 0]
     assert registers
     for tiles in registers:
-        lines = [line for line in proc.stdout.splitlines() if f"fp8 cache ({tiles}):" in line]
+        lines = [line for line in proc.stdout.splitlines()
+                 if f"fp8 cache ({tiles}):" in line and ", slot-major " not in line]
         where = "(in the ring slot" if tiles.in_slot else "(through registers"
         assert all(f" {bf16_shared} B shared memory" in line and where in line for line in lines), (tiles, lines)
     assert any(t.in_slot for t in registers)

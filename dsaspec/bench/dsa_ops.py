@@ -27,7 +27,9 @@ CUPTI kernel time, median and spread).
   path); ``triton``: the Triton kernel's default configuration (``sparse_mla_config`` without a
   device) with the workspace it allocates, what runs where the Gluon kernel does not (the same as
   new off Hopper); ``slot_major`` (at up to ``SLOT_MAJOR_MAX_HEADS`` heads, on both caches): the
-  slot-major configuration (``SPARSE_MLA_SLOT_MAJOR_CONFIG``) with the workspace it allocates; baseline:
+  slot-major configuration the runtime's switch takes (``sparse_mla_config(..., slot_major=True)``:
+  the Gluon kernel's where it runs, else ``SPARSE_MLA_SLOT_MAJOR_CONFIG``) with the workspace it
+  allocates; baseline:
   ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
@@ -99,6 +101,7 @@ from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXE
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import (GLUON_FP8_DEFAULT_CONFIG, LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG,
                                     SPARSE_MLA_CONFIG, SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
+                                    SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG, SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
@@ -326,7 +329,7 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
         triton_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
                                               config=sparse_mla_config(rows, shapes.heads, True)),
         slot_major_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
-                                                  config=SPARSE_MLA_SLOT_MAJOR_CONFIG),
+                                                  config=_slot_major_config(rows, shapes.heads, device)),
         topk_workspace=topk_workspace(rows, device, num_sms=shapes.num_sms))
     return point
 
@@ -435,6 +438,12 @@ GLUON_FP8_VARIANTS = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
                       "gluon_fp8_one_split": SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG}
 
 
+def _slot_major_config(rows: int, heads: int, device, fp8: bool = False) -> SparseMLAConfig:
+    """The slot-major configuration the runtime's ``sparse_mla_slot_major`` takes for these rows (the
+    Gluon kernel's where it runs, else the Triton kernel's)."""
+    return sparse_mla_config(rows, heads, True, device, fp8_cache=fp8, slot_major=True)
+
+
 def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
     """name -> callable for one op at one point (baseline, new, and for sparse MLA new_nosplit and,
     on the bf16 cache, triton; on the FP8 cache, where the Gluon kernel runs, the
@@ -451,7 +460,8 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
             for name, config in GLUON_FP8_VARIANTS.items():
                 variants[name] = _sparse_mla(p, "slots_new", f"out_{name}", config, p.workspace, fp8=True)
         if p.shapes.heads <= SLOT_MAJOR_MAX_HEADS:
-            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_fp8_slot_major", SPARSE_MLA_SLOT_MAJOR_CONFIG,
+            config = _slot_major_config(p.rows, p.shapes.heads, p.q_mla.device, fp8=True)
+            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_fp8_slot_major", config,
                                                  p.slot_major_workspace, fp8=True)
         return variants
     if op == "indexer":
@@ -469,7 +479,8 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
                     "new_nosplit": _sparse_mla(p, "slots_new", "out_nosplit", None, None),
                     "triton": _sparse_mla(p, "slots_new", "out_triton", triton, p.triton_workspace)}
         if p.shapes.heads <= SLOT_MAJOR_MAX_HEADS:
-            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_slot_major", SPARSE_MLA_SLOT_MAJOR_CONFIG,
+            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_slot_major",
+                                                 _slot_major_config(p.rows, p.shapes.heads, p.q_mla.device),
                                                  p.slot_major_workspace)
         return variants
     return {"baseline": _layer(p, False), "new": _layer(p, True)}
@@ -853,6 +864,8 @@ def run(args) -> int:
                            "sparse_mla_few_rows": vars(SPARSE_MLA_FEW_ROWS_CONFIG),
                            "sparse_mla_baseline": vars(SPARSE_MLA_BASELINE_CONFIG),
                            "sparse_mla_slot_major": vars(SPARSE_MLA_SLOT_MAJOR_CONFIG),
+                           "sparse_mla_gluon_slot_major": vars(SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG),
+                           "sparse_mla_gluon_fp8_slot_major": vars(SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG),
                            **{f"sparse_mla_{name}": vars(config) for name, config in GLUON_FP8_VARIANTS.items()}},
                "elapsed_s": time.monotonic() - started, "rows": rows, "targets": targets}
     if on_gpu:
@@ -887,19 +900,21 @@ def run(args) -> int:
 def _sparse_mla_tune_tries(heads: int, fp8: bool, device) -> list[tuple[str, SparseMLAConfig]]:
     """(KV cache, configuration) pairs --tune times for sparse MLA at ``heads`` heads: the Triton
     lists (``TUNE_SPARSE_MLA``; with ``fp8`` on the FP8 cache too, and ``TUNE_SPARSE_MLA_FP8``), or at
-    up to ``SLOT_MAJOR_MAX_HEADS`` heads the default there (the Gluon kernel where it runs),
-    ``SPARSE_MLA_CONFIG`` and the slot-major tiles of each cache."""
+    up to ``SLOT_MAJOR_MAX_HEADS`` heads the default there and the Gluon kernel's slot-major form
+    (where the Gluon kernel runs), ``SPARSE_MLA_CONFIG`` and the Triton slot-major tiles of each
+    cache."""
     if heads > SLOT_MAJOR_MAX_HEADS:
         tries = [("bf16", config) for config in TUNE_SPARSE_MLA]
         if fp8:
             tries += [("fp8_e4m3", config) for config in TUNE_SPARSE_MLA + TUNE_SPARSE_MLA_FP8]
         return tries
     gluon = sparse_mla_gluon_supported(device, heads)
-    caches = [("bf16", SPARSE_MLA_GLUON_CONFIG, TUNE_SPARSE_MLA_SLOT_MAJOR)]
+    caches = [("bf16", (SPARSE_MLA_GLUON_CONFIG, SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG), TUNE_SPARSE_MLA_SLOT_MAJOR)]
     if fp8:
-        caches.append(("fp8_e4m3", GLUON_FP8_DEFAULT_CONFIG, TUNE_SPARSE_MLA_SLOT_MAJOR_FP8))
-    return [(cache, config) for cache, default, slot_major in caches
-            for config in ([default] if gluon and default is not None else []) + [SPARSE_MLA_CONFIG, *slot_major]]
+        caches.append(("fp8_e4m3", (GLUON_FP8_DEFAULT_CONFIG, SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG),
+                       TUNE_SPARSE_MLA_SLOT_MAJOR_FP8))
+    return [(cache, config) for cache, gluon_configs, slot_major in caches
+            for config in [c for c in gluon_configs if gluon and c is not None] + [SPARSE_MLA_CONFIG, *slot_major]]
 
 
 def _tune(args) -> int:

@@ -37,8 +37,9 @@ class RuntimeOptions:
         (``DSASPEC_TOPK_SINGLE_LAUNCH``); False: its five launches.
     sparse_mla_gluon : sparse MLA takes the warp-specialized Gluon kernel where it runs
         (``DSASPEC_SPARSE_MLA_GLUON``); False: the Triton kernel everywhere.
-    sparse_mla_slot_major : at up to 32 heads a rank, sparse MLA takes the Triton kernel's
-        slot-major dots (``DSASPEC_SPARSE_MLA_SLOT_MAJOR``, default off; ``sparse_mla_config``).
+    sparse_mla_slot_major : at up to 32 heads a rank, sparse MLA takes slot-major dots (the
+        Gluon kernel's where it runs, else the Triton kernel's; ``DSASPEC_SPARSE_MLA_SLOT_MAJOR``,
+        default off; ``sparse_mla_config``).
     fused_moe : MoE layers run the fused MoE kernel (``DSASPEC_FUSED_MOE``) where the model runs the
         Triton ops and is not row-invariant; False: the plain-torch experts (every expert on every
         token).

@@ -22,7 +22,8 @@ latent to bf16 in registers before the same bf16 dots (exact: a power-of-two sca
 e4m3 code is a bf16 value), reading 656 bytes a selected slot instead of 1,152.
 
 With ``slot_major`` (:attr:`SparseMLAConfig.slot_major`) the dots swap roles: the block's slots,
-then the value columns, are their M dimension and the heads their N, for a rank's few heads.
+then the value columns, are their M dimension and the heads their N, for a rank's few heads (in
+this Triton kernel and in the Gluon kernel's slot-major attend partition).
 
 On Hopper (compute capability 9.x) with a head count of 8, 16 or 32 (a GLM-5 or DeepSeek-V3.2
 rank's share at TP 2 to 8: one program of 64 head slots, the rest padding) or a multiple of 64,
@@ -66,13 +67,16 @@ RECORD_WIDTH = 520
 COMBINE_FEW_HEAD_ROWS = 256
 
 
-def _gluon_tiles(fp8: bool = False) -> tuple[tuple[int, ...], ...]:
+def _gluon_tiles(fp8: bool = False, slot_major: bool = False) -> tuple[tuple[int, ...], ...]:
     """The Gluon kernel's tiles (:attr:`SparseMLAConfig.tiles`) on a bf16 cache (one), or with
     ``fp8`` on an ``fp8_ds_mla`` one (:data:`sparse_mla_gluon.FP8_TILES`, then the tune candidates
-    :data:`sparse_mla_gluon.FP8_TUNE_TILES`)."""
+    :data:`sparse_mla_gluon.FP8_TUNE_TILES`); with ``slot_major`` the same gathers beside the
+    slot-major attend partition (up to 32 heads a program, one warpgroup)."""
     g = sparse_mla_gluon
     blocks = g.FP8_TILES + g.FP8_TUNE_TILES if fp8 else (g.BF16_TILES,)
-    return tuple((g.HEADS_PER_PROGRAM, t.block_n, g.ATTEND_WARPS, t.stages, LATENT_DIM,
+    heads, warps = ((g.SLOT_MAJOR_MAX_HEADS, g.SLOT_MAJOR_WARPS) if slot_major
+                    else (g.HEADS_PER_PROGRAM, g.ATTEND_WARPS))
+    return tuple((heads, t.block_n, warps, t.stages, LATENT_DIM,
                   *(getattr(t, name) for name in g.GATHER_FIELDS)) for t in blocks)
 
 
@@ -96,11 +100,12 @@ class SparseMLAConfig:
         8, 16 or 32 heads or a multiple of 64, and only its own tiles: those of
         :data:`SPARSE_MLA_GLUON_CONFIG` on a bf16 cache, of :data:`SPARSE_MLA_GLUON_FP8_CONFIG`,
         :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`,
-        :data:`SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG` or one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` on an ``fp8_ds_mla`` one).
-    slot_major : the Triton kernel's dots with the roles swapped: the block's slots (then its
-        value columns) are the M dimension and the heads the N one, so a rank's 8 - 32 heads
-        fill no 64-row M tile (wgmma's) with padding. A row's output depends on it (the dots'
-        order differs).
+        :data:`SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG` or one of :data:`SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS` on an ``fp8_ds_mla`` one;
+        slot-major, the same gathers with 32 heads and 4 warps: :data:`SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG`,
+        :data:`SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG`; 8, 16 or 32 heads).
+    slot_major : the dots with the roles swapped: the block's slots (then its value columns)
+        are the M dimension and the heads the N one, so a rank's 8 - 32 heads fill no 64-row M
+        tile (wgmma's) with padding. A row's output depends on it (the dots' order differs).
     staging, gather_warps, gather_registers, dequant_steps, slot_loads, refill, in_slot : the Gluon
         kernel's gather partition on an ``fp8_ds_mla`` cache (:class:`sparse_mla_gluon.FP8Tiles`:
         its staging stages, None for as many as ``num_stages``, 0 for none: the codes and
@@ -135,11 +140,8 @@ class SparseMLAConfig:
             raise ValueError(f"max_splits: expected >= 1, got {self.max_splits}")
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel: expected 'triton' or 'gluon', got {self.kernel!r}")
-        if self.slot_major and self.kernel != "triton":
-            raise ValueError(f"slot_major: only the Triton kernel has the slot-major dots, got "
-                             f"kernel={self.kernel!r}")
         gather = self.gather_tiles   # FP8Tiles checks the gather fields' values
-        gluon_tiles = _gluon_tiles() + _gluon_tiles(fp8=True)
+        gluon_tiles = _gluon_tiles(slot_major=self.slot_major) + _gluon_tiles(True, self.slot_major)
         if self.kernel == "gluon" and self.tiles not in gluon_tiles:
             raise ValueError(f"kernel: the Gluon kernel's tiles {TILE_FIELDS} are one of "
                              f"{gluon_tiles}, got {self.tiles}")
@@ -166,9 +168,9 @@ class SparseMLAConfig:
 TILE_FIELDS = ("block_h", "block_n", "num_warps", "num_stages", "block_dv", *sparse_mla_gluon.GATHER_FIELDS)
 
 
-def _gluon_config(tiles: tuple[int, ...]) -> SparseMLAConfig:
+def _gluon_config(tiles: tuple[int, ...], slot_major: bool = False) -> SparseMLAConfig:
     """The Gluon kernel's config of ``tiles`` (the values of :data:`TILE_FIELDS`)."""
-    return SparseMLAConfig(**dict(zip(TILE_FIELDS, tiles)), kernel="gluon")
+    return SparseMLAConfig(**dict(zip(TILE_FIELDS, tiles)), kernel="gluon", slot_major=slot_major)
 
 
 # Fastest of the --tune sweep (benchmarks/results/h200/dsa_ops_tune_wide.md) from 16 rows up, split or
@@ -221,7 +223,17 @@ GLUON_MIN_SPLIT_HEAD_BLOCKS = 2
 # sparse_mla_slot_major option, default off: not yet timed; --tune times other tiles).
 SPARSE_MLA_SLOT_MAJOR_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2,
                                                slot_major=True)
-SLOT_MAJOR_MAX_HEADS = 32
+# The Gluon kernel's slot-major form (sparse_mla_gluon._attend_slot_major): its gathers
+# (the bf16 cache's, and on an FP8 cache the default's in-slot dequantizing) beside one attend
+# warpgroup whose dots take 16 or 32 heads as N (68 m64n16k16 / m64n32k16 wgmma a 64-slot block,
+# against the padded 64-head form's m64n32k16 on two warpgroups over 64 rows of which 8 - 32 are
+# heads). sm_90 compile: no spills, 168 - 216 KiB of shared memory (scripts/compile_sparse_mla_gluon.py).
+# sparse_mla_config(slot_major=True) takes them where the Gluon kernel runs. Not yet timed.
+SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG = _gluon_config(_gluon_tiles(slot_major=True)[0], slot_major=True)
+SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG = _gluon_config(
+    _gluon_tiles(True, True)[sparse_mla_gluon.FP8_TILES.index(SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG.gather_tiles)],
+    slot_major=True)
+SLOT_MAJOR_MAX_HEADS = sparse_mla_gluon.SLOT_MAJOR_MAX_HEADS
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.
 SPARSE_MLA_BASELINE_CONFIG = SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)
@@ -445,8 +457,10 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
     """The default launch configuration of ``R = num_rows`` rows on ``device`` over a bf16 cache,
     or with ``fp8_cache`` an ``fp8_ds_mla`` one.
 
-    With ``slot_major`` and ``H <= SLOT_MAJOR_MAX_HEADS``: :data:`SPARSE_MLA_SLOT_MAJOR_CONFIG` on
-    either cache at every ``R``, split or not.
+    With ``slot_major`` and ``H <= SLOT_MAJOR_MAX_HEADS``, at every ``R``, split or not: where the
+    Gluon kernel runs for these heads, :data:`SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG`
+    (:data:`SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG` on an FP8 cache), elsewhere
+    :data:`SPARSE_MLA_SLOT_MAJOR_CONFIG`.
 
     Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` in 8, 16, 32 or a
     multiple of 64: :func:`sparse_mla_gluon_supported`), without a workspace, and with one
@@ -457,6 +471,8 @@ def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
     :data:`SPARSE_MLA_CONFIG`. Without a workspace the choice never depends on ``R``, so a row's
     output there does not depend on ``R``."""
     if slot_major and num_heads <= SLOT_MAJOR_MAX_HEADS:
+        if device is not None and sparse_mla_gluon_supported(device, num_heads, slot_major=True):
+            return SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG if fp8_cache else SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG
         return SPARSE_MLA_SLOT_MAJOR_CONFIG
     rows = max(num_rows, 1)
     if ((not fp8_cache or GLUON_FP8_DEFAULT_CONFIG is not None) and device is not None
@@ -580,17 +596,18 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     qk_scale_log2 = sm_scale * math.log2(math.e)
     pdl = workspace is not None and supports_pdl(q.device)
     if config.kernel == "gluon":
-        cache_tiles = _gluon_tiles(fp8)
+        cache_tiles = _gluon_tiles(fp8, config.slot_major)
         if config.tiles not in cache_tiles:
             raise ValueError(f"config: the Gluon kernel's tiles {TILE_FIELDS} on "
                              f"{'an fp8_ds_mla' if fp8 else 'a bf16'} kv_cache are one of "
                              f"{cache_tiles}, got {config.tiles}")
-        if not sparse_mla_gluon_supported(q.device, num_heads):
+        if not sparse_mla_gluon_supported(q.device, num_heads, config.slot_major):
             raise ValueError(f"config: the Gluon kernel needs a CUDA device of compute "
-                             f"capability 9.x and 8, 16, 32 or a multiple of 64 heads, got "
-                             f"{q.device} and {num_heads} heads")
+                             f"capability 9.x and 8, 16, 32 or{' (not slot-major)' if config.slot_major else ''} "
+                             f"a multiple of 64 heads, got {q.device} and {num_heads} heads")
         launch_sparse_mla_gluon(q, kv_cache, slots, out, workspace, qk_scale_log2, scan=scan,
-                                record_width=RECORD_WIDTH, tiles=config.gather_tiles)
+                                record_width=RECORD_WIDTH, tiles=config.gather_tiles,
+                                slot_major=config.slot_major)
         if workspace is not None:
             # a programmatic dependent: the Gluon kernel does not trigger early, so the combine
             # starts as its programs exit (0.2-0.5 µs less at 4-16 rows, H200)

@@ -29,7 +29,11 @@ padded wgmma rows cost tensor-core time it has to spare.
   it as wgmma (latent, then rope), the online softmax (fp32, log2 domain), stores the
   probabilities as bf16 to shared memory, runs the PV wgmma into a ``[64, 512]`` fp32
   accumulator and frees the slot on its ``empty`` mbarrier; the single pass's bf16 output leaves
-  through the idle ring so that each warp stores whole rows.
+  through the idle ring so that each warp stores whole rows;
+- or, slot-major (``slot_major``, 8 - 32 heads), the attend partition on one warpgroup with the
+  dots' roles swapped (:func:`_attend_slot_major`): the ring slot's 64 slots are the QK
+  wgmma's M and its transposed 512 value columns the PV wgmma's, the program's 16 or 32 heads
+  (:func:`slot_major_block_h`, padding zero-filled) their N, so no dot pads the heads to 64 rows.
 
 Where the time goes (``benchmarks/results/h200/logs/sweep_sparse_mla_timeline.md``, the phase
 stamps of ``trace``): from 16 rows of 64k on, the blocks stream at about the copy bandwidth
@@ -66,6 +70,10 @@ from dsaspec.ops.kv_cache_layout import FP8_GROUP, MLA_LATENT_DIM, is_fp8_cache
 
 HEADS_PER_PROGRAM = 64  # the wgmma M dimension of one warpgroup
 FEW_HEADS = (8, 16, 32)  # head counts below 64 that run as one padded program
+# Slot-major (the heads as the dots' N, _attend_slot_major): a program's heads, the next
+# power of two of H from 16 up to this; its attend partition is one warpgroup.
+SLOT_MAJOR_MAX_HEADS = 32
+SLOT_MAJOR_WARPS = 4
 BLOCK_N = 64  # selected slots per ring slot and softmax step
 STAGES = 2  # ring slots: 2 x 64 x 576 x 2 B = 144 KiB, with the queries and probabilities 224 KiB
 ATTEND_WARPS = 8
@@ -751,7 +759,37 @@ def _gather_partition(q_ptr, q_stride_head, real_heads, q_latent, q_rope, kv_ptr
 
 
 @gluon.jit
-def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
+def _attend_blocks(row_slots, topk, trace_ptr, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
+                   WARPS: gl.constexpr, TRACE: gl.constexpr):
+    """For the attend partitions: the program's run of blocks (:func:`_split_blocks`, the scan
+    between stamps 1 and 2)."""
+    _stamp(trace_ptr, 1, TRACE)
+    first_index, first_ids = _slot_ids(row_slots, topk, 0, SCAN, WARPS)
+    first_block, stop_block = _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N,
+                                            SCAN, WARPS)
+    _stamp(trace_ptr, 2, TRACE)
+    return first_block, stop_block
+
+
+@gluon.jit
+def _wait_for_block(row_slots, topk, block, first_block, full, trace_ptr, INDEX_LAYOUT: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr):
+    """For the attend partitions: block ``block``'s ring slot (``(block - first_block) % STAGES``)
+    and which of its ``BLOCK_N`` slot ids are valid (in ``INDEX_LAYOUT``), returned once the
+    gathers have filled the slot, the async proxy fenced."""
+    i = block - first_block
+    stage = i % STAGES
+    index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=INDEX_LAYOUT)
+    valid = gl.load(row_slots + index, mask=index < topk, other=-1) >= 0
+    mbarrier.wait(full.index(stage), (i // STAGES) & 1)
+    if i == 0:
+        _stamp(trace_ptr, 3, TRACE)
+    fence_async_shared()  # the cp.async writes, before the wgmma reads them
+    return stage, valid
+
+
+@gluon.jit
+def _attend_head_major(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
                       row_slots, topk, qk_scale_log2, out_ptr, out_stride_head, record_ptr,
                       record_stride_head, real_heads, trace_ptr, SPLIT: gl.constexpr,
                       LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
@@ -759,11 +797,7 @@ def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full
                       WARPS: gl.constexpr, TRACE: gl.constexpr):
     """The online softmax over the split's blocks as their slots fill (the queries arrive with
     the first); writes the program's first ``real_heads`` heads."""
-    _stamp(trace_ptr, 1, TRACE)
-    first_index, first_ids = _slot_ids(row_slots, topk, 0, SCAN, WARPS)
-    first_block, stop_block = _split_blocks(row_slots, topk, first_index, first_ids, BLOCK_N,
-                                            SCAN, WARPS)
-    _stamp(trace_ptr, 2, TRACE)
+    first_block, stop_block = _attend_blocks(row_slots, topk, trace_ptr, BLOCK_N, SCAN, WARPS, TRACE)
     # two warpgroups: each holds half of the score columns and half of the value columns
     score_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
@@ -774,14 +808,8 @@ def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full
     denominator = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, score_layout))
     acc = gl.zeros([BLOCK_H, LATENT], gl.float32, layout=out_layout)
     for block in range(first_block, stop_block):
-        i = block - first_block
-        stage = i % STAGES
-        index = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, score_layout))
-        valid = gl.load(row_slots + index, mask=index < topk, other=-1) >= 0
-        mbarrier.wait(full.index(stage), (i // STAGES) & 1)
-        if i == 0:
-            _stamp(trace_ptr, 3, TRACE)
-        fence_async_shared()  # the cp.async writes, before the wgmma reads them
+        stage, valid = _wait_for_block(row_slots, topk, block, first_block, full, trace_ptr,
+                                       gl.SliceLayout(0, score_layout), BLOCK_N, STAGES, TRACE)
         scores = warpgroup_mma(q_latent, latent_ring.index(stage).permute((1, 0)),
                                gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=score_layout),
                                is_async=True)
@@ -843,6 +871,95 @@ def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full
 
 
 @gluon.jit
+def _attend_slot_major(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
+                                 row_slots, topk, qk_scale_log2, out_ptr, out_stride_head,
+                                 record_ptr, record_stride_head, real_heads, trace_ptr,
+                                 SPLIT: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+                                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                                 STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr,
+                                 TRACE: gl.constexpr):
+    """:func:`_attend_head_major` with the dots' roles swapped, on one warpgroup: per block
+    ``scores^T [BLOCK_N, BLOCK_H] = slot rows . q^T`` (the ring slot as the wgmma's A operand, the
+    queries as B: the heads are N, so 8 - 32 heads need no 64-row padding), the online softmax
+    over axis 0, ``acc^T [512, BLOCK_H] += slot rows^T . probs^T`` (the transposed ring slot as A,
+    the probabilities as B); writes the program's first ``real_heads`` heads."""
+    first_block, stop_block = _attend_blocks(row_slots, topk, trace_ptr, BLOCK_N, SCAN, WARPS, TRACE)
+    # one warpgroup, N = the program's heads: the scores [BLOCK_N, BLOCK_H], the accumulator
+    # [LATENT, BLOCK_H]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_H, 16])
+    heads_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    # a finite start keeps exp2(running_max - new_max) NaN-free while every slot is masked
+    running_max = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=heads_layout)
+    denominator = gl.zeros([BLOCK_H], gl.float32, layout=heads_layout)
+    acc = gl.zeros([LATENT, BLOCK_H], gl.float32, layout=mma_layout)
+    for block in range(first_block, stop_block):
+        stage, valid = _wait_for_block(row_slots, topk, block, first_block, full, trace_ptr,
+                                       gl.SliceLayout(1, mma_layout), BLOCK_N, STAGES, TRACE)
+        scores = warpgroup_mma(latent_ring.index(stage), q_latent.permute((1, 0)),
+                               gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=mma_layout),
+                               is_async=True)
+        scores = warpgroup_mma(rope_ring.index(stage), q_rope.permute((1, 0)), scores,
+                               is_async=True)
+        scores = warpgroup_mma_wait(0, deps=[scores])
+        scores = gl.where(valid[:, None], scores * qk_scale_log2, float("-inf"))
+        new_max = gl.maximum(running_max, gl.max(scores, 0))
+        rescale = gl.exp2(running_max - new_max)
+        probs = gl.exp2(scores - new_max[None, :])
+        denominator = denominator * rescale + gl.sum(probs, 0)
+        running_max = new_max
+        acc = acc * rescale[None, :]
+        probs_smem.store(probs.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's probabilities, before the PV dot reads them all
+        acc = warpgroup_mma(latent_ring.index(stage).permute((1, 0)), probs_smem, acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()  # every warp is done with the slot and the probabilities
+        mbarrier.arrive(empty.index(stage), count=1)
+    _stamp(trace_ptr, 4, TRACE)
+    seen = denominator > 0
+    result = acc / gl.where(seen, denominator, 1.0)[None, :]
+    # a head's 512 columns contiguous in a thread's registers and across a warp's lanes
+    store_layout: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [1, WARPS], [0, 1])
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, store_layout))
+    columns = gl.arange(0, LATENT, layout=gl.SliceLayout(1, store_layout))
+    real = (heads < real_heads)[None, :]
+    if SPLIT:
+        rows = record_ptr + heads.to(gl.int64) * record_stride_head
+        gl.store(rows[None, :] + columns[:, None], gl.convert_layout(result, store_layout), mask=real)
+        # the split's log2-sum-exp2 (-inf when it saw no valid slot)
+        log_sum = gl.where(seen, running_max + gl.log2(gl.where(seen, denominator, 1.0)),
+                           float("-inf"))
+        sum_heads = gl.arange(0, BLOCK_H, layout=heads_layout)
+        gl.store(record_ptr + sum_heads.to(gl.int64) * record_stride_head + LATENT, log_sum,
+                 mask=sum_heads < real_heads)
+    else:
+        rows = out_ptr + heads.to(gl.int64) * out_stride_head
+        gl.store(rows[None, :] + columns[:, None],
+                 gl.convert_layout(result.to(gl.bfloat16), store_layout), mask=real)
+    _stamp(trace_ptr, 5, TRACE)
+
+
+@gluon.jit
+def _attend_partition(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty, row_slots, topk,
+                      qk_scale_log2, out_ptr, out_stride_head, record_ptr, record_stride_head, real_heads,
+                      trace_ptr, SPLIT: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+                      BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
+                      WARPS: gl.constexpr, TRACE: gl.constexpr, SLOT_MAJOR: gl.constexpr):
+    """The attend partition: :func:`_attend_slot_major` with ``SLOT_MAJOR``, else
+    :func:`_attend_head_major`."""
+    if SLOT_MAJOR:
+        _attend_slot_major(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty, row_slots, topk,
+                           qk_scale_log2, out_ptr, out_stride_head, record_ptr, record_stride_head, real_heads,
+                           trace_ptr, SPLIT, LATENT, ROPE, BLOCK_H, BLOCK_N, STAGES, SCAN, WARPS, TRACE)
+    else:
+        _attend_head_major(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty, row_slots, topk,
+                           qk_scale_log2, out_ptr, out_stride_head, record_ptr, record_stride_head, real_heads,
+                           trace_ptr, SPLIT, LATENT, ROPE, BLOCK_H, BLOCK_N, STAGES, SCAN, WARPS, TRACE)
+
+
+@gluon.jit
 def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, qk_scale_log2,
                              q_stride_row, q_stride_head, kv_stride, slots_stride,
                              out_stride_row, out_stride_head, num_heads, topk, trace_ptr,
@@ -853,9 +970,11 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
                              GATHER_WARPS: gl.constexpr,
                              GATHER_REGISTERS: gl.constexpr, DEQUANT_STEPS: gl.constexpr,
                              PER_LAYOUT: gl.constexpr, STEP_REFILL: gl.constexpr,
-                             IN_SLOT: gl.constexpr, TRACE: gl.constexpr, STAMPS: gl.constexpr):
+                             IN_SLOT: gl.constexpr, SLOT_MAJOR: gl.constexpr, TRACE: gl.constexpr,
+                             STAMPS: gl.constexpr):
     """Program ``(row, head block, split)``: shared memory and its barriers, then the gather and
-    attend partitions (each finds the split's blocks itself, so the gathers start at once)."""
+    attend partitions (each finds the split's blocks itself, so the gathers start at once); with
+    ``SLOT_MAJOR`` the attend partition is :func:`_attend_slot_major`."""
     row = gl.program_id(0).to(gl.int64)
     head_start = gl.program_id(1) * BLOCK_H
     split = gl.program_id(2)
@@ -872,9 +991,12 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, ROPE], swizzled)
     latent_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, LATENT], swizzled)
     rope_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE], swizzled)
+    # the PV dot's probabilities: its A operand [heads, slots], or slot-major its B [slots, heads]
+    PROBS_ROWS: gl.constexpr = BLOCK_N if SLOT_MAJOR else BLOCK_H
+    PROBS_COLUMNS: gl.constexpr = BLOCK_H if SLOT_MAJOR else BLOCK_N
     probs_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
-                                                                               gl.bfloat16))
+        gl.bfloat16, [PROBS_ROWS, PROBS_COLUMNS],
+        gl.NVMMASharedLayout.get_default_for([PROBS_ROWS, PROBS_COLUMNS], gl.bfloat16))
     # the FP8 staging stages of the gathered cache rows (the cache's bytes); one row for a bf16
     # cache or an FP8 one gathered through registers (staging 0), never used
     STAGED_STAGES: gl.constexpr = STAGING if FP8 and STAGING > 0 else 1
@@ -899,7 +1021,7 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
         [(_attend_partition, (q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
                               row_slots, topk, qk_scale_log2, out_row, out_stride_head, record,
                               num_splits * RECORD, real_heads, trace_ptr, SPLIT, LATENT, ROPE,
-                              BLOCK_H, BLOCK_N, STAGES, SCAN, gl.num_warps(), TRACE)),
+                              BLOCK_H, BLOCK_N, STAGES, SCAN, gl.num_warps(), TRACE, SLOT_MAJOR)),
          (_gather_partition, (q_head, q_stride_head, real_heads, q_latent, q_rope, kv_ptr,
                               kv_stride, row_slots, topk, latent_ring, rope_ring, codes, scales,
                               rope, full, empty, trace_ptr, LATENT, ROPE, BLOCK_H, BLOCK_N,
@@ -908,23 +1030,33 @@ def _sparse_mla_gluon_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, workspace_ptr, q
         [GATHER_WARPS], [GATHER_REGISTERS])
 
 
-def sparse_mla_gluon_supported(device: torch.device | str, num_heads: int) -> bool:
+def sparse_mla_gluon_supported(device: torch.device | str, num_heads: int, slot_major: bool = False) -> bool:
     """Whether the Gluon kernel runs on ``device`` for ``num_heads`` heads: a CUDA device of compute
     capability 9.x (wgmma) and a head count in :data:`FEW_HEADS` (one program of 64 head slots,
-    padded) or a positive multiple of 64 (no padding). Those are the head counts a rank holds for
-    GLM-5 (64 heads) and DeepSeek-V3.2 (128) from TP 1 to TP 8, and the ones the GPU tests cover;
-    any count of at most 64 would pad the same way, but is not offered untested."""
+    padded; slot-major one program of 16 or 32) or, not ``slot_major``, a positive multiple of 64
+    (no padding). Those are the head counts a rank holds for GLM-5 (64 heads) and DeepSeek-V3.2
+    (128) from TP 1 to TP 8, and the ones the GPU tests cover; any count of at most 64 would pad
+    the same way, but is not offered untested."""
     device = torch.device(device)
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
             and (num_heads in FEW_HEADS
-                 or (num_heads > 0 and num_heads % HEADS_PER_PROGRAM == 0)))
+                 or (not slot_major and num_heads > 0 and num_heads % HEADS_PER_PROGRAM == 0)))
+
+
+def slot_major_block_h(num_heads: int) -> int:
+    """Heads of a slot-major program (the dots' N): the next power of two of ``num_heads``, at least
+    16, at most :data:`SLOT_MAJOR_MAX_HEADS`."""
+    return min(SLOT_MAJOR_MAX_HEADS, max(16, triton.next_power_of_2(num_heads)))
 
 
 def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                             out: torch.Tensor, workspace: torch.Tensor | None,
                             qk_scale_log2: float, *, scan: int, record_width: int,
-                            tiles: FP8Tiles = BF16_TILES, trace: torch.Tensor | None = None) -> None:
-    """Launch the kernel over grid ``(R, cdiv(H, 64), num_splits)`` on a bf16 ``kv_cache``
+                            tiles: FP8Tiles = BF16_TILES, slot_major: bool = False,
+                            trace: torch.Tensor | None = None) -> None:
+    """Launch the kernel over grid ``(R, cdiv(H, 64), num_splits)`` (``slot_major``: ``(R, cdiv(H,
+    slot_major_block_h(H)), num_splits)`` programs of :func:`_attend_slot_major`, 4
+    attend warps) on a bf16 ``kv_cache``
     ``[slots, 576]`` or an ``fp8_ds_mla`` one (uint8 ``[slots, 656]``, row stride a multiple of 16
     bytes) with the launch shape ``tiles`` (one of :data:`FP8_TILES` or :data:`FP8_TUNE_TILES`
     for FP8; :data:`BF16_TILES` for bf16, where only its ``block_n``, ``stages``, ``gather_warps``
@@ -939,7 +1071,8 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
     (:func:`dsaspec.ops.sparse_mla.sparse_mla_decode`)."""
     num_rows, num_heads, _ = q.shape
     num_splits = 1 if workspace is None else workspace.shape[2]
-    grid = (num_rows, triton.cdiv(num_heads, HEADS_PER_PROGRAM), num_splits)
+    block_h = slot_major_block_h(num_heads) if slot_major else HEADS_PER_PROGRAM
+    grid = (num_rows, triton.cdiv(num_heads, block_h), num_splits)
     if trace is not None:
         check_tensor("trace", trace, dtype=torch.int64,
                      shape=(grid[0] * grid[1] * grid[2], 2 * len(TRACE_STAMPS)), device=q.device)
@@ -949,12 +1082,12 @@ def launch_sparse_mla_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slots: torc
         q, kv_cache, slots, out, out if workspace is None else workspace, qk_scale_log2,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), num_heads, slots.shape[1], out if trace is None else trace,
-        LATENT=out.shape[2], ROPE=q.shape[2] - out.shape[2], BLOCK_H=HEADS_PER_PROGRAM,
+        LATENT=out.shape[2], ROPE=q.shape[2] - out.shape[2], BLOCK_H=block_h,
         BLOCK_N=tiles.block_n, STAGES=tiles.stages, SCAN=scan, SPLIT=workspace is not None,
         RECORD=record_width, FP8=is_fp8_cache(kv_cache), GROUPS=MLA_LATENT_DIM // FP8_GROUP,
         STAGING=tiles.stages if tiles.staging is None else tiles.staging,
         GATHER_WARPS=tiles.gather_warps, GATHER_REGISTERS=tiles.gather_registers,
         DEQUANT_STEPS=tiles.dequant_steps, PER_LAYOUT=tiles.slot_loads == "per_layout",
-        STEP_REFILL=tiles.refill == "step", IN_SLOT=tiles.in_slot, TRACE=trace is not None,
-        STAMPS=len(TRACE_STAMPS),
-        num_warps=ATTEND_WARPS)
+        STEP_REFILL=tiles.refill == "step", IN_SLOT=tiles.in_slot, SLOT_MAJOR=slot_major,
+        TRACE=trace is not None, STAMPS=len(TRACE_STAMPS),
+        num_warps=SLOT_MAJOR_WARPS if slot_major else ATTEND_WARPS)
