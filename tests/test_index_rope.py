@@ -335,7 +335,7 @@ def test_indexer_triton_path_matches_torch_path(fp8):
     loc = torch.tensor([70, 3, 12])
     results = []
     for use_triton in (False, True):
-        step = SimpleNamespace(cos=cos, sin=sin, out_cache_loc=loc, ops=dsa_ops(use_triton, False),
+        step = SimpleNamespace(cos=cos, sin=sin, out_cache_loc=loc, ops=dsa_ops(use_triton, False, False),
                                check_values=True)
         cache = (torch.zeros(2, PAGE_BYTES, dtype=torch.uint8) if fp8
                  else torch.zeros(128, 128, dtype=torch.bfloat16))

@@ -332,7 +332,7 @@ def test_indexer_rotates_for_fp8_caches_only():
     config, indexer, x, q_latent, gen = random_tiny_indexer(torch.float32, seed=0, rows=rows)
     angles = torch.randn(rows, config.qk_rope_head_dim // 2, generator=gen)
     loc = torch.arange(rows) * 7 + 3
-    step = SimpleNamespace(cos=angles.cos(), sin=angles.sin(), out_cache_loc=loc, ops=dsa_ops(False, False),
+    step = SimpleNamespace(cos=angles.cos(), sin=angles.sin(), out_cache_loc=loc, ops=dsa_ops(False, False, False),
                            check_values=True)
     plain_cache = torch.zeros(2 * PAGE, 128)
     fp8_cache = torch.zeros(2, PAGE_BYTES, dtype=torch.uint8)

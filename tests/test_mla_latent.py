@@ -311,7 +311,7 @@ def test_attention_triton_path_writes_the_torch_paths_entries(fp8):
         raise _Stop
 
     for use_triton in (False, True):
-        ops = SimpleNamespace(**vars(dsa_ops(use_triton, False)))
+        ops = SimpleNamespace(**vars(dsa_ops(use_triton, False, False)))
         ops.sparse_mla_decode = stop
         cache = torch.zeros(16, 656, dtype=torch.uint8) if fp8 else torch.zeros(16, 576, dtype=torch.bfloat16)
         with pytest.raises(_Stop):
@@ -365,7 +365,7 @@ def test_attention_triton_path_aten_ops():
                 mode.ops["op " + name] += 1
         return call
 
-    ops = SimpleNamespace(**{name: uncounted(name, fn) for name, fn in vars(dsa_ops(True, False)).items()})
+    ops = SimpleNamespace(**{name: uncounted(name, fn) for name, fn in vars(dsa_ops(True, False, False)).items()})
     ops.sparse_mla_decode = uncounted("sparse_mla_decode", lambda *args, **kwargs: None)
     attn.q_a_layernorm.forward = uncounted("q_a_layernorm", attn.q_a_layernorm.forward)
     step, cache = _step(ops, angles, loc), torch.zeros(8, 576, dtype=torch.bfloat16)

@@ -292,7 +292,7 @@ def test_topk_single_launch_option(monkeypatch, option, single_launch):
     model = DSAModel(get_config("tiny"), use_triton=True, options=options).init_weights(0)
     workspace = model.attention_workspace(3)
     assert workspace.topk_single_launch is single_launch
-    ops = dsa_ops(True, model.sparse_mla_gluon)
+    ops = dsa_ops(True, model.sparse_mla_gluon, model.sparse_mla_slot_major)
     calls = []
     real = ops.topk_slots
     monkeypatch.setattr(ops, "topk_slots",
@@ -939,7 +939,7 @@ def test_prefill_groups_the_indexer_rows_of_a_chunk(monkeypatch, row_invariant):
     import dsaspec.models.dsa_model as dsa_model
 
     model = DSAModel(get_config("tiny"), use_triton=True, row_invariant=row_invariant).init_weights(5)
-    ops = dsa_ops(True, model.sparse_mla_gluon)
+    ops = dsa_ops(True, model.sparse_mla_gluon, model.sparse_mla_slot_major)
     groups = []
     real = ops.indexer_logits
     monkeypatch.setattr(ops, "indexer_logits", lambda q, *a, **kw: groups.append(
@@ -966,7 +966,7 @@ def test_prefill_chunks_of_many_rows_take_the_head_weights_from_a_gemm(monkeypat
     import dsaspec.layers.attention.mla as mla
 
     model = DSAModel(get_config("tiny"), use_triton=True, row_invariant=row_invariant).init_weights(6)
-    ops = dsa_ops(True, model.sparse_mla_gluon)
+    ops = dsa_ops(True, model.sparse_mla_gluon, model.sparse_mla_slot_major)
     inputs = []
     real = ops.indexer_epilogues
     monkeypatch.setattr(ops, "indexer_epilogues", lambda *a, **kw: inputs.append(
@@ -987,7 +987,7 @@ def test_only_the_first_layer_runs_the_value_checks(monkeypatch):
     syncs on the same slots and tables), and a slot outside the pool is still refused there
     (Triton ops under the interpreter)."""
     model = DSAModel(get_config("tiny", num_hidden_layers=3), use_triton=True).init_weights(0)
-    ops = dsa_ops(True, model.sparse_mla_gluon)
+    ops = dsa_ops(True, model.sparse_mla_gluon, model.sparse_mla_slot_major)
     checks = []
     real = ops.store_mla_normed
     monkeypatch.setattr(ops, "store_mla_normed", lambda *a, **kw: checks.append(kw["check_values"]) or real(*a, **kw))

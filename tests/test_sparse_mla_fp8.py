@@ -338,7 +338,7 @@ def test_triton_ops_read_the_fp8_pool(gluon, device):
     out = torch.empty(3, 16, 512, dtype=torch.bfloat16, device=device)
     workspace = sparse_mla_workspace(3, 16, device, num_splits=2)
     for ws in (None, workspace):
-        dsa_ops(True, gluon).sparse_mla_decode(inputs["q"], inputs["kv_cache"], inputs["slots"],
+        dsa_ops(True, gluon, False).sparse_mla_decode(inputs["q"], inputs["kv_cache"], inputs["slots"],
                                                inputs["sm_scale"], out, check_values=False,
                                                workspace=ws)
         torch.testing.assert_close(out.float().cpu(), want, atol=ATOL, rtol=RTOL)

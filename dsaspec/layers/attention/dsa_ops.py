@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 
 @functools.lru_cache(maxsize=5)
-def dsa_ops(use_triton: bool, sparse_mla_gluon: bool, sparse_mla_slot_major: bool = False) -> SimpleNamespace:
+def dsa_ops(use_triton: bool, sparse_mla_gluon: bool, sparse_mla_slot_major: bool) -> SimpleNamespace:
     """The four DSA ops (``indexer_schedule``, ``indexer_logits``, ``topk_slots``,
     ``sparse_mla_decode``) with the signatures of ``dsaspec.ops`` (``out=`` and ``check_values``)
     and the two cache writes (``store_mla``, ``store_index_k``: a copy, or quantize-on-write into
