@@ -790,11 +790,11 @@ def _wait_for_block(row_slots, topk, block, first_block, full, trace_ptr, INDEX_
 
 @gluon.jit
 def _attend_head_major(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
-                      row_slots, topk, qk_scale_log2, out_ptr, out_stride_head, record_ptr,
-                      record_stride_head, real_heads, trace_ptr, SPLIT: gl.constexpr,
-                      LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
-                      WARPS: gl.constexpr, TRACE: gl.constexpr):
+                       row_slots, topk, qk_scale_log2, out_ptr, out_stride_head, record_ptr,
+                       record_stride_head, real_heads, trace_ptr, SPLIT: gl.constexpr,
+                       LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
+                       WARPS: gl.constexpr, TRACE: gl.constexpr):
     """The online softmax over the split's blocks as their slots fill (the queries arrive with
     the first); writes the program's first ``real_heads`` heads."""
     first_block, stop_block = _attend_blocks(row_slots, topk, trace_ptr, BLOCK_N, SCAN, WARPS, TRACE)
@@ -872,12 +872,11 @@ def _attend_head_major(q_latent, q_rope, latent_ring, rope_ring, probs_smem, ful
 
 @gluon.jit
 def _attend_slot_major(q_latent, q_rope, latent_ring, rope_ring, probs_smem, full, empty,
-                                 row_slots, topk, qk_scale_log2, out_ptr, out_stride_head,
-                                 record_ptr, record_stride_head, real_heads, trace_ptr,
-                                 SPLIT: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
-                                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 STAGES: gl.constexpr, SCAN: gl.constexpr, WARPS: gl.constexpr,
-                                 TRACE: gl.constexpr):
+                       row_slots, topk, qk_scale_log2, out_ptr, out_stride_head, record_ptr,
+                       record_stride_head, real_heads, trace_ptr, SPLIT: gl.constexpr,
+                       LATENT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SCAN: gl.constexpr,
+                       WARPS: gl.constexpr, TRACE: gl.constexpr):
     """:func:`_attend_head_major` with the dots' roles swapped, on one warpgroup: per block
     ``scores^T [BLOCK_N, BLOCK_H] = slot rows . q^T`` (the ring slot as the wgmma's A operand, the
     queries as B: the heads are N, so 8 - 32 heads need no 64-row padding), the online softmax
