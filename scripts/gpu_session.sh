@@ -22,7 +22,8 @@
 #   prefill's GPU test, then the GLM-5 FP8 rank's 16k prefill by chunk size and cache dtype), slot-major (sparse MLA's
 #   slot-major tiles: their GPU tests, bench dsa-ops at 32 / 16 / 8 heads on both caches, the GLM-5 rank's 16k
 #   prefill on FP8 caches with DSASPEC_SPARSE_MLA_SLOT_MAJOR off, on (Gluon) and on with DSASPEC_SPARSE_MLA_GLUON off), slot-major-tune (bench dsa-ops --tune at 8 and 16
-#   heads: the slot-major tiles against the Gluon default at 16 / 64 decode and 256 verify rows of 64k), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
+#   heads: the slot-major tiles against the Gluon default at 16 / 64 decode and 256 verify rows of 64k),
+#   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
@@ -183,6 +184,9 @@ for step in "$@"; do
                           --kv-cache-dtype fp8_e4m3 --out "$OUT/slot_major_prefill_${slot_major}${gluon}"; done ;;
         slot-major-tune) timeout 420 python3 -m dsaspec bench dsa-ops --tune --ops sparse_mla --heads 8,16 --modes decode,target_verify \
                           --bs 16,64 --live-kv 65536 --kv-cache-dtype fp8_e4m3 --out "$OUT/slot_major_tune" ;;
+        slot-major-decode) for slot_major in 0 1; do DSASPEC_SPARSE_MLA_SLOT_MAJOR=$slot_major timeout 300 python3 -m dsaspec \
+                          bench decode --preset glm5-fp8-tp8-rank --bs 1,4,32 --contexts 1048576 --runs 2 --steps 16 \
+                          --out "$OUT/slot_major_decode_rank_$slot_major"; done ;;
         decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/decode_fp8" ;;
         read-chain)   python3 scripts/bench_read_chain.py "$OUT/read_chain" --iters 50 ;;
