@@ -29,8 +29,7 @@ CUPTI kernel time, median and spread).
   new off Hopper); ``slot_major`` (at up to ``SLOT_MAJOR_MAX_HEADS`` heads, on both caches): the
   slot-major configuration the runtime's switch takes (``sparse_mla_config(..., slot_major=True)``:
   the Gluon kernel's where it runs, else ``SPARSE_MLA_SLOT_MAJOR_CONFIG``) with the workspace it
-  allocates; baseline:
-  ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
+  allocates; baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
 ``--kv-cache-dtype fp8_e4m3`` adds an indexer and a sparse MLA row on the FP8 caches after each
@@ -275,7 +274,7 @@ class _Point:
     q_mla: torch.Tensor
     workspace: torch.Tensor | None  # sparse MLA
     triton_workspace: torch.Tensor | None  # sparse MLA's Triton default configuration
-    slot_major_workspace: torch.Tensor | None  # sparse MLA's slot-major configurations (both caches)
+    slot_major_workspace: torch.Tensor | None  # sparse MLA's slot-major configurations (both caches; <= 32 heads)
     topk_workspace: torch.Tensor | None
     buffers: dict = field(default_factory=dict)
 
@@ -329,7 +328,8 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
         triton_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
                                               config=sparse_mla_config(rows, shapes.heads, True)),
         slot_major_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
-                                                  config=_slot_major_config(rows, shapes.heads, device)),
+                                                  config=_slot_major_config(rows, shapes.heads, device))
+        if shapes.heads <= SLOT_MAJOR_MAX_HEADS else None,
         topk_workspace=topk_workspace(rows, device, num_sms=shapes.num_sms))
     return point
 
