@@ -71,11 +71,10 @@ def sparse_mla_gluon() -> bool:
 
 
 def sparse_mla_slot_major() -> bool:
-    """``DSASPEC_SPARSE_MLA_SLOT_MAJOR``: at 8 - 32 heads a rank (tensor parallel), sparse MLA takes
-    slot-major dots (the heads as the MMA's N dimension, no padding to a 64-row tile; the Gluon
-    kernel's where it runs) instead of the default configuration (default off: a candidate until
-    timed)."""
-    return _switch("DSASPEC_SPARSE_MLA_SLOT_MAJOR", default=False)
+    """``DSASPEC_SPARSE_MLA_SLOT_MAJOR``: at 8 and 16 heads a rank (tensor parallel), where sparse
+    MLA takes the Gluon kernel, it takes its slot-major form (the heads as the MMA's N dimension, no
+    padding to a 64-row tile; ``sparse_mla_config``) (default on). Off keeps the padded form."""
+    return _switch("DSASPEC_SPARSE_MLA_SLOT_MAJOR")
 
 
 def fused_moe() -> bool:

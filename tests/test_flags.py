@@ -13,7 +13,7 @@ SWITCHES = [("DSASPEC_BOUNDED_REPLAY_METADATA", flags.bounded_replay_metadata, T
             ("DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE", flags.spec_verify_argmax_exchange, True),
             ("DSASPEC_TOPK_SINGLE_LAUNCH", flags.topk_single_launch, True),
             ("DSASPEC_SPARSE_MLA_GLUON", flags.sparse_mla_gluon, True),
-            ("DSASPEC_SPARSE_MLA_SLOT_MAJOR", flags.sparse_mla_slot_major, False),
+            ("DSASPEC_SPARSE_MLA_SLOT_MAJOR", flags.sparse_mla_slot_major, True),
             ("DSASPEC_FUSED_MOE", flags.fused_moe, True),
             ("DSASPEC_FP8_FAST_ACCUM", flags.fp8_fast_accum, False),
             ("TRITON_INTERPRET", flags.triton_interpret, False)]

@@ -339,19 +339,20 @@ def test_sparse_mla_gluon_option(monkeypatch, option):
 
 
 @pytest.mark.parametrize("gluon", [True, False])
-def test_sparse_mla_slot_major_option(monkeypatch, gluon):
-    """With the ``sparse_mla_slot_major`` option every sparse MLA call of a forward over the tiny
-    model's few heads passes the slot-major configuration (with or without ``sparse_mla_gluon``),
-    and the attention workspace is sized for it."""
+@pytest.mark.parametrize("slot_major", [True, False])
+def test_sparse_mla_slot_major_option(monkeypatch, gluon, slot_major):
+    """The model's ``sparse_mla_slot_major`` option (default on) reaches every choice of a sparse MLA
+    configuration a forward over the tiny model makes (each call's and the attention workspace's
+    sizing), with or without ``sparse_mla_gluon``; the rule itself is test_sparse_mla's."""
     import dsaspec.ops.sparse_mla as sparse_mla_module
 
-    options = RuntimeOptions(sparse_mla_slot_major=True, sparse_mla_gluon=gluon)
+    assert RuntimeOptions().sparse_mla_slot_major is True
+    options = RuntimeOptions(sparse_mla_slot_major=slot_major, sparse_mla_gluon=gluon)
     model = DSAModel(get_config("tiny"), use_triton=True, options=options).init_weights(0)
-    assert model.num_local_heads <= sparse_mla_module.SLOT_MAJOR_MAX_HEADS
-    calls = []
-    real = sparse_mla_module.sparse_mla_decode
-    monkeypatch.setattr(sparse_mla_module, "sparse_mla_decode",
-                        lambda *a, **kw: calls.append(kw.get("config", "unset")) or real(*a, **kw))
+    passed = []
+    real = sparse_mla_module.sparse_mla_config
+    monkeypatch.setattr(sparse_mla_module, "sparse_mla_config",
+                        lambda *a, **kw: passed.append(kw.get("slot_major", True)) or real(*a, **kw))
     dsa_ops.cache_clear()
     session = Session(model)
     row = session.slots.admit(4)
@@ -362,9 +363,8 @@ def test_sparse_mla_slot_major_option(monkeypatch, gluon):
     with torch.no_grad():
         model(ids, positions, loc, session.kv, attn)
     dsa_ops.cache_clear()
-    assert calls == [sparse_mla_module.SPARSE_MLA_SLOT_MAJOR_CONFIG] * model.config.num_hidden_layers
-    assert attn.workspace.sparse_mla.shape == sparse_mla_module.sparse_mla_workspace(
-        3, model.num_local_heads, "cpu", config=sparse_mla_module.SPARSE_MLA_SLOT_MAJOR_CONFIG).shape
+    assert len(passed) == 1 + model.config.num_hidden_layers  # the workspace, then one call a layer
+    assert passed == [slot_major] * len(passed)
 
 
 def test_cache_entries_hold_normed_latent_and_roped_key():

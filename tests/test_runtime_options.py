@@ -19,7 +19,7 @@ MAPPING = {"DSASPEC_BOUNDED_REPLAY_METADATA": ("bounded_replay_metadata", "0", F
            "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE": ("verify_argmax_exchange", "false", False),
            "DSASPEC_TOPK_SINGLE_LAUNCH": ("topk_single_launch", "no", False),
            "DSASPEC_SPARSE_MLA_GLUON": ("sparse_mla_gluon", "0", False),
-           "DSASPEC_SPARSE_MLA_SLOT_MAJOR": ("sparse_mla_slot_major", "yes", True),
+           "DSASPEC_SPARSE_MLA_SLOT_MAJOR": ("sparse_mla_slot_major", "no", False),
            "DSASPEC_FUSED_MOE": ("fused_moe", "0", False),
            "DSASPEC_FP8_FAST_ACCUM": ("fp8_fast_accum", "on", True),
            "DSASPEC_METADATA_BUDGET": ("metadata_program_budget", " 96 ", 96),

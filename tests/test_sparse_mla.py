@@ -17,7 +17,8 @@ from dsaspec.ops.sparse_mla import (FEW_ROWS_HEAD_BLOCKS, GLUON_MIN_SPLIT_HEAD_B
                                     SPARSE_MLA_FEW_ROWS_CONFIG, SPARSE_MLA_GLUON_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG,
                                     SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG,
-                                    SPARSE_MLA_SLOT_MAJOR_CONFIG, SLOT_MAJOR_MAX_HEADS, SparseMLAConfig, sparse_mla_config, sparse_mla_decode,
+                                    SPARSE_MLA_SLOT_MAJOR_CONFIG, SLOT_MAJOR_DEFAULT_MAX_HEADS,
+                                    SparseMLAConfig, slot_major_config, sparse_mla_config, sparse_mla_decode,
                                     sparse_mla_num_splits, sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import topk_slots
@@ -259,9 +260,9 @@ def test_default_config_where_gluon_runs(capability, gluon, monkeypatch):
             triton_split = sparse_mla_config(rows, heads, split=True)
             runs = gluon and heads in (8, 16, 32, 64, 128)
             split_gluon = runs and rows * -(-heads // 64) >= GLUON_MIN_SPLIT_HEAD_BLOCKS
-            assert sparse_mla_config(rows, heads, split=False, device="cuda:0") == (
+            assert sparse_mla_config(rows, heads, split=False, device="cuda:0", slot_major=False) == (
                 SPARSE_MLA_GLUON_CONFIG if runs else SPARSE_MLA_CONFIG)
-            assert sparse_mla_config(rows, heads, split=True, device="cuda:0") == (
+            assert sparse_mla_config(rows, heads, split=True, device="cuda:0", slot_major=False) == (
                 SPARSE_MLA_GLUON_CONFIG if split_gluon else triton_split)
             assert sparse_mla_config(rows, heads, split=True, device="cpu") == triton_split
 
@@ -282,22 +283,33 @@ def test_gluon_supported_head_counts(capability, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_slot_major_config_up_to_32_heads(fp8, monkeypatch):
-    """With ``slot_major`` the configuration is a slot-major one at up to SLOT_MAJOR_MAX_HEADS heads
-    for every row count, split or not: the Gluon kernel's of the cache where it runs (compute
-    capability 9.x, 8, 16 or 32 heads), else the Triton kernel's; above, the choice without it."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+def test_slot_major_by_default_at_8_and_16_heads(fp8, capability, monkeypatch):
+    """By default (``slot_major`` True) the configuration is the Gluon kernel's slot-major one of the
+    cache wherever the padded choice (``slot_major=False``) is a Gluon one and H <= 16 (8 or 16
+    heads on compute capability 9.x: not split, or split from 2 rows); everywhere else (32 heads and
+    more, one split row, another GPU, the CPU) the same as the padded choice. ``slot_major_config``
+    gives the slot-major tiles at every R up to 32 heads: the Gluon kernel's where it runs
+    slot-major, else the Triton kernel's; above, a ValueError."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     gluon = SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG if fp8 else SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG
-    for device in (None, "cuda"):
-        for rows in (1, 4, 64, 4096):
+    hopper = capability[0] == 9
+    assert SLOT_MAJOR_DEFAULT_MAX_HEADS == 16
+    for device in (None, "cpu", "cuda"):
+        for rows in (1, 2, 4, 64, 4096):
             for split in (False, True):
-                for heads in (4, 8, 16, 32, 64, 128):
-                    got = sparse_mla_config(rows, heads, split, device, fp8_cache=fp8, slot_major=True)
-                    if heads > SLOT_MAJOR_MAX_HEADS:
-                        want = sparse_mla_config(rows, heads, split, device, fp8_cache=fp8)
-                    else:
-                        want = gluon if device and heads in (8, 16, 32) else SPARSE_MLA_SLOT_MAJOR_CONFIG
-                    assert got == want, (device, rows, heads)
+                for heads in (4, 8, 16, 24, 32, 64, 128):
+                    padded = sparse_mla_config(rows, heads, split, device, fp8_cache=fp8, slot_major=False)
+                    slot_major = (device == "cuda" and hopper and heads in (8, 16)
+                                  and (not split or rows >= 2))
+                    assert padded.kernel == "gluon" or not slot_major
+                    got = sparse_mla_config(rows, heads, split, device, fp8_cache=fp8)
+                    assert got == (gluon if slot_major else padded), (device, rows, split, heads)
+        for heads in (4, 8, 16, 24, 32):
+            want = gluon if device == "cuda" and hopper and heads in (8, 16, 32) else SPARSE_MLA_SLOT_MAJOR_CONFIG
+            assert slot_major_config(heads, device, fp8_cache=fp8) == want
+    with pytest.raises(ValueError, match="num_heads: slot-major tiles take at most 32 heads, got 64"):
+        slot_major_config(64)
 
 
 def test_config_rejects_bad_values():

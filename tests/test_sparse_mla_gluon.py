@@ -199,16 +199,16 @@ def test_gpu_production_sizes(num_rows, num_heads, split):
 @needs_hopper
 def test_gpu_default_is_gluon_with_its_workspace():
     """On Hopper the default single pass and the default split path of 16 rows take the Gluon
-    kernel (64 heads, and 16 heads as one padded program), with the default workspace sized for
+    kernel (64 heads, and 32 heads as one padded program), with the default workspace sized for
     its programs (one per SM)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for heads in (64, 16):
+    for heads in (64, 32):
         assert sparse_mla_config(1, heads, split=False, device="cuda") == SPARSE_MLA_GLUON_CONFIG
         assert sparse_mla_config(16, heads, split=True, device="cuda") == SPARSE_MLA_GLUON_CONFIG
         workspace = sparse_mla_workspace(16, heads, "cuda")
         assert workspace.shape[2] == min(SPARSE_MLA_GLUON_CONFIG.max_splits, sms // 16)
-    inputs = production_sparse_mla_inputs(16, 16, seed=9)
-    out = torch.empty(16, 16, 512, dtype=torch.bfloat16, device="cuda")
+    inputs = production_sparse_mla_inputs(16, 32, seed=9)
+    out = torch.empty(16, 32, 512, dtype=torch.bfloat16, device="cuda")
     sparse_mla_decode(**inputs, out=out, workspace=workspace)
     torch.testing.assert_close(out.float().cpu(), reference_sparse_mla_decode(**to_cpu(inputs)),
                                atol=GPU_ATOL, rtol=1e-2)

@@ -27,8 +27,8 @@ CUPTI kernel time, median and spread).
   path); ``triton``: the Triton kernel's default configuration (``sparse_mla_config`` without a
   device) with the workspace it allocates, what runs where the Gluon kernel does not (the same as
   new off Hopper); ``slot_major`` (at up to ``SLOT_MAJOR_MAX_HEADS`` heads, on both caches): the
-  slot-major configuration the runtime's switch takes (``sparse_mla_config(..., slot_major=True)``:
-  the Gluon kernel's where it runs, else ``SPARSE_MLA_SLOT_MAJOR_CONFIG``) with the workspace it
+  slot-major configuration at every R (``slot_major_config``: the Gluon kernel's where it runs, else
+  ``SPARSE_MLA_SLOT_MAJOR_CONFIG``; new takes it at 8 and 16 heads from 2 rows) with the workspace it
   allocates; baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
@@ -106,7 +106,8 @@ from dsaspec.ops.sparse_mla import (GLUON_FP8_DEFAULT_CONFIG, LATENT_DIM, QK_DIM
                                     SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SPARSE_MLA_SLOT_MAJOR_CONFIG,
                                     SLOT_MAJOR_MAX_HEADS,
-                                    SparseMLAConfig, sparse_mla_config, sparse_mla_decode, sparse_mla_workspace)
+                                    SparseMLAConfig, slot_major_config, sparse_mla_config, sparse_mla_decode,
+                                    sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
 from dsaspec.ops.topk import (TOPK_LISTS_MAX_CHUNKS, topk_candidates, topk_num_chunks,
                               topk_single_launch_fits, topk_slots, topk_workspace)
@@ -328,7 +329,7 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
         triton_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
                                               config=sparse_mla_config(rows, shapes.heads, True)),
         slot_major_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
-                                                  config=_slot_major_config(rows, shapes.heads, device))
+                                                  config=slot_major_config(shapes.heads, device))
         if shapes.heads <= SLOT_MAJOR_MAX_HEADS else None,
         topk_workspace=topk_workspace(rows, device, num_sms=shapes.num_sms))
     return point
@@ -438,12 +439,6 @@ GLUON_FP8_VARIANTS = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
                       "gluon_fp8_one_split": SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG}
 
 
-def _slot_major_config(rows: int, heads: int, device, fp8: bool = False) -> SparseMLAConfig:
-    """The slot-major configuration the runtime's ``sparse_mla_slot_major`` takes for these rows (the
-    Gluon kernel's where it runs, else the Triton kernel's)."""
-    return sparse_mla_config(rows, heads, True, device, fp8_cache=fp8, slot_major=True)
-
-
 def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
     """name -> callable for one op at one point (baseline, new, and for sparse MLA new_nosplit and,
     on the bf16 cache, triton; on the FP8 cache, where the Gluon kernel runs, the
@@ -460,7 +455,7 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
             for name, config in GLUON_FP8_VARIANTS.items():
                 variants[name] = _sparse_mla(p, "slots_new", f"out_{name}", config, p.workspace, fp8=True)
         if p.shapes.heads <= SLOT_MAJOR_MAX_HEADS:
-            config = _slot_major_config(p.rows, p.shapes.heads, p.q_mla.device, fp8=True)
+            config = slot_major_config(p.shapes.heads, p.q_mla.device, fp8_cache=True)
             variants["slot_major"] = _sparse_mla(p, "slots_new", "out_fp8_slot_major", config,
                                                  p.slot_major_workspace, fp8=True)
         return variants
@@ -480,7 +475,7 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
                     "triton": _sparse_mla(p, "slots_new", "out_triton", triton, p.triton_workspace)}
         if p.shapes.heads <= SLOT_MAJOR_MAX_HEADS:
             variants["slot_major"] = _sparse_mla(p, "slots_new", "out_slot_major",
-                                                 _slot_major_config(p.rows, p.shapes.heads, p.q_mla.device),
+                                                 slot_major_config(p.shapes.heads, p.q_mla.device),
                                                  p.slot_major_workspace)
         return variants
     return {"baseline": _layer(p, False), "new": _layer(p, True)}
@@ -900,7 +895,7 @@ def run(args) -> int:
 def _sparse_mla_tune_tries(heads: int, fp8: bool, device) -> list[tuple[str, SparseMLAConfig]]:
     """(KV cache, configuration) pairs --tune times for sparse MLA at ``heads`` heads: the Triton
     lists (``TUNE_SPARSE_MLA``; with ``fp8`` on the FP8 cache too, and ``TUNE_SPARSE_MLA_FP8``), or at
-    up to ``SLOT_MAJOR_MAX_HEADS`` heads the default there and the Gluon kernel's slot-major form
+    up to ``SLOT_MAJOR_MAX_HEADS`` heads the Gluon kernel's padded head-major and slot-major forms
     (where the Gluon kernel runs), ``SPARSE_MLA_CONFIG`` and the Triton slot-major tiles of each
     cache."""
     if heads > SLOT_MAJOR_MAX_HEADS:

@@ -15,9 +15,9 @@ from dsaspec import flags
 
 # the fields that are on/off switches (bools)
 SWITCH_FIELDS = ("bounded_replay_metadata", "draft_argmax_exchange", "verify_argmax_exchange",
-                 "topk_single_launch", "sparse_mla_gluon", "fused_moe")
+                 "topk_single_launch", "sparse_mla_gluon", "sparse_mla_slot_major", "fused_moe")
 # the on/off choices that default to off (candidates and trade-offs the shipped path does not take)
-OPT_IN_FIELDS = ("sparse_mla_slot_major", "fp8_fast_accum")
+OPT_IN_FIELDS = ("fp8_fast_accum",)
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,9 @@ class RuntimeOptions:
         (``DSASPEC_TOPK_SINGLE_LAUNCH``); False: its five launches.
     sparse_mla_gluon : sparse MLA takes the warp-specialized Gluon kernel where it runs
         (``DSASPEC_SPARSE_MLA_GLUON``); False: the Triton kernel everywhere.
-    sparse_mla_slot_major : at up to 32 heads a rank, sparse MLA takes slot-major dots (the
-        Gluon kernel's where it runs, else the Triton kernel's; ``DSASPEC_SPARSE_MLA_SLOT_MAJOR``,
-        default off; ``sparse_mla_config``).
+    sparse_mla_slot_major : at 8 and 16 heads a rank, where sparse MLA takes the Gluon kernel, its
+        slot-major form (``DSASPEC_SPARSE_MLA_SLOT_MAJOR``; ``sparse_mla_config``); False: the padded
+        head-major form.
     fused_moe : MoE layers run the fused MoE kernel (``DSASPEC_FUSED_MOE``) where the model runs the
         Triton ops and is not row-invariant; False: the plain-torch experts (every expert on every
         token).
@@ -60,7 +60,7 @@ class RuntimeOptions:
     verify_argmax_exchange: bool = True
     topk_single_launch: bool = True
     sparse_mla_gluon: bool = True
-    sparse_mla_slot_major: bool = False
+    sparse_mla_slot_major: bool = True
     fused_moe: bool = True
     fp8_fast_accum: bool = False
     metadata_program_budget: int | None = None

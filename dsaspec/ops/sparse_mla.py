@@ -31,7 +31,8 @@ the default configuration is :data:`SPARSE_MLA_GLUON_CONFIG` for the single pass
 count and for the split path from :data:`GLUON_MIN_SPLIT_HEAD_BLOCKS` programs without splits
 (rows x ``cdiv(H, 64)`` head blocks): the warp-specialized Gluon kernel of
 :mod:`dsaspec.ops.sparse_mla_gluon` (same contract, same split records and combine; its own
-summation order). On an FP8 cache its gathers dequantize each block into the bf16 ring
+summation order), at 8 and 16 heads in its slot-major form (:data:`SLOT_MAJOR_DEFAULT_MAX_HEADS`;
+``sparse_mla_config(..., slot_major=False)`` keeps the padded one). On an FP8 cache its gathers dequantize each block into the bf16 ring
 (:data:`SPARSE_MLA_GLUON_FP8_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`,
 :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG`);
 :func:`sparse_mla_config` gives FP8 caches :data:`GLUON_FP8_DEFAULT_CONFIG` (64-slot blocks
@@ -218,9 +219,8 @@ GLUON_MIN_SPLIT_HEAD_BLOCKS = 2
 # before its own, so one program does not overlap the two: blocks of 32 slots keep two programs an
 # SM on either cache (sm_90: 193 / 255 registers, 55 KiB of shared memory, no spills; the PV dots on
 # m64n16k16 wgmma, the QK ones, M 32, on mma.sync); 64 slots put both dots on wgmma but take 164 KiB
-# (one program) and spill 1.4 KB on an FP8 cache (scripts/compile_fp8_dsa.py --sweep). Taken with
-# sparse_mla_config(slot_major=True) at up to SLOT_MAJOR_MAX_HEADS heads (the runtime's
-# sparse_mla_slot_major option, default off: not yet timed; --tune times other tiles).
+# (one program) and spill 1.4 KB on an FP8 cache (scripts/compile_fp8_dsa.py --sweep). What
+# slot_major_config gives where the Gluon kernel does not run; no default takes it (not timed as one).
 SPARSE_MLA_SLOT_MAJOR_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2,
                                                slot_major=True)
 # The Gluon kernel's slot-major form (sparse_mla_gluon._attend_slot_major): its gathers
@@ -228,12 +228,19 @@ SPARSE_MLA_SLOT_MAJOR_CONFIG = SparseMLAConfig(block_h=16, block_n=32, num_warps
 # warpgroup whose dots take 16 or 32 heads as N (68 m64n16k16 / m64n32k16 wgmma a 64-slot block,
 # against the padded 64-head form's m64n32k16 on two warpgroups over 64 rows of which 8 - 32 are
 # heads). sm_90 compile: no spills, 168 - 216 KiB of shared memory (scripts/compile_sparse_mla_gluon.py).
-# sparse_mla_config(slot_major=True) takes them where the Gluon kernel runs. Not yet timed.
+# sparse_mla_config takes them at up to SLOT_MAJOR_DEFAULT_MAX_HEADS heads where it takes the Gluon kernel.
 SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG = _gluon_config(_gluon_tiles(slot_major=True)[0], slot_major=True)
 SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG = _gluon_config(
     _gluon_tiles(True, True)[sparse_mla_gluon.FP8_TILES.index(SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG.gather_tiles)],
     slot_major=True)
 SLOT_MAJOR_MAX_HEADS = sparse_mla_gluon.SLOT_MAJOR_MAX_HEADS
+# Heads up to which sparse_mla_config takes the Gluon slot-major form where it takes the Gluon kernel.
+# H100, GLM-5 latent, top-k 2048, CUDA graphs, cold L2 (benchmarks/results/h100/logs/
+# slot_major_dsa_ops_session24.md, slot_major_prefill_rows_session24.md): against the padded head-major
+# form at 8 and 16 heads 0.89 - 0.98x its time at 4 to 256 rows of 64k live on both caches and 0.86 -
+# 0.89x at 512 and 2,048 rows of 16k; at 32 heads 1.03 - 1.13x at 4 to 64 rows (0.92 - 0.97x from 256).
+# At one row the split path's Triton few-rows configuration stays (the slot-major form 1.22x its time).
+SLOT_MAJOR_DEFAULT_MAX_HEADS = 16
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.
 SPARSE_MLA_BASELINE_CONFIG = SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)
@@ -451,34 +458,42 @@ def _block_h(num_heads: int, config: SparseMLAConfig) -> int:
     return min(config.block_h, max(16, triton.next_power_of_2(num_heads)))
 
 
+def slot_major_config(num_heads: int, device: torch.device | str | None = None,
+                      fp8_cache: bool = False) -> SparseMLAConfig:
+    """The slot-major configuration for ``num_heads`` (at most ``SLOT_MAJOR_MAX_HEADS``, else a
+    ``ValueError``) on ``device``: where the Gluon kernel runs slot-major (compute capability 9.x,
+    8, 16 or 32 heads) :data:`SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG`
+    (:data:`SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG` on an FP8 cache), elsewhere (and with
+    ``device`` None) :data:`SPARSE_MLA_SLOT_MAJOR_CONFIG`."""
+    if num_heads > SLOT_MAJOR_MAX_HEADS:
+        raise ValueError(f"num_heads: slot-major tiles take at most {SLOT_MAJOR_MAX_HEADS} heads, got {num_heads}")
+    if device is not None and sparse_mla_gluon_supported(device, num_heads, slot_major=True):
+        return SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG if fp8_cache else SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG
+    return SPARSE_MLA_SLOT_MAJOR_CONFIG
+
+
 def sparse_mla_config(num_rows: int, num_heads: int, split: bool,
                       device: torch.device | str | None = None,
-                      fp8_cache: bool = False, slot_major: bool = False) -> SparseMLAConfig:
+                      fp8_cache: bool = False, slot_major: bool = True) -> SparseMLAConfig:
     """The default launch configuration of ``R = num_rows`` rows on ``device`` over a bf16 cache,
     or with ``fp8_cache`` an ``fp8_ds_mla`` one.
 
-    With ``slot_major`` and ``H <= SLOT_MAJOR_MAX_HEADS``, at every ``R``, split or not: where the
-    Gluon kernel runs for these heads, :data:`SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG`
-    (:data:`SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG` on an FP8 cache), elsewhere
-    :data:`SPARSE_MLA_SLOT_MAJOR_CONFIG`.
-
     Where the Gluon kernel runs (``device`` of compute capability 9.x, ``H`` in 8, 16, 32 or a
     multiple of 64: :func:`sparse_mla_gluon_supported`), without a workspace, and with one
-    (``split``) from ``R * cdiv(H, 64) >= GLUON_MIN_SPLIT_HEAD_BLOCKS``: on a bf16 cache
-    :data:`SPARSE_MLA_GLUON_CONFIG`; on an FP8 cache :data:`GLUON_FP8_DEFAULT_CONFIG` (None: the
-    Triton configurations). Elsewhere (and with ``device`` None): with a workspace and ``R *
-    cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``, :data:`SPARSE_MLA_FEW_ROWS_CONFIG`, else
+    (``split``) from ``R * cdiv(H, 64) >= GLUON_MIN_SPLIT_HEAD_BLOCKS``: with ``slot_major`` and
+    ``H <= SLOT_MAJOR_DEFAULT_MAX_HEADS`` its slot-major form (:func:`slot_major_config`), else on a
+    bf16 cache :data:`SPARSE_MLA_GLUON_CONFIG` and on an FP8 cache :data:`GLUON_FP8_DEFAULT_CONFIG`
+    (None: the Triton configurations). Elsewhere (and with ``device`` None): with a workspace and
+    ``R * cdiv(H, block_h) <= FEW_ROWS_HEAD_BLOCKS``, :data:`SPARSE_MLA_FEW_ROWS_CONFIG`, else
     :data:`SPARSE_MLA_CONFIG`. Without a workspace the choice never depends on ``R``, so a row's
     output there does not depend on ``R``."""
-    if slot_major and num_heads <= SLOT_MAJOR_MAX_HEADS:
-        if device is not None and sparse_mla_gluon_supported(device, num_heads, slot_major=True):
-            return SPARSE_MLA_GLUON_FP8_SLOT_MAJOR_CONFIG if fp8_cache else SPARSE_MLA_GLUON_SLOT_MAJOR_CONFIG
-        return SPARSE_MLA_SLOT_MAJOR_CONFIG
     rows = max(num_rows, 1)
     if ((not fp8_cache or GLUON_FP8_DEFAULT_CONFIG is not None) and device is not None
             and sparse_mla_gluon_supported(device, num_heads)):
         head_blocks = triton.cdiv(num_heads, sparse_mla_gluon.HEADS_PER_PROGRAM)
         if not split or rows * head_blocks >= GLUON_MIN_SPLIT_HEAD_BLOCKS:
+            if slot_major and num_heads <= SLOT_MAJOR_DEFAULT_MAX_HEADS:
+                return slot_major_config(num_heads, device, fp8_cache)
             return GLUON_FP8_DEFAULT_CONFIG if fp8_cache else SPARSE_MLA_GLUON_CONFIG
     head_blocks = triton.cdiv(num_heads, _block_h(num_heads, SPARSE_MLA_FEW_ROWS_CONFIG))
     if split and rows * head_blocks <= FEW_ROWS_HEAD_BLOCKS:

@@ -19,8 +19,8 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool, sparse_mla_slot_major: boo
     layers run their torch ops:
     the Triton kernels when ``use_triton`` (sparse MLA's Gluon kernel where its default
     configuration takes it, unless ``sparse_mla_gluon`` is off, on an ``fp8_ds_mla`` layer cache
-    with its FP8 tiles, chosen from the cache's dtype on the host; with ``sparse_mla_slot_major``
-    the slot-major dots at up to 32 heads), else the runtime's plain-torch
+    with its FP8 tiles, chosen from the cache's dtype on the host; at 8 and 16 heads in its slot-major
+    form unless ``sparse_mla_slot_major`` is off), else the runtime's plain-torch
     versions (:mod:`dsaspec.layers.attention.torch_ops`; eager only: they read lengths on the host)."""
     if use_triton:
         from dsaspec.ops.indexer import indexer_logits
@@ -30,7 +30,7 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool, sparse_mla_slot_major: boo
         from dsaspec.ops.index_rope import indexer_epilogues
         from dsaspec.ops.mla_latent import mla_query, store_mla_normed
         from dsaspec.ops.topk import topk_slots
-        if not sparse_mla_gluon or sparse_mla_slot_major:
+        if not sparse_mla_gluon or not sparse_mla_slot_major:
             sparse_mla_decode = functools.partial(_sparse_mla_decode_configured, gluon=sparse_mla_gluon,
                                                   slot_major=sparse_mla_slot_major)
     else:
@@ -47,7 +47,7 @@ def dsa_ops(use_triton: bool, sparse_mla_gluon: bool, sparse_mla_slot_major: boo
 def _sparse_mla_decode_configured(q, kv_cache, slots, sm_scale, out, *, gluon: bool, slot_major: bool,
                                   workspace=None, **kwargs):
     """``sparse_mla_decode`` with the configuration ``sparse_mla_config`` gives these rows: the
-    Gluon kernel's only with ``gluon``, the slot-major dots' with ``slot_major``."""
+    Gluon kernel's only with ``gluon``, its slot-major form only with ``slot_major``."""
     from dsaspec.ops.kv_cache_layout import is_fp8_cache
     from dsaspec.ops.sparse_mla import sparse_mla_config, sparse_mla_decode
 
