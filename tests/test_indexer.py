@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dsa_inputs import SENTINEL, launch_indexer, random_indexer_inputs, to_cpu
-from dsaspec.ops.indexer import INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, indexer_logits
+from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, MAX_GROUP_COLUMNS, group_fits,
+                                 indexer_logits)
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.reference.indexer import reference_indexer_logits
 
@@ -253,3 +254,17 @@ def test_gpu_cuda_graph_replay_with_new_lengths(skip_len):
         graph.replay()
         torch.cuda.synchronize()
         _assert_matches(out, inputs, rtol=1e-4, atol=1e-4, skip_len=skip_len)
+
+
+def test_group_width_bounded(device):
+    """A row group holds at most MAX_GROUP_COLUMNS = 512 dot columns (powers of two of G and H):
+    group_fits at the edges, and indexer_logits refuses a wider group naming rows_per_group (wider
+    groups need more shared memory than an sm_90 block holds, or spill kilobytes)."""
+    assert MAX_GROUP_COLUMNS == 512
+    for rows, heads, fits in ((1, 1024, True), (8, 64, True), (5, 64, True), (9, 64, False), (16, 32, True),
+                              (17, 32, False), (4, 128, True), (4, 129, False), (2, 256, True), (3, 256, False)):
+        assert group_fits(rows, heads) is fits, (rows, heads)
+    inputs = random_indexer_inputs([70] * 9, 64, width=80, num_slots=90, device=device, rows_per_group=9)
+    with pytest.raises(ValueError, match="rows_per_group: a group of 9 rows of 64 index heads holds 1024 dot "
+                                         "columns .*, more than MAX_GROUP_COLUMNS = 512"):
+        launch_indexer(inputs, 2, out_width=80, rows_per_group=9)

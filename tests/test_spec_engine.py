@@ -716,3 +716,17 @@ def test_triton_ops_speculative_equals_plain():
     engine = _engine(model, SpecConfig(num_steps=2), context_len=96)
     assert generated_tokens(engine, prompts, [5, 4]) == expected
     assert max(engine.stats.accept_lens) > 1
+
+
+def test_verify_rows_grouped_where_the_group_fits():
+    """The indexer groups a request's N verify rows only where the group fits
+    (``group_fits``: next_pow2(N) x next_pow2(index heads) <= 512 dot columns): with 64 index heads
+    N = 8 (S = 7) is one group, N = 9 (S = 8) would hold 1,024 columns and stays ungrouped, as
+    does every N in the row-invariant mode."""
+    model = DSAModel(get_config("tiny", index_n_heads=64), dtype=torch.float32).init_weights(0)
+    for steps, rows_per_group in ((3, 4), (7, 8), (8, 1)):
+        backend = _engine(model, SpecConfig(num_steps=steps)).backend
+        assert backend.rows_per_group("target_verify") == rows_per_group, steps
+    row_invariant = DSAModel(get_config("tiny", index_n_heads=64), dtype=torch.float32,
+                             row_invariant=True).init_weights(0)
+    assert _engine(row_invariant, SpecConfig(num_steps=3)).backend.rows_per_group("target_verify") == 1

@@ -12,7 +12,7 @@ CUPTI kernel time, median and spread).
 
 - ``indexer``: ``indexer_schedule`` + ``indexer_logits``. new: ``skip_len`` = top-k (rows with
   live <= k get no blocks), ``rows_per_group`` = rows per request (the N verify rows share each
-  key read), the cache's default configuration (``default_indexer_config``) at its
+  key read where their group fits, ``group_fits``; else 1), the cache's default configuration (``default_indexer_config``) at its
   ``programs_per_sm`` programs per SM; baseline: ``skip_len`` 0, one row per unit and
   ``INDEXER_BASELINE_CONFIG`` with one program per SM (the earlier kernel).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
@@ -95,7 +95,7 @@ from dsaspec.ops.device import sm_count
 from dsaspec.ops.fp8_kv import gather_index_k, gather_mla, store_index_k, store_mla
 from dsaspec.ops.kv_cache_layout import INDEX_FP8_BYTES, INDEX_FP8_PAGE_BYTES, MLA_FP8_BYTES
 from dsaspec.ops.indexer import (INDEXER_BASELINE_CONFIG, INDEXER_CONFIG, INDEXER_FP8_CONFIG,
-                                 INDEXER_FP8_GATHER_CONFIG, IndexerConfig, default_indexer_config,
+                                 INDEXER_FP8_GATHER_CONFIG, IndexerConfig, default_indexer_config, group_fits,
                                  indexer_logits)
 from dsaspec.ops.indexer_schedule import indexer_schedule
 from dsaspec.ops.sparse_mla import (GLUON_FP8_DEFAULT_CONFIG, LATENT_DIM, QK_DIM, SPARSE_MLA_BASELINE_CONFIG,
@@ -343,12 +343,12 @@ def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, rows_per
              fp8: bool = False, out: str | None = None):
     """Schedule + logits into buffer ``out`` (default ``logits_new`` / ``logits_baseline``, and
     ``logits_fp8`` with ``fp8``: on the FP8 key cache). The new form skips rows with live <= k and
-    reads each key block once per request (``rows_per_group`` = N in verify); its configuration
+    reads each key block once per request (``rows_per_group`` = N in verify where ``group_fits``); its configuration
     defaults to the cache's (``default_indexer_config``), the baseline's is
     ``INDEXER_BASELINE_CONFIG``; the schedule has ``config.programs_per_sm`` programs an SM."""
     s = p.shapes
     skip = s.topk if new else 0
-    groups = rows_per_group or (p.n if new else 1)
+    groups = rows_per_group or (p.n if new and group_fits(p.n, s.index_heads) else 1)
     config = config or (default_indexer_config(fp8, groups, s.index_heads) if new else INDEXER_BASELINE_CONFIG)
     programs = config.programs_per_sm * s.num_sms
     schedule = p.buffer(f"schedule_{skip}_{programs}_{groups}", (programs + 1, 2), torch.int32)

@@ -434,9 +434,14 @@ class DSAModel(nn.Module):
     def prefill_index_group(self, rows: int) -> int:
         """The indexer's ``rows_per_group`` for a prefill chunk of ``rows`` rows of one request:
         :data:`PREFILL_INDEX_GROUP` consecutive positions share each key block read (the target
-        verify groups' kernel), where it divides ``rows``; 1 otherwise and in the row-invariant
-        mode (a group's head sum runs in another order than a single row's)."""
-        return 1 if self.row_invariant or rows % PREFILL_INDEX_GROUP else PREFILL_INDEX_GROUP
+        verify groups' kernel), where it divides ``rows`` and the group fits (``group_fits``); 1
+        otherwise and in the row-invariant mode (a group's head sum runs in another order than a
+        single row's)."""
+        from dsaspec.ops.indexer import group_fits
+
+        grouped = (not self.row_invariant and rows % PREFILL_INDEX_GROUP == 0
+                   and group_fits(PREFILL_INDEX_GROUP, self.config.index_n_heads))
+        return PREFILL_INDEX_GROUP if grouped else 1
 
     @staticmethod
     def prefill_chunk_rows(prefix: int, remaining: int, chunk_size: int) -> int:

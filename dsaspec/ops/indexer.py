@@ -102,6 +102,18 @@ INDEXER_FP8_GROUP_CONFIG = replace(INDEXER_FP8_CONFIG, max_registers=None, progr
 INDEXER_FP8_WIDE_GROUP_CONFIG = replace(INDEXER_FP8_GROUP_CONFIG, num_warps=8, programs_per_sm=1)
 INDEXER_WIDE_GROUP_CONFIG = replace(INDEXER_CONFIG, programs_per_sm=2)
 WIDE_GROUP_COLUMNS = 256
+# The widest row group (next_pow2(G) x next_pow2(H) dot columns): at 1,024 the bf16 kernel needs more
+# shared memory than an sm_90 block holds (299 KiB: DeepSeek-V3.2's 64 index heads at G = 16) and the FP8
+# one spills 5.4 KB; 512 fits both (spilling 476 / 832 B at 64 heads and G = 8; offline sm_90 compile).
+# Wider verify groups keep their rows ungrouped (group_fits).
+MAX_GROUP_COLUMNS = 512
+
+
+def group_fits(rows_per_group: int, num_heads: int) -> bool:
+    """Whether ``rows_per_group`` rows of ``num_heads`` index heads may share a group: ``next_pow2(G)
+    * next_pow2(H) <= MAX_GROUP_COLUMNS`` (always at ``G = 1``)."""
+    return rows_per_group == 1 or (triton.next_power_of_2(rows_per_group) * triton.next_power_of_2(num_heads)
+                                   <= MAX_GROUP_COLUMNS)
 # The FP8 gather form (any slot table: each position's slot read on its own), the earlier FP8 default.
 INDEXER_FP8_GATHER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=6)
 # The earlier kernel (heads as M, Triton's default pipelining depth, one program per SM): the
@@ -287,7 +299,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         rows ``[u * G, (u + 1) * G)`` must share their page-table prefix up to the longest of
         them, which is read from row ``u * G`` only, and each key block is read once for the
         ``G`` rows (one dot with ``G * H`` columns). Logits of a row then differ from ``G = 1``
-        in the summation order of the head sum (not bitwise equal).
+        in the summation order of the head sum (not bitwise equal). A group holds at most
+        :data:`MAX_GROUP_COLUMNS` columns (:func:`group_fits`, else a ``ValueError``).
     check_values : also check (a host sync, so not inside CUDA graphs) that every length fits
         ``W`` and ``W_out``, that the schedule was built for ``R / G`` units, that the rows
         of a group share their page-table prefix and that every slot read (the live prefix
@@ -310,6 +323,11 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         raise ValueError(f"skip_len: expected >= 0, got {skip_len}")
     num_rows, num_heads, head_dim = q.shape
     check_rows_per_group(rows_per_group, num_rows)
+    if not group_fits(rows_per_group, num_heads):
+        raise ValueError(f"rows_per_group: a group of {rows_per_group} rows of {num_heads} index heads holds "
+                         f"{triton.next_power_of_2(rows_per_group) * triton.next_power_of_2(num_heads)} dot "
+                         f"columns (powers of two), more than MAX_GROUP_COLUMNS = {MAX_GROUP_COLUMNS}: "
+                         f"group fewer rows, or none")
     fp8 = is_fp8_cache(k_cache)
     config = config or default_indexer_config(fp8, rows_per_group, num_heads)
     if fp8:

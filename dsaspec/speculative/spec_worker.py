@@ -50,6 +50,7 @@ from dsaspec.speculative.accept import Acceptance, greedy_accept
 from dsaspec.memory import PAGE_SIZE, KVPool, ReqToTokenPool
 from dsaspec.layers.attention.inputs import AttentionInputs, AttentionScratch, AttentionWorkspace
 from dsaspec.models.dsa_model import DEFAULT_PREFILL_CHUNK, DSAModel
+from dsaspec.ops.indexer import group_fits
 from dsaspec.speculative.draft_step import greedy_draft_step
 from dsaspec.layers.logits_processor import LogitsProcessor
 
@@ -420,8 +421,9 @@ def build_spec_worker(model: DSAModel, req_pool: ReqToTokenPool, target_kv: KVPo
                   budget=options.metadata_program_budget, force_kernel=force_kernel,
                   bounded_metadata=options.bounded_replay_metadata)
     group_num_sms = indexer_programs_for(model, target_kv, table.device, spec.num_draft_tokens)
+    grouped = not model.row_invariant and group_fits(spec.num_draft_tokens, config.index_n_heads)
     backend = DSAAttnBackend(table, num_draft_tokens=spec.num_draft_tokens, group_num_sms=group_num_sms,
-                             group_verify_rows=not model.row_invariant, **common)
+                             group_verify_rows=grouped, **common)
     multi_step = None
     if spec.num_steps > 1:
         multi_step = DSAMultiStepDraftBackend.create(table, num_steps=spec.num_steps,
