@@ -590,3 +590,22 @@ def test_parser_errors_are_user_errors():
     parser.add_argument("--n", type=positive_int, default=1, help="n")
     with pytest.raises(UserError, match=r"argument --n: expected a positive integer, got '0' \(see x --help\)"):
         parser.parse_args(["--n", "0"])
+
+
+def test_out_of_gpu_memory_is_one_line(capsys, monkeypatch):
+    """A command that runs out of GPU memory (a preset too large for the device: the GLM-5 rank's
+    prefill on an 80 GB H100) ends with one line naming what was asked and exit status 1, not a
+    traceback."""
+    from dsaspec.bench import prefill
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB. GPU 0 has a total "
+                                     "capacity of 79.18 GiB of which 154.19 MiB is free. Including non-PyTorch "
+                                     "memory, this process has 79.02 GiB memory in use.")
+
+    monkeypatch.setattr(prefill, "run", out_of_memory)
+    status, _, err = run_cli(capsys, ["bench", "prefill"])
+    assert status == 1
+    assert err.splitlines() == ["dsaspec: error: out of GPU memory (CUDA out of memory. Tried to allocate "
+                                "768.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which 154.19 MiB is "
+                                "free): take a smaller --preset, batch or context"]

@@ -3,7 +3,8 @@
 Each benchmark lives in ``dsaspec/bench/<module>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; it is registered in ``BENCHMARKS`` below. A :class:`~dsaspec.errors.UserError`
 (bad option, environment variable or file) is printed as one line ``dsaspec: error: ...`` with exit
-status 2; any other exception is a bug and keeps its traceback. A benchmark's results folder
+status 2; running out of GPU memory (a preset, batch or context too large for the device) as one
+line with exit status 1; any other exception is a bug and keeps its traceback. A benchmark's results folder
 (``--out``) is checked before anything is measured.
 """
 
@@ -64,10 +65,10 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``dsaspec`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on a
-    user error, printed as one line on stderr)."""
-    try:
-        import torch
+    user error, printed as one line on stderr; 1 when the GPU runs out of memory, also one line)."""
+    import torch
 
+    try:
         from dsaspec.distributed.launch import worker_exit_status
 
         flags.select_triton_interpreter(torch.cuda.is_available())  # before anything imports triton
@@ -81,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"dsaspec: error: {err}", file=sys.stderr)
         return 2
+    except torch.OutOfMemoryError as err:
+        # torch's message: what was asked, what the device holds, then allocator advice
+        asked = ". ".join(str(err).splitlines()[0].split(". ")[:3])
+        print(f"dsaspec: error: out of GPU memory ({asked}): take a smaller --preset, batch or context",
+              file=sys.stderr)
+        return 1
 
 
 def _run_all(modules: dict, args) -> int:
