@@ -238,7 +238,7 @@ SLOT_MAJOR_MAX_HEADS = sparse_mla_gluon.SLOT_MAJOR_MAX_HEADS
 # H100, GLM-5 latent, top-k 2048, CUDA graphs, cold L2 (benchmarks/results/h100/logs/
 # slot_major_dsa_ops_session24.md, slot_major_prefill_rows_session24.md): against the padded head-major
 # form at 8 and 16 heads 0.89 - 0.98x its time at 4 to 256 rows of 64k live on both caches and 0.86 -
-# 0.89x at 512 and 2,048 rows of 16k; at 32 heads 1.03 - 1.13x at 4 to 64 rows (0.92 - 0.97x from 256).
+# 0.89x at 512 and 2,048 rows of 16k; at 32 heads 1.03 - 1.13x at 4 to 64 rows (0.91 - 0.99x from 256).
 # At one row the split path's Triton few-rows configuration stays (the slot-major form 1.22x its time).
 SLOT_MAJOR_DEFAULT_MAX_HEADS = 16
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
