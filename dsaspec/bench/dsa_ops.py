@@ -12,8 +12,8 @@ CUPTI kernel time, median and spread).
 
 - ``indexer``: ``indexer_schedule`` + ``indexer_logits``. new: ``skip_len`` = top-k (rows with
   live <= k get no blocks), ``rows_per_group`` = rows per request (the N verify rows share each
-  key read where their group fits, ``group_fits``; else 1), the cache's default configuration (``default_indexer_config``) at its
-  ``programs_per_sm`` programs per SM; baseline: ``skip_len`` 0, one row per unit and
+  key read where their group fits, ``group_fits``; else 1), the cache's default configuration
+  (``default_indexer_config``) at its ``programs_per_sm`` programs per SM; baseline: ``skip_len`` 0, one row per unit and
   ``INDEXER_BASELINE_CONFIG`` with one program per SM (the earlier kernel).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
   without reading logits, and each row is split over the chunks of the workspace
@@ -343,8 +343,8 @@ def _indexer(p: _Point, new: bool, config: IndexerConfig | None = None, rows_per
              fp8: bool = False, out: str | None = None):
     """Schedule + logits into buffer ``out`` (default ``logits_new`` / ``logits_baseline``, and
     ``logits_fp8`` with ``fp8``: on the FP8 key cache). The new form skips rows with live <= k and
-    reads each key block once per request (``rows_per_group`` = N in verify where ``group_fits``); its configuration
-    defaults to the cache's (``default_indexer_config``), the baseline's is
+    reads each key block once per request (``rows_per_group`` = N in verify where ``group_fits``);
+    its configuration defaults to the cache's (``default_indexer_config``), the baseline's is
     ``INDEXER_BASELINE_CONFIG``; the schedule has ``config.programs_per_sm`` programs an SM."""
     s = p.shapes
     skip = s.topk if new else 0

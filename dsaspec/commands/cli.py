@@ -4,8 +4,8 @@ Each benchmark lives in ``dsaspec/bench/<module>.py`` with ``add_arguments(parse
 ``run(args) -> int``; it is registered in ``BENCHMARKS`` below. A :class:`~dsaspec.errors.UserError`
 (bad option, environment variable or file) is printed as one line ``dsaspec: error: ...`` with exit
 status 2; running out of GPU memory (a preset, batch or context too large for the device) as one
-line with exit status 1; any other exception is a bug and keeps its traceback. A benchmark's results folder
-(``--out``) is checked before anything is measured.
+line with exit status 1; any other exception is a bug and keeps its traceback. A benchmark's
+results folder (``--out``) is checked before anything is measured.
 """
 
 from __future__ import annotations

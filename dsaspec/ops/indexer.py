@@ -107,13 +107,6 @@ WIDE_GROUP_COLUMNS = 256
 # one spills 5.4 KB; 512 fits both (spilling 476 / 832 B at 64 heads and G = 8; offline sm_90 compile).
 # Wider verify groups keep their rows ungrouped (group_fits).
 MAX_GROUP_COLUMNS = 512
-
-
-def group_fits(rows_per_group: int, num_heads: int) -> bool:
-    """Whether ``rows_per_group`` rows of ``num_heads`` index heads may share a group: ``next_pow2(G)
-    * next_pow2(H) <= MAX_GROUP_COLUMNS`` (always at ``G = 1``)."""
-    return rows_per_group == 1 or (triton.next_power_of_2(rows_per_group) * triton.next_power_of_2(num_heads)
-                                   <= MAX_GROUP_COLUMNS)
 # The FP8 gather form (any slot table: each position's slot read on its own), the earlier FP8 default.
 INDEXER_FP8_GATHER_CONFIG = IndexerConfig(tokens_as_m=True, num_warps=8, num_stages=6)
 # The earlier kernel (heads as M, Triton's default pipelining depth, one program per SM): the
@@ -356,6 +349,13 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         FP8=fp8, PAGE=PAGE_SIZE, PAGE_BLOCKS=config.page_blocks, num_warps=config.num_warps,
         maxnreg=config.max_registers)
     return out
+
+
+def group_fits(rows_per_group: int, num_heads: int) -> bool:
+    """Whether ``rows_per_group`` rows of ``num_heads`` index heads may share a group: ``next_pow2(G)
+    * next_pow2(H) <= MAX_GROUP_COLUMNS`` (always at ``G = 1``)."""
+    return rows_per_group == 1 or (triton.next_power_of_2(rows_per_group) * triton.next_power_of_2(num_heads)
+                                   <= MAX_GROUP_COLUMNS)
 
 
 def default_indexer_config(fp8: bool, rows_per_group: int, num_heads: int) -> IndexerConfig:

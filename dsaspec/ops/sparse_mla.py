@@ -32,8 +32,8 @@ count and for the split path from :data:`GLUON_MIN_SPLIT_HEAD_BLOCKS` programs w
 (rows x ``cdiv(H, 64)`` head blocks): the warp-specialized Gluon kernel of
 :mod:`dsaspec.ops.sparse_mla_gluon` (same contract, same split records and combine; its own
 summation order), at 8 and 16 heads in its slot-major form (:data:`SLOT_MAJOR_DEFAULT_MAX_HEADS`;
-``sparse_mla_config(..., slot_major=False)`` keeps the padded one). On an FP8 cache its gathers dequantize each block into the bf16 ring
-(:data:`SPARSE_MLA_GLUON_FP8_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`,
+``sparse_mla_config(..., slot_major=False)`` keeps the padded one). On an FP8 cache its gathers
+dequantize each block into the bf16 ring (:data:`SPARSE_MLA_GLUON_FP8_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_NARROW_CONFIG`,
 :data:`SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG`, :data:`SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG`);
 :func:`sparse_mla_config` gives FP8 caches :data:`GLUON_FP8_DEFAULT_CONFIG` (64-slot blocks
 dequantized in their ring slot) where it gives bf16 caches the Gluon kernel.
