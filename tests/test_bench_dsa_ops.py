@@ -84,6 +84,7 @@ def test_cpu_run_at_other_head_counts(tmp_path, monkeypatch):
     assert [r["heads"] for r in rows] == built == [8] * 4 + [32] * 4
     assert all(r["matches_baseline"] and r["matches_reference"] for r in rows)
     assert all("out_triton_max_abs_diff" in r and "out_slot_major_max_abs_diff" in r for r in rows)
+    assert ["out_padded_max_abs_diff" in r for r in rows] == [True] * 4 + [False] * 4
     assert not any("error" in r for r in rows)
 
 
@@ -91,13 +92,14 @@ def test_cpu_run_at_other_head_counts(tmp_path, monkeypatch):
 def test_fp8_row_times_the_gluon_fp8_tiles_where_they_run(gluon_runs, monkeypatch):
     """The FP8 sparse MLA row times the Gluon kernel's FP8 tiles (columns gluon_fp8_us,
     gluon_fp8_narrow_us, gluon_fp8_one_split_us) beside the default where the Gluon kernel runs,
-    and only there; both rows time the slot-major configuration up to 32 heads, and only there."""
+    and only there; both rows time the slot-major configuration up to 32 heads and the padded one up to
+    16, and only there."""
     monkeypatch.setattr(dsa_ops, "sparse_mla_gluon_supported", lambda device, heads: gluon_runs)
     gluon = {"gluon_fp8", "gluon_fp8_narrow", "gluon_fp8_one_split"}
-    for heads in (16, 32, 64):
+    for heads in (8, 16, 32, 64):
         shapes = dsa_ops._Shapes(heads=heads, index_heads=4, topk=8, sm_scale=0.1, num_sms=8)
         point = dsa_ops._build_point("decode", 2, 70, 1, shapes, "cpu", seed=0, fp8=True)
-        slot_major = {"slot_major"} if heads <= 32 else set()
+        slot_major = ({"slot_major"} if heads <= 32 else set()) | ({"padded"} if heads <= 16 else set())
         variants = dsa_ops._variants(point, "sparse_mla", "fp8_e4m3")
         assert set(variants) == {"baseline", "new", "new_nosplit"} | (gluon if gluon_runs else set()) | slot_major
         assert set(dsa_ops._variants(point, "sparse_mla")) == {"baseline", "new", "new_nosplit", "triton"} | slot_major

@@ -29,7 +29,9 @@ CUPTI kernel time, median and spread).
   new off Hopper); ``slot_major`` (at up to ``SLOT_MAJOR_MAX_HEADS`` heads, on both caches): the
   slot-major configuration at every R (``slot_major_config``: the Gluon kernel's where it runs, else
   ``SPARSE_MLA_SLOT_MAJOR_CONFIG``; new takes it at 8 and 16 heads from 2 rows) with the workspace it
-  allocates; baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
+  allocates; ``padded`` (at up to ``SLOT_MAJOR_DEFAULT_MAX_HEADS`` heads, on both caches): what new
+  takes without slot-major dots (``sparse_mla_config(..., slot_major=False)``, the runtime's
+  ``DSASPEC_SPARSE_MLA_SLOT_MAJOR=0``) with the workspace it allocates; baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
 ``--kv-cache-dtype fp8_e4m3`` adds an indexer and a sparse MLA row on the FP8 caches after each
@@ -105,7 +107,7 @@ from dsaspec.ops.sparse_mla import (GLUON_FP8_DEFAULT_CONFIG, LATENT_DIM, QK_DIM
                                     SPARSE_MLA_GLUON_FP8_NARROW_CONFIG, SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_IN_SLOT_CONFIG,
                                     SPARSE_MLA_GLUON_FP8_TUNE_CONFIGS, SPARSE_MLA_SLOT_MAJOR_CONFIG,
-                                    SLOT_MAJOR_MAX_HEADS,
+                                    SLOT_MAJOR_DEFAULT_MAX_HEADS, SLOT_MAJOR_MAX_HEADS,
                                     SparseMLAConfig, slot_major_config, sparse_mla_config, sparse_mla_decode,
                                     sparse_mla_workspace)
 from dsaspec.ops.sparse_mla_gluon import sparse_mla_gluon_supported
@@ -276,6 +278,7 @@ class _Point:
     workspace: torch.Tensor | None  # sparse MLA
     triton_workspace: torch.Tensor | None  # sparse MLA's Triton default configuration
     slot_major_workspace: torch.Tensor | None  # sparse MLA's slot-major configurations (both caches; <= 32 heads)
+    padded_workspace: torch.Tensor | None  # the padded configurations' (<= SLOT_MAJOR_DEFAULT_MAX_HEADS heads)
     topk_workspace: torch.Tensor | None
     buffers: dict = field(default_factory=dict)
 
@@ -331,6 +334,10 @@ def _build_point(mode: str, bs: int, live: int, n: int, shapes: _Shapes, device,
         slot_major_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
                                                   config=slot_major_config(shapes.heads, device))
         if shapes.heads <= SLOT_MAJOR_MAX_HEADS else None,
+        padded_workspace=sparse_mla_workspace(rows, shapes.heads, device, num_sms=shapes.num_sms,
+                                              config=sparse_mla_config(rows, shapes.heads, True, device,
+                                                                       slot_major=False))
+        if shapes.heads <= SLOT_MAJOR_DEFAULT_MAX_HEADS else None,
         topk_workspace=topk_workspace(rows, device, num_sms=shapes.num_sms))
     return point
 
@@ -439,6 +446,13 @@ GLUON_FP8_VARIANTS = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
                       "gluon_fp8_one_split": SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG}
 
 
+def _padded_config(p: _Point, fp8: bool) -> SparseMLAConfig:
+    """What the default takes for the point's rows without slot-major dots, over the padded
+    workspace (split) or none."""
+    return sparse_mla_config(p.rows, p.shapes.heads, p.padded_workspace is not None, p.q_mla.device,
+                             fp8_cache=fp8, slot_major=False)
+
+
 def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
     """name -> callable for one op at one point (baseline, new, and for sparse MLA new_nosplit and,
     on the bf16 cache, triton; on the FP8 cache, where the Gluon kernel runs, the
@@ -458,6 +472,9 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
             config = slot_major_config(p.shapes.heads, p.q_mla.device, fp8_cache=True)
             variants["slot_major"] = _sparse_mla(p, "slots_new", "out_fp8_slot_major", config,
                                                  p.slot_major_workspace, fp8=True)
+        if p.shapes.heads <= SLOT_MAJOR_DEFAULT_MAX_HEADS:
+            variants["padded"] = _sparse_mla(p, "slots_new", "out_fp8_padded", _padded_config(p, True),
+                                             p.padded_workspace, fp8=True)
         return variants
     if op == "indexer":
         return {"baseline": _indexer(p, False), "new": _indexer(p, True)}
@@ -477,6 +494,9 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
             variants["slot_major"] = _sparse_mla(p, "slots_new", "out_slot_major",
                                                  slot_major_config(p.shapes.heads, p.q_mla.device),
                                                  p.slot_major_workspace)
+        if p.shapes.heads <= SLOT_MAJOR_DEFAULT_MAX_HEADS:
+            variants["padded"] = _sparse_mla(p, "slots_new", "out_padded", _padded_config(p, False),
+                                             p.padded_workspace)
         return variants
     return {"baseline": _layer(p, False), "new": _layer(p, True)}
 
@@ -532,8 +552,9 @@ def _compare_outputs(p: _Point, op: str, on_gpu: bool, kv_cache: str = "bf16") -
         return _compare_fp8_indexer(p, on_gpu)
     if kv_cache == "fp8_e4m3":  # the same values in both caches: to summation order
         base = p.buffers["out_fp8_baseline"].float()
-        for name in ("out_fp8", "out_fp8_nosplit", "out_fp8_slot_major", *(f"out_{v}" for v in GLUON_FP8_VARIANTS)):
-            if name not in p.buffers:  # the Gluon variants off Hopper, slot-major above 32 heads
+        for name in ("out_fp8", "out_fp8_nosplit", "out_fp8_slot_major", "out_fp8_padded",
+                     *(f"out_{v}" for v in GLUON_FP8_VARIANTS)):
+            if name not in p.buffers:  # the Gluon variants off Hopper, slot-major / padded above 32 / 16 heads
                 continue
             got = p.buffers[name].float()
             torch.testing.assert_close(got, base, rtol=2e-2, atol=1e-2)
@@ -555,8 +576,8 @@ def _compare_outputs(p: _Point, op: str, on_gpu: bool, kv_cache: str = "bf16") -
         raise AssertionError("topk: new and baseline slots differ on the same logits")
     if op == "sparse_mla":
         base = p.buffers["out_baseline"].float()
-        for name in ("out_new", "out_nosplit", "out_triton", "out_slot_major"):
-            if name not in p.buffers:  # slot-major above 32 heads
+        for name in ("out_new", "out_nosplit", "out_triton", "out_slot_major", "out_padded"):
+            if name not in p.buffers:  # slot-major / padded above 32 / 16 heads
                 continue
             got = p.buffers[name].float()
             torch.testing.assert_close(got, base, rtol=2e-2, atol=1e-2)
@@ -747,7 +768,7 @@ def _time_row(p: _Point, op: str, kv_cache: str, floors, peaks: dict, iters: int
         "spread": {name: t.spread for name, t in timings.items()},
         "detail": {name: t.summary() for name, t in timings.items()},
     }
-    for name in ("new_nosplit", "triton", "slot_major", *GLUON_FP8_VARIANTS):
+    for name in ("new_nosplit", "triton", "slot_major", "padded", *GLUON_FP8_VARIANTS):
         if name in timings:
             row[f"{name}_us"] = timings[name].median_us
     if "amax" in timings:
@@ -867,7 +888,7 @@ def run(args) -> int:
         cols = [("op", "op"), ("kv_cache", "KV cache"), ("heads", "heads"), ("mode", "mode"), ("bs", "bs"),
                 ("live_kv", "live KV"), ("rows", "rows"), ("baseline_us", "baseline µs"), ("new_us", "new µs"),
                 ("speedup", "speedup"), ("new_nosplit_us", "new no-split µs"), ("triton_us", "Triton default µs"),
-                ("slot_major_us", "slot-major µs"),
+                ("slot_major_us", "slot-major µs"), ("padded_us", "padded µs"),
                 ("gluon_fp8_us", "Gluon FP8 µs"), ("gluon_fp8_narrow_us", "Gluon FP8 32-slot µs"),
                 ("gluon_fp8_one_split_us", "Gluon FP8 one-split µs"), ("num_splits", "splits"),
                 ("topk_chunks", "top-k chunks"), ("floor_us", "floor µs"),
