@@ -241,7 +241,8 @@ SLOT_MAJOR_MAX_HEADS = sparse_mla_gluon.SLOT_MAJOR_MAX_HEADS
 # 0.89x at 512 and 2,048 rows of 16k; at 32 heads 1.03 - 1.13x at 4 to 64 rows (0.91 - 0.99x from 256).
 # At one row the split path's Triton few-rows configuration stays (the slot-major form 1.22x its time).
 # H200, the GLM-5 FP8 rank's 16k prefill on FP8 caches: TTFT 1,951 against 2,074 ms
-# (benchmarks/results/h200/logs/prefill_glm5_rank_slot_major_on_session24.md, ..._off_session24.md).
+# (benchmarks/results/h200/logs/prefill_glm5_rank_slot_major_on_session24.md,
+# prefill_glm5_rank_slot_major_off_session24.md).
 SLOT_MAJOR_DEFAULT_MAX_HEADS = 16
 # The earlier kernel's tiles (32 heads per program, Triton's default pipelining depth): the
 # benchmark's baseline.
