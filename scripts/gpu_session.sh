@@ -21,8 +21,9 @@
 #   of the GLM-5 rank's experts at 16-, 64- and 128-row blocks, T 512 - 4,096: the prefill tiles), prefill-rank (bench
 #   prefill's GPU test, then the GLM-5 FP8 rank's 16k prefill by chunk size and cache dtype), slot-major (sparse MLA's
 #   slot-major tiles: their GPU tests, bench dsa-ops at 32 / 16 / 8 heads on both caches, the GLM-5 rank's 16k
-#   prefill on FP8 caches with DSASPEC_SPARSE_MLA_SLOT_MAJOR off (the padded Gluon form), on (the default) and with DSASPEC_SPARSE_MLA_GLUON off (the Triton kernel)), slot-major-tune (bench dsa-ops --tune at 8 and 16
-#   heads: the slot-major tiles against the Gluon default at 16 / 64 decode and 256 verify rows of 64k),
+#   prefill on FP8 caches with DSASPEC_SPARSE_MLA_SLOT_MAJOR off (the padded Gluon form), on (the default) and
+#   with DSASPEC_SPARSE_MLA_GLUON off (the Triton kernel)), slot-major-tune (bench dsa-ops --tune at 8 and 16
+#   heads: the slot-major tiles against the padded Gluon form at 16 / 64 decode and 256 verify rows of 64k),
 #   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.

@@ -13,8 +13,8 @@ CUPTI kernel time, median and spread).
 - ``indexer``: ``indexer_schedule`` + ``indexer_logits``. new: ``skip_len`` = top-k (rows with
   live <= k get no blocks), ``rows_per_group`` = rows per request (the N verify rows share each
   key read where their group fits, ``group_fits``; else 1), the cache's default configuration
-  (``default_indexer_config``) at its ``programs_per_sm`` programs per SM; baseline: ``skip_len`` 0, one row per unit and
-  ``INDEXER_BASELINE_CONFIG`` with one program per SM (the earlier kernel).
+  (``default_indexer_config``) at its ``programs_per_sm`` programs per SM; baseline: ``skip_len``
+  0, one row per unit and ``INDEXER_BASELINE_CONFIG`` with one program per SM (the earlier kernel).
 - ``topk``: ``topk_slots`` on the baseline's logits. new: rows with live <= k copy their slots
   without reading logits, and each row is split over the chunks of the workspace
   ``topk_workspace`` allocates for R rows (about 2 programs per SM, in one cooperative launch;
@@ -31,7 +31,8 @@ CUPTI kernel time, median and spread).
   ``SPARSE_MLA_SLOT_MAJOR_CONFIG``; new takes it at 8 and 16 heads from 2 rows) with the workspace it
   allocates; ``padded`` (at up to ``SLOT_MAJOR_DEFAULT_MAX_HEADS`` heads, on both caches): what new
   takes without slot-major dots (``sparse_mla_config(..., slot_major=False)``, the runtime's
-  ``DSASPEC_SPARSE_MLA_SLOT_MAJOR=0``) with the workspace it allocates; baseline: ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
+  ``DSASPEC_SPARSE_MLA_SLOT_MAJOR=0``) with the workspace it allocates; baseline:
+  ``SPARSE_MLA_BASELINE_CONFIG`` without a workspace (what the runtime ran).
 - ``layer``: the three in sequence, each in its new or baseline form.
 
 ``--kv-cache-dtype fp8_e4m3`` adds an indexer and a sparse MLA row on the FP8 caches after each
@@ -446,11 +447,22 @@ GLUON_FP8_VARIANTS = {"gluon_fp8": SPARSE_MLA_GLUON_FP8_CONFIG,
                       "gluon_fp8_one_split": SPARSE_MLA_GLUON_FP8_ONE_SPLIT_CONFIG}
 
 
-def _padded_config(p: _Point, fp8: bool) -> SparseMLAConfig:
-    """What the default takes for the point's rows without slot-major dots, over the padded
-    workspace (split) or none."""
-    return sparse_mla_config(p.rows, p.shapes.heads, p.padded_workspace is not None, p.q_mla.device,
-                             fp8_cache=fp8, slot_major=False)
+def _head_layout_variants(p: _Point, fp8: bool) -> dict:
+    """Sparse MLA on the point's cache (FP8 with ``fp8``) in the two head layouts: ``slot_major``
+    (up to ``SLOT_MAJOR_MAX_HEADS`` heads, ``slot_major_config`` at every R) and ``padded`` (up to
+    ``SLOT_MAJOR_DEFAULT_MAX_HEADS`` heads, what the default takes without slot-major dots), each
+    over its own workspace."""
+    heads, device, out = p.shapes.heads, p.q_mla.device, "out_fp8_" if fp8 else "out_"
+    variants = {}
+    if heads <= SLOT_MAJOR_MAX_HEADS:
+        variants["slot_major"] = _sparse_mla(p, "slots_new", out + "slot_major",
+                                             slot_major_config(heads, device, fp8_cache=fp8),
+                                             p.slot_major_workspace, fp8=fp8)
+    if heads <= SLOT_MAJOR_DEFAULT_MAX_HEADS:
+        padded = sparse_mla_config(p.rows, heads, p.padded_workspace is not None, device, fp8_cache=fp8,
+                                   slot_major=False)
+        variants["padded"] = _sparse_mla(p, "slots_new", out + "padded", padded, p.padded_workspace, fp8=fp8)
+    return variants
 
 
 def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
@@ -468,14 +480,7 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
         if sparse_mla_gluon_supported(p.q_mla.device, p.shapes.heads):
             for name, config in GLUON_FP8_VARIANTS.items():
                 variants[name] = _sparse_mla(p, "slots_new", f"out_{name}", config, p.workspace, fp8=True)
-        if p.shapes.heads <= SLOT_MAJOR_MAX_HEADS:
-            config = slot_major_config(p.shapes.heads, p.q_mla.device, fp8_cache=True)
-            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_fp8_slot_major", config,
-                                                 p.slot_major_workspace, fp8=True)
-        if p.shapes.heads <= SLOT_MAJOR_DEFAULT_MAX_HEADS:
-            variants["padded"] = _sparse_mla(p, "slots_new", "out_fp8_padded", _padded_config(p, True),
-                                             p.padded_workspace, fp8=True)
-        return variants
+        return variants | _head_layout_variants(p, fp8=True)
     if op == "indexer":
         return {"baseline": _indexer(p, False), "new": _indexer(p, True)}
     if op == "topk":
@@ -490,14 +495,7 @@ def _variants(p: _Point, op: str, kv_cache: str = "bf16") -> dict:
                     "new": _sparse_mla(p, "slots_new", "out_new", None, p.workspace),
                     "new_nosplit": _sparse_mla(p, "slots_new", "out_nosplit", None, None),
                     "triton": _sparse_mla(p, "slots_new", "out_triton", triton, p.triton_workspace)}
-        if p.shapes.heads <= SLOT_MAJOR_MAX_HEADS:
-            variants["slot_major"] = _sparse_mla(p, "slots_new", "out_slot_major",
-                                                 slot_major_config(p.shapes.heads, p.q_mla.device),
-                                                 p.slot_major_workspace)
-        if p.shapes.heads <= SLOT_MAJOR_DEFAULT_MAX_HEADS:
-            variants["padded"] = _sparse_mla(p, "slots_new", "out_padded", _padded_config(p, False),
-                                             p.padded_workspace)
-        return variants
+        return variants | _head_layout_variants(p, fp8=False)
     return {"baseline": _layer(p, False), "new": _layer(p, True)}
 
 
