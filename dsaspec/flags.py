@@ -84,14 +84,6 @@ def fused_moe() -> bool:
     return _switch("DSASPEC_FUSED_MOE")
 
 
-def router_one_launch() -> bool:
-    """``DSASPEC_ROUTER_ONE_LAUNCH``: an MoE router whose GEMM runs as the Triton tile (decode sizes,
-    and the row-invariant mode up to 16 rows) computes its logits and selects the experts in one
-    launch (``route_rows``; default on). Off keeps two launches: the logits, then the selection.
-    The same ids and weights either way."""
-    return _switch("DSASPEC_ROUTER_ONE_LAUNCH")
-
-
 def fp8_fast_accum() -> bool:
     """``DSASPEC_FP8_FAST_ACCUM``: the FP8 block-scaled GEMMs take 64-row tiles from 32 rows outside
     the row-invariant mode, on the e4m3 warpgroup MMA, which sums each 128-column block at reduced
@@ -149,7 +141,6 @@ def check_all() -> None:
     sparse_mla_gluon()
     sparse_mla_slot_major()
     fused_moe()
-    router_one_launch()
     metadata_program_budget()
     simulate_accept_len()
     triton_interpret()

@@ -101,16 +101,6 @@ def compile_router_logits(tile: moe_router.RouterGemmConfig, tokens: int, hidden
                               lambda: moe_router.router_logits(x, weight, config=tile), overrides=())
 
 
-def compile_route_rows(tile: moe_router.RouterGemmConfig, tokens: int, routing=ROUTINGS[1], hidden: int = 7168) -> dict:
-    """One ``route_rows`` launch (the router's GEMM and selection) in ``tile`` over ``tokens`` bf16
-    rows of ``hidden``, ``routing`` as in ROUTINGS."""
-    experts, n_group, topk_group, top_k, n_shared = routing
-    x, weight = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(experts, hidden)
-    return dsa.compile_kernel(moe_router._route_rows_kernel, lambda: moe_router.route_rows(
-        x, weight, torch.zeros(experts), top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=True,
-        scaling=2.5, n_shared=n_shared, config=tile), overrides=())
-
-
 # (D, residual add): GLM-5's and DeepSeek-V3.2's input norms (hidden), their q_a_layernorm (q latent)
 NORMS = ((6144, True), (7168, True), (2048, False), (1536, False))
 
@@ -158,9 +148,6 @@ def main() -> int:
               f"{result['div_rn']} div.rn, {result['div_approx']} approximate divisions", flush=True)
     for tokens, tile in ((1, moe_router.RouterGemmConfig()), *moe_router._DECODE_TILES):
         print(_line(f"router_logits {tile}, {tokens} rows", compile_router_logits(tile, tokens)), flush=True)
-        for routing in ROUTINGS:
-            print(_line(f"route_rows {tile}, {tokens} rows, {routing}", compile_route_rows(tile, tokens, routing)),
-                  flush=True)
     for d, add in NORMS:
         for quant in (False, True):
             print(_line(f"{'add_rms_norm' if add else 'rms_norm'} {d}{' + act_quant' if quant else ''}",

@@ -24,10 +24,7 @@
 #   prefill on FP8 caches with DSASPEC_SPARSE_MLA_SLOT_MAJOR off (the padded Gluon form), on (the default) and
 #   with DSASPEC_SPARSE_MLA_GLUON off (the Triton kernel)), slot-major-tune (bench dsa-ops --tune at 8 and 16
 #   heads: the slot-major tiles against the padded Gluon form at 16 / 64 decode and 256 verify rows of 64k),
-#   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on),
-#   router-one-launch (the router's one-launch GEMM + selection: its GPU tests, the MoE router's and the row-invariant
-#   MoE speculative run's; scripts/bench_route_rows.py; bench decode of the GLM-5 rank with DSASPEC_ROUTER_ONE_LAUNCH
-#   off and on: an H200), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
+#   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
@@ -191,15 +188,6 @@ for step in "$@"; do
         slot-major-decode) for slot_major in 0 1; do DSASPEC_SPARSE_MLA_SLOT_MAJOR=$slot_major timeout 300 python3 -m dsaspec \
                           bench decode --preset glm5-fp8-tp8-rank --bs 1,4,32 --contexts 1048576 --runs 2 --steps 16 \
                           --out "$OUT/slot_major_decode_rank_$slot_major"; done ;;
-        router-one-launch) python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short -n 4 --timeout 400 \
-                          tests/test_route_rows.py tests/test_moe_router.py tests/test_router_logits.py \
-                          tests/test_moe_shared_experts.py \
-                          "tests/test_spec_engine.py::test_gpu_speculative_equals_plain_row_invariant" 2>&1 \
-                          | tee "$OUT/router_one_launch_gpu_tests.log"
-                      python3 scripts/bench_route_rows.py "$OUT/route_rows"
-                      for one in 0 1; do DSASPEC_ROUTER_ONE_LAUNCH=$one timeout 300 python3 -m dsaspec bench decode \
-                          --preset glm5-fp8-tp8-rank --bs 1,4,32 --contexts 1048576 --runs 2 --steps 16 \
-                          --out "$OUT/router_one_launch_decode_rank_$one"; done ;;
         decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/decode_fp8" ;;
         read-chain)   python3 scripts/bench_read_chain.py "$OUT/read_chain" --iters 50 ;;

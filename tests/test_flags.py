@@ -15,7 +15,6 @@ SWITCHES = [("DSASPEC_BOUNDED_REPLAY_METADATA", flags.bounded_replay_metadata, T
             ("DSASPEC_SPARSE_MLA_GLUON", flags.sparse_mla_gluon, True),
             ("DSASPEC_SPARSE_MLA_SLOT_MAJOR", flags.sparse_mla_slot_major, True),
             ("DSASPEC_FUSED_MOE", flags.fused_moe, True),
-            ("DSASPEC_ROUTER_ONE_LAUNCH", flags.router_one_launch, True),
             ("DSASPEC_FP8_FAST_ACCUM", flags.fp8_fast_accum, False),
             ("TRITON_INTERPRET", flags.triton_interpret, False)]
 

@@ -664,18 +664,6 @@ def test_fp8_fast_accum_reaches_every_fp8_linear_and_is_refused_with_row_invaria
         DSAModel(config, device="meta", row_invariant=True, options=RuntimeOptions(fp8_fast_accum=True))
 
 
-def test_router_one_launch_reaches_every_router():
-    """``options.router_one_launch`` sets ``one_launch`` on every MoE Router; on by default."""
-    from dsaspec.configs.runtime_options import RuntimeOptions
-    from dsaspec.layers.moe import Router
-
-    config = get_config("tiny-moe")
-    for one_launch in (False, True):
-        routers = [m for m in DSAModel(config, device="meta", options=RuntimeOptions(router_one_launch=one_launch))
-                   .modules() if isinstance(m, Router)]
-        assert routers and all(r.one_launch is one_launch for r in routers)
-
-
 # one layer, narrow: quick with the row-invariant kernels under the interpreter
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=64, q_lora_rank=32, num_attention_heads=2,
              index_n_heads=2, num_hidden_layers=2, index_topk=8)

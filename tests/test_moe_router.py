@@ -179,8 +179,7 @@ def test_router_takes_the_kernel_with_the_triton_ops(monkeypatch):
             torch.randn(config.n_routed_experts, generator=torch.Generator().manual_seed(4)) * 0.1)
     x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(3))
     calls = []
-    real = moe_module.route_rows   # one launch at these 9 rows (tests/test_route_rows.py: the same bits as two)
-    monkeypatch.setattr(moe_module, "route_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(moe_module, "route_topk", lambda *a, **k: calls.append(1) or route_topk(*a, **k))
     ids, weights = router(x)
     assert calls == [1]
     router.use_triton = False
@@ -198,7 +197,7 @@ def test_router_logits_read_the_rows_as_stored(monkeypatch):
     within fp32 rounding of it."""
     import dsaspec.layers.moe as moe_module
     from dsaspec.layers.moe import Router
-    from dsaspec.ops.moe_router import DECODE_MAX_TOKENS, RouterGemmConfig, decode_tile, router_logits
+    from dsaspec.ops.moe_router import DECODE_MAX_TOKENS, decode_tile, router_logits
 
     config = get_config("tiny-moe")
     router = Router(config)
@@ -212,7 +211,7 @@ def test_router_logits_read_the_rows_as_stored(monkeypatch):
         plain = router.logits(x)
         assert seen == []
         for tokens in (1, 4, DECODE_MAX_TOKENS):
-            for flag, tile in (("use_triton", decode_tile(tokens)), ("row_invariant", RouterGemmConfig())):
+            for flag, tile in (("use_triton", decode_tile(tokens)), ("row_invariant", None)):
                 setattr(router, flag, True)
                 got = router.logits(x[:tokens])
                 setattr(router, flag, False)
@@ -223,7 +222,7 @@ def test_router_logits_read_the_rows_as_stored(monkeypatch):
         router.use_triton, calls = True, len(seen)   # a prefill's rows: to cuBLAS ...
         assert torch.equal(router.logits(x), plain) and len(seen) == calls
         router.row_invariant = True                  # ... but never in the row-invariant mode
-        assert torch.equal(router.logits(x), router_logits(x, router.weight)) and seen[-1][1] == RouterGemmConfig()
+        assert torch.equal(router.logits(x), router_logits(x, router.weight)) and seen[-1][1] is None
 
 
 def test_compiles_for_sm90():

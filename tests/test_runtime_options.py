@@ -12,7 +12,7 @@ from dsaspec.errors import UserError
 
 VARIABLES = ("DSASPEC_BOUNDED_REPLAY_METADATA", "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE",
              "DSASPEC_SPEC_VERIFY_ARGMAX_EXCHANGE", "DSASPEC_TOPK_SINGLE_LAUNCH", "DSASPEC_SPARSE_MLA_GLUON",
-             "DSASPEC_SPARSE_MLA_SLOT_MAJOR", "DSASPEC_FUSED_MOE", "DSASPEC_ROUTER_ONE_LAUNCH", "DSASPEC_FP8_FAST_ACCUM", "DSASPEC_METADATA_BUDGET", "DSASPEC_SIMULATE_ACCEPT_LEN")
+             "DSASPEC_SPARSE_MLA_SLOT_MAJOR", "DSASPEC_FUSED_MOE", "DSASPEC_FP8_FAST_ACCUM", "DSASPEC_METADATA_BUDGET", "DSASPEC_SIMULATE_ACCEPT_LEN")
 # variable -> (field, a value to set, the field's value then)
 MAPPING = {"DSASPEC_BOUNDED_REPLAY_METADATA": ("bounded_replay_metadata", "0", False),
            "DSASPEC_SPEC_DRAFT_ARGMAX_EXCHANGE": ("draft_argmax_exchange", "off", False),
@@ -21,7 +21,6 @@ MAPPING = {"DSASPEC_BOUNDED_REPLAY_METADATA": ("bounded_replay_metadata", "0", F
            "DSASPEC_SPARSE_MLA_GLUON": ("sparse_mla_gluon", "0", False),
            "DSASPEC_SPARSE_MLA_SLOT_MAJOR": ("sparse_mla_slot_major", "no", False),
            "DSASPEC_FUSED_MOE": ("fused_moe", "0", False),
-           "DSASPEC_ROUTER_ONE_LAUNCH": ("router_one_launch", "off", False),
            "DSASPEC_FP8_FAST_ACCUM": ("fp8_fast_accum", "on", True),
            "DSASPEC_METADATA_BUDGET": ("metadata_program_budget", " 96 ", 96),
            "DSASPEC_SIMULATE_ACCEPT_LEN": ("simulate_accept_len", "2.5", 2.5)}
@@ -68,7 +67,6 @@ def test_switch_variables_on(monkeypatch, name):
     ("DSASPEC_TOPK_SINGLE_LAUNCH", "y"),
     ("DSASPEC_SPARSE_MLA_GLUON", "enabled"),
     ("DSASPEC_FUSED_MOE", "sometimes"),
-    ("DSASPEC_ROUTER_ONE_LAUNCH", "once"),
     ("DSASPEC_FP8_FAST_ACCUM", "fast"),
     ("DSASPEC_METADATA_BUDGET", "0"),
     ("DSASPEC_METADATA_BUDGET", "1.5"),

@@ -15,8 +15,7 @@ from dsaspec import flags
 
 # the fields that are on/off switches (bools)
 SWITCH_FIELDS = ("bounded_replay_metadata", "draft_argmax_exchange", "verify_argmax_exchange",
-                 "topk_single_launch", "sparse_mla_gluon", "sparse_mla_slot_major", "fused_moe",
-                 "router_one_launch")
+                 "topk_single_launch", "sparse_mla_gluon", "sparse_mla_slot_major", "fused_moe")
 # the on/off choices that default to off (candidates and trade-offs the shipped path does not take)
 OPT_IN_FIELDS = ("fp8_fast_accum",)
 
@@ -44,9 +43,6 @@ class RuntimeOptions:
     fused_moe : MoE layers run the fused MoE kernel (``DSASPEC_FUSED_MOE``) where the model runs the
         Triton ops and is not row-invariant; False: the plain-torch experts (every expert on every
         token).
-    router_one_launch : an MoE router whose GEMM is the Triton tile (decode sizes; the row-invariant
-        mode up to 16 rows) computes the logits and selects the experts in one launch
-        (``DSASPEC_ROUTER_ONE_LAUNCH``); False: two launches. The same bits either way.
     fp8_fast_accum : the FP8 block-scaled GEMMs of :class:`~dsaspec.layers.fp8_linear.Fp8Linear` take
         64-row tiles from 32 rows (``DSASPEC_FP8_FAST_ACCUM``, default off: from
         ``PREFILL_MIN_ROWS`` rows outside the row-invariant mode, ``Fp8Linear.tall_tiles``): the
@@ -66,7 +62,6 @@ class RuntimeOptions:
     sparse_mla_gluon: bool = True
     sparse_mla_slot_major: bool = True
     fused_moe: bool = True
-    router_one_launch: bool = True
     fp8_fast_accum: bool = False
     metadata_program_budget: int | None = None
     simulate_accept_len: float | None = None
@@ -93,7 +88,6 @@ class RuntimeOptions:
                    sparse_mla_gluon=flags.sparse_mla_gluon(),
                    sparse_mla_slot_major=flags.sparse_mla_slot_major(),
                    fused_moe=flags.fused_moe(),
-                   router_one_launch=flags.router_one_launch(),
                    fp8_fast_accum=flags.fp8_fast_accum(),
                    metadata_program_budget=flags.metadata_program_budget(),
                    simulate_accept_len=flags.simulate_accept_len())

@@ -36,8 +36,7 @@ from dsaspec.layers.linear import Linear
 from dsaspec.layers.mlp import MLP
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
 from dsaspec.ops.fp8_gemm import BLOCK, dequantize_weight, quantize_blocks, quantize_weight
-from dsaspec.ops.moe_router import (DECODE_MAX_TOKENS, RouterGemmConfig, decode_tile, route_rows, route_topk,
-                                    router_logits)
+from dsaspec.ops.moe_router import DECODE_MAX_TOKENS, decode_tile, route_topk, router_logits
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,15 +80,12 @@ class Router(Linear):
     ``use_triton`` (set by the model) or ``row_invariant`` everything after the GEMM is one kernel
     (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in id order; one program per
     token, so row-invariant by construction, where torch's CPU ``sigmoid`` rounds an element by its
-    vector path or its scalar tail, which the row count decides), else torch ops. Where the GEMM is
-    the Triton tile and T is at most ``DECODE_MAX_TOKENS``, ``one_launch`` (set by the model from
-    ``RuntimeOptions.router_one_launch``) runs the GEMM and the selection as one launch
-    (:func:`~dsaspec.ops.moe_router.route_rows`, the same bits). ``forward(x, shared)`` appends ``shared`` slots to each token, ids ``E, E + 1, ...`` at weight
+    vector path or its scalar tail, which the row count decides), else torch ops.
+    ``forward(x, shared)`` appends ``shared`` slots to each token, ids ``E, E + 1, ...`` at weight
     1.0: the shared experts run by the fused MoE (:meth:`MoE.fuse_shared_experts`); the kernel
     writes them itself, the torch path concatenates."""
 
     use_triton: bool = False
-    one_launch: bool = True    # RuntimeOptions.router_one_launch, set by the model
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__(config.hidden_size, config.n_routed_experts, bias=False, device=device, dtype=torch.float32)
@@ -109,39 +105,23 @@ class Router(Linear):
             self._bf16 = (key, bf16 if torch.equal(bf16.float(), self.weight) else None)
         return self._bf16[1]
 
-    def _cublas_bf16(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The bf16 weight where the default mode's GEMM is cuBLAS's bf16 one for ``x``, else None."""
-        if self.use_triton and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_TOKENS:
-            return self.bf16_weight()
-        return None
-
-    def _triton_tile(self, x: torch.Tensor) -> RouterGemmConfig | None:
-        """The :func:`~dsaspec.ops.moe_router.router_logits` tile the GEMM of ``x`` runs in, or None
-        where it is cuBLAS's or torch's (class docstring)."""
-        if self.row_invariant:
-            return RouterGemmConfig()
-        if self.use_triton and x.shape[0] <= DECODE_MAX_TOKENS and self._cublas_bf16(x) is None:
-            return decode_tile(x.shape[0])
-        return None
-
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` (bf16 or fp32) -> fp32 ``x @ weight.T`` ``[T, E]`` (class docstring)."""
-        tile = self._triton_tile(x)
-        if tile is not None:
-            return router_logits(x, self.weight, config=tile)
-        bf16 = self._cublas_bf16(x)
-        if bf16 is not None:
-            return torch.mm(x, bf16.t(), out_dtype=torch.float32)
+        if self.row_invariant:
+            return router_logits(x, self.weight)
+        if self.use_triton and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_TOKENS:
+            bf16 = self.bf16_weight()
+            if bf16 is not None:
+                return torch.mm(x, bf16.t(), out_dtype=torch.float32)
+        if self.use_triton and x.shape[0] <= DECODE_MAX_TOKENS:
+            return router_logits(x, self.weight, config=decode_tile(x.shape[0]))
         return F.linear(x.float(), self.weight)
 
     def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_triton or self.row_invariant:
-            routing = dict(top_k=self.top_k, n_group=self.groups, topk_group=self.topk_group,
-                           norm_topk_prob=self.norm_topk_prob, scaling=self.scaling, n_shared=shared)
-            tile = self._triton_tile(x)
-            if self.one_launch and tile is not None and x.shape[0] <= DECODE_MAX_TOKENS:
-                return route_rows(x, self.weight, self.e_score_correction_bias, config=tile, **routing)
-            return route_topk(self.logits(x), self.e_score_correction_bias, **routing)
+            return route_topk(self.logits(x), self.e_score_correction_bias, top_k=self.top_k,
+                              n_group=self.groups, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                              scaling=self.scaling, n_shared=shared)
         scores = self.logits(x).sigmoid()
         tokens, experts = scores.shape
         choice = (scores + self.e_score_correction_bias).view(tokens, self.groups, experts // self.groups)

@@ -96,8 +96,9 @@ class DSAModel(nn.Module):
         what the unsharded model does.
     options : RuntimeOptions
         The runtime's switches (default: the shipped path); the model uses ``sparse_mla_gluon``,
-        ``sparse_mla_slot_major``, ``topk_single_launch``, ``fused_moe``, ``router_one_launch`` and
-        ``fp8_fast_accum`` (a ``ValueError`` with ``row_invariant``), and the engine and workers built over it take the rest from
+        ``sparse_mla_slot_major``, ``topk_single_launch``, ``fused_moe`` and ``fp8_fast_accum`` (a
+        ``ValueError`` with
+        ``row_invariant``), and the engine and workers built over it take the rest from
         ``model.options`` unless given their own.
 
     The projections that read one input share one GEMM (:meth:`MLAAttention.fuse_projections`,
@@ -160,8 +161,6 @@ class DSAModel(nn.Module):
                 module.row_invariant = row_invariant
             if isinstance(module, Fp8Linear):
                 module.fast_accum = self.options.fp8_fast_accum
-            if isinstance(module, Router):
-                module.one_launch = self.options.router_one_launch
         self.use_triton = use_triton
 
     @property

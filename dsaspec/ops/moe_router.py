@@ -34,11 +34,6 @@ logits are the same bits whatever the other tokens are (a reduction's order is t
 same for every row of the tile), so the row-invariant mode passes one for every T and the default
 mode the fastest for its T (:func:`decode_tile`). At decode sizes the weight (6-7 MB at E = 256)
 is the traffic: small expert tiles put a program on every SM.
-
-At decode sizes both run as one launch (:func:`route_rows`): each program writes its tile of the
-logits, and the last program of a row tile to arrive (an acq_rel atomic on the tile's counter,
-after a CTA barrier) loads those tokens' logits through L2 and selects, the same code on the same
-values, so the same bits as the two launches.
 """
 
 from __future__ import annotations
@@ -51,24 +46,22 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
 from dsaspec.ops.device import interpreted
-from dsaspec.ops.row_invariant import _tile_counters
 from dsaspec.ops.silu_and_mul import torch_exp
 
 
 @triton.jit
-def _select_row(logits_ptr, bias_ptr, ids_ptr, weights_ptr, row, stride_logits, stride_ids, stride_weights,
-                scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                TOPK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr, CACHE: tl.constexpr):
-    """Token ``row``'s ids and weights from its logits (module docstring), the logits loaded with
-    cache modifier ``CACHE``."""
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, stride_ids, stride_weights,
+                   scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   TOPK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                   GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
     # the token's E = GROUPS * GROUP logits as a [GROUPS_PAD, GROUP_PAD] tile, expert g * GROUP + j
+    row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS_PAD)[:, None]
     j = tl.arange(0, GROUP_PAD)[None, :]
     live = (g < GROUPS) & (j < GROUP)
     none = GROUPS_PAD * GROUP_PAD                  # the padding's expert id: no real expert's
     expert = tl.where(live, g * GROUP + j, none)
-    logit = tl.load(logits_ptr + row * stride_logits + expert, mask=live, other=0.0, cache_modifier=CACHE)
+    logit = tl.load(logits_ptr + row * stride_logits + expert, mask=live, other=0.0)
     e = torch_exp(-logit, LIBDEVICE_EXP)
     score = tl.math.div_rn(tl.full(logit.shape, 1.0, tl.float32), 1.0 + e)
     choice = tl.where(live, score + tl.load(bias_ptr + expert, mask=live, other=0.0), -float("inf"))
@@ -110,45 +103,6 @@ def _select_row(logits_ptr, bias_ptr, ids_ptr, weights_ptr, row, stride_logits, 
     tl.store(weights_ptr + row * stride_weights + slot, weights, mask=keep)
 
 
-@triton.jit
-def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, stride_ids, stride_weights,
-                   scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   TOPK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                   GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
-    _select_row(logits_ptr, bias_ptr, ids_ptr, weights_ptr, tl.program_id(0).to(tl.int64), stride_logits,
-                stride_ids, stride_weights, scaling, GROUP, GROUPS, TOPK_GROUP, TOPK, SHARED, NORM, LIBDEVICE_EXP,
-                GROUPS_PAD, GROUP_PAD, TOPK_PAD, "")
-
-
-def _routing(experts: int, top_k: int, n_group: int, topk_group: int, n_shared: int) -> dict:
-    """The selection's compile-time constants for E = ``experts``, after checking the routing."""
-    for name, value in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
-        check_count(name, value)
-    check_count("n_shared", n_shared, minimum=0)
-    if experts % n_group or experts // n_group < 2:
-        raise ValueError(f"n_group: expected a divisor of the {experts} experts leaving at least two a group, "
-                         f"got {n_group}")
-    group = experts // n_group
-    if topk_group > n_group:
-        raise ValueError(f"topk_group: expected at most n_group = {n_group}, got {topk_group}")
-    if top_k > topk_group * group:
-        raise ValueError(f"top_k: expected at most topk_group x experts a group = {topk_group * group}, got {top_k}")
-    return dict(GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, SHARED=n_shared,
-                GROUPS_PAD=max(2, triton.next_power_of_2(n_group)), GROUP_PAD=triton.next_power_of_2(group),
-                TOPK_PAD=max(2, triton.next_power_of_2(top_k + n_shared)))
-
-
-def _selection_outputs(tokens: int, slots: int, device, ids, weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ids`` int32 and ``weights`` fp32 ``[tokens, slots]`` on ``device``: checked, or allocated when None."""
-    if ids is None:
-        ids = torch.empty(tokens, slots, dtype=torch.int32, device=device)
-    if weights is None:
-        weights = torch.empty(tokens, slots, dtype=torch.float32, device=device)
-    check_tensor("ids", ids, dtype=torch.int32, shape=(tokens, slots), device=device)
-    check_tensor("weights", weights, dtype=torch.float32, shape=(tokens, slots), device=device)
-    return ids, weights
-
-
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
                norm_topk_prob: bool, scaling: float, n_shared: int = 0, ids: torch.Tensor | None = None,
                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,12 +117,31 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group:
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     tokens, experts = logits.shape
     check_tensor("bias", bias, dtype=torch.float32, shape=(experts,), device=logits.device)
-    routing = _routing(experts, top_k, n_group, topk_group, n_shared)
-    ids, weights = _selection_outputs(tokens, top_k + n_shared, logits.device, ids, weights)
+    for name, value in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
+        check_count(name, value)
+    check_count("n_shared", n_shared, minimum=0)
+    if experts % n_group or experts // n_group < 2:
+        raise ValueError(f"n_group: expected a divisor of the {experts} experts leaving at least two a group, "
+                         f"got {n_group}")
+    group = experts // n_group
+    if topk_group > n_group:
+        raise ValueError(f"topk_group: expected at most n_group = {n_group}, got {topk_group}")
+    if top_k > topk_group * group:
+        raise ValueError(f"top_k: expected at most topk_group x experts a group = {topk_group * group}, got {top_k}")
+    slots = top_k + n_shared
+    if ids is None:
+        ids = torch.empty(tokens, slots, dtype=torch.int32, device=logits.device)
+    if weights is None:
+        weights = torch.empty(tokens, slots, dtype=torch.float32, device=logits.device)
+    check_tensor("ids", ids, dtype=torch.int32, shape=(tokens, slots), device=logits.device)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(tokens, slots), device=logits.device)
     if tokens:
         _router_kernel[(tokens,)](
             logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
-            NORM=bool(norm_topk_prob), LIBDEVICE_EXP=not interpreted(_router_kernel), num_warps=1, **routing)
+            GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, SHARED=n_shared,
+            NORM=bool(norm_topk_prob), LIBDEVICE_EXP=not interpreted(_router_kernel),
+            GROUPS_PAD=max(2, triton.next_power_of_2(n_group)), GROUP_PAD=triton.next_power_of_2(group),
+            TOPK_PAD=max(2, triton.next_power_of_2(slots)), num_warps=1)
     return ids, weights
 
 
@@ -210,12 +183,10 @@ def decode_tile(tokens: int) -> RouterGemmConfig:
     raise ValueError(f"tokens: expected at most {DECODE_MAX_TOKENS} for a decode tile, got {tokens}")
 
 
-@triton.jit
-def _logits_tile(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_w, stride_out,
-                 ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The program's tile of ``out[t, e] = sum over K blocks in order of (one reduction of the
-    block's x[t, k] * w[e, k])``, fp32: rows ``program_id(1) * ROWS ..``, experts ``program_id(0) *
-    EXPERTS ..``."""
+@triton.jit(do_not_specialize=["tokens"])
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_w, stride_out,
+                          ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[t, e] = sum over K blocks in order of (one reduction of the block's x[t, k] * w[e, k]), fp32
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     experts = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
     ks = tl.arange(0, BLOCK_K)
@@ -231,34 +202,6 @@ def _logits_tile(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_w, stride
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + experts[None, :]
     tl.store(out_ptrs, acc, mask=row_live[:, None] & expert_live[None, :])
-
-
-@triton.jit(do_not_specialize=["tokens"])
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_w, stride_out,
-                          ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
-    _logits_tile(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_w, stride_out, ROWS, EXPERTS, BLOCK_K)
-
-
-@triton.jit(do_not_specialize=["tokens"])
-def _route_rows_kernel(x_ptr, w_ptr, logits_ptr, counters_ptr, bias_ptr, ids_ptr, weights_ptr, tokens, E, K,
-                       stride_x, stride_w, stride_logits, stride_ids, stride_weights, scaling,
-                       ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-                       SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                       GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
-    # the logits tile, then the last program of the row tile to arrive selects for its rows
-    _logits_tile(x_ptr, w_ptr, logits_ptr, tokens, E, K, stride_x, stride_w, stride_logits, ROWS, EXPERTS, BLOCK_K)
-    tl.debug_barrier()  # every thread's logits are written before the release below
-    row_tile = tl.program_id(1)
-    arrived = tl.atomic_add(counters_ptr + row_tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        for r in tl.static_range(ROWS):
-            row = row_tile.to(tl.int64) * ROWS + r
-            if row < tokens:
-                _select_row(logits_ptr, bias_ptr, ids_ptr, weights_ptr, row, stride_logits, stride_ids,
-                            stride_weights, scaling, GROUP, GROUPS, TOPK_GROUP, TOPK, SHARED, NORM, LIBDEVICE_EXP,
-                            GROUPS_PAD, GROUP_PAD, TOPK_PAD, ".cg")
-        tl.store(counters_ptr + row_tile, 0)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -285,39 +228,3 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
                                     out.stride(0), ROWS=config.rows, EXPERTS=config.experts,
                                     BLOCK_K=config.block_k, num_warps=config.num_warps)
     return out
-
-
-def route_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int,
-               topk_group: int, norm_topk_prob: bool, scaling: float, n_shared: int = 0,
-               config: RouterGemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`router_logits` then :func:`route_topk` in one launch, the same bits as the two: each
-    program computes its tile of the logits, and the last program of a row tile to arrive (a tile
-    counter it resets to 0, so the launch is CUDA-graph safe) selects that tile's tokens. At most
-    :data:`DECODE_MAX_TOKENS` rows (decode sizes, where a second launch costs about what the
-    selection does).
-
-    ``x``: bf16 or fp32 ``[T, K]``; ``weight``: fp32 ``[E, K]``; ``bias``: fp32 ``[E]``; the routing
-    as :func:`route_topk`'s; ``config`` as :func:`router_logits`'. Returns ``ids`` int32 and
-    ``weights`` fp32 ``[T, top_k + n_shared]`` (new; the fp32 logits ``[T, E]`` go to a scratch
-    tensor). Shares the row-invariant GEMM's tile counters (:mod:`dsaspec.ops.row_invariant`): the
-    first call on a device allocates them, outside CUDA-graph capture."""
-    check_tensor("x", x, dtype=(torch.bfloat16, torch.float32), ndim=2)
-    tokens, k = x.shape
-    if tokens > DECODE_MAX_TOKENS:
-        raise ValueError(f"x: expected at most {DECODE_MAX_TOKENS} rows, got {tokens}")
-    check_tensor("weight", weight, dtype=torch.float32, shape=(None, k), device=x.device)
-    experts = weight.shape[0]
-    check_tensor("bias", bias, dtype=torch.float32, shape=(experts,), device=x.device)
-    routing = _routing(experts, top_k, n_group, topk_group, n_shared)
-    ids, weights = _selection_outputs(tokens, top_k + n_shared, x.device, None, None)
-    config = config or RouterGemmConfig()
-    if tokens:
-        logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(experts, config.experts), triton.cdiv(tokens, config.rows))
-        counters = _tile_counters(x.device, grid[1])
-        _route_rows_kernel[grid](x, weight, logits, counters, bias, ids, weights, tokens, experts, k, x.stride(0),
-                                 weight.stride(0), logits.stride(0), ids.stride(0), weights.stride(0),
-                                 float(scaling), ROWS=config.rows, EXPERTS=config.experts, BLOCK_K=config.block_k,
-                                 NORM=bool(norm_topk_prob), LIBDEVICE_EXP=not interpreted(_route_rows_kernel),
-                                 num_warps=config.num_warps, **routing)
-    return ids, weights
