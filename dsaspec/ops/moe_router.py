@@ -15,9 +15,14 @@ interpreter ``exp`` is numpy's. Equal values (a group score or a ``c``) go to th
 where ``torch.topk`` leaves the order of ties open; the sum of the weights runs in id order, where
 the torch router's ``sum`` runs in its own order, so a weight can differ from the torch router's
 in its last bit. One program per token: a token's ids and weights depend on its own logits only.
-The program is one warp: a token's twenty-odd reductions over its E values (eight a lane at E =
-256) then run as warp shuffles, without the shared-memory round trips and barriers of four
-warps; the warp count changes no bit (maxima, minima and one-hot sums are exact).
+The program is one warp: its reductions over the E values (eight a lane at E = 256) run as warp
+shuffles, without the shared-memory round trips and barriers of four warps; the warp count changes
+no bit (maxima are exact). Each value is ranked by one int64 key, its fp32 bits as an order-keeping
+signed int over ``2**31 - 1 - index``, so one maximum finds the largest value and its lowest
+index; a selected expert's weight is its score computed again from its logit (a load), not a
+reduction. A top-k step is one reduction where a maximum, a minimum over the ties and a one-hot
+sum took three (the GLM-5 rank: 5.6 -> 4.0 µs a call on an H100); routing over all groups
+(``topk_group == n_group``) skips the group scores.
 
 With ``n_shared`` the kernel also writes the shared experts' slots of the fused MoE
 (:mod:`dsaspec.ops.fused_moe`): slots ``k .. k + n_shared - 1`` of each token hold ids ``E ..
@@ -50,48 +55,73 @@ from dsaspec.ops.silu_and_mul import torch_exp
 
 
 @triton.jit
+def _ranked(value, index):
+    """int64 keys whose order is ``value``'s (fp32, never -0.0 or NaN), then the lower ``index``
+    (int32, in ``[0, 2**31)``): one maximum finds both the largest value and its lowest index."""
+    bits = value.to(tl.int32, bitcast=True)
+    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # signed ints in the floats' order
+    return (order.to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
+
+
+@triton.jit
+def _ranked_value(key):
+    """The fp32 value of a :func:`_ranked` key."""
+    order = (key >> 32).to(tl.int32)
+    return tl.where(order < 0, order ^ 0x7FFFFFFF, order).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ranked_index(key):
+    """The index of a :func:`_ranked` key."""
+    return 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
+
+
+@triton.jit
 def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, stride_ids, stride_weights,
                    scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    TOPK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
                    GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
     # the token's E = GROUPS * GROUP logits as a [GROUPS_PAD, GROUP_PAD] tile, expert g * GROUP + j
     row = tl.program_id(0).to(tl.int64)
+    row_logits = logits_ptr + row * stride_logits
     g = tl.arange(0, GROUPS_PAD)[:, None]
     j = tl.arange(0, GROUP_PAD)[None, :]
     live = (g < GROUPS) & (j < GROUP)
-    none = GROUPS_PAD * GROUP_PAD                  # the padding's expert id: no real expert's
-    expert = tl.where(live, g * GROUP + j, none)
-    logit = tl.load(logits_ptr + row * stride_logits + expert, mask=live, other=0.0)
-    e = torch_exp(-logit, LIBDEVICE_EXP)
-    score = tl.math.div_rn(tl.full(logit.shape, 1.0, tl.float32), 1.0 + e)
-    choice = tl.where(live, score + tl.load(bias_ptr + expert, mask=live, other=0.0), -float("inf"))
-    # each group's two largest choices (the first largest by index taken out for the second)
-    first = tl.max(choice, axis=1)
-    first_at = tl.min(tl.where(choice == first[:, None], j, GROUP_PAD), axis=1)
-    second = tl.max(tl.where(j == first_at[:, None], -float("inf"), choice), axis=1)
-    group_score = tl.where(tl.arange(0, GROUPS_PAD) < GROUPS, first + second, -float("inf"))
-    # the TOPK_GROUP best groups: largest first, equal scores to the lower group
-    gid = tl.arange(0, GROUPS_PAD)
-    chosen = gid < 0
-    for _ in tl.static_range(TOPK_GROUP):
-        best = tl.max(group_score, axis=0)
-        at = tl.min(tl.where(group_score == best, gid, GROUPS_PAD), axis=0)
-        chosen = chosen | (gid == at)
-        group_score = tl.where(gid == at, -float("inf"), group_score)
-    choice = tl.where(chosen[:, None] & live, choice, -float("inf"))
-    # the TOPK largest choices, largest first, equal values to the lower expert id
+    expert = g * GROUP + j
+    logit = tl.load(row_logits + expert, mask=live, other=0.0)
+    score = tl.math.div_rn(tl.full(logit.shape, 1.0, tl.float32), 1.0 + torch_exp(-logit, LIBDEVICE_EXP))
+    choice = score + tl.load(bias_ptr + expert, mask=live, other=0.0)   # never -0.0: score >= +0.0
+    lowest = tl.full(choice.shape, -(2 ** 63), tl.int64)               # below every key: padding, taken
+    key = tl.where(live, _ranked(choice, expert), lowest)
+    if TOPK_GROUP < GROUPS:
+        # each group's two largest choices (equal ones both count), summed: the group's score
+        first = tl.max(key, axis=1)
+        second = tl.max(tl.where(key == first[:, None], lowest, key), axis=1)
+        gid = tl.arange(0, GROUPS_PAD)
+        no_group = tl.full((GROUPS_PAD,), -(2 ** 63), tl.int64)
+        group_key = tl.where(gid < GROUPS, _ranked(_ranked_value(first) + _ranked_value(second), gid), no_group)
+        # the TOPK_GROUP best groups: largest first, equal scores to the lower group
+        chosen = gid < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_key, axis=0)
+            chosen = chosen | (group_key == best)
+            group_key = tl.where(group_key == best, no_group, group_key)
+        key = tl.where(chosen[:, None], key, lowest)
+    # the TOPK largest choices, largest first, equal values to the lower expert id; each one's
+    # score again from its logit (the same operations, so the same bits as in the tile)
     slot = tl.arange(0, TOPK_PAD)
     ids = tl.zeros((TOPK_PAD,), dtype=tl.int32)
     weights = tl.zeros((TOPK_PAD,), dtype=tl.float32)
     total = 0.0
     for t in tl.static_range(TOPK):
-        best = tl.max(tl.max(choice, axis=1), axis=0)
-        at = tl.min(tl.min(tl.where(choice == best, expert, none), axis=1), axis=0)
-        w = tl.sum(tl.sum(tl.where(expert == at, score, 0.0), axis=1), axis=0)
+        best = tl.max(tl.max(key, axis=1), axis=0)
+        at = _ranked_index(best)
+        key = tl.where(key == best, lowest, key)
+        one_plus_e = 1.0 + torch_exp(-tl.load(row_logits + at), LIBDEVICE_EXP)
+        w = tl.math.div_rn(tl.full([], 1.0, tl.float32), one_plus_e)
         total = total + w
         ids = tl.where(slot == t, at, ids)
         weights = tl.where(slot == t, w, weights)
-        choice = tl.where(expert == at, -float("inf"), choice)
     if NORM:
         weights = tl.math.div_rn(weights, tl.broadcast_to(total + 1e-20, weights.shape))
     weights = weights * scaling
