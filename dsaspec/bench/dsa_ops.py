@@ -459,8 +459,7 @@ def _head_layout_variants(p: _Point, fp8: bool) -> dict:
                                              slot_major_config(heads, device, fp8_cache=fp8),
                                              p.slot_major_workspace, fp8=fp8)
     if heads <= SLOT_MAJOR_DEFAULT_MAX_HEADS:
-        padded = sparse_mla_config(p.rows, heads, p.padded_workspace is not None, device, fp8_cache=fp8,
-                                   slot_major=False)
+        padded = sparse_mla_config(p.rows, heads, True, device, fp8_cache=fp8, slot_major=False)
         variants["padded"] = _sparse_mla(p, "slots_new", out + "padded", padded, p.padded_workspace, fp8=fp8)
     return variants
 

@@ -19,10 +19,9 @@ The program is one warp: its reductions over the E values (eight a lane at E = 2
 shuffles, without the shared-memory round trips and barriers of four warps; the warp count changes
 no bit (maxima are exact). Each value is ranked by one int64 key, its fp32 bits as an order-keeping
 signed int over ``2**31 - 1 - index``, so one maximum finds the largest value and its lowest
-index; a selected expert's weight is its score computed again from its logit (a load), not a
-reduction. A top-k step is one reduction where a maximum, a minimum over the ties and a one-hot
-sum took three (the GLM-5 rank: 5.6 -> 4.0 µs a call on an H100); routing over all groups
-(``topk_group == n_group``) skips the group scores.
+index, and a top-k step is that one reduction; a selected expert's weight is its score computed
+again from its logit (a load). Routing over all groups (``topk_group == n_group``) skips the group
+scores.
 
 With ``n_shared`` the kernel also writes the shared experts' slots of the fused MoE
 (:mod:`dsaspec.ops.fused_moe`): slots ``k .. k + n_shared - 1`` of each token hold ids ``E ..
