@@ -126,6 +126,20 @@ def test_fp8_target():
     assert got == [(16, "FP8 cache: <= 1.3x bytes floor", False)]
 
 
+def test_fp8_gather_target_from_64_rows():
+    """The proposed FP8 target over the same slots' gather applies from 64 rows: met at 1.25x, missed
+    at 1.35x, absent at 16 rows and where no gather was timed."""
+    def fp8_row(bs, rows, new, gather):
+        row = dict(_row("sparse_mla", bs, 65536, new, 100.0, 10.0), kv_cache="fp8_e4m3", rows=rows,
+                   bytes_floor_us=10.0)
+        return row if gather is None else dict(row, gather_us=gather, new_over_gather=new / gather)
+
+    rows = [fp8_row(64, 64, 50.0, 40.0), fp8_row(16, 64, 54.0, 40.0), fp8_row(16, 16, 30.0, 10.0),
+            fp8_row(32, 128, 50.0, None)]
+    got = [(t["bs"], t["met"]) for t in dsa_ops._targets(rows) if "same-slots gather" in t["target"]]
+    assert got == [(64, True), (16, False)]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
 def test_cpu_run_fp8_indexer(tmp_path):
     """--kv-cache-dtype fp8_e4m3: an indexer row on the FP8 key cache after each bf16 one, checked
