@@ -1061,3 +1061,36 @@ def test_prefill_of_a_long_prefix_takes_fewer_rows_a_chunk(monkeypatch):
     starts = itertools.accumulate([0] + [n for (n,) in extends])
     assert all(n * (start + n) <= 2000 for (n,), start in zip(extends, starts))
     torch.testing.assert_close(bounded, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_an_eager_forward_writes_the_indexer_schedule_once(monkeypatch):
+    """A forward without a schedule in its inputs (prefill chunks) writes the indexer schedule at
+    its first layer and hands that one to every layer's indexer: one schedule launch a chunk, not
+    one a layer, each equal to what the layer would have written itself. Triton ops under the
+    interpreter; chunks of 32, 32 and 6 rows over 3 layers."""
+    from dsaspec.ops.indexer import default_indexer_programs
+    from dsaspec.ops.indexer_schedule import indexer_schedule
+    from dsaspec.ops.kv_cache_layout import is_fp8_cache
+
+    model = DSAModel(get_config("tiny", num_hidden_layers=3), use_triton=True).init_weights(8)
+    ops = dsa_ops(True, model.sparse_mla_gluon, model.sparse_mla_slot_major)
+    written, read = [], []
+    real_schedule, real_logits = ops.indexer_schedule, ops.indexer_logits
+
+    def schedule(*a, **kw):
+        written.append(real_schedule(*a, **kw))
+        return written[-1]
+
+    def logits(q, weights, cache, table, seqlens, sched, *a, **kw):
+        programs = default_indexer_programs(q.device, is_fp8_cache(cache), kw["rows_per_group"], q.shape[1])
+        own = indexer_schedule(seqlens, programs, torch.empty(programs + 1, 2, dtype=torch.int32),
+                               skip_len=kw["skip_len"], rows_per_group=kw["rows_per_group"])
+        assert torch.equal(sched, own)
+        read.append(sched)
+        return real_logits(q, weights, cache, table, seqlens, sched, *a, **kw)
+
+    monkeypatch.setattr(ops, "indexer_schedule", schedule)
+    monkeypatch.setattr(ops, "indexer_logits", logits)
+    Session.prefill_prompt(model, _tokens(70, model.config.vocab_size, seed=9), 32)
+    assert len(written) == 3
+    assert [s.data_ptr() for s in read] == [s.data_ptr() for s in written for _ in range(3)]

@@ -37,7 +37,9 @@ class ForwardState:
     slots, the attention inputs, the ops, whether the ops run their value checks (host syncs),
     and ``selected``: the KV slots int32 ``[R, k]`` the last indexer chose (a shared-indexer
     layer attends to them). ``seeded``: ``selected`` was given up front (IndexShare draft steps)
-    and no indexer runs."""
+    and no indexer runs. ``schedule``: where ``attn`` brings no indexer schedule (eager steps), the
+    one the forward's first indexer wrote, which its other layers reuse (their rows, lengths, index
+    heads and key cache dtype are the same)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -47,6 +49,7 @@ class ForwardState:
     check_values: bool
     selected: torch.Tensor | None = None
     seeded: bool = False
+    schedule: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -251,13 +254,14 @@ def _select_slots(q_index, index_weights, index_k_cache, step: ForwardState, ind
     Rows of at most ``index_topk`` live positions take them all: the indexer skips them."""
     rows, device = q_index.shape[0], q_index.device
     attn, ops = step.attn, step.ops
-    schedule = attn.schedule
+    schedule = attn.schedule if attn.schedule is not None else step.schedule
     if schedule is None:
         sms = default_indexer_programs(device, is_fp8_cache(index_k_cache), attn.rows_per_group,
                                        q_index.shape[1])
         schedule = ops.indexer_schedule(attn.seqlens, sms,
                                         out=torch.empty(sms + 1, 2, dtype=torch.int32, device=device),
                                         skip_len=index_topk, rows_per_group=attn.rows_per_group)
+        step.schedule = schedule
     logits = attn.index_logits
     if logits is None:
         logits = torch.empty(rows, attn.page_table_1.shape[1], dtype=torch.float32, device=device)
