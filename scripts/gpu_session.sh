@@ -24,7 +24,9 @@
 #   prefill on FP8 caches with DSASPEC_SPARSE_MLA_SLOT_MAJOR off (the padded Gluon form), on (the default) and
 #   with DSASPEC_SPARSE_MLA_GLUON off (the Triton kernel)), slot-major-tune (bench dsa-ops --tune at 8 and 16
 #   heads: the slot-major tiles against the padded Gluon form at 16 / 64 decode and 256 verify rows of 64k),
-#   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8, serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
+#   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8, gather-limit (bench dsa-ops' sparse MLA rows with the same slots' gather alone: 64 / 16 / 8 heads,
+#   both caches, 64k), fp8-gluon-production (the FP8 Gluon sparse MLA tests of its named tiles, not the tune
+#   candidates, at production sizes and in graph replays: 32), serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
 # Steps on two GPUs (nvidia-h200-x2): tp-tests, tp-generate, tp-draft-step, tp-verify-step, tp-e2e-quick, tp-e2e
@@ -191,6 +193,11 @@ for step in "$@"; do
         decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/decode_fp8" ;;
         read-chain)   python3 scripts/bench_read_chain.py "$OUT/read_chain" --iters 50 ;;
+        gather-limit) python3 -m dsaspec bench dsa-ops --ops sparse_mla --modes decode,target_verify --bs 1,16,64 \
+                          --live-kv 65536 --heads 64,16,8 --kv-cache-dtype fp8_e4m3 --out "$OUT/gather_limit" ;;
+        fp8-gluon-production) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 8 --timeout 300 \
+                          tests/test_sparse_mla_fp8.py -k "gluon and (production_sizes or cuda_graph_replay) and not tune" \
+                          2>&1 | tee "$OUT/fp8_gluon_production_tests.log" ;;
         small-m-ncu)  ncu --clock-control none --target-processes all \
                           -k regex:'_gate_up_kernel|_down_kernel|_fp8_gemm_kernel' --launch-skip 5 --launch-count 5 \
                           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
