@@ -6,7 +6,7 @@ indexer's head weights (``index_weights``, split over K: GLM-5's 32 x 6144 and D
 libdevice cos / sin, 1 and 64 rows), the dense FFN's SiLU-and-mul (``silu_and_mul``: libdevice
 ``expf``, IEEE division; bf16 and fp32), the decode step's inputs (``decode_inputs``), the MoE
 router's selection (``moe_router``: GLM-5's and DeepSeek-V3.2's routing, 256 experts, with the
-slot of their shared expert) and GEMM (``router_logits``: each tile, bf16 rows of 7168 on the fp32
+slot of their shared expert) and GEMM (``router_logits``: each tile, bf16 rows of 7168 on the bf16
 weight), and the RMSNorms before the attention's FP8 GEMMs (``rms_norm``: the
 input norm with its residual add at hidden 6144 / 7168, ``q_a_layernorm`` at 2048 / 1536, each
 plain and writing act_quant's codes and scales too).
@@ -95,8 +95,9 @@ def compile_router(experts: int, n_group: int, topk_group: int, top_k: int, n_sh
 
 
 def compile_router_logits(tile: moe_router.RouterGemmConfig, tokens: int, hidden: int = 7168) -> dict:
-    """One ``router_logits`` launch in ``tile`` over ``tokens`` bf16 rows of ``hidden`` (256 experts)."""
-    x, weight = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(256, hidden)
+    """One ``router_logits`` launch in ``tile`` over ``tokens`` bf16 rows of ``hidden`` (256 experts,
+    the bf16 weight the Router's tiles read)."""
+    x, weight = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(256, hidden, dtype=torch.bfloat16)
     return dsa.compile_kernel(moe_router._router_logits_kernel,
                               lambda: moe_router.router_logits(x, weight, config=tile), overrides=())
 

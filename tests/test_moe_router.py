@@ -14,7 +14,7 @@ import torch
 
 from compile_scripts import compiled_counts
 from dsaspec.configs.model_config import get_config
-from dsaspec.ops.moe_router import route_topk
+from dsaspec.ops.moe_router import decode_tile, route_topk
 from dsaspec.reference import moe_router as ref
 
 pytestmark = pytest.mark.interpreter
@@ -223,6 +223,33 @@ def test_router_logits_read_the_rows_as_stored(monkeypatch):
         assert torch.equal(router.logits(x), plain) and len(seen) == calls
         router.row_invariant = True                  # ... but never in the row-invariant mode
         assert torch.equal(router.logits(x), router_logits(x, router.weight)) and seen[-1][1] is None
+
+
+def test_the_fma_tiles_read_the_bf16_copy_where_exact(monkeypatch):
+    """The Router's FMA tiles (the Triton ops' decode tile, the row-invariant mode's) read the bf16
+    copy of a weight holding bf16 values and the fp32 weight otherwise; the same logits either way."""
+    import dsaspec.layers.moe as moe_module
+    from dsaspec.layers.moe import Router
+    from dsaspec.ops.moe_router import router_logits
+
+    config = get_config("tiny-moe")
+    router = Router(config)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, config.hidden_size, generator=gen).bfloat16()
+    seen = []
+    monkeypatch.setattr(moe_module, "router_logits", lambda rows, weight, *a, **k: seen.append(weight.dtype)
+                        or router_logits(rows, weight, *a, **k))
+    with torch.no_grad():
+        for weight, dtype in ((torch.randn(router.weight.shape, generator=gen).bfloat16().float(), torch.bfloat16),
+                              (torch.randn(router.weight.shape, generator=gen) / 3, torch.float32)):
+            router.weight.copy_(weight)
+            for flag in ("use_triton", "row_invariant"):
+                setattr(router, flag, True)
+                got = router.logits(x)
+                setattr(router, flag, False)
+                assert seen[-1] == dtype
+                want = router_logits(x, router.weight, config=None if flag == "row_invariant" else decode_tile(3))
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_compiles_for_sm90():

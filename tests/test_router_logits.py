@@ -2,6 +2,7 @@
 (dsaspec.reference.moe_router.router_logits): within the worst-case bound of an fp32 sum of K
 products, at the presets' widths and odd ones (K not a multiple of the block, one expert, experts
 not a multiple of the tile), token counts around the tile edges, bf16 and fp32 rows, strided rows;
+a bf16 weight against the fp32 weight of its values, bit for bit;
 each token's bits independent of the other tokens and of T; poisoned rows kept to themselves;
 bad arguments named."""
 
@@ -75,6 +76,18 @@ def test_each_token_alone_is_the_same_bits(config, device):
         assert torch.equal(part.view(torch.int32), full[rows].view(torch.int32)), rows
 
 
+@pytest.mark.parametrize("config", [None, WIDE, RouterGemmConfig(rows=1, experts=1, block_k=256, num_warps=4)],
+                         ids=["default", "wide", "one_row"])
+def test_a_bf16_weight_gives_its_fp32_values_bits(config, device):
+    """The weight stored as bf16 and as the fp32 tensor of the same values (the checkpoints' gate
+    weights): the same logits, bit for bit (bf16 converts to fp32 exactly), on bf16 and fp32 rows."""
+    w = _weight(24, 700, device, seed=8).bfloat16()
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _rows(5, 700, dtype, device, seed=9)
+        got, want = router_logits(x, w, config=config), router_logits(x, w.float(), config=config)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_reads_strided_rows_and_writes_only_its_region(device):
     x = _rows(6, 2 * 320, torch.bfloat16, device, seed=5)[:, :320]      # row stride 640
     w = _weight(9, 320, device, seed=6)
@@ -121,7 +134,7 @@ def _t(*shape, dtype=torch.float32):
 
 @pytest.mark.parametrize("call, message", [
     (lambda: router_logits(_t(2, 8, dtype=torch.float16), _t(4, 8)), "x: expected dtype"),
-    (lambda: router_logits(_t(2, 8, dtype=torch.bfloat16), _t(4, 8, dtype=torch.bfloat16)), "weight: expected dtype"),
+    (lambda: router_logits(_t(2, 8, dtype=torch.bfloat16), _t(4, 8, dtype=torch.float16)), "weight: expected dtype"),
     (lambda: router_logits(_t(2, 8), _t(4, 9)), "weight: expected shape"),
     (lambda: router_logits(_t(2, 3, 8), _t(4, 8)), "x: expected 2 dimensions"),
     (lambda: router_logits(_t(2, 8), _t(4, 8), _t(2, 4, dtype=torch.bfloat16)), "out: expected dtype"),

@@ -76,7 +76,8 @@ class Router(Linear):
     default mode on CUDA, from :data:`BF16_GEMM_MIN_TOKENS` bf16 rows, where ``weight`` holds bf16
     values (the checkpoints' gate dtype, and the random init's), cuBLAS's bf16 GEMM with fp32
     output replaces both: the products are exact in fp32 either way, the sums fp32 in the tensor
-    cores' order (:meth:`bf16_weight`). With
+    cores' order (:meth:`bf16_weight`). The FMA tiles read that bf16 copy too where it exists
+    (half the bytes, the same fp32 values). With
     ``use_triton`` (set by the model) or ``row_invariant`` everything after the GEMM is one kernel
     (:func:`~dsaspec.ops.moe_router.route_topk`: the same ids, the sum in id order; one program per
     token, so row-invariant by construction, where torch's CPU ``sigmoid`` rounds an element by its
@@ -105,16 +106,22 @@ class Router(Linear):
             self._bf16 = (key, bf16 if torch.equal(bf16.float(), self.weight) else None)
         return self._bf16[1]
 
+    def _fma_weight(self) -> torch.Tensor:
+        """The weight the FMA tiles read: the bf16 copy where exact (half the bytes, the same fp32
+        values, so the same logits), else the fp32 weight."""
+        bf16 = self.bf16_weight()
+        return self.weight if bf16 is None else bf16
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` (bf16 or fp32) -> fp32 ``x @ weight.T`` ``[T, E]`` (class docstring)."""
         if self.row_invariant:
-            return router_logits(x, self.weight)
+            return router_logits(x, self._fma_weight())
         if self.use_triton and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_TOKENS:
             bf16 = self.bf16_weight()
             if bf16 is not None:
                 return torch.mm(x, bf16.t(), out_dtype=torch.float32)
         if self.use_triton and x.shape[0] <= DECODE_MAX_TOKENS:
-            return router_logits(x, self.weight, config=decode_tile(x.shape[0]))
+            return router_logits(x, self._fma_weight(), config=decode_tile(x.shape[0]))
         return F.linear(x.float(), self.weight)
 
     def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,15 +29,16 @@ E + n_shared - 1`` and weight 1.0 (the shared experts as extra experts after the
 every token, unscaled), in the same launch.
 
 The router's GEMM (:func:`router_logits`) has a kernel of its own: fp32 logits ``x @ W^T`` from
-the bf16 hidden rows as stored and the fp32 gate weight ``W [E, hidden]``, by FMAs in fp32 (no
-``x.float()`` copy; bf16 converts to fp32 exactly). A program holds a tile of ``rows`` tokens x
+the bf16 hidden rows as stored and the gate weight ``W [E, hidden]`` (fp32, or bf16 where its
+values are bf16's: half the bytes, the same logits), by FMAs in fp32 (no ``x.float()`` copy; bf16
+converts to fp32 exactly). A program holds a tile of ``rows`` tokens x
 ``experts`` experts and walks K in blocks of ``block_k``: per block, each (token, expert) sum of
 its ``block_k`` products is one reduction over the block, added to the running sum in K order. The
 tile, block and warps are a :class:`RouterGemmConfig` the caller passes; for a fixed one a token's
 logits are the same bits whatever the other tokens are (a reduction's order is the layout's, the
 same for every row of the tile), so the row-invariant mode passes one for every T and the default
 mode the fastest for its T (:func:`decode_tile`). At decode sizes the weight (6-7 MB at E = 256)
-is the traffic: small expert tiles put a program on every SM.
+is the traffic (3-3.5 MB as bf16): small expert tiles put a program on every SM.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_
     for k0 in range(0, K, BLOCK_K):
         k_live = (k0 + ks) < K
         x = tl.load(x_ptrs + k0, mask=row_live[:, None] & k_live[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k0, mask=expert_live[:, None] & k_live[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=expert_live[:, None] & k_live[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + experts[None, :]
     tl.store(out_ptrs, acc, mask=row_live[:, None] & expert_live[None, :])
@@ -238,14 +239,15 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     """The router's fp32 logits ``out[t, e] = sum_k x[t, k] * weight[e, k]`` (module docstring),
     one launch, no host sync.
 
-    ``x``: bf16 or fp32 ``[T, K]``, ``weight``: fp32 ``[E, K]`` on ``x``'s device, both with a
-    contiguous last dimension (any row stride). Writes and returns ``out`` fp32 ``[T, E]``
+    ``x``: bf16 or fp32 ``[T, K]``, ``weight``: bf16 or fp32 ``[E, K]`` on ``x``'s device (a bf16
+    weight gives the logits of its fp32 values, bit for bit), both with a contiguous last dimension
+    (any row stride). Writes and returns ``out`` fp32 ``[T, E]``
     (allocated when None; contiguous last dimension). ``config`` None: :class:`RouterGemmConfig`'s
     defaults (the row-invariant mode's tile); each token's logits are bitwise independent of T and
     of the other tokens for a fixed configuration."""
     check_tensor("x", x, dtype=(torch.bfloat16, torch.float32), ndim=2)
     tokens, k = x.shape
-    check_tensor("weight", weight, dtype=torch.float32, shape=(None, k), device=x.device)
+    check_tensor("weight", weight, dtype=(torch.bfloat16, torch.float32), shape=(None, k), device=x.device)
     experts = weight.shape[0]
     if out is None:
         out = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
