@@ -982,6 +982,35 @@ def test_prefill_chunks_of_many_rows_take_the_head_weights_from_a_gemm(monkeypat
     torch.testing.assert_close(gemm, launch, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+def test_gpu_prefill_head_weights_are_fp32_sums_of_exact_products(monkeypatch):
+    """On CUDA a default-mode prefill chunk's head weights (bf16 rows and weight) come from
+    cuBLAS's bf16 GEMM with fp32 output, not the fp32 GEMM on copies: at GLM-5's width and 4,096
+    rows, within the bound of an fp32 sum of exact products (and the scale's one rounding) of the
+    float64 result, and within fp32 rounding of the fp32 GEMM they replace."""
+    from dsaspec.layers.attention.mla import Indexer
+
+    config = get_config("e2e")
+    indexer = Indexer(config, torch.device("cuda"), torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    with torch.no_grad():
+        indexer.weights_proj.weight.copy_(torch.randn(indexer.weights_proj.weight.shape, device="cuda",
+                                                      generator=gen) / config.hidden_size ** 0.5)
+    x = torch.randn(4096, config.hidden_size, device="cuda", generator=gen).bfloat16()
+    fp32 = indexer._head_weights(x)
+    monkeypatch.setattr(Indexer, "_head_weights", lambda *a: pytest.fail("the fp32 GEMM ran"))
+    got = indexer._prefill_head_weights(x)
+    w = indexer.weights_proj.weight
+    # u doubled for the sums: tensor cores need not round their fp32 additions to nearest
+    k, u = config.hidden_size, 2.0 ** -23
+    scale = config.index_weight_scale
+    exact = (x.double() @ w.double().T) * scale
+    bound = (k * u / (1 - k * u) + u) * (x.double().abs() @ w.double().abs().T) * abs(scale)
+    assert got.dtype == torch.float32 and got.shape == (4096, config.index_n_heads)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    torch.testing.assert_close(got, fp32, rtol=1e-5, atol=1e-6)
+
+
 def test_only_the_first_layer_runs_the_value_checks(monkeypatch):
     """check_values reaches the first layer's ops alone (the later layers would repeat its host
     syncs on the same slots and tables), and a slot outside the pool is still refused there

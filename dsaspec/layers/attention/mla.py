@@ -103,14 +103,14 @@ class Indexer(RowInvariant, nn.Module):
         if step.ops.indexer_epilogues is not None:   # the Triton ops: q's, k's and the weights' in one launch
             # prefill chunks: the launch's head-weight programs read the hidden rows once per head
             # (0.45 ms a 4,096-row chunk of the GLM-5 rank, benchmarks/results/h200/logs/
-            # prefill_glm5_rank_session22.md); one fp32 GEMM instead, another summation order
+            # prefill_glm5_rank_session22.md); one GEMM instead, another summation order
             gemm_weights = not self.row_invariant and rows >= PREFILL_MIN_ROWS
             q, weights = step.ops.indexer_epilogues(q, index_k_cache, step.out_cache_loc, wk_out, self.k_norm.weight,
                                                     self.k_norm.bias, self.k_norm.eps, step.cos, step.sin, rope,
                                                     interleaved, None if gemm_weights else x,
                                                     self.weights_proj.weight, cfg.index_weight_scale,
                                                     check_values=step.check_values)
-            return q, self._head_weights(x) if gemm_weights else weights
+            return q, self._prefill_head_weights(x) if gemm_weights else weights
         q = apply_rope_first(q, rope, step.cos, step.sin, interleaved)
         k = apply_rope_first(self.k_norm(wk_out), rope, step.cos, step.sin, interleaved)
         if is_fp8_cache(index_k_cache):
@@ -123,6 +123,15 @@ class Indexer(RowInvariant, nn.Module):
         ``row_invariant``, else torch's) times ``index_weight_scale``."""
         linear = row_invariant_ops().linear if self.row_invariant else F.linear
         return linear(x.float(), self.weights_proj.weight.float()) * self.config.index_weight_scale
+
+    def _prefill_head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`_head_weights` of a default-mode prefill chunk: on CUDA with bf16 rows and
+        weight, cuBLAS's bf16 GEMM with fp32 output (the products exact in fp32 either way, the
+        sums fp32 in its order), without the fp32 copies of the rows and the weight."""
+        weight = self.weights_proj.weight
+        if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32) * self.config.index_weight_scale
+        return self._head_weights(x)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ H`` over the last dim (fp32 math, ``x``'s dtype back), ``H`` symmetric."""
