@@ -1,17 +1,18 @@
-"""Time the MoE router's GEMM (fp32 logits of the hidden rows against the fp32 gate weight) on one
-GPU at the router shapes of the per-rank presets and T tokens: ``router_logits`` in several tiles
+"""Time the MoE router's GEMM (fp32 logits of the hidden rows against the gate weight) on one GPU at
+the router shapes of the per-rank presets and T tokens: ``router_logits`` in several tiles
 (:class:`~dsaspec.ops.moe_router.RouterGemmConfig`) on the fp32 weight and on its bf16 copy (the
-Router's where exact: half the bytes, the same logits; one row per weight dtype), against cuBLAS on ``x.float()`` (the copy
-included: the default mode's path for prefill rows where the weight is not bf16), cuBLAS's bf16 GEMM
-with fp32 output on the bf16 weight (the default mode's from ``BF16_GEMM_MIN_TOKENS`` rows; the
-weights here hold bf16 values, as the checkpoints' gate weights) and the row-invariant GEMM on ``x.float()``
-(16 x 32 FMA tiles, split K). Per point: the median per-replay span of a cold-L2 CUDA-graph replay
-(time_in_graph), each against the bytes floor (the tiles' weight, the bf16 rows read, the fp32
-logits written, at the measured copy bandwidth; no launch beats an empty kernel node), and every
-result checked within fp32 rounding of cuBLAS's. Writes ``router_gemm.json`` and ``.md`` to the
-folder given: the tile that wins over all T is the row-invariant mode's (one tile for every T), the
-best tile at each T the default mode's (``dsaspec.ops.moe_router._DECODE_TILES``), where cuBLAS
-starts winning ``DECODE_MAX_TOKENS`` and where its bf16 GEMM does ``dsaspec.layers.moe.BF16_GEMM_MIN_TOKENS``.
+Router's where exact: half the bytes, the same logits; one row per weight dtype), against cuBLAS on
+``x.float()`` (the copy included: the default mode's path for prefill rows where the weight is not
+bf16), cuBLAS's bf16 GEMM with fp32 output on the bf16 weight (the default mode's from
+``BF16_GEMM_MIN_TOKENS`` rows; the weights here hold bf16 values, as the checkpoints' gate weights)
+and the row-invariant GEMM on ``x.float()`` (16 x 32 FMA tiles, split K). Per point: the median
+per-replay span of a cold-L2 CUDA-graph replay (time_in_graph), each against the bytes floor (the
+tiles' weight, the bf16 rows read, the fp32 logits written, at the measured copy bandwidth; no
+launch beats an empty kernel node), and every result checked within fp32 rounding of cuBLAS's.
+Writes ``router_gemm.json`` and ``.md`` to the folder given: the tile that wins over all T is the
+row-invariant mode's (one tile for every T), the best tile at each T the default mode's
+(``dsaspec.ops.moe_router._DECODE_TILES``), where cuBLAS starts winning ``DECODE_MAX_TOKENS`` and
+where its bf16 GEMM does ``dsaspec.layers.moe.BF16_GEMM_MIN_TOKENS``.
 
     python3 scripts/bench_router_gemm.py OUT [--rows 1,2,3,4,16,32,64,128,256] [--weight-dtype bf16,fp32]
 """
@@ -31,9 +32,10 @@ from dsaspec.ops import row_invariant as ri
 from dsaspec.ops.moe_router import RouterGemmConfig, router_logits
 
 METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; router_logits in each "
-          "tile on the row's weight dtype (bf16: the bf16 copy of the fp32 weight), cuBLAS F.linear(x.float(), W) (copy included), cuBLAS torch.mm(x, W_bf16.T, out_dtype=fp32) and the "
-          "row-invariant GEMM on x.float() on the same inputs (W holds bf16 values); floor = max((the tiles' weight + bf16 "
-          "rows + fp32 logits) / measured copy bandwidth, empty kernel)")
+          "tile on the row's weight dtype (bf16: the bf16 copy of the fp32 weight), cuBLAS F.linear(x.float(), W) "
+          "(copy included), cuBLAS torch.mm(x, W_bf16.T, out_dtype=fp32) and the row-invariant GEMM on x.float() on "
+          "the same inputs (W holds bf16 values); floor = max((the tiles' weight + bf16 rows + fp32 logits) / "
+          "measured copy bandwidth, empty kernel)")
 PRESET_NAMES = ("glm5-fp8-tp8-rank", "deepseek-v32-fp8-tp8-rank")
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # rows x experts x block_k, warps: at most 64 products a thread
@@ -91,8 +93,8 @@ def main() -> int:
             point["best_over_floor"] = point[f"{point['best_tile']}_us"] / point["floor_us"]
             point["best_vs_cublas"] = point["cublas_us"] / point[f"{point['best_tile']}_us"]
             results.append(point)
-    columns = ([("preset", "preset"), ("t", "T"), ("k", "K"), ("weight", "tiles' weight"), ("floor_us", "floor µs"), ("cublas_us", "cuBLAS µs"),
-                ("row_invariant_us", "row-invariant GEMM µs"),
+    columns = ([("preset", "preset"), ("t", "T"), ("k", "K"), ("weight", "tiles' weight"), ("floor_us", "floor µs"),
+                ("cublas_us", "cuBLAS µs"), ("row_invariant_us", "row-invariant GEMM µs"),
                 ("cublas_bf16_us", "cuBLAS bf16 -> fp32 µs")]
                + [(f"{_name(tile)}_us", f"{_name(tile)} µs") for tile in TILES]
                + [("best_tile", "best tile"), ("best_over_floor", "best / floor"), ("best_vs_cublas", "cuBLAS / best")])
