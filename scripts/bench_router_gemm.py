@@ -37,7 +37,7 @@ METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay 
           "the same inputs (W holds bf16 values); floor = max((the tiles' weight + bf16 rows + fp32 logits) / "
           "measured copy bandwidth, empty kernel)")
 PRESET_NAMES = ("glm5-fp8-tp8-rank", "deepseek-v32-fp8-tp8-rank")
-WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WEIGHT_DTYPES = ("bf16", "fp32")
 # rows x experts x block_k, warps: at most 64 products a thread
 TILES = [RouterGemmConfig(r, e, b, w) for r, e, b, w in (
     (1, 1, 2048, 4), (2, 2, 2048, 8), (4, 2, 1024, 4), (4, 4, 512, 4), (8, 2, 1024, 8), (8, 4, 512, 8),
