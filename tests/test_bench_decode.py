@@ -54,6 +54,22 @@ def test_kv_cache_dtype_option_refuses_a_bad_value(capsys):
     assert_one_line_error(capsys, ["bench", "decode", "--kv-cache-dtype", "bf16,fp8"], "--kv-cache-dtype", "fp8_e4m3")
 
 
+@pytest.mark.parametrize("layers,wanted", [(24, 24), (78, 78), (None, 78)])
+def test_layers_cut_the_preset(layers, wanted):
+    args = argparse.Namespace(preset="glm5-fp8-tp8-rank", layers=layers)
+    config = decode.preset_config(args)
+    assert config.num_hidden_layers == wanted
+    assert config.replace(num_hidden_layers=78) == get_config("glm5-fp8-tp8-rank")   # nothing else changed
+
+
+@pytest.mark.parametrize("layers,named", [(79, "has 78 layers"), (2, "no MoE decoder layer")])
+def test_layers_refuse_more_than_the_preset_or_no_moe_layer(layers, named):
+    from dsaspec.errors import UserError
+
+    with pytest.raises(UserError, match=f"--layers {layers}: .*{named}"):
+        decode.preset_config(argparse.Namespace(preset="glm5-fp8-tp8-rank", layers=layers))
+
+
 def _record_pools(monkeypatch) -> list:
     """KVPool.for_model records (dtype, a weak reference to the pool's MLA cache) of each pool it builds."""
     import weakref

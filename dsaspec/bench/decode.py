@@ -70,6 +70,9 @@ TPOT_TARGET = 1.05                           # bounded TPOT at a long context / 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="bench", choices=sorted(PRESETS), help="model preset (random weights)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="decode the preset cut to its first LAYERS layers (at most its own): for a preset too large "
+                        "for the GPU, e.g. a rank preset on an 80 GB H100 (default: all)")
     p.add_argument("--bs", type=positive_int_list, default=[1, 4, 16, 32],
                    help="comma-separated batch sizes (= graph buckets)")
     p.add_argument("--contexts", type=positive_int_list, default=[FULL_CONTEXT, 4096],
@@ -281,12 +284,28 @@ def _summary(run_times: list[list[float]]) -> dict:
 def _apply_cpu_sizes(args) -> None:
     ignored = use_cpu_sizes(args, add_arguments, {"preset": "tiny", "contexts": [1024, 128], "live": 70,
                                                   "bs": [1, 2], "steps": 3, "runs": 1, "budget": args.budget or 8},
-                            unused=("profile_steps",))
+                            unused=("profile_steps", "layers"))
+    args.layers = None
     print(f"No CUDA: tiny preset (fp32) with the torch reference ops, metadata kernels under the Triton "
           f"interpreter, contexts {format_value(args.contexts)}, bs {format_value(args.bs)}, {args.steps} steps. "
           "Token identity is checked; no time is measured (interpreter times mean nothing).")
     if ignored:
         print(ignored)
+
+
+def preset_config(args):
+    """The ``--preset`` config, cut to its first ``--layers`` layers where given; raises
+    :class:`~dsaspec.errors.UserError` for more layers than the preset has or a cut config that is
+    not valid (a MoE preset without a MoE layer)."""
+    config = get_config(args.preset)
+    if args.layers is None:
+        return config
+    if args.layers > config.num_hidden_layers:
+        raise UserError(f"--layers {args.layers}: the {args.preset} preset has {config.num_hidden_layers} layers")
+    try:
+        return config.replace(num_hidden_layers=args.layers)
+    except ValueError as error:   # e.g. a MoE preset cut before its first MoE layer
+        raise UserError(f"--layers {args.layers}: {error}") from None
 
 
 def run(args) -> int:
@@ -304,13 +323,14 @@ def run(args) -> int:
     if args.contexts[-1] < args.live + args.steps:
         raise UserError(f"--contexts {args.contexts[-1]} cannot hold --live {args.live} + --steps {args.steps} = "
                         f"{args.live + args.steps} tokens")
+    config = preset_config(args)
     device = torch.device("cuda" if on_gpu else "cpu")
     if on_gpu:
         from dsaspec.bench.timing import warm_up_gpu
 
         warm_up_gpu()
     rates = Rates.measure(device)
-    model = DSAModel(get_config(args.preset), device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
+    model = DSAModel(config, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
                      use_triton=on_gpu, options=options).init_weights(args.seed)
     generator = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(0, model.config.vocab_size, (args.live,), generator=generator)
