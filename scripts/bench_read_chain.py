@@ -9,6 +9,12 @@ when the one before it ends, as the layer's kernels do. The gap between the chai
 is what launches, ramp-up and tails cost at these sizes before any math: the practical floor of
 kernels split as the layer's are, which do more than read.
 
+The chain is timed three ways: plain launches; every link a programmatic dependent launch (PDL,
+sm_90) that waits for the link before it before reading (what launching early can hide when every
+read depends on the kernel before: the launch and the programs' start); and every link a PDL that
+reads its buffer before that wait and waits only before its store (the most early launches can
+give: a kernel whose bytes are all weights, none of them written by the kernel before).
+
     python3 scripts/bench_read_chain.py OUT [--preset glm5-fp8-tp8-rank] [--live 1032] [--tokens 1,4,32]
                                             [--iters 100]
 """
@@ -21,6 +27,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.bench.floors import uniform_experts_hit
 from dsaspec.bench.results import markdown_table, write_results
@@ -31,7 +38,8 @@ from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, k_group
 from dsaspec.ops.fused_moe import sorts_pairs
 
 METHOD = ("CUDA-graph replays after an L2 flush (time_in_graph, cold L2), CUPTI span from the first link's start to "
-          "the last link's end, median; a link = one launch of a Triton streaming read (int32 loads XOR-folded, one "
+          "the last link's end, median; chains of plain launches, of PDL links waiting before their reads and of "
+          "PDL links waiting only before their store; a link = one launch of a Triton streaming read (int32 loads XOR-folded, one "
           "int32 written per program) over its own buffer of the link's bytes, on the grid (programs x elements a "
           "step x warps) fastest for that size alone; floor = bytes / the measured copy bandwidth")
 PROGRAMS_PER_SM = (1, 2, 4)
@@ -40,14 +48,21 @@ WARPS = (4, 8)
 
 
 @triton.jit
-def _read_kernel(x_ptr, out_ptr, n, per_program, BLOCK: tl.constexpr):
-    # XOR of program pid's int32 elements [pid * per_program, (pid + 1) * per_program) written to out[pid]
+def _read_kernel(x_ptr, out_ptr, n, per_program, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # XOR of program pid's int32 elements [pid * per_program, (pid + 1) * per_program) written to out[pid].
+    # PDL 1: wait for the grid before, then let the next grid launch; PDL 2: let it launch, read, wait, store.
+    if PDL == 1:
+        gdc_wait()
+    if PDL != 0:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     start = pid * per_program
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for off in range(start, tl.minimum(start + per_program, n), BLOCK):
         idx = off + tl.arange(0, BLOCK)
         acc ^= tl.load(x_ptr + idx, mask=idx < n, other=0)
+    if PDL == 2:
+        gdc_wait()
     tl.store(out_ptr + pid, tl.xor_sum(acc, axis=0))
 
 
@@ -104,12 +119,16 @@ def layer_links(config: ModelConfig, live: int, sms: int, tokens: int = 1) -> li
     return links
 
 
-def _read(buf: torch.Tensor, out: torch.Tensor, grid: tuple[int, int, int]):
+PDL_MODES = {"chain": 0, "chain_pdl_wait_first": 1, "chain_pdl_read_first": 2}
+
+
+def _read(buf: torch.Tensor, out: torch.Tensor, grid: tuple[int, int, int], pdl: int = 0):
     programs, block, warps = grid
     n = buf.numel()
     per_program = triton.cdiv(triton.cdiv(n, programs), block) * block
     programs = triton.cdiv(n, per_program)
-    return lambda: _read_kernel[(programs,)](buf, out, n, per_program, BLOCK=block, num_warps=warps)
+    return lambda: _read_kernel[(programs,)](buf, out, n, per_program, BLOCK=block, PDL=pdl, num_warps=warps,
+                                             launch_pdl=pdl != 0)
 
 
 def _grids(n: int, sms: int) -> list[tuple[int, int, int]]:
@@ -121,25 +140,29 @@ def _grids(n: int, sms: int) -> list[tuple[int, int, int]]:
 
 
 def _chain(links: list[tuple[str, int]], out: torch.Tensor, sms: int, floors, iters: int) -> tuple[dict, list]:
-    """Time each link alone on its fastest grid, then the links as one chain and their bytes as one
-    read; returns the summary and the per-link rows."""
-    rows, chain = [], []
+    """Time each link alone on its fastest grid, then the links as one chain (plain and in both PDL
+    modes) and their bytes as one read; returns the summary and the per-link rows."""
+    rows, links_best = [], []
     for name, nbytes in links:
         buf = torch.randint(-2 ** 31, 2 ** 31 - 1, (triton.cdiv(nbytes, 4),), dtype=torch.int32, device="cuda")
         best = min((time_in_graph(_read(buf, out, g), iters=iters, graph_diff=False).median_us, g)
                    for g in _grids(buf.numel(), sms))
-        chain.append(_read(buf, out, best[1]))
+        links_best.append((buf, best[1]))
         rows.append(dict(link=name, bytes=nbytes, floor_us=nbytes / (floors.copy_gbps * 1e3), alone_us=best[0],
                          grid=f"{best[1][0]} x {best[1][1]} x {best[1][2]}w"))
     total = sum(r["bytes"] for r in rows)
     whole = torch.empty(triton.cdiv(total, 4), dtype=torch.int32, device="cuda")
     one_kernel = min(time_in_graph(_read(whole, out, g), iters=iters, graph_diff=False).median_us
                      for g in _grids(whole.numel(), sms))
-    chain_us = time_in_graph(lambda: [link() for link in chain], iters=iters, graph_diff=False).median_us
     floor = total / (floors.copy_gbps * 1e3)
-    return dict(links=len(rows), bytes=total, floor_us=floor, chain_us=chain_us, chain_over_floor=chain_us / floor,
-                alone_sum_us=sum(r["alone_us"] for r in rows), one_kernel_us=one_kernel,
-                one_kernel_over_floor=one_kernel / floor), rows
+    summary = dict(links=len(rows), bytes=total, floor_us=floor, alone_sum_us=sum(r["alone_us"] for r in rows),
+                   one_kernel_us=one_kernel, one_kernel_over_floor=one_kernel / floor)
+    for key, pdl in PDL_MODES.items():
+        chain = [_read(buf, out, grid, pdl) for buf, grid in links_best]
+        summary[f"{key}_us"] = time_in_graph(lambda: [link() for link in chain], iters=iters,
+                                             graph_diff=False).median_us
+        summary[f"{key}_over_floor"] = summary[f"{key}_us"] / floor
+    return summary, rows
 
 
 def main() -> int:
@@ -168,6 +191,9 @@ def main() -> int:
     head = markdown_table([("tokens", "bs"), ("links", "links"), ("bytes", "bytes"), ("floor_us", "floor µs"),
                            ("one_kernel_us", "one kernel µs"), ("one_kernel_over_floor", "one kernel / floor"),
                            ("chain_us", "chain µs"), ("chain_over_floor", "chain / floor"),
+                           ("chain_pdl_wait_first_us", "PDL, wait first µs"),
+                           ("chain_pdl_read_first_us", "PDL, read first µs"),
+                           ("chain_pdl_read_first_over_floor", "PDL, read first / floor"),
                            ("alone_sum_us", "sum alone µs")], summaries)
     write_results(f"read_chain_{args.preset}", dict(
         method=METHOD, params=dict(preset=args.preset, live=args.live, tokens=args.tokens, iters=args.iters),
