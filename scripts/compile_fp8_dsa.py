@@ -65,13 +65,17 @@ SM90_SHARED = 232448  # bytes of shared memory one block may hold on sm_90 (227 
 
 def compile_kernel(kernel, launch, overrides=(("UPCAST", False),)) -> dict:
     """Compile ``kernel`` as ``launch()`` would launch it on a CUDA device (with the constexpr
-    ``overrides`` a CUDA host would pick); registers, spills, shared memory, the SASS instruction
-    counts of :data:`SASS_OPS`, the SASS length (``instructions``) and the PTX (``ptx``)."""
+    ``overrides`` a CUDA host would pick, and ``CHAINED`` on where the kernel takes it, as on an
+    H200); registers, spills, shared memory, the SASS instruction counts of :data:`SASS_OPS`, the
+    SASS length (``instructions``) and the PTX (``ptx``)."""
+    overrides = dict(overrides)
+    if "CHAINED" in getattr(kernel, "arg_names", ()):
+        overrides.setdefault("CHAINED", True)
     record: dict = {}
     fresh_cache_dir()  # cold: a cached kernel would come without its ptxas log
     with compile_instead_of_launch(kernel, record, keep_compiled=True):
         offline = kernel.run
-        kernel.run = lambda *args, **kwargs: offline(*args, **(kwargs | dict(overrides)))
+        kernel.run = lambda *args, **kwargs: offline(*args, **(kwargs | overrides))
         launch()
     compiled = record["compiled"]
     cubin = CACHE_DIR / "kernel.cubin"

@@ -10,8 +10,8 @@ default P) on small CPU tensors of the production widths (k 8 routed + 1 shared 
 a TP 8 rank's experts; 9 experts, which no tile depends on) with the tiles an H200's 132 SMs give;
 the down lines also count the fp32 FMAs in the PTX (none: it compiles without contraction). Each
 FP8 linear case goes through ``fp8_linear`` at GLM-5's fused attention input (N 2752, K 6144; G 8 on
-132 SMs), M 1 split and M 64 unsplit, with programmatic dependent launch as on an H200. The other
-launches of a call are skipped.
+132 SMs), M 1 split and M 64 unsplit. Every kernel compiles chained (``enter_chain``) as on an H200.
+The other launches of a call are skipped.
 
     python3 scripts/compile_fused_moe.py
 """
@@ -84,7 +84,8 @@ def compile_align(experts: int) -> dict:
                           (moe._gate_up_kernel, moe._down_kernel, moe._combine_kernel), ())
 
 
-FP8_LINEAR = {"gemm": fp8_gemm._fp8_gemm_kernel, "reduce": fp8_gemm._fp8_gemm_reduce_kernel}
+FP8_LINEAR = {"gemm": fp8_gemm._fp8_gemm_kernel, "reduce": fp8_gemm._fp8_gemm_reduce_kernel,
+              "act_quant": fp8_gemm._act_quant_kernel}
 LINEAR_N, LINEAR_K = 2752, 6144
 
 
@@ -96,9 +97,8 @@ def compile_fp8_linear(kernel: str, split: bool, fused: bool) -> dict:
     w = torch.zeros(LINEAR_N, LINEAR_K, dtype=torch.float8_e4m3fn)
     w_scale = torch.ones(-(-LINEAR_N // fp8_gemm.BLOCK), LINEAR_K // fp8_gemm.BLOCK)
     launch = lambda: fp8_gemm.fp8_linear(x, w, w_scale, "ue8m0", fuse_quant=fused, split=split)  # noqa: E731
-    skipped = [k for k in (*FP8_LINEAR.values(), fp8_gemm._act_quant_kernel) if k is not FP8_LINEAR[kernel]]
-    with mock.patch.object(fp8_gemm, "supports_pdl", lambda device: True):
-        return _compile_alone(FP8_LINEAR[kernel], launch, skipped, ())
+    skipped = [k for k in FP8_LINEAR.values() if k is not FP8_LINEAR[kernel]]
+    return _compile_alone(FP8_LINEAR[kernel], launch, skipped, ())
 
 
 def main() -> int:

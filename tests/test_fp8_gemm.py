@@ -481,20 +481,18 @@ def test_fused_quant_production_shapes_gpu(m, n, k, fmt):
 
 def test_gemm_kernels_compile_for_sm90_without_spills():
     """Without a GPU: the GEMM unsplit and split, each with and without the fused quantization, and
-    the split's reduce compile for sm_90 (GLM-5's fused attention input; programmatic dependent
-    launch as on an H200: the split GEMM triggers, the reduce waits) with no register spills and
-    within a block's shared memory (scripts/compile_fused_moe.py, in a subprocess)."""
+    the split's reduce compile for sm_90 (GLM-5's fused attention input; chained as on an H200) with
+    no register spills and within a block's shared memory (scripts/compile_fused_moe.py, in a
+    subprocess)."""
     cases = [("gemm", split, fused) for split in (False, True) for fused in (False, True)] + [("reduce", True, False)]
     out = run_in_scripts("compile_fused_moe",
                          f"for kernel, split, fused in {cases!r}:\n"
                          "    r = c.compile_fp8_linear(kernel, split, fused)\n"
-                         "    print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED,\n"
-                         "          r['ptx'].count('griddepcontrol'))")
+                         "    print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED)")
     results = integer_rows(out)
     assert len(results) == len(cases), out
-    for (kernel, split, _), (regs, spilled, shared, limit, pdl) in zip(cases, results):
+    for regs, spilled, shared, limit in results:
         assert 0 < regs <= 255 and spilled == 0 and shared <= limit, out
-        assert pdl == split, f"{kernel} split={split}: griddepcontrol instructions {pdl}"
 
 
 # (N, K) of the TP 8 rank FP8 GEMMs: GLM-5 fused_input, shared gate_up, o_proj / fused_latent, shared

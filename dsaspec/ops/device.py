@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 H200_SMS = 132  # used off-GPU where the interpreter should take the H200's launch shapes
 SM_REGISTERS, THREAD_REGISTERS = 65536, 255  # 32-bit registers of one SM and of one thread (sm_80 .. sm_90)
@@ -36,3 +39,20 @@ def supports_pdl(device: torch.device | str) -> bool:
     Triton's ``launch_pdl``): a CUDA device of compute capability 9.0 (Hopper) or newer."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def chains_launches(device: torch.device | str) -> bool:
+    """Whether the op wrappers launch their kernels on ``device`` chained (:func:`enter_chain`):
+    wherever programmatic dependent launch runs (:func:`supports_pdl`)."""
+    return supports_pdl(device)
+
+
+@triton.jit
+def enter_chain(CHAINED: tl.constexpr):
+    # A chained kernel (launched with launch_pdl=True) may start while the kernel before it in the
+    # stream is still running, so it waits for that grid to finish (its writes visible) before it
+    # touches memory, then lets the kernel after it launch: each launch and program start overlaps
+    # the kernel before instead of following its end. Call first in the kernel, in every program.
+    if CHAINED:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -66,10 +66,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import sm_count, supports_pdl
+from dsaspec.ops.device import chains_launches, enter_chain, sm_count
 from dsaspec.ops.e4m3 import quantize_rows
 
 BLOCK = 128              # quantization block: 128 columns of a token, 128 x 128 of a weight
@@ -125,7 +124,8 @@ def _check_k(name: str, k: int) -> None:
 
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
-                      UE8M0: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+                      UE8M0: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, CHAINED: tl.constexpr):
+    enter_chain(CHAINED)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     kb = tl.program_id(1)
     cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -155,8 +155,10 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None, *, out: torch.Tenso
     check_tensor("scale_out", scale_out, dtype=torch.float32, shape=(m, k // BLOCK), device=x.device)
     rows = min(_QUANT_ROWS, triton.next_power_of_2(max(m, 1)))
     grid = (triton.cdiv(m, rows), k // BLOCK)
+    chained = chains_launches(x.device)
     _act_quant_kernel[grid](x, out, scale_out, m, x.stride(0), out.stride(0), scale_out.stride(0),
-                            UE8M0=scale_fmt == "ue8m0", ROWS=rows, BLOCK_K=BLOCK, num_warps=1 if rows <= 2 else 4)
+                            UE8M0=scale_fmt == "ue8m0", ROWS=rows, BLOCK_K=BLOCK, CHAINED=chained,
+                            launch_pdl=chained, num_warps=1 if rows <= 2 else 4)
     return out, scale_out
 
 
@@ -164,15 +166,14 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None, *, out: torch.Tenso
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, group,
                      stride_am, stride_asm, stride_wn, stride_wsn, stride_cm, stride_cg,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     QUANTIZE_A: tl.constexpr, UE8M0: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+                     QUANTIZE_A: tl.constexpr, UE8M0: tl.constexpr, SPLIT: tl.constexpr,
+                     CHAINED: tl.constexpr):
     # acc = ((0 + acc_0) + acc_1) + ..., acc_g = (0 + its K blocks' terms in order); group g is K
     # blocks [g * group, (g + 1) * group). SPLIT: program (i, j, g) runs group g alone and writes fp32
     # acc = 0 + acc_g to c_ptr + g * stride_cg; _fp8_gemm_reduce_kernel adds those in g order, the
     # same sums. QUANTIZE_A: a holds bf16 / fp32 activations (as_ptr unread), quantized per K block
     # in registers exactly as _act_quant_kernel does.
-    if PDL:
-        # the reduce may launch now; it waits for this grid before reading the partials
-        gdc_launch_dependents()
+    enter_chain(CHAINED)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = tl.program_id(1) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -216,10 +217,9 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, group,
 
 @triton.jit
 def _fp8_gemm_reduce_kernel(p_ptr, c_ptr, N, stride_pg, stride_pm, stride_cm,
-                            GROUPS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                            GROUPS: tl.constexpr, BLOCK_C: tl.constexpr, CHAINED: tl.constexpr):
     # c[m, n] = sum over g = 0 .. GROUPS - 1 in order of p[g, m, n] (fp32, from 0), cast to c's dtype
-    if PDL:
-        gdc_wait()
+    enter_chain(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     live = cols < N
@@ -306,19 +306,20 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scal
     quantize = a_scale is None
     if quantize:
         a_scale = a                                       # unread
-    pdl = split and supports_pdl(a.device)
+    chained = chains_launches(a.device)
     c = torch.empty(groups, m, n, dtype=torch.float32, device=a.device) if split else out
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, _GEMM_BLOCK_N), groups if split else 1)
     _fp8_gemm_kernel[grid](a, a_scale, w, w_scale, c, m, n, k, group,
                            a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), c.stride(-2),
                            c.stride(0) if split else 0,
                            BLOCK_M=block_m, BLOCK_N=_GEMM_BLOCK_N, BLOCK_K=BLOCK,
-                           QUANTIZE_A=quantize, UE8M0=scale_fmt == "ue8m0", SPLIT=split, PDL=pdl,
-                           num_warps=4, num_stages=_GEMM_STAGES if block_m == _GEMM_BLOCK_M else _TALL_GEMM_STAGES)
+                           QUANTIZE_A=quantize, UE8M0=scale_fmt == "ue8m0", SPLIT=split,
+                           CHAINED=chained, launch_pdl=chained, num_warps=4,
+                           num_stages=_GEMM_STAGES if block_m == _GEMM_BLOCK_M else _TALL_GEMM_STAGES)
     if split:
         _fp8_gemm_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
-            c, out, n, c.stride(0), c.stride(1), out.stride(0), GROUPS=groups, BLOCK_C=_REDUCE_BLOCK, PDL=pdl,
-            launch_pdl=pdl, num_warps=4)
+            c, out, n, c.stride(0), c.stride(1), out.stride(0), GROUPS=groups, BLOCK_C=_REDUCE_BLOCK,
+            CHAINED=chained, launch_pdl=chained, num_warps=4)
     return out
 
 

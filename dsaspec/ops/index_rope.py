@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.device import chains_launches, enter_chain
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.index_weights import HeadWeightsLaunch, head_weights_program, prepare_index_weights
 from dsaspec.ops.kv_cache_layout import INDEX_HEAD_DIM, PAGE_SIZE, index_k_fp8_views, is_fp8_cache
@@ -141,11 +142,12 @@ def _index_rope_kernel(q_ptr, q_out_ptr, q_rows, heads, stride_q, stride_qh, str
                        ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, ROTATE: tl.constexpr, K_DEST: tl.constexpr,
                        BF16: tl.constexpr, PAGE: tl.constexpr, QUERY: tl.constexpr, KEY: tl.constexpr,
                        WEIGHTS: tl.constexpr, W_SPLITS: tl.constexpr, W_BLOCK_M: tl.constexpr,
-                       W_BLOCK_K: tl.constexpr, W_STAGES: tl.constexpr):
+                       W_BLOCK_K: tl.constexpr, W_STAGES: tl.constexpr, CHAINED: tl.constexpr):
     # programs [0, q_blocks) rope the query rows (token = row // heads, read through q's token and
     # head strides) into q_out (contiguous), the next k_blocks norm + rope the key rows (one a token)
     # into the cache, the rest compute the head weights (head_weights_program); QUERY / KEY /
     # WEIGHTS: the launch has that part
+    enter_chain(CHAINED)
     block = tl.program_id(0)
     if block < q_blocks:
         if QUERY:
@@ -219,11 +221,13 @@ def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, k=None,
     q_args = (any_x, any_x, 0, 1, 0, 0, 0) if q is None else (q, q_out, q_rows, q.shape[1], q.stride(0), q.stride(1),
                                                                INDEX_HEAD_DIM)
     w_constexprs = {f"W_{name}": value for name, value in head_weights.constexprs.items()}
+    chained = chains_launches(any_x.device)
     _index_rope_kernel[(blocks,)](
         *q_args, q_blocks, *k_args, k_blocks, cos, sin, cos.stride(0), *head_weights.args, ROWS=_ROWS,
         DIM=INDEX_HEAD_DIM, ROPE=rope_dim, INTERLEAVED=interleaved, ROTATE=rotate, K_DEST=dest,
         BF16=any_x.dtype == torch.bfloat16, PAGE=PAGE_SIZE, QUERY=q is not None, KEY=k is not None,
-        WEIGHTS=head_weights.programs > 0, **w_constexprs, enable_fp_fusion=False)
+        WEIGHTS=head_weights.programs > 0, **w_constexprs, CHAINED=chained, launch_pdl=chained,
+        enable_fp_fusion=False)
 
 
 def index_q_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,

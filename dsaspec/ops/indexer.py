@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_live_width, check_tensor
-from dsaspec.ops.device import resident_registers
+from dsaspec.ops.device import chains_launches, enter_chain, resident_registers
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.indexer_schedule import (INDEXER_BLOCK_KV, PROGRAMS_PER_SM, check_rows_per_group,
                                           indexer_programs)
@@ -138,7 +138,7 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, k_scale_ptr, page_ta
                            GROUP_P2: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_KV: tl.constexpr,
                            TOKENS_AS_M: tl.constexpr, NUM_STAGES: tl.constexpr,
                            UPCAST: tl.constexpr, FP8: tl.constexpr, PAGE: tl.constexpr,
-                           PAGE_BLOCKS: tl.constexpr):
+                           PAGE_BLOCKS: tl.constexpr, CHAINED: tl.constexpr):
     # FP8: k_cache_ptr is the e4m3 codes and k_scale_ptr the fp32 scales of a paged cache (strides
     # per page); otherwise k_cache_ptr is a bf16 [slots, HEAD_DIM] cache and k_scale_ptr unused.
     # A unit is GROUP consecutive rows sharing one page table (one row when GROUP == 1); its
@@ -147,6 +147,7 @@ def _indexer_logits_kernel(q_ptr, weights_ptr, k_cache_ptr, k_scale_ptr, page_ta
     # page_table[row, 64 b] // 64 (the caller's precondition), its tokens that page's 64 slots.
     if PAGE_BLOCKS:
         tl.static_assert(BLOCK_KV == PAGE, "page_blocks needs 64-position blocks of 64-slot pages")
+    enter_chain(CHAINED)
     BLOCK_C: tl.constexpr = GROUP_P2 * HEADS_P2
     sm = tl.program_id(0)
     unit = tl.load(schedule_ptr + sm * 2)
@@ -338,6 +339,7 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     group_p2 = triton.next_power_of_2(rows_per_group)
     heads_p2 = max(triton.next_power_of_2(num_heads), 16 // group_p2)  # a dot needs N >= 16
     num_programs = schedule.shape[0] - 1
+    chained = chains_launches(q.device)
     _indexer_logits_kernel[(num_programs,)](
         q, weights, keys, scales, page_table_1, seqlens, schedule, out,
         q.stride(0), q.stride(1), weights.stride(0), key_stride, scale_stride,
@@ -346,8 +348,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
         GROUP=rows_per_group, HEAD_DIM=head_dim, GROUP_P2=group_p2, HEADS_P2=heads_p2,
         BLOCK_KV=INDEXER_BLOCK_KV,
         TOKENS_AS_M=config.tokens_as_m, NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda,
-        FP8=fp8, PAGE=PAGE_SIZE, PAGE_BLOCKS=config.page_blocks, num_warps=config.num_warps,
-        maxnreg=config.max_registers)
+        FP8=fp8, PAGE=PAGE_SIZE, PAGE_BLOCKS=config.page_blocks, CHAINED=chained, launch_pdl=chained,
+        num_warps=config.num_warps, maxnreg=config.max_registers)
     return out
 
 

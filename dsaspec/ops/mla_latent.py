@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
+from dsaspec.ops.device import chains_launches, enter_chain
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_kv import _bf16_bits
 from dsaspec.ops.index_rope import _round, rope_pairs
@@ -39,7 +40,8 @@ _WIDTH = MLA_LATENT_DIM + MLA_ROPE_DIM
 def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, loc_ptr, out_ptr, scale_ptr, rope_ptr, eps,
                        stride_kv, stride_cos, stride_out, stride_scale, stride_rope, GROUPS: tl.constexpr,
                        GROUP: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
-                       FP8: tl.constexpr, BF16: tl.constexpr, CACHE_BF16: tl.constexpr):
+                       FP8: tl.constexpr, BF16: tl.constexpr, CACHE_BF16: tl.constexpr, CHAINED: tl.constexpr):
+    enter_chain(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + row).to(tl.int64)
     x_row = kv_ptr + row * stride_kv
@@ -71,7 +73,8 @@ def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, loc_ptr, out_ptr, scale_
 @triton.jit
 def _mla_query_kernel(a_ptr, q_ptr, cos_ptr, sin_ptr, out_ptr, stride_ar, stride_ah, stride_qr, stride_qh,
                       stride_cos, stride_or, stride_oh, LATENT: tl.constexpr, ROPE: tl.constexpr,
-                      INTERLEAVED: tl.constexpr, BF16: tl.constexpr):
+                      INTERLEAVED: tl.constexpr, BF16: tl.constexpr, CHAINED: tl.constexpr):
+    enter_chain(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     out_row = out_ptr + row * stride_or + head * stride_oh
@@ -106,11 +109,12 @@ def mla_query(q_absorbed: torch.Tensor, q_rope: torch.Tensor, cos: torch.Tensor,
         raise ValueError(f"sin: expected the strides of cos {cos.stride()}, got {sin.stride()}")
     out = torch.empty(rows, heads, _WIDTH, dtype=q_rope.dtype, device=q_rope.device)
     if rows and heads:
+        chained = chains_launches(q_rope.device)
         _mla_query_kernel[(rows, heads)](
             q_absorbed, q_rope, cos, sin, out, q_absorbed.stride(0), q_absorbed.stride(1), q_rope.stride(0),
             q_rope.stride(1), cos.stride(0), out.stride(0), out.stride(1), LATENT=MLA_LATENT_DIM,
             ROPE=MLA_ROPE_DIM, INTERLEAVED=interleaved, BF16=q_rope.dtype == torch.bfloat16,
-            enable_fp_fusion=False)
+            CHAINED=chained, launch_pdl=chained, enable_fp_fusion=False)
     return out
 
 
@@ -139,8 +143,9 @@ def store_mla_normed(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, w
         raise ValueError(f"loc: slots must lie in [0, {cache.shape[0]}), got [{int(loc.min())}, {int(loc.max())}]")
     if not rows:
         return
+    chained = chains_launches(kv.device)
     _mla_latent_kernel[(rows,)](
         kv, weight, cos, sin, loc, out, scale, rope.view(torch.int16) if fp8 else rope, float(eps), kv.stride(0),
         cos.stride(0), out.stride(0), scale.stride(0), rope.stride(0), GROUPS=MLA_LATENT_DIM // FP8_GROUP,
         GROUP=FP8_GROUP, ROPE=MLA_ROPE_DIM, INTERLEAVED=interleaved, FP8=fp8, BF16=kv.dtype == torch.bfloat16,
-        CACHE_BF16=cache.dtype == torch.bfloat16, enable_fp_fusion=False)
+        CACHE_BF16=cache.dtype == torch.bfloat16, CHAINED=chained, launch_pdl=chained, enable_fp_fusion=False)

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import interpreted
+from dsaspec.ops.device import chains_launches, enter_chain, interpreted
 from dsaspec.ops.silu_and_mul import torch_exp
 
 
@@ -80,8 +80,10 @@ def _ranked_index(key):
 def _router_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits, stride_ids, stride_weights,
                    scaling, GROUP: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    TOPK: tl.constexpr, SHARED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                   GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr):
+                   GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr,
+                   CHAINED: tl.constexpr):
     # the token's E = GROUPS * GROUP logits as a [GROUPS_PAD, GROUP_PAD] tile, expert g * GROUP + j
+    enter_chain(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     row_logits = logits_ptr + row * stride_logits
     g = tl.arange(0, GROUPS_PAD)[:, None]
@@ -166,12 +168,13 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group:
     check_tensor("ids", ids, dtype=torch.int32, shape=(tokens, slots), device=logits.device)
     check_tensor("weights", weights, dtype=torch.float32, shape=(tokens, slots), device=logits.device)
     if tokens:
+        chained = chains_launches(logits.device)
         _router_kernel[(tokens,)](
             logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
             GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, SHARED=n_shared,
             NORM=bool(norm_topk_prob), LIBDEVICE_EXP=not interpreted(_router_kernel),
             GROUPS_PAD=max(2, triton.next_power_of_2(n_group)), GROUP_PAD=triton.next_power_of_2(group),
-            TOPK_PAD=max(2, triton.next_power_of_2(slots)), num_warps=1)
+            TOPK_PAD=max(2, triton.next_power_of_2(slots)), CHAINED=chained, launch_pdl=chained, num_warps=1)
     return ids, weights
 
 
@@ -215,8 +218,9 @@ def decode_tile(tokens: int) -> RouterGemmConfig:
 
 @triton.jit(do_not_specialize=["tokens"])
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_w, stride_out,
-                          ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
+                          ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr, CHAINED: tl.constexpr):
     # out[t, e] = sum over K blocks in order of (one reduction of the block's x[t, k] * w[e, k]), fp32
+    enter_chain(CHAINED)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     experts = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
     ks = tl.arange(0, BLOCK_K)
@@ -255,7 +259,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     config = config or RouterGemmConfig()
     if tokens and experts:
         grid = (triton.cdiv(experts, config.experts), triton.cdiv(tokens, config.rows))
+        chained = chains_launches(x.device)
         _router_logits_kernel[grid](x, weight, out, tokens, experts, k, x.stride(0), weight.stride(0),
                                     out.stride(0), ROWS=config.rows, EXPERTS=config.experts,
-                                    BLOCK_K=config.block_k, num_warps=config.num_warps)
+                                    BLOCK_K=config.block_k, CHAINED=chained, launch_pdl=chained,
+                                    num_warps=config.num_warps)
     return out

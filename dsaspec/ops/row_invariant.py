@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
-from dsaspec.ops.device import sm_count
+from dsaspec.ops.device import chains_launches, enter_chain, sm_count
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS
 
@@ -140,8 +140,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, counters_ptr,
                  stride_cb, stride_cm, stride_cn,
                  m_tiles, n_tiles, k_blocks_per_split,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, CHAINED: tl.constexpr):
     # M tiles vary fastest, so the programs that read one weight tile run together (L2 reuse).
+    enter_chain(CHAINED)
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     pid_m = pid % m_tiles
@@ -210,6 +211,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfi
     else:
         counters = workspace = out  # not read by a one-split launch
     grid = (m_tiles * splits * n_tiles, batch)
+    chained = chains_launches(out.device)
     _gemm_kernel[grid](
         a, b, out, workspace, counters, m, n, k,
         a.stride(0), a.stride(1), a.stride(2),
@@ -217,7 +219,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfi
         out.stride(0), out.stride(1), out.stride(2),
         m_tiles, n_tiles, per_split,
         SPLIT_K=splits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        UPCAST=not out.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages)
+        UPCAST=not out.is_cuda, CHAINED=chained, launch_pdl=chained, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out
 
 
@@ -303,12 +306,14 @@ def _norm_load(x_row, r_row, idx, mask, ADD: tl.constexpr):
 @triton.jit
 def _norm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, D, stride_x, stride_r, stride_s, stride_y,
                  stride_q, stride_qs, eps, LAYER_NORM: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
-                 UE8M0: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, QBLOCK: tl.constexpr):
+                 UE8M0: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, QBLOCK: tl.constexpr,
+                 CHAINED: tl.constexpr):
     # Program (row, c): the row's statistics over BLOCK-wide chunks (every program of the row the same
     # sums, so the same bits), then the outputs of columns [c * TILE, (c + 1) * TILE) as
     # [TILE / QBLOCK, QBLOCK] (QBLOCK divides TILE, TILE divides BLOCK). With ADD this program also
     # stores s over its columns. QUANT: act_quant of the stored y (its dtype's values) per QBLOCK
     # columns, e4m3 codes to q_ptr and fp32 scales to qs_ptr (D a multiple of QBLOCK).
+    enter_chain(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * TILE
     x_row = x_ptr + row * stride_x
@@ -390,13 +395,14 @@ def _norm(x, weight, bias, eps, out, residual=None, residual_out=None, q_out=Non
     tile = min(block, _NORM_TILE)
     if m * triton.cdiv(d, tile) > _NORM_TILED_PROGRAMS_PER_SM * sm_count(x.device):
         tile = block
+    chained = chains_launches(x.device)
     _norm_kernel[(m, triton.cdiv(d, tile))](
         x, residual if add else x, residual_out if add else x, weight, weight if bias is None else bias, out,
         q_out if quant else out, scale_out if quant else out, d, x.stride(0), residual.stride(0) if add else 0,
         residual_out.stride(0) if add else 0, out.stride(0), q_out.stride(0) if quant else 0,
         scale_out.stride(0) if quant else 0, float(eps), LAYER_NORM=bias is not None, ADD=add, QUANT=quant,
         UE8M0=scale_fmt == "ue8m0", BLOCK=block, TILE=tile, QBLOCK=min(tile, FP8_BLOCK),
-        num_warps=min(16, max(1, block // 512)))
+        CHAINED=chained, launch_pdl=chained, num_warps=min(16, max(1, block // 512)))
     return (out, residual_out) if add else out
 
 

@@ -29,7 +29,7 @@ from triton.language.extra import libdevice
 
 from dsaspec.ops.argmax_exchange import _widened_bits
 from dsaspec.ops.checks import check_tensor
-from dsaspec.ops.device import interpreted
+from dsaspec.ops.device import chains_launches, enter_chain, interpreted
 from dsaspec.ops.fp8_kv import _bf16_bits
 from dsaspec.ops.index_rope import _round
 
@@ -48,9 +48,10 @@ def torch_exp(x, LIBDEVICE_EXP: tl.constexpr):
 
 @triton.jit
 def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, I, stride_gate, stride_up, stride_out, BF16: tl.constexpr,
-                         LIBDEVICE_EXP: tl.constexpr, BLOCK_I: tl.constexpr):
+                         LIBDEVICE_EXP: tl.constexpr, BLOCK_I: tl.constexpr, CHAINED: tl.constexpr):
     # the tensors' bits (int16 for bf16, int32 for fp32), widened and narrowed on the bits: the
     # interpreter's bf16 <-> fp32 casts mishandle denormals (and its narrowing truncates)
+    enter_chain(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     live = cols < I
@@ -82,7 +83,9 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None 
     check_tensor("out", out, dtype=gate.dtype, shape=(rows, width), device=gate.device)
     if rows and width:
         bits = torch.int16 if gate.dtype == torch.bfloat16 else torch.int32
+        chained = chains_launches(gate.device)
         _silu_and_mul_kernel[(rows, triton.cdiv(width, _BLOCK_I))](
             gate.view(bits), up.view(bits), out.view(bits), width, gate.stride(0), up.stride(0), out.stride(0),
-            BF16=bits == torch.int16, LIBDEVICE_EXP=not interpreted(_silu_and_mul_kernel), BLOCK_I=_BLOCK_I)
+            BF16=bits == torch.int16, LIBDEVICE_EXP=not interpreted(_silu_and_mul_kernel), BLOCK_I=_BLOCK_I,
+            CHAINED=chained, launch_pdl=chained)
     return out

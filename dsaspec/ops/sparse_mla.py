@@ -47,10 +47,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import sm_count, supports_pdl
+from dsaspec.ops.device import chains_launches, enter_chain, sm_count
 from dsaspec.ops.kv_cache_layout import FP8_GROUP, MLA_FP8_BYTES, is_fp8_cache, mla_fp8_views
 from dsaspec.ops import sparse_mla_gluon
 from dsaspec.ops.sparse_mla_gluon import launch_sparse_mla_gluon, sparse_mla_gluon_supported
@@ -359,10 +358,8 @@ def _sparse_mla_decode_kernel(q_ptr, latent_ptr, scale_ptr, rope_ptr, slots_ptr,
                               BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                               SCAN: tl.constexpr, NUM_STAGES: tl.constexpr,
                               UPCAST: tl.constexpr, SLOT_MAJOR: tl.constexpr,
-                              SPLIT: tl.constexpr, RECORD: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        # the combine kernel may launch now; it waits for this grid before reading the workspace
-        gdc_launch_dependents()
+                              SPLIT: tl.constexpr, RECORD: tl.constexpr, CHAINED: tl.constexpr):
+    enter_chain(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     value_blocks: tl.constexpr = LATENT // BLOCK_DV
     heads = tl.program_id(1) // value_blocks * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -434,13 +431,11 @@ def _sparse_mla_decode_kernel(q_ptr, latent_ptr, scale_ptr, rope_ptr, slots_ptr,
 @triton.jit
 def _sparse_mla_combine_kernel(workspace_ptr, out_ptr, out_stride_row, out_stride_head,
                                num_heads, num_splits, LATENT: tl.constexpr, RECORD: tl.constexpr,
-                               BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                               BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, CHAINED: tl.constexpr):
     """Program ``(r, h, c)``: output columns ``c * BLOCK_C ..`` of row ``r``, head ``h`` from the
-    splits' records, weighted by ``exp2(log_sum - max log_sum)``. With ``PDL`` (programmatic
-    dependent launch, Hopper and newer) it is launched while the split kernel runs and waits for it
-    here."""
-    if PDL:
-        gdc_wait()
+    splits' records, weighted by ``exp2(log_sum - max log_sum)``. ``CHAINED``: launched while the split
+    kernel runs (``enter_chain``)."""
+    enter_chain(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     columns = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -612,7 +607,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                                          fp8_cache=fp8)
     scan = min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1)))
     qk_scale_log2 = sm_scale * math.log2(math.e)
-    pdl = workspace is not None and supports_pdl(q.device)
+    chained = chains_launches(q.device)
     if config.kernel == "gluon":
         cache_tiles = _gluon_tiles(fp8, config.slot_major)
         if config.tiles not in cache_tiles:
@@ -627,9 +622,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                                 record_width=RECORD_WIDTH, tiles=config.gather_tiles,
                                 slot_major=config.slot_major)
         if workspace is not None:
-            # a programmatic dependent: the Gluon kernel does not trigger early, so the combine
-            # starts as its programs exit (0.2-0.5 µs less at 4-16 rows, H200)
-            _combine(workspace, out, pdl)
+            # chained: the Gluon kernel does not trigger early, so the combine starts as its
+            # programs exit (0.2-0.5 µs less at 4-16 rows, H200)
+            _combine(workspace, out, chained)
         return out
     if fp8:
         latent, scale, rope = mla_fp8_views(kv_cache)
@@ -645,22 +640,22 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         BLOCK_H=_block_h(num_heads, config),
         BLOCK_N=config.block_n, BLOCK_DV=config.block_dv, SCAN=scan,
         NUM_STAGES=config.num_stages, UPCAST=not q.is_cuda, SLOT_MAJOR=config.slot_major,
-        SPLIT=workspace is not None, RECORD=RECORD_WIDTH, PDL=pdl,
+        SPLIT=workspace is not None, RECORD=RECORD_WIDTH, CHAINED=chained, launch_pdl=chained,
         num_warps=config.num_warps)
     if workspace is not None:
-        _combine(workspace, out, pdl)
+        _combine(workspace, out, chained)
     return out
 
 
-def _combine(workspace: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
-    """Launch the combine of ``workspace``'s split records into ``out`` (as a programmatic
-    dependent of the split kernel launched just before it, with ``pdl``)."""
+def _combine(workspace: torch.Tensor, out: torch.Tensor, chained: bool) -> None:
+    """Launch the combine of ``workspace``'s split records into ``out`` (chained to the split kernel
+    launched just before it, with ``chained``)."""
     num_rows, num_heads, num_splits, _ = workspace.shape
     columns = LATENT_DIM // 2 if num_rows * num_heads <= COMBINE_FEW_HEAD_ROWS else LATENT_DIM
     _sparse_mla_combine_kernel[(num_rows, num_heads, LATENT_DIM // columns)](
         workspace, out, out.stride(0), out.stride(1), num_heads, num_splits,
         LATENT=LATENT_DIM, RECORD=RECORD_WIDTH, BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_C=columns, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        BLOCK_C=columns, CHAINED=chained, launch_pdl=chained, num_warps=4)
 
 
 def _check_inputs(q, kv_cache, slots, out, workspace) -> None:

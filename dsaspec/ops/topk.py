@@ -35,10 +35,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsaspec.ops.checks import check_count, check_live_width, check_tensor
-from dsaspec.ops.device import interpreted, resident_registers, sm_count, supports_pdl
+from dsaspec.ops.device import chains_launches, enter_chain, interpreted, resident_registers, sm_count
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU (one program per row)
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps
@@ -304,7 +303,8 @@ def _topk_slots_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, positio
                        positions_stride, candidates_stride, k, copy_len, capacity, sample_rank,
                        sample_stride, sampled_min_live, WRITE_POSITIONS: tl.constexpr,
                        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, SAMPLED: tl.constexpr,
-                       LIST_BLOCK: tl.constexpr):
+                       LIST_BLOCK: tl.constexpr, CHAINED: tl.constexpr):
+    enter_chain(CHAINED)
     row = tl.program_id(0).to(tl.int64)
     live = tl.maximum(tl.load(seqlens_ptr + row), 0)
     row_logits = logits_ptr + row * logits_stride
@@ -623,17 +623,12 @@ def _topk_chunk_pass_kernel(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr, po
                             PASS: tl.constexpr, WRITE_POSITIONS: tl.constexpr,
                             MIN_CHUNK: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
                             SAMPLED: tl.constexpr, LIST_BLOCK: tl.constexpr,
-                            PDL: tl.constexpr, WAIT: tl.constexpr):
+                            CHAINED: tl.constexpr):
     """Pass ``PASS`` of the chunked form for program (row, chunk): ``_LIST_PASS`` (first, with
     ``SAMPLED``) lists a long row's candidates per chunk; 0..3 histogram digit ``PASS`` of the
     chunk's range, or of its list where the row selects from lists (after moving the search
-    state past digit ``PASS - 1``); 4 writes. With ``PDL`` (programmatic dependent launch,
-    Hopper and newer) the next pass may start launching at once, and with ``WAIT`` this pass
-    waits for the previous one before reading anything."""
-    if PDL:
-        gdc_launch_dependents()
-        if WAIT:
-            gdc_wait()
+    state past digit ``PASS - 1``); 4 writes. ``CHAINED``: ``enter_chain``."""
+    enter_chain(CHAINED)
     (chunk, live, start, end, num_active, row_logits, row_table, row_out, row_positions,
      row_workspace) = _chunk_setup(logits_ptr, seqlens_ptr, page_table_ptr, out_ptr,
                                    positions_ptr, workspace_ptr, logits_stride, page_table_stride,
@@ -968,11 +963,12 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         block = _GPU_BLOCK if on_gpu else _CPU_BLOCK
         # more rows than SMs: two programs per SM, so at most 128 registers a thread
         capped = on_gpu and candidates is not None and logits.shape[0] > sm_count(logits.device)
+        chained = chains_launches(logits.device)
         _topk_slots_kernel[(logits.shape[0],)](
             *args, listed, *strides, listed.stride(0), k, -1 if baseline_read_short_rows else k,
             listed.shape[1] // 2, rank, stride, min_live,  # positions, then their logits
             WRITE_POSITIONS=write_positions, BLOCK=block,
-            BLOCK_K=min(block, triton.next_power_of_2(k)), **sampled,
+            BLOCK_K=min(block, triton.next_power_of_2(k)), **sampled, CHAINED=chained, launch_pdl=chained,
             num_warps=8 if on_gpu else 4, **({"maxnreg": _LISTS_CAPPED_REGISTERS} if capped else {}))
         return out
     num_chunks = workspace.shape[1]
@@ -996,14 +992,10 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
                                             dict(chunked, LIST_BLOCK=sampled["LIST_BLOCK"], **cap))
         if _cooperative_launch(kernel, grid, kernel_args, options, logits.device, required):
             return out
-    pdl = supports_pdl(logits.device)
-    passes = ([int(_LIST_PASS)] if candidates is not None else []) + list(range(_PASSES))
-    for order, pass_index in enumerate(passes):
-        # later passes launch as programmatic dependents of the previous one on Hopper and newer,
-        # so their launch latency overlaps it (the first waits for the logits' writer as usual)
-        _topk_chunk_pass_kernel[grid](*args, workspace, *list_args, PASS=pass_index, PDL=pdl,
-                                      WAIT=order > 0, launch_pdl=pdl and order > 0, **sampled,
-                                      **chunked)
+    chained = chains_launches(logits.device)
+    for pass_index in ([int(_LIST_PASS)] if candidates is not None else []) + list(range(_PASSES)):
+        _topk_chunk_pass_kernel[grid](*args, workspace, *list_args, PASS=pass_index, CHAINED=chained,
+                                      launch_pdl=chained, **sampled, **chunked)
     return out
 
 

@@ -91,3 +91,18 @@ def compile_instead_of_launch(kernel, record: dict, keep_compiled: bool = False)
         yield
     finally:
         del kernel.run
+
+
+# a PTX instruction that reads or writes global memory (loads, stores, atomics, reductions, async
+# copies, prefetches), with or without a predicate
+_GLOBAL_ACCESS = re.compile(r"^\s*(@!?%\w+\s+)?(ld|st|atom|red|cp|prefetch)\.\S*global")
+
+
+def chain_entry(ptx: str) -> tuple[int, int, int]:
+    """Where a chained kernel (:func:`dsaspec.ops.device.enter_chain`) waits, from its PTX: the line
+    of its first ``griddepcontrol.wait``, the line of its first global memory access (-1 where
+    either is absent) and how many ``griddepcontrol.launch_dependents`` it has."""
+    lines = ptx.splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), -1)
+    access = next((i for i, line in enumerate(lines) if _GLOBAL_ACCESS.match(line)), -1)
+    return wait, access, sum("griddepcontrol.launch_dependents" in line for line in lines)
