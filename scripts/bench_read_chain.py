@@ -39,8 +39,8 @@ from dsaspec.ops.fused_moe import sorts_pairs
 
 METHOD = ("CUDA-graph replays after an L2 flush (time_in_graph, cold L2), CUPTI span from the first link's start to "
           "the last link's end, median; chains of plain launches, of PDL links waiting before their reads and of "
-          "PDL links waiting only before their store; a link = one launch of a Triton streaming read (int32 loads XOR-folded, one "
-          "int32 written per program) over its own buffer of the link's bytes, on the grid (programs x elements a "
+          "PDL links waiting only before their store; a link = one launch of a Triton streaming read (int32 loads "
+          "XOR-folded, one int32 written per program) over its own buffer of the link's bytes, on the grid (programs x elements a "
           "step x warps) fastest for that size alone; floor = bytes / the measured copy bandwidth")
 PROGRAMS_PER_SM = (1, 2, 4)
 STEP_ELEMENTS = (1024, 4096)

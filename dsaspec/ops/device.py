@@ -41,15 +41,9 @@ def supports_pdl(device: torch.device | str) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def chains_launches(device: torch.device | str) -> bool:
-    """Whether the op wrappers launch their kernels on ``device`` chained (:func:`enter_chain`):
-    wherever programmatic dependent launch runs (:func:`supports_pdl`)."""
-    return supports_pdl(device)
-
-
 @triton.jit
 def enter_chain(CHAINED: tl.constexpr):
-    # A chained kernel (launched with launch_pdl=True) may start while the kernel before it in the
+    # A chained kernel (launched with launch_pdl=True where supports_pdl) may start while the kernel before it in the
     # stream is still running, so it waits for that grid to finish (its writes visible) before it
     # touches memory, then lets the kernel after it launch: each launch and program start overlaps
     # the kernel before instead of following its end. Call first in the kernel, in every program.

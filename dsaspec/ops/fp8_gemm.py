@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain, sm_count
+from dsaspec.ops.device import enter_chain, sm_count, supports_pdl
 from dsaspec.ops.e4m3 import quantize_rows
 
 BLOCK = 128              # quantization block: 128 columns of a token, 128 x 128 of a weight
@@ -155,7 +155,7 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None, *, out: torch.Tenso
     check_tensor("scale_out", scale_out, dtype=torch.float32, shape=(m, k // BLOCK), device=x.device)
     rows = min(_QUANT_ROWS, triton.next_power_of_2(max(m, 1)))
     grid = (triton.cdiv(m, rows), k // BLOCK)
-    chained = chains_launches(x.device)
+    chained = supports_pdl(x.device)
     _act_quant_kernel[grid](x, out, scale_out, m, x.stride(0), out.stride(0), scale_out.stride(0),
                             UE8M0=scale_fmt == "ue8m0", ROWS=rows, BLOCK_K=BLOCK, CHAINED=chained,
                             launch_pdl=chained, num_warps=1 if rows <= 2 else 4)
@@ -306,7 +306,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scal
     quantize = a_scale is None
     if quantize:
         a_scale = a                                       # unread
-    chained = chains_launches(a.device)
+    chained = supports_pdl(a.device)
     c = torch.empty(groups, m, n, dtype=torch.float32, device=a.device) if split else out
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, _GEMM_BLOCK_N), groups if split else 1)
     _fp8_gemm_kernel[grid](a, a_scale, w, w_scale, c, m, n, k, group,

@@ -100,7 +100,7 @@ import triton.language as tl
 
 from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain, sm_count
+from dsaspec.ops.device import enter_chain, sm_count, supports_pdl
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS, act_quant
 from dsaspec.ops.row_invariant import _tile_counters
@@ -805,7 +805,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
                                         split_k=split_k, block_m=block_m)
     pairs = tokens * topk
     sort = (sorts_pairs(pairs) or block_m > BLOCK_M) if sort_pairs is None else sort_pairs
-    chained = chains_launches(hidden.device)
+    chained = supports_pdl(hidden.device)
     if sort:
         blocks = max_blocks(pairs, experts, block_m)
         e_pad = triton.next_power_of_2(experts)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain
+from dsaspec.ops.device import enter_chain, supports_pdl
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.index_weights import HeadWeightsLaunch, head_weights_program, prepare_index_weights
 from dsaspec.ops.kv_cache_layout import INDEX_HEAD_DIM, PAGE_SIZE, index_k_fp8_views, is_fp8_cache
@@ -221,7 +221,7 @@ def _launch(cos, sin, rope_dim, interleaved, rotate, q=None, q_out=None, k=None,
     q_args = (any_x, any_x, 0, 1, 0, 0, 0) if q is None else (q, q_out, q_rows, q.shape[1], q.stride(0), q.stride(1),
                                                                INDEX_HEAD_DIM)
     w_constexprs = {f"W_{name}": value for name, value in head_weights.constexprs.items()}
-    chained = chains_launches(any_x.device)
+    chained = supports_pdl(any_x.device)
     _index_rope_kernel[(blocks,)](
         *q_args, q_blocks, *k_args, k_blocks, cos, sin, cos.stride(0), *head_weights.args, ROWS=_ROWS,
         DIM=INDEX_HEAD_DIM, ROPE=rope_dim, INTERLEAVED=interleaved, ROTATE=rotate, K_DEST=dest,

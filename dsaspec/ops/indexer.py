@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_live_width, check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain, resident_registers
+from dsaspec.ops.device import enter_chain, resident_registers, supports_pdl
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.indexer_schedule import (INDEXER_BLOCK_KV, PROGRAMS_PER_SM, check_rows_per_group,
                                           indexer_programs)
@@ -339,7 +339,7 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     group_p2 = triton.next_power_of_2(rows_per_group)
     heads_p2 = max(triton.next_power_of_2(num_heads), 16 // group_p2)  # a dot needs N >= 16
     num_programs = schedule.shape[0] - 1
-    chained = chains_launches(q.device)
+    chained = supports_pdl(q.device)
     _indexer_logits_kernel[(num_programs,)](
         q, weights, keys, scales, page_table_1, seqlens, schedule, out,
         q.stride(0), q.stride(1), weights.stride(0), key_stride, scale_stride,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain
+from dsaspec.ops.device import enter_chain, supports_pdl
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_kv import _bf16_bits
 from dsaspec.ops.index_rope import _round, rope_pairs
@@ -109,7 +109,7 @@ def mla_query(q_absorbed: torch.Tensor, q_rope: torch.Tensor, cos: torch.Tensor,
         raise ValueError(f"sin: expected the strides of cos {cos.stride()}, got {sin.stride()}")
     out = torch.empty(rows, heads, _WIDTH, dtype=q_rope.dtype, device=q_rope.device)
     if rows and heads:
-        chained = chains_launches(q_rope.device)
+        chained = supports_pdl(q_rope.device)
         _mla_query_kernel[(rows, heads)](
             q_absorbed, q_rope, cos, sin, out, q_absorbed.stride(0), q_absorbed.stride(1), q_rope.stride(0),
             q_rope.stride(1), cos.stride(0), out.stride(0), out.stride(1), LATENT=MLA_LATENT_DIM,
@@ -143,7 +143,7 @@ def store_mla_normed(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, w
         raise ValueError(f"loc: slots must lie in [0, {cache.shape[0]}), got [{int(loc.min())}, {int(loc.max())}]")
     if not rows:
         return
-    chained = chains_launches(kv.device)
+    chained = supports_pdl(kv.device)
     _mla_latent_kernel[(rows,)](
         kv, weight, cos, sin, loc, out, scale, rope.view(torch.int16) if fp8 else rope, float(eps), kv.stride(0),
         cos.stride(0), out.stride(0), scale.stride(0), rope.stride(0), GROUPS=MLA_LATENT_DIM // FP8_GROUP,

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain, interpreted
+from dsaspec.ops.device import enter_chain, interpreted, supports_pdl
 from dsaspec.ops.silu_and_mul import torch_exp
 
 
@@ -168,7 +168,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group:
     check_tensor("ids", ids, dtype=torch.int32, shape=(tokens, slots), device=logits.device)
     check_tensor("weights", weights, dtype=torch.float32, shape=(tokens, slots), device=logits.device)
     if tokens:
-        chained = chains_launches(logits.device)
+        chained = supports_pdl(logits.device)
         _router_kernel[(tokens,)](
             logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(scaling),
             GROUP=group, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k, SHARED=n_shared,
@@ -259,7 +259,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     config = config or RouterGemmConfig()
     if tokens and experts:
         grid = (triton.cdiv(experts, config.experts), triton.cdiv(tokens, config.rows))
-        chained = chains_launches(x.device)
+        chained = supports_pdl(x.device)
         _router_logits_kernel[grid](x, weight, out, tokens, experts, k, x.stride(0), weight.stride(0),
                                     out.stride(0), ROWS=config.rows, EXPERTS=config.experts,
                                     BLOCK_K=config.block_k, CHAINED=chained, launch_pdl=chained,

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain, sm_count
+from dsaspec.ops.device import enter_chain, sm_count, supports_pdl
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS
 
@@ -211,7 +211,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfi
     else:
         counters = workspace = out  # not read by a one-split launch
     grid = (m_tiles * splits * n_tiles, batch)
-    chained = chains_launches(out.device)
+    chained = supports_pdl(out.device)
     _gemm_kernel[grid](
         a, b, out, workspace, counters, m, n, k,
         a.stride(0), a.stride(1), a.stride(2),
@@ -395,7 +395,7 @@ def _norm(x, weight, bias, eps, out, residual=None, residual_out=None, q_out=Non
     tile = min(block, _NORM_TILE)
     if m * triton.cdiv(d, tile) > _NORM_TILED_PROGRAMS_PER_SM * sm_count(x.device):
         tile = block
-    chained = chains_launches(x.device)
+    chained = supports_pdl(x.device)
     _norm_kernel[(m, triton.cdiv(d, tile))](
         x, residual if add else x, residual_out if add else x, weight, weight if bias is None else bias, out,
         q_out if quant else out, scale_out if quant else out, d, x.stride(0), residual.stride(0) if add else 0,

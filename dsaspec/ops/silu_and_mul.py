@@ -29,7 +29,7 @@ from triton.language.extra import libdevice
 
 from dsaspec.ops.argmax_exchange import _widened_bits
 from dsaspec.ops.checks import check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain, interpreted
+from dsaspec.ops.device import enter_chain, interpreted, supports_pdl
 from dsaspec.ops.fp8_kv import _bf16_bits
 from dsaspec.ops.index_rope import _round
 
@@ -83,7 +83,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None 
     check_tensor("out", out, dtype=gate.dtype, shape=(rows, width), device=gate.device)
     if rows and width:
         bits = torch.int16 if gate.dtype == torch.bfloat16 else torch.int32
-        chained = chains_launches(gate.device)
+        chained = supports_pdl(gate.device)
         _silu_and_mul_kernel[(rows, triton.cdiv(width, _BLOCK_I))](
             gate.view(bits), up.view(bits), out.view(bits), width, gate.stride(0), up.stride(0), out.stride(0),
             BF16=bits == torch.int16, LIBDEVICE_EXP=not interpreted(_silu_and_mul_kernel), BLOCK_I=_BLOCK_I,

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain, sm_count
+from dsaspec.ops.device import enter_chain, sm_count, supports_pdl
 from dsaspec.ops.kv_cache_layout import FP8_GROUP, MLA_FP8_BYTES, is_fp8_cache, mla_fp8_views
 from dsaspec.ops import sparse_mla_gluon
 from dsaspec.ops.sparse_mla_gluon import launch_sparse_mla_gluon, sparse_mla_gluon_supported
@@ -607,7 +607,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                                          fp8_cache=fp8)
     scan = min(_SCAN, triton.next_power_of_2(max(slots.shape[1], 1)))
     qk_scale_log2 = sm_scale * math.log2(math.e)
-    chained = chains_launches(q.device)
+    chained = supports_pdl(q.device)
     if config.kernel == "gluon":
         cache_tiles = _gluon_tiles(fp8, config.slot_major)
         if config.tiles not in cache_tiles:

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_live_width, check_tensor
-from dsaspec.ops.device import chains_launches, enter_chain, interpreted, resident_registers, sm_count
+from dsaspec.ops.device import enter_chain, interpreted, resident_registers, sm_count, supports_pdl
 
 _GPU_BLOCK = 4096  # logits per loop step on the GPU (one program per row)
 _CPU_BLOCK = 128  # small under the interpreter, so short test rows still take several steps
@@ -963,7 +963,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
         block = _GPU_BLOCK if on_gpu else _CPU_BLOCK
         # more rows than SMs: two programs per SM, so at most 128 registers a thread
         capped = on_gpu and candidates is not None and logits.shape[0] > sm_count(logits.device)
-        chained = chains_launches(logits.device)
+        chained = supports_pdl(logits.device)
         _topk_slots_kernel[(logits.shape[0],)](
             *args, listed, *strides, listed.stride(0), k, -1 if baseline_read_short_rows else k,
             listed.shape[1] // 2, rank, stride, min_live,  # positions, then their logits
@@ -992,7 +992,7 @@ def topk_slots(logits: torch.Tensor, seqlens: torch.Tensor, page_table_1: torch.
                                             dict(chunked, LIST_BLOCK=sampled["LIST_BLOCK"], **cap))
         if _cooperative_launch(kernel, grid, kernel_args, options, logits.device, required):
             return out
-    chained = chains_launches(logits.device)
+    chained = supports_pdl(logits.device)
     for pass_index in ([int(_LIST_PASS)] if candidates is not None else []) + list(range(_PASSES)):
         _topk_chunk_pass_kernel[grid](*args, workspace, *list_args, PASS=pass_index, CHAINED=chained,
                                       launch_pdl=chained, **sampled, **chunked)
