@@ -56,7 +56,7 @@ launches = [
         torch.zeros(64, 576, dtype=bf16), torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, 576, dtype=bf16),
         torch.ones(512, dtype=bf16), 1e-6, cos, sin, True, check_values=False)),
     (mla_latent._mla_query_kernel, lambda: mla_latent.mla_query(
-        torch.zeros(rows, heads, 512, dtype=bf16), torch.zeros(rows, heads, 64, dtype=bf16), cos, sin, True)),
+        torch.zeros(rows, heads, 256, dtype=bf16), torch.zeros(heads, 192, 512, dtype=bf16), cos, sin, True)),
     (sparse_mla._sparse_mla_combine_kernel, lambda: sparse_mla._combine(
         torch.zeros(rows, heads, 4, sparse_mla.RECORD_WIDTH), torch.zeros(rows, heads, 512, dtype=bf16), True)),
     (row_invariant._gemm_kernel, lambda: row_invariant.linear(torch.zeros(4, 1024, dtype=bf16),

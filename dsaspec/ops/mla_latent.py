@@ -1,8 +1,8 @@
 """The MLA latent epilogue in one kernel (Triton): ``kv_a_layernorm`` (RMSNorm) on the 512-wide
 latent, RoPE on the 64-wide key, and the cache write at the row's slot; and the absorbed query in
-one kernel: the 512-wide absorbed ``q_nope`` and the RoPE'd 64-wide ``q_rope`` of every head
-written side by side (``[R, H, 576]``, the sparse attention's query), RoPE bit-identical to the
-torch ops'.
+one kernel: ``q_nope`` times its head's ``W_UK`` (the 512-wide absorbed query) and the RoPE'd
+64-wide ``q_rope`` of every head written side by side (``[R, H, 576]``, the sparse attention's
+query), RoPE bit-identical to the torch ops'.
 
 Per row ``[latent 512 | k_rope 64]`` of ``kv_a`` (model dtype; ``round`` rounds fp32 to the model
 dtype, to nearest even):
@@ -34,6 +34,7 @@ from dsaspec.ops.kv_cache_layout import FP8_GROUP, MLA_LATENT_DIM, MLA_ROPE_DIM,
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _WIDTH = MLA_LATENT_DIM + MLA_ROPE_DIM
+_SMALL_ROWS = 64  # decode and verify sizes: the row-invariant 16-row tiles in either mode
 
 
 @triton.jit
@@ -70,51 +71,90 @@ def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, loc_ptr, out_ptr, scale_
                  _round(k_rope, CACHE_BF16).to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _mla_query_kernel(a_ptr, q_ptr, cos_ptr, sin_ptr, out_ptr, stride_ar, stride_ah, stride_qr, stride_qh,
-                      stride_cos, stride_or, stride_oh, LATENT: tl.constexpr, ROPE: tl.constexpr,
-                      INTERLEAVED: tl.constexpr, BF16: tl.constexpr, CHAINED: tl.constexpr):
+@triton.jit(do_not_specialize=["rows"])
+def _mla_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, m_tiles, stride_qr, stride_qh, stride_wh,
+                      stride_wk, stride_cos, stride_or, stride_oh, NOPE: tl.constexpr, LATENT: tl.constexpr,
+                      ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHAINED: tl.constexpr):
+    # Row tiles vary fastest, so the programs that read one W_UK tile run together; the last column
+    # program of each (row tile, head) rotates q_rope instead.
     enter_chain(CHAINED)
-    row = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
-    out_row = out_ptr + row * stride_or + head * stride_oh
-    c = tl.arange(0, LATENT)
-    tl.store(out_row + c, tl.load(a_ptr + row * stride_ar + head * stride_ah + c))
-    r = tl.arange(0, ROPE)
-    partner, pair, first = rope_pairs(r, ROPE, INTERLEAVED)
-    q_row = q_ptr + row * stride_qr + head * stride_qh
-    x = tl.load(q_row + r).to(tl.float32)
-    xp = tl.load(q_row + partner).to(tl.float32)
-    cos = tl.load(cos_ptr + row * stride_cos + pair)
-    sin = tl.load(sin_ptr + row * stride_cos + pair)
-    y = _round(x * cos + xp * tl.where(first, -sin, sin), BF16)
-    tl.store(out_row + LATENT + r, y.to(out_ptr.dtype.element_ty))
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = r < rows
+    q_rows = q_ptr + r.to(tl.int64)[:, None] * stride_qr + head * stride_qh
+    out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_or + head * stride_oh
+    if pid_n < LATENT // BLOCK_N:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        w_cols = w_ptr + head * stride_wh + cols[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.static_range(0, NOPE, BLOCK_K):
+            k_ok = (k + ks) < NOPE
+            a = tl.load(q_rows + (k + ks)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_cols + (k + ks)[:, None] * stride_wk, mask=k_ok[:, None], other=0.0)
+            if UPCAST:  # the interpreter's bf16 dot multiplies the raw bits
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        tl.store(out_rows + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
+    else:
+        c = tl.arange(0, ROPE)
+        partner, pair, first = rope_pairs(c, ROPE, INTERLEAVED)
+        x = tl.load(q_rows + NOPE + c[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+        xp = tl.load(q_rows + NOPE + partner[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+        angle = r.to(tl.int64)[:, None] * stride_cos + pair[None, :]
+        cos = tl.load(cos_ptr + angle, mask=r_ok[:, None], other=0.0)
+        sin = tl.load(sin_ptr + angle, mask=r_ok[:, None], other=0.0)
+        y = _round(x * cos + xp * tl.where(first[None, :], -sin, sin), BF16)
+        tl.store(out_rows + LATENT + c[None, :], y.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
 
 
-def mla_query(q_absorbed: torch.Tensor, q_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              interleaved: bool) -> torch.Tensor:
-    """The absorbed query ``[R, H, 576]`` (a new contiguous tensor in ``q_rope``'s dtype):
-    ``q_absorbed`` ``[R, H, 512]`` copied, then ``q_rope`` ``[R, H, 64]`` rotated by its row's
-    ``cos``/``sin`` fp32 ``[R, 32]`` (pairs ``(2i, 2i+1)`` when ``interleaved``, else
-    ``(i, i + 32)``; fp32 ``x*cos - x'*sin``, ``x*sin + x'*cos`` without FMA, rounded to the
-    dtype once). Both bf16 or both fp32, any strides with a unit last stride (``q_absorbed`` the
-    transposed per-head GEMM output, ``q_rope`` a slice of ``q_b_proj``'s output)."""
-    check_tensor("q_rope", q_rope, dtype=_FLOAT_DTYPES, shape=(None, None, MLA_ROPE_DIM), device=cos.device)
-    rows, heads = q_rope.shape[:2]
-    check_tensor("q_absorbed", q_absorbed, dtype=(q_rope.dtype,), shape=(rows, heads, MLA_LATENT_DIM),
-                 device=cos.device)
+def mla_query_tiles(rows: int, dtype: torch.dtype, row_invariant: bool) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of :func:`mla_query`: 16-row tiles 32 columns wide up to 64
+    rows and at every row count when ``row_invariant`` (each row's bits then never depend on the
+    row count), else 64 x 64; K blocks of 64 (bf16) or 32 (fp32)."""
+    block_m, block_n = (16, 32) if row_invariant or rows <= _SMALL_ROWS else (64, 64)
+    return block_m, block_n, 64 if dtype == torch.bfloat16 else 32
+
+
+def mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+              row_invariant: bool = False) -> torch.Tensor:
+    """The absorbed query ``[R, H, 576]`` (a new contiguous tensor in ``q``'s dtype) from ``q``
+    ``[R, H, D + 64]`` (``q_b_proj``'s output: ``q_nope`` then ``q_rope``) and ``w_uk`` ``[H, D, 512]``:
+
+        out[r, h, :512] = round(sum_d q[r, h, d] * w_uk[h, d, :])     (fp32 sum in K blocks, in order)
+        out[r, h, 512:] = round(RoPE(q[r, h, D:]))
+
+    RoPE by the row's ``cos``/``sin`` fp32 ``[R, 32]`` (pairs ``(2i, 2i+1)`` when ``interleaved``,
+    else ``(i, i + 32)``; fp32 ``x*cos - x'*sin``, ``x*sin + x'*cos`` without FMA), bit-identical to
+    the torch ops; the product's sum order is :func:`mla_query_tiles`'s, so a row's bits depend on
+    the row count only past 64 rows and never with ``row_invariant``. ``q`` and ``w_uk`` both bf16
+    or both fp32, any strides with a unit last stride (``q`` a column view of a fused GEMM's output,
+    ``w_uk`` a view of ``kv_b_proj``'s weight)."""
+    check_tensor("q", q, dtype=_FLOAT_DTYPES, ndim=3, device=cos.device)
+    rows, heads, width = q.shape
+    nope = width - MLA_ROPE_DIM
+    if nope < 1:
+        raise ValueError(f"q: expected a last dim of qk_nope_head_dim + {MLA_ROPE_DIM}, got {width}")
+    check_tensor("w_uk", w_uk, dtype=(q.dtype,), shape=(heads, nope, MLA_LATENT_DIM), device=cos.device)
     for name, t in (("cos", cos), ("sin", sin)):
         check_tensor(name, t, dtype=(torch.float32,), shape=(rows, MLA_ROPE_DIM // 2), device=cos.device)
     if cos.stride() != sin.stride():
         raise ValueError(f"sin: expected the strides of cos {cos.stride()}, got {sin.stride()}")
-    out = torch.empty(rows, heads, _WIDTH, dtype=q_rope.dtype, device=q_rope.device)
+    out = torch.empty(rows, heads, _WIDTH, dtype=q.dtype, device=q.device)
     if rows and heads:
-        chained = supports_pdl(q_rope.device)
-        _mla_query_kernel[(rows, heads)](
-            q_absorbed, q_rope, cos, sin, out, q_absorbed.stride(0), q_absorbed.stride(1), q_rope.stride(0),
-            q_rope.stride(1), cos.stride(0), out.stride(0), out.stride(1), LATENT=MLA_LATENT_DIM,
-            ROPE=MLA_ROPE_DIM, INTERLEAVED=interleaved, BF16=q_rope.dtype == torch.bfloat16,
-            CHAINED=chained, launch_pdl=chained, enable_fp_fusion=False)
+        block_m, block_n, block_k = mla_query_tiles(rows, q.dtype, row_invariant)
+        m_tiles = triton.cdiv(rows, block_m)
+        chained = supports_pdl(q.device)
+        _mla_query_kernel[(m_tiles * (MLA_LATENT_DIM // block_n + 1), heads)](
+            q, w_uk, cos, sin, out, rows, m_tiles, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
+            cos.stride(0), out.stride(0), out.stride(1), NOPE=nope, LATENT=MLA_LATENT_DIM, ROPE=MLA_ROPE_DIM,
+            INTERLEAVED=interleaved, BF16=q.dtype == torch.bfloat16, UPCAST=not out.is_cuda, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, CHAINED=chained, launch_pdl=chained, enable_fp_fusion=False)
     return out
 
 

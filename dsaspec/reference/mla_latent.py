@@ -1,6 +1,6 @@
 """Pure PyTorch definitions of three fused MLA/indexer kernels: the latent epilogue
 (``dsaspec.ops.mla_latent``: ``kv_a_layernorm`` and RoPE of a ``kv_a`` row, each rounded to the
-input's dtype), the absorbed query (the same module: ``q_absorbed`` and the RoPE'd ``q_rope``) and the indexer's head weights (``dsaspec.ops.index_weights``: fp32
+input's dtype), the absorbed query (the same module: ``q_nope @ W_UK`` and the RoPE'd ``q_rope``) and the indexer's head weights (``dsaspec.ops.index_weights``: fp32
 ``weights_proj`` and its scale)."""
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ def reference_mla_latent(kv, weight, eps: float, cos, sin, interleaved: bool) ->
     return torch.cat((latent.to(kv.dtype), k_rope.to(kv.dtype)), dim=-1)
 
 
-def reference_mla_query(q_absorbed, q_rope, cos, sin, interleaved: bool) -> torch.Tensor:
-    """``q_absorbed`` ``[R, H, 512]``, ``q_rope`` ``[R, H, 64]`` -> ``[R, H, 576]`` in
-    ``q_rope``'s dtype: ``q_absorbed`` then ``q_rope`` rotated by its row's ``cos``/``sin``
-    ``[R, 32]`` in fp32 (pairs ``(2i, 2i+1)`` when ``interleaved``, else ``(i, i + 32)``)."""
-    k = q_rope.float()
+def reference_mla_query(q, w_uk, cos, sin, interleaved: bool) -> torch.Tensor:
+    """``q`` ``[R, H, D + 64]``, ``w_uk`` ``[H, D, 512]`` -> ``[R, H, 576]`` in ``q``'s dtype: each
+    head's ``q[..., :D] @ w_uk[h]`` summed in float64 and rounded to the dtype once, then
+    ``q[..., D:]`` rotated by its row's ``cos``/``sin`` ``[R, 32]`` in fp32 (pairs ``(2i, 2i+1)``
+    when ``interleaved``, else ``(i, i + 32)``)."""
+    nope = q.shape[-1] - 64
+    absorbed = torch.einsum("rhd,hdn->rhn", q[..., :nope].double(), w_uk.double())
+    k = q[..., nope:].float()
     c, s = cos[:, None, :], sin[:, None, :]
     if interleaved:
         a, b = k[..., 0::2], k[..., 1::2]
@@ -43,7 +46,7 @@ def reference_mla_query(q_absorbed, q_rope, cos, sin, interleaved: bool) -> torc
         rotated[..., 0::2], rotated[..., 1::2] = first, second
     else:
         rotated[..., :32], rotated[..., 32:] = first, second
-    return torch.cat((q_absorbed.to(q_rope.dtype), rotated.to(q_rope.dtype)), dim=-1)
+    return torch.cat((absorbed.to(q.dtype), rotated.to(q.dtype)), dim=-1)
 
 
 def reference_index_weights(x, weight, scale: float) -> torch.Tensor:

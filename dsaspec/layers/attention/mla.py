@@ -226,7 +226,6 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         else:   # not fused, or the indexer skipped (a seeded step): q_b_proj alone, wq_b unread
             q, wq_b_out = self.q_b_proj(q_latent), None
         q = q.view(rows, heads, cfg.qk_head_dim)
-        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         if step.ops.store_mla_normed is not None:   # the Triton ops: norm + RoPE + store in one kernel
             step.ops.store_mla_normed(mla_cache, step.out_cache_loc, kv_a, self.kv_a_layernorm.weight,
                                       self.kv_a_layernorm.eps, step.cos, step.sin, cfg.rope_interleave,
@@ -242,10 +241,11 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
             step.selected = _select_slots(q_index, index_weights, index_k_cache, step, cfg.index_topk)
 
         w_uk, w_uv = self.absorbed_weights()
-        q_absorbed = bmm(q_nope.transpose(0, 1), w_uk, self.row_invariant).transpose(0, 1)  # [R, H, 512]
-        if step.ops.mla_query is not None:   # the Triton ops: the copy and q's RoPE in one kernel
-            q_mqa = step.ops.mla_query(q_absorbed, q_rope, step.cos, step.sin, cfg.rope_interleave)
+        if step.ops.mla_query is not None:   # the Triton ops: W_UK's product and q's RoPE in one kernel
+            q_mqa = step.ops.mla_query(q, w_uk, step.cos, step.sin, cfg.rope_interleave, self.row_invariant)
         else:
+            q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+            q_absorbed = bmm(q_nope.transpose(0, 1), w_uk, self.row_invariant).transpose(0, 1)  # [R, H, 512]
             q_rope = apply_rope(q_rope, step.cos, step.sin, cfg.rope_interleave)
             q_mqa = torch.cat((q_absorbed, q_rope), dim=-1)                       # [R, H, 576]
         o_latent = torch.empty(rows, heads, cfg.kv_lora_rank, device=x.device, dtype=x.dtype)
