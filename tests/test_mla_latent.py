@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_scripts import run_in_scripts
+from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.ops.index_weights import index_weights, index_weights_splits
 from dsaspec.ops.mla_latent import mla_query, mla_query_tiles, store_mla_normed
 from dsaspec.reference.fp8_kv import read_mla, write_mla
@@ -165,9 +166,10 @@ def test_mla_query_within_rounding(dtype, interleaved, rows, heads, nope, device
     _check_query(mla_query(q, w_uk, cos, sin, interleaved), q, w_uk, cos, sin, interleaved)
 
 
-@pytest.mark.parametrize("rows,row_invariant", [(9, False), (64, False), (80, True)])
+@pytest.mark.parametrize("rows,row_invariant", [(9, False), (100, False), (520, True)])
 def test_mla_query_rows_independent_of_batch(rows, row_invariant, device):
-    """A row's bits are those of the row alone up to 64 rows, and at any count when row-invariant."""
+    """A row's bits are those of the row alone below a prefill chunk's rows, and at any count when
+    row-invariant."""
     gen = torch.Generator().manual_seed(rows)
     q, w_uk, cos, sin = _query_inputs(rows, 2, 128, torch.bfloat16, gen, device)
     batch = mla_query(q, w_uk, cos, sin, True, row_invariant)
@@ -177,10 +179,10 @@ def test_mla_query_rows_independent_of_batch(rows, row_invariant, device):
 
 
 def test_mla_query_large_tiles_within_rounding(device):
-    """Past 64 rows the default mode's 64-row tiles: still within the bound, every row written."""
+    """A prefill chunk's rows in the default mode's 64-row tiles: still within the bound, every row written."""
     gen = torch.Generator().manual_seed(7)
-    q, w_uk, cos, sin = _query_inputs(130, 2, 192, torch.bfloat16, gen, device)
-    assert mla_query_tiles(130, torch.bfloat16, False)[0] == 64
+    q, w_uk, cos, sin = _query_inputs(PREFILL_MIN_ROWS + 9, 2, 192, torch.bfloat16, gen, device)
+    assert mla_query_tiles(PREFILL_MIN_ROWS + 9, torch.bfloat16, False)[0] == 64
     _check_query(mla_query(q, w_uk, cos, sin, False), q, w_uk, cos, sin, False)
 
 
@@ -347,7 +349,8 @@ def test_attention_triton_path_writes_the_torch_paths_entries(fp8):
     assert queries[0].shape == (rows, attn.num_heads, 576)
     assert torch.equal(queries[1][..., 512:], queries[0][..., 512:])
     absorbed, torch_absorbed = queries[1][..., :512].float(), queries[0][..., :512].float()
-    torch.testing.assert_close(absorbed, torch_absorbed, rtol=2.0 ** -6, atol=2.0 ** -8 * float(torch_absorbed.abs().max()))
+    torch.testing.assert_close(absorbed, torch_absorbed, rtol=2.0 ** -6,
+                               atol=2.0 ** -8 * float(torch_absorbed.abs().max()))
     want, got = entries
     assert torch.equal(got[:, 512:], want[:, 512:])
     if fp8:
@@ -371,10 +374,11 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_attention_triton_path_aten_ops():
+def test_attention_triton_path_aten_ops(monkeypatch):
     """One decode row of MLAAttention (tiny, bf16, fused input projection) with the Triton ops:
-    besides the ops (one call each) and ``q_a_layernorm`` (one kernel on the GPU) only its five
-    GEMMs run as aten ops: no elementwise RoPE, dtype copy or concatenation."""
+    besides the ops (one call each), ``q_a_layernorm`` (one kernel on the GPU) and W_UV's product
+    (the row-invariant GEMM at decode rows) only its three projection GEMMs run as aten ops: no
+    elementwise RoPE, dtype copy, concatenation or cuBLAS bmm."""
     from dsaspec.layers.attention.dsa_ops import dsa_ops
 
     gen = torch.Generator().manual_seed(3)
@@ -397,10 +401,12 @@ def test_attention_triton_path_aten_ops():
     ops = SimpleNamespace(**{name: uncounted(name, fn) for name, fn in vars(dsa_ops(True, False, False)).items()})
     ops.sparse_mla_decode = uncounted("sparse_mla_decode", lambda *args, **kwargs: None)
     attn.q_a_layernorm.forward = uncounted("q_a_layernorm", attn.q_a_layernorm.forward)
+    from dsaspec.ops import row_invariant
+    monkeypatch.setattr(row_invariant, "bmm", uncounted("row-invariant bmm", row_invariant.bmm))
     step, cache = _step(ops, angles, loc), torch.zeros(8, 576, dtype=torch.bfloat16)
     with torch.no_grad(), mode:
         attn(x, step, cache, None)
-    assert dict(mode.ops) == {"mm": 3, "bmm": 1, "op q_a_layernorm": 1, "op store_mla_normed": 1,
+    assert dict(mode.ops) == {"mm": 3, "op row-invariant bmm": 1, "op q_a_layernorm": 1, "op store_mla_normed": 1,
                               "op mla_query": 1, "op sparse_mla_decode": 1}
 
 
@@ -468,7 +474,7 @@ def test_gpu_index_weights(heads, hidden):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,heads,nope", [(1, 8, 192), (4, 16, 128), (32, 64, 192), (64, 8, 192), (300, 8, 192)])
+@pytest.mark.parametrize("rows,heads,nope", [(1, 8, 192), (4, 16, 128), (32, 64, 192), (192, 8, 192), (600, 8, 192)])
 def test_gpu_mla_query_within_rounding(rows, heads, nope):
     """On the GPU (the rank presets' heads and widths, decode to prefill rows): the absorbed query
     within the rounding bound, its RoPE exact, in both modes and both RoPE layouts; each row's bits

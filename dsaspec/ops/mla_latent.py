@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.ops.checks import check_tensor
 from dsaspec.ops.device import enter_chain, supports_pdl
 from dsaspec.ops.e4m3 import quantize_rows
@@ -34,7 +35,6 @@ from dsaspec.ops.kv_cache_layout import FP8_GROUP, MLA_LATENT_DIM, MLA_ROPE_DIM,
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _WIDTH = MLA_LATENT_DIM + MLA_ROPE_DIM
-_SMALL_ROWS = 64  # decode and verify sizes: the row-invariant 16-row tiles in either mode
 
 
 @triton.jit
@@ -114,10 +114,10 @@ def _mla_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, m_tiles, st
 
 
 def mla_query_tiles(rows: int, dtype: torch.dtype, row_invariant: bool) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of :func:`mla_query`: 16-row tiles 32 columns wide up to 64
-    rows and at every row count when ``row_invariant`` (each row's bits then never depend on the
-    row count), else 64 x 64; K blocks of 64 (bf16) or 32 (fp32)."""
-    block_m, block_n = (16, 32) if row_invariant or rows <= _SMALL_ROWS else (64, 64)
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of :func:`mla_query`: 16-row tiles 32 columns wide below
+    ``PREFILL_MIN_ROWS`` rows and at every row count when ``row_invariant`` (each row's bits then
+    never depend on the row count), else 64 x 64; K blocks of 64 (bf16) or 32 (fp32)."""
+    block_m, block_n = (16, 32) if row_invariant or rows < PREFILL_MIN_ROWS else (64, 64)
     return block_m, block_n, 64 if dtype == torch.bfloat16 else 32
 
 
@@ -132,7 +132,7 @@ def mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch
     RoPE by the row's ``cos``/``sin`` fp32 ``[R, 32]`` (pairs ``(2i, 2i+1)`` when ``interleaved``,
     else ``(i, i + 32)``; fp32 ``x*cos - x'*sin``, ``x*sin + x'*cos`` without FMA), bit-identical to
     the torch ops; the product's sum order is :func:`mla_query_tiles`'s, so a row's bits depend on
-    the row count only past 64 rows and never with ``row_invariant``. ``q`` and ``w_uk`` both bf16
+    the row count only in prefill chunks and never with ``row_invariant``. ``q`` and ``w_uk`` both bf16
     or both fp32, any strides with a unit last stride (``q`` a column view of a fused GEMM's output,
     ``w_uk`` a view of ``kv_b_proj``'s weight)."""
     check_tensor("q", q, dtype=_FLOAT_DTYPES, ndim=3, device=cos.device)

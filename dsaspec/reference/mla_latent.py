@@ -1,7 +1,8 @@
 """Pure PyTorch definitions of three fused MLA/indexer kernels: the latent epilogue
 (``dsaspec.ops.mla_latent``: ``kv_a_layernorm`` and RoPE of a ``kv_a`` row, each rounded to the
-input's dtype), the absorbed query (the same module: ``q_nope @ W_UK`` and the RoPE'd ``q_rope``) and the indexer's head weights (``dsaspec.ops.index_weights``: fp32
-``weights_proj`` and its scale)."""
+input's dtype), the absorbed query (the same module: ``q_nope @ W_UK`` and the RoPE'd ``q_rope``)
+and the indexer's head weights (``dsaspec.ops.index_weights``: fp32 ``weights_proj`` and its
+scale)."""
 
 from __future__ import annotations
 

@@ -252,9 +252,12 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         workspace = step.attn.workspace or NO_WORKSPACE
         step.ops.sparse_mla_decode(q_mqa, mla_cache, step.selected, cfg.softmax_scale, out=o_latent,
                                    check_values=step.check_values, workspace=workspace.sparse_mla)
-        # [R, H, v], written through its [H, R, v] view: o_proj reads it as [R, H * v] without a copy
+        # [R, H, v], written through its [H, R, v] view: o_proj reads it as [R, H * v] without a copy.
+        # Below a prefill chunk's rows the Triton ops take the row-invariant GEMM: a chained launch, where
+        # cuBLAS's bmm waits for sparse MLA's end.
+        triton_gemm = self.row_invariant or (step.ops.mla_query is not None and rows < PREFILL_MIN_ROWS)
         o = torch.empty(rows, heads, cfg.v_head_dim, device=x.device, dtype=x.dtype)
-        bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), self.row_invariant, out=o.transpose(0, 1))
+        bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), triton_gemm, out=o.transpose(0, 1))
         return self.group.all_reduce(self.o_proj(o.view(rows, heads * cfg.v_head_dim)))
 
 
