@@ -50,3 +50,11 @@ def enter_chain(CHAINED: tl.constexpr):
     if CHAINED:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def wait_in_chain(CHAINED: tl.constexpr):
+    # enter_chain without the early release: the kernel after this one launches as this one's programs
+    # exit, not as they start, so its waiting programs take no SM slots this kernel's later programs need.
+    if CHAINED:
+        gdc_wait()

@@ -100,7 +100,7 @@ import triton.language as tl
 
 from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import enter_chain, sm_count, supports_pdl
+from dsaspec.ops.device import enter_chain, sm_count, supports_pdl, wait_in_chain
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS, act_quant
 from dsaspec.ops.row_invariant import _tile_counters
@@ -450,7 +450,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_expert
     # with FP8 act_quant's codes and scale of each row's GROUP = 128 columns)
     # PAIRS: the pair layout, num_blocks = P pairs, block_experts_ptr = topk_ids; a row's outputs go
     # to row p of its pair (sorted: row block * BLOCK_M + i)
-    enter_chain(CHAINED)
+    wait_in_chain(CHAINED)
     pid = tl.program_id(0)
     block = pid % num_blocks
     split = pid // num_blocks % SPLIT
@@ -566,13 +566,14 @@ def _down_kernel(act_ptr, as_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_experts
                  out_ptr, num_blocks, num_experts, H, I, stride_act, stride_as, stride_we, stride_wn, stride_wse,
                  stride_wsn, stride_out, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, PAIRS: tl.constexpr,
-                 TOPK_PAD: tl.constexpr):
+                 TOPK_PAD: tl.constexpr, CHAINED: tl.constexpr):
     # FP8: act and w are e4m3 codes, as [rows, I / BLOCK_K] and ws [E, ceil(H / BLOCK_K), I / BLOCK_K]
     # their scales (as in _gate_up_kernel)
     # sorted: program (block, n) writes its rows' weighted fp32 partials to out_ptr (the partial buffer,
     # row p for pair p); PAIRS: program (token, n), num_blocks = T, block_experts_ptr = topk_ids: the
     # token's TOPK pairs in order, each its tile product (act row p in row 0 of the tile) times its
     # weight, added to an fp32 sum (the combine's), cast and written to out_ptr[token]
+    enter_chain(CHAINED)
     pid = tl.program_id(0)
     block = pid % num_blocks
     pid_n = pid // num_blocks
@@ -847,8 +848,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         act_quant(act[:rows], scale_fmt, out=a[:rows], scale_out=a_scale[:rows])
     # the down programs: a block's (sorted) or a token's (pair layout) x BLOCK_N columns, so the pair
     # layout sizes its tile for one program per token; no FMA contraction, so the pair layout's fp32
-    # sum of weighted products has the combine's bits. Not chained (enter_chain): chained, it took 20.5 ->
-    # 29.7 µs a layer at T 4 on an H100 (likely its early programs piling onto the SMs gate/up frees first)
+    # sum of weighted products has the combine's bits. Chained behind gate/up's exit (wait_in_chain): released
+    # at gate/up's start, it took 20.5 -> 29.7 µs a layer at T 4 on an H100, its waiting programs likely
+    # holding the SMs gate/up's later programs needed
     tile = _tile(h, inter, topk, hidden.dtype, hidden.device, fp8=fp8, per_token=not sort, block_m=block_m)
     target = partial if sort else out
     _down_kernel[(down_blocks * triton.cdiv(h, tile.block_n),)](
@@ -856,8 +858,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), w2_s.stride(0), w2_s.stride(1),
         target.stride(0), TOPK=topk, BLOCK_M=block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=upcast, FP8=fp8, PAIRS=not sort,
-        TOPK_PAD=triton.next_power_of_2(topk), num_warps=tile.num_warps, num_stages=tile.num_stages,
-        enable_fp_fusion=False)
+        TOPK_PAD=triton.next_power_of_2(topk), CHAINED=chained, launch_pdl=chained, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, enable_fp_fusion=False)
     if sort:
         block_h = min(_COMBINE_ELEMENTS, triton.next_power_of_2(h))
         block_t = min(triton.next_power_of_2(tokens), _COMBINE_ELEMENTS // block_h)
