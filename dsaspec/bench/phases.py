@@ -63,8 +63,8 @@ PHASE_PATTERNS = {
     "sparse_mla": ", ".join(_KERNELS["sparse_mla"]),
     "attention_proj": "other kernels of module self_attn (the fused_input GEMM: q_a_proj + indexer wk + "
                       "kv_a_proj_with_mqa; the fused_latent GEMM: q_b_proj + indexer wq_b, or q_b_proj alone "
-                      "where the indexer is skipped; norms, RoPE, MLA cache write, W_UK/W_UV absorption bmm, "
-                      "o_proj)",
+                      "where the indexer is skipped; norms, RoPE, MLA cache write, the W_UK / W_UV absorption "
+                      "products, o_proj)",
     "ffn": "kernels of module mlp (gate/up/down GEMMs, SiLU*mul)",
     "lm_head": "kernels of module lm_head (the vocab GEMM)",
     "sampling": "kernels after lm_head in the graph (the greedy token from the bf16 logits and, in the same "
