@@ -113,11 +113,18 @@ def _mla_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, m_tiles, st
         tl.store(out_rows + LATENT + c[None, :], y.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
 
 
+def decode_tiles(rows: int, row_invariant: bool) -> bool:
+    """Whether MLA's absorption products of ``rows`` rows take their decode forms: :func:`mla_query`'s
+    16-row tiles and, in the layer, W_UV's product on the row-invariant GEMM. Below ``PREFILL_MIN_ROWS``
+    rows (every captured step), and at every row count when ``row_invariant``."""
+    return row_invariant or rows < PREFILL_MIN_ROWS
+
+
 def mla_query_tiles(rows: int, dtype: torch.dtype, row_invariant: bool) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of :func:`mla_query`: 16-row tiles 32 columns wide below
-    ``PREFILL_MIN_ROWS`` rows and at every row count when ``row_invariant`` (each row's bits then
-    never depend on the row count), else 64 x 64; K blocks of 64 (bf16) or 32 (fp32)."""
-    block_m, block_n = (16, 32) if row_invariant or rows < PREFILL_MIN_ROWS else (64, 64)
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of :func:`mla_query`: 16-row tiles 32 columns wide where
+    :func:`decode_tiles` (each row's bits then never depend on the row count), else 64 x 64; K
+    blocks of 64 (bf16) or 32 (fp32)."""
+    block_m, block_n = (16, 32) if decode_tiles(rows, row_invariant) else (64, 64)
     return block_m, block_n, 64 if dtype == torch.bfloat16 else 32
 
 

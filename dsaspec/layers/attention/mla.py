@@ -30,6 +30,7 @@ from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK
 from dsaspec.ops.indexer import default_indexer_programs
 from dsaspec.ops.kv_cache_layout import is_fp8_cache
+from dsaspec.ops.mla_latent import decode_tiles
 
 
 @dataclass
@@ -259,7 +260,7 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         # [R, H, v], written through its [H, R, v] view: o_proj reads it as [R, H * v] without a copy.
         # Below a prefill chunk's rows the Triton ops take the row-invariant GEMM: a chained launch, where
         # cuBLAS's bmm waits for sparse MLA's end.
-        triton_gemm = self.row_invariant or (step.ops.mla_query is not None and rows < PREFILL_MIN_ROWS)
+        triton_gemm = self.row_invariant or (step.ops.mla_query is not None and decode_tiles(rows, False))
         o = torch.empty(rows, heads, cfg.v_head_dim, device=x.device, dtype=x.dtype)
         if triton_gemm and self.output_quant is not None:   # o_proj's act_quant in the same launch
             o_in = self._unabsorb_quantized(o_latent, w_uv, o)
