@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsaspec.bench import decode
+from dsaspec.bench.presets import preset_config
 from dsaspec.bench.results import markdown_table
 from dsaspec.configs.model_config import get_config
 from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE
@@ -57,7 +58,7 @@ def test_kv_cache_dtype_option_refuses_a_bad_value(capsys):
 @pytest.mark.parametrize("layers,wanted", [(24, 24), (78, 78), (None, 78)])
 def test_layers_cut_the_preset(layers, wanted):
     args = argparse.Namespace(preset="glm5-fp8-tp8-rank", layers=layers)
-    config = decode.preset_config(args)
+    config = preset_config(args)
     assert config.num_hidden_layers == wanted
     assert config.replace(num_hidden_layers=78) == get_config("glm5-fp8-tp8-rank")   # nothing else changed
 
@@ -67,7 +68,7 @@ def test_layers_refuse_more_than_the_preset_or_no_moe_layer(layers, named):
     from dsaspec.errors import UserError
 
     with pytest.raises(UserError, match=f"--layers {layers}: .*{named}"):
-        decode.preset_config(argparse.Namespace(preset="glm5-fp8-tp8-rank", layers=layers))
+        preset_config(argparse.Namespace(preset="glm5-fp8-tp8-rank", layers=layers))
 
 
 def _record_pools(monkeypatch) -> list:

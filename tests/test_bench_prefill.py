@@ -19,11 +19,13 @@ def _rows(tmp_path, *argv):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU run of bench prefill")
-def test_cpu_rows_per_dtype_and_chunk_with_the_same_tokens(tmp_path):
+def test_cpu_rows_per_dtype_and_chunk_with_the_same_tokens(tmp_path, capsys):
     """Chunks of 32 rows (prefixes 0, 32, ..., 128; rows crossing the top-k of 64 on the way) must give
     the MTP layer's last-row output of one chunk of 150 to fp32 rounding: a chunk that read a wrong
-    prefix, position or page-table width would not. No time on the CPU; the floor is there."""
-    rows = _rows(tmp_path)
+    prefix, position or page-table width would not. No time on the CPU; the floor is there. The CPU
+    run's fixed tiny preset says it does not cut it to ``--layers``."""
+    rows = _rows(tmp_path, "--layers", "5")
+    assert "--layers 5 (not used)" in capsys.readouterr().out
     assert [(r["kv_cache_dtype"], r["chunk"]) for r in rows] == [
         ("bf16", 32), ("bf16", 150), ("fp8_e4m3", 32), ("fp8_e4m3", 150)]
     for r in rows:
@@ -39,7 +41,9 @@ def test_cpu_rows_per_dtype_and_chunk_with_the_same_tokens(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_prefill_phases_add_up_to_the_busy_time(tmp_path):
-    rows = _rows(tmp_path, "--preset", "tiny", "--prompt-len", "300", "--chunk-sizes", "64,300", "--runs", "2")
+    rows = _rows(tmp_path, "--preset", "tiny", "--layers", "1", "--prompt-len", "300", "--chunk-sizes", "64,300",
+                 "--runs", "2")
+    assert "over the 1 target layers" in json.loads((tmp_path / "prefill.json").read_text())["method"]
     for r in rows:
         profile = r["profile"]
         assert r["ttft_ms"] > 0 and len(r["times_ms"]) == 2

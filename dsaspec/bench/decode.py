@@ -52,8 +52,8 @@ from dsaspec.layers.attention.backend import BOUNDED, CONTEXT_WIDE, DSAAttnBacke
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, use_cpu_sizes
-from dsaspec.configs.model_config import PRESETS, get_config
 from dsaspec.bench.experts_hit import ExpertsHitCounter
+from dsaspec.bench.presets import add_preset_arguments, preset_config
 from dsaspec.bench.floors import LAYER_PHASES, PER_LAYER, STEP, FloorModel, Rates, floor_markdown, floor_rows
 from dsaspec.executor.decode_worker import DecodeWorker
 from dsaspec.executor.worker import indexer_programs_for
@@ -69,10 +69,7 @@ TPOT_TARGET = 1.05                           # bounded TPOT at a long context / 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="bench", choices=sorted(PRESETS), help="model preset (random weights)")
-    p.add_argument("--layers", type=positive_int, default=None,
-                   help="decode the preset cut to its first LAYERS layers (at most its own): for a preset too large "
-                        "for the GPU, e.g. a rank preset on an 80 GB H100 (default: all)")
+    add_preset_arguments(p, default="bench")
     p.add_argument("--bs", type=positive_int_list, default=[1, 4, 16, 32],
                    help="comma-separated batch sizes (= graph buckets)")
     p.add_argument("--contexts", type=positive_int_list, default=[FULL_CONTEXT, 4096],
@@ -291,21 +288,6 @@ def _apply_cpu_sizes(args) -> None:
           "Token identity is checked; no time is measured (interpreter times mean nothing).")
     if ignored:
         print(ignored)
-
-
-def preset_config(args):
-    """The ``--preset`` config, cut to its first ``--layers`` layers where given; raises
-    :class:`~dsaspec.errors.UserError` for more layers than the preset has or a cut config that is
-    not valid (a MoE preset without a MoE layer)."""
-    config = get_config(args.preset)
-    if args.layers is None:
-        return config
-    if args.layers > config.num_hidden_layers:
-        raise UserError(f"--layers {args.layers}: the {args.preset} preset has {config.num_hidden_layers} layers")
-    try:
-        return config.replace(num_hidden_layers=args.layers)
-    except ValueError as error:   # e.g. a MoE preset cut before its first MoE layer
-        raise UserError(f"--layers {args.layers}: {error}") from None
 
 
 def run(args) -> int:

@@ -1,14 +1,15 @@
 """Prefill of one request (TTFT): its time by chunk size, the phases its kernels take, its floor.
 
-Model: ``--preset`` (default ``glm5-fp8-tp8-rank``, one TP 8 rank of GLM-5 with FP8 weights), seeded
-random weights, bf16, Triton ops. Per KV cache dtype (``--kv-cache-dtype``) and chunk size
-(``--chunk-sizes``: 512, the engine's former default, and 4,096, its default), one request with a
-``--prompt-len``-token random prompt is prefilled the way the engine prefills it
-(:meth:`~dsaspec.speculative.spec_worker.SpecWorker.prefill`: the target over the prompt in
-chunks, eagerly, its greedy token from the last row; then the MTP layer over the prompt shifted by
-one, its greedy draft), ``--runs`` times after one warm-up run (the Triton compiles). TTFT = the
-median wall time of a run (host: from the call until its token is on the host); spread = (max -
-min) / median; prefill tok/s = prompt tokens / TTFT.
+Model: ``--preset`` (default ``glm5-fp8-tp8-rank``, one TP 8 rank of GLM-5 with FP8 weights;
+``--layers`` cuts it to its first layers, for an 80 GB GPU), seeded random weights, bf16, Triton
+ops. Per KV cache dtype (``--kv-cache-dtype``) and chunk size (``--chunk-sizes``: 512, the engine's
+former default, and 4,096, its default), one request with a ``--prompt-len``-token random prompt is
+prefilled the way the engine prefills it
+(:meth:`~dsaspec.speculative.spec_worker.SpecWorker.prefill`: the target over the prompt in chunks,
+eagerly, its greedy token from the last row; then the MTP layer over the prompt shifted by one, its
+greedy draft), ``--runs`` times after one warm-up run (the Triton compiles). TTFT = the median wall
+time of a run (host: from the call until its token is on the host); spread = (max - min) / median;
+prefill tok/s = prompt tokens / TTFT.
 
 Phases: one more run under torch.profiler with the phase markers of
 :mod:`dsaspec.bench.phases` (DSA kernels by name, every other kernel by the module that launched
@@ -33,10 +34,10 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.bench.floors import FloorModel, Rates, add_costs, floor_markdown, floor_rows
+from dsaspec.bench.presets import add_preset_arguments, preset_config
 from dsaspec.bench.phases import PHASE_PATTERNS, PhaseMarkers, attribute_kernels, kernel_table, phase_sums
 from dsaspec.cli_parsing import choice_list, format_value, nonnegative_int, positive_int, positive_int_list, \
     use_cpu_sizes
-from dsaspec.configs.model_config import PRESETS, get_config
 from dsaspec.configs.runtime_options import RuntimeOptions
 from dsaspec.memory import KV_CACHE_DTYPES, PAGE_SIZE, KVPool, PageAllocator, ReqToTokenPool, RequestSlots, \
     resolve_kv_cache_dtype
@@ -45,8 +46,7 @@ from dsaspec.speculative.spec_worker import SpecConfig, build_spec_worker
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="glm5-fp8-tp8-rank", choices=sorted(PRESETS),
-                   help="model preset (random weights)")
+    add_preset_arguments(p, default="glm5-fp8-tp8-rank")
     p.add_argument("--prompt-len", type=positive_int, default=16384, help="prompt tokens")
     p.add_argument("--chunk-sizes", type=positive_int_list, default=[512, 4096],
                    help="comma-separated prefill chunk sizes (rows a forward)")
@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _apply_cpu_sizes(args) -> None:
     ignored = use_cpu_sizes(args, add_arguments, {"preset": "tiny", "prompt_len": 150, "chunk_sizes": [32, 150],
-                                                  "runs": 1, "no_profile": True})
+                                                  "runs": 1, "no_profile": True},
+                            unused=("layers",))
+    args.layers = None
     print(f"No CUDA: tiny preset (fp32) with the torch reference ops, prompt {args.prompt_len} tokens, chunks "
           f"{format_value(args.chunk_sizes)}. The first token and draft and the MTP layer's last-row output against "
           "the largest chunk's are reported; no time is measured.")
@@ -136,7 +138,7 @@ def run(args) -> int:
 
         warm_up_gpu()
     rates = Rates.measure(device)
-    model = DSAModel(get_config(args.preset), device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
+    model = DSAModel(preset_config(args), device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
                      use_triton=on_gpu, options=RuntimeOptions.from_environment()).init_weights(args.seed, progress=True)
     generator = torch.Generator().manual_seed(args.seed + 1)
     prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
