@@ -1,25 +1,26 @@
-"""Time ``fp8_linear`` on one GPU at the FP8 GEMM shapes of one layer of a per-rank preset and M
-rows, in its four forms: unsplit (one program per 16 x 64 tile over all of K) or split (a program
-per tile and K group, then the reduce), each with the activation quantization in the GEMM (fused)
-or as an ``act_quant`` launch before it (two launches). Per shape and M: the median per-replay span
-of a cold-L2 CUDA-graph replay (first to last device activity, so the gaps between launches count)
-of each form, the form the defaults pick (``rule``), and each against the bytes floor (weight codes
-and scales, the bf16 rows read and written, at the measured copy bandwidth; no launch beats an
-empty kernel node); every form's bits checked equal. ``--programs-per-sm`` also times the split
-forms with other ``SPLIT_PROGRAMS_PER_SM`` (other K groups: other bits, not compared across
-values), ``--stages`` both forms with other pipeline depths of 16-row tiles (``_GEMM_STAGES``: the same bits),
-and ``--block-m`` both forms with other tile heights (``_GEMM_BLOCK_M``: 64 rows a tile
-give the tensor cores' warpgroup MMA and read the weights M / 64 times instead of M / 16, but make
-each row's bits a function of the tile; other bits, not compared across values). Writes
-``fp8_linear_<preset>.json`` and ``.md`` to the folder given and prints the table: where split
-stops winning sets the split threshold, where fused stops winning ``FUSED_QUANT_MAX_M`` and
-``FUSED_QUANT_MAX_STEPS``, where a taller tile starts winning whether the default (not
-row-invariant) mode should take it from some M on. ``--cuda-cores 2,4`` also times, at M <=
-``CUDA_CORE_MAX_M``, a prototype that leaves the tensor cores out: ``act_quant``, then programs of
-one N tile and K group that multiply the e4m3 weights by the scaled codes with fp32 FMAs, one
-reduction over K at the end, then the module's split reduce (at these many programs per SM; other
-sums: its largest error against the default form is reported, not its bits). Whether a program's
-serial chain of MMAs and scale multiplies, not the bytes, sets an M = 1 GEMM's time.
+"""Time ``fp8_linear`` on one GPU at the FP8 GEMM shapes of one layer of a per-rank preset and M rows,
+in its four forms: unsplit (one program per 16 x 64 tile over all of K) or split (a program per tile
+and K group, the last of a tile adding the groups), each with the activation quantization in the
+GEMM (fused) or as an ``act_quant`` launch before it (two launches). Per shape and M: the median
+per-replay span of a cold-L2 CUDA-graph replay (first to last device activity, so the gaps between
+launches count) of each form, the form the defaults pick (``rule``), and each against the bytes
+floor (weight codes and scales, the bf16 rows read and written, at the measured copy bandwidth; no
+launch beats an empty kernel node); every form's bits checked equal. ``--programs-per-sm`` also
+times the split forms with other ``SPLIT_PROGRAMS_PER_SM`` (other K groups: other bits, not compared
+across values), ``--stages`` both forms with other pipeline depths of 16-row tiles
+(``_GEMM_STAGES``: the same bits), and ``--block-m`` both forms with other tile heights
+(``_GEMM_BLOCK_M``: 64 rows a tile give the tensor cores' warpgroup MMA and read the weights M / 64
+times instead of M / 16, but make each row's bits a function of the tile; other bits, not compared
+across values). Writes ``fp8_linear_<preset>.json`` and ``.md`` to the folder given and prints the
+table: where split stops winning sets the split threshold, where fused stops winning
+``FUSED_QUANT_MAX_M`` and ``FUSED_QUANT_MAX_STEPS``, where a taller tile starts winning whether the
+default (not row-invariant) mode should take it from some M on. ``--cuda-cores 2,4`` also times, at
+M <= ``CUDA_CORE_MAX_M``, a prototype that leaves the tensor cores out: ``act_quant``, then programs
+of one N tile and K group that multiply the e4m3 weights by the scaled codes with fp32 FMAs, one
+reduction over K at the end, the last program of a column tile adding the K groups (at these many
+programs per SM; other sums: its largest error against the default form is reported, not its bits).
+Whether a program's serial chain of MMAs and scale multiplies, not the bytes, sets an M = 1 GEMM's
+time.
 
     python3 scripts/bench_fp8_linear.py OUT [--preset deepseek-v32-fp8-tp8-rank] [--rows 1,4,16,64,128]
         [--programs-per-sm 2,4] [--stages 4,6] [--block-m 32,64] [--cuda-cores 2,4]
@@ -41,7 +42,7 @@ from dsaspec.configs.model_config import PRESETS
 from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.mla import MLAAttention
 from dsaspec.ops import fp8_gemm as op
-from dsaspec.ops.device import enter_chain, sm_count, supports_pdl
+from dsaspec.ops.device import enter_chain, last_to_arrive, sm_count, supports_pdl, tile_counters
 
 METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; the four forms "
           "of fp8_linear (unsplit / split x fused / two launches) on the same inputs, their bits compared; "
@@ -54,12 +55,13 @@ CUDA_CORE_TOLERANCE = 2.0 ** -6   # largest error against the default form, rela
 
 
 @triton.jit
-def _cuda_core_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, M, N, K, group, stride_am, stride_asm, stride_wn,
-                      stride_wsn, stride_pg, stride_pm, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, CHAINED: tl.constexpr):
+def _cuda_core_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, c_ptr, counters_ptr, M, N, K, group, stride_am,
+                      stride_asm, stride_wn, stride_wsn, stride_pg, stride_pm, stride_cm, M_PAD: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHAINED: tl.constexpr):
     # program (n tile, group g): p[g, m, n] = sum over k of the group's K blocks kb of
     # w[n, k] * (a[m, k] * a_scale[m, kb] * w_scale[n // 128, kb]): fp32 FMAs into an [M_PAD, BLOCK_N, BLOCK_K]
-    # accumulator, summed over its K axis once at the end
+    # accumulator, summed over its K axis once at the end; the tile's last program to finish adds the groups'
+    # partials in g order into c
     enter_chain(CHAINED)
     n0 = tl.program_id(0) * BLOCK_N
     g = tl.program_id(1)
@@ -79,15 +81,21 @@ def _cuda_core_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, p_ptr, M, N, K, group, strid
         a_s = tl.load(as_ptr + rows * stride_asm + kb, mask=row_live, other=0.0)
         w_s = tl.load(ws_ptr + (n0 // BLOCK_K) * stride_wsn + kb)
         acc += w[None, :, :] * (a * (a_s * w_s)[:, None])[:, None, :]
-    tl.store(p_ptr + g * stride_pg + rows[:, None] * stride_pm + cols[None, :], tl.sum(acc, axis=2),
-             mask=row_live[:, None] & col_live[None, :])
+    live = row_live[:, None] & col_live[None, :]
+    p_ptrs = p_ptr + rows[:, None] * stride_pm + cols[None, :]
+    tl.store(p_ptrs + g * stride_pg, tl.sum(acc, axis=2), mask=live)
+    if last_to_arrive(counters_ptr + tl.program_id(0), tl.num_programs(1)):
+        total = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        for h in range(tl.num_programs(1)):
+            total += tl.load(p_ptrs + h * stride_pg, mask=live, other=0.0, cache_modifier=".cg")
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], total.to(c_ptr.dtype.element_ty), mask=live)
 
 
 def cuda_core_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, scale_fmt, out: torch.Tensor,
                      programs_per_sm: int) -> torch.Tensor:
     """The prototype's ``y = act_quant(x) @ (w * w_s)^T`` (M <= ``CUDA_CORE_MAX_M`` rows) into ``out``:
-    three launches (``act_quant``, the FMA programs, the split reduce), as many K groups as keep about
-    ``programs_per_sm`` programs per SM."""
+    two launches (``act_quant``, the FMA programs, whose last program of a column tile adds the K
+    groups' partials), as many K groups as keep about ``programs_per_sm`` programs per SM."""
     m, k = x.shape
     n = w.shape[0]
     codes, scales = op.act_quant(x, scale_fmt)
@@ -98,13 +106,11 @@ def cuda_core_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, scale_
     groups = triton.cdiv(blocks, group)
     partial = torch.empty(groups, m, n, dtype=torch.float32, device=x.device)
     chained = supports_pdl(x.device)
-    _cuda_core_kernel[(tiles, groups)](codes, scales, w, w_s, partial, m, n, k, group, codes.stride(0),
-                                       scales.stride(0), w.stride(0), w_s.stride(0), partial.stride(0),
-                                       partial.stride(1), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=op.BLOCK,
-                                       CHAINED=chained, launch_pdl=chained, num_warps=4)
-    op._fp8_gemm_reduce_kernel[(m, triton.cdiv(n, op._REDUCE_BLOCK))](
-        partial, out, n, partial.stride(0), partial.stride(1), out.stride(0), GROUPS=groups,
-        BLOCK_C=op._REDUCE_BLOCK, CHAINED=chained, launch_pdl=chained, num_warps=4)
+    _cuda_core_kernel[(tiles, groups)](codes, scales, w, w_s, partial, out, tile_counters(x.device, tiles), m, n, k,
+                                       group, codes.stride(0), scales.stride(0), w.stride(0), w_s.stride(0),
+                                       partial.stride(0), partial.stride(1), out.stride(0), M_PAD=m_pad,
+                                       BLOCK_N=block_n, BLOCK_K=op.BLOCK, CHAINED=chained, launch_pdl=chained,
+                                       num_warps=4)
     return out
 
 

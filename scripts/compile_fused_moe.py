@@ -84,8 +84,7 @@ def compile_align(experts: int) -> dict:
                           (moe._gate_up_kernel, moe._down_kernel, moe._combine_kernel), ())
 
 
-FP8_LINEAR = {"gemm": fp8_gemm._fp8_gemm_kernel, "reduce": fp8_gemm._fp8_gemm_reduce_kernel,
-              "act_quant": fp8_gemm._act_quant_kernel}
+FP8_LINEAR = {"gemm": fp8_gemm._fp8_gemm_kernel, "act_quant": fp8_gemm._act_quant_kernel}
 LINEAR_N, LINEAR_K = 2752, 6144
 
 
@@ -119,7 +118,6 @@ def main() -> int:
         for fused in (False, True):
             name = f"fp8_linear gemm {'split' if split else 'unsplit'}{' fused quant' if fused else ''}"
             print(dsa.summary_line(name, compile_fp8_linear("gemm", split, fused)), flush=True)
-    print(dsa.summary_line("fp8_linear split reduce", compile_fp8_linear("reduce", True, False)), flush=True)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""scripts/bench_fp8_linear.py's CUDA-core prototype: the block-scaled FP8 product of its three
+"""scripts/bench_fp8_linear.py's CUDA-core prototype: the block-scaled FP8 product of its two
 launches within the fp32 sums' rounding of the exact one, at every row count it serves, ragged N
 and several K groups."""
 

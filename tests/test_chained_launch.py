@@ -22,7 +22,6 @@ CASES = [
     ("compile_fp8_dsa", "c.compile_sparse_mla(True)"),
     ("compile_fp8_dsa", "c.compile_index_rope('qk_fp8')"),
     ("compile_fused_moe", "c.compile_fp8_linear('gemm', True, False)"),
-    ("compile_fused_moe", "c.compile_fp8_linear('reduce', True, False)"),
     ("compile_fused_moe", "c.compile_fp8_linear('act_quant', False, False)"),
     ("compile_decode_epilogues", "c.compile_router_logits(c.moe_router.RouterGemmConfig(), 1)"),
     ("compile_decode_epilogues", "c.compile_router(256, 1, 1, 8, 1)"),

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from compile_scripts import integer_rows, run_in_scripts
-from dsaspec.ops import fp8_gemm, fused_moe as moe, row_invariant as ri
+from dsaspec.ops import device as device_facts, fp8_gemm, fused_moe as moe
 from dsaspec.reference import fp8_gemm as fp8_ref
 from dsaspec.reference.fused_moe import fused_moe as reference
 from dsaspec.reference.fused_moe import fused_moe_fp8 as fp8_reference
@@ -132,8 +132,6 @@ def test_workspace_layout_is_a_stable_padded_sort(routing, chunks, device, monke
     block chunks at the defaults (one chunk each here) and small enough that every loop crosses
     chunks (185 pairs, 26 blocks); ids outside [0, E) (graph replay of unchecked ids) are dropped;
     the counter of its last program is left at 0 (a graph replay finds it as the capture did)."""
-    from dsaspec.ops import row_invariant
-
     if chunks is not None:
         for name, value in zip(("_ALIGN_PAIR_CHUNK", "_ALIGN_BLOCK_CHUNK"), chunks):
             monkeypatch.setattr(moe, name, value)
@@ -151,7 +149,7 @@ def test_workspace_layout_is_a_stable_padded_sort(routing, chunks, device, monke
     rows, blocks = _expected_layout(ids, experts)
     assert workspace.sorted_pairs.tolist() == rows
     assert workspace.block_experts.tolist() == blocks
-    assert not row_invariant._counters[workspace.sorted_pairs.device].any()
+    assert not device_facts._counters[workspace.sorted_pairs.device].any()
 
 
 def test_combine_is_the_in_order_fp32_sum(device):
@@ -283,7 +281,7 @@ def test_split_k_poisoned_workspace_changes_nothing(split_k, device):
                                         split_k=split_k)
         fresh.gate_up.zero_()
         got = _run(*args, workspace=workspace, split_k=split_k)
-        assert not ri._tile_counters(torch.device(device), 1).any(), "a call left a reduction counter set"
+        assert not device_facts.tile_counters(torch.device(device), 1).any(), "a call left a reduction counter set"
         assert torch.equal(got, _run(*args, workspace=fresh, split_k=split_k))
         _assert_close(got, reference(*args), torch.float32)
 
@@ -624,7 +622,7 @@ def test_fp8_split_reduction_groups_of_several_tiles(sort_pairs, device):
             assert moe._tile(256, 256, topk, torch.bfloat16, device, weight_tiles=2, fp8=True,
                              split_k=2).block_n == (128 if sms == 1 else 16)
             out = _run_fp8(*args, workspace=workspace, scale_fmt="ue8m0", split_k=2, sort_pairs=sort_pairs)
-        assert not ri._tile_counters(torch.device(device), 1).any()
+        assert not device_facts.tile_counters(torch.device(device), 1).any()
         rows = ([r for r, p in enumerate(workspace.sorted_pairs.tolist()) if p >= 0] if sort_pairs
                 else list(range(tokens * topk)))
         results.append([out, workspace.act_q[rows].view(torch.uint8), workspace.act_scale[rows]])
@@ -1226,7 +1224,7 @@ def test_tall_blocks_match_reference(routing, block_m, split_k, dtype, device):
     _assert_close(got, reference(hidden, w13, w2, ids, weights, shared=shared), dtype)
     rows, blocks = _expected_layout(all_ids, experts + 1, block_m)
     assert workspace.sorted_pairs.tolist() == rows and workspace.block_experts.tolist() == blocks
-    assert not ri._tile_counters(torch.device(device), 1).any()
+    assert not device_facts.tile_counters(torch.device(device), 1).any()
 
 
 @fp8_warnings

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_scripts import run_in_scripts
 from dsaspec.forward_mode import PREFILL_MIN_ROWS
+from dsaspec.ops import device as device_facts
 from dsaspec.ops.index_weights import index_weights, index_weights_splits
 from dsaspec.ops.mla_latent import mla_query, mla_query_tiles, store_mla_normed
 from dsaspec.reference.fp8_kv import read_mla, write_mla
@@ -257,14 +258,12 @@ def test_index_weights_preset_shapes(rows, heads, hidden, device):
 def test_index_weights_rows_independent_of_batch(heads, hidden, device):
     """A row's bits alone, in a batch of 9 and of 18 (other row tiles, other rows' values) are the
     same, and a second launch (a graph replay: the tile counters are left at 0) repeats them."""
-    from dsaspec.ops import row_invariant
-
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(18, hidden, generator=gen).to(torch.bfloat16).to(device)
     weight = torch.randn(heads, hidden, generator=gen).to(device)
     batch = index_weights(x, weight, 0.01)
     assert torch.equal(index_weights(x, weight, 0.01), batch)
-    assert not row_invariant._counters[x.device].any()
+    assert not device_facts._counters[x.device].any()
     part = index_weights(x[:9], weight, 0.01)
     for r in (0, 7, 8):
         assert torch.equal(index_weights(x[r:r + 1], weight, 0.01), batch[r:r + 1])

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from compile_scripts import integer_rows, run_in_scripts
-from dsaspec.ops import fp8_gemm
+from dsaspec.ops import device as device_facts, fp8_gemm
 from dsaspec.ops import row_invariant as ri
 from dsaspec.reference import fp8_gemm as fp8_ref
 from dsaspec.reference import row_invariant as ref
@@ -139,11 +139,11 @@ def test_linear_split_launches_repeat_and_leave_counters_zero(device):
         out = torch.full((rows, 48), math.nan, dtype=dtype, device=device)
         ri.linear(x[:rows], w, out, config=config)
         assert torch.equal(out, first[:rows])
-    assert not ri._counters[x.device].any()
+    assert not device_facts._counters[x.device].any()
 
 
 def test_linear_split_launch_beyond_the_counters_is_refused(monkeypatch, device):
-    monkeypatch.setattr(ri, "_COUNTER_CAPACITY", 2)
+    monkeypatch.setattr(device_facts, "COUNTER_CAPACITY", 2)
     x, w = torch.ones(40, 64, device=device), torch.ones(16, 64, device=device)
     with pytest.raises(ValueError, match="3 output tiles exceeds the 2 tile counters"):
         ri.linear(x, w, config=ri.GemmConfig(16, 16, 16, 2, 4, 1))

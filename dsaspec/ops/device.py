@@ -9,6 +9,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 H200_SMS = 132  # used off-GPU where the interpreter should take the H200's launch shapes
 SM_REGISTERS, THREAD_REGISTERS = 65536, 255  # 32-bit registers of one SM and of one thread (sm_80 .. sm_90)
+COUNTER_CAPACITY = 1 << 20   # arrival counters per device: the output tiles of one split launch
 
 
 def sm_count(device: torch.device | str, without_cuda: int = H200_SMS) -> int:
@@ -58,3 +59,39 @@ def wait_in_chain(CHAINED: tl.constexpr):
     # exit, not as they start, so its waiting programs take no SM slots this kernel's later programs need.
     if CHAINED:
         gdc_wait()
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's int32 arrival counters (``COUNTER_CAPACITY``, all 0 between launches: each
+    launch's last arrival at a counter stores 0 back, :func:`last_to_arrive`), shared by every split
+    launch (a launch waits for the one before it in the stream, so they never overlap); ``tiles``
+    (the counters a launch uses) is checked against the capacity. The first call on a device
+    allocates them, which CUDA-graph capture does not allow: it raises there."""
+    if tiles > COUNTER_CAPACITY:
+        raise ValueError(f"a split launch of {tiles} output tiles exceeds the {COUNTER_CAPACITY} tile "
+                         "counters; use a configuration without the split or fewer rows")
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split tile counters are allocated (zeroed) on the first split call "
+                               f"on {device}; make one call outside CUDA-graph capture first")
+        counters = torch.zeros(COUNTER_CAPACITY, dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
+
+
+@triton.jit
+def last_to_arrive(counter_ptr, arrivals):
+    """Called by each of the ``arrivals`` programs sharing ``counter_ptr`` (a :func:`tile_counters`
+    entry) once it has stored its partial: whether it is the last to arrive, which may then read
+    every program's partial (acquire-release at GPU scope; loads ``.cg``, past L1) and which stores
+    0 back for the next launch."""
+    tl.debug_barrier()  # every thread's stores are issued before the release
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == arrivals - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last

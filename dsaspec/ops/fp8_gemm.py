@@ -40,9 +40,10 @@ the weight's shape and the device only:
     out   = cast(sum over g, in order from 0, of acc_g)                  (fp32 sums)
 
 One program per tile may add every group in turn (unsplit), or each group runs as its own program
-writing fp32 ``acc_g`` into ``[groups, M, N]`` partials that a second launch adds in group order and
-casts (split: ``ceil(N / 64) * groups`` programs a row block instead of ``ceil(N / 64)``, where a
-decode M leaves SMs idle behind one serial K loop). Both forms do the same fp32 operations in the
+writing fp32 ``acc_g`` into ``[groups, M, N]`` partials, the tile's last program to finish (an
+arrival counter, :func:`~dsaspec.ops.device.last_to_arrive`) adding them in group order and casting
+(split: ``ceil(N / 64) * groups`` programs a row block instead of ``ceil(N / 64)``, where a decode M
+leaves SMs idle behind one serial K loop; one launch either way). Both forms do the same fp32 operations in the
 same order, so the choice may follow M (:func:`gemm_plan`: split below one tile per SM) while every
 row's bits depend on neither M nor the other rows. At the TP 8 rank shapes on 132 SMs ``G`` is 8
 for the fused attention inputs (K 6144 / 7168: 6 / 7 groups), ``o_proj`` and GLM-5's fused q latent
@@ -68,7 +69,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import enter_chain, sm_count, supports_pdl
+from dsaspec.ops.device import enter_chain, last_to_arrive, sm_count, supports_pdl, tile_counters
 from dsaspec.ops.e4m3 import quantize_rows
 
 BLOCK = 128              # quantization block: 128 columns of a token, 128 x 128 of a weight
@@ -101,7 +102,6 @@ SPLIT_PROGRAMS_PER_SM = 2
 # than 4; benchmarks/results/h200/logs/fp8_linear_stages_glm5_rank_session14.md); 3 for the tall
 # 64-row tiles, not timed at 4
 _GEMM_STAGES, _TALL_GEMM_STAGES = 4, 3
-_REDUCE_BLOCK = 512      # output columns per reduce program
 # fp8_linear quantizes inside the GEMM for M <= FUSED_QUANT_MAX_M where a program runs at most
 # FUSED_QUANT_MAX_STEPS K blocks (G split, K / 128 unsplit). Every N program quantizes its 16 rows
 # again: on sm_90 a K step is ~900 SASS instructions instead of ~170, ~730 more issue cycles per
@@ -163,16 +163,16 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None, *, out: torch.Tenso
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, group,
-                     stride_am, stride_asm, stride_wn, stride_wsn, stride_cm, stride_cg,
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, counters_ptr, M, N, K, group,
+                     stride_am, stride_asm, stride_wn, stride_wsn, stride_cm, stride_pg, stride_pm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      QUANTIZE_A: tl.constexpr, UE8M0: tl.constexpr, SPLIT: tl.constexpr,
                      CHAINED: tl.constexpr):
     # acc = ((0 + acc_0) + acc_1) + ..., acc_g = (0 + its K blocks' terms in order); group g is K
-    # blocks [g * group, (g + 1) * group). SPLIT: program (i, j, g) runs group g alone and writes fp32
-    # acc = 0 + acc_g to c_ptr + g * stride_cg; _fp8_gemm_reduce_kernel adds those in g order, the
-    # same sums. QUANTIZE_A: a holds bf16 / fp32 activations (as_ptr unread), quantized per K block
-    # in registers exactly as _act_quant_kernel does.
+    # blocks [g * group, (g + 1) * group). SPLIT: program (i, j, g) runs group g alone and stores fp32
+    # acc = 0 + acc_g at p_ptr + g * stride_pg; the tile's last program to arrive (its counter) adds
+    # the groups' partials from 0 in g order, the same sums. QUANTIZE_A: a holds bf16 / fp32
+    # activations (as_ptr unread), quantized per K block in registers exactly as _act_quant_kernel does.
     enter_chain(CHAINED)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = tl.program_id(1) * BLOCK_N
@@ -185,7 +185,6 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, group,
     if SPLIT:
         kb_first = tl.program_id(2) * group
         kb_end = tl.minimum(kb_first + group, kb_end)
-        c_ptr += tl.program_id(2).to(tl.int64) * stride_cg
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + (kb_first * BLOCK_K + ks)[None, :]
     w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (kb_first * BLOCK_K + ks)[:, None]  # [BLOCK_K, BLOCK_N]
     as_ptrs = as_ptr + rows.to(tl.int64) * stride_asm
@@ -211,24 +210,20 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, group,
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc += acc_g       # a partial last group; else acc_g is +0 and acc (never -0: it starts at +0) stays
+    live = row_live[:, None] & col_live[None, :]
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
-
-
-@triton.jit
-def _fp8_gemm_reduce_kernel(p_ptr, c_ptr, N, stride_pg, stride_pm, stride_cm,
-                            GROUPS: tl.constexpr, BLOCK_C: tl.constexpr, CHAINED: tl.constexpr):
-    # c[m, n] = sum over g = 0 .. GROUPS - 1 in order of p[g, m, n] (fp32, from 0), cast to c's dtype
-    enter_chain(CHAINED)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    live = cols < N
-    p_ptrs = p_ptr + row * stride_pm + cols
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for _ in tl.static_range(GROUPS):
-        acc += tl.load(p_ptrs, mask=live, other=0.0)
-        p_ptrs += stride_pg
-    tl.store(c_ptr + row * stride_cm + cols, acc.to(c_ptr.dtype.element_ty), mask=live)
+    if SPLIT:
+        p_ptrs = p_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :]
+        groups = tl.num_programs(2)
+        tl.store(p_ptrs + tl.program_id(2).to(tl.int64) * stride_pg, acc, mask=live)
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if last_to_arrive(counters_ptr + tile, groups):
+            for g in range(groups):
+                acc += tl.load(p_ptrs + g * stride_pg, mask=live, other=0.0, cache_modifier=".cg")
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=live)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=live)
 
 
 def _check_x(x: torch.Tensor) -> tuple[int, int]:
@@ -307,19 +302,19 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scal
     if quantize:
         a_scale = a                                       # unread
     chained = supports_pdl(a.device)
-    c = torch.empty(groups, m, n, dtype=torch.float32, device=a.device) if split else out
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, _GEMM_BLOCK_N), groups if split else 1)
-    _fp8_gemm_kernel[grid](a, a_scale, w, w_scale, c, m, n, k, group,
-                           a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), c.stride(-2),
-                           c.stride(0) if split else 0,
+    if split:
+        partials = torch.empty(groups, m, n, dtype=torch.float32, device=a.device)
+        counters = tile_counters(a.device, grid[0] * grid[1])
+    else:
+        partials = counters = out                         # unread
+    _fp8_gemm_kernel[grid](a, a_scale, w, w_scale, out, partials, counters, m, n, k, group,
+                           a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+                           partials.stride(0) if split else 0, partials.stride(1) if split else 0,
                            BLOCK_M=block_m, BLOCK_N=_GEMM_BLOCK_N, BLOCK_K=BLOCK,
                            QUANTIZE_A=quantize, UE8M0=scale_fmt == "ue8m0", SPLIT=split,
                            CHAINED=chained, launch_pdl=chained, num_warps=4,
                            num_stages=_GEMM_STAGES if block_m == _GEMM_BLOCK_M else _TALL_GEMM_STAGES)
-    if split:
-        _fp8_gemm_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
-            c, out, n, c.stride(0), c.stride(1), out.stride(0), GROUPS=groups, BLOCK_C=_REDUCE_BLOCK,
-            CHAINED=chained, launch_pdl=chained, num_warps=4)
     return out
 
 
@@ -337,8 +332,9 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     ``weight_scale_inv``); ``K`` a multiple of 128, any ``N >= 1``, any ``M >= 1`` (tuned for the
     decode / verify sizes 1..512). Writes and returns ``out`` ``[M, N]`` (``out_dtype`` bf16 or
     fp32; allocated when None). ``split`` True: one program per tile and K group, each writing its
-    fp32 ``acc_g`` to a ``[groups, M, N]`` buffer (allocated per call) that a second launch adds
-    and casts; False: one program per tile, all groups in turn; None: split where the unsplit
+    fp32 ``acc_g`` to a ``[groups, M, N]`` buffer (allocated per call) that the tile's last program
+    to finish adds and casts (the device's tile counters: the first split call on a device must not
+    be under CUDA-graph capture); False: one program per tile, all groups in turn; None: split where the unsplit
     tiles leave SMs idle (module docstring). Both forms give the same bits, and G does not depend
     on M: each row's result is bitwise independent of M and of the other rows. ``fast_accum``:
     tiles of :func:`tile_rows` rows (64 from ``TALL_TILE_MIN_M``, each 128-column block summed at

@@ -100,10 +100,9 @@ import triton.language as tl
 
 from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.ops.checks import check_count, check_tensor
-from dsaspec.ops.device import enter_chain, sm_count, supports_pdl, wait_in_chain
+from dsaspec.ops.device import enter_chain, last_to_arrive, sm_count, supports_pdl, tile_counters, wait_in_chain
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS, act_quant
-from dsaspec.ops.row_invariant import _tile_counters
 
 BLOCK_M = 16  # rows of a grouped-GEMM tile by default: the padding unit of an expert's segment
 BLOCK_MS = (16, 64, 128)  # the row-block heights fused_moe accepts (block_m)
@@ -373,9 +372,7 @@ def _align_kernel(ids_ptr, counts_ptr, ranks_ptr, counter_ptr, sorted_pairs_ptr,
         tl.store(ranks_ptr + start + offs, seen + tl.cumsum(hit, axis=0) - 1, mask=hit > 0)
         seen += tl.sum(hit, axis=0)
     tl.store(counts_ptr + e, seen)
-    tl.debug_barrier()  # every thread's ranks are written before the release below
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_EXPERTS - 1:
+    if last_to_arrive(counter_ptr, NUM_EXPERTS):
         experts = tl.arange(0, E_PAD)
         live = experts < NUM_EXPERTS
         counts = tl.load(counts_ptr + experts, mask=live, other=0, cache_modifier=".cg")
@@ -406,7 +403,6 @@ def _align_kernel(ids_ptr, counts_ptr, ranks_ptr, counter_ptr, sorted_pairs_ptr,
             expert = tl.maximum(tl.associative_scan(named, 0, _max_combine), carry)
             carry = tl.max(expert, axis=0)
             tl.store(block_experts_ptr + blocks, tl.where(blocks < used, expert, -1), mask=blocks < num_blocks)
-        tl.store(counter_ptr, 0)
 
 
 @triton.jit
@@ -511,13 +507,10 @@ def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_pairs_ptr, block_expert
         partial_ptrs = gate_up_ptr + rows.to(tl.int64)[:, None] * stride_gate_up + cols[None, :]
         tl.store(partial_ptrs + split.to(tl.int64) * stride_split, gate, mask=mask)
         tl.store(partial_ptrs + split.to(tl.int64) * stride_split + I, up, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
         group = pid_n * BLOCK_N // GROUP
-        counter = counters_ptr + block * num_groups + group
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT * (GROUP // BLOCK_N) - 1:
+        if last_to_arrive(counters_ptr + block * num_groups + group, SPLIT * (GROUP // BLOCK_N)):
             _reduce_splits(gate_up_ptr, act_ptr, q_ptr, qs_ptr, rows, row_ok, group, I, stride_gate_up, stride_act,
                            stride_q, stride_qs, stride_split, SPLIT, BLOCK_M, GROUP, FP8, UE8M0)
-            tl.store(counter, 0)
 
 
 @triton.jit
@@ -811,7 +804,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
         blocks = max_blocks(pairs, experts, block_m)
         e_pad = triton.next_power_of_2(experts)
         _align_kernel[(experts,)](topk_ids, workspace.expert_counts, workspace.pair_ranks,
-                                  _tile_counters(hidden.device, 1), workspace.sorted_pairs, workspace.block_experts,
+                                  tile_counters(hidden.device, 1), workspace.sorted_pairs, workspace.block_experts,
                                   pairs, blocks, NUM_EXPERTS=experts, E_PAD=e_pad, PAIR_CHUNK=_ALIGN_PAIR_CHUNK,
                                   BLOCK_CHUNK=_ALIGN_BLOCK_CHUNK, FILL=1024, BLOCK_M=block_m, CHAINED=chained,
                                   launch_pdl=chained, num_warps=_ALIGN_WARPS)
@@ -834,7 +827,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     # a split's reduction covers GROUP columns: FP8 one 128-column scale block (several tiles), else a tile
     group = FP8_BLOCK if fp8 else tile.block_n
     # a counter per block (the pair layout's: a pair's) and group, from the device's shared zeroed counters
-    gate_up, counters = ((workspace.gate_up, _tile_counters(hidden.device, blocks * triton.cdiv(inter, group)))
+    gate_up, counters = ((workspace.gate_up, tile_counters(hidden.device, blocks * triton.cdiv(inter, group)))
                          if split_k > 1 else (act, act))
     _gate_up_kernel[(blocks * split_k * triton.cdiv(inter, tile.block_n),)](
         x, x_scale, w13, w13_s, row_ids, block_experts, gate_up, act, a, a_scale, counters, blocks, experts, h,

@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
-from dsaspec.ops.row_invariant import _k_split, _tile_counters, split_k_for
+from dsaspec.ops.device import last_to_arrive, tile_counters
+from dsaspec.ops.row_invariant import _k_split, split_k_for
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 _BLOCK_M, _BLOCK_K, _STAGES = 8, 256, 3
@@ -73,14 +74,11 @@ def head_weights_program(pid, x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N,
     else:
         ws_tile = ws_ptr + tile.to(tl.int64) * (SPLITS * BLOCK_M) + tl.arange(0, BLOCK_M)
         tl.store(ws_tile + split * BLOCK_M, partial)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
+        if last_to_arrive(counters_ptr + tile, SPLITS):
             total = tl.load(ws_tile, cache_modifier=".cg")
             for s in tl.static_range(1, SPLITS):
                 total += tl.load(ws_tile + s * BLOCK_M, cache_modifier=".cg")
             tl.store(out_ptrs, total * scale, mask=row_ok)
-            tl.store(counters_ptr + tile, 0)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -132,7 +130,7 @@ def prepare_index_weights(x: torch.Tensor, weight: torch.Tensor, scale: float, *
     per_split, splits = index_weights_splits(heads, k, x.device)
     tiles = triton.cdiv(rows, _BLOCK_M) * heads
     if splits > 1:
-        counters = _tile_counters(x.device, tiles)
+        counters = tile_counters(x.device, tiles)
         workspace = torch.empty(tiles * splits * _BLOCK_M, dtype=torch.float32, device=x.device)
     else:
         counters = workspace = out  # not read by a one-split launch

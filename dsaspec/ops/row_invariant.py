@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
-from dsaspec.ops.device import enter_chain, sm_count, supports_pdl
+from dsaspec.ops.device import enter_chain, last_to_arrive, sm_count, supports_pdl, tile_counters
 from dsaspec.ops.e4m3 import quantize_rows
 from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, SCALE_FORMATS
 
@@ -51,7 +51,6 @@ _DTYPES = (torch.bfloat16, torch.float32)
 _PROGRAMS_PER_SM = 2
 _MIN_K_BLOCKS_PER_SPLIT = 2
 _MAX_SPLIT_K = 32
-_COUNTER_CAPACITY = 1 << 20  # tile counters per device: B * M-tiles * N-tiles of a split launch
 _NORM_MAX_BLOCK = 8192
 # The hidden-width norms writing FP8 codes at bs 1 / 4 / 32 took 2.96 / 3.10 / 4.03 us in programs of 1024
 # columns against 6.11 / 6.02 / 6.24 in one program a row (GLM-5's 6144; DeepSeek-V3.2's 7168: 2.88 / 2.94 /
@@ -118,23 +117,6 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, device: torch.device | str, 
     block_k = min(max(16, block_k * default_n // block_n), max(16, triton.next_power_of_2(k)))
     return GemmConfig(16, block_n, block_k, split_k_for(n, k, block_n, block_k, device, batch),
                       num_warps, num_stages)
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    if tiles > _COUNTER_CAPACITY:
-        raise ValueError(f"a split-K launch of {tiles} output tiles exceeds the {_COUNTER_CAPACITY} tile "
-                         "counters; use a configuration with split_k=1 or fewer rows")
-    counters = _counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split-K tile counters are allocated (zeroed) on the first split-K call "
-                               f"on {device}; make one call outside CUDA-graph capture first")
-        counters = torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device)
-        _counters[device] = counters
-    return counters
 
 
 @triton.jit
@@ -205,14 +187,11 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, counters_ptr, q_ptr, qs_ptr,
         in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         ws_tile = ws_ptr + tile * (SPLIT_K * BLOCK_M * BLOCK_N) + in_tile
         tl.store(ws_tile + split * (BLOCK_M * BLOCK_N), acc)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if last_to_arrive(counters_ptr + tile, SPLIT_K):
             total = tl.load(ws_tile, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
                 total += tl.load(ws_tile + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
             _store_tile(c_ptrs, q_ptrs, s_ptrs, total, c_mask, row_ok, QUANT, UE8M0)
-            tl.store(counters_ptr + tile, 0)
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfig, q_out: torch.Tensor | None = None,
@@ -228,7 +207,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfi
     n_tiles = triton.cdiv(n, config.block_n)
     if splits > 1:
         tiles = batch * m_tiles * n_tiles
-        counters = _tile_counters(out.device, tiles)
+        counters = tile_counters(out.device, tiles)
         workspace = torch.empty(tiles * splits * config.block_m * config.block_n,
                                 dtype=torch.float32, device=out.device)
     else:
