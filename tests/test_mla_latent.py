@@ -409,67 +409,6 @@ def test_attention_triton_path_aten_ops(monkeypatch):
                               "op mla_query": 1, "op sparse_mla_decode": 1}
 
 
-def _fp8_output_attention(gen, scale_fmt, row_invariant):
-    """MLAAttention of ``tiny`` with ``v_head_dim`` 128 and FP8 block-scaled projections (``scale_fmt``),
-    random codes and positive block scales, the Triton FP8 GEMMs, projections fused."""
-    from dsaspec.configs.model_config import get_config
-    from dsaspec.configs.quantization import Fp8Quantization
-    from dsaspec.distributed.tp_group import TPGroup
-    from dsaspec.layers.attention.mla import MLAAttention
-    from dsaspec.layers.fp8_convert import convert_to_fp8
-
-    config = get_config("tiny").replace(v_head_dim=128, quantization=Fp8Quantization(scale_fmt=scale_fmt))
-    attn = MLAAttention(config, 0, TPGroup.single(), dtype=torch.bfloat16)
-    convert_to_fp8(attn, config.quantization)
-    for name, param in attn.named_parameters():
-        values = torch.randn(param.shape, generator=gen)
-        if name.endswith("weight_scale_inv"):
-            values = values.abs() * 0.01 + 0.005
-        elif param.dim() == 1:
-            values = values * 0.1 + 1.0
-        param.data.copy_(values)
-    for module in attn.modules():
-        if hasattr(module, "use_triton"):
-            module.use_triton = True
-        if hasattr(module, "row_invariant"):
-            module.row_invariant = row_invariant
-    attn.fuse_projections()
-    return attn
-
-
-@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
-@pytest.mark.parametrize("row_invariant", [False, True])
-def test_attention_w_uv_product_writes_o_proj_codes(scale_fmt, row_invariant):
-    """With an FP8 ``o_proj`` and ``v_head_dim`` a multiple of 128, W_UV's product at decode rows
-    hands ``o_proj`` its input with act_quant's codes and scales of it (``output_quant``): bitwise
-    what ``o_proj`` would quantize itself, so its output is bitwise ``o_proj`` of the bf16 rows."""
-    from dsaspec.layers.attention.dsa_ops import dsa_ops
-    from dsaspec.layers.fp8_linear import Fp8Input
-    from dsaspec.ops import fp8_gemm
-
-    gen = torch.Generator().manual_seed(9)
-    attn = _fp8_output_attention(gen, scale_fmt, row_invariant)
-    assert attn.output_quant is not None and attn.output_quant.scale_fmt == scale_fmt
-    rows = 3
-    x = torch.randn(rows, attn.config.hidden_size, generator=gen).to(torch.bfloat16)
-    angles, loc = torch.rand(rows, 32, generator=gen) * 100, torch.tensor([11, 2, 7])
-    ops = SimpleNamespace(**vars(dsa_ops(True, False, False)))
-    ops.sparse_mla_decode = lambda q, cache, slots, scale, out, **kwargs: out.copy_(
-        torch.randn(out.shape, generator=gen).to(out.dtype))
-    seen = []
-    o_proj = attn.o_proj.forward
-    attn.o_proj.forward = lambda o: seen.append(o) or o_proj(o)
-    with torch.no_grad():
-        got = attn(x, _step(ops, angles, loc), torch.zeros(16, 576, dtype=torch.bfloat16), None)
-    (o,) = seen
-    assert isinstance(o, Fp8Input) and o.scale_fmt == scale_fmt
-    codes, scales = fp8_gemm.act_quant(o.x, scale_fmt)
-    assert torch.equal(o.codes.view(torch.uint8), codes.view(torch.uint8))
-    assert torch.equal(o.scales.view(torch.int32), scales.view(torch.int32))
-    with torch.no_grad():
-        assert torch.equal(got, o_proj(o.x))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rows", [1, 17, 64])

@@ -190,43 +190,6 @@ def test_bmm_absorbed_views_match_reference_and_are_row_invariant(dtype, device)
     _assert_row_invariant(unabsorb, o_latent, ms=(2, 17), alone=(0, 19))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", [None, "ue8m0"])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_bmm_quant_writes_act_quant_of_its_output(dtype, fmt, split_k, device):
-    """W_UV's product with o_proj's act_quant in the same launch: ``out`` bitwise the call without
-    quantization, codes and scales bitwise act_quant's of ``out`` as o_proj reads it (``[R, H * v]``,
-    written through the heads-first views), poisoned rows' NaN scales kept to their rows, unsplit and
-    split K; each row's bits its own."""
-    rows, heads, latent, v = 19, 2, 96, 256
-    o_latent = _randn(rows, heads, latent, dtype=dtype, device=device, seed=3, poison=POISON)
-    w_uv_t = _randn(heads, latent, v, dtype=dtype, device=device, seed=4, scale=0.2)
-    w_uv_t *= torch.exp2(torch.arange(v, device=device) // 64 % 5 - 2.0).to(dtype)   # groups of other magnitudes
-    config = ri.GemmConfig(16, 128, 32, split_k, 4, 1)
-
-    def quantized(a):
-        m = a.shape[0]
-        out = torch.empty(m, heads, v, dtype=dtype, device=device)
-        codes = torch.full((m, heads * v), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
-        scales = torch.full((m, heads * v // 128), -7.0, device=device)
-        ri.bmm(a.transpose(0, 1), w_uv_t, out.transpose(0, 1), config=config,
-               q_out=codes.view(m, heads, v).transpose(0, 1), scale_out=scales.view(m, heads, 2).transpose(0, 1),
-               scale_fmt=fmt)
-        return out, codes, scales
-
-    out, codes, scales = quantized(o_latent)
-    plain = ri.bmm(o_latent.transpose(0, 1), w_uv_t, config=config).transpose(0, 1)
-    assert torch.equal(out.view(torch.uint8) if dtype == torch.bfloat16 else out.view(torch.int32),
-                       plain.view(torch.uint8) if dtype == torch.bfloat16 else plain.contiguous().view(torch.int32))
-    want_codes, want_scales = fp8_gemm.act_quant(out.reshape(rows, heads * v), fmt)
-    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
-    assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
-    for r in (5, 7):   # a poisoned row and a clean one, alone
-        alone = quantized(o_latent[r:r + 1])
-        assert all(torch.equal(got.view(torch.uint8), full[r:r + 1].view(torch.uint8))
-                   for got, full in zip(alone, (out, codes, scales)))
-
-
 def test_bmm_split_k_matches_reference(device):
     dtype = torch.float32
     a = _randn(2, 19, 100, dtype=dtype, device=device)
@@ -490,14 +453,6 @@ def _t(*shape, dtype=torch.float32):
                              scale_out=_t(4, 1)), r"scale_out: expected shape \(4, 2\)"),
     (lambda: ri.rms_norm(_t(4, 128), _t(128), 1e-6, q_out=_t(4, 128, dtype=torch.float8_e4m3fn), scale_out=_t(4, 1),
                          scale_fmt="e8m0"), "scale_fmt: expected one of"),
-    (lambda: ri.bmm(_t(2, 4, 8), _t(2, 8, 128), q_out=_t(2, 4, 128, dtype=torch.float8_e4m3fn)),
-     "q_out, scale_out: expected both"),
-    (lambda: ri.bmm(_t(2, 4, 8), _t(2, 8, 64), q_out=_t(2, 4, 64, dtype=torch.float8_e4m3fn), scale_out=_t(2, 4, 1)),
-     "b: N = 64 must be a multiple of 128"),
-    (lambda: ri.bmm(_t(2, 4, 8), _t(2, 8, 128), q_out=_t(2, 4, 128, dtype=torch.float8_e4m3fn), scale_out=_t(2, 4, 2)),
-     r"scale_out: expected shape \(2, 4, 1\)"),
-    (lambda: ri.bmm(_t(2, 4, 8), _t(2, 8, 128), q_out=_t(2, 4, 128, dtype=torch.float8_e4m3fn), scale_out=_t(2, 4, 1),
-                    config=ri.GemmConfig(16, 64, 16, 1, 4, 1)), "config.block_n: expected 128"),
     (lambda: ri.GemmConfig(16, 48, 64, 1, 4, 1), "config.block_n"),
     (lambda: ri.GemmConfig(8, 64, 64, 1, 4, 1), "config.block_m"),
     (lambda: ri.GemmConfig(16, 64, 64, 0, 4, 1), "config.split_k"),
@@ -536,35 +491,6 @@ def test_gpu_linear_fp32_head_weights_row_invariant():
         torch.testing.assert_close(ri.linear(x, w)[clean].double(), ref.linear(x[clean], w).double(),
                                    rtol=1e-4, atol=1e-4)
         _assert_row_invariant(lambda rows: ri.linear(rows, w), x, ms=GPU_MS, alone=(0, 17, 255))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads,v,fmt", [(8, 256, None), (16, 128, "ue8m0")])
-def test_gpu_bmm_quant_at_rank_shapes(heads, v, fmt):
-    """On the GPU, the GLM-5 / DeepSeek-V3.2 ranks' W_UV products with o_proj's act_quant in their
-    default 128-wide configuration (split K): codes and scales bitwise act_quant's of the output at
-    decode and verify row counts, and each row's bits those of the row alone."""
-    device = torch.device("cuda")
-    for rows in (1, 32, 192):
-        o_latent = _randn(rows, heads, 512, dtype=torch.bfloat16, device=device, seed=rows)
-        w_uv_t = _randn(heads, 512, v, dtype=torch.bfloat16, device=device, seed=1, scale=0.05)
-
-        def quantized(a):
-            m = a.shape[0]
-            out = torch.empty(m, heads, v, dtype=torch.bfloat16, device=device)
-            codes = torch.empty(m, heads * v, dtype=torch.float8_e4m3fn, device=device)
-            scales = torch.full((m, heads * v // 128), -7.0, device=device)
-            ri.bmm(a.transpose(0, 1), w_uv_t, out.transpose(0, 1), q_out=codes.view(m, heads, v).transpose(0, 1),
-                   scale_out=scales.view(m, heads, v // 128).transpose(0, 1), scale_fmt=fmt)
-            return out, codes, scales
-
-        out, codes, scales = quantized(o_latent)
-        want_codes, want_scales = fp8_gemm.act_quant(out.reshape(rows, heads * v), fmt)
-        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
-        assert torch.equal(scales, want_scales)
-        alone = quantized(o_latent[-1:])
-        assert all(torch.equal(got.view(torch.uint8), full[-1:].view(torch.uint8))
-                   for got, full in zip(alone, (out, codes, scales)))
 
 
 @pytest.mark.gpu

@@ -13,9 +13,7 @@ number of rows; here nothing that shapes the arithmetic depends on M:
   order, and with a split K the splits' fp32 partials go to a workspace and the program that
   arrives last at a tile (an atomic tile counter, which it resets to 0) sums them in split order
   0, 1, ..., S-1 and writes the tile: the order of arrival decides who sums, never the order of
-  the sum. fp32 operands use ``input_precision="ieee"`` (FMA, no TF32). ``bmm`` can also write
-  the act_quant of its output (``q_out`` / ``scale_out``, 128-wide tiles: one FP8 group each), as
-  the norms below do: MLA's W_UV product writes ``o_proj``'s input codes.
+  the sum. fp32 operands use ``input_precision="ieee"`` (FMA, no TF32).
 * Norms (``rms_norm``, ``add_rms_norm``, ``layer_norm``): the row's statistics in blocks and warps chosen
   from the row width only, by every program of the row alike (few rows: several programs a row, each
   writing its share of the columns). The RMSNorms can also write the FP8 GEMM's input in the same launch: act_quant's
@@ -98,50 +96,33 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, device: torch.device
     return _k_split(k, block_k, max(1, min(wanted, k_blocks // _MIN_K_BLOCKS_PER_SPLIT, _MAX_SPLIT_K)))[1]
 
 
-def gemm_config(n: int, k: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1,
-                block_n: int | None = None) -> GemmConfig:
+def gemm_config(n: int, k: int, dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> GemmConfig:
     """The default GEMM configuration for ``batch`` products ``[*, K] @ [K, N]``.
 
     bf16: ``BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, min(128, K rounded up to a power of 2)``, 4 warps,
-    4 stages; fp32 (FMA dot): ``16, 32, min(32, ...)``, 4 warps, 3 stages; ``block_n`` (given)
-    replaces ``BLOCK_N`` and scales ``BLOCK_K`` by the inverse (at least 16), so a tile of B holds as
-    many values; ``split_k`` from :func:`split_k_for`. Nothing depends on M.
+    4 stages; fp32 (FMA dot): ``16, 32, min(32, ...)``, 4 warps, 3 stages; ``split_k`` from
+    :func:`split_k_for`. Nothing depends on M.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype}")
     if dtype == torch.float32:
-        default_n, block_k, num_warps, num_stages = 32, 32, 4, 3
+        block_n, block_k, num_warps, num_stages = 32, 32, 4, 3
     else:
-        default_n, block_k, num_warps, num_stages = 64, 128, 4, 4
-    block_n = block_n or default_n
-    block_k = min(max(16, block_k * default_n // block_n), max(16, triton.next_power_of_2(k)))
+        block_n, block_k, num_warps, num_stages = 64, 128, 4, 4
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return GemmConfig(16, block_n, block_k, split_k_for(n, k, block_n, block_k, device, batch),
                       num_warps, num_stages)
 
 
-@triton.jit
-def _store_tile(c_ptrs, q_ptrs, s_ptrs, acc, c_mask, row_ok, QUANT: tl.constexpr, UE8M0: tl.constexpr):
-    # the tile cast to C's dtype; QUANT: also act_quant's codes and scale of each row of the stored values
-    # (BLOCK_N = 128 columns: one FP8 group)
-    c = acc.to(c_ptrs.dtype.element_ty)
-    tl.store(c_ptrs, c, mask=c_mask)
-    if QUANT:
-        codes, scales = quantize_rows(c.to(tl.float32), UE8M0)
-        tl.store(q_ptrs, codes.to(q_ptrs.dtype.element_ty), mask=c_mask)
-        tl.store(s_ptrs, scales, mask=row_ok)
-
-
 @triton.jit(do_not_specialize=["M", "m_tiles"])
-def _gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, counters_ptr, q_ptr, qs_ptr,
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, counters_ptr,
                  M, N, K,
                  stride_ab, stride_am, stride_ak,
                  stride_bb, stride_bk, stride_bn,
                  stride_cb, stride_cm, stride_cn,
-                 stride_qb, stride_qm, stride_qsb, stride_qsm,
                  m_tiles, n_tiles, k_blocks_per_split,
                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr,
-                 CHAINED: tl.constexpr):
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, CHAINED: tl.constexpr):
     # M tiles vary fastest, so the programs that read one weight tile run together (L2 reuse).
     enter_chain(CHAINED)
     pid = tl.program_id(0)
@@ -177,11 +158,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, counters_ptr, q_ptr, qs_ptr,
 
     c_ptrs = (c_ptr + batch * stride_cb + rows.to(tl.int64)[:, None] * stride_cm
               + cols.to(tl.int64)[None, :] * stride_cn)
-    q_ptrs = q_ptr + batch * stride_qb + rows.to(tl.int64)[:, None] * stride_qm + cols.to(tl.int64)[None, :]
-    s_ptrs = qs_ptr + batch * stride_qsb + rows.to(tl.int64) * stride_qsm + pid_n
     c_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
-        _store_tile(c_ptrs, q_ptrs, s_ptrs, acc, c_mask, row_ok, QUANT, UE8M0)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
         tile = (batch * n_tiles + pid_n) * m_tiles + pid_m
         in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -191,13 +170,11 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, ws_ptr, counters_ptr, q_ptr, qs_ptr,
             total = tl.load(ws_tile, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
                 total += tl.load(ws_tile + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
-            _store_tile(c_ptrs, q_ptrs, s_ptrs, total, c_mask, row_ok, QUANT, UE8M0)
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfig, q_out: torch.Tensor | None = None,
-          scale_out: torch.Tensor | None = None, scale_fmt: str | None = None) -> torch.Tensor:
-    """``out[i] = a[i] @ b[i]`` for 3-D strided ``a [B, M, K]``, ``b [B, K, N]``, ``out [B, M, N]``;
-    with ``q_out [B, M, N]`` / ``scale_out [B, M, N / 128]`` (checked) also ``out``'s act_quant."""
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """``out[i] = a[i] @ b[i]`` for 3-D strided ``a [B, M, K]``, ``b [B, K, N]``, ``out [B, M, N]``."""
     batch, m, k = a.shape
     n = b.shape[2]
     if batch == 0 or m == 0 or n == 0:
@@ -214,18 +191,15 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmConfi
         counters = workspace = out  # not read by a one-split launch
     grid = (m_tiles * splits * n_tiles, batch)
     chained = supports_pdl(out.device)
-    quant = q_out is not None
-    q, qs = (q_out, scale_out) if quant else (out, out)   # unread without quant
     _gemm_kernel[grid](
-        a, b, out, workspace, counters, q, qs, m, n, k,
+        a, b, out, workspace, counters, m, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        q.stride(0), q.stride(1), qs.stride(0), qs.stride(1),
         m_tiles, n_tiles, per_split,
         SPLIT_K=splits, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        UPCAST=not out.is_cuda, QUANT=quant, UE8M0=scale_fmt == "ue8m0", CHAINED=chained, launch_pdl=chained,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        UPCAST=not out.is_cuda, CHAINED=chained, launch_pdl=chained, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out
 
 
@@ -266,8 +240,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
-        config: GemmConfig | None = None, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-        scale_fmt: str | None = None) -> torch.Tensor:
+        config: GemmConfig | None = None) -> torch.Tensor:
     """Row-invariant batched ``out[i] = a[i] @ b[i]`` (fp32 accumulation, result in ``a``'s dtype).
 
     Parameters
@@ -276,12 +249,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
         ``q_nope.transpose(0, 1)``).
     b : Tensor ``[B, K, N]``, ``a``'s dtype and device, any strides (e.g. ``W_UV.transpose(1, 2)``).
     out : Tensor ``[B, M, N]``, ``a``'s dtype, unit last stride, or None (allocated contiguous).
-    config : GemmConfig or None; None: ``gemm_config(N, K, dtype, device, batch=B)`` (its 128-wide
-        tiles with ``q_out``).
-    q_out, scale_out : both or neither: e4m3 ``[B, M, N]`` and fp32 ``[B, M, N / 128]`` (unit last
-        strides; ``N`` a multiple of 128, ``config.block_n`` 128), written with ``out``'s
-        act_quant in ``scale_fmt`` (None or ``"ue8m0"``): each row's 128 columns of a tile
-        quantized from its stored values, bitwise :func:`~dsaspec.ops.fp8_gemm.act_quant` of ``out``.
+    config : GemmConfig or None; None: ``gemm_config(N, K, dtype, device, batch=B)``.
 
     Returns
     -------
@@ -302,12 +270,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
     if out is None:
         out = torch.empty(batch, m, n, dtype=a.dtype, device=a.device)
     check_tensor("out", out, dtype=a.dtype, shape=(batch, m, n), device=a.device)
-    quant = _check_quant_out(q_out, scale_out, scale_fmt, (batch, m, n), a.device, "b: N")
-    config = config or gemm_config(n, k, a.dtype, a.device, batch=batch, block_n=FP8_BLOCK if quant else None)
-    if quant and config.block_n != FP8_BLOCK:
-        raise ValueError(f"config.block_n: expected {FP8_BLOCK} (one FP8 group a tile) with q_out, "
-                         f"got {config.block_n}")
-    return _gemm(a, b, out, config, q_out, scale_out, scale_fmt)
+    return _gemm(a, b, out, config or gemm_config(n, k, a.dtype, a.device, batch=batch))
 
 
 @triton.jit
@@ -369,25 +332,6 @@ def _norm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qs_ptr, D, str
         tl.store(qs_ptr + row * stride_qs + start // QBLOCK + groups, scales, mask=start + groups * QBLOCK < D)
 
 
-def _check_quant_out(q_out, scale_out, scale_fmt, shape: tuple[int, ...], device, width: str) -> bool:
-    """Whether an output of ``shape`` is to be written with its act_quant too (``q_out`` /
-    ``scale_out`` given), checked: both given, ``scale_fmt`` known, the last dim (named ``width``)
-    a multiple of 128, ``q_out`` e4m3 of ``shape``, ``scale_out`` fp32 of ``shape[:-1] + (shape[-1] / 128,)``."""
-    if q_out is None and scale_out is None:
-        return False
-    if scale_fmt not in SCALE_FORMATS:
-        raise ValueError(f"scale_fmt: expected one of {SCALE_FORMATS}, got {scale_fmt!r}")
-    if shape[-1] % FP8_BLOCK:
-        raise ValueError(f"{width} = {shape[-1]} must be a multiple of {FP8_BLOCK} (the FP8 quantization block) "
-                         "to quantize")
-    if q_out is None or scale_out is None:
-        raise ValueError("q_out, scale_out: expected both tensors (the codes and the scales) or neither")
-    check_tensor("q_out", q_out, dtype=torch.float8_e4m3fn, shape=shape, device=device)
-    check_tensor("scale_out", scale_out, dtype=torch.float32, shape=(*shape[:-1], shape[-1] // FP8_BLOCK),
-                 device=device)
-    return True
-
-
 def _norm(x, weight, bias, eps, out, residual=None, residual_out=None, q_out=None, scale_out=None, scale_fmt=None):
     """``out`` (``(out, residual_out)`` with ``residual``): see :func:`rms_norm`, :func:`add_rms_norm`."""
     _check_dtype("x", x)
@@ -411,7 +355,16 @@ def _norm(x, weight, bias, eps, out, residual=None, residual_out=None, q_out=Non
         if m and shared in (x.untyped_storage().data_ptr(), residual.untyped_storage().data_ptr()):
             raise ValueError("residual_out: must not share storage with x or residual (the kernel reads "
                              "them again after writing it)")
-    quant = _check_quant_out(q_out, scale_out, scale_fmt, (m, d), x.device, "x: D")
+    quant = q_out is not None or scale_out is not None
+    if quant:
+        if scale_fmt not in SCALE_FORMATS:
+            raise ValueError(f"scale_fmt: expected one of {SCALE_FORMATS}, got {scale_fmt!r}")
+        if d % FP8_BLOCK:
+            raise ValueError(f"x: D = {d} must be a multiple of {FP8_BLOCK} (the FP8 quantization block) to quantize")
+        if q_out is None or scale_out is None:
+            raise ValueError("q_out, scale_out: expected both tensors (the codes and the scales) or neither")
+        check_tensor("q_out", q_out, dtype=torch.float8_e4m3fn, shape=(m, d), device=x.device)
+        check_tensor("scale_out", scale_out, dtype=torch.float32, shape=(m, d // FP8_BLOCK), device=x.device)
     if m == 0:
         return (out, residual_out) if add else out
     block = min(triton.next_power_of_2(d), _NORM_MAX_BLOCK)

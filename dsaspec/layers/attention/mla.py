@@ -27,7 +27,6 @@ from dsaspec.layers.linear import COLUMN, ROW, bmm, make_linear
 from dsaspec.layers.norm import LayerNorm, RMSNorm
 from dsaspec.layers.rotary import apply_rope, apply_rope_first
 from dsaspec.layers.row_invariant import RowInvariant, row_invariant_ops
-from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK
 from dsaspec.ops.indexer import default_indexer_programs
 from dsaspec.ops.kv_cache_layout import is_fp8_cache
 from dsaspec.ops.mla_latent import decode_tiles
@@ -174,7 +173,7 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         self.o_proj = make_linear(heads * config.v_head_dim, config.hidden_size, device, dtype, split=ROW, **tp)
         self.indexer = Indexer(config, device, dtype) if config.has_indexer(layer) else None
         self.fused_input = self.fused_latent = None
-        self.input_quant = self.latent_quant = self.output_quant = None
+        self.input_quant = self.latent_quant = None
 
     def fuse_projections(self) -> None:
         """One GEMM for the projections of the layer input: ``q_a_proj``, the indexer's ``wk``
@@ -189,8 +188,7 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         too (:class:`~dsaspec.layers.norm.RMSNorm` ``quant``; one act_quant launch fewer each):
         ``input_quant`` for the layer input (the decoder layer's ``input_layernorm``),
         ``latent_quant`` for ``q_a_layernorm``'s (:func:`~dsaspec.layers.fp8_linear.act_quant_of`;
-        None: the GEMMs quantize); and ``output_quant`` for ``o_proj``'s input, which W_UV's product
-        writes where it runs on the row-invariant GEMM (``v_head_dim`` a multiple of 128)."""
+        None: the GEMMs quantize)."""
         parts = [self.q_a_proj] + ([self.indexer.wk] if self.indexer is not None else []) + [self.kv_a_proj_with_mqa]
         self.fused_input = fuse_linears(parts)
         self.input_quant = act_quant_of(parts)
@@ -198,8 +196,6 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         if self.indexer is not None:
             self.fused_latent = fuse_linears(latent)
         self.latent_quant = act_quant_of(latent)
-        if self.config.v_head_dim % FP8_BLOCK == 0:
-            self.output_quant = act_quant_of([self.o_proj])
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``kv_b_proj``'s weight (dequantized when FP8): ``W_UK [H, qk_nope, 512]`` and
@@ -262,24 +258,8 @@ class MLAAttention(HoldsFusedLinear, RowInvariant, nn.Module):
         # cuBLAS's bmm waits for sparse MLA's end.
         triton_gemm = self.row_invariant or (step.ops.mla_query is not None and decode_tiles(rows, False))
         o = torch.empty(rows, heads, cfg.v_head_dim, device=x.device, dtype=x.dtype)
-        if triton_gemm and self.output_quant is not None:   # o_proj's act_quant in the same launch
-            o_in = self._unabsorb_quantized(o_latent, w_uv, o)
-        else:
-            bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), triton_gemm, out=o.transpose(0, 1))
-            o_in = o.view(rows, heads * cfg.v_head_dim)
-        return self.group.all_reduce(self.o_proj(o_in))
-
-    def _unabsorb_quantized(self, o_latent, w_uv, o) -> Fp8Input:
-        """``o = o_latent @ W_UV^T`` per head on the row-invariant GEMM, written with
-        ``output_quant``'s codes and scales of ``o`` as ``o_proj`` reads it (``[R, H * v]``)."""
-        rows, heads, v = o.shape
-        codes = torch.empty(rows, heads * v, dtype=torch.float8_e4m3fn, device=o.device)
-        scales = torch.empty(rows, heads * v // FP8_BLOCK, dtype=torch.float32, device=o.device)
-        fmt = self.output_quant.scale_fmt
-        row_invariant_ops().bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), o.transpose(0, 1),
-                                q_out=codes.view(rows, heads, v).transpose(0, 1),
-                                scale_out=scales.view(rows, heads, v // FP8_BLOCK).transpose(0, 1), scale_fmt=fmt)
-        return Fp8Input(o.view(rows, heads * v), codes, scales, fmt)
+        bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), triton_gemm, out=o.transpose(0, 1))
+        return self.group.all_reduce(self.o_proj(o.view(rows, heads * cfg.v_head_dim)))
 
 
 def _select_slots(q_index, index_weights, index_k_cache, step: ForwardState, index_topk):
