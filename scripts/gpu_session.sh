@@ -8,7 +8,6 @@
 #   of both layouts; its per-kernel times in the real rank: decode-rank), moe-shared (the GPU tests of the shared expert in
 #   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / fused-quant forms at the rank shapes),
 #   fp8-linear-tiles (the FP8 GEMM with 32- and 64-row tiles: warpgroup MMA from 64, at verify and prefill M),
-#   fp8-cuda-cores (the FP8 GEMM's tensor-core forms against a CUDA-core FMA prototype at M 1 - 4, both ranks),
 #   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), norm-quant (the GPU tests of
 #   the norms writing the FP8 GEMMs' codes; their time: decode-rank), norms (scripts/bench_norms.py: one program a row
 #   against 1024-column programs), moe-launches (the router,
@@ -115,10 +114,6 @@ for step in "$@"; do
         fp8-linear)   python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset deepseek-v32-fp8-tp8-rank \
                           --programs-per-sm 2,4,8 &&
                       python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear" --preset glm5-fp8-tp8-rank --programs-per-sm 2,4,8 ;;
-        fp8-cuda-cores) python3 scripts/bench_fp8_linear.py "$OUT/fp8_cuda_cores" --preset glm5-fp8-tp8-rank \
-                          --rows 1,2,4 --cuda-cores 2,4,8 &&
-                      python3 scripts/bench_fp8_linear.py "$OUT/fp8_cuda_cores" --preset deepseek-v32-fp8-tp8-rank \
-                          --rows 1,2,4 --cuda-cores 2,4,8 ;;
         fp8-linear-tiles) python3 scripts/bench_fp8_linear.py "$OUT/fp8_linear_tiles" --preset glm5-fp8-tp8-rank \
                           --rows 1,16,64,128,256,1024 --block-m 32,64 ;;
         router-gemm)  python3 -m pytest -v -p no:cacheprovider -rfE --tb=short -n 4 --timeout 300 \

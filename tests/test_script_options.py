@@ -29,7 +29,6 @@ def test_parse_or_exit_is_one_line_and_status_2(capsys):
     (["scripts/bench_fp8_linear.py", "out", "--preset", "tiny"], "--preset"),
     (["scripts/bench_fp8_linear.py", "out", "--programs-per-sm", "2,0"], "--programs-per-sm"),
     (["scripts/bench_fp8_linear.py", "out", "--block-m", "16,48"], "--block-m"),
-    (["scripts/bench_fp8_linear.py", "out", "--cuda-cores", "2,0"], "--cuda-cores"),
     (["scripts/bench_router_gemm.py", "out", "--rows", "1,0"], "--rows"),
     (["scripts/bench_router_gemm.py", "out", "--weight-dtype", "bf16,fp8"], "--weight-dtype"),
     (["scripts/bench_moe_tiles.py", "out", "--tokens", "x"], "--tokens"),
