@@ -1,4 +1,5 @@
-"""The device facts the op wrappers size their launches by."""
+"""The device facts the op wrappers size their launches by, and what kernels share on the device: the
+chained-launch entry (``enter_chain`` / ``wait_in_chain``) and the split launches' arrival counters."""
 
 from __future__ import annotations
 

@@ -43,12 +43,12 @@ One program per tile may add every group in turn (unsplit), or each group runs a
 writing fp32 ``acc_g`` into ``[groups, M, N]`` partials, the tile's last program to finish (an
 arrival counter, :func:`~dsaspec.ops.device.last_to_arrive`) adding them in group order and casting
 (split: ``ceil(N / 64) * groups`` programs a row block instead of ``ceil(N / 64)``, where a decode M
-leaves SMs idle behind one serial K loop; one launch either way). Both forms do the same fp32 operations in the
-same order, so the choice may follow M (:func:`gemm_plan`: split below one tile per SM) while every
-row's bits depend on neither M nor the other rows. At the TP 8 rank shapes on 132 SMs ``G`` is 8
-for the fused attention inputs (K 6144 / 7168: 6 / 7 groups), ``o_proj`` and GLM-5's fused q latent
-GEMM (2 groups), 2 for the shared expert's gate/up (24 / 28 groups), 1 for its down (2 groups);
-DeepSeek-V3.2's fused q latent GEMM (176 tiles) keeps one group.
+leaves SMs idle behind one serial K loop; one launch either way). Both forms do the same fp32
+operations in the same order, so the choice may follow M (:func:`gemm_plan`: split below one tile
+per SM) while every row's bits depend on neither M nor the other rows. At the TP 8 rank shapes on
+132 SMs ``G`` is 8 for the fused attention inputs (K 6144 / 7168: 6 / 7 groups), ``o_proj`` and
+GLM-5's fused q latent GEMM (2 groups), 2 for the shared expert's gate/up (24 / 28 groups), 1 for
+its down (2 groups); DeepSeek-V3.2's fused q latent GEMM (176 tiles) keeps one group.
 
 :func:`fp8_linear` runs either two launches (:func:`act_quant`, then :func:`fp8_gemm`) or one: the
 GEMM kernel with ``QUANTIZE_A`` loads the bf16 / fp32 rows of its tile one 128-column K block at a
@@ -334,11 +334,12 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     fp32; allocated when None). ``split`` True: one program per tile and K group, each writing its
     fp32 ``acc_g`` to a ``[groups, M, N]`` buffer (allocated per call) that the tile's last program
     to finish adds and casts (the device's tile counters: the first split call on a device must not
-    be under CUDA-graph capture); False: one program per tile, all groups in turn; None: split where the unsplit
-    tiles leave SMs idle (module docstring). Both forms give the same bits, and G does not depend
-    on M: each row's result is bitwise independent of M and of the other rows. ``fast_accum``:
-    tiles of :func:`tile_rows` rows (64 from ``TALL_TILE_MIN_M``, each 128-column block summed at
-    the e4m3 MMA's precision: not fp32, not row-invariant across the switch). No host sync."""
+    be under CUDA-graph capture); False: one program per tile, all groups in turn; None: split where
+    the unsplit tiles leave SMs idle (module docstring). Both forms give the same bits, and G does
+    not depend on M: each row's result is bitwise independent of M and of the other rows.
+    ``fast_accum``: tiles of :func:`tile_rows` rows (64 from ``TALL_TILE_MIN_M``, each 128-column
+    block summed at the e4m3 MMA's precision: not fp32, not row-invariant across the switch). No
+    host sync."""
     check_tensor("a", a, dtype=torch.float8_e4m3fn, ndim=2)
     m, k = a.shape
     check_count("a.shape[0] (M)", m)
