@@ -1,20 +1,18 @@
-"""Time ``fp8_linear`` on one GPU at the FP8 GEMM shapes of one layer of a per-rank preset and M rows,
-in its four forms: unsplit (one program per 16 x 64 tile over all of K) or split (a program per tile
-and K group, the last of a tile adding the groups), each with the activation quantization in the
-GEMM (fused) or as an ``act_quant`` launch before it (two launches). Per shape and M: the median
-per-replay span of a cold-L2 CUDA-graph replay (first to last device activity, so the gaps between
-launches count) of each form, the form the defaults pick (``rule``), and each against the bytes
-floor (weight codes and scales, the bf16 rows read and written, at the measured copy bandwidth; no
-launch beats an empty kernel node); every form's bits checked equal. ``--programs-per-sm`` also
-times the split forms with other ``SPLIT_PROGRAMS_PER_SM`` (other K groups: other bits, not compared
-across values), ``--stages`` both forms with other pipeline depths of 16-row tiles
-(``_GEMM_STAGES``: the same bits), and ``--block-m`` both forms with other tile heights
-(``_GEMM_BLOCK_M``: 64 rows a tile give the tensor cores' warpgroup MMA and read the weights M / 64
-times instead of M / 16, but make each row's bits a function of the tile; other bits, not compared
-across values). Writes ``fp8_linear_<preset>.json`` and ``.md`` to the folder given and prints the
-table: where split stops winning sets the split threshold, where fused stops winning
-``FUSED_QUANT_MAX_M`` and ``FUSED_QUANT_MAX_STEPS``, where a taller tile starts winning whether the
-default (not row-invariant) mode should take it from some M on.
+"""Time ``fp8_linear`` (``act_quant``, then the GEMM) on one GPU at the FP8 GEMM shapes of one layer of
+a per-rank preset and M rows, in its two forms: unsplit (one program per 16 x 64 tile over all of K)
+or split (a program per tile and K group, the last of a tile adding the groups). Per shape and M:
+the median per-replay span of a cold-L2 CUDA-graph replay (first to last device activity, so the
+gaps between launches count) of each form, the form the defaults pick (``rule``), and each against
+the bytes floor (weight codes and scales, the bf16 rows read and written, at the measured copy
+bandwidth; no launch beats an empty kernel node); every form's bits checked equal.
+``--programs-per-sm`` also times the split form with other ``SPLIT_PROGRAMS_PER_SM`` (other K
+groups: other bits, not compared across values), ``--stages`` both forms with other pipeline depths
+of 16-row tiles (``_GEMM_STAGES``: the same bits), and ``--block-m`` both forms with other tile
+heights (``_GEMM_BLOCK_M``: 64 rows a tile give the tensor cores' warpgroup MMA and read the weights
+M / 64 times instead of M / 16, but make each row's bits a function of the tile; other bits, not
+compared across values). Writes ``fp8_linear_<preset>.json`` and ``.md`` to the folder given and
+prints the table: where split stops winning sets the split threshold, where a taller tile starts
+winning whether the default (not row-invariant) mode should take it from some M on.
 
     python3 scripts/bench_fp8_linear.py OUT [--preset deepseek-v32-fp8-tp8-rank] [--rows 1,4,16,64,128]
         [--programs-per-sm 2,4] [--stages 4,6] [--block-m 32,64]
@@ -35,8 +33,8 @@ from dsaspec.distributed.tp_group import TPGroup
 from dsaspec.layers.attention.mla import MLAAttention
 from dsaspec.ops import fp8_gemm as op
 
-METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; the four forms "
-          "of fp8_linear (unsplit / split x fused / two launches) on the same inputs, their bits compared; "
+METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; the two forms of "
+          "fp8_linear (act_quant, then the unsplit / split GEMM) on the same inputs, their bits compared; "
           "floor = max((weight codes + scales + rows read + rows written) / measured copy bandwidth, empty kernel)")
 
 
@@ -69,14 +67,14 @@ def overridden(name: str, value: int | None):
 
 
 def main() -> int:
-    parser = Parser(prog="bench_fp8_linear", description="fp8_linear: split / unsplit, fused / two launches.")
+    parser = Parser(prog="bench_fp8_linear", description="fp8_linear: split / unsplit.")
     parser.add_argument("out", help="folder for fp8_linear_<preset>.json / .md")
     fp8_presets = sorted(name for name, config in PRESETS.items() if config.quantization is not None)
     parser.add_argument("--preset", default="deepseek-v32-fp8-tp8-rank", choices=fp8_presets)
     parser.add_argument("--rows", type=positive_int_list, default=[1, 4, 16, 64, 128], help="M values, comma-separated")
     parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
     parser.add_argument("--programs-per-sm", type=positive_int_list, default=[],
-                        help=f"also time the split forms at these SPLIT_PROGRAMS_PER_SM (default "
+                        help=f"also time the split form at these SPLIT_PROGRAMS_PER_SM (default "
                              f"{op.SPLIT_PROGRAMS_PER_SM} only), comma-separated")
     parser.add_argument("--stages", type=positive_int_list, default=[],
                         help=f"also time both forms with these many pipeline stages in 16-row tiles (default "
@@ -97,14 +95,13 @@ def main() -> int:
     sweep = [v for v in args.programs_per_sm if v != op.SPLIT_PROGRAMS_PER_SM]
     tiles = [v for v in args.block_m if v != op._GEMM_BLOCK_M]
     stages = [v for v in args.stages if v != op._GEMM_STAGES]
-    # form -> (split, fused, the constant it overrides, its value); a form's name tags the value
+    # form -> (split, the constant it overrides, its value); a form's name tags the value
     tags = {"SPLIT_PROGRAMS_PER_SM": "", "_GEMM_BLOCK_M": "m", "_GEMM_STAGES": "s"}
     variants = ([(False, None, None), (True, None, None)] + [(True, "SPLIT_PROGRAMS_PER_SM", v) for v in sweep]
                 + [(split, "_GEMM_STAGES", v) for v in stages for split in (False, True)]
                 + [(split, "_GEMM_BLOCK_M", v) for v in tiles for split in (False, True)])
-    forms = {f"{'split' if split else 'unsplit'}_{'fused' if fused else 'two'}"
-             + ("" if const is None else f"@{tags[const]}{v}"):
-             (split, fused, const, v) for split, const, v in variants for fused in (False, True)}
+    forms = {("split" if split else "unsplit") + ("" if const is None else f"@{tags[const]}{v}"): (split, const, v)
+             for split, const, v in variants}
     warm_up_gpu()
     floors = Floors.measure()
     device = torch.device("cuda")
@@ -115,26 +112,25 @@ def main() -> int:
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             plan = op.gemm_plan(m, n, k, device)
-            rule = f"{'split' if plan[2] else 'unsplit'}_{'fused' if op.fuses_quant(m, k, plan) else 'two'}"
+            rule = "split" if plan[2] else "unsplit"
             nbytes = n * k + 4 * -(-n // op.BLOCK) * (k // op.BLOCK) + 2 * m * (k + n)
             point = dict(layer=name, n=n, k=k, m=m, group=plan[0], groups=plan[1], rule=rule, bytes=nbytes,
                          floor_us=floors.floor_us(nbytes), bytes_floor_us=nbytes / (floors.copy_gbps * 1e3))
             outs = {}
-            for form, (split, fused, const, value) in forms.items():
+            for form, (split, const, value) in forms.items():
                 out = outs[form] = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
                 with overridden(const or "SPLIT_PROGRAMS_PER_SM", value):
-                    timing = time_in_graph(lambda: op.fp8_linear(x, w, w_s, scale_fmt, out=out, fuse_quant=fused,
-                                                                 split=split), iters=args.iters)
+                    timing = time_in_graph(lambda: op.fp8_linear(x, w, w_s, scale_fmt, out=out, split=split),
+                                           iters=args.iters)
                 point[form] = timing.summary()
                 point[f"{form}_us"] = timing.median_us
                 point[f"{form}_over_floor"] = timing.median_us / point["floor_us"]
-            same_groups = [outs[form].view(torch.int16) for form, (_, _, const, _) in forms.items()
+            same_groups = [outs[form].view(torch.int16) for form, (_, const, _) in forms.items()
                            if const in (None, "_GEMM_STAGES")]
             point["bitwise_equal"] = all(torch.equal(bits, same_groups[0]) for bits in same_groups)
             point["rule_us"] = point[f"{rule}_us"]
             point["rule_over_floor"] = point["rule_us"] / point["floor_us"]
-            point["split_speedup"] = (min(point["unsplit_two_us"], point["unsplit_fused_us"])
-                                      / min(point["split_two_us"], point["split_fused_us"]))
+            point["split_speedup"] = point["unsplit_us"] / point["split_us"]
             results.append(point)
     columns = ([("layer", "layer"), ("n", "N"), ("k", "K"), ("m", "M"), ("group", "G"), ("groups", "groups"),
                 ("floor_us", "floor µs")] + [(f"{form}_us", f"{form} µs") for form in forms]
@@ -147,10 +143,9 @@ def main() -> int:
                                    stages=[op._GEMM_STAGES] + stages,
                                    block_m=[op._GEMM_BLOCK_M] + tiles),
         copy_gbps=floors.copy_gbps, empty_kernel_us=floors.empty_us,
-        split_programs_per_sm=op.SPLIT_PROGRAMS_PER_SM, fused_quant_max_m=op.FUSED_QUANT_MAX_M,
-        fused_quant_max_steps=op.FUSED_QUANT_MAX_STEPS, results=results),
+        split_programs_per_sm=op.SPLIT_PROGRAMS_PER_SM, results=results),
         f"fp8_linear, {args.preset} (scale_fmt {scale_fmt}, copy {floors.copy_gbps:.0f} GB/s): "
-        f"split / unsplit x fused / two launches\n\n{table}", args.out)
+        f"split / unsplit\n\n{table}", args.out)
     return 0 if all(p["bitwise_equal"] for p in results) else 1
 
 

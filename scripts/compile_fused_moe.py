@@ -88,14 +88,14 @@ FP8_LINEAR = {"gemm": fp8_gemm._fp8_gemm_kernel, "act_quant": fp8_gemm._act_quan
 LINEAR_N, LINEAR_K = 2752, 6144
 
 
-def compile_fp8_linear(kernel: str, split: bool, fused: bool) -> dict:
+def compile_fp8_linear(kernel: str, split: bool) -> dict:
     """Compile ``kernel`` (a :data:`FP8_LINEAR` key) as one bf16 ``fp8_linear`` call of
-    :data:`LINEAR_N` x :data:`LINEAR_K` launches it: M 1 ``split``, else M 64 unsplit; activation
-    quantization in the GEMM with ``fused``. The call's other kernels are not launched."""
+    :data:`LINEAR_N` x :data:`LINEAR_K` launches it: M 1 ``split``, else M 64 unsplit. The call's
+    other kernel is not launched."""
     x = torch.zeros(1 if split else 64, LINEAR_K, dtype=torch.bfloat16)
     w = torch.zeros(LINEAR_N, LINEAR_K, dtype=torch.float8_e4m3fn)
     w_scale = torch.ones(-(-LINEAR_N // fp8_gemm.BLOCK), LINEAR_K // fp8_gemm.BLOCK)
-    launch = lambda: fp8_gemm.fp8_linear(x, w, w_scale, "ue8m0", fuse_quant=fused, split=split)  # noqa: E731
+    launch = lambda: fp8_gemm.fp8_linear(x, w, w_scale, "ue8m0", split=split)  # noqa: E731
     skipped = [k for k in FP8_LINEAR.values() if k is not FP8_LINEAR[kernel]]
     return _compile_alone(FP8_LINEAR[kernel], launch, skipped, ())
 
@@ -115,9 +115,8 @@ def main() -> int:
     for experts in ALIGN_EXPERTS:
         print(dsa.summary_line(f"align {experts} experts", compile_align(experts)), flush=True)
     for split in (False, True):
-        for fused in (False, True):
-            name = f"fp8_linear gemm {'split' if split else 'unsplit'}{' fused quant' if fused else ''}"
-            print(dsa.summary_line(name, compile_fp8_linear("gemm", split, fused)), flush=True)
+        name = f"fp8_linear gemm {'split' if split else 'unsplit'}"
+        print(dsa.summary_line(name, compile_fp8_linear("gemm", split)), flush=True)
     return 0
 
 

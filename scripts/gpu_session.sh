@@ -6,7 +6,7 @@
 #   heads-per-rank, fp8-dsa-ops, fp8-dsa-tune, fp8-idx-tune, epilogue-tests (greedy sampling, index RoPE, MLA query, RoPE tables, FP8 indexer, decode inputs, SiLU-and-mul, MoE router),
 #   gluon-fp8-sanitize, moe-fp8, moe-split (split-K tests + bench), moe-small-t (the pair layout's GPU tests + bench moe
 #   of both layouts; its per-kernel times in the real rank: decode-rank), moe-shared (the GPU tests of the shared expert in
-#   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / fused-quant forms at the rank shapes),
+#   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / unsplit forms at the rank shapes),
 #   fp8-linear-tiles (the FP8 GEMM with 32- and 64-row tiles: warpgroup MMA from 64, at verify and prefill M),
 #   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), norm-quant (the GPU tests of
 #   the norms writing the FP8 GEMMs' codes; their time: decode-rank), norms (scripts/bench_norms.py: one program a row

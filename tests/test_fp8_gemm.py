@@ -10,7 +10,7 @@
 * Non-finite activations: a 128-column group holding NaN or +-inf gets scale NaN and codes 0, and
   its row's outputs are all NaN; the other rows are unaffected.
 * K groups: the split form (a program per K group, fp32 partials that the tile's last program to
-  finish adds) gives the unsplit form's bits, fused quantization or not, so a row's bits do not depend on M across the split
+  finish adds) gives the unsplit form's bits, so a row's bits do not depend on M across the split
   threshold. Off the GPU the SM count is patched (``_sms``) to get 1 to 5 groups of 1 or 3 blocks,
   with a partial last group (``k_group``), on shapes the interpreter runs in seconds. The kernels
   compile for sm_90 without spills (offline, in a subprocess).
@@ -155,27 +155,24 @@ def test_fp8_linear_is_act_quant_then_gemm(device):
         _check_gemm(y, a, a_s, w, w_s)
 
 
-def _linear_both_ways(x, w, w_s, fmt, split=None):
-    """fp8_linear of ``x`` fused and as two launches; asserts the bits are equal, returns one."""
-    fused = op.fp8_linear(x, w, w_s, fmt, fuse_quant=True, split=split)
-    two = op.fp8_linear(x, w, w_s, fmt, fuse_quant=False, split=split)
-    assert fused.dtype == two.dtype == x.dtype
-    assert torch.equal(fused.isnan(), two.isnan()), "NaN positions differ"
-    assert torch.equal(fused.view(torch.uint8), two.view(torch.uint8)), "fused != act_quant + fp8_gemm"
-    return fused
+def _linear(x, w, w_s, fmt, split=None):
+    """fp8_linear of ``x``, its output in ``x``'s dtype."""
+    y = op.fp8_linear(x, w, w_s, fmt, split=split)
+    assert y.dtype == x.dtype
+    return y
 
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m,k", [(m, k) for k in (128, 384) for m in (1, 2, 15, 16, 17, 64, 65, 256)]
                          + [(m, 7168) for m in (1, 16, 17, 65)])
-def test_fused_quant_is_the_two_launch_path_bitwise(m, k, fmt, device):
+def test_linear_of_strided_rows_within_tolerance(m, k, fmt, device):
     # strided rows: x is a column slice of a wider buffer whose extra columns are NaN
     x_buf = torch.full((m, k + 128), math.nan, dtype=torch.bfloat16, device=device)
     x_buf[:, :k] = _activations(m, k, torch.bfloat16, device, seed=m * k)
     x = x_buf[:, :k]
     n = 200 if k < 7168 else 72
     w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(n, k, "cpu", seed=k)))
-    y = _linear_both_ways(x, w, w_s, fmt, split=False)   # long K loops; the split: test_fused_quant_split_*
+    y = _linear(x, w, w_s, fmt, split=False)   # long K loops; the split: test_linear_split_*
     _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
 
 
@@ -299,9 +296,8 @@ def test_fp8_linear_layer_takes_tall_tiles_at_prefill_rows(row_invariant, monkey
 
 
 def test_rows_do_not_depend_on_m_across_the_split_threshold(monkeypatch, device):
-    """5 SMs, N 130 (3 tiles), K 896 (G 3): M 1 splits (and fuses the quantization), M 40 (9 tiles)
-    does neither; its rows equal the M 1 results bitwise (fp32 activations and output: no bf16
-    rounding to hide a changed sum)."""
+    """5 SMs, N 130 (3 tiles), K 896 (G 3): M 1 splits, M 40 (9 tiles) does not; its rows equal
+    the M 1 results bitwise (fp32 activations and output: no bf16 rounding to hide a changed sum)."""
     _sms(monkeypatch, 5)
     n, k = 130, 896
     assert op.gemm_plan(1, n, k, device) == (3, 3, True) and not op.gemm_plan(40, n, k, device)[2]
@@ -314,25 +310,25 @@ def test_rows_do_not_depend_on_m_across_the_split_threshold(monkeypatch, device)
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [1, 17])
-def test_fused_quant_split_is_the_two_launch_path_bitwise(m, fmt, monkeypatch, device):
+def test_linear_split_is_the_unsplit_form_bitwise(m, fmt, monkeypatch, device):
     _sms(monkeypatch, 5)
     x_buf = torch.full((m, 1024), math.nan, dtype=torch.float32, device=device)   # strided rows
     x_buf[:, :896] = _activations(m, 896, torch.float32, device, seed=m)
     x = x_buf[:, :896]
     w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(130, 896, "cpu")))
-    y = _linear_both_ways(x, w, w_s, fmt, split=True)
+    y = _linear(x, w, w_s, fmt, split=True)
     assert torch.equal(y, op.fp8_linear(x, w, w_s, fmt, split=False)), "split != unsplit"
     _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_split_non_finite_block_gives_a_nan_row(value, monkeypatch, device):
-    """A non-finite value in the last, partial group of row 3: row 3 all NaN in both forms."""
+    """A non-finite value in the last, partial group of row 3: row 3 all NaN, split or not."""
     _sms(monkeypatch, 5)
     x = _activations(5, 896, torch.bfloat16, device, seed=7)
     x[3, 800] = value
     w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(130, 896, "cpu")))
-    y = _linear_both_ways(x, w, w_s, None, split=True)
+    y = _linear(x, w, w_s, None, split=True)
     assert y[3].isnan().all(), "a row with a non-finite block must come out NaN"
     assert torch.isfinite(y[[0, 1, 2, 4]]).all(), "the other rows must not notice"
     assert torch.equal(y.view(torch.int16), op.fp8_linear(x, w, w_s, split=False).view(torch.int16))
@@ -340,44 +336,24 @@ def test_split_non_finite_block_gives_a_nan_row(value, monkeypatch, device):
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [3, 40])
-def test_fused_quant_fp32_activations_bitwise(m, fmt, device):
+def test_linear_fp32_activations_within_tolerance(m, fmt, device):
     x = _activations(m, 384, torch.float32, device, seed=m)
     w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(130, 384, "cpu")))
-    y = _linear_both_ways(x, w, w_s, fmt)
+    y = _linear(x, w, w_s, fmt)
     _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_fused_quant_non_finite_block_gives_a_nan_row(value, device):
+def test_linear_non_finite_block_gives_a_nan_row(value, device):
     x = _activations(5, 384, torch.bfloat16, device, seed=7)
     x[3, 300] = value
     w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(100, 384, "cpu")))
-    y = _linear_both_ways(x, w, w_s, None)
+    y = _linear(x, w, w_s, None)
     assert y[3].isnan().all(), "a row with a non-finite block must come out NaN"
     assert torch.isfinite(y[[0, 1, 2, 4]]).all(), "the other rows must not notice"
 
 
-def test_fp8_linear_fuses_up_to_the_thresholds(monkeypatch, device):
-    """Fused for one row block where a program runs at most FUSED_QUANT_MAX_STEPS K blocks: G when
-    split, all of K unsplit (N 64: one tile; 2 SMs give 4 groups of G 3 over K 1280)."""
-    launches = []
-    two_launch = op.act_quant
-    monkeypatch.setattr(op, "act_quant", lambda *args, **kwargs: launches.append(1) or two_launch(*args, **kwargs))
-    _sms(monkeypatch, 2)
-    max_m, steps = op.FUSED_QUANT_MAX_M, op.FUSED_QUANT_MAX_STEPS
-    assert op.gemm_plan(max_m, 64, 1280, device) == (3, 4, True) and not op.gemm_plan(max_m + 1, 64, 1280, device)[2]
-    x = _activations(max_m + 1, 1280, torch.bfloat16, device, seed=2)
-    for rows, k, split, fused in ((max_m, 128 * steps, False, True), (max_m, 128 * steps + 128, False, False),
-                                  (max_m, 1280, None, True), (max_m + 1, 1280, None, False), (1, 1280, True, True)):
-        w, w_s = (t.to(device) for t in ref.quantize_weight(_weight(64, k, "cpu")))
-        launches.clear()
-        y = op.fp8_linear(x[:rows, :k], w, w_s, split=split)
-        assert launches == ([] if fused else [1]), f"M {rows}, K {k}, split {split}: expected fused={fused}"
-        assert torch.equal(y, op.fp8_linear(x[:rows, :k], w, w_s, fuse_quant=not fused, split=split)), "forms differ"
-
-
-@pytest.mark.parametrize("fuse", [True, False])
-def test_fp8_linear_bad_arguments_are_named(fuse, device):
+def test_fp8_linear_bad_arguments_are_named(device):
     x = torch.zeros(4, 256, dtype=torch.bfloat16, device=device)
     w = torch.zeros(128, 256, dtype=torch.float8_e4m3fn, device=device)
     w_s = torch.ones(1, 2, device=device)
@@ -395,7 +371,7 @@ def test_fp8_linear_bad_arguments_are_named(fuse, device):
     ]
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
-            op.fp8_linear(*args, fuse_quant=fuse, **kwargs)
+            op.fp8_linear(*args, **kwargs)
 
 
 @pytest.mark.parametrize("n,k", [(128, 128), (200, 256), (576, 384), (64, 128)])
@@ -474,23 +450,22 @@ def test_fp8_gemm_production_shapes_gpu(m, n, k):
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [1, 4, 16, 17, 64, 65, 256])
 @pytest.mark.parametrize("n,k", [(576, 7168), (2048, 6144), (7168, 2048), (3072, 1536)])
-def test_fused_quant_production_shapes_gpu(m, n, k, fmt):
+def test_linear_production_shapes_gpu(m, n, k, fmt):
     x = _activations(m, k, torch.bfloat16, "cuda", seed=m + n)
     w, w_s = op.quantize_weight(_weight(n, k, "cuda"))
-    y = _linear_both_ways(x, w, w_s, fmt)
+    y = _linear(x, w, w_s, fmt)
     _check_gemm(y, *ref.act_quant(x.cpu(), fmt), w, w_s)
     assert torch.equal(op.fp8_linear(x[:1], w, w_s, fmt), y[:1]), "row 0 depends on the batch"
 
 
 def test_gemm_kernels_compile_for_sm90_without_spills():
-    """Without a GPU: the GEMM unsplit and split (its in-kernel reduce), each with and without the
-    fused quantization, compile for sm_90 (GLM-5's fused attention input; chained as on an H200)
-    with no register spills and within a block's shared memory (scripts/compile_fused_moe.py, in a
-    subprocess)."""
-    cases = [("gemm", split, fused) for split in (False, True) for fused in (False, True)]
+    """Without a GPU: the GEMM unsplit and split (its in-kernel reduce) compile for sm_90 (GLM-5's
+    fused attention input; chained as on an H200) with no register spills and within a block's
+    shared memory (scripts/compile_fused_moe.py, in a subprocess)."""
+    cases = [("gemm", split) for split in (False, True)]
     out = run_in_scripts("compile_fused_moe",
-                         f"for kernel, split, fused in {cases!r}:\n"
-                         "    r = c.compile_fp8_linear(kernel, split, fused)\n"
+                         f"for kernel, split in {cases!r}:\n"
+                         "    r = c.compile_fp8_linear(kernel, split)\n"
                          "    print(r['regs'], r['spill'], r['shared'], c.dsa.SM90_SHARED)")
     results = integer_rows(out)
     assert len(results) == len(cases), out
@@ -516,27 +491,26 @@ def test_split_production_shapes_gpu(m, n, k):
     _check_gemm(split, a, a_s, w, w_s)
     y = op.fp8_linear(x, w, w_s, "ue8m0")
     for split in (False, True):
-        for fused in (False, True):
-            assert torch.equal(op.fp8_linear(x, w, w_s, "ue8m0", fuse_quant=fused, split=split), y), (split, fused)
+        assert torch.equal(op.fp8_linear(x, w, w_s, "ue8m0", split=split), y), split
     assert torch.equal(op.fp8_linear(x[:1], w, w_s, "ue8m0"), y[:1]), "row 0 depends on the batch"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fuse", [True, False])
-def test_split_cuda_graph_replay_gpu(fuse):
-    """GLM-5's shared gate/up at M 4 (split, 24 groups; the reduce a programmatic dependent on
-    sm_90), captured once and replayed on new rows: equal to eager calls."""
+def test_split_cuda_graph_replay_gpu():
+    """GLM-5's shared gate/up at M 4 (split, 24 groups, added by each tile's last program; a
+    programmatic dependent of act_quant on sm_90), captured once and replayed on new rows: equal
+    to eager calls."""
     n, k, m = 512, 6144, 4
     w, w_s = op.quantize_weight(_weight(n, k, "cuda"))
     x = _activations(m, k, torch.bfloat16, "cuda", seed=1)
     assert op.gemm_plan(m, n, k, x.device)[2], "expected the split form"
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    op.fp8_linear(x, w, w_s, "ue8m0", out=out, fuse_quant=fuse)         # compiled before the capture
+    op.fp8_linear(x, w, w_s, "ue8m0", out=out)         # compiled before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        op.fp8_linear(x, w, w_s, "ue8m0", out=out, fuse_quant=fuse)
+        op.fp8_linear(x, w, w_s, "ue8m0", out=out)
     for seed in (2, 3):
         x.copy_(_activations(m, k, torch.bfloat16, "cuda", seed=seed))
         out.fill_(math.nan)
         graph.replay()
-        assert torch.equal(out, op.fp8_linear(x, w, w_s, "ue8m0", fuse_quant=fuse)), f"replay {seed} != eager"
+        assert torch.equal(out, op.fp8_linear(x, w, w_s, "ue8m0")), f"replay {seed} != eager"

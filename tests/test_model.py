@@ -760,17 +760,13 @@ class _Launches:
         return self.kernel[grid]
 
 
-def _layer_with_and_without_norm_quant(row_invariant, two_launch, monkeypatch):
+def _layer_with_and_without_norm_quant(row_invariant, monkeypatch):
     """Decoder layer 0 of a one-layer FP8 model (ue8m0 activation scales, bf16, Triton ops) over 3
     prompt rows and their residual, with its norms writing the attention GEMMs' codes (the default)
-    and without (those GEMMs quantize, today's path): per run its outputs, the caches and top-k
-    slots it wrote, and the act_quant launches. ``two_launch``: the GEMMs quantize in act_quant
-    launches (as at the rank shapes, where a program walks more than FUSED_QUANT_MAX_STEPS K
-    blocks); else where fuses_quant says (in their prologue at these widths)."""
+    and without (those GEMMs' act_quant launches quantize): per run its outputs, the caches and
+    top-k slots it wrote, and the act_quant launches."""
     from dsaspec.ops import fp8_gemm
 
-    if two_launch:
-        monkeypatch.setattr(fp8_gemm, "fuses_quant", lambda *args: False)
     launches = _Launches(fp8_gemm._act_quant_kernel)
     monkeypatch.setattr(fp8_gemm, "_act_quant_kernel", launches)
     config = get_config("tiny", **(SMALL | FP8_SMALL), quantization=Fp8Quantization(scale_fmt="ue8m0"))
@@ -806,17 +802,16 @@ def _prompt_through_layer(model, index, x, residual, launches):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("row_invariant,two_launch", [(False, True), (True, True), (False, False)],
-                         ids=["default", "row_invariant", "default-fused_quant"])
-def test_norms_quantizing_for_the_fp8_gemms_are_bitwise_the_act_quant_path(row_invariant, two_launch, monkeypatch):
+@pytest.mark.parametrize("row_invariant", [False, True], ids=["default", "row_invariant"])
+def test_norms_quantizing_for_the_fp8_gemms_are_bitwise_the_act_quant_path(row_invariant, monkeypatch):
     """The input norm (residual add + RMSNorm) writes the codes of ``fused_input`` (q_a / wk / kv_a)
     and ``q_a_layernorm`` those of ``fused_latent`` (q_b / wq_b): a layer's forward runs 2
     act_quant launches fewer, and the post-attention norm those of the dense FFN's ``gate_up``: one
     more (2 left: ``o_proj`` and ``down_proj``); its outputs, the new residual, the selection and
     the caches bitwise the same."""
     (fused, fused_launches), (unfused, unfused_launches) = _layer_with_and_without_norm_quant(
-        row_invariant, two_launch, monkeypatch)
-    assert (unfused_launches, fused_launches) == ((5, 2) if two_launch else (0, 0))
+        row_invariant, monkeypatch)
+    assert (unfused_launches, fused_launches) == (5, 2)
     for got, want in zip(fused, unfused):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 

@@ -65,8 +65,7 @@ class Fp8Linear(RowInvariant, nn.Module):
     (the row-invariant GEMM when ``row_invariant``). Output in ``x``'s dtype. ``forward`` also
     takes an :class:`Fp8Input` of its ``scale_fmt`` for ``x``: its codes and scales replace the
     quantization (the same bits), and with ``use_triton`` the GEMM is
-    :func:`~dsaspec.ops.fp8_gemm.fp8_gemm` of them, one launch whatever
-    :func:`~dsaspec.ops.fp8_gemm.fuses_quant` would choose for ``x``.
+    :func:`~dsaspec.ops.fp8_gemm.fp8_gemm` of them: one launch where ``x`` takes two.
 
     ``shard`` / ``scale_shard``: this rank's part of the checkpoint weight and of its scales (None:
     replicated); a split lies on 128-row / column block boundaries."""

@@ -50,16 +50,13 @@ per SM) while every row's bits depend on neither M nor the other rows. At the TP
 GLM-5's fused q latent GEMM (2 groups), 2 for the shared expert's gate/up (24 / 28 groups), 1 for
 its down (2 groups); DeepSeek-V3.2's fused q latent GEMM (176 tiles) keeps one group.
 
-:func:`fp8_linear` runs either two launches (:func:`act_quant`, then :func:`fp8_gemm`) or one: the
-GEMM kernel with ``QUANTIZE_A`` loads the bf16 / fp32 rows of its tile one 128-column K block at a
-time, quantizes them with the same device function and feeds the codes and scales to the same dot,
-so both forms give the same bits. The fused form redoes the quantization in every N program, so
-it serves one row block with few K blocks a program (``FUSED_QUANT_MAX_M``,
-``FUSED_QUANT_MAX_STEPS``). Where the kernel that writes the activations can write their codes
-too (the RMSNorm kernel of :mod:`dsaspec.ops.row_invariant`: ``rms_norm`` / ``add_rms_norm``
-with ``q_out`` / ``scale_out``, the same device function on the rounded values it stores), the
-caller runs :func:`fp8_gemm` on them: one launch whatever ``fuses_quant`` would choose, the
-same bits again.
+:func:`fp8_linear` runs :func:`act_quant`, then :func:`fp8_gemm` (two chained launches). Where
+the kernel that writes the activations can write their codes too (the RMSNorm kernel of
+:mod:`dsaspec.ops.row_invariant`: ``rms_norm`` / ``add_rms_norm`` with ``q_out`` /
+``scale_out``, the same device function on the rounded values it stores), the caller runs
+:func:`fp8_gemm` on them: one launch, the same bits. (Quantizing inside the GEMM's programs, which
+redo it in every N program, was never faster than the two launches on an H200 at the rank shapes
+and M 1 - 4: benchmarks/results/h200/logs/fp8_linear_cuda_cores_glm5_rank_session30.md.)
 """
 
 from __future__ import annotations
@@ -102,14 +99,6 @@ SPLIT_PROGRAMS_PER_SM = 2
 # than 4; benchmarks/results/h200/logs/fp8_linear_stages_glm5_rank_session14.md); 3 for the tall
 # 64-row tiles, not timed at 4
 _GEMM_STAGES, _TALL_GEMM_STAGES = 4, 3
-# fp8_linear quantizes inside the GEMM for M <= FUSED_QUANT_MAX_M where a program runs at most
-# FUSED_QUANT_MAX_STEPS K blocks (G split, K / 128 unsplit). Every N program quantizes its 16 rows
-# again: on sm_90 a K step is ~900 SASS instructions instead of ~170, ~730 more issue cycles per
-# warp (4 warps on 4 schedulers), ~0.37 us a K step at 1.98 GHz, against one act_quant launch saved
-# (a few us): a gain up to 4 K steps a program with one row block (more rows multiply the
-# programs), a loss at 12 - 56 (K 1536 - 7168 in one program).
-FUSED_QUANT_MAX_M = 16
-FUSED_QUANT_MAX_STEPS = 4
 
 
 def _check_scale_fmt(scale_fmt) -> None:
@@ -166,13 +155,11 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None, *, out: torch.Tenso
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, counters_ptr, M, N, K, group,
                      stride_am, stride_asm, stride_wn, stride_wsn, stride_cm, stride_pg, stride_pm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     QUANTIZE_A: tl.constexpr, UE8M0: tl.constexpr, SPLIT: tl.constexpr,
-                     CHAINED: tl.constexpr):
+                     SPLIT: tl.constexpr, CHAINED: tl.constexpr):
     # acc = ((0 + acc_0) + acc_1) + ..., acc_g = (0 + its K blocks' terms in order); group g is K
     # blocks [g * group, (g + 1) * group). SPLIT: program (i, j, g) runs group g alone and stores fp32
     # acc = 0 + acc_g at p_ptr + g * stride_pg; the tile's last program to arrive (its counter) adds
-    # the groups' partials from 0 in g order, the same sums. QUANTIZE_A: a holds bf16 / fp32
-    # activations (as_ptr unread), quantized per K block in registers exactly as _act_quant_kernel does.
+    # the groups' partials from 0 in g order, the same sums.
     enter_chain(CHAINED)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = tl.program_id(1) * BLOCK_N
@@ -195,11 +182,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, counters_ptr, M
     for kb in range(kb_first, kb_end):
         a = tl.load(a_ptrs, mask=row_live[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=col_live[None, :], other=0.0)
-        if QUANTIZE_A:
-            codes, a_s = quantize_rows(a.to(tl.float32), UE8M0)
-            a = codes.to(w_ptr.dtype.element_ty)
-        else:
-            a_s = tl.load(as_ptrs + kb, mask=row_live, other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=row_live, other=0.0)
         w_s = tl.load(ws_ptrs + kb)
         acc_g += tl.dot(a, w) * (a_s[:, None] * w_s)
         left -= 1
@@ -274,20 +257,10 @@ def gemm_plan(m: int, n: int, k: int, device: torch.device, split: bool | None =
     return group, groups, split
 
 
-def fuses_quant(m: int, k: int, plan: tuple[int, int, bool]) -> bool:
-    """:func:`fp8_linear`'s default for ``M`` rows of ``K`` and a :func:`gemm_plan`: quantize in
-    the GEMM for one row block where a program runs at most ``FUSED_QUANT_MAX_STEPS`` K blocks
-    (``G`` split, all of K unsplit)."""
-    group, _, split = plan
-    return m <= FUSED_QUANT_MAX_M and (group if split else k // BLOCK) <= FUSED_QUANT_MAX_STEPS
-
-
-def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
-          out: torch.Tensor | None, out_dtype: torch.dtype, scale_fmt: str | None,
-          plan: tuple[int, int, bool], block_m: int) -> torch.Tensor:
-    """Check ``out`` and launch the GEMM of ``a [M, K]`` and ``w`` (checked) in tiles of ``block_m``
-    rows as ``plan`` (:func:`gemm_plan`) says; ``a_scale`` None: ``a`` is bf16 / fp32, quantized in
-    the kernel with ``scale_fmt``."""
+def _gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+          out: torch.Tensor | None, out_dtype: torch.dtype, plan: tuple[int, int, bool], block_m: int) -> torch.Tensor:
+    """Check ``out`` and launch the GEMM of the codes ``a [M, K]`` (scales ``a_scale``) and ``w``
+    (both checked) in tiles of ``block_m`` rows as ``plan`` (:func:`gemm_plan`) says."""
     m, k = a.shape
     n = w.shape[0]
     if out_dtype not in _OUT_DTYPES:
@@ -298,9 +271,6 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scal
         raise ValueError(f"out: expected dtype in {_OUT_DTYPES}, got {out.dtype}")
     check_tensor("out", out, dtype=out.dtype, shape=(m, n), device=a.device)
     group, groups, split = plan
-    quantize = a_scale is None
-    if quantize:
-        a_scale = a                                       # unread
     chained = supports_pdl(a.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, _GEMM_BLOCK_N), groups if split else 1)
     if split:
@@ -311,8 +281,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scal
     _fp8_gemm_kernel[grid](a, a_scale, w, w_scale, out, partials, counters, m, n, k, group,
                            a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
                            partials.stride(0) if split else 0, partials.stride(1) if split else 0,
-                           BLOCK_M=block_m, BLOCK_N=_GEMM_BLOCK_N, BLOCK_K=BLOCK,
-                           QUANTIZE_A=quantize, UE8M0=scale_fmt == "ue8m0", SPLIT=split,
+                           BLOCK_M=block_m, BLOCK_N=_GEMM_BLOCK_N, BLOCK_K=BLOCK, SPLIT=split,
                            CHAINED=chained, launch_pdl=chained, num_warps=4,
                            num_stages=_GEMM_STAGES if block_m == _GEMM_BLOCK_M else _TALL_GEMM_STAGES)
     return out
@@ -347,32 +316,21 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     check_tensor("a_scale", a_scale, dtype=torch.float32, shape=(m, k // BLOCK), device=a.device)
     n = _check_weight(w, w_scale, k, a.device)
     block_m = tile_rows(m, fast_accum)
-    return _gemm(a, a_scale, w, w_scale, out, out_dtype, None, gemm_plan(m, n, k, a.device, split, block_m), block_m)
+    return _gemm(a, a_scale, w, w_scale, out, out_dtype, gemm_plan(m, n, k, a.device, split, block_m), block_m)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, scale_fmt: str | None = None, *,
-               out: torch.Tensor | None = None, fuse_quant: bool | None = None,
-               split: bool | None = None, fast_accum: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None, split: bool | None = None, fast_accum: bool = False) -> torch.Tensor:
     """``x @ W^T`` for an FP8 block-scaled ``W`` (``w`` e4m3 ``[N, K]``, ``w_scale``
-    ``[ceil(N / 128), K / 128]``): ``x`` (bf16 or fp32 ``[M, K]``, unit last stride) quantized as
-    :func:`act_quant` does, then the :func:`fp8_gemm` product (``split`` as there); writes and
-    returns ``out`` ``[M, N]`` in ``x``'s dtype. ``fuse_quant`` True: the GEMM programs quantize
-    their rows' K blocks in registers (no :func:`act_quant` launch); False: :func:`act_quant` then
-    :func:`fp8_gemm`; None (default): fused for ``M <= FUSED_QUANT_MAX_M`` where a program runs at
-    most ``FUSED_QUANT_MAX_STEPS`` K blocks (G split, ``K / 128`` unsplit). All forms give the same
-    bits, so without ``fast_accum`` each row's result is independent of M; ``fast_accum`` as
-    :func:`fp8_gemm`'s."""
+    ``[ceil(N / 128), K / 128]``): ``x`` (bf16 or fp32 ``[M, K]``, unit last stride) quantized by
+    :func:`act_quant` with ``scale_fmt``, then the :func:`fp8_gemm` product (``split`` and
+    ``fast_accum`` as there); writes and returns ``out`` ``[M, N]`` in ``x``'s dtype."""
     _check_scale_fmt(scale_fmt)
     m, k = _check_x(x)
     n = _check_weight(w, w_scale, k, x.device)
     block_m = tile_rows(m, fast_accum)
-    plan = gemm_plan(m, n, k, x.device, split, block_m)
-    if fuse_quant is None:
-        fuse_quant = fuses_quant(m, k, plan)
-    if fuse_quant:
-        return _gemm(x, None, w, w_scale, out, x.dtype, scale_fmt, plan, block_m)
     q, s = act_quant(x, scale_fmt)
-    return _gemm(q, s, w, w_scale, out, x.dtype, None, plan, block_m)
+    return _gemm(q, s, w, w_scale, out, x.dtype, gemm_plan(m, n, k, x.device, split, block_m), block_m)
 
 
 def quantize_blocks(x: torch.Tensor, block_rows: int, scale_fmt: str | None = None
