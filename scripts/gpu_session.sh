@@ -9,7 +9,8 @@
 #   the fused MoE; its time: decode-rank), fp8-linear (the FP8 GEMM's split / unsplit forms at the rank shapes),
 #   fp8-linear-tiles (the FP8 GEMM with 32- and 64-row tiles: warpgroup MMA from 64, at verify and prefill M),
 #   fp8-gemm-tests, fp8-mla-one-split (the FP8 register-path default's tests + dsa-ops), norm-quant (the GPU tests of
-#   the norms writing the FP8 GEMMs' codes; their time: decode-rank), norms (scripts/bench_norms.py: one program a row
+#   the norms writing the FP8 GEMMs' codes; their time: decode-rank), mla-query (scripts/bench_mla_query.py: the
+#   absorbed query's prefill tiles against cuBLAS on both rank presets), norms (scripts/bench_norms.py: one program a row
 #   against 1024-column programs), moe-launches (the router,
 #   the pair layout's one-token down tile, the align: their GPU tests; their time: moe-small-t, decode-rank),
 #   router-gemm (the router's GPU tests: the FMA tiles, the selection, cuBLAS bf16 from 3 rows + scripts/bench_router_gemm.py), fast-accum (DSASPEC_FP8_FAST_ACCUM:
@@ -140,6 +141,9 @@ for step in "$@"; do
                       python3 -m dsaspec bench dsa-ops --ops sparse_mla --kv-cache-dtype fp8_e4m3 --modes decode,target_verify \
                           --bs 1,16,32,64 --live-kv 8192,65536 --out "$OUT/fp8_one_split" ;;
         norms)        python3 scripts/bench_norms.py "$OUT/norms" ;;
+        mla-query)    tiles=64x128x4x3,64x64x4x3,128x64x4x3,128x128x8x3
+                      python3 scripts/bench_mla_query.py "$OUT/mla_query" --preset glm5-fp8-tp8-rank --tiles $tiles &&
+                      python3 scripts/bench_mla_query.py "$OUT/mla_query" --preset deepseek-v32-fp8-tp8-rank --tiles $tiles ;;
         norm-quant)   python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --timeout 600 -k norm_quant \
                           tests/test_row_invariant.py tests/test_model.py 2>&1 | tee "$OUT/norm_quant_tests.log" ;;
         moe-launches) python3 -m pytest -v -p no:cacheprovider -rfE --tb=short -n 4 --timeout 400 \

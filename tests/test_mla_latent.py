@@ -18,7 +18,7 @@ from compile_scripts import run_in_scripts
 from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.ops import device as device_facts
 from dsaspec.ops.index_weights import index_weights, index_weights_splits
-from dsaspec.ops.mla_latent import mla_query, mla_query_tiles, store_mla_normed
+from dsaspec.ops.mla_latent import launch_mla_query, mla_query, mla_query_tiles, store_mla_normed
 from dsaspec.reference.fp8_kv import read_mla, write_mla
 from dsaspec.reference.mla_latent import reference_index_weights, reference_mla_latent, reference_mla_query
 
@@ -185,6 +185,18 @@ def test_mla_query_large_tiles_within_rounding(device):
     q, w_uk, cos, sin = _query_inputs(PREFILL_MIN_ROWS + 9, 2, 192, torch.bfloat16, gen, device)
     assert mla_query_tiles(PREFILL_MIN_ROWS + 9, torch.bfloat16, False)[0] == 64
     _check_query(mla_query(q, w_uk, cos, sin, False), q, w_uk, cos, sin, False)
+
+
+def test_mla_query_rope_alone_leaves_the_product_columns(device):
+    """``launch_mla_query(..., product=False)`` (the RoPE after a cuBLAS product in
+    ``scripts/bench_mla_query.py``) writes the reference's RoPE columns and nothing else."""
+    gen = torch.Generator().manual_seed(8)
+    q, w_uk, cos, sin = _query_inputs(70, 3, 64, torch.bfloat16, gen, device)
+    out = torch.full((70, 3, 576), float("nan"), dtype=q.dtype, device=device)
+    launch_mla_query(q, w_uk, cos, sin, True, out, mla_query_tiles(70, q.dtype, False), False)
+    want = reference_mla_query(q.cpu(), w_uk.cpu(), cos.cpu(), sin.cpu(), True)
+    assert torch.equal(out[..., 512:].cpu(), want[..., 512:])
+    assert torch.isnan(out[..., :512]).all()
 
 
 def test_mla_query_bad_inputs(device):

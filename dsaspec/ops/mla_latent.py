@@ -75,9 +75,10 @@ def _mla_latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, loc_ptr, out_ptr, scale_
 def _mla_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, m_tiles, stride_qr, stride_qh, stride_wh,
                       stride_wk, stride_cos, stride_or, stride_oh, NOPE: tl.constexpr, LATENT: tl.constexpr,
                       ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BF16: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHAINED: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRODUCT: tl.constexpr,
+                      CHAINED: tl.constexpr):
     # Row tiles vary fastest, so the programs that read one W_UK tile run together; the last column
-    # program of each (row tile, head) rotates q_rope instead.
+    # program of each (row tile, head) rotates q_rope instead (every program when not PRODUCT).
     enter_chain(CHAINED)
     pid = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
@@ -87,7 +88,7 @@ def _mla_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, m_tiles, st
     r_ok = r < rows
     q_rows = q_ptr + r.to(tl.int64)[:, None] * stride_qr + head * stride_qh
     out_rows = out_ptr + r.to(tl.int64)[:, None] * stride_or + head * stride_oh
-    if pid_n < LATENT // BLOCK_N:
+    if PRODUCT and pid_n < LATENT // BLOCK_N:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         w_cols = w_ptr + head * stride_wh + cols[None, :]
@@ -120,12 +121,17 @@ def decode_tiles(rows: int, row_invariant: bool) -> bool:
     return row_invariant or rows < PREFILL_MIN_ROWS
 
 
-def mla_query_tiles(rows: int, dtype: torch.dtype, row_invariant: bool) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of :func:`mla_query`: 16-row tiles 32 columns wide where
-    :func:`decode_tiles` (each row's bits then never depend on the row count), else 64 x 64; K
-    blocks of 64 (bf16) or 32 (fp32)."""
-    block_m, block_n = (16, 32) if decode_tiles(rows, row_invariant) else (64, 64)
-    return block_m, block_n, 64 if dtype == torch.bfloat16 else 32
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of mla_query's decode and prefill tiles
+DECODE_TILE = (16, 32, 4, 3)
+PREFILL_TILE = (64, 128, 4, 3)
+
+
+def mla_query_tiles(rows: int, dtype: torch.dtype, row_invariant: bool) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` of :func:`mla_query`: ``DECODE_TILE``
+    where :func:`decode_tiles` (each row's bits then never depend on the row count), else
+    ``PREFILL_TILE``; K blocks of 64 (bf16) or 32 (fp32)."""
+    block_m, block_n, warps, stages = DECODE_TILE if decode_tiles(rows, row_invariant) else PREFILL_TILE
+    return block_m, block_n, 64 if dtype == torch.bfloat16 else 32, warps, stages
 
 
 def mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
@@ -153,16 +159,26 @@ def mla_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch
     if cos.stride() != sin.stride():
         raise ValueError(f"sin: expected the strides of cos {cos.stride()}, got {sin.stride()}")
     out = torch.empty(rows, heads, _WIDTH, dtype=q.dtype, device=q.device)
-    if rows and heads:
-        block_m, block_n, block_k = mla_query_tiles(rows, q.dtype, row_invariant)
-        m_tiles = triton.cdiv(rows, block_m)
-        chained = supports_pdl(q.device)
-        _mla_query_kernel[(m_tiles * (MLA_LATENT_DIM // block_n + 1), heads)](
-            q, w_uk, cos, sin, out, rows, m_tiles, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
-            cos.stride(0), out.stride(0), out.stride(1), NOPE=nope, LATENT=MLA_LATENT_DIM, ROPE=MLA_ROPE_DIM,
-            INTERLEAVED=interleaved, BF16=q.dtype == torch.bfloat16, UPCAST=not out.is_cuda, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, CHAINED=chained, launch_pdl=chained, enable_fp_fusion=False)
+    launch_mla_query(q, w_uk, cos, sin, interleaved, out, mla_query_tiles(rows, q.dtype, row_invariant), True)
     return out
+
+
+def launch_mla_query(q, w_uk, cos, sin, interleaved: bool, out, tiles: tuple[int, int, int, int, int],
+                     product: bool) -> None:
+    """:func:`mla_query`'s kernel on checked inputs with ``tiles`` (:func:`mla_query_tiles`' form) into
+    ``out``; without ``product`` only ``out[..., 512:]`` (the RoPE) is written."""
+    rows, heads = q.shape[:2]
+    if not rows or not heads:
+        return
+    block_m, block_n, block_k, warps, stages = tiles
+    m_tiles = triton.cdiv(rows, block_m)
+    chained = supports_pdl(q.device)
+    _mla_query_kernel[(m_tiles * (MLA_LATENT_DIM // block_n + 1 if product else 1), heads)](
+        q, w_uk, cos, sin, out, rows, m_tiles, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
+        cos.stride(0), out.stride(0), out.stride(1), NOPE=q.shape[2] - MLA_ROPE_DIM, LATENT=MLA_LATENT_DIM,
+        ROPE=MLA_ROPE_DIM, INTERLEAVED=interleaved, BF16=q.dtype == torch.bfloat16, UPCAST=not out.is_cuda,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRODUCT=product, CHAINED=chained, launch_pdl=chained,
+        enable_fp_fusion=False, num_warps=warps, num_stages=stages)
 
 
 def store_mla_normed(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float,
