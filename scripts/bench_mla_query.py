@@ -25,6 +25,7 @@ from dsaspec.bench.results import markdown_table, write_results
 from dsaspec.bench.timing import measured_floors_or_none, time_in_graph
 from dsaspec.cli_parsing import Parser, parse_or_exit, positive_int, positive_int_list
 from dsaspec.configs.model_config import PRESETS
+from dsaspec.forward_mode import PREFILL_MIN_ROWS
 from dsaspec.ops import mla_latent as op
 
 METHOD = ("CUDA-graph replays with a cold L2 (time_in_graph), median per-replay device span; every form on the same "
@@ -49,6 +50,12 @@ def tile_list(text: str) -> list[tuple[int, int, int, int]]:
         return [parse_tile(t) for t in text.split(",") if t]
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def launch_tiles(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int, int]:
+    """A ``--tiles`` tile as :func:`~dsaspec.ops.mla_latent.launch_mla_query` takes it, with the bf16 K block."""
+    block_k = op.mla_query_tiles(PREFILL_MIN_ROWS, torch.bfloat16, False)[2]
+    return tile[0], tile[1], block_k, tile[2], tile[3]
 
 
 def main() -> int:
@@ -79,18 +86,19 @@ def main() -> int:
         nbytes = (q.numel() + w_uk.numel() + rows * heads * (op.MLA_LATENT_DIM + op.MLA_ROPE_DIM)) * 2
         flops = 2 * rows * heads * nope * op.MLA_LATENT_DIM
         floor_us = max(floors.floor_us(nbytes), flops / (tflops * 1e6))
+        def new_out():
+            return torch.empty(rows, heads, op.MLA_LATENT_DIM + op.MLA_ROPE_DIM, dtype=q.dtype, device="cuda")
+
         forms = {}
         for tile in args.tiles:
-            out = torch.empty(rows, heads, op.MLA_LATENT_DIM + op.MLA_ROPE_DIM, dtype=q.dtype, device="cuda")
-            launch = (tile[0], tile[1], 64, tile[2], tile[3])
-            forms["x".join(map(str, tile))] = (out, lambda out=out, launch=launch: op.launch_mla_query(
-                q, w_uk, cos, sin, False, out, launch, True))
-        out = torch.empty(rows, heads, op.MLA_LATENT_DIM + op.MLA_ROPE_DIM, dtype=q.dtype, device="cuda")
-        rope_tile = (args.tiles[0][0], args.tiles[0][1], 64, args.tiles[0][2], args.tiles[0][3])
+            out = new_out()
+            forms["x".join(map(str, tile))] = (out, lambda out=out, tile=tile: op.launch_mla_query(
+                q, w_uk, cos, sin, False, out, launch_tiles(tile), True))
+        out = new_out()
 
         def cublas(out=out):
             torch.bmm(q[..., :nope].transpose(0, 1), w_uk, out=out[..., :op.MLA_LATENT_DIM].transpose(0, 1))
-            op.launch_mla_query(q, w_uk, cos, sin, False, out, rope_tile, False)
+            op.launch_mla_query(q, w_uk, cos, sin, False, out, launch_tiles(args.tiles[0]), False)
 
         forms["cublas"] = (out, cublas)
         reference = None
