@@ -1,6 +1,7 @@
-"""What a decode layer's kernel count costs by itself: the GLM-5 rank's decode layer (bs 1, 4, 32)
-replayed as a chain of pure-read kernels, one per kernel the runtime launches, each reading as many bytes as its
-namesake must, against the same bytes read by one kernel and the bytes floor.
+"""What a decode layer's kernel count costs by itself: a preset's decode layer (the GLM-5 FP8 rank's by
+default, or a dense bf16 preset's such as ``bench``; bs 1, 4, 32) replayed as a chain of pure-read
+kernels, one per kernel the runtime launches, each reading as many bytes as its namesake must,
+against the same bytes read by one kernel and the bytes floor.
 
 Every link is one launch of a streaming read (int32 loads XOR-folded, one int32 written per program;
 no math) over its own buffer, on the best of a few grids for its size (programs, elements a step,
@@ -67,49 +68,53 @@ def _read_kernel(x_ptr, out_ptr, n, per_program, BLOCK: tl.constexpr, PDL: tl.co
 
 
 def layer_links(config: ModelConfig, live: int, sms: int, tokens: int = 1) -> list[tuple[str, int]]:
-    """The decode layer's launches at ``tokens`` rows of ``live`` keys each (a MoE layer of an FP8 rank
-    preset, in launch order: the bs-1 layer's, plus the MoE's align and combine where it sorts its
-    pairs) and the bytes each must move: FP8 weights at one byte (their fp32 block scales left out),
-    bf16 W_UK / W_UV and caches, the router in fp32, the split GEMMs' fp32 partials (their K groups on
-    ``sms`` SMs, written and read), norms reading and writing the hidden rows and residuals; the
-    experts hit are the expected number under uniform routing, ``E (1 - (1 - k / E) ** T)``, plus
-    the shared ones (as bench decode's floors)."""
+    """The decode layer's launches at ``tokens`` rows of ``live`` keys each, in launch order, and the
+    bytes each must move. An FP8 MoE rank preset: FP8 weights at one byte (their fp32 block scales
+    left out), the split GEMMs' fp32 partials (their K groups on ``sms`` SMs, written and read inside
+    the GEMM's launch), the router in fp32, the MoE's align and combine where it sorts its pairs; the
+    experts hit are the expected number under uniform routing, ``E (1 - (1 - k / E) ** T)``, plus the
+    shared ones (as bench decode's floors). A dense bf16 preset: bf16 weights, cuBLAS's split-K
+    reduce of the fused input and ``o_proj`` GEMMs as launches of their own (reading two fp32
+    partials, the fewest a split has: cuBLAS picks the count), SiLU-and-mul between gate/up and down.
+    Both: bf16 W_UK (read by ``mla_query``) / W_UV and caches, norms reading and writing the hidden
+    rows and residuals, sparse MLA split with its combine."""
     h, heads, t = config.hidden_size, config.num_attention_heads, tokens
     latent, rope, nope, v = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
     index_dim, index_heads = config.index_head_dim, config.index_n_heads
-    experts, k, inter = config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size
-    hit = uniform_experts_hit(config, t) + config.n_shared_experts
-    slots = k + config.n_shared_experts
+    weight_bytes = 1 if config.quantization is not None else 2
     fused_input = config.q_lora_rank + index_dim + latent + rope
     fused_latent = heads * (nope + rope) + index_heads * index_dim
     norm = t * 4 * h * 2 + h * 2                       # x and residual in, both out, the weight
 
-    def partials(n: int, k_dim: int) -> int:
-        return 2 * t * triton.cdiv(k_dim // FP8_BLOCK, k_group(n, k_dim, sms)) * n * 4
+    def gemm(name: str, n: int, k_dim: int, cublas_split: bool = False) -> list[tuple[str, int]]:
+        weights = n * k_dim * weight_bytes
+        if config.quantization is not None:
+            return [(f"{name} GEMM", weights + 2 * t * triton.cdiv(k_dim // FP8_BLOCK, k_group(n, k_dim, sms)) * n * 4)]
+        reduce = [(f"{name} split reduce", 2 * t * n * 4 + t * n * 2)] if cublas_split else []
+        return [(f"{name} GEMM", weights)] + reduce
 
-    links = [
-        ("input_layernorm", norm),
-        ("fused_input GEMM", fused_input * h),
-        ("fused_input split reduce", partials(fused_input, h)),
-        ("q_a_layernorm", t * 2 * config.q_lora_rank * 2 + config.q_lora_rank * 2),
-        ("index_rope", t * 2 * index_dim * 2 + index_heads * h * 2),
-        ("fused_latent GEMM", fused_latent * config.q_lora_rank),
-        ("fused_latent split reduce", partials(fused_latent, config.q_lora_rank)),
-        ("mla_latent", t * 3 * (latent + rope) * 2),
-        ("W_UK bmm", heads * nope * latent * 2),
-        ("mla_query", t * 2 * heads * (latent + rope) * 2),
-        ("indexer_logits", t * (live * index_dim * 2 + index_heads * index_dim * 2)),
-        ("topk", t * live * 4),
-        ("sparse_mla", t * min(live, config.index_topk) * (latent + rope) * 2),
-        ("sparse_mla combine", t * 2 * heads * latent * 4),
-        ("W_UV bmm", heads * v * latent * 2),
-        ("o_proj act_quant", t * 2 * heads * v * 2),
-        ("o_proj GEMM", h * heads * v),
-        ("o_proj split reduce", partials(h, heads * v)),
-        ("post_attention_layernorm", norm),
-        ("router_logits", experts * h * 4),
-        ("router", t * experts * 4 * 2),
-    ]
+    links = [("input_layernorm", norm), *gemm("fused_input", fused_input, h, cublas_split=True),
+             ("q_a_layernorm", t * 2 * config.q_lora_rank * 2 + config.q_lora_rank * 2),
+             ("index_rope", t * 2 * index_dim * 2 + index_heads * h * 2),
+             *gemm("fused_latent", fused_latent, config.q_lora_rank),
+             ("mla_latent", t * 3 * (latent + rope) * 2),
+             ("mla_query", heads * nope * latent * 2 + t * heads * (nope + rope + latent + rope) * 2),
+             ("indexer_logits", t * (live * index_dim * 2 + index_heads * index_dim * 2)),
+             ("topk", t * live * 4),
+             ("sparse_mla", t * min(live, config.index_topk) * (latent + rope) * 2),
+             ("sparse_mla combine", t * 2 * heads * latent * 4),
+             ("W_UV bmm", heads * v * latent * 2)]
+    if config.quantization is not None:
+        links.append(("o_proj act_quant", t * 2 * heads * v * 2))
+    links += [*gemm("o_proj", h, heads * v, cublas_split=True), ("post_attention_layernorm", norm)]
+    if not config.is_moe:
+        inter = config.intermediate_size
+        return links + [*gemm("gate_up", 2 * inter, h), ("silu_and_mul", t * 3 * inter * 2),
+                        *gemm("down", h, inter)]
+    experts, k, inter = config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    hit = uniform_experts_hit(config, t) + config.n_shared_experts
+    slots = k + config.n_shared_experts
+    links += [("router_logits", experts * h * 4), ("router", t * experts * 4 * 2)]
     sort = sorts_pairs(t * slots)
     if sort:
         links.append(("moe align", t * slots * 4 * 4))
@@ -168,8 +173,10 @@ def _chain(links: list[tuple[str, int]], out: torch.Tensor, sms: int, floors, it
 def main() -> int:
     parser = Parser(prog="bench_read_chain", description="A decode layer as a chain of pure-read kernels.")
     parser.add_argument("out", help="folder for read_chain_<preset>.json / .md")
-    fp8_moe = sorted(name for name, c in PRESETS.items() if c.quantization is not None and c.is_moe)
-    parser.add_argument("--preset", default="glm5-fp8-tp8-rank", choices=fp8_moe)
+    chained = sorted(name for name, c in PRESETS.items()
+                     if (c.quantization is not None and c.is_moe) or (c.quantization is None and not c.is_moe))
+    parser.add_argument("--preset", default="glm5-fp8-tp8-rank", choices=chained,
+                        help="an FP8 MoE rank or a dense bf16 preset")
     parser.add_argument("--live", type=positive_int, default=1032,
                         help="live KV length of the row (bench decode's mean at 1k: 1032)")
     parser.add_argument("--tokens", type=positive_int_list, default=[1, 4, 32],

@@ -36,7 +36,8 @@ def test_links_at_one_token_read_the_routed_and_shared_experts():
     links = dict(chain.layer_links(GLM5_RANK, 1032, 132, tokens=1))
     expert = 3 * GLM5_RANK.moe_intermediate_size * GLM5_RANK.hidden_size     # gate, up, down at one byte
     assert links["gate_up"] + links["down"] == (GLM5_RANK.num_experts_per_tok + 1) * expert
-    assert links["o_proj GEMM"] == GLM5_RANK.hidden_size * GLM5_RANK.num_attention_heads * GLM5_RANK.v_head_dim
+    partials = links["o_proj GEMM"] - GLM5_RANK.hidden_size * GLM5_RANK.num_attention_heads * GLM5_RANK.v_head_dim
+    assert partials > 0 and partials % (2 * GLM5_RANK.hidden_size * 4) == 0   # fp32 K-group partials, in and out
     assert links["sparse_mla"] == 1032 * 576 * 2
 
 
@@ -45,3 +46,17 @@ def test_links_add_align_and_combine_where_the_moe_sorts_its_pairs():
     many = [name for name, _ in chain.layer_links(GLM5_RANK, 1032, 132, tokens=32)]
     assert "moe align" not in few and "moe combine" not in few
     assert many == few[:-2] + ["moe align", "gate_up", "down", "moe combine"]
+
+
+def test_dense_bf16_links_follow_the_bench_presets_launches():
+    bench = PRESETS["bench"]
+    links = chain.layer_links(bench, 1056, 132, tokens=1)
+    names = [name for name, _ in links]
+    assert names[-3:] == ["gate_up GEMM", "silu_and_mul", "down GEMM"]
+    assert "fused_input split reduce" in names and "o_proj split reduce" in names
+    assert "router" not in names and "o_proj act_quant" not in names
+    nbytes = dict(links)
+    assert nbytes["o_proj GEMM"] == bench.hidden_size * bench.num_attention_heads * bench.v_head_dim * 2
+    assert nbytes["gate_up GEMM"] == 2 * bench.intermediate_size * bench.hidden_size * 2
+    # the same weights and caches bench decode's floor counts: 501.39 MB a layer at 1,056 live (H100 log)
+    assert abs(sum(nbytes.values()) - 501.39e6) / 501.39e6 < 0.002

@@ -38,7 +38,7 @@ def test_parse_or_exit_is_one_line_and_status_2(capsys):
     (["scripts/bench_moe_tiles.py", "out", "--kernels", "down", "--splits", "2"], "--splits"),
     (["scripts/bench_read_chain.py", "out", "--tokens", "1,0"], "--tokens"),
     (["scripts/bench_read_chain.py", "out", "--live", "0"], "--live"),
-    (["scripts/bench_read_chain.py", "out", "--preset", "tiny"], "--preset"),
+    (["scripts/bench_read_chain.py", "out", "--preset", "glm5-moe"], "--preset"),   # bf16 MoE: neither form
     (["scripts/small_m_kernels.py", "--calls", "0"], "--calls"),
     (["scripts/bench_norms.py", "out", "--rows", "1,0"], "--rows"),
     (["scripts/bench_norms.py", "out", "--iters", "0"], "--iters"),
