@@ -67,7 +67,7 @@ def test_dense_positions_bit_for_bit(name, device):
 
 @pytest.mark.parametrize("rows", EDGE_ROWS)
 def test_edge_rows_and_batch_independence(rows, device):
-    """Every edge row count (32 rows a program), int32 and strided positions alike, and a row's
+    """Every edge row count (up to 32 rows a program), int32 and strided positions alike, and a row's
     bits alone those it has in the batch."""
     config = CONFIGS["deepseek_v32_yarn_factor"]
     inv_freq, factor = rope_inv_freq(config)

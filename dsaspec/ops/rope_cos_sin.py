@@ -10,7 +10,9 @@ with ``cos64`` / ``sin64`` the fp64 ``tl.cos`` / ``tl.sin``, which Triton lowers
 math library functions torch's fp64 ``cos`` / ``sin`` run there; under the Triton interpreter
 they are numpy's. The factor multiply is fp64 (``factor`` passed by its 64 bits: a Python float
 argument would reach the kernel as fp32) and exact when it is 1; both casts round to nearest
-even. A program owns 32 whole rows: a row's bits never depend on the other rows.
+even. A program owns up to 32 whole rows (fewer rows, fewer a program: at one row a program of one
+warp computes that row's values alone, not 32 rows' of which 31 are masked); a row's bits never
+depend on the other rows.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from dsaspec.ops.checks import check_tensor
 
-_ROWS = 32   # rows per program
+_ROWS = 32   # the most rows a program owns
 _POSITION_DTYPES = (torch.int32, torch.int64)
 
 
@@ -58,7 +60,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float)
     sin = torch.empty(rows, half, dtype=torch.float32, device=positions.device)
     if rows and half:
         factor_bits = struct.unpack("<q", struct.pack("<d", float(factor)))[0]
-        _rope_cos_sin_kernel[(triton.cdiv(rows, _ROWS),)](
+        per_program = min(_ROWS, triton.next_power_of_2(rows))
+        _rope_cos_sin_kernel[(triton.cdiv(rows, per_program),)](
             positions, inv_freq, cos, sin, rows, positions.stride(0), factor_bits, HALF=half,
-            BLOCK_D=triton.next_power_of_2(half), ROWS=_ROWS)
+            BLOCK_D=triton.next_power_of_2(half), ROWS=per_program, num_warps=min(4, per_program))
     return cos, sin
