@@ -99,7 +99,9 @@ def layer_links(config: ModelConfig, live: int, sms: int, tokens: int = 1) -> li
              *gemm("fused_latent", fused_latent, config.q_lora_rank),
              ("mla_latent", t * 3 * (latent + rope) * 2),
              ("mla_query", heads * nope * latent * 2 + t * heads * (nope + rope + latent + rope) * 2),
-             ("indexer_logits", t * (live * index_dim * 2 + index_heads * index_dim * 2)),
+             # rows no longer than top-k skip the logits (their slots are all selected): the lengths alone
+             ("indexer_logits", t * (live * index_dim * 2 + index_heads * index_dim * 2) if live > config.index_topk
+              else t * 4),
              ("topk", t * live * 4),
              ("sparse_mla", t * min(live, config.index_topk) * (latent + rope) * 2),
              ("sparse_mla combine", t * 2 * heads * latent * 4),

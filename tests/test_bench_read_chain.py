@@ -59,4 +59,8 @@ def test_dense_bf16_links_follow_the_bench_presets_launches():
     assert nbytes["o_proj GEMM"] == bench.hidden_size * bench.num_attention_heads * bench.v_head_dim * 2
     assert nbytes["gate_up GEMM"] == 2 * bench.intermediate_size * bench.hidden_size * 2
     # the same weights and caches bench decode's floor counts: 501.39 MB a layer at 1,056 live (H100 log)
-    assert abs(sum(nbytes.values()) - 501.39e6) / 501.39e6 < 0.002
+    assert abs(sum(nbytes.values()) - 501.39e6) / 501.39e6 < 0.001
+    assert nbytes["indexer_logits"] == 4                             # 1,056 keys <= top-k: no logits read
+    longer = dict(chain.layer_links(bench, 4096, 132, tokens=2))
+    keys, query = 4096 * bench.index_head_dim * 2, bench.index_n_heads * bench.index_head_dim * 2
+    assert longer["indexer_logits"] == 2 * (keys + query)
