@@ -26,9 +26,9 @@
 #   with DSASPEC_SPARSE_MLA_GLUON off (the Triton kernel)), slot-major-tune (bench dsa-ops --tune at 8 and 16
 #   heads: the slot-major tiles against the padded Gluon form at 16 / 64 decode and 256 verify rows of 64k),
 #   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8, gather-limit (bench dsa-ops' sparse MLA rows with the same slots' gather alone: 64 / 16 / 8 heads,
-#   both caches, 64k), fp8-mla-tests-edges-a, -edges-b, -tune, -rest (with fp8-gluon-production: the 533 GPU
-#   tests of tests/test_sparse_mla_fp8.py in parts of 105 / 150 / 78 / 168 / 32; 140 of them took a whole call
-#   with -n 4 on an H100), fp8-gluon-production (the FP8 Gluon sparse MLA tests of its named tiles, not the tune
+#   both caches, 64k), fp8-mla-tests-edges-a, -edges-b, -tune, -rest-a, -rest-b (with fp8-gluon-production: the
+#   533 GPU tests of tests/test_sparse_mla_fp8.py in parts of 105 / 150 / 78 / 108 / 60 / 32; on an H100 with
+#   -n 8 edges-b took 218 s, tune 35, gluon-production 260, and 71 of rest-a + rest-b 183), fp8-gluon-production (the FP8 Gluon sparse MLA tests of its named tiles, not the tune
 #   candidates, at production sizes and in graph replays: 32), serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
@@ -204,12 +204,14 @@ for step in "$@"; do
         fp8-gluon-production) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 8 --timeout 300 \
                           tests/test_sparse_mla_fp8.py -k "gluon and (production_sizes or cuda_graph_replay) and not tune" \
                           2>&1 | tee "$OUT/fp8_gluon_production_tests.log" ;;
-        fp8-mla-tests-edges-a|fp8-mla-tests-edges-b|fp8-mla-tests-tune|fp8-mla-tests-rest)
+        fp8-mla-tests-edges-a|fp8-mla-tests-edges-b|fp8-mla-tests-tune|fp8-mla-tests-rest-a|fp8-mla-tests-rest-b)
+                      rest="not edge_counts and not tune_candidates and not (gluon and (production_sizes or cuda_graph_replay) and not tune)"
                       case $step in
                           *-edges-a) select="edge_counts and n64" ;;
                           *-edges-b) select="edge_counts and not n64" ;;
                           *-tune) select="tune_candidates" ;;
-                          *) select="not edge_counts and not tune_candidates and not (gluon and (production_sizes or cuda_graph_replay) and not tune)" ;;
+                          *-rest-a) select="$rest and production_sizes" ;;
+                          *) select="$rest and not production_sizes" ;;
                       esac
                       python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short -n 8 --timeout 300 \
                           tests/test_sparse_mla_fp8.py -k "$select" 2>&1 | tee "$OUT/$step.log" ;;
