@@ -180,7 +180,8 @@ def main() -> int:
     parser.add_argument("--preset", default="glm5-fp8-tp8-rank", choices=chained,
                         help="an FP8 MoE rank or a dense bf16 preset")
     parser.add_argument("--live", type=positive_int, default=1032,
-                        help="live KV length of the row (bench decode's mean at 1k: 1032)")
+                        help="live KV length of the row (bench decode's mean at 1k: 1032 with --steps 16, "
+                             "1056 with its default 64)")
     parser.add_argument("--tokens", type=positive_int_list, default=[1, 4, 32],
                         help="decode rows (batch sizes), comma-separated: a chain each")
     parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
