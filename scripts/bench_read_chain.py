@@ -10,11 +10,14 @@ when the one before it ends, as the layer's kernels do. The gap between the chai
 is what launches, ramp-up and tails cost at these sizes before any math: the practical floor of
 kernels split as the layer's are, which do more than read.
 
-The chain is timed three ways: plain launches; every link a programmatic dependent launch (PDL,
+The chain is timed four ways: plain launches; every link a programmatic dependent launch (PDL,
 sm_90) that waits for the link before it before reading (what launching early can hide when every
 read depends on the kernel before: the launch and the programs' start); and every link a PDL that
 reads its buffer before that wait and waits only before its store (the most early launches can
-give: a kernel whose bytes are all weights, none of them written by the kernel before).
+give: a kernel whose bytes are all weights, none of them written by the kernel before). A fourth
+chain has every link prefetch its buffer's lines into L2 (``prefetch.global.L2``) before the wait
+and read them after it: what a kernel could keep of that gain without holding its weights in
+registers across the wait.
 
     python3 scripts/bench_read_chain.py OUT [--preset glm5-fp8-tp8-rank] [--live 1032] [--tokens 1,4,32]
                                             [--iters 100]
@@ -39,8 +42,9 @@ from dsaspec.ops.fp8_gemm import BLOCK as FP8_BLOCK, k_group
 from dsaspec.ops.fused_moe import sorts_pairs
 
 METHOD = ("CUDA-graph replays after an L2 flush (time_in_graph, cold L2), CUPTI span from the first link's start to "
-          "the last link's end, median; chains of plain launches, of PDL links waiting before their reads and of "
-          "PDL links waiting only before their store; a link = one launch of a Triton streaming read (int32 loads "
+          "the last link's end, median; chains of plain launches, of PDL links waiting before their reads, of "
+          "PDL links waiting only before their store and of PDL links prefetching their lines into L2 before "
+          "waiting, then reading; a link = one launch of a Triton streaming read (int32 loads "
           "XOR-folded, one int32 written per program) over its own buffer of the link's bytes, on the grid (programs x elements a "
           "step x warps) fastest for that size alone; floor = bytes / the measured copy bandwidth")
 PROGRAMS_PER_SM = (1, 2, 4)
@@ -48,16 +52,32 @@ STEP_ELEMENTS = (1024, 4096)
 WARPS = (4, 8)
 
 
+LINE_INTS = tl.constexpr(32)   # int32 elements of a 128-byte cache line
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    # prefetch.global.L2 of every address in ptrs (a hint: no value, no fault on a valid address); the
+    # dummy result only carries the side effect, which is_pure=False keeps from being optimized away
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 @triton.jit
 def _read_kernel(x_ptr, out_ptr, n, per_program, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # XOR of program pid's int32 elements [pid * per_program, (pid + 1) * per_program) written to out[pid].
-    # PDL 1: wait for the grid before, then let the next grid launch; PDL 2: let it launch, read, wait, store.
+    # PDL 1: wait for the grid before, then let the next grid launch; PDL 2: let it launch, read, wait, store;
+    # PDL 3: let it launch, prefetch the program's lines into L2, wait, read (from L2), store.
     if PDL == 1:
         gdc_wait()
     if PDL != 0:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     start = pid * per_program
+    if PDL == 3:
+        for off in range(start, tl.minimum(start + per_program, n), BLOCK):
+            _prefetch_l2(x_ptr + tl.minimum(off + tl.arange(0, BLOCK // LINE_INTS) * LINE_INTS, n - 1))
+        gdc_wait()
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for off in range(start, tl.minimum(start + per_program, n), BLOCK):
         idx = off + tl.arange(0, BLOCK)
@@ -126,7 +146,7 @@ def layer_links(config: ModelConfig, live: int, sms: int, tokens: int = 1) -> li
     return links
 
 
-PDL_MODES = {"chain": 0, "chain_pdl_wait_first": 1, "chain_pdl_read_first": 2}
+PDL_MODES = {"chain": 0, "chain_pdl_wait_first": 1, "chain_pdl_read_first": 2, "chain_pdl_prefetch_first": 3}
 
 
 def _read(buf: torch.Tensor, out: torch.Tensor, grid: tuple[int, int, int], pdl: int = 0):
@@ -204,6 +224,7 @@ def main() -> int:
                            ("chain_pdl_wait_first_us", "PDL, wait first µs"),
                            ("chain_pdl_read_first_us", "PDL, read first µs"),
                            ("chain_pdl_read_first_over_floor", "PDL, read first / floor"),
+                           ("chain_pdl_prefetch_first_us", "PDL, L2 prefetch first µs"),
                            ("alone_sum_us", "sum alone µs")], summaries)
     write_results(f"read_chain_{args.preset}", dict(
         method=METHOD, params=dict(preset=args.preset, live=args.live, tokens=args.tokens, iters=args.iters),

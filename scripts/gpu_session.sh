@@ -25,7 +25,9 @@
 #   prefill on FP8 caches with DSASPEC_SPARSE_MLA_SLOT_MAJOR off (the padded Gluon form), on (the default) and
 #   with DSASPEC_SPARSE_MLA_GLUON off (the Triton kernel)), slot-major-tune (bench dsa-ops --tune at 8 and 16
 #   heads: the slot-major tiles against the padded Gluon form at 16 / 64 decode and 256 verify rows of 64k),
-#   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8, gather-limit (bench dsa-ops' sparse MLA rows with the same slots' gather alone: 64 / 16 / 8 heads,
+#   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8,
+#   read-chain (the GLM-5 rank's decode layer as pure-read kernels), read-chain-bench (the bench preset's, 1,056 live
+#   as its bench decode: 21 s on an H100), gather-limit (bench dsa-ops' sparse MLA rows with the same slots' gather alone: 64 / 16 / 8 heads,
 #   both caches, 64k), fp8-mla-tests-edges-a, -edges-b, -tune, -rest-a, -rest-b (with fp8-gluon-production: the
 #   533 GPU tests of tests/test_sparse_mla_fp8.py in parts of 105 / 150 / 78 / 108 / 60 / 32; on an H100 with
 #   -n 8 edges-b took 218 s, tune 35, gluon-production 260, and 71 of rest-a + rest-b 183), fp8-gluon-production (the FP8 Gluon sparse MLA tests of its named tiles, not the tune
@@ -199,6 +201,8 @@ for step in "$@"; do
         decode-fp8)   python3 -m dsaspec bench decode --live 65536 --bs 1,4,16,32,48,64 --contexts 1048576 --runs 2 \
                           --kv-cache-dtype bf16,fp8_e4m3 --out "$OUT/decode_fp8" ;;
         read-chain)   python3 scripts/bench_read_chain.py "$OUT/read_chain" --iters 50 ;;
+        read-chain-bench) python3 scripts/bench_read_chain.py "$OUT/read_chain" --preset bench --live 1056 \
+                          --tokens 1,4,16,32 --iters 50 ;;
         gather-limit) python3 -m dsaspec bench dsa-ops --ops sparse_mla --modes decode,target_verify --bs 1,16,64 \
                           --live-kv 65536 --heads 64,16,8 --kv-cache-dtype fp8_e4m3 --out "$OUT/gather_limit" ;;
         fp8-gluon-production) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 8 --timeout 300 \

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,3 +66,36 @@ def test_dense_bf16_links_follow_the_bench_presets_launches():
     longer = dict(chain.layer_links(bench, 4096, 132, tokens=2))
     keys, query = 4096 * bench.index_head_dim * 2, bench.index_n_heads * bench.index_head_dim * 2
     assert longer["indexer_logits"] == 2 * (keys + query)
+
+
+# Compiles (instead of launching) the read kernel for sm_90 in the read-first (2) and L2-prefetch-first (3) PDL
+# modes; prints per mode the PTX offsets of the first prefetch.global.L2 and the first griddepcontrol.wait (-1: none).
+COMPILE_SM90 = """
+import sys
+sys.path.insert(0, "scripts")
+from dsaspec.testing.offline_compile import compile_instead_of_launch, compile_only_environment
+compile_only_environment()
+import torch
+import bench_read_chain as chain
+x, out = torch.zeros(1 << 16, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+for pdl in (2, 3):
+    record = {}
+    with compile_instead_of_launch(chain._read_kernel, record, keep_compiled=True):
+        chain._read(x, out, (16, 1024, 4), pdl)()
+    ptx = record["compiled"].asm["ptx"]
+    print(pdl, ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait"))
+"""
+
+
+def test_prefetch_mode_compiles_l2_prefetches_before_the_wait():
+    """Without a GPU: the L2-prefetch-first link compiles for sm_90 with its prefetches kept (not
+    optimized away as a dead value) and ahead of its wait; the read-first link has none."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = {int(mode): (int(prefetch), int(wait)) for mode, prefetch, wait in
+             (line.split() for line in proc.stdout.splitlines() if line.strip())}
+    assert found[2][0] == -1 and found[2][1] > 0
+    assert 0 < found[3][0] < found[3][1]
