@@ -217,7 +217,7 @@ for step in "$@"; do
                           *-rest-a) select="$rest and production_sizes" ;;
                           *) select="$rest and not production_sizes" ;;
                       esac
-                      python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short -n 8 --timeout 300 \
+                      python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 8 --timeout 300 \
                           tests/test_sparse_mla_fp8.py -k "$select" 2>&1 | tee "$OUT/$step.log" ;;
         small-m-ncu)  ncu --clock-control none --target-processes all \
                           -k regex:'_gate_up_kernel|_down_kernel|_fp8_gemm_kernel' --launch-skip 5 --launch-count 5 \
