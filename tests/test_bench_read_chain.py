@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_read_chain as chain  # noqa: E402
+from compile_scripts import integer_rows, run_in_scripts  # noqa: E402
 
 from dsaspec.configs.model_config import PRESETS  # noqa: E402
 
@@ -71,16 +70,12 @@ def test_dense_bf16_links_follow_the_bench_presets_launches():
 # Compiles (instead of launching) the read kernel for sm_90 in the read-first (2) and L2-prefetch-first (3) PDL
 # modes; prints per mode the PTX offsets of the first prefetch.global.L2 and the first griddepcontrol.wait (-1: none).
 COMPILE_SM90 = """
-import sys
-sys.path.insert(0, "scripts")
-from dsaspec.testing.offline_compile import compile_instead_of_launch, compile_only_environment
-compile_only_environment()
 import torch
 import bench_read_chain as chain
 x, out = torch.zeros(1 << 16, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
 for pdl in (2, 3):
     record = {}
-    with compile_instead_of_launch(chain._read_kernel, record, keep_compiled=True):
+    with c.compile_instead_of_launch(chain._read_kernel, record, keep_compiled=True):
         chain._read(x, out, (16, 1024, 4), pdl)()
     ptx = record["compiled"].asm["ptx"]
     print(pdl, ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait"))
@@ -89,13 +84,9 @@ for pdl in (2, 3):
 
 def test_prefetch_mode_compiles_l2_prefetches_before_the_wait():
     """Without a GPU: the L2-prefetch-first link compiles for sm_90 with its prefetches kept (not
-    optimized away as a dead value) and ahead of its wait; the read-first link has none."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=root)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    found = {int(mode): (int(prefetch), int(wait)) for mode, prefetch, wait in
-             (line.split() for line in proc.stdout.splitlines() if line.strip())}
+    optimized away as a dead value) and ahead of its wait; the read-first link has none (in a
+    subprocess that compiles instead of interpreting, scripts/compile_fp8_dsa.py's choice)."""
+    found = {mode: (prefetch, wait) for mode, prefetch, wait in
+             integer_rows(run_in_scripts("compile_fp8_dsa", COMPILE_SM90))}
     assert found[2][0] == -1 and found[2][1] > 0
     assert 0 < found[3][0] < found[3][1]
