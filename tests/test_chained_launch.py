@@ -2,7 +2,9 @@
 programmatic dependent on sm_90 waits for the kernel before it before its first global memory
 access, then lets the next one launch. Checked in the PTX of an offline sm_90 compile (no GPU), so a
 load or store placed before the wait fails here, not as a race on a GPU. The fused MoE's gate/up waits
-without the early release (``wait_in_chain``): its dependents launch as its programs exit."""
+without the early release (``wait_in_chain``): its dependents launch as its programs exit. The MoE
+router's GEMM loads its first weight blocks (memory no kernel writes) before the wait: exactly those
+loads, no other access, come before it."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ CASES = [
     ("compile_fused_moe", "c.compile_fp8_linear('gemm', True)"),
     ("compile_fused_moe", "c.compile_fp8_linear('act_quant', False)"),
     ("compile_decode_epilogues", "c.compile_router_logits(c.moe_router.RouterGemmConfig(), 1)"),
+    ("compile_decode_epilogues", "c.compile_router_logits(c.moe_router.decode_tile(1), 1)"),
     ("compile_decode_epilogues", "c.compile_router(256, 1, 1, 8, 1)"),
     ("compile_decode_epilogues", "c.compile_silu_and_mul(True)"),
     ("compile_fused_moe", "c.compile_moe('gate_up', True, 4, False)"),
@@ -31,18 +34,30 @@ CASES = [
     ("compile_fused_moe", "c.compile_align(257)"),
 ]
 RELEASED_AT_EXIT = {"c.compile_moe('gate_up', True, 4, False)"}
+# the calls whose kernel loads weight tiles before its wait: the 16-byte loads of a 128-thread program
+# (4 warps) before it, of the router's 2 blocks of bf16 weights: 2 experts x 1024 in the default tile,
+# 1 expert x 2048 in the decode tile of 1 - 2 tokens
+WEIGHTS_FIRST = {"c.compile_router_logits(c.moe_router.RouterGemmConfig(), 1)": 2 * 2 * 1024 * 2 // (16 * 128),
+                 "c.compile_router_logits(c.moe_router.decode_tile(1), 1)": 2 * 1 * 2048 * 2 // (16 * 128)}
 
 
 @pytest.mark.parametrize("script", sorted({script for script, _ in CASES}))
 def test_chained_kernels_wait_before_touching_memory(script):
     calls = [call for s, call in CASES if s == script]
-    out = run_in_scripts(script, "from dsaspec.testing.offline_compile import chain_entry\n"
+    out = run_in_scripts(script, "from dsaspec.testing.offline_compile import accesses_before_wait, chain_entry\n"
                                  f"for call in {calls!r}:\n"
-                                 "    print(*chain_entry(eval(call)['ptx']))")
+                                 "    ptx = eval(call)['ptx']\n"
+                                 "    early = accesses_before_wait(ptx)\n"
+                                 "    vector_loads = sum('ld.global.v4.b32' in a for a in early)\n"
+                                 "    print(*chain_entry(ptx), len(early), vector_loads)")
     rows = integer_rows(out)
     assert len(rows) == len(calls), out
-    for call, (wait, access, releases) in zip(calls, rows):
-        assert 0 <= wait < access, f"{call}: griddepcontrol.wait at PTX line {wait}, first global access at {access}"
+    for call, (wait, access, releases, early, early_loads) in zip(calls, rows):
+        if call in WEIGHTS_FIRST:
+            assert wait > 0 and early == early_loads == WEIGHTS_FIRST[call], f"{call}: {early} accesses before the wait"
+        else:
+            assert 0 <= wait < access, \
+                f"{call}: griddepcontrol.wait at PTX line {wait}, first global access at {access}"
         if call in RELEASED_AT_EXIT:
             assert releases == 0, f"{call}: {releases} griddepcontrol.launch_dependents, expected none"
         else:

@@ -216,11 +216,36 @@ def decode_tile(tokens: int) -> RouterGemmConfig:
     raise ValueError(f"tokens: expected at most {DECODE_MAX_TOKENS} for a decode tile, got {tokens}")
 
 
+EARLY_BLOCKS = tl.constexpr(2)   # the weight blocks _router_logits_kernel loads before its wait (w0, w1)
+
+
+@triton.jit
+def _router_weights(w_ptrs, k0, K, expert_live, BLOCK_K: tl.constexpr):
+    # the weight block w[e, k0 + k] as stored, zero past K and for experts past E
+    ks = tl.arange(0, BLOCK_K)
+    return tl.load(w_ptrs + k0, mask=expert_live[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _router_inputs(x_ptrs, k0, K, row_live, BLOCK_K: tl.constexpr):
+    # the input block x[t, k0 + k] in fp32, zero past K and for rows past the live tokens
+    ks = tl.arange(0, BLOCK_K)
+    return tl.load(x_ptrs + k0, mask=row_live[:, None] & ((k0 + ks) < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _router_block(acc, x, w):
+    # acc plus one K block's reduction of x[t, k] * w[e, k]; a block past K (x and w zero) adds +0 to a
+    # sum that is never -0 (it starts at +0): acc unchanged
+    return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
 @triton.jit(do_not_specialize=["tokens"])
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_w, stride_out,
                           ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr, CHAINED: tl.constexpr):
-    # out[t, e] = sum over K blocks in order of (one reduction of the block's x[t, k] * w[e, k]), fp32
-    enter_chain(CHAINED)
+    # out[t, e] = sum over K blocks in order of (one reduction of the block's x[t, k] * w[e, k]), fp32;
+    # the first EARLY_BLOCKS weight blocks are loaded before the chain's wait (the kernel before never
+    # writes the router's weight), so their latency overlaps that kernel's end
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     experts = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
     ks = tl.arange(0, BLOCK_K)
@@ -228,12 +253,15 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tokens, E, K, stride_x, stride_
     expert_live = experts < E
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :]
     w_ptrs = w_ptr + experts[:, None].to(tl.int64) * stride_w + ks[None, :]
+    w0 = _router_weights(w_ptrs, 0, K, expert_live, BLOCK_K)
+    w1 = _router_weights(w_ptrs, BLOCK_K, K, expert_live, BLOCK_K)
+    enter_chain(CHAINED)
     acc = tl.zeros((ROWS, EXPERTS), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_live = (k0 + ks) < K
-        x = tl.load(x_ptrs + k0, mask=row_live[:, None] & k_live[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k0, mask=expert_live[:, None] & k_live[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    acc = _router_block(acc, _router_inputs(x_ptrs, 0, K, row_live, BLOCK_K), w0)
+    acc = _router_block(acc, _router_inputs(x_ptrs, BLOCK_K, K, row_live, BLOCK_K), w1)
+    for k0 in range(EARLY_BLOCKS * BLOCK_K, K, BLOCK_K):
+        x = _router_inputs(x_ptrs, k0, K, row_live, BLOCK_K)
+        acc = _router_block(acc, x, _router_weights(w_ptrs, k0, K, expert_live, BLOCK_K))
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + experts[None, :]
     tl.store(out_ptrs, acc, mask=row_live[:, None] & expert_live[None, :])
 

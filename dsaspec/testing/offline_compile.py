@@ -106,3 +106,12 @@ def chain_entry(ptx: str) -> tuple[int, int, int]:
     wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), -1)
     access = next((i for i, line in enumerate(lines) if _GLOBAL_ACCESS.match(line)), -1)
     return wait, access, sum("griddepcontrol.launch_dependents" in line for line in lines)
+
+
+def accesses_before_wait(ptx: str) -> list[str]:
+    """The global memory accesses (as :func:`chain_entry` counts them) before a chained kernel's first
+    ``griddepcontrol.wait``, stripped: loads a kernel may issue there only from memory no kernel before
+    it writes (its weights)."""
+    lines = ptx.splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), len(lines))
+    return [line.strip() for line in lines[:wait] if _GLOBAL_ACCESS.match(line)]
