@@ -103,15 +103,19 @@ def chain_entry(ptx: str) -> tuple[int, int, int]:
     of its first ``griddepcontrol.wait``, the line of its first global memory access (-1 where
     either is absent) and how many ``griddepcontrol.launch_dependents`` it has."""
     lines = ptx.splitlines()
-    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), -1)
     access = next((i for i, line in enumerate(lines) if _GLOBAL_ACCESS.match(line)), -1)
-    return wait, access, sum("griddepcontrol.launch_dependents" in line for line in lines)
+    return _first_wait(lines), access, sum("griddepcontrol.launch_dependents" in line for line in lines)
 
 
 def accesses_before_wait(ptx: str) -> list[str]:
     """The global memory accesses (as :func:`chain_entry` counts them) before a chained kernel's first
-    ``griddepcontrol.wait``, stripped: loads a kernel may issue there only from memory no kernel before
-    it writes (its weights)."""
+    ``griddepcontrol.wait`` (all of them where it has none), stripped: loads a kernel may issue there
+    only from memory no kernel before it writes (its weights)."""
     lines = ptx.splitlines()
-    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), len(lines))
-    return [line.strip() for line in lines[:wait] if _GLOBAL_ACCESS.match(line)]
+    wait = _first_wait(lines)
+    return [line.strip() for line in (lines[:wait] if wait >= 0 else lines) if _GLOBAL_ACCESS.match(line)]
+
+
+def _first_wait(lines: list[str]) -> int:
+    # the index of the first griddepcontrol.wait line, -1 where there is none
+    return next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), -1)
