@@ -3,8 +3,9 @@ programmatic dependent on sm_90 waits for the kernel before it before its first 
 access, then lets the next one launch. Checked in the PTX of an offline sm_90 compile (no GPU), so a
 load or store placed before the wait fails here, not as a race on a GPU. The fused MoE's gate/up waits
 without the early release (``wait_in_chain``): its dependents launch as its programs exit. The MoE
-router's GEMM loads its first weight blocks (memory no kernel writes) before the wait: exactly those
-loads, no other access, come before it."""
+router's GEMM loads its first weight blocks and the FP8 GEMM, where M spans several 16-row programs,
+its last weight tile (memory no kernel writes) before the wait: exactly those loads, no other access,
+come before it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ CASES = [
     ("compile_fp8_dsa", "c.compile_sparse_mla(True)"),
     ("compile_fp8_dsa", "c.compile_index_rope('qk_fp8')"),
     ("compile_fused_moe", "c.compile_fp8_linear('gemm', True)"),
+    ("compile_fused_moe", "c.compile_fp8_linear('gemm', False)"),
     ("compile_fused_moe", "c.compile_fp8_linear('act_quant', False)"),
     ("compile_decode_epilogues", "c.compile_router_logits(c.moe_router.RouterGemmConfig(), 1)"),
     ("compile_decode_epilogues", "c.compile_router_logits(c.moe_router.decode_tile(1), 1)"),
@@ -35,9 +37,11 @@ CASES = [
 ]
 RELEASED_AT_EXIT = {"c.compile_moe('gate_up', True, 4, False)"}
 # the calls whose kernel loads weight tiles before its wait: the 16-byte loads of a 128-thread program
-# (4 warps) before it, of the router's 2 blocks of bf16 weights: 2 experts x 1024 in the default tile,
-# 1 expert x 2048 in the decode tile of 1 - 2 tokens
-WEIGHTS_FIRST = {"c.compile_router_logits(c.moe_router.RouterGemmConfig(), 1)": 2 * 2 * 1024 * 2 // (16 * 128),
+# (4 warps) before it, of the FP8 GEMM's tile of 128 x 64 e4m3 codes (M 64; M 1 loads none) and the
+# router's 2 blocks of bf16 weights: 2 experts x 1024 in the default tile, 1 expert x 2048 in the
+# decode tile of 1 - 2 tokens
+WEIGHTS_FIRST = {"c.compile_fp8_linear('gemm', False)": 128 * 64 // (16 * 128),
+                 "c.compile_router_logits(c.moe_router.RouterGemmConfig(), 1)": 2 * 2 * 1024 * 2 // (16 * 128),
                  "c.compile_router_logits(c.moe_router.decode_tile(1), 1)": 2 * 1 * 2048 * 2 // (16 * 128)}
 
 

@@ -217,14 +217,15 @@ def test_split_is_the_unsplit_form_bitwise(n, k, sms, m, monkeypatch, device):
 
 class _RecordedTiles:
     """Stands in for ``op._fp8_gemm_kernel``: launches the real kernel, keeping each launch's
-    ``BLOCK_M``."""
+    ``BLOCK_M`` and ``EARLY``."""
 
     def __init__(self, kernel):
-        self.kernel, self.block_m = kernel, []
+        self.kernel, self.block_m, self.early = kernel, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.block_m.append(kwargs["BLOCK_M"])
+            self.early.append(kwargs["EARLY"])
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -233,7 +234,8 @@ class _RecordedTiles:
 def test_fast_accum_takes_tall_tiles_from_their_threshold(m, monkeypatch, device):
     """``fast_accum`` takes 64-row tiles from TALL_TILE_MIN_M rows (both forms, the same bits,
     within their bound: _check_gemm); without it 16 at every M, so those rows equal the single-row
-    results bitwise."""
+    results bitwise. 16-row programs load their last weight tile before the chain's wait (EARLY)
+    where M spans more than one of them; the single-row results, without it, check its order."""
     recorded = _RecordedTiles(op._fp8_gemm_kernel)
     monkeypatch.setattr(op, "_fp8_gemm_kernel", recorded)
     n, k = 130, 384
@@ -247,6 +249,7 @@ def test_fast_accum_takes_tall_tiles_from_their_threshold(m, monkeypatch, device
     _check_gemm(forms[0], a, a_s, w, w_s, fast_accum=tall == 64)
     exact = op.fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float32)
     assert recorded.block_m[-1] == 16 and op.tile_rows(m, False) == 16
+    assert recorded.early == [int(tall == 16 and m > 16)] * 2 + [int(m > 16)]
     for row in {0, m - 1}:
         assert _bits_equal(op.fp8_gemm(a[row:row + 1], a_s[row:row + 1], w, w_s, out_dtype=torch.float32),
                            exact[row:row + 1]), f"row {row} differs"

@@ -151,16 +151,39 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None, *, out: torch.Tenso
     return out, scale_out
 
 
+@triton.jit
+def _k_block(acc, acc_g, left, group, a, w, a_s, w_s):
+    # one K block's terms into its group's sum acc_g; a group's last block adds acc_g into acc
+    acc_g += tl.dot(a, w) * (a_s[:, None] * w_s)
+    left -= 1
+    if left == 0:
+        acc += acc_g
+        acc_g = tl.zeros(acc_g.shape, dtype=tl.float32)
+        left = group
+    return acc, acc_g, left
+
+
+@triton.jit
+def _late_block(acc, acc_g, left, group, a, w, as_ptrs, ws_ptrs, kb, kb_end, row_live):
+    # _k_block of K block kb (none at or past kb_end), its activations a and weight tile w loaded earlier
+    if kb < kb_end:
+        a_s = tl.load(as_ptrs + kb, mask=row_live, other=0.0)
+        acc, acc_g, left = _k_block(acc, acc_g, left, group, a, w, a_s, tl.load(ws_ptrs + kb))
+    return acc, acc_g, left
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, counters_ptr, M, N, K, group,
                      stride_am, stride_asm, stride_wn, stride_wsn, stride_cm, stride_pg, stride_pm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT: tl.constexpr, CHAINED: tl.constexpr):
+                     SPLIT: tl.constexpr, EARLY: tl.constexpr, CHAINED: tl.constexpr):
     # acc = ((0 + acc_0) + acc_1) + ..., acc_g = (0 + its K blocks' terms in order); group g is K
     # blocks [g * group, (g + 1) * group). SPLIT: program (i, j, g) runs group g alone and stores fp32
     # acc = 0 + acc_g at p_ptr + g * stride_pg; the tile's last program to arrive (its counter) adds
     # the groups' partials from 0 in g order, the same sums.
-    enter_chain(CHAINED)
+    # EARLY (0 or 1): the weight tile of the program's last K block is loaded before the chain's wait
+    # (the kernel before never writes weights) and held in registers; the loop runs the blocks before
+    # it, then its term is added, in order
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = tl.program_id(1) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -172,26 +195,29 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, p_ptr, counters_ptr, M
     if SPLIT:
         kb_first = tl.program_id(2) * group
         kb_end = tl.minimum(kb_first + group, kb_end)
+    kb_late = tl.maximum(kb_end - EARLY, kb_first)        # the late block (kb_end where none)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + (kb_first * BLOCK_K + ks)[None, :]
     w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (kb_first * BLOCK_K + ks)[:, None]  # [BLOCK_K, BLOCK_N]
     as_ptrs = as_ptr + rows.to(tl.int64) * stride_asm
     ws_ptrs = ws_ptr + (n0 // BLOCK_K) * stride_wsn       # BLOCK_N divides 128: one scale row per tile
+    late = (kb_late - kb_first) * BLOCK_K                 # the late block's offset from a_ptrs / w_ptrs
+    if EARLY > 0:
+        w0 = tl.load(w_ptrs + late, mask=col_live[None, :] & (kb_late < kb_end), other=0.0)
+    enter_chain(CHAINED)
+    if EARLY > 0:
+        a0 = tl.load(a_ptrs + late, mask=row_live[:, None] & (kb_late < kb_end), other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     left = group                                          # K blocks left in the current group
-    for kb in range(kb_first, kb_end):
+    for kb in range(kb_first, kb_late):
         a = tl.load(a_ptrs, mask=row_live[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=col_live[None, :], other=0.0)
         a_s = tl.load(as_ptrs + kb, mask=row_live, other=0.0)
-        w_s = tl.load(ws_ptrs + kb)
-        acc_g += tl.dot(a, w) * (a_s[:, None] * w_s)
-        left -= 1
-        if left == 0:
-            acc += acc_g
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            left = group
+        acc, acc_g, left = _k_block(acc, acc_g, left, group, a, w, a_s, tl.load(ws_ptrs + kb))
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if EARLY > 0:
+        acc, acc_g, left = _late_block(acc, acc_g, left, group, a0, w0, as_ptrs, ws_ptrs, kb_late, kb_end, row_live)
     acc += acc_g       # a partial last group; else acc_g is +0 and acc (never -0: it starts at +0) stays
     live = row_live[:, None] & col_live[None, :]
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
@@ -278,10 +304,14 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torc
         counters = tile_counters(a.device, grid[0] * grid[1])
     else:
         partials = counters = out                         # unread
+    # 16-row programs take their last weight tile before the chain's wait where M spans several of them:
+    # on the 24-layer GLM-5 rank (H100) TPOT at bs 32 went 6.46 -> 6.41 ms, the wait filling the gap after
+    # the kernel before; at 1 - 16 rows the same tile cost 0.4 - 1% (docs/runtime.md, "Chained launches")
     _fp8_gemm_kernel[grid](a, a_scale, w, w_scale, out, partials, counters, m, n, k, group,
                            a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
                            partials.stride(0) if split else 0, partials.stride(1) if split else 0,
                            BLOCK_M=block_m, BLOCK_N=_GEMM_BLOCK_N, BLOCK_K=BLOCK, SPLIT=split,
+                           EARLY=int(block_m == _GEMM_BLOCK_M and m > block_m),
                            CHAINED=chained, launch_pdl=chained, num_warps=4,
                            num_stages=_GEMM_STAGES if block_m == _GEMM_BLOCK_M else _TALL_GEMM_STAGES)
     return out
