@@ -28,10 +28,12 @@
 #   slot-major-decode (bench decode of the GLM-5 rank, 8 heads, with DSASPEC_SPARSE_MLA_SLOT_MAJOR off and on), decode-fp8,
 #   read-chain (the GLM-5 rank's decode layer as pure-read kernels), read-chain-bench (the bench preset's, 1,056 live
 #   as its bench decode: 21 s on an H100), gather-limit (bench dsa-ops' sparse MLA rows with the same slots' gather alone: 64 / 16 / 8 heads,
-#   both caches, 64k), fp8-mla-tests-edges-a, -edges-b, -tune, -rest-a, -rest-a96, -rest-a96-split, -rest-b (with
+#   both caches, 64k), fp8-mla-tests-edges-a, -edges-b, -tune, -rest-a, -rest-a96, -rest-a96-split, -rest-a96-split-n32,
+#   -rest-a96-split-n64, -rest-b (with
 #   fp8-gluon-production: the 533 GPU tests of tests/test_sparse_mla_fp8.py in parts of 105 / 150 / 78 / 72 / 18 /
-#   18 / 60 / 32; on an H100 with -n 8 edges-b took 218 s, tune 35, gluon-production 260, rest-b 446 + 56 s over
-#   two calls, 96 of the 108 production-size tests (-rest-a and the two -rest-a96 parts since) 748 s over two), fp8-gluon-production (the FP8 Gluon sparse MLA tests of its named tiles, not the tune
+#   5 / 6 / 7 / 60 / 32; on an H100 with -n 8 edges-b took 218 s, tune 35, gluon-production 260, rest-b 446 + 56 s over
+#   two calls, 96 of the 108 production-size tests (-rest-a and the -rest-a96 parts since) 748 s over two, -rest-a96 325 s,
+#   8 of the 96-row split tests 250 s), fp8-gluon-production (the FP8 Gluon sparse MLA tests of its named tiles, not the tune
 #   candidates, at production sizes and in graph replays: 32), serving (scripts/gpu_serving.sh: carry .whl); pack (last: everything under $OUT into $OUT/out.tgz, since a device
 #   call returns at most 8 files). A call's device time is its wall time plus about 60-120 s to start and
 #   copy: budget gpu_call.sh's steps for that.
@@ -209,7 +211,8 @@ for step in "$@"; do
         fp8-gluon-production) python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 8 --timeout 300 \
                           tests/test_sparse_mla_fp8.py -k "gluon and (production_sizes or cuda_graph_replay) and not tune" \
                           2>&1 | tee "$OUT/fp8_gluon_production_tests.log" ;;
-        fp8-mla-tests-edges-a|fp8-mla-tests-edges-b|fp8-mla-tests-tune|fp8-mla-tests-rest-a|fp8-mla-tests-rest-a96|fp8-mla-tests-rest-a96-split|fp8-mla-tests-rest-b)
+        fp8-mla-tests-edges-a|fp8-mla-tests-edges-b|fp8-mla-tests-tune|fp8-mla-tests-rest-a|fp8-mla-tests-rest-a96|fp8-mla-tests-rest-a96-split|fp8-mla-tests-rest-a96-split-n32|\
+        fp8-mla-tests-rest-a96-split-n64|fp8-mla-tests-rest-b)
                       rest="not edge_counts and not tune_candidates and not (gluon and (production_sizes or cuda_graph_replay) and not tune)"
                       case $step in
                           *-edges-a) select="edge_counts and n64" ;;
@@ -217,7 +220,9 @@ for step in "$@"; do
                           *-tune) select="tune_candidates" ;;
                           *-rest-a) select="$rest and production_sizes and not [96-" ;;
                           *-rest-a96) select="$rest and production_sizes and [96-False-" ;;
-                          *-rest-a96-split) select="$rest and production_sizes and [96-True-" ;;
+                          *-rest-a96-split) select="$rest and production_sizes and [96-True- and not tune" ;;
+                          *-rest-a96-split-n32) select="$rest and production_sizes and [96-True-gluon_fp8_tune_n32" ;;
+                          *-rest-a96-split-n64) select="$rest and production_sizes and [96-True-gluon_fp8_tune_n64" ;;
                           *) select="$rest and not production_sizes" ;;
                       esac
                       python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short -n 8 --timeout 300 \
