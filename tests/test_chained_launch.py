@@ -48,22 +48,24 @@ WEIGHTS_FIRST = {"c.compile_fp8_linear('gemm', False)": 128 * 64 // (16 * 128),
 @pytest.mark.parametrize("script", sorted({script for script, _ in CASES}))
 def test_chained_kernels_wait_before_touching_memory(script):
     calls = [call for s, call in CASES if s == script]
-    out = run_in_scripts(script, "from dsaspec.testing.offline_compile import accesses_before_wait, chain_entry\n"
+    out = run_in_scripts(script, "from dsaspec.testing.offline_compile import chain_entry\n"
                                  f"for call in {calls!r}:\n"
-                                 "    ptx = eval(call)['ptx']\n"
-                                 "    early = accesses_before_wait(ptx)\n"
-                                 "    vector_loads = sum('ld.global.v4.b32' in a for a in early)\n"
-                                 "    print(*chain_entry(ptx), len(early), vector_loads)")
+                                 "    print(*chain_entry(eval(call)['ptx']))")
     rows = integer_rows(out)
     assert len(rows) == len(calls), out
-    for call, (wait, _, releases, early, early_loads) in zip(calls, rows):
-        allowed = WEIGHTS_FIRST.get(call, 0)
-        assert wait >= 0 and early == early_loads == allowed, \
-            f"{call}: griddepcontrol.wait at PTX line {wait}, {early} global accesses before it ({allowed} allowed)"
-        if call in RELEASED_AT_EXIT:
-            assert releases == 0, f"{call}: {releases} griddepcontrol.launch_dependents, expected none"
-        else:
-            assert releases >= 1, f"{call}: no griddepcontrol.launch_dependents"
+    for call, row in zip(calls, rows):
+        _check_chain_entry(call, *row, allowed=WEIGHTS_FIRST.get(call, 0), released_at_exit=call in RELEASED_AT_EXIT)
+
+
+def _check_chain_entry(name, wait, releases, early, early_loads, allowed=0, released_at_exit=False):
+    # a wait, exactly `allowed` accesses before it (all 16-byte weight loads), and the early release
+    # (none for a kernel whose dependents launch as its programs exit)
+    assert wait >= 0 and early == early_loads == allowed, \
+        f"{name}: griddepcontrol.wait at PTX line {wait}, {early} global accesses before it ({allowed} allowed)"
+    if released_at_exit:
+        assert releases == 0, f"{name}: {releases} griddepcontrol.launch_dependents, expected none"
+    else:
+        assert releases >= 1, f"{name}: no griddepcontrol.launch_dependents"
 
 
 # the chained kernels without a compile helper in scripts/, launched through their wrappers on CPU tensors
@@ -85,22 +87,24 @@ launches = [
                                                               torch.zeros(512, 1024, dtype=bf16))),
 ]
 for kernel, launch in launches:
-    print(*chain_entry(c.compile_kernel(kernel, launch, overrides=())["ptx"]))
+    print(kernel.fn.__name__, *chain_entry(c.compile_kernel(kernel, launch, overrides=())["ptx"]))
 """
 
 
 def test_chained_kernels_without_a_compile_helper_wait_before_touching_memory():
-    rows = integer_rows(run_in_scripts("compile_fp8_dsa", OTHERS))
-    assert len(rows) == 4, rows
-    for wait, access, releases in rows:
-        assert 0 <= wait < access and releases >= 1, rows
+    out = run_in_scripts("compile_fp8_dsa", OTHERS)
+    rows = [line.split() for line in out.splitlines() if line.startswith("_")]
+    assert len(rows) == 4, out
+    for name, *counts in rows:
+        _check_chain_entry(name, *map(int, counts))
 
 
 def test_chain_entry_finds_an_access_before_the_wait():
     ptx = "\n".join([".entry k(", "ld.param.u64 %rd1, [k_param_0];", "@%p1 ld.global.b32 %r1, [%rd1];",
                      "griddepcontrol.wait;", "griddepcontrol.launch_dependents;",
                      "cp.async.cg.shared.global [%r2], [%rd1], 16;", "st.global.b32 [%rd1], %r1;"])
-    assert chain_entry(ptx) == (3, 2, 1)
-    assert chain_entry(ptx.replace("@%p1 ld.global.b32 %r1, [%rd1];", "mov.u32 %r1, 0;")) == (3, 5, 1)
+    assert chain_entry(ptx) == (3, 1, 1, 0)
+    assert chain_entry(ptx.replace("@%p1 ld.global.b32 %r1, [%rd1];", "mov.u32 %r1, 0;")) == (3, 1, 0, 0)
+    assert chain_entry(ptx.replace("griddepcontrol.wait;", "bar.sync 0;")) == (-1, 1, 3, 0)
     assert accesses_before_wait(ptx) == ["@%p1 ld.global.b32 %r1, [%rd1];"]
     assert len(accesses_before_wait(ptx.replace("griddepcontrol.wait;", "bar.sync 0;"))) == 3

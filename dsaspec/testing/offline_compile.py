@@ -98,19 +98,22 @@ def compile_instead_of_launch(kernel, record: dict, keep_compiled: bool = False)
 _GLOBAL_ACCESS = re.compile(r"^\s*(@!?%\w+\s+)?(ld|st|atom|red|cp|prefetch)\.\S*global")
 
 
-def chain_entry(ptx: str) -> tuple[int, int, int]:
+def chain_entry(ptx: str) -> tuple[int, int, int, int]:
     """Where a chained kernel (:func:`dsaspec.ops.device.enter_chain`) waits, from its PTX: the line
-    of its first ``griddepcontrol.wait``, the line of its first global memory access (-1 where
-    either is absent) and how many ``griddepcontrol.launch_dependents`` it has."""
+    of its first ``griddepcontrol.wait`` (-1 where it has none), how many
+    ``griddepcontrol.launch_dependents`` it has, how many global memory accesses come before that
+    wait (:func:`accesses_before_wait`) and how many of those are 16-byte loads."""
     lines = ptx.splitlines()
-    access = next((i for i, line in enumerate(lines) if _GLOBAL_ACCESS.match(line)), -1)
-    return _first_wait(lines), access, sum("griddepcontrol.launch_dependents" in line for line in lines)
+    early = accesses_before_wait(ptx)
+    return (_first_wait(lines), sum("griddepcontrol.launch_dependents" in line for line in lines), len(early),
+            sum("ld.global.v4.b32" in access for access in early))
 
 
 def accesses_before_wait(ptx: str) -> list[str]:
-    """The global memory accesses (as :func:`chain_entry` counts them) before a chained kernel's first
-    ``griddepcontrol.wait`` (all of them where it has none), stripped: loads a kernel may issue there
-    only from memory no kernel before it writes (its weights)."""
+    """The global memory accesses (loads, stores, atomics, reductions, async copies, prefetches)
+    before a chained kernel's first ``griddepcontrol.wait`` (all of them where it has none),
+    stripped: loads a kernel may issue there only from memory no kernel before it writes (its
+    weights)."""
     lines = ptx.splitlines()
     wait = _first_wait(lines)
     return [line.strip() for line in (lines[:wait] if wait >= 0 else lines) if _GLOBAL_ACCESS.match(line)]
