@@ -1,15 +1,16 @@
 """Where sparse MLA's time goes on one GPU (GLM-5 shapes: 576-wide latent keys, k = 2048; 64 heads a
-row, or ``--heads``, a rank's share; cold L2, CUDA graphs): per point, the op's total per replay and
-each of its kernels (the split kernel and the combine) from CUPTI, for the default launch (the Gluon
-kernel from two rows on a Hopper GPU), the Triton kernel's default, the combine with one or two
-column blocks per head, and other split counts / configs (among them a deeper Triton pipeline, 5
-stages of 32 slots, and the Gluon kernel at 1, 2, 4 and its default splits); next to them an empty
-kernel, and a copy of the bytes the point must gather (its bytes floor). ``--grid`` instead times a
-grid of tile shapes (heads per program, value columns, warps, slots per block), by default at the
-points of one or four rows, each at the split count that fills the SMs, at half and at a quarter of
-it. ``--timeline`` instead times the Gluon kernel's phases inside its programs (its ``trace``
-stamps: SM clock, cold L2, the last of 5 launches; medians over the programs) next to the op's
-per-kernel times, at the points where the default op runs it. ``--points`` picks the points.
+row, or ``--heads``, a rank's share, except with ``--timeline``; cold L2, CUDA graphs): per point,
+the op's total per replay and each of its kernels (the split kernel and the combine) from CUPTI, for
+the default launch (the Gluon kernel from two rows on a Hopper GPU), the Triton kernel's default,
+the combine with one or two column blocks per head, and other split counts / configs (among them a
+deeper Triton pipeline, 5 stages of 32 slots, and the Gluon kernel at 1, 2, 4 and its default
+splits); next to them an empty kernel, and a copy of the bytes the point must gather (its bytes
+floor). ``--grid`` instead times a grid of tile shapes (heads per program, value columns, warps,
+slots per block), by default at the points of one or four rows, each at the split count that fills
+the SMs, at half and at a quarter of it. ``--timeline`` instead times the Gluon kernel's phases
+inside its programs (its ``trace`` stamps: SM clock, cold L2, the last of 5 launches; medians over
+the programs) next to the op's per-kernel times, at the points where the default op runs it.
+``--points`` picks the points.
 
 Points: decode and 4-row verify at bs 1 with 1k live tokens (valid slots first, then -1, as the
 top-k writes them for short rows), decode bs 1 / 16 / 32 / 64 and verify bs 32 at 64k (2048
@@ -237,6 +238,8 @@ def _parse_args():
     args = parser.parse_args()
     if args.grid and args.timeline:
         parser.error("--grid and --timeline: expected at most one of them")
+    if args.timeline and args.heads != 64:
+        parser.error(f"--heads: --timeline stamps the 64-head Gluon kernel only, got {args.heads}")
     names = args.points or (GRID_POINTS if args.grid else TIMELINE_POINTS if args.timeline else SWEEP_POINTS)
     unknown = sorted(set(names) - set(POINTS))
     if unknown:
@@ -280,7 +283,8 @@ def _sweep(args) -> int:
     for point, (rows, live) in points.items():
         x = _inputs(rows, live, args.heads, torch.Generator(device="cuda").manual_seed(0))
         gathered = x["valid"] * QK_DIM * 2 + x["q"].numel() * 2 + x["out"].numel() * 2
-        results.append(dict(part="copy_floor", point=point, heads=args.heads, bytes=gathered, us=copy_time_us(gathered)))
+        results.append(dict(part="copy_floor", point=point, heads=args.heads, bytes=gathered,
+                            us=copy_time_us(gathered)))
         print(json.dumps(results[-1]), flush=True)
         for name, (config, splits, settings) in (_grid_variants if args.grid else _variants)(rows, args.heads).items():
             defaults = {key: getattr(sparse_mla, key) for key in settings}

@@ -48,6 +48,7 @@ def test_parse_or_exit_is_one_line_and_status_2(capsys):
     (["scripts/sweep_fused_moe.py", "out", "--tokens", "16,x"], "--tokens"),
     (["scripts/sweep_fused_moe.py", "out", "--align", "1024x3"], "--align"),
     (["scripts/sweep_sparse_mla.py", "out", "--heads", "0"], "--heads"),
+    (["scripts/sweep_sparse_mla.py", "out", "--timeline", "--heads", "8"], "--heads"),
     (["scripts/compile_sparse_mla_gluon.py", "--heads", "8,x"], "--heads"),
     (["scripts/compile_fp8_dsa.py", "--bogus"], "--bogus"),
     (["scripts/compile_decode_epilogues.py", "--bogus"], "--bogus"),
