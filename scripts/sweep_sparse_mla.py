@@ -126,10 +126,9 @@ def _grid_variants(rows: int, heads: int) -> dict:
               + [(64, 512, 8, 64)])  # SPARSE_MLA_CONFIG's tiles
     out = {}
     for block_h, block_dv, warps, block_n in shapes:
-        block_h = min(block_h, max(16, triton.next_power_of_2(heads)))
+        block_h = sparse_mla._block_h(heads, SparseMLAConfig(block_h, block_n, warps, 2))
         config = SparseMLAConfig(block_h, block_n, warps, 2, block_dv=block_dv, max_splits=64)
-        programs = rows * triton.cdiv(heads, block_h) * (512 // block_dv)
-        fill = max(1, min(64, sm_count("cuda") // programs))
+        fill = sparse_mla.sparse_mla_num_splits(rows, heads, sm_count("cuda"), config)
         for splits in sorted({fill, max(1, fill // 2), max(1, fill // 4)}):
             out.setdefault(f"h{block_h}_dv{block_dv}_w{warps}_n{block_n}_splits{splits}", (config, splits, {}))
     return out
