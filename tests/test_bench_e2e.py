@@ -20,7 +20,7 @@ def runs(iter_ms_per_run: list[list[float]], accept_len: float) -> list[dict]:
 def row(concurrency: int, base: list, new: list, num_steps: int = 3, accept: str = "3.0",
         kv_cache_dtype: str = "bf16") -> dict:
     """A GPU row from baseline / new runs ``(iter_ms_per_run, accept_len)``."""
-    args = SimpleNamespace(tp=1, prompt_len=1024, iterations=len(new[0][0]))
+    args = SimpleNamespace(tp=1, prompt_len=1024, iterations=len(new[0][0]), row_invariant=False)
     floors = (FloorModel(get_config("glm5-fp8-tp8-rank"), act_bytes=2), Rates(4000.0, 2.0, 700.0, 1400.0))
     return e2e._row("glm5-fp8-tp8-rank", num_steps, 4096, accept, concurrency,
                     {"baseline": runs(*base), "new": runs(*new)}, True, SimpleNamespace(ttft_ms=47.6, capture_s={"baseline": 165.6, "new": 9.25}), True, args,
@@ -55,7 +55,7 @@ def test_all_columns_table_gives_each_paths_capture_seconds():
     from dsaspec.bench.results import markdown_table
 
     rows = [row(1, ([[10.0] * 3], 2.0), ([[8.0] * 3], 2.0))]
-    args = SimpleNamespace(presets=["glm5-fp8-tp8-rank"], num_steps=[3], contexts=[4096])
+    args = SimpleNamespace(presets=["glm5-fp8-tp8-rank"], num_steps=[3], contexts=[4096], row_invariant=False)
     table = e2e._markdown(rows, True, args, markdown_table).split("all columns")[1]
     header, _, line = table.strip().splitlines()[2:5]
     column = header.split(" | ").index("graph capture s (baseline / new)")
@@ -162,3 +162,35 @@ def test_moe_floors_take_the_experts_counted_in_an_iteration(tmp_path, monkeypat
             ffn = {r["phase"]: r["bytes"] for r in row["floor_detail"][phase]}["ffn"]
             assert ffn == counted[phase]["ffn"].bytes
         assert counted["verify"]["ffn"].bytes != uniform["verify"]["ffn"].bytes
+
+
+def test_row_invariant_mode_builds_that_model_and_says_so(monkeypatch, capsys):
+    """--row-invariant: the model is built in that mode (the build is stopped there: the mode's GEMMs
+    under the interpreter would take minutes), rows carry it and the tables' titles say it; with
+    DSASPEC_FP8_FAST_ACCUM it is refused in one line before anything is built."""
+    from test_cli import assert_one_line_error
+
+    modes = []
+
+    class Built(Exception):
+        pass
+
+    def recorded(*args, **kwargs):
+        modes.append(kwargs["row_invariant"])
+        raise Built
+
+    monkeypatch.setattr(e2e, "DSAModel", recorded)
+    try:
+        cli.main(["bench", "e2e", "--row-invariant", "--accept", "3.0"])
+    except Built:
+        pass
+    assert modes == [True]
+    args = SimpleNamespace(tp=1, prompt_len=1024, iterations=1, row_invariant=True)
+    on = e2e._row("e2e", 3, 4096, "3.0", 1, {"baseline": runs([[10.0]], 1.0), "new": runs([[8.0]], 1.0)}, True,
+                  SimpleNamespace(ttft_ms=1.0, capture_s={"baseline": 1.0, "new": 1.0}), True, args,
+                  (FloorModel(get_config("e2e"), act_bytes=2), Rates(4000.0, 2.0, 700.0, 1400.0)))
+    assert on["row_invariant"] is True and not row(1, ([[10.0]], 1.0), ([[8.0]], 1.0))["row_invariant"]
+    assert e2e.upstream_tables([on])[0].startswith("## e2e, row-invariant, S = 3 (EAGLE 3/1/4), KV cache bf16,")
+    monkeypatch.setenv("DSASPEC_FP8_FAST_ACCUM", "1")
+    assert_one_line_error(capsys, ["bench", "e2e", "--row-invariant"], "--row-invariant", "DSASPEC_FP8_FAST_ACCUM")
+    assert modes == [True]

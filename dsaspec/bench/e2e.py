@@ -52,6 +52,10 @@ for a bf16 model) and how many tokens fit a stated budget: ``--kv-budget-gb``, e
 free memory after the weights (measured once the model is built; activations, workspaces and
 graphs come on top), with the requests of each configured context that fit it.
 
+``--row-invariant``: the model in the row-invariant mode (``generate --row-invariant``'s: a row's
+logits do not depend on the other rows, so speculative output equals plain greedy output), the mode
+whose iteration the floor targets also cover; rows carry ``row_invariant`` and the tables say so.
+
 Without CUDA: the ``tiny`` preset in fp32 with the torch ops, small sizes; only token identity is
 checked, no time is reported.
 """
@@ -149,6 +153,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory budget of the capacity table, GB (default: the device's free memory after the "
                         "weights)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights, prompts and simulated draws")
+    p.add_argument("--row-invariant", action="store_true",
+                   help="the model in the row-invariant mode: its own GEMM, bmm and norm kernels, so speculative "
+                        "output equals plain greedy output (default: cuBLAS and the default norms)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: the model sharded over this many GPUs, one process each (started "
                         "under torchrun); adds the exchange-only path")
@@ -283,6 +290,8 @@ def run(args) -> int:
     if too_long:
         raise UserError(f"--accept {format_value(too_long)}: a simulated mean accept length lies in [1, {verified}] "
                         f"(--num-steps {args.num_steps[0]} drafts + the bonus token)")
+    if args.row_invariant and options.fp8_fast_accum:
+        raise UserError("--row-invariant needs the FP8 GEMMs' exact tiles: unset DSASPEC_FP8_FAST_ACCUM")
     if options.simulate_accept_len is not None:
         raise UserError(f"DSASPEC_SIMULATE_ACCEPT_LEN is not used by bench e2e, whose accept modes are --accept "
                         f"({format_value(args.accept)}): unset it")
@@ -324,7 +333,8 @@ def run(args) -> int:
     for preset in args.presets:
         model = DSAModel(get_config(preset), device=None if group else device,
                          dtype=torch.bfloat16 if on_gpu else torch.float32, use_triton=on_gpu,
-                         tp_group=group, options=options).init_weights(args.seed, progress=leader)
+                         row_invariant=args.row_invariant, tp_group=group,
+                         options=options).init_weights(args.seed, progress=leader)
         generator = torch.Generator().manual_seed(args.seed + 1)
         prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
                    for _ in range(max(args.concurrency))]
@@ -373,6 +383,8 @@ def run(args) -> int:
               "from CUDA events; per-token latency = median iteration time / mean accept length; spread = "
               "(max - min) / median of the per-run medians." if on_gpu else
               "Triton interpreter on CPU (metadata, draft argmax), torch ops (model): token identity only.")
+    if args.row_invariant:
+        method += " Row-invariant mode: a row's logits do not depend on the batch (the model's own GEMM, bmm and norms)."
     if args.tp > 1 and on_gpu:
         method += (f" TP {args.tp}: {args.tp} processes under torchrun, times of rank 0; 'gather' = new with "
                    f"{EXCHANGE_SWITCH}=0; predicted exchange saving per iteration = S x (gather - exchange) µs "
@@ -394,7 +406,7 @@ def run(args) -> int:
 def _row(preset, num_steps, context_len, accept, concurrency, runs, identical, setup, on_gpu, args, floors,
          kv_cache_dtype="bf16") -> dict:
     row = {"preset": preset, "tp": args.tp, "num_steps": num_steps, "concurrency": concurrency, "context": context_len,
-           "kv_cache_dtype": kv_cache_dtype, "accept": accept,
+           "kv_cache_dtype": kv_cache_dtype, "accept": accept, "row_invariant": args.row_invariant,
            "tokens_identical": identical, "accept_len": None, "baseline_tok_s_user": None, "new_tok_s_user": None,
            "speedup": None, "baseline_ms_per_iter": None, "new_ms_per_iter": None, "ttft_ms": setup.ttft_ms,
            "capture_s": setup.capture_s, "experts_hit": floors[0].experts_hit or None}
@@ -478,8 +490,9 @@ def upstream_tables(rows: list[dict]) -> list[str]:
                           []).append(r)
     tables = []
     for (preset, tp, num_steps, kv_dtype, accept, context), mine in groups.items():
-        lines = [f"## {preset}{f' at TP {tp}' if tp > 1 else ''}, {chain_label(num_steps)}, KV cache {kv_dtype}, "
-                 f"accept {accept}, context {context}: tok/s/user, baseline → new", "",
+        mode = ", row-invariant" if mine[0]["row_invariant"] else ""
+        lines = [f"## {preset}{f' at TP {tp}' if tp > 1 else ''}{mode}, {chain_label(num_steps)}, KV cache "
+                 f"{kv_dtype}, accept {accept}, context {context}: tok/s/user, baseline → new", "",
                  "| concurrency | tok/s/user baseline | new | gain | spread baseline / new "
                  "| output tok/s baseline → new | median TTFT ms | accept length |", "|---|---|---|---|---|---|---|---|"]
         for r in sorted(mine, key=lambda r: r["concurrency"]):
@@ -507,7 +520,8 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
                      b_spread=r["baseline"]["spread"], n_spread=r["new"]["spread"],
                      capture=" / ".join(f"{r['capture_s'][p]:.1f}" for p in r["capture_s"])) for r in mine]
         tp = mine[0]["tp"] if mine else 1
-        name = f"{preset}{f' at TP {tp}' if tp > 1 else ''}, {chain_label(num_steps)}"
+        name = f"{preset}{f' at TP {tp}' if tp > 1 else ''}{', row-invariant' if args.row_invariant else ''}, " \
+               f"{chain_label(num_steps)}"
         title = f"## {name}: all columns, baseline → new\n\n"
         parts.append(title + markdown_table([
             ("context", "context"), ("kv_cache_dtype", "KV cache"), ("accept", "accept mode"),
