@@ -1,12 +1,14 @@
 """Time MLA's absorbed query (``mla_query``: ``q_nope`` times its head's ``W_UK``, ``q_rope`` rotated,
-``[R, H, 576]``) on one GPU at a per-rank preset's heads and prefill-chunk row counts, in every form
-side by side: the kernel with each ``--tiles`` prefill tile (``BLOCK_M x BLOCK_N x warps x stages``;
-the product's sum order is the tile's, so bits differ between tiles) and cuBLAS's bmm writing the
-product into the output's view, then the kernel's RoPE programs alone (``cublas``). Per point: the
-median per-replay span of a cold-L2 CUDA-graph replay (time_in_graph), against the bytes floor
-(``q`` read, ``W_UK`` read, the output written, at the measured copy bandwidth) and the FLOP floor
-(``2 R H D 512`` at the measured bf16 tensor-core rate); each form's largest error against a float64
-product relative to ``sum |q w|``, and its RoPE columns checked equal to the default tile's. Writes
+``[R, H, 576]``) on one GPU at a preset's heads and ``--rows`` row counts (prefill chunks by default,
+decode rows to compare decode tiles), in every form side by side: the kernel with each ``--tiles``
+tile (``BLOCK_M x BLOCK_N x warps x stages``; the product's sum order is the tile's K blocks) and
+cuBLAS's bmm writing the product into the output's view, then the kernel's RoPE programs alone
+(``cublas``). Per point: the median per-replay span of a cold-L2 CUDA-graph replay (time_in_graph),
+against the bytes floor (``q`` read, ``W_UK`` read, the output written, at the measured copy
+bandwidth) and the FLOP floor (``2 R H D 512`` at the measured bf16 tensor-core rate); each form's
+largest error against a float64 product relative to ``sum |q w|``, whether its product's bits equal
+the first tile's (a decode tile must keep them: the row-invariant mode's bits depend on it), and its
+RoPE columns checked equal to the first tile's. Writes
 ``mla_query_<preset>.json`` and ``.md`` to the folder given.
 
     python3 scripts/bench_mla_query.py OUT [--preset glm5-fp8-tp8-rank] [--rows 512,1024,4096]
@@ -59,12 +61,12 @@ def launch_tiles(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int, i
 
 
 def main() -> int:
-    parser = Parser(prog="bench_mla_query", description="MLA's absorbed query at prefill rows: tiles vs cuBLAS.")
+    parser = Parser(prog="bench_mla_query", description="MLA's absorbed query: tiles vs cuBLAS.")
     parser.add_argument("out", help="folder for mla_query_<preset>.json / .md")
     parser.add_argument("--preset", default="glm5-fp8-tp8-rank", choices=sorted(PRESETS))
     parser.add_argument("--rows", type=positive_int_list, default=[512, 1024, 4096], help="rows, comma-separated")
     parser.add_argument("--tiles", type=tile_list, default=[op.PREFILL_TILE, (64, 64, 4, 3), (128, 128, 8, 3)],
-                        help="prefill tiles BLOCK_MxBLOCK_NxWARPSxSTAGES, comma-separated (the first is the "
+                        help="tiles BLOCK_MxBLOCK_NxWARPSxSTAGES, comma-separated (the first is the "
                              "reference for the RoPE columns and the cuBLAS form's RoPE tile)")
     parser.add_argument("--iters", type=positive_int, default=100, help="timed replays per point")
     args = parse_or_exit(parser)
@@ -102,18 +104,21 @@ def main() -> int:
 
         forms["cublas"] = (out, cublas)
         reference = None
+        first_product = None
         for name, (out, fn) in forms.items():
             timing = time_in_graph(fn, iters=args.iters)
             fn()
             torch.cuda.synchronize()
             if reference is None:
                 reference = out[..., op.MLA_LATENT_DIM:].clone()
+                first_product = out[..., :op.MLA_LATENT_DIM].clone()
             error = ((out[..., :op.MLA_LATENT_DIM].double() - exact).abs() / scale.clamp_min(1e-30)).max().item()
             rows_out.append({
                 "rows": rows, "heads": heads, "nope": nope, "form": name, "median_us": timing.median_us,
                 "spread": timing.spread, "floor_us": floor_us, "over_floor": timing.median_us / floor_us,
                 "bytes": nbytes, "flops": flops, "max_rel_error": error,
                 "rope_equal": bool(torch.equal(out[..., op.MLA_LATENT_DIM:], reference)),
+                "product_equal": bool(torch.equal(out[..., :op.MLA_LATENT_DIM], first_product)),
             })
             print(f"rows {rows} {name}: {timing.median_us:.2f} us (floor {floor_us:.2f}), error {error:.2e}",
                   flush=True)
@@ -122,11 +127,11 @@ def main() -> int:
         return 1
     table = markdown_table([("rows", "rows"), ("heads", "heads"), ("form", "form"), ("median_us", "median µs"),
                             ("spread", "spread"), ("floor_us", "floor µs"), ("over_floor", "x floor"),
-                            ("error", "max rel error")],
+                            ("error", "max rel error"), ("product_equal", "product bits = first tile's")],
                            [r | {"error": f"{r['max_rel_error']:.1e}"} for r in rows_out])
     write_results(f"mla_query_{args.preset}", {
         "method": METHOD, "preset": args.preset, "copy_gbps": floors.copy_gbps, "bf16_tflops": tflops,
-        "rows": rows_out}, f"mla_query at prefill rows, {args.preset} (heads per rank {heads}):\n\n{table}\n",
+        "rows": rows_out}, f"mla_query, {args.preset} (heads per rank {heads}):\n\n{table}\n",
                   args.out)
     return 0
 
