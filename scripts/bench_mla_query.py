@@ -1,7 +1,8 @@
 """Time MLA's absorbed query (``mla_query``: ``q_nope`` times its head's ``W_UK``, ``q_rope`` rotated,
 ``[R, H, 576]``) on one GPU at a preset's heads and ``--rows`` row counts (prefill chunks by default,
 decode rows to compare decode tiles), in every form side by side: the kernel with each ``--tiles``
-tile (``BLOCK_M x BLOCK_N x warps x stages``; the product's sum order is the tile's K blocks) and
+tile (``BLOCK_M x BLOCK_N x warps x stages``; every tile sums K in the same 64-wide blocks, in
+order, on MMA instructions its shape picks) and
 cuBLAS's bmm writing the product into the output's view, then the kernel's RoPE programs alone
 (``cublas``). Per point: the median per-replay span of a cold-L2 CUDA-graph replay (time_in_graph),
 against the bytes floor (``q`` read, ``W_UK`` read, the output written, at the measured copy
