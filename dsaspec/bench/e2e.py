@@ -478,6 +478,13 @@ def chain_label(num_steps: int) -> str:
     return f"S = {num_steps} (EAGLE {num_steps}/1/{num_steps + 1})"
 
 
+def run_label(preset: str, tp: int, row_invariant: bool, num_steps: int) -> str:
+    """``glm5-fp8-tp8-rank at TP 2, row-invariant, S = 3 (EAGLE 3/1/4)``: what a table's rows ran (TP
+    and the mode only where they are not the defaults)."""
+    return f"{preset}{f' at TP {tp}' if tp > 1 else ''}{', row-invariant' if row_invariant else ''}, " \
+           f"{chain_label(num_steps)}"
+
+
 def upstream_tables(rows: list[dict]) -> list[str]:
     """The upstream PR's table form, one Markdown table per preset, chain, KV cache dtype, accept mode and context
     of a GPU run's rows (in their order), one line per concurrency (ascending): tok/s/user baseline,
@@ -490,9 +497,8 @@ def upstream_tables(rows: list[dict]) -> list[str]:
                           []).append(r)
     tables = []
     for (preset, tp, num_steps, kv_dtype, accept, context), mine in groups.items():
-        mode = ", row-invariant" if mine[0]["row_invariant"] else ""
-        lines = [f"## {preset}{f' at TP {tp}' if tp > 1 else ''}{mode}, {chain_label(num_steps)}, KV cache "
-                 f"{kv_dtype}, accept {accept}, context {context}: tok/s/user, baseline → new", "",
+        lines = [f"## {run_label(preset, tp, mine[0]['row_invariant'], num_steps)}, KV cache {kv_dtype}, "
+                 f"accept {accept}, context {context}: tok/s/user, baseline → new", "",
                  "| concurrency | tok/s/user baseline | new | gain | spread baseline / new "
                  "| output tok/s baseline → new | median TTFT ms | accept length |", "|---|---|---|---|---|---|---|---|"]
         for r in sorted(mine, key=lambda r: r["concurrency"]):
@@ -520,8 +526,7 @@ def _markdown(rows, on_gpu, args, markdown_table) -> str:
                      b_spread=r["baseline"]["spread"], n_spread=r["new"]["spread"],
                      capture=" / ".join(f"{r['capture_s'][p]:.1f}" for p in r["capture_s"])) for r in mine]
         tp = mine[0]["tp"] if mine else 1
-        name = f"{preset}{f' at TP {tp}' if tp > 1 else ''}{', row-invariant' if args.row_invariant else ''}, " \
-               f"{chain_label(num_steps)}"
+        name = run_label(preset, tp, args.row_invariant, num_steps)
         title = f"## {name}: all columns, baseline → new\n\n"
         parts.append(title + markdown_table([
             ("context", "context"), ("kv_cache_dtype", "KV cache"), ("accept", "accept mode"),
