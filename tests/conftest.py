@@ -8,12 +8,13 @@ The interpreter's ``tl.dot`` is numpy's matmul, so the row-invariance tests need
 give a tile's row the same bits wherever it sits in the tile. OpenBLAS's Haswell / Zen sgemm
 kernels do not (AMD EPYC, OpenBLAS 0.3.30: a row moved within a 16-row tile changes its last
 bits); its Sandybridge kernels do. ``OPENBLAS_CORETYPE`` is read when numpy loads, so it is pinned
-here, before torch (which imports numpy), unless the caller set it.
+here, before torch (which imports numpy), over any value the environment gives (this project's CPU
+machines export ``OPENBLAS_CORETYPE=Haswell``).
 """
 
 import os
 
-os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
