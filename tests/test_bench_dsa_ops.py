@@ -140,6 +140,35 @@ def test_fp8_gather_target_from_64_rows():
     assert got == [(64, True), (16, False)]
 
 
+def test_sparse_mla_rows_time_the_gather_yardsticks(monkeypatch):
+    """Both caches' sparse MLA rows time the same slots' gather; the FP8 row also the gather with
+    dequantization (``gather_dequant_*``), on the FP8 cache's bytes; the bf16 row does not."""
+    from types import SimpleNamespace
+
+    from dsaspec.bench import timing
+    from dsaspec.bench.slot_gather import slot_gather, slot_gather_dequant
+
+    timed = []
+
+    def fake_gather(cache, slots, iters, gather=slot_gather):
+        timed.append((cache.dtype, gather))
+        return (2.0, "32 x 8w") if gather is slot_gather_dequant else (1.0, "64 x 4w")
+
+    fake_time = SimpleNamespace(median_us=3.0, spread=0.0, summary=lambda: {})
+    monkeypatch.setattr(timing, "time_in_graph", lambda fn, **kwargs: fake_time)
+    monkeypatch.setattr(dsa_ops, "fastest_slot_gather", fake_gather)
+    shapes = dsa_ops._Shapes(heads=16, index_heads=4, topk=8, sm_scale=0.1, num_sms=8)
+    point = dsa_ops._build_point("decode", 2, 70, 1, shapes, "cpu", seed=0, fp8=True)
+    point.buffer("slots_new", (2, 8), torch.int32).copy_(torch.arange(16).view(2, 8))
+    floors, peaks = SimpleNamespace(copy_gbps=1000.0, empty_us=1.0), {"bf16": 100.0, "fp8_e4m3": 200.0}
+    bf16 = dsa_ops._time_row(point, "sparse_mla", "bf16", floors, peaks, iters=1)
+    fp8 = dsa_ops._time_row(point, "sparse_mla", "fp8_e4m3", floors, peaks, iters=1)
+    assert timed == [(torch.bfloat16, slot_gather), (torch.uint8, slot_gather), (torch.uint8, slot_gather_dequant)]
+    assert not any(key.startswith("gather_dequant") for key in bf16) and bf16["new_over_gather"] == 3.0
+    assert (fp8["gather_us"], fp8["gather_dequant_us"], fp8["gather_dequant_grid"]) == (1.0, 2.0, "32 x 8w")
+    assert (fp8["new_over_gather"], fp8["new_over_gather_dequant"]) == (3.0, 1.5)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's fixed sizes")
 def test_cpu_run_fp8_indexer(tmp_path):
     """--kv-cache-dtype fp8_e4m3: an indexer row on the FP8 key cache after each bf16 one, checked

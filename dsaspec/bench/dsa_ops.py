@@ -75,12 +75,16 @@ kernel node; ``floor_us`` is the largest, ``achieved`` = floor_us / new_us. Next
 (:func:`~dsaspec.bench.slot_gather.fastest_slot_gather`: each row's selected entries read whole and
 XOR-folded, the fastest of its grids; ``gather_us``, ``gather_grid``, ``new_over_gather``), what
 the op's gathers cost without its math; on the FP8 cache it has the proposed target
-``FP8_GATHER_FACTOR`` from ``FP8_GATHER_MIN_ROWS`` rows. Bytes: indexer: for the
-rows longer than k, their page-table prefixes, the index keys once per request (the N verify rows
-share them), q and weights, the logits written; top-k: rows longer than k read their logits, every
-row reads its selected page-table entries and writes k slots; sparse MLA: the distinct selected
-cache rows of each request (1152 B each), the slot lists, q, the bf16 output. FLOPs: indexer
-``2 * H_index * 128 * live`` per row longer than k; sparse MLA ``2 * H * (576 + 512)`` per valid slot.
+``FP8_GATHER_FACTOR`` from ``FP8_GATHER_MIN_ROWS`` rows. On the FP8 cache also those gathers with
+the dequantization the op cannot skip (:func:`~dsaspec.bench.slot_gather.slot_gather_dequant`: the
+codes times their group's scale and the rope values widened to fp32, summed, the fastest of the same
+grids; ``gather_dequant_us``, ``gather_dequant_grid``, ``new_over_gather_dequant``), no target yet.
+Bytes: indexer: for the rows longer than k, their page-table prefixes, the index keys once per
+request (the N verify rows share them), q and weights, the logits written; top-k: rows longer than k
+read their logits, every row reads its selected page-table entries and writes k slots; sparse MLA:
+the distinct selected cache rows of each request (1152 B each), the slot lists, q, the bf16 output.
+FLOPs: indexer ``2 * H_index * 128 * live`` per row longer than k; sparse MLA
+``2 * H * (576 + 512)`` per valid slot.
 After timing, new and baseline outputs are compared (indexer logits and sparse MLA to fp32/bf16
 rounding, top-k slots exactly). Without CUDA: fixed small sizes under the Triton interpreter,
 outputs checked against the baseline and the plain-torch references, no times.
@@ -97,7 +101,7 @@ import torch
 from tqdm import tqdm
 
 from dsaspec.bench.floors import matmul_tflops
-from dsaspec.bench.slot_gather import fastest_slot_gather
+from dsaspec.bench.slot_gather import fastest_slot_gather, slot_gather_dequant
 from dsaspec.errors import UserError
 from dsaspec.cli_parsing import choice_list, nonnegative_int, positive_int, positive_int_list
 from dsaspec.ops.device import sm_count
@@ -785,6 +789,10 @@ def _time_row(p: _Point, op: str, kv_cache: str, floors, peaks: dict, iters: int
         cache = p.mla_fp8 if kv_cache == "fp8_e4m3" else p.mla_cache
         row["gather_us"], row["gather_grid"] = fastest_slot_gather(cache, p.buffers["slots_new"], iters)
         row["new_over_gather"] = new / row["gather_us"]
+        if kv_cache == "fp8_e4m3":
+            row["gather_dequant_us"], row["gather_dequant_grid"] = fastest_slot_gather(
+                cache, p.buffers["slots_new"], iters, gather=slot_gather_dequant)
+            row["new_over_gather_dequant"] = new / row["gather_dequant_us"]
     return row
 
 
@@ -909,6 +917,8 @@ def run(args) -> int:
                 ("bytes_floor_us", "bytes floor µs"), ("flop_floor_us", "FLOP floor µs"),
                 ("achieved", "achieved"), ("amax_us", "same-bytes amax µs"), ("new_over_amax", "new / amax"),
                 ("gather_us", "same-slots gather µs"), ("new_over_gather", "new / gather"),
+                ("gather_dequant_us", "same-slots gather + dequant µs"),
+                ("new_over_gather_dequant", "new / gather + dequant"),
                 ("spread_new", "spread new"), ("error", "error")]
         table = [dict(r, spread_new=r.get("spread", {}).get("new")) for r in rows]
     else:
