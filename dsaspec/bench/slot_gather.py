@@ -45,34 +45,32 @@ SLOT_GATHER_GRIDS = tuple(itertools.product((32, 64, 128), (4, 8)))   # (slots a
 
 
 @triton.jit
+def _block_entries(cache_ptr, slots_ptr, topk, stride_cache, stride_slots, BLOCK: tl.constexpr):
+    """Program ``(row, block)``'s ``BLOCK`` slots: their entries' first elements and which are valid."""
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + tl.program_id(0).to(tl.int64) * stride_slots + idx, mask=idx < topk, other=-1)
+    return cache_ptr + slot.to(tl.int64) * stride_cache, slot >= 0
+
+
+@triton.jit
 def _slot_gather_kernel(cache_ptr, slots_ptr, out_ptr, topk, stride_cache, stride_slots, blocks,
                         WORDS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    row = tl.program_id(0)
-    block = tl.program_id(1)
-    idx = block * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(slots_ptr + row.to(tl.int64) * stride_slots + idx, mask=idx < topk, other=-1)
-    valid = slot >= 0
-    base = cache_ptr + slot.to(tl.int64) * stride_cache
+    base, valid = _block_entries(cache_ptr, slots_ptr, topk, stride_cache, stride_slots, BLOCK)
     cols = tl.arange(0, CHUNK)
     folded = tl.zeros((BLOCK, CHUNK), dtype=tl.int32)
     for start in tl.static_range(0, WORDS, CHUNK):
         word = start + cols
         folded ^= tl.load(base[:, None] + word[None, :], mask=valid[:, None] & (word < WORDS)[None, :], other=0)
-    tl.store(out_ptr + row * blocks + block, tl.xor_sum(tl.xor_sum(folded, axis=1), axis=0))
+    tl.store(out_ptr + tl.program_id(0) * blocks + tl.program_id(1), tl.xor_sum(tl.xor_sum(folded, axis=1), axis=0))
 
 
 @triton.jit
 def _slot_gather_dequant_kernel(cache_ptr, slots_ptr, out_ptr, topk, stride_cache, stride_slots, blocks,
                                 LATENT: tl.constexpr, GROUP: tl.constexpr, ROPE: tl.constexpr,
                                 BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    block = tl.program_id(1)
-    idx = block * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(slots_ptr + row.to(tl.int64) * stride_slots + idx, mask=idx < topk, other=-1)
-    valid = slot >= 0
     # the entries' first bytes: the host checks the row stride a multiple of 16 bytes, so the JIT's
     # specialization knows them 16-byte aligned and the codes and rope values go by 16-byte loads
-    entry = cache_ptr + slot.to(tl.int64) * stride_cache
+    entry, valid = _block_entries(cache_ptr, slots_ptr, topk, stride_cache, stride_slots, BLOCK)
     cols = tl.arange(0, GROUP)
     folded = tl.zeros((BLOCK, GROUP), dtype=tl.int32)
     for group in tl.static_range(LATENT // GROUP):
@@ -87,7 +85,7 @@ def _slot_gather_dequant_kernel(cache_ptr, slots_ptr, out_ptr, topk, stride_cach
     # [1], not a scalar: the interpreter wraps an array's int32 sum but refuses a scalar out of range
     total = (tl.sum(tl.sum(folded, axis=1), axis=0, keep_dims=True)
              + tl.sum(tl.sum(rope_bits, axis=1), axis=0, keep_dims=True))
-    tl.store(out_ptr + row * blocks + block + tl.arange(0, 1), total)
+    tl.store(out_ptr + tl.program_id(0) * blocks + tl.program_id(1) + tl.arange(0, 1), total)
 
 
 def _checked_words(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
