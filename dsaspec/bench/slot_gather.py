@@ -146,19 +146,25 @@ def slot_gather_dequant(cache: torch.Tensor, slots: torch.Tensor, out: torch.Ten
     return out
 
 
+def _program_slots(slots: torch.Tensor, block: int) -> torch.Tensor:
+    """``slots`` ``[R, k]`` padded with -1 to whole blocks: int64 ``[R * ceil(k / block), block]``,
+    a row per program of the kernels."""
+    rows, topk = slots.shape
+    blocks = -(-topk // block)
+    padded = torch.full((rows, blocks * block), -1, dtype=torch.int64, device=slots.device)
+    padded[:, :topk] = slots
+    return padded.view(rows * blocks, block)
+
+
 def reference_slot_gather(cache: torch.Tensor, slots: torch.Tensor, block: int = 64) -> torch.Tensor:
     """:func:`slot_gather` in plain torch: each program's words gathered (``[R * blocks, block *
     entry words]``, empty slots' zeroed) and XOR-halved down to one column; int32 ``[R * blocks]``."""
     words = cache.contiguous().view(torch.int32)
-    rows, topk = slots.shape
-    blocks = -(-topk // block)
-    if not rows or not blocks:
+    picked = _program_slots(slots, block)
+    if not picked.numel():
         return torch.empty(0, dtype=torch.int32, device=slots.device)
-    padded = torch.full((rows, blocks * block), -1, dtype=torch.int64, device=slots.device)
-    padded[:, :topk] = slots
-    picked = padded.view(rows * blocks, block)
     gathered = words[picked.clamp(min=0)] * (picked >= 0)[:, :, None]
-    flat = gathered.reshape(rows * blocks, -1)
+    flat = gathered.reshape(picked.shape[0], -1)
     while flat.shape[1] > 1:
         if flat.shape[1] % 2:
             flat = torch.cat([flat, torch.zeros_like(flat[:, :1])], dim=1)
@@ -177,11 +183,8 @@ def reference_slot_gather_dequant(cache: torch.Tensor, slots: torch.Tensor, bloc
     latent = codes.float().unflatten(1, (scales.shape[1], -1)) * scales[:, :, None]
     values = torch.cat([latent.flatten(1), rope.float()], dim=1)                   # fp32 [S, 576]
     per_slot = values.view(torch.int32).sum(dim=1, dtype=torch.int64)
-    rows, topk = slots.shape
-    blocks = -(-topk // block)
-    padded = torch.full((rows, blocks * block), -1, dtype=torch.int64, device=slots.device)
-    padded[:, :topk] = slots
-    sums = torch.where(padded >= 0, per_slot[padded.clamp(min=0)], 0).view(rows * blocks, block).sum(dim=1)
+    picked = _program_slots(slots, block)
+    sums = torch.where(picked >= 0, per_slot[picked.clamp(min=0)], 0).sum(dim=1)
     return (torch.remainder(sums + 2**31, 2**32) - 2**31).to(torch.int32)
 
 
